@@ -1,0 +1,117 @@
+"""Collect trained models into the results table and plots under docs/results.
+
+    python -m bench.report --models artifacts/models --data ../shared/data/flickr8k
+
+For each artifacts/models/<name>/model.pt: evaluates it on the dev split (exact ranks, so every row
+is measured the same way), writes docs/results/flickr8k-dev.csv (+ a JSON with every metric, the
+Hodosh variant and training times), recall@K curves and training curves as PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from model.bundle import Bundle  # noqa: E402
+from model.config import default_artifacts_dir, default_data_dir  # noqa: E402
+from model.dataset import load_split_data  # noqa: E402
+from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks  # noqa: E402
+from model.text import make_parser  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = ["model", "annot_r1", "annot_r5", "annot_r10", "annot_medr",
+           "search_r1", "search_r5", "search_r10", "search_medr", "command"]
+ORDER = ["full", "paper", "fragment+global", "fragment", "global", "fullframe", "bow", "bigram",
+         "sentence", "contextual", "two-branch"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    ap.add_argument("--only", nargs="*", default=None, help="model names to include")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    names = [p.parent.name for p in sorted(args.models.glob("*/model.pt"))]
+    if args.only:
+        names = [n for n in names if n in args.only]
+    names.sort(key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, details, curves, histories = [], {}, {}, {}
+    data_by_cfg: dict[str, object] = {}
+    for name in names:
+        bundle = Bundle.load(args.models / name / "model.pt")
+        key = json.dumps([bundle.image_cfg.__dict__, bundle.text.cfg.parser], sort_keys=True, default=str)
+        if key not in data_by_cfg:
+            data_by_cfg[key] = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
+                                               make_parser(bundle.text.cfg.parser))
+        data = data_by_cfg[key]
+        m = evaluate(bundle, data)  # type: ignore[arg-type]
+        enc = bundle.text.encode_parsed(data.parsed, data.sentences)  # type: ignore[attr-defined]
+        scores = score_split(bundle, data.feats, enc)  # type: ignore[attr-defined]
+        ks = np.arange(1, 51)
+        a_r = annotation_ranks(scores, data.pair_image)  # type: ignore[attr-defined]
+        s_r = search_ranks(scores, data.pair_image)  # type: ignore[attr-defined]
+        curves[name] = ([100 * float(np.mean(a_r <= k)) for k in ks], [100 * float(np.mean(s_r <= k)) for k in ks])
+        hist_path = args.models / name / "history.json"
+        hist = json.loads(hist_path.read_text()) if hist_path.is_file() else {}
+        histories[name] = hist.get("history", [])
+        command = hist.get("command", "")
+        rows.append({"model": name, **{c: round(m[c], 1) for c in COLUMNS[1:-1]}, "command": command})
+        details[name] = {"metrics": m, "train_seconds": hist.get("train_seconds"),
+                         "epoch_seconds": [h.get("seconds") for h in hist.get("history", [])],
+                         "config": hist.get("config"), "command": command}
+        logger.info("%s: %s", name, json.dumps(rows[-1]))
+    with open(args.out / f"flickr8k-{args.split}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    (args.out / f"flickr8k-{args.split}.json").write_text(json.dumps(details, indent=2))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, (ann, sea) in curves.items():
+        axes[0].plot(range(1, 51), ann, label=name)
+        axes[1].plot(range(1, 51), sea, label=name)
+    for ax, title in zip(axes, ("image annotation (image -> sentences)", "image search (sentence -> images)"),
+                         strict=True):
+        ax.set_xscale("log")
+        ax.set_xlabel("K")
+        ax.set_ylabel("recall@K (%)")
+        ax.set_title(f"Flickr8K {args.split} (224 px copy): {title}")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out / f"recall-at-k-{args.split}.png", dpi=110)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, hist in histories.items():
+        ep = [h["epoch"] for h in hist]
+        axes[0].plot(ep, [h["loss"] for h in hist], label=name)
+        ev = [(h["epoch"], h["rsum"]) for h in hist if "rsum" in h]
+        if ev:
+            axes[1].plot(*zip(*ev, strict=True), marker="o", label=name)
+    axes[0].set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
+    axes[1].set(xlabel="epoch", ylabel="dev R-sum (R@1+5+10, both directions)", title="dev R-sum")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out / "training-curves.png", dpi=110)
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Train every row of docs/results/flickr8k-dev.csv on the 6,000 training images, then write the
+# table and plots. Two runs at a time, one thread each (a 2-core machine).
+#   ./run python -m model.extract --splits dev train --workers 2   # first: the feature cache
+#   bash bench/train_all.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+mkdir -p artifacts/logs
+lane() {
+  for v in "$@"; do
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_DISABLE=1 "$PY" -m model.train --variant "$v" --workers 1 \
+      > "artifacts/logs/train-$v.log" 2>&1 || echo "training $v failed: see artifacts/logs/train-$v.log" >&2
+  done
+}
+lane full paper fragment fullframe bigram &
+lane two-branch fragment+global global bow contextual &
+wait
+"$PY" -m bench.report

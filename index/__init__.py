@@ -1,0 +1,34 @@
+"""The fragment indexes: FAISS candidate recall over fragment vectors, exact S_kl re-rank.
+
+`ImageIndex` (sentence -> images, phrase -> regions) and `SentenceIndex` (image -> sentences) share
+the storage machinery of `index.base`; `python -m index.build` builds both from folders.
+"""
+
+from index.images import ImageIndex, list_images
+from index.sentences import SentenceIndex
+from index.types import (
+    AddReport,
+    FragmentMatch,
+    ImageHit,
+    ImageRecord,
+    IndexLoadError,
+    IndexSettings,
+    RegionHit,
+    SentenceHit,
+    SentenceRecord,
+)
+
+__all__ = [
+    "AddReport",
+    "FragmentMatch",
+    "ImageHit",
+    "ImageIndex",
+    "ImageRecord",
+    "IndexLoadError",
+    "IndexSettings",
+    "RegionHit",
+    "SentenceHit",
+    "SentenceIndex",
+    "SentenceRecord",
+    "list_images",
+]

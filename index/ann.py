@@ -1,0 +1,221 @@
+"""The candidate stage: FAISS inner-product search over fragment vectors, one interface for every kind.
+
+Ids are `index.ids` fragment ids. Trainable kinds (ivf, ivfpq, or hnsw behind a pre-transform)
+start as an exact flat index and are built for real by `AnnIndex.build` once enough vectors exist.
+hnsw cannot delete: its removed fragments stay in the graph and are filtered by the caller.
+With `use_gpu` and faiss-gpu with a GPU present, searches run on a GPU copy of the index.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from index import ids as fid
+from index.types import IndexSettings
+
+logger = logging.getLogger(__name__)
+
+PCA_RE = re.compile(r"^PCA(\d+)$")
+TRAIN_SAMPLE_PER_LIST = 64  # training vectors per inverted list (FAISS asks for 39..256)
+MAX_TRAIN_SAMPLE = 200_000
+
+
+def _unwrap(index: faiss.Index) -> faiss.Index:
+    """The index inside IDMap / pre-transform wrappers."""
+    index = faiss.downcast_index(index)
+    while isinstance(index, faiss.IndexIDMap | faiss.IndexIDMap2 | faiss.IndexPreTransform):
+        index = faiss.downcast_index(index.index)
+    return index
+
+
+def gpu_available() -> bool:
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+class AnnIndex:
+    """FAISS index over fragment vectors (inner product), with the search parameters applied."""
+
+    def __init__(self, dim: int, settings: IndexSettings, index: faiss.Index | None = None,
+                 trained: bool = False) -> None:
+        self.dim = dim
+        self.settings = settings
+        if index is None:
+            trained = not settings.trainable
+            index = new_index(dim, IndexSettings() if settings.trainable else settings)
+        if index.d != dim:
+            raise ValueError(f"FAISS index has dimension {index.d}, expected {dim}")
+        self.index = index
+        self.trained = trained  # True when `index` is of the target kind (not the flat stand-in)
+        self._gpu: faiss.Index | None = None
+        self._gpu_lock = threading.Lock()
+        self._gpu_warned = False
+        self._apply_search_params()
+
+    # -- properties -------------------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def active_kind(self) -> str:
+        return self.settings.kind if self.trained else "flat"
+
+    @property
+    def supports_remove(self) -> bool:
+        return self.active_kind != "hnsw"
+
+    def needs_build(self, n_vectors: int) -> bool:
+        """True when a trainable kind still runs as the flat stand-in and has enough vectors to train."""
+        return not self.trained and self.settings.trainable and n_vectors >= self.settings.train_threshold()
+
+    # -- settings ---------------------------------------------------------------------------------
+    def set_settings(self, settings: IndexSettings) -> None:
+        """New search-time settings (the stored structure must stay the same)."""
+        self.settings = settings
+        self._gpu = None
+        self._apply_search_params()
+
+    def _apply_search_params(self) -> None:
+        if not self.trained:
+            return
+        inner = _unwrap(self.index)
+        if isinstance(inner, faiss.IndexIVF):
+            inner.nprobe = self.settings.nprobe
+        if isinstance(inner, faiss.IndexHNSW):
+            inner.hnsw.efSearch = self.settings.ef_search
+
+    # -- writes -----------------------------------------------------------------------------------
+    def add(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        """ids: (n,) int64 fragment ids; vecs: (n, dim) float32."""
+        if len(ids) == 0:
+            return
+        self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), np.ascontiguousarray(ids, np.int64))
+        self._gpu = None
+
+    def remove_item(self, item: int) -> int:
+        """Remove every fragment of `item`; returns how many were removed (0 where deletion is unsupported)."""
+        if not self.supports_remove:
+            return 0
+        lo, hi = fid.item_range(item)
+        n = int(self.index.remove_ids(faiss.IDSelectorRange(lo, hi)))
+        self._gpu = None
+        return n
+
+    # -- search -----------------------------------------------------------------------------------
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """queries: (t, dim) float32 -> scores (t, k) and fragment ids (t, k) (-1 where fewer exist)."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        k = max(1, min(k, max(1, self.ntotal)))
+        index = self._search_index()
+        scores, ids = index.search(q, k)
+        return scores, ids
+
+    def _search_index(self) -> faiss.Index:
+        if not self.settings.use_gpu:
+            return self.index
+        if not gpu_available():
+            if not self._gpu_warned:
+                logger.warning("use_gpu is set but faiss-gpu or a GPU is missing: searching on the CPU")
+                self._gpu_warned = True
+            return self.index
+        with self._gpu_lock:
+            if self._gpu is None:
+                try:
+                    res = faiss.StandardGpuResources()
+                    self._gpu = faiss.index_cpu_to_gpu(res, 0, self.index)
+                except RuntimeError as e:  # e.g. hnsw has no GPU version
+                    if not self._gpu_warned:
+                        logger.warning("this index cannot move to the GPU (%s): searching on the CPU", e)
+                        self._gpu_warned = True
+                    return self.index
+            return self._gpu
+
+    # -- building and files -----------------------------------------------------------------------
+    @classmethod
+    def build(cls, dim: int, settings: IndexSettings, train: np.ndarray,
+              batches: Iterable[tuple[np.ndarray, np.ndarray]], total: int | None = None) -> AnnIndex:
+        """A new index of the target kind: trained on `train` (n, dim) float32, then filled from
+        `batches` of (ids, vectors)."""
+        index = new_index(dim, settings)
+        inner = _unwrap(index)
+        if isinstance(inner, faiss.IndexHNSW):
+            inner.hnsw.efConstruction = settings.ef_construction
+        if not index.is_trained:
+            logger.info("training %s on %d vectors", settings.factory(), len(train))
+            fit_projection(index, train)
+            index.train(np.ascontiguousarray(train, dtype=np.float32))
+        out = cls(dim, settings, index, trained=True)
+        with tqdm(total=total, desc=f"FAISS {settings.kind}", unit="frag", disable=total is None or total < 50_000,
+                  leave=False) as bar:
+            for ids, vecs in batches:
+                out.add(ids, vecs)
+                bar.update(len(ids))
+        return out
+
+    def write(self, path: Path) -> None:
+        faiss.write_index(self.index, str(path))
+
+    @classmethod
+    def read(cls, path: Path, dim: int, settings: IndexSettings, trained: bool) -> AnnIndex:
+        """Read a FAISS file; RuntimeError / ValueError when it is unreadable or of another dimension."""
+        return cls(dim, settings, faiss.read_index(str(path)), trained)
+
+
+def new_index(dim: int, settings: IndexSettings) -> faiss.Index:
+    """An empty FAISS index of `settings`' kind for dim-d vectors (inner product).
+
+    `pretransform` "PCA<d>" is a projection on d directions fitted at training (see `fit_projection`);
+    other pre-transforms go to the FAISS index factory. Raises ValueError when the settings do not
+    fit the dimension (e.g. PQ sub-vectors that do not divide it).
+    """
+    pca = PCA_RE.match(settings.pretransform)
+    reduced = int(re.findall(r"\d+", settings.pretransform)[-1]) if settings.pretransform else dim
+    if settings.kind == "ivfpq" and reduced % settings.m:
+        raise ValueError(f"ivfpq needs m ({settings.m}) to divide the dimension {reduced}: choose another m or a "
+                         f"pretransform such as PCA{settings.m * 4}")
+    if pca and reduced > dim:
+        raise ValueError(f"{settings.pretransform} cannot raise the dimension {dim}")
+    factory = settings.factory()
+    try:
+        if not pca or settings.kind == "flat":
+            return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        body = factory.split(",", 2)[-1] if settings.kind == "hnsw" else factory.split(",", 1)[1]
+        inner = faiss.index_factory(reduced, body, faiss.METRIC_INNER_PRODUCT)
+        projected = faiss.IndexPreTransform(faiss.LinearTransform(dim, reduced, False), inner)
+        return faiss.IndexIDMap(projected) if settings.kind == "hnsw" else projected
+    except RuntimeError as e:
+        raise ValueError(f"cannot make a FAISS {factory!r} index for {dim}-d vectors: {e}") from e
+
+
+def fit_projection(index: faiss.Index, sample: np.ndarray) -> None:
+    """Fit the "PCA<d>" projection of `index` on sample (n, dim): the top-d eigenvectors of the
+    uncentred second moment E[x x^T]. No mean is subtracted (FAISS's PCAMatrix subtracts one), so
+    inner products are kept up to the discarded directions and the ranking by v . s survives."""
+    pre = faiss.downcast_index(index)
+    if isinstance(pre, faiss.IndexIDMap):
+        pre = faiss.downcast_index(pre.index)
+    if not isinstance(pre, faiss.IndexPreTransform):
+        return
+    lt = faiss.downcast_VectorTransform(pre.chain.at(0))
+    if not isinstance(lt, faiss.LinearTransform) or isinstance(lt, faiss.PCAMatrix | faiss.OPQMatrix):
+        return
+    x = np.asarray(sample, dtype=np.float64)
+    _, vecs = np.linalg.eigh(x.T @ x / max(1, len(x)))
+    top = vecs[:, ::-1][:, : lt.d_out].T.astype(np.float32)  # (d_out, dim), largest first
+    faiss.copy_array_to_vector(np.ascontiguousarray(top).ravel(), lt.A)
+    lt.is_trained = True
+    lt.set_is_orthonormal()
+
+
+def train_sample_size(settings: IndexSettings) -> int:
+    """How many vectors to sample for training the target kind."""
+    per_list = settings.nlist * TRAIN_SAMPLE_PER_LIST if settings.kind in ("ivf", "ivfpq") else 0
+    return min(MAX_TRAIN_SAMPLE, max(settings.train_threshold(), per_list))

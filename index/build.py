@@ -1,0 +1,200 @@
+"""Build (or extend) an image index from a folder of images, and a sentence index from captions.
+
+    python -m index.build --model artifacts/models/full/model.pt --images ../shared/data/flickr8k/images \\
+        --image-list ../shared/data/flickr8k/dev.txt --out artifacts/index/images-dev \\
+        --captions ../shared/data/flickr8k/captions.txt --split ../shared/data/flickr8k/train.txt
+
+Any folder of images works (searched recursively): a user's own photos as well as Flickr8K. An
+existing image index at --out is extended with the images it does not hold yet; --rebuild builds
+a new one beside it and swaps it in when complete. Region features go through the shared feature
+cache (--cache), so images the trainer saw are not extracted twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from index.images import ImageIndex, list_images
+from index.sentences import SentenceIndex
+from index.types import IndexSettings
+from model.bundle import Bundle
+from model.cache import FeatureCache
+from model.config import default_artifacts_dir
+from model.data import read_captions, read_split_list
+from model.dataset import feature_cache
+from model.fragments import parse_cached
+
+logger = logging.getLogger(__name__)
+
+SAVE_EVERY = 2000  # images added between two saves of a long build
+
+
+def read_sentences(path: Path, split: Path | None = None) -> list[str]:
+    """Captions to index: a Flickr8K-style file (`<image>#<n>\\t<caption>`, restricted to the images of
+    `split` when given, in its order) or a plain file with one sentence per line."""
+    path = Path(path)
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines or "\t" not in lines[0]:
+        if split is not None:
+            raise ValueError(f"--split needs a caption file of '<image>#<n>\\t<caption>' lines; {path} is plain text")
+        return [ln.strip() for ln in lines]
+    by_image = read_captions(path)
+    names = read_split_list(split) if split is not None else list(by_image)
+    missing = sum(1 for n in names if n not in by_image)
+    if missing:
+        logger.warning("%d images of %s have no caption in %s", missing, split, path)
+    return [c for n in names for c in by_image.get(n, [])]
+
+
+def _fresh_target(out: Path, rebuild: bool) -> Path:
+    """Where to build: `out` itself, or a sibling that replaces it once complete (rebuild)."""
+    if not rebuild or not out.exists():
+        return out
+    tmp = out.with_name(out.name + ".building")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def _swap_in(built: Path, out: Path) -> None:
+    if built == out:
+        return
+    old = out.with_name(out.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    out.rename(old)
+    built.rename(out)
+    shutil.rmtree(old)
+
+
+def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings: IndexSettings,
+                      cache: FeatureCache | None = None, workers: int = 1, rebuild: bool = False,
+                      save_every: int = SAVE_EVERY) -> ImageIndex:
+    """Index `paths` into the image index at `out` (created, extended, or rebuilt), saving as it goes."""
+    out = Path(out)
+    target = _fresh_target(out, rebuild)
+    if (target / "index.sqlite").exists():
+        index = ImageIndex.load(target, bundle, cache=cache)
+        if index.settings.kind != settings.kind:
+            logger.warning("%s is a %s index; keeping it (use --rebuild for %s)", out, index.settings.kind,
+                           settings.kind)
+    else:
+        index = ImageIndex.create(target, bundle, settings, cache=cache)
+    todo = [Path(p).resolve() for p in paths]
+    present = index.find_paths(todo)
+    todo = [p for p in todo if str(p) not in present]
+    logger.info("%d images to add to %s (%d there already)", len(todo), out, len(present))
+    skipped = 0
+    if index.settings.trainable and not index.ann.trained:
+        with index.bulk():  # one training on a sample of everything, then one insert
+            skipped += len(index.add_paths(todo, workers=workers, skip_present=False).skipped)
+        index.save()
+    else:
+        for start in range(0, len(todo), save_every):
+            chunk = todo[start : start + save_every]
+            skipped += len(index.add_paths(chunk, workers=workers, skip_present=False).skipped)
+            index.save()
+    index.close()
+    _swap_in(target, out)
+    logger.info("image index %s: %d images added, %d unreadable files skipped", out, len(todo) - skipped, skipped)
+    return ImageIndex.load(out, bundle, cache=cache)
+
+
+def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
+                         parse_dir: Path | None = None, rebuild: bool = False) -> SentenceIndex:
+    """The sentence index at `out` over `sentences` (kept as it is when it exists, unless `rebuild`).
+
+    With `parse_dir`, parses are cached there (shared with the trainer: same sentences, same file).
+    """
+    out = Path(out)
+    if (out / "index.sqlite").exists() and not rebuild:
+        index = SentenceIndex.load(out, bundle)
+        logger.info("sentence index %s exists (%d sentences); --rebuild makes it again", out, len(index))
+        return index
+    target = _fresh_target(out, rebuild)
+    index = SentenceIndex.create(target, bundle, settings)
+    with index.bulk():
+        if parse_dir is not None:
+            parsed = parse_cached(bundle.text.parser, list(sentences), parse_dir)
+            index.add_parsed(parsed, sentences)
+        else:
+            index.add_sentences(sentences)
+    index.save()
+    index.close()
+    _swap_in(target, out)
+    logger.info("sentence index %s: %d sentences", out, len(sentences))
+    return SentenceIndex.load(out, bundle)
+
+
+def settings_from_args(args: argparse.Namespace) -> IndexSettings:
+    return IndexSettings(kind=args.kind, nlist=args.nlist, m=args.m, nbits=args.nbits, nprobe=args.nprobe,
+                         k_prime=args.k_prime, rerank=args.rerank, ef_search=args.ef_search, hnsw_m=args.hnsw_m,
+                         pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
+    ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
+    ap.add_argument("--image-list", type=Path, help="only the images named in this file (one name per line)")
+    ap.add_argument("--out", type=Path, help="image index folder")
+    ap.add_argument("--captions", type=Path, help="sentences to index: Flickr8K captions.txt or one per line")
+    ap.add_argument("--split", type=Path, help="only the captions of the images named in this list")
+    ap.add_argument("--sentences-out", type=Path,
+                    help="sentence index folder (default: beside --out, sentences-<split name>)")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="feature / parse cache shared with the trainer")
+    ap.add_argument("--no-cache", action="store_true", help="extract features without the shared cache")
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
+    ap.add_argument("--rebuild", action="store_true", help="build anew instead of extending what is at --out")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY)
+    defaults = IndexSettings()
+    ap.add_argument("--kind", default=defaults.kind, choices=("flat", "hnsw", "ivf", "ivfpq"))
+    ap.add_argument("--nlist", type=int, default=defaults.nlist)
+    ap.add_argument("--m", type=int, default=defaults.m, help="PQ sub-vectors (ivfpq)")
+    ap.add_argument("--nbits", type=int, default=defaults.nbits, help="bits per PQ code (4: fast-scan)")
+    ap.add_argument("--nprobe", type=int, default=defaults.nprobe)
+    ap.add_argument("--k-prime", type=int, default=defaults.k_prime, help="neighbours per query fragment")
+    ap.add_argument("--rerank", type=int, default=defaults.rerank,
+                    help="score exactly only the R candidates with the best partial score (0: all)")
+    ap.add_argument("--ef-search", type=int, default=defaults.ef_search)
+    ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m)
+    ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
+    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"))
+    ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.images is None and args.captions is None:
+        ap.error("give --images and/or --captions")
+    if args.images is not None and args.out is None:
+        ap.error("--images needs --out")
+    bundle = Bundle.load(args.model)
+    settings = settings_from_args(args)
+    if args.images is not None:
+        paths = list_images(args.images)
+        if args.image_list is not None:
+            wanted = set(read_split_list(args.image_list))
+            paths = [p for p in paths if p.name in wanted]
+        if not paths:
+            raise SystemExit(f"no images found in {args.images}")
+        cache = None if args.no_cache else feature_cache(args.cache, bundle.image_cfg)
+        index = build_image_index(bundle, paths, args.out, settings, cache, args.workers, args.rebuild,
+                                  args.save_every)
+        logger.info("image index %s: %d images, %d fragments", args.out, len(index), index.n_fragments)
+    if args.captions is not None:
+        out = args.sentences_out
+        if out is None:
+            base = args.out.parent if args.out is not None else default_artifacts_dir() / "index"
+            out = base / f"sentences-{args.split.stem if args.split else 'all'}"
+        sentences = read_sentences(args.captions, args.split)
+        parse_dir = None if args.no_cache else args.cache / "parses"
+        sindex = build_sentence_index(bundle, sentences, out, settings, parse_dir, args.rebuild)
+        logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""The image index: every image fragment in FAISS, sentences as queries, exact S_kl re-rank.
+
+search: query sentence -> its fragments -> each fragment's k' nearest image fragments -> unique
+images (candidates) -> the model's score (S_kl) over the candidates -> top k with alignments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from index.base import FragmentIndex
+from index.query import encode_phrase, encode_sentence, matches
+from index.types import AddReport, ImageHit, ImageRecord, IndexSettings, RegionHit
+from model.bundle import Bundle
+from model.cache import FeatureCache
+from model.image import ImageFragments, ImageReadError, RegionExtractor, load_image
+from model.score import fragment_scores
+from model.text import Triplet
+
+logger = logging.getLogger(__name__)
+
+ADD_CHUNK = 64  # images embedded and inserted at a time by add_paths
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+@dataclass
+class StoredImage:
+    """Metadata of an indexed image; boxes (F, 4) float32 in its own pixels."""
+
+    name: str
+    path: str
+    width: int
+    height: int
+    boxes: np.ndarray
+
+
+class ImageIndex(FragmentIndex[StoredImage]):
+    """Images of a collection as fragment vectors (see index.base for storage and concurrency)."""
+
+    KIND = "image"
+    COLUMNS = (("name", "TEXT"), ("path", "TEXT"), ("width", "INTEGER"), ("height", "INTEGER"), ("boxes", "BLOB"))
+
+    cache: FeatureCache | None
+
+    @classmethod
+    def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
+               cache: FeatureCache | None = None, extractor: RegionExtractor | None = None) -> ImageIndex:
+        """A new, empty index folder (FileExistsError if one is there already)."""
+        index: ImageIndex = cls._create(root, bundle, settings or IndexSettings())
+        return index._attach(cache, extractor)
+
+    @classmethod
+    def load(cls, root: Path, bundle: Bundle, cache: FeatureCache | None = None,
+             extractor: RegionExtractor | None = None, **search: Any) -> ImageIndex:
+        """Open an index folder built for `bundle`; IndexLoadError when it is missing, corrupt, or was
+        built for another model or dimension. `search` overrides search-time settings (nprobe, k_prime...)."""
+        index: ImageIndex = cls._load(root, bundle, search)
+        return index._attach(cache, extractor)
+
+    def _attach(self, cache: FeatureCache | None, extractor: RegionExtractor | None) -> ImageIndex:
+        if cache is not None:
+            want = dataclasses.replace(self.bundle.image_cfg, full_frame_only=False)
+            if dataclasses.replace(cache.cfg, full_frame_only=False) != want:
+                raise ValueError("the feature cache was made with other image settings than the model's")
+        self.cache = cache
+        self._extractor = extractor
+        return self
+
+    # -- adding -----------------------------------------------------------------------------------
+    def add_image(self, image: Image.Image, name: str, path: Path | str) -> int:
+        """Extract, embed and insert one image; returns its id."""
+        return self.add_fragments(self.extractor.extract(image), name, path)
+
+    def add_fragments(self, frags: ImageFragments, name: str, path: Path | str) -> int:
+        """Insert one image's extracted fragments (features (F, 1280), boxes (F, 4))."""
+        return self.add_extracted([frags], [name], [path])[0]
+
+    def add_extracted(self, frags: Sequence[ImageFragments], names: Sequence[str],
+                      paths: Sequence[Path | str]) -> list[int]:
+        """Embed and insert extracted images; returns their ids."""
+        if not frags:
+            return []
+        with torch.inference_mode():
+            if len({len(f.features) for f in frags}) == 1:  # one batch
+                vecs = list(self.bundle.embed_images(np.stack([f.features for f in frags])).numpy())
+            else:
+                vecs = [self.bundle.embed_images(f.features[None])[0].numpy() for f in frags]
+        payloads = [StoredImage(str(name), str(path), int(f.width), int(f.height),
+                                np.asarray(f.boxes[: len(v)], dtype=np.float32))
+                    for f, v, name, path in zip(frags, vecs, names, paths, strict=True)]
+        return self._insert(vecs, payloads)
+
+    def add_vectors(self, vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: Sequence[str],
+                    paths: Sequence[str]) -> list[int]:
+        """Insert already embedded images: vectors (K, F, h), boxes (K, F, 4), sizes (K, 2) width, height."""
+        payloads = [StoredImage(str(n), str(p), int(s[0]), int(s[1]), np.asarray(b, dtype=np.float32))
+                    for n, p, s, b in zip(names, paths, sizes, boxes, strict=True)]
+        return self._insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
+
+    def add_paths(self, paths: Sequence[Path | str], workers: int = 1, skip_present: bool = True) -> AddReport:
+        """Index image files. Unreadable files are skipped and listed; with `skip_present`, files whose
+        path is indexed already are not added again. Features go through the feature cache (a
+        temporary one when the index has none), extracted by `workers` processes."""
+        report = AddReport()
+        todo: list[Path] = []
+        seen: set[Path] = set()
+        for p in paths:
+            path = Path(p).resolve()
+            if path.name.startswith("."):
+                report.skipped.append((str(path), "hidden file name"))
+            elif path not in seen:
+                seen.add(path)
+                todo.append(path)
+        if skip_present:
+            present = self.find_paths(todo)
+            report.present = len(present)
+            todo = [p for p in todo if str(p) not in present]
+        # a cache entry is keyed by file name: images sharing a name go in separate rounds
+        rounds: list[list[Path]] = []
+        seen_names: dict[str, int] = {}
+        for path in todo:
+            n = seen_names[path.name] = seen_names.get(path.name, -1) + 1
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append(path)
+        for batch in rounds:
+            with self._feature_cache() as cache:
+                ensured = cache.ensure(batch, workers=workers)
+                failed = dict(ensured.failed)
+                report.skipped += [(str(p), failed[p.name]) for p in batch if p.name in failed]
+                good = [p for p in batch if p.name not in failed]
+                bar = tqdm(total=len(good), desc=f"indexing {self.root.name}", unit="img", disable=len(good) < 50)
+                for start in range(0, len(good), ADD_CHUNK):
+                    chunk = good[start : start + ADD_CHUNK]
+                    frags = [self._checked(cache, p) for p in chunk]
+                    ok = [(p, f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, ImageFragments)]
+                    report.skipped += [(str(p), f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, str)]
+                    report.added += self.add_extracted([f for _, f in ok], [p.name for p, _ in ok],
+                                                       [p for p, _ in ok])
+                    bar.update(len(chunk))
+                bar.close()
+        if report.skipped:
+            logger.warning("%d unreadable images skipped (first: %s)", len(report.skipped), report.skipped[0])
+        logger.info("added %d images to %s (%d skipped, %d already indexed)", len(report.added), self.root,
+                    len(report.skipped), report.present)
+        return report
+
+    @contextlib.contextmanager
+    def _feature_cache(self) -> Iterator[FeatureCache]:
+        if self.cache is not None:
+            yield self.cache
+            return
+        with tempfile.TemporaryDirectory(prefix="fragsearch-features-") as tmp:
+            yield FeatureCache(Path(tmp), self.bundle.image_cfg)
+
+    def _checked(self, cache: FeatureCache, path: Path) -> ImageFragments | str:
+        """The cached fragments of `path`, re-extracted when the entry's size shows it belongs to another
+        image of the same file name; a reason string when the file cannot be read."""
+        frags = cache.load([path])[0]
+        try:
+            with Image.open(path) as im:
+                size = im.size
+        except (OSError, ValueError) as e:
+            return f"unreadable: {e}"
+        if size in ((frags.width, frags.height), (frags.height, frags.width)):
+            return frags
+        logger.warning("cached features of %s are of a %dx%d image, the file is %dx%d: extracting it again",
+                       path.name, frags.width, frags.height, *size)
+        try:
+            return self.extractor.extract(load_image(path))
+        except ImageReadError as e:
+            return str(e)
+
+    def find_paths(self, paths: Sequence[Path | str]) -> dict[str, int]:
+        """Live images among `paths` (compared as given, resolve them first) -> their ids."""
+        wanted = {str(p) for p in paths}
+        with self._rw.read():
+            found = {p.path: i for i, p in self._pending.items() if p.path in wanted and self.contains(i)}
+            items = list(wanted)
+            for start in range(0, len(items), 500):
+                part = items[start : start + 500]
+                marks = ", ".join("?" for _ in part)
+                with self._reader_lock:
+                    rows = self._reader.execute(
+                        f"SELECT id, path FROM items WHERE deleted = 0 AND path IN ({marks})", part).fetchall()
+                found.update({str(path): int(i) for i, path in rows if self.contains(int(i))})
+        return found
+
+    # -- reading ----------------------------------------------------------------------------------
+    def get(self, image_id: int) -> ImageRecord | None:
+        """The image's record, or None when it is unknown or removed."""
+        with self._rw.read():
+            if not self.contains(image_id):
+                return None
+            p = self._payloads([image_id])[image_id]
+        return ImageRecord(image_id, p.name, p.path, p.width, p.height, p.boxes.tolist())
+
+    def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
+        """Top k images for a sentence: FAISS candidates, exact score, alignments."""
+        sent, triplets = encode_sentence(self.bundle, sentence)
+        return self.search_vectors(sent, k, triplets)
+
+    def search_exhaustive(self, sentence: str, k: int = 10) -> list[ImageHit]:
+        """Top k images by the exact score over the whole collection (no candidate stage)."""
+        sent, triplets = encode_sentence(self.bundle, sentence)
+        return self.search_vectors(sent, k, triplets, exhaustive=True)
+
+    @torch.inference_mode()
+    def search_vectors(self, sent: torch.Tensor, k: int = 10, triplets: Sequence[Triplet] | None = None,
+                       exhaustive: bool = False) -> list[ImageHit]:
+        """Top k images for sentence fragments sent (T, h) (their triplets name the alignment)."""
+        sent = torch.as_tensor(sent, dtype=torch.float32)
+        sent_mask = torch.ones(1, len(sent))
+
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+
+        return [ImageHit(item, p.name, p.path, p.width, p.height, s, matches(frags, sent, triplets, p.boxes))
+                for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
+
+    @torch.inference_mode()
+    def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:
+        """Exact top k (image id, score) for many queries (each (T_q, h)) in one pass over the store."""
+        t_max = max((len(s) for s in sents), default=1)
+        queries = torch.zeros(len(sents), t_max, self.dim)
+        q_mask = torch.zeros(len(sents), t_max)
+        for q, s in enumerate(sents):
+            queries[q, : len(s)] = torch.as_tensor(s, dtype=torch.float32)
+            q_mask[q, : len(s)] = 1
+
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.bundle.scores(img, mask, queries, q_mask)
+
+        return self._rank_many(score, len(sents), k)
+
+    @torch.inference_mode()
+    def search_fragments(self, phrase: str, k: int = 10) -> list[RegionHit]:
+        """The k image regions that best match a phrase or a triplet "rel(w1, w2)" (paper Fig. 5).
+
+        A region's score is the sum over the phrase's fragments of max(0, v_i . s_j); FAISS proposes
+        max(k', k) regions per phrase fragment and those are scored exactly.
+        """
+        sent, _ = encode_phrase(self.bundle, phrase)
+        with self._rw.read():
+            items, frags = self._candidate_fragments(sent.numpy(), max(self.settings.k_prime, k))
+            if len(items) == 0:
+                return []
+            regions, _ = self.store.gather(self._seg[items], self._off[items] + frags, np.ones(len(items), np.int32))
+            scores = fragment_scores(torch.from_numpy(regions), sent[None])[:, 0, 0, :].clamp_min(0).sum(-1).numpy()
+            order = np.lexsort((frags, items, -scores))[:k]
+            order = order[scores[order] > 0]
+            payloads = self._payloads(items[order].tolist())
+        return [RegionHit(int(items[o]), payloads[int(items[o])].name,
+                          [float(v) for v in payloads[int(items[o])].boxes[frags[o]]], int(frags[o]), float(scores[o]))
+                for o in order]
+
+    # -- SQLite rows ------------------------------------------------------------------------------
+    def _row(self, payload: StoredImage) -> tuple[Any, ...]:
+        boxes = np.ascontiguousarray(payload.boxes, dtype="<f4")
+        return payload.name, payload.path, payload.width, payload.height, boxes.tobytes()
+
+    def _from_row(self, row: Sequence[Any]) -> StoredImage:
+        name, path, width, height, blob = row
+        boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
+        return StoredImage(str(name), str(path), int(width), int(height), boxes)
+
+
+def list_images(folder: Path, recursive: bool = True) -> list[Path]:
+    """Image files under `folder` (by suffix), sorted; hidden files and folders are left out."""
+    folder = Path(folder)
+    pattern = folder.rglob("*") if recursive else folder.glob("*")
+    return sorted(p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))

@@ -1,0 +1,189 @@
+"""Settings, results and errors of the fragment indexes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("flat", "hnsw", "ivf", "ivfpq")
+STORE_DTYPES = ("float32", "float16")
+# Fields that shape the stored FAISS index; the others only change how it is searched.
+STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype")
+
+
+class IndexLoadError(ValueError):
+    """An index folder is missing, corrupt, or was built for another model or dimension."""
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """How fragment vectors are indexed and searched.
+
+    kind: "flat" (exact inner product), "hnsw" (graph), "ivf" (inverted lists, raw vectors) or
+    "ivfpq" (inverted lists, product-quantised codes). `pretransform` is an optional FAISS
+    pre-transform in index-factory syntax ("PCA256", "OPQ50_500") applied before hnsw / ivf / ivfpq.
+    `k_prime`: neighbours fetched per query fragment in the candidate stage; `rerank` R > 0 keeps the
+    R candidates whose retrieved fragments score highest (sum of positive FAISS scores) for the exact
+    re-rank (fetch many, score few).
+    `store_dtype`: precision of the re-rank store (the vectors the exact score reads).
+    """
+
+    kind: str = "flat"
+    nlist: int = 1024  # inverted lists (ivf, ivfpq)
+    m: int = 32  # product-quantiser sub-vectors (ivfpq); must divide the (pre-transformed) dimension
+    nbits: int = 4  # bits per sub-vector code (ivfpq); 4 uses FAISS fast-scan codes
+    hnsw_m: int = 32  # graph degree (hnsw)
+    ef_construction: int = 40  # hnsw build beam
+    ef_search: int = 128  # hnsw search beam
+    nprobe: int = 32  # inverted lists visited per query fragment (ivf, ivfpq)
+    k_prime: int = 64
+    rerank: int = 0  # exact re-rank of every candidate (0), or of the R with the best partial FAISS score
+    pretransform: str = ""
+    store_dtype: str = "float32"
+    train_size: int = 0  # vectors needed before ivf / ivfpq is trained; 0: 39 per list (and 39 * 2^nbits)
+    use_gpu: bool = False  # search on a GPU copy where faiss-gpu and a GPU are present
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"index kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
+        for name in ("nlist", "m", "nbits", "hnsw_m", "ef_construction", "ef_search", "nprobe", "k_prime"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.rerank < 0:
+            raise ValueError(f"rerank must be >= 0, got {self.rerank}")
+        if self.train_size < 0:
+            raise ValueError(f"train_size must be >= 0, got {self.train_size}")
+
+    @property
+    def trainable(self) -> bool:
+        """Kinds that learn centroids / codebooks before they can hold vectors."""
+        return self.kind in ("ivf", "ivfpq") or (self.kind == "hnsw" and bool(self.pretransform))
+
+    def train_threshold(self) -> int:
+        """Vectors collected before training: enough for k-means on every list and codebook."""
+        if self.train_size:
+            return self.train_size
+        need = 39 * self.nlist if self.kind in ("ivf", "ivfpq") else 10_000
+        if self.kind == "ivfpq":
+            need = max(need, 39 * (1 << self.nbits))
+        return need
+
+    def factory(self) -> str:
+        """The FAISS index-factory string of the target index (inner-product metric)."""
+        pre = f"{self.pretransform}," if self.pretransform else ""
+        if self.kind == "flat":
+            return "IDMap,Flat"
+        if self.kind == "hnsw":
+            return f"IDMap,{pre}HNSW{self.hnsw_m}"
+        if self.kind == "ivf":
+            return f"{pre}IVF{self.nlist},Flat"
+        codes = f"PQ{self.m}x4fs" if self.nbits == 4 else f"PQ{self.m}x{self.nbits}"  # 4 bits: fast-scan
+        return f"{pre}IVF{self.nlist},{codes}"
+
+    def describe(self) -> str:
+        """Short parameter string for logs and benchmark tables."""
+        parts = [f"k_prime={self.k_prime}", f"store={self.store_dtype}"]
+        if self.rerank:
+            parts.insert(1, f"rerank={self.rerank}")
+        if self.pretransform:
+            parts.insert(0, f"pre={self.pretransform}")
+        if self.kind in ("ivf", "ivfpq"):
+            parts[:0] = [f"nlist={self.nlist}", f"nprobe={self.nprobe}"]
+        if self.kind == "ivfpq":
+            parts.insert(1, f"m={self.m}x{self.nbits}")
+        if self.kind == "hnsw":
+            parts[:0] = [f"M={self.hnsw_m}", f"ef_search={self.ef_search}"]
+        return ";".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IndexSettings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def with_search(self, **changes: Any) -> IndexSettings:
+        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, use_gpu)."""
+        bad = sorted(set(changes) & set(STRUCTURAL))
+        if bad:
+            raise ValueError(f"{', '.join(bad)} shape the stored index: rebuild it to change them")
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class FragmentMatch:
+    """One sentence fragment of a result and the image fragment it aligns with.
+
+    box: [x0, y0, x1, y1] in the pixels of the image the fragment belongs to; score: v_i . s_j.
+    """
+
+    triplet: str
+    relation: str
+    words: tuple[str, str]
+    box: list[float]
+    fragment: int
+    score: float
+
+
+@dataclass
+class ImageHit:
+    image_id: int
+    name: str
+    path: str
+    width: int
+    height: int
+    score: float
+    alignment: list[FragmentMatch] = field(default_factory=list)
+
+
+@dataclass
+class SentenceHit:
+    sentence_id: int
+    text: str
+    score: float
+    alignment: list[FragmentMatch] = field(default_factory=list)
+
+
+@dataclass
+class RegionHit:
+    """An image region scored against a phrase (the sum of its positive fragment scores)."""
+
+    image_id: int
+    name: str
+    box: list[float]
+    fragment: int
+    score: float
+
+
+@dataclass
+class ImageRecord:
+    """An indexed image: boxes (F, 4) of its fragments in its own pixels, row 0 the whole image."""
+
+    image_id: int
+    name: str
+    path: str
+    width: int
+    height: int
+    boxes: list[list[float]]
+
+
+@dataclass
+class SentenceRecord:
+    """An indexed sentence and the fragments (triplet texts) stored for it, in row order."""
+
+    sentence_id: int
+    text: str
+    triplets: list[str]
+
+
+@dataclass
+class AddReport:
+    """What add_paths did: ids of the images added, files skipped (path, reason), paths already indexed."""
+
+    added: list[int] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    present: int = 0

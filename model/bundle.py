@@ -1,0 +1,125 @@
+"""A trained model with everything it needs to embed new sentences and images: the checkpoint.
+
+A checkpoint holds the weights, the model/text/image settings, the kept relations and the word
+table, so it loads without any training code (`Bundle.load`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from model.config import ImageConfig, TextConfig
+from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
+from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
+from model.score import skl
+from model.text import RelationVocab
+from model.words import WordTable
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "fragsearch-checkpoint-1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, corrupt or of another format."""
+
+
+class Bundle:
+    """Model + text pipeline + image settings: embeds and scores image and sentence fragments."""
+
+    def __init__(self, model: FragmentModel | TwoBranch, text: TextPipeline, image_cfg: ImageConfig,
+                 meta: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.text = text
+        self.image_cfg = image_cfg
+        self.meta = dict(meta or {})
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def dim(self) -> int:
+        return self.model.cfg.h
+
+    def embed_images(self, feats: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """feats: (K, F, img_dim) cached region features -> image fragments (K, F', h).
+
+        F' = 1 for a full-frame model and for the two-branch model (its one global vector).
+        """
+        x = torch.as_tensor(feats, dtype=torch.float32)
+        if self.image_cfg.full_frame_only or isinstance(self.model, TwoBranch):
+            x = x[:, :1]
+        if isinstance(self.model, TwoBranch):
+            return self.model.embed_images(x[:, 0])[:, None, :]
+        return self.model.embed_images(x)
+
+    def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sentence fragments (L, T, h) and their mask (L, T) for encoded sentences."""
+        rel, a, b, mask = pad(enc, idx)
+        pool = self.text.pool(enc)
+        if isinstance(self.model, TwoBranch):
+            sid = self.text.relations.index(SENTENCE_REL)
+            if sid is None:
+                raise ValueError("a two-branch model needs the whole-sentence fragment")
+            last = torch.eq(rel, sid).float().argmax(dim=1)
+            rows = a[torch.arange(a.shape[0]), last]
+            return self.model.embed_text(pool[rows])[:, None, :], torch.ones(a.shape[0], 1)
+        return self.model.embed_sentences(pool, rel, a, b, mask), mask.float()
+
+    def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
+               chunk: int | None = None) -> torch.Tensor:
+        """(K, L) image–sentence scores: S_kl for fragment models, the inner product for two-branch."""
+        if isinstance(self.model, TwoBranch):
+            return img[:, 0] @ sent[:, 0].T
+        return skl(img, img_mask, sent, sent_mask, chunk=chunk)
+
+    # -- persistence -------------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """Atomic write: temp file, fsync, rename."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "format": FORMAT,
+            "model_cfg": self.model.cfg.to_dict(),
+            "text_cfg": dataclasses.asdict(self.text.cfg),
+            "image_cfg": dataclasses.asdict(self.image_cfg),
+            "state_dict": self.model.state_dict(),
+            "relations": self.text.relations.to_dict(),
+            "words": list(self.text.words.words),
+            "word_vectors": torch.from_numpy(np.asarray(self.text.words.vectors, dtype=np.float32)),
+            "meta": self.meta,
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, device: str = "cpu") -> Bundle:
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"model checkpoint not found: {path}")
+        try:
+            state = torch.load(path, map_location=device, weights_only=False)
+        except Exception as exc:  # torch raises many types for a damaged file
+            raise CheckpointError(f"cannot read model checkpoint {path}: {exc}") from exc
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a fragsearch checkpoint (format {FORMAT})")
+        model_cfg = ModelConfig(**state["model_cfg"])
+        model = build_model(model_cfg)
+        model.load_state_dict(state["state_dict"])
+        model.eval()
+        words = WordTable(list(state["words"]), state["word_vectors"].numpy())
+        text = TextPipeline(TextConfig(**state["text_cfg"]), RelationVocab.from_dict(state["relations"]), words)
+        return cls(model, text, ImageConfig(**state["image_cfg"]), state.get("meta", {}))

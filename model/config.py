@@ -1,0 +1,61 @@
+"""Settings for the offline pipeline, grouped by concern (small dataclasses, no module globals).
+
+The paper's constants live here as named defaults: 19 + 1 image fragments, smoothing n = 5,
+the 1 % relation cut-off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "flickr8k"
+DEFAULT_ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def default_data_dir() -> Path:
+    """The data folder: $FRAGSEARCH_DATA, else ../shared/data/flickr8k beside the checkout."""
+    return Path(os.environ.get("FRAGSEARCH_DATA", str(DEFAULT_DATA)))
+
+
+def default_artifacts_dir() -> Path:
+    """Where weights, caches and indexes live (git-ignored): $FRAGSEARCH_ARTIFACTS or ./artifacts."""
+    return Path(os.environ.get("FRAGSEARCH_ARTIFACTS", str(DEFAULT_ARTIFACTS)))
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """How images become fragments."""
+
+    n_regions: int = 19  # detected regions kept beside the whole image (paper: 19)
+    region_features: str = "roi_align"  # "roi_align" (one backbone pass) or "crop" (a CNN pass per region)
+    backbone_size: int = 448  # side the image is resized to for the single backbone pass
+    crop_size: int = 224  # side each region is warped to in "crop" mode
+    # selective search: "single", "balanced", "fast" or "quality" (model/image.py); "balanced" is
+    # OpenCV's fast mode minus its coarsest k and its colour-blind strategy: 0.6x the time, nearly
+    # the same regions (docs/results/extract-bench.csv)
+    proposal_mode: str = "balanced"
+    proposal_resize: int = 224  # selective search runs on the image resized so its longer side is this
+    max_proposals: int = 300  # proposals scored by the backbone before NMS
+    min_box_frac: float = 0.04  # smallest box side as a fraction of the image side
+    nms_iou: float = 0.5
+    full_frame_only: bool = False  # ablation: one fragment per image
+
+    @property
+    def n_fragments(self) -> int:
+        return 1 if self.full_frame_only else 1 + self.n_regions
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """How sentences become fragments."""
+
+    parser: str = "spacy"  # "spacy" or "stanza"
+    fragments: str = "dependency"  # "dependency", "bow" or "bigram"
+    relation_cutoff: float = 0.01  # relation types under this share of training relations are dropped
+    min_word_count: int = 1  # training-vocabulary words seen fewer times are dropped
+    sentence_fragment: bool = False  # add a whole-sentence fragment beside the triplets
+    word_vectors: str = "static"  # "static" (per-word table) or "contextual" (tokens in their sentence)
+    unigram_prob: float = 0.05  # training: share of sentences shown as unigram fragments (trains fallback)
+    max_words: int = 64  # longest caption parsed (tokens past it are ignored)

@@ -1,0 +1,62 @@
+"""A split ready for training or evaluation: cached image features + parsed captions."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from model.cache import FeatureCache
+from model.config import ImageConfig
+from model.data import Split, load_split
+from model.fragments import parse_cached
+from model.text import ParsedSentence, Parser
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SplitData:
+    """feats: (N, F, img_dim) region features, boxes: (N, F, 4); sentence l describes image pair_image[l]."""
+
+    split: Split
+    feats: np.ndarray
+    boxes: np.ndarray
+    sentences: list[str]
+    pair_image: np.ndarray
+    parsed: list[ParsedSentence]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.split.images
+
+
+def feature_cache(cache_root: Path, image_cfg: ImageConfig, device: str = "cpu") -> FeatureCache:
+    """The shared feature cache: always the full 1 + n_regions fragments (full-frame models slice row 0)."""
+    return FeatureCache(Path(cache_root) / "features", dataclasses.replace(image_cfg, full_frame_only=False),
+                        device=device)
+
+
+def load_split_data(root: Path, split: str | Path, image_cfg: ImageConfig, cache_root: Path,
+                    parser: Parser, workers: int = 1, limit: int | None = None) -> SplitData:
+    """Extract (or reuse) the features of a split's images and parse (or reuse) its captions.
+
+    Unreadable images are skipped and counted, with their captions.
+    """
+    sp = load_split(root, split)
+    if limit is not None:
+        sp = sp.subset(limit)
+    cache = feature_cache(cache_root, image_cfg)
+    report = cache.ensure([sp.image_path(n) for n in sp.images], workers=workers)
+    if report.failed:
+        bad = {Path(name).name for name, _ in report.failed}
+        logger.warning("%d unreadable images skipped: %s", len(bad), ", ".join(sorted(bad)[:5]))
+        keep = [k for k, n in enumerate(sp.images) if n not in bad]
+        sp = Split(sp.root, tuple(sp.images[k] for k in keep), tuple(sp.captions[k] for k in keep))
+    feats, boxes = cache.load_arrays([sp.image_path(n) for n in sp.images])
+    sentences, pair = sp.sentences()
+    parsed = parse_cached(parser, sentences, Path(cache_root) / "parses")
+    return SplitData(sp, feats, boxes, sentences, np.asarray(pair, dtype=np.int64), parsed)

@@ -1,0 +1,109 @@
+"""The two fragment encoders of Deep Fragment Embeddings, and the two-branch global baseline.
+
+- image fragment:    v = W_m . cnn + b_m
+- sentence fragment: s = ReLU(W_R [We w1 ; We w2] + b_R), one (W_R, b_R) per kept relation,
+  We fixed (rows of a frozen word-vector pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of a model; saved with its weights."""
+
+    kind: str = "fragment"  # "fragment" or "two-branch"
+    img_dim: int = 1280
+    word_dim: int = 384
+    h: int = 1000  # embedding size (paper: ~1000)
+    n_relations: int = 1
+    hidden: int = 2048  # two-branch hidden width
+    dropout: float = 0.5  # two-branch dropout
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class FragmentModel(nn.Module):
+    """Image fragment encoder (linear) and per-relation sentence fragment encoder."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.image = nn.Linear(cfg.img_dim, cfg.h)
+        scale = (2 * cfg.word_dim) ** -0.5
+        # one (W_R, b_R) per relation, as separate tensors so a batch only touches the ones it uses
+        self.w_rel = nn.ParameterList(
+            [nn.Parameter(torch.randn(2 * cfg.word_dim, cfg.h) * scale) for _ in range(cfg.n_relations)])
+        self.b_rel = nn.ParameterList([nn.Parameter(torch.zeros(cfg.h)) for _ in range(cfg.n_relations)])
+
+    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: (K, F, img_dim) -> image fragments (K, F, h)."""
+        return self.image(feats)
+
+    def embed_sentences(
+        self, pool: torch.Tensor, rel: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Sentence fragments (L, T, h) from padded triplets.
+
+        pool: (P, word_dim) frozen vectors; rel, a, b, mask: (L, T) relation ids, pool rows of
+        w1 and w2, and 1 for real fragments. Padding rows come out as zeros.
+        """
+        n_sent, t = rel.shape
+        flat_mask = mask.reshape(-1).bool()
+        x = torch.cat([pool[a.reshape(-1)], pool[b.reshape(-1)]], dim=1)[flat_mask]  # (N, 2d)
+        r = rel.reshape(-1)[flat_mask]
+        order = torch.argsort(r, stable=True)
+        rids, counts = torch.unique_consecutive(r[order], return_counts=True)
+        parts = [xs @ self.w_rel[rid] + self.b_rel[rid]
+                 for rid, xs in zip(rids.tolist(), torch.split(x[order], counts.tolist()), strict=True)]
+        out = torch.cat(parts) if parts else x.new_zeros(0, self.cfg.h)
+        out = out[torch.argsort(order)]  # back to fragment order
+        full = x.new_zeros(n_sent * t, self.cfg.h)
+        full[flat_mask] = F.relu(out)
+        return full.reshape(n_sent, t, self.cfg.h)
+
+
+class TwoBranch(nn.Module):
+    """Two-branch structure-preserving embedding over one global vector per side.
+
+    Each side: Linear -> ReLU -> Dropout -> Linear -> BatchNorm -> L2-normalise.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+        def branch(d_in: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Linear(d_in, cfg.hidden),
+                nn.ReLU(),
+                nn.Dropout(cfg.dropout),
+                nn.Linear(cfg.hidden, cfg.h),
+                nn.BatchNorm1d(cfg.h),
+            )
+
+        self.image = branch(cfg.img_dim)
+        self.text = branch(cfg.word_dim)
+
+    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: (K, img_dim) whole-image features -> (K, h) unit vectors."""
+        return F.normalize(self.image(feats), dim=-1)
+
+    def embed_text(self, vecs: torch.Tensor) -> torch.Tensor:
+        """vecs: (L, word_dim) sentence vectors -> (L, h) unit vectors."""
+        return F.normalize(self.text(vecs), dim=-1)
+
+
+def build_model(cfg: ModelConfig) -> FragmentModel | TwoBranch:
+    if cfg.kind == "fragment":
+        return FragmentModel(cfg)
+    if cfg.kind == "two-branch":
+        return TwoBranch(cfg)
+    raise ValueError(f"unknown model kind {cfg.kind!r}: expected 'fragment' or 'two-branch'")

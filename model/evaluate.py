@@ -1,0 +1,110 @@
+"""Retrieval evaluation: R@1/5/10, median and mean rank, both directions, per SPEC.md.
+
+Image annotation (image -> sentences): rank of the best-ranked of the image's sentences.
+Image search (sentence -> images): rank of its one image. Ties count against the query
+(an item scoring equal to the correct one is ranked before it).
+Also the Hodosh (*) variant: only the first sentence of each image.
+
+    python -m model.evaluate --data DIR --split DIR/dev.txt --model artifacts/models/full/model.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.bundle import Bundle
+from model.config import default_artifacts_dir, default_data_dir
+from model.dataset import SplitData, load_split_data
+from model.fragments import EncodedSentences
+from model.text import make_parser
+
+logger = logging.getLogger(__name__)
+
+KS = (1, 5, 10)
+
+
+def annotation_ranks(scores: np.ndarray, pair_image: np.ndarray) -> np.ndarray:
+    """scores: (N, L) image x sentence; pair_image: (L,). Rank (1-based) of each image's best sentence."""
+    n = scores.shape[0]
+    own = pair_image[None, :] == np.arange(n)[:, None]  # (N, L)
+    best = np.where(own, scores, -np.inf).max(axis=1)  # (N,)
+    wrong = ~own
+    ahead = ((scores > best[:, None]) & wrong).sum(1) + ((scores == best[:, None]) & wrong).sum(1)
+    return np.asarray(ahead + 1)
+
+
+def search_ranks(scores: np.ndarray, pair_image: np.ndarray) -> np.ndarray:
+    """Rank (1-based) of each sentence's image among all images."""
+    n_sent = scores.shape[1]
+    true = scores[pair_image, np.arange(n_sent)]  # (L,)
+    ahead = (scores >= true[None, :]).sum(0) - 1
+    return np.asarray(ahead + 1)
+
+
+def recall_table(ranks: np.ndarray, prefix: str) -> dict[str, float]:
+    out = {f"{prefix}_r{k}": float(100.0 * np.mean(ranks <= k)) for k in KS}
+    out[f"{prefix}_medr"] = float(np.floor(np.median(ranks)))
+    out[f"{prefix}_meanr"] = float(np.mean(ranks))
+    return out
+
+
+def metrics_from_scores(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float]:
+    m = recall_table(annotation_ranks(scores, pair_image), "annot")
+    m.update(recall_table(search_ranks(scores, pair_image), "search"))
+    m["rsum"] = sum(m[f"{d}_r{k}"] for d in ("annot", "search") for k in KS)
+    return m
+
+
+@torch.no_grad()
+def score_split(bundle: Bundle, feats: np.ndarray, enc: EncodedSentences, chunk: int = 250) -> np.ndarray:
+    """(N_images, L) scores of every image against every sentence with the bundle's score."""
+    bundle.model.eval()
+    img = bundle.embed_images(feats)
+    img_mask = torch.ones(img.shape[:2])
+    sent, sent_mask = bundle.embed_sentences(enc)
+    return bundle.scores(img, img_mask, sent, sent_mask, chunk=chunk).numpy()
+
+
+def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
+    """Metrics on a split (all 5 sentences per image) plus the Hodosh (*) first-sentence variant."""
+    enc = bundle.text.encode_parsed(data.parsed, data.sentences)
+    scores = score_split(bundle, data.feats, enc)
+    metrics = metrics_from_scores(scores, data.pair_image)
+    first = np.array([int(np.flatnonzero(data.pair_image == k)[0]) for k in range(len(data.names))])
+    hodosh = metrics_from_scores(scores[:, first], data.pair_image[first])
+    metrics.update({f"hodosh_{k}": v for k, v in hodosh.items()})
+    metrics["images"] = float(len(data.names))
+    metrics["sentences"] = float(len(data.sentences))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--split", default="dev", help="split name (DATA/<name>.txt) or path of a split list")
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
+    ap.add_argument("--out", type=Path, default=None, help="write the metrics as JSON here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    bundle = Bundle.load(args.model)
+    data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
+                           make_parser(bundle.text.cfg.parser), workers=args.workers, limit=args.limit)
+    metrics = evaluate(bundle, data)
+    text = json.dumps(metrics, indent=2)
+    logger.info("metrics on %s (%d images): %s", args.split, len(data.names), text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

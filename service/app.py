@@ -1,0 +1,111 @@
+"""The app factory: FastAPI with the API routes, metrics, the web page and one JSON error model.
+
+The model and indexes load once, in a worker thread at start-up (GET /readyz answers 503 until
+then), and are shared read-only by all requests; CPU-heavy work runs in the threadpool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from service import errors
+from service.engine import Engine
+from service.limits import MULTIPART_OVERHEAD, BodyLimitMiddleware
+from service.metrics import Metrics, MetricsMiddleware
+from service.routes import health, images, search
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+STATIC = Path(__file__).resolve().parent / "static"
+DESCRIPTION = """Cross-modal image/sentence retrieval with Deep Fragment Embeddings.
+
+Images are ranked for a sentence (and sentences for an image) by the exact S_kl score; every result
+carries its fragment alignment: each sentence fragment (a dependency triplet) with the image region
+it matched, as a box in the image's own pixels, and its fragment score. Every error has the
+`ErrorResponse` body."""
+
+
+def load_engine(settings: Settings) -> Engine:
+    """Load (and optionally warm up) the engine; blocking."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    engine = Engine.load(settings)
+    if settings.warmup:
+        engine.warm_up()
+    return engine
+
+
+async def _load_in_background(app: FastAPI, settings: Settings, started: float) -> None:
+    """Load the engine in a worker thread; `started` is the perf_counter the ready time is measured from."""
+    try:
+        engine = await asyncio.to_thread(load_engine, settings)
+    except Exception as e:  # reported by /readyz and the log; the process stays up for /healthz
+        logger.exception("could not load the model and indexes")
+        app.state.load_error = f"{type(e).__name__}: {e}"
+        return
+    app.state.engine = engine
+    app.state.metrics.ready.set(1)
+    logger.info("ready in %.1fs after start-up", time.perf_counter() - started)
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None,
+               started: float | None = None) -> FastAPI:
+    """The service. With `engine` given it is used as is (ready at once); otherwise it is loaded
+    from the settings' paths in the background after start-up. `started` (a time.perf_counter
+    value, default: when the app starts) is what the logged ready time is measured from."""
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task: asyncio.Task[None] | None = None
+        if app.state.engine is None:
+            t0 = started if started is not None else time.perf_counter()
+            task = asyncio.create_task(_load_in_background(app, settings, t0))
+        yield
+        if task is not None and not task.done():
+            task.cancel()
+
+    app = FastAPI(title="fragsearch", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.engine = engine
+    app.state.load_error = None
+    if engine is not None:
+        metrics.ready.set(1)
+
+    def size(attr: str) -> float:
+        eng = app.state.engine
+        if eng is None:
+            return 0.0
+        return float(len(eng.images) if attr == "images" else eng.sentence_count())
+
+    metrics.track_index("images", lambda: size("images"))
+    metrics.track_index("sentences", lambda: size("sentences"))
+
+    errors.install(app)
+    app.include_router(search.build_router())
+    app.include_router(images.build_router())
+    app.include_router(health.build_router())
+    upload_limit = settings.max_upload_bytes + MULTIPART_OVERHEAD
+    app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit},
+                       default=settings.max_json_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts refused bodies
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app

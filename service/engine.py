@@ -1,0 +1,191 @@
+"""The loaded model and indexes behind the routes: reads are shared, writes are serialised.
+
+Every method here is blocking CPU work; the routes call them through a threadpool.
+Bad input becomes an ApiError with the status of the service's bad-input contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from index import ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
+from model.bundle import Bundle
+from model.fragments import NoFragmentsError
+from model.image import ImageReadError, load_image
+from service.errors import ApiError
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_FORMAT = "JPEG"
+UPLOAD_QUALITY = 95
+MAX_NAME_CHARS = 100
+WARMUP_SENTENCE = "a dog runs on the grass"
+WARMUP_SIDE = 224
+
+
+def image_error(exc: ImageReadError) -> ApiError:
+    """Map an unreadable upload to the contract: too large 413, not an image 415, damaged 422."""
+    text = str(exc)
+    if "too large" in text:
+        return ApiError(413, "image_too_large", f"the image is too large: {text}")
+    if "not a recognised image format" in text:
+        return ApiError(415, "not_an_image", "the upload is not an image (JPEG, PNG, GIF, BMP, WebP, ...)")
+    return ApiError(422, "bad_image", f"the image cannot be decoded (truncated or corrupt): {text}")
+
+
+def text_error(exc: ValueError, what: str) -> ApiError:
+    if isinstance(exc, NoFragmentsError):
+        return ApiError(422, "no_fragments", f"the {what} has no usable fragment: {exc}")
+    return ApiError(422, "empty_sentence", f"the {what} is empty or unusable: {exc}")
+
+
+def safe_name(filename: str | None, fallback: str) -> str:
+    """A display name from an upload's file name: its last path part, tame characters only."""
+    base = re.split(r"[\\/]", filename or "")[-1]
+    base = re.sub(r"[^A-Za-z0-9._ -]", "_", base).strip(" .")[:MAX_NAME_CHARS]
+    return base or fallback
+
+
+@dataclass
+class Decoded:
+    image: Image.Image
+    width: int
+    height: int
+
+
+class Engine:
+    """Model + image index + sentence index, loaded once and shared by all requests."""
+
+    def __init__(self, settings: Settings, bundle: Bundle, images: ImageIndex,
+                 sentences: SentenceIndex | None, load_seconds: float = 0.0) -> None:
+        self.settings = settings
+        self.bundle = bundle
+        self.images = images
+        self.sentences = sentences
+        self.load_seconds = load_seconds
+        self._write_lock = threading.Lock()
+        self._heavy = threading.BoundedSemaphore(settings.heavy_slots)  # bounds CPU and memory of extractions
+
+    @classmethod
+    def load(cls, settings: Settings) -> Engine:
+        """Load the checkpoint and both indexes named by the settings (raises on a missing or bad one)."""
+        t0 = time.perf_counter()
+        bundle = Bundle.load(settings.model_file, device=settings.device)
+        images = ImageIndex.load(settings.image_index_dir, bundle)
+        sentences = SentenceIndex.load(settings.sentence_index_dir, bundle) \
+            if (settings.sentence_index_dir / "index.sqlite").is_file() else None
+        if sentences is None:
+            logger.warning("no sentence index at %s: /annotate is unavailable", settings.sentence_index_dir)
+        engine = cls(settings, bundle, images, sentences)
+        engine.load_seconds = time.perf_counter() - t0
+        logger.info("loaded model and indexes in %.1fs: %d images, %d sentences", engine.load_seconds,
+                    len(images), engine.sentence_count())
+        return engine
+
+    def sentence_count(self) -> int:
+        return len(self.sentences) if self.sentences is not None else 0
+
+    def warm_up(self) -> float:
+        """One search and one annotation, so that lazily loaded parts (parser, backbone) are ready."""
+        t0 = time.perf_counter()
+        self.images.search(WARMUP_SENTENCE, 1)
+        if self.sentences is not None:
+            blank = Image.new("RGB", (WARMUP_SIDE, WARMUP_SIDE), (128, 128, 128))
+            self.sentences.annotate(blank, 1)
+        seconds = time.perf_counter() - t0
+        logger.info("warm-up took %.1fs", seconds)
+        return seconds
+
+    # -- reads -----------------------------------------------------------------------------------
+    def search_images(self, sentence: str, k: int) -> list[ImageHit]:
+        try:
+            return self.images.search(sentence, k)
+        except ValueError as e:
+            raise text_error(e, "sentence") from e
+
+    def search_fragments(self, phrase: str, k: int) -> list[RegionHit]:
+        try:
+            return self.images.search_fragments(phrase, k)
+        except ValueError as e:
+            raise text_error(e, "phrase") from e
+
+    def search_triplet(self, relation: str, w1: str, w2: str, k: int) -> list[RegionHit]:
+        """Regions for one triplet: embedded as is when its relation is kept and its words are known,
+        otherwise its words are read as a phrase."""
+        return self.search_fragments(f"{relation}({w1}, {w2})", k)
+
+    def decode(self, data: bytes) -> Decoded:
+        try:
+            img = load_image(data, max_pixels=self.settings.max_pixels)
+        except ImageReadError as e:
+            raise image_error(e) from e
+        return Decoded(img, img.size[0], img.size[1])
+
+    def annotate(self, data: bytes, k: int) -> tuple[Decoded, list[SentenceHit]]:
+        if self.sentences is None:
+            raise ApiError(503, "not_ready", "no sentence collection is loaded")
+        with self._heavy:
+            decoded = self.decode(data)
+            return decoded, self.sentences.annotate(decoded.image, k)
+
+    def image_file(self, image_id: int) -> Path | None:
+        """The file of an indexed image, or None: only paths the index holds are ever served."""
+        rec = self.images.get(image_id)
+        if rec is None:
+            return None
+        path = Path(rec.path)
+        return path if path.is_file() else None
+
+    # -- writes (serialised) ---------------------------------------------------------------------
+    def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
+        """Decode, store under the uploads folder, index and save; on failure nothing changes."""
+        with self._heavy:
+            decoded = self.decode(data)
+        uploads = self.settings.uploads_dir
+        uploads.mkdir(parents=True, exist_ok=True)
+        stem = uuid.uuid4().hex
+        path = uploads / f"{stem}.jpg"
+        name = safe_name(filename, f"{stem}.jpg")
+        with self._write_lock, self._heavy:  # write lock first, then a slot: one order, no deadlock
+            decoded.image.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)
+            image_id: int | None = None
+            try:
+                image_id = self.images.add_image(decoded.image, name, path)
+                self.images.save()
+            except BaseException:
+                if image_id is not None:
+                    self.images.remove(image_id)
+                path.unlink(missing_ok=True)
+                raise
+            rec = self.images.get(image_id)
+        assert rec is not None
+        logger.info("indexed upload %s as image %d (%dx%d)", name, image_id, decoded.width, decoded.height)
+        return rec
+
+    def remove_image(self, image_id: int) -> bool:
+        """Remove from the index (and delete the file if the service stored it); False if unknown."""
+        with self._write_lock:
+            rec = self.images.get(image_id)
+            if rec is None or not self.images.remove(image_id):
+                return False
+            self.images.save()
+            path = Path(rec.path)
+            if self._owned(path):
+                path.unlink(missing_ok=True)
+        logger.info("removed image %d (%s)", image_id, rec.name)
+        return True
+
+    def _owned(self, path: Path) -> bool:
+        try:
+            return path.resolve().is_relative_to(self.settings.uploads_dir.resolve())
+        except OSError:
+            return False

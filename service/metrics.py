@@ -1,0 +1,65 @@
+"""Prometheus metrics: request counts and latencies per route, index sizes, process memory.
+
+Each app has its own registry (several apps may live in one process, e.g. in tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+UNMATCHED = "<unmatched>"
+
+
+class Metrics:
+    """The registry and the instruments the middleware and /metrics use."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.requests = Counter("fragsearch_requests", "HTTP requests answered", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("fragsearch_request_seconds", "HTTP request latency", ["method", "route"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.index_size = Gauge("fragsearch_index_size", "items in an index", ["index"], registry=self.registry)
+        self.ready = Gauge("fragsearch_ready", "1 once the model and indexes are loaded", registry=self.registry)
+
+    def track_index(self, name: str, size: Callable[[], float]) -> None:
+        self.index_size.labels(index=name).set_function(size)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request, labelled by its route template (not the raw path)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path_format", None) or getattr(route, "path", None) or UNMATCHED
+            method = str(scope.get("method", ""))
+            self.metrics.requests.labels(method=method, route=path, status=str(status)).inc()
+            self.metrics.latency.labels(method=method, route=path).observe(time.perf_counter() - start)

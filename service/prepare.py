@@ -1,0 +1,108 @@
+"""The embedded default's preparation: train the model and build the two indexes if missing.
+
+What exists is reused: a checkpoint is never retrained, a finished index is loaded as it is, and
+an image index left half-built by an interrupted run is extended with the images it lacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from index import IndexSettings
+from index.build import build_image_index, build_sentence_index
+from model.bundle import Bundle
+from model.data import load_split
+from model.dataset import feature_cache
+from model.train import main as train_main
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+INDEX_DB = "index.sqlite"  # present once an index folder has been saved
+
+
+def index_exists(root: Path) -> bool:
+    return (root / INDEX_DB).is_file()
+
+
+def _partial_marker(root: Path) -> Path:
+    """Present beside an image index while its build is unfinished (it is saved every few thousand images)."""
+    return root.parent / (root.name + ".partial")
+
+
+def image_index_ready(root: Path) -> bool:
+    return index_exists(root) and not _partial_marker(root).exists()
+
+
+def ensure_model(settings: Settings) -> Path:
+    """The checkpoint; trained with model.train (variant settings.variant) if absent."""
+    path = settings.model_file
+    if path.is_file():
+        logger.info("model: reusing %s", path)
+        return path
+    logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
+                "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
+    t0 = time.perf_counter()
+    train_main(["--data", str(settings.data), "--variant", settings.variant, "--out", str(path.parent),
+                "--cache", str(settings.cache_dir), "--workers", str(settings.workers), "--device", settings.device])
+    if not path.is_file():
+        raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
+    logger.info("model: trained in %.0fs", time.perf_counter() - t0)
+    return path
+
+
+def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
+    """The image index of the settings.image_split images (features from the shared cache)."""
+    target = settings.image_index_dir
+    if image_index_ready(target):
+        logger.info("image index: reusing %s", target)
+        return target
+    split = load_split(settings.data, settings.image_split)
+    logger.info("image index: indexing %d %s images into %s", len(split.images), settings.image_split, target)
+    t0 = time.perf_counter()
+    marker = _partial_marker(target)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=settings.device)
+    index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
+                              _index_settings(settings), cache=cache, workers=settings.workers)
+    marker.unlink()
+    logger.info("image index: %d images in %.0fs", len(index), time.perf_counter() - t0)
+    index.close()
+    return target
+
+
+def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
+    """The sentence collection: the captions of the settings.sentence_split images."""
+    target = settings.sentence_index_dir
+    if index_exists(target):
+        logger.info("sentence index: reusing %s", target)
+        return target
+    split = load_split(settings.data, settings.sentence_split)
+    sentences, _ = split.sentences()
+    logger.info("sentence index: %d %s captions into %s", len(sentences), settings.sentence_split, target)
+    t0 = time.perf_counter()
+    index = build_sentence_index(bundle, sentences, target, _index_settings(settings),
+                                 parse_dir=settings.cache_dir / "parses", rebuild=target.exists())
+    logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
+    index.close()
+    return target
+
+
+def _index_settings(settings: Settings) -> IndexSettings:
+    return IndexSettings(kind=settings.index_kind, use_gpu=settings.device.startswith("cuda"))
+
+
+def prepare(settings: Settings) -> float:
+    """Make sure the model and both indexes exist; returns the seconds spent."""
+    t0 = time.perf_counter()
+    ensure_model(settings)
+    if not image_index_ready(settings.image_index_dir) or not index_exists(settings.sentence_index_dir):
+        bundle = Bundle.load(settings.model_file, device=settings.device)
+        ensure_image_index(settings, bundle)
+        ensure_sentence_index(settings, bundle)
+    seconds = time.perf_counter() - t0
+    logger.info("preparation took %.1fs", seconds)
+    return seconds

@@ -1,0 +1,1 @@
+"""The API's routers: search, images, health."""

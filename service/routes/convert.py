@@ -1,0 +1,56 @@
+"""Index results -> response models."""
+
+from __future__ import annotations
+
+from index import FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
+from service.errors import ApiError
+from service.schemas import FragmentMatchOut, ImageOut, ImageResult, RegionResult, SentenceResult
+from service.settings import Settings
+
+
+def image_url(image_id: int) -> str:
+    return f"/images/{image_id}"
+
+
+def check_k(k: int, settings: Settings) -> int:
+    if k < 1 or k > settings.k_max:
+        raise ApiError(422, "bad_k", f"k must be between 1 and {settings.k_max}, got {k}")
+    return k
+
+
+def check_text(text: str, settings: Settings, what: str) -> str:
+    text = text.strip()
+    if not text:
+        raise ApiError(422, "empty_sentence", f"the {what} is empty")
+    if len(text) > settings.max_sentence_chars:
+        raise ApiError(422, "sentence_too_long",
+                       f"the {what} has {len(text)} characters; the limit is {settings.max_sentence_chars}")
+    return text
+
+
+def _box(box: list[float]) -> list[float]:
+    return [round(float(v), 2) for v in box]
+
+
+def match_out(m: FragmentMatch) -> FragmentMatchOut:
+    return FragmentMatchOut(triplet=m.triplet, relation=m.relation, words=list(m.words), box=_box(m.box),
+                            fragment=int(m.fragment), score=float(m.score))
+
+
+def image_result(hit: ImageHit) -> ImageResult:
+    return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id), width=hit.width,
+                       height=hit.height, score=float(hit.score), alignment=[match_out(m) for m in hit.alignment])
+
+
+def sentence_result(hit: SentenceHit) -> SentenceResult:
+    return SentenceResult(id=hit.sentence_id, text=hit.text, score=float(hit.score),
+                          alignment=[match_out(m) for m in hit.alignment])
+
+
+def region_result(hit: RegionHit) -> RegionResult:
+    return RegionResult(image_id=hit.image_id, name=hit.name, url=image_url(hit.image_id), box=_box(hit.box),
+                        fragment=int(hit.fragment), score=float(hit.score))
+
+
+def image_out(rec: ImageRecord) -> ImageOut:
+    return ImageOut(id=rec.image_id, name=rec.name, url=image_url(rec.image_id), width=rec.width, height=rec.height)

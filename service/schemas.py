@@ -1,0 +1,142 @@
+"""Request and response bodies of the API (pydantic), and the one JSON error model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
+
+
+class ErrorBody(BaseModel):
+    code: str = Field(description="machine-readable reason, e.g. empty_sentence, no_fragments, not_an_image")
+    message: str = Field(description="what was wrong, for people")
+    details: list[dict[str, Any]] | None = Field(default=None, description="per-field validation errors, when any")
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer has this body."""
+
+    error: ErrorBody
+
+
+def _not_blank(value: str, what: str) -> str:
+    text = value.strip()
+    if not text:
+        raise ValueError(f"the {what} is empty")
+    return text
+
+
+class SearchImagesRequest(BaseModel):
+    sentence: str = Field(description="a sentence describing the images wanted", examples=["a dog runs on the grass"])
+    k: int = Field(default=10, ge=1, strict=True, description="number of images (at most the service's k limit)")
+
+    @field_validator("sentence")
+    @classmethod
+    def _sentence(cls, v: str) -> str:
+        return _not_blank(v, "sentence")
+
+
+WORD_PATTERN = r"^[^\s,()]{1,64}$"  # one token: no blanks, commas or brackets
+
+
+class TripletIn(BaseModel):
+    relation: str = Field(pattern=r"^[\w:<>-]{1,32}$", description="dependency relation, e.g. amod",
+                          examples=["amod"])
+    w1: str = Field(pattern=WORD_PATTERN, description="head word", examples=["dog"])
+    w2: str = Field(pattern=WORD_PATTERN, description="dependent word", examples=["black"])
+
+
+class SearchFragmentsRequest(BaseModel):
+    """Exactly one of `phrase` or `triplet`."""
+
+    phrase: str | None = Field(default=None, description="a short phrase, e.g. 'black dog'", examples=["black dog"])
+    triplet: TripletIn | None = Field(default=None, description="a dependency triplet")
+    k: int = Field(default=10, ge=1, strict=True, description="number of regions (at most the service's k limit)")
+
+    @field_validator("phrase")
+    @classmethod
+    def _phrase(cls, v: str | None) -> str | None:
+        return None if v is None else _not_blank(v, "phrase")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> SearchFragmentsRequest:
+        if (self.phrase is None) == (self.triplet is None):
+            raise ValueError("give exactly one of 'phrase' or 'triplet'")
+        return self
+
+
+class FragmentMatchOut(BaseModel):
+    """One sentence fragment and the image region it aligns with."""
+
+    triplet: str = Field(description="the fragment as text, e.g. 'amod(dog, black)'")
+    relation: str
+    words: list[str] = Field(description="[w1, w2]")
+    box: Box = Field(description="matched image region [x0, y0, x1, y1] in the image's pixels")
+    fragment: int = Field(description="index of the matched image fragment (0 = whole image)")
+    score: float = Field(description="fragment score v_i . s_j")
+
+
+class ImageResult(BaseModel):
+    id: int
+    name: str
+    url: str = Field(description="where the image file is served")
+    width: int
+    height: int
+    score: float = Field(description="image-sentence score S_kl")
+    alignment: list[FragmentMatchOut]
+
+
+class SearchImagesResponse(BaseModel):
+    sentence: str
+    results: list[ImageResult]
+    took_ms: float
+
+
+class SentenceResult(BaseModel):
+    id: int
+    text: str
+    score: float = Field(description="image-sentence score S_kl")
+    alignment: list[FragmentMatchOut]
+
+
+class AnnotateResponse(BaseModel):
+    width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
+    height: int
+    results: list[SentenceResult]
+    took_ms: float
+
+
+class RegionResult(BaseModel):
+    image_id: int
+    name: str
+    url: str
+    box: Box
+    fragment: int
+    score: float = Field(description="fragment score v_i . s")
+
+
+class SearchFragmentsResponse(BaseModel):
+    query: str
+    results: list[RegionResult]
+    took_ms: float
+
+
+class ImageOut(BaseModel):
+    id: int
+    name: str
+    url: str
+    width: int
+    height: int
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    status: str
+    images: int = Field(description="images in the index")
+    sentences: int = Field(description="sentences in the collection")
+    load_seconds: float

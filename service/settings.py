@@ -1,0 +1,116 @@
+"""Service settings: one object read from FRAGSEARCH_* environment variables and `.env`.
+
+Paths left unset are derived from the artifacts folder (git-ignored), so that the embedded
+default needs no configuration at all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from model.config import default_artifacts_dir, default_data_dir
+
+API_KEY_HEADER = "X-API-Key"
+
+
+class Settings(BaseSettings):
+    """Everything the service reads at start-up (environment variable = FRAGSEARCH_ + upper-case name)."""
+
+    model_config = SettingsConfigDict(env_prefix="FRAGSEARCH_", env_file=".env", extra="ignore")
+
+    # where things are
+    data: Path = Field(default_factory=default_data_dir, description="data folder (images/, captions.txt, splits)")
+    artifacts: Path = Field(default_factory=default_artifacts_dir, description="weights, caches and indexes")
+    model_path: Path | None = Field(
+        default=None, description="checkpoint; default <artifacts>/models/<variant>/model.pt")
+    image_index: Path | None = Field(
+        default=None, description="image index folder; default <artifacts>/index/images-<split>")
+    sentence_index: Path | None = Field(
+        default=None, description="sentence index folder; default <artifacts>/index/sentences-<split>")
+    uploads: Path | None = Field(
+        default=None, description="where POST /images stores files; default <artifacts>/uploads")
+    cache: Path | None = Field(default=None, description="feature/parse cache; default <artifacts>/cache")
+
+    # what the embedded default prepares when it is missing
+    prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
+    variant: str = Field(default="full", description="model variant trained when the checkpoint is missing")
+    image_split: str = Field(default="dev", description="split whose images are indexed")
+    sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
+    index_kind: str = Field(default="flat", description="FAISS index kind of newly built indexes")
+    workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
+
+    # serving
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    device: str = Field(default="cpu", description="'cpu' or 'cuda' (model and FAISS)")
+    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: torch's choice")
+    warmup: bool = Field(default=True, description="run one search and one annotation before reporting ready")
+    heavy_slots: int = Field(default=2, ge=1, description="image extractions (annotate, uploads) run at once; "
+                             "more requests wait their turn")
+    log_level: str = "info"
+
+    # writes
+    api_key: SecretStr | None = Field(
+        default=None, description=f"key required in the {API_KEY_HEADER} header for writes")
+    auth_disabled: bool = Field(default=False, description="accept writes without a key (explicit opt-out only)")
+
+    # limits
+    max_sentence_chars: int = Field(default=300, ge=1, description="longest sentence or phrase accepted")
+    k_default: int = Field(default=10, ge=1)
+    k_max: int = Field(default=100, ge=1, description="largest k accepted")
+    max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="largest image upload")
+    max_pixels: int = Field(default=40_000_000, ge=1, description="largest image (width x height) decoded")
+    max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
+
+    @model_validator(mode="after")
+    def _derive_paths(self) -> Settings:
+        a = self.artifacts
+        if self.api_key is not None and not self.api_key.get_secret_value().strip():
+            self.api_key = None  # an empty FRAGSEARCH_API_KEY means no key
+        if self.model_path is None:
+            self.model_path = a / "models" / self.variant / "model.pt"
+        if self.image_index is None:
+            self.image_index = a / "index" / f"images-{self.image_split}"
+        if self.sentence_index is None:
+            self.sentence_index = a / "index" / f"sentences-{self.sentence_split}"
+        if self.uploads is None:
+            self.uploads = a / "uploads"
+        if self.cache is None:
+            self.cache = a / "cache"
+        if self.k_default > self.k_max:
+            raise ValueError(f"k_default ({self.k_default}) must not exceed k_max ({self.k_max})")
+        return self
+
+    # typed accessors for the derived paths (always set after validation)
+    @property
+    def model_file(self) -> Path:
+        assert self.model_path is not None
+        return self.model_path
+
+    @property
+    def image_index_dir(self) -> Path:
+        assert self.image_index is not None
+        return self.image_index
+
+    @property
+    def sentence_index_dir(self) -> Path:
+        assert self.sentence_index is not None
+        return self.sentence_index
+
+    @property
+    def uploads_dir(self) -> Path:
+        assert self.uploads is not None
+        return self.uploads
+
+    @property
+    def cache_dir(self) -> Path:
+        assert self.cache is not None
+        return self.cache
+
+    @property
+    def writes_open(self) -> bool:
+        """Writes are possible: a key is configured, or auth was switched off explicitly."""
+        return self.auth_disabled or self.api_key is not None

@@ -1,0 +1,196 @@
+// fragsearch web page: calls the JSON API and draws aligned regions as labelled boxes.
+"use strict";
+
+const PALETTE = ["#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#9a6324",
+  "#469990", "#800000", "#808000", "#000075"];
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key === "class") node.className = value;
+    else if (key === "style") Object.assign(node.style, value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) {
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+async function api(path, options) {
+  const response = await fetch(path, options);
+  const body = await response.json().catch(() => null);
+  if (!response.ok) {
+    const message = body && body.error ? body.error.message : `HTTP ${response.status}`;
+    throw new Error(message);
+  }
+  return body;
+}
+
+function pct(value, total) {
+  return `${(100 * value / Math.max(total, 1)).toFixed(3)}%`;
+}
+
+// One positioned box over an image: box [x0, y0, x1, y1] in image pixels, labels [{text, colour}].
+function boxDiv(box, width, height, labels, whole) {
+  const [x0, y0, x1, y1] = box;
+  const colour = labels[0].colour;
+  const div = el("div", {
+    class: whole ? "box whole" : "box",
+    style: { left: pct(x0, width), top: pct(y0, height), width: pct(x1 - x0, width),
+      height: pct(y1 - y0, height), borderColor: colour },
+  });
+  const stack = el("div", { class: "labels" });
+  for (const label of labels) {
+    stack.append(el("span", { class: "label", style: { background: label.colour } }, label.text));
+  }
+  div.append(stack);
+  return div;
+}
+
+// Matched fragments grouped by image fragment: one box per region, one label per sentence fragment.
+function drawAlignment(overlay, alignment, width, height) {
+  overlay.replaceChildren();
+  const groups = new Map();
+  alignment.forEach((m, j) => {
+    if (!(m.score > 0)) return;
+    const colour = PALETTE[j % PALETTE.length];
+    if (!groups.has(m.fragment)) groups.set(m.fragment, { box: m.box, labels: [] });
+    groups.get(m.fragment).labels.push({ text: `${m.triplet} ${m.score.toFixed(2)}`, colour });
+  });
+  for (const [fragment, g] of groups) overlay.append(boxDiv(g.box, width, height, g.labels, fragment === 0));
+  return groups.size;
+}
+
+function figure(url, alt, width, height) {
+  const img = el("img", { class: "result-img", src: url, alt, loading: "lazy" });
+  const overlay = el("div", { class: "overlay" });
+  const frame = el("div", { class: "frame", style: { aspectRatio: `${width} / ${height}` } }, img, overlay);
+  return { frame, img, overlay };
+}
+
+function legend(alignment) {
+  const list = el("ul", { class: "legend" });
+  alignment.forEach((m, j) => {
+    const matched = m.score > 0;
+    list.append(el("li", { class: matched ? "" : "unmatched" },
+      el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
+      `${m.triplet}  ${m.score.toFixed(3)}`));
+  });
+  return list;
+}
+
+async function searchImages(sentence, k) {
+  const data = await api("/search/images", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k }),
+  });
+  const results = $("results");
+  results.replaceChildren();
+  data.results.forEach((hit, rank) => {
+    const { frame, overlay } = figure(hit.url, hit.name, hit.width, hit.height);
+    drawAlignment(overlay, hit.alignment, hit.width, hit.height);
+    results.append(el("figure", { class: "card", "data-id": hit.id }, frame,
+      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · S = ${hit.score.toFixed(4)}`),
+      legend(hit.alignment)));
+  });
+  return `${data.results.length} images for “${data.sentence}” in ${data.took_ms.toFixed(0)} ms`;
+}
+
+async function searchRegions(phrase, k) {
+  const data = await api("/search/fragments", {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ phrase, k }),
+  });
+  const results = $("results");
+  results.replaceChildren();
+  data.results.forEach((hit, rank) => {
+    const img = el("img", { class: "result-img", src: hit.url, alt: hit.name, loading: "lazy" });
+    const overlay = el("div", { class: "overlay" });
+    const frame = el("div", { class: "frame" }, img, overlay);
+    const label = [{ text: `${data.query} ${hit.score.toFixed(2)}`, colour: PALETTE[0] }];
+    const draw = () => overlay.replaceChildren(
+      boxDiv(hit.box, img.naturalWidth, img.naturalHeight, label, hit.fragment === 0));
+    if (img.complete && img.naturalWidth) draw(); else img.addEventListener("load", draw);
+    results.append(el("figure", { class: "card", "data-id": hit.image_id }, frame,
+      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · region ${hit.fragment}`)));
+  });
+  return `${data.results.length} regions for “${data.query}” in ${data.took_ms.toFixed(0)} ms`;
+}
+
+async function runSearch() {
+  const query = $("q").value.trim();
+  const k = Number($("k").value) || 8;
+  const status = $("search-status");
+  if (!query) return;
+  document.body.dataset.state = "searching";
+  status.textContent = "searching…";
+  status.classList.remove("error");
+  try {
+    status.textContent = $("mode").value === "regions" ? await searchRegions(query, k) : await searchImages(query, k);
+    document.body.dataset.state = "done";
+  } catch (err) {
+    $("results").replaceChildren();
+    status.textContent = err.message;
+    status.classList.add("error");
+    document.body.dataset.state = "error";
+  }
+}
+
+async function runAnnotate(file, k) {
+  const status = $("annotate-status");
+  const out = $("annotation");
+  status.textContent = "reading the image…";
+  status.classList.remove("error");
+  const form = new FormData();
+  form.append("file", file);
+  form.append("k", String(k));
+  try {
+    const data = await api("/annotate", { method: "POST", body: form });
+    const url = URL.createObjectURL(file);
+    const { frame, overlay } = figure(url, file.name, data.width, data.height);
+    const list = el("ol", { class: "sentences" });
+    const select = (i) => {
+      drawAlignment(overlay, data.results[i].alignment, data.width, data.height);
+      list.querySelectorAll("li").forEach((li, j) => li.classList.toggle("selected", i === j));
+    };
+    data.results.forEach((hit, i) => {
+      const item = el("li", { tabindex: "0" }, el("span", { class: "sentence" }, hit.text),
+        el("span", { class: "score" }, ` S = ${hit.score.toFixed(4)}`), legend(hit.alignment));
+      item.addEventListener("click", () => select(i));
+      item.addEventListener("keydown", (e) => { if (e.key === "Enter") select(i); });
+      list.append(item);
+    });
+    out.replaceChildren(el("div", { class: "annotated" }, el("figure", { class: "card" }, frame), list));
+    if (data.results.length) select(0);
+    status.textContent = `${data.results.length} sentences in ${data.took_ms.toFixed(0)} ms (click one to see its regions)`;
+  } catch (err) {
+    out.replaceChildren();
+    status.textContent = err.message;
+    status.classList.add("error");
+  }
+}
+
+$("search-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const params = new URLSearchParams({ q: $("q").value, mode: $("mode").value, k: $("k").value });
+  history.replaceState(null, "", `?${params}`);
+  runSearch();
+});
+
+$("annotate-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const file = $("file").files[0];
+  if (file) runAnnotate(file, Number($("ak").value) || 5);
+});
+
+// ?q=... runs the search on load (links and headless checks use it).
+(function fromQuery() {
+  const params = new URLSearchParams(location.search);
+  if (params.get("mode") === "regions") $("mode").value = "regions";
+  if (params.get("k")) $("k").value = params.get("k");
+  if (params.get("q")) {
+    $("q").value = params.get("q");
+    runSearch();
+  }
+})();

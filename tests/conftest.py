@@ -1,0 +1,43 @@
+"""Shared fixtures: a small coloured-shapes data set and a model trained on it for a few seconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from model.bundle import Bundle
+from model.dataset import SplitData, load_split_data
+from model.text import make_parser
+from model.train import make_run, train
+from tests.synthetic import make_dataset
+
+
+@dataclass
+class ShapesModel:
+    """data: the data folder (images/, captions.txt, train.txt, dev.txt, objects.json);
+    model_path: a trained checkpoint; cache: the feature/parse cache; dev: the dev split loaded."""
+
+    data: Path
+    model_path: Path
+    cache: Path
+    bundle: Bundle
+    dev: SplitData
+    objects: dict[str, list[dict[str, object]]]
+    summary: dict[str, object]
+
+
+@pytest.fixture(scope="session")
+def shapes_model(tmp_path_factory: pytest.TempPathFactory) -> ShapesModel:
+    root = tmp_path_factory.mktemp("shapes")
+    objects = make_dataset(root / "data", n_train=60, n_dev=20)
+    run = make_run("paper", {"epochs": 30, "dense_epochs": 10, "anneal_epochs": 3, "batch_size": 20, "h": 64,
+                             "lr": 3e-3, "eval_every": 10})
+    parser = make_parser("spacy")
+    cache = root / "cache"
+    tr = load_split_data(root / "data", "train", run.image, cache, parser)
+    dev = load_split_data(root / "data", "dev", run.image, cache, parser)
+    summary = train(run, tr, dev, root / "model", cache)
+    path = root / "model" / "model.pt"
+    return ShapesModel(root / "data", path, cache, Bundle.load(path), dev, objects, summary)

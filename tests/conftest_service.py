@@ -1,0 +1,131 @@
+"""Service fixtures: indexes over the coloured-shapes data and apps built on them.
+
+Used by the service test modules through `pytest_plugins = ["tests.conftest_service"]` (they take
+the limits and the key from the `service_env` fixture rather than importing this module).
+The read-only engine is shared by the session; tests that write get their own copy of the indexes.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from index import ImageIndex, IndexSettings, SentenceIndex
+from model.data import load_split
+from model.dataset import feature_cache
+from service.app import create_app
+from service.engine import Engine
+from service.settings import Settings
+from tests.conftest import ShapesModel
+
+API_KEY = "test-key-123"
+MAX_UPLOAD = 300_000
+MAX_PIXELS = 2_000_000
+K_MAX = 40
+MAX_CHARS = 200
+
+
+@dataclass
+class ServiceEnv:
+    """root: the folder holding images/ and sentences/ indexes; dev: the dev image names;
+    captions: image name -> its captions; settings: the settings the test apps use."""
+
+    root: Path
+    shapes: ShapesModel
+    settings: Settings
+    engine: Engine
+    dev: list[str]
+    captions: dict[str, list[str]]
+
+    def image_path(self, name: str) -> Path:
+        return self.shapes.data / "images" / name
+
+    def jpeg(self, name: str | None = None) -> bytes:
+        """A dev image's file bytes (the first dev image by default)."""
+        return self.image_path(name or self.dev[0]).read_bytes()
+
+    api_key: str = API_KEY
+
+    @staticmethod
+    def png(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+        return png_bytes(width, height, colour)
+
+    def settings_for(self, root: Path, **overrides: object) -> Settings:
+        """The test settings with indexes and uploads under `root`."""
+        return make_settings(self.shapes, root, **overrides)
+
+    def writable(self, tmp: Path, **overrides: object) -> tuple[Settings, Engine]:
+        """Settings and an engine over a private copy of the indexes (and its own uploads folder)."""
+        shutil.copytree(self.root / "images", tmp / "images")
+        shutil.copytree(self.root / "sentences", tmp / "sentences")
+        settings = make_settings(self.shapes, tmp, **overrides)
+        bundle = self.shapes.bundle
+        engine = Engine(settings, bundle, ImageIndex.load(tmp / "images", bundle),
+                        SentenceIndex.load(tmp / "sentences", bundle))
+        return settings, engine
+
+
+def make_settings(shapes: ShapesModel, root: Path, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "data": shapes.data, "artifacts": root, "model_path": shapes.model_path,
+        "image_index": root / "images", "sentence_index": root / "sentences", "uploads": root / "uploads",
+        "cache": shapes.cache, "api_key": API_KEY, "warmup": False, "k_max": K_MAX,
+        "max_upload_bytes": MAX_UPLOAD, "max_pixels": MAX_PIXELS, "max_sentence_chars": MAX_CHARS,
+    }
+    values.update(overrides)
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+@pytest.fixture(scope="session")
+def service_env(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> ServiceEnv:
+    root = tmp_path_factory.mktemp("service")
+    bundle = shapes_model.bundle
+    dev = load_split(shapes_model.data, "dev")
+    train = load_split(shapes_model.data, "train")
+    cache = feature_cache(shapes_model.cache, bundle.image_cfg)
+    images = ImageIndex.create(root / "images", bundle, IndexSettings(), cache=cache)
+    images.add_paths([dev.image_path(n) for n in dev.images])
+    images.save()
+    sentences = SentenceIndex.create(root / "sentences", bundle, IndexSettings())
+    texts, _ = train.sentences()
+    dev_texts, _ = dev.sentences()
+    sentences.add_sentences(texts + dev_texts)
+    sentences.save()
+    settings = make_settings(shapes_model, root)
+    engine = Engine(settings, bundle, images, sentences)
+    captions = {n: list(c) for n, c in zip(dev.images, dev.captions, strict=True)}
+    return ServiceEnv(root, shapes_model, settings, engine, list(dev.images), captions)
+
+
+@pytest.fixture(scope="session")
+def service_app(service_env: ServiceEnv) -> FastAPI:
+    """The read-only app over the shared engine (tests through it must not write)."""
+    return create_app(service_env.settings, engine=service_env.engine)
+
+
+@pytest.fixture(scope="session")
+def client(service_app: FastAPI) -> Iterator[TestClient]:
+    with TestClient(service_app) as c:
+        yield c
+
+
+@pytest.fixture
+def writable(service_env: ServiceEnv, tmp_path: Path) -> Iterator[tuple[TestClient, Engine]]:
+    """A client of an app over a private copy of the indexes: writes allowed."""
+    settings, engine = service_env.writable(tmp_path)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        yield c, engine
+
+
+def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buf, "PNG")
+    return buf.getvalue()

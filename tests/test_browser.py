@@ -1,0 +1,132 @@
+"""The web page in headless Chromium: a search from ?q= draws result images with labelled boxes.
+
+Screenshots go to artifacts/screenshots/ (git-ignored: they show data-set images).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from model.config import default_artifacts_dir
+from service.app import create_app
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from tests.conftest_service import ServiceEnv
+
+pytest_plugins = ["tests.conftest_service"]
+
+CHROMIUM = Path("/usr/bin/chromium")
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--virtual-time-budget=15000")
+SCREENSHOTS = default_artifacts_dir() / "screenshots"
+
+pytestmark = pytest.mark.skipif(not CHROMIUM.is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium)")
+
+
+class ServerThread:
+    """uvicorn on 127.0.0.1 and a free port, in a daemon thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def chromium(*args: str) -> str:
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    try:
+        r = subprocess.run([str(CHROMIUM), *FLAGS, f"--user-data-dir={profile}", *args],
+                           capture_output=True, text=True, timeout=90)
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout
+
+
+def page_url(base: str, query: str, **params: str) -> str:
+    return f"{base}/?" + urllib.parse.urlencode({"q": query, **params})
+
+
+@pytest.fixture(scope="module")
+def served(service_env: ServiceEnv) -> Iterator[str]:
+    with ServerThread(create_app(service_env.settings, engine=service_env.engine)) as base:
+        yield base
+
+
+def test_search_from_the_page_draws_images_and_boxes(served: str) -> None:
+    url = page_url(served, "a red circle beside a blue square", k="4")
+    dom = chromium("--dump-dom", url)
+    assert 'data-state="done"' in dom, dom[-2000:]
+    assert len(re.findall(r'<figure class="card"', dom)) == 4
+    assert len(re.findall(r'<img class="result-img" src="/images/\d+"', dom)) == 4
+    boxes = re.findall(r'<div class="box( whole)?"', dom)
+    assert boxes, "aligned regions are drawn as boxes"
+    labels = re.findall(r'<span class="label"[^>]*>([^<]+)</span>', dom)
+    assert any(re.search(r"\(.+\) -?\d+\.\d\d$", text) for text in labels), labels[:5]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SCREENSHOTS / "service-shapes.png"
+    chromium(f"--screenshot={shot}", "--window-size=1280,1000", url)
+    assert shot.is_file() and shot.stat().st_size > 10_000
+
+
+def test_region_search_from_the_page(served: str) -> None:
+    dom = chromium("--dump-dom", page_url(served, "red circle", mode="regions", k="3"))
+    assert 'data-state="done"' in dom
+    assert len(re.findall(r'<figure class="card"', dom)) == 3
+    assert re.search(r'<div class="box( whole)?"', dom)
+
+
+def test_a_bad_query_shows_the_error(served: str) -> None:
+    dom = chromium("--dump-dom", page_url(served, "zzxqv blorptang"))
+    assert 'data-state="error"' in dom and "fragment" in dom
+    assert '<figure class="card"' not in dom
+
+
+@pytest.mark.slow
+def test_screenshot_of_the_flickr8k_page() -> None:
+    """The page answering "a dog runs through the grass" on the embedded default's dev index."""
+    settings = Settings(_env_file=None, warmup=False)  # type: ignore[call-arg]
+    if not (settings.model_file.is_file() and settings.image_index_dir.exists()):
+        pytest.skip("the embedded default's model and dev index are not built (python -m service)")
+    with ServerThread(create_app(settings)) as base:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{base}/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "the service did not become ready"
+            time.sleep(0.5)
+        url = page_url(base, "a dog runs through the grass", k="8")
+        dom = chromium("--dump-dom", url)
+        assert 'data-state="done"' in dom and re.search(r'<div class="box', dom)
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        shot = SCREENSHOTS / "service-flickr8k-dog.png"
+        chromium(f"--screenshot={shot}", "--window-size=1280,1000", url)
+        assert shot.is_file()

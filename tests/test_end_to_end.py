@@ -1,0 +1,66 @@
+"""End to end on pictures of coloured shapes: extract, parse, train for a few seconds, evaluate, align."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.bundle import Bundle
+from model.dataset import SplitData
+from model.evaluate import evaluate
+from model.score import align
+from tests.conftest import ShapesModel
+from tests.synthetic import points_at
+
+
+@pytest.fixture(scope="module")
+def trained(shapes_model: ShapesModel) -> tuple[Path, Bundle, SplitData, dict]:
+    return shapes_model.data, shapes_model.bundle, shapes_model.dev, {"objects": shapes_model.objects}
+
+
+def test_retrieval_far_above_chance(trained):
+    _, bundle, dev, _ = trained
+    m = evaluate(bundle, dev)
+    # 20 dev images: chance R@1 is 5 %, chance R@5 is 25 %
+    assert m["search_r5"] >= 60.0, m
+    assert m["annot_r5"] >= 60.0, m
+    assert m["search_medr"] <= 3, m
+
+
+def test_alignment_of_colour_shape_points_at_its_box(trained):
+    root, bundle, dev, info = trained
+    objects = info["objects"]
+    hits, total = 0, 0
+    for k, name in enumerate(dev.names):
+        target, other = objects[name]
+        phrase = f"a {target['colour']} {target['shape']}"
+        enc = bundle.text.encode([phrase])
+        trip = [t.text() for t in enc.triplets[0]]
+        j = trip.index(f"amod({target['shape']}, {target['colour']})")
+        with torch.no_grad():
+            img = bundle.embed_images(dev.feats[k : k + 1])[0]
+            sent, _ = bundle.embed_sentences(enc)
+        al = align(img, sent[0])
+        box = dev.boxes[k][al.image_fragment[j]].tolist()
+        total += 1
+        hits += points_at(box, [float(v) for v in target["box"]], [float(v) for v in other["box"]])
+    assert hits / total >= 0.75, f"{hits}/{total} alignments on the named shape"
+
+
+def test_checkpoint_round_trip(trained, tmp_path):
+    _, bundle, dev, _ = trained
+    bundle.save(tmp_path / "m.pt")
+    again = Bundle.load(tmp_path / "m.pt")
+    enc = bundle.text.encode(["a red circle beside a blue square"])
+    enc2 = again.text.encode(["a red circle beside a blue square"])
+    with torch.no_grad():
+        a = bundle.scores(bundle.embed_images(dev.feats[:4]), torch.ones(4, 20), *bundle.embed_sentences(enc))
+        b = again.scores(again.embed_images(dev.feats[:4]), torch.ones(4, 20), *again.embed_sentences(enc2))
+    assert torch.allclose(a, b)
+    assert again.text.relations.kept == bundle.text.relations.kept
+    assert json.dumps(again.meta["train"], sort_keys=True) == json.dumps(bundle.meta["train"], sort_keys=True)
+    assert np.array_equal(again.text.words.vectors, bundle.text.words.vectors)

@@ -1,0 +1,236 @@
+"""Image loading, region fragments and the feature cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from model.cache import FeatureCache, config_key
+from model.config import ImageConfig
+from model.image import (
+    FEATURE_DIM,
+    ImageReadError,
+    RegionExtractor,
+    load_image,
+    propose_boxes,
+    set_torch_threads,
+)
+
+SQUARE = (120.0, 110.0, 200.0, 190.0)
+
+
+def shapes_picture(size: int = 224) -> Image.Image:
+    """A red circle and a blue square on white."""
+    img = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((20, 20, 100, 100), fill=(220, 20, 20))
+    draw.rectangle(SQUARE, fill=(20, 40, 220))
+    return img
+
+
+def jpeg_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG claiming width x height RGB pixels, with no pixel data at all."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IEND", b"")
+
+
+def iou(a: np.ndarray, b: tuple[float, float, float, float]) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return float(inter / union)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> None:
+    set_torch_threads(1)
+
+
+@pytest.fixture(scope="module")
+def roi_extractor() -> RegionExtractor:
+    return RegionExtractor(ImageConfig(region_features="roi_align"))
+
+
+# -- load_image ----------------------------------------------------------------------------------
+
+
+def test_load_image_rejects_random_bytes() -> None:
+    noise = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    with pytest.raises(ImageReadError, match="not a recognised image"):
+        load_image(noise)
+
+
+def test_load_image_rejects_truncated_jpeg(tmp_path: Path) -> None:
+    data = jpeg_bytes(shapes_picture())
+    cut = data[: len(data) // 2]
+    with pytest.raises(ImageReadError, match="truncated"):
+        load_image(cut)
+    path = tmp_path / "cut.jpg"
+    path.write_bytes(cut)
+    with pytest.raises(ImageReadError, match="cut.jpg"):
+        load_image(path)
+
+
+def test_load_image_rejects_oversize_header_before_decoding() -> None:
+    with pytest.raises(ImageReadError, match="too large"):
+        load_image(png_header(100_000, 100_000))
+    with pytest.raises(ImageReadError, match="5000x4000"):
+        load_image(png_header(5000, 4000), max_pixels=1_000_000)
+    with pytest.raises(ImageReadError, match="too large"):
+        load_image(jpeg_bytes(shapes_picture()), max_pixels=100 * 100)
+
+
+def test_load_image_gives_rgb(tmp_path: Path) -> None:
+    rgba = Image.new("RGBA", (30, 20), (255, 0, 0, 0))
+    path = tmp_path / "a.png"
+    rgba.save(path)
+    img = load_image(path)
+    assert img.mode == "RGB" and img.size == (30, 20)
+    assert img.getpixel((0, 0)) == (255, 255, 255)  # transparent → white
+    assert load_image(jpeg_bytes(shapes_picture())).size == (224, 224)
+
+
+def test_load_image_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ImageReadError, match="cannot open"):
+        load_image(tmp_path / "nope.jpg")
+
+
+# -- fragments -----------------------------------------------------------------------------------
+
+
+def check_fragments(fr: object, n: int, width: int, height: int) -> None:
+    boxes, feats = fr.boxes, fr.features  # type: ignore[attr-defined]
+    assert boxes.shape == (n, 4) and boxes.dtype == np.float32
+    assert feats.shape == (n, FEATURE_DIM) and feats.dtype == np.float32
+    assert np.isfinite(feats).all()
+    np.testing.assert_allclose(boxes[0], [0, 0, width, height])
+    assert (boxes[:, 0] >= 0).all() and (boxes[:, 1] >= 0).all()
+    assert (boxes[:, 2] <= width).all() and (boxes[:, 3] <= height).all()
+    assert (boxes[:, 2] > boxes[:, 0]).all() and (boxes[:, 3] > boxes[:, 1]).all()
+
+
+def test_roi_align_fragments(roi_extractor: RegionExtractor) -> None:
+    fr = roi_extractor.extract(shapes_picture())
+    check_fragments(fr, 20, 224, 224)
+    assert (fr.width, fr.height) == (224, 224)
+    assert max(iou(b, SQUARE) for b in fr.boxes[1:]) > 0.5
+    again = roi_extractor.extract(shapes_picture())
+    np.testing.assert_array_equal(fr.boxes, again.boxes)  # proposals are deterministic
+
+
+def test_crop_fragments() -> None:
+    fr = RegionExtractor(ImageConfig(region_features="crop")).extract(shapes_picture())
+    check_fragments(fr, 20, 224, 224)
+    assert max(iou(b, SQUARE) for b in fr.boxes[1:]) > 0.5
+
+
+def test_non_square_image_and_batch(roi_extractor: RegionExtractor) -> None:
+    wide = shapes_picture().resize((300, 150))
+    frs = roi_extractor.extract_batch([wide, shapes_picture()])
+    check_fragments(frs[0], 20, 300, 150)
+    check_fragments(frs[1], 20, 224, 224)
+
+
+def test_blank_image_is_filled_from_grid(roi_extractor: RegionExtractor) -> None:
+    fr = roi_extractor.extract(Image.new("RGB", (64, 64), "white"))
+    check_fragments(fr, 20, 64, 64)
+
+
+@pytest.mark.parametrize("method", ["roi_align", "crop"])
+def test_full_frame_only(method: str) -> None:
+    cfg = ImageConfig(region_features=method, full_frame_only=True)
+    fr = RegionExtractor(cfg).extract(shapes_picture())
+    check_fragments(fr, 1, 224, 224)
+
+
+def test_proposals_find_the_square() -> None:
+    boxes = propose_boxes(np.asarray(shapes_picture()), ImageConfig())
+    assert boxes.shape[1] == 4 and len(boxes) <= ImageConfig().max_proposals
+    assert max(iou(b, SQUARE) for b in boxes) > 0.7
+
+
+# -- cache ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def picture_files(tmp_path: Path) -> list[Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    paths = []
+    for k, img in enumerate([shapes_picture(), shapes_picture().transpose(Image.Transpose.FLIP_LEFT_RIGHT)]):
+        p = src / f"pic{k}.png"
+        img.save(p)
+        paths.append(p)
+    bad = src / "notes.jpg"
+    bad.write_text("not an image")
+    paths.append(bad)
+    return paths
+
+
+def test_cache_ensure_reuse_and_failures(tmp_path: Path, picture_files: list[Path]) -> None:
+    cfg = ImageConfig()
+    cache = FeatureCache(tmp_path / "cache", cfg)
+    first = cache.ensure(picture_files, progress=False)
+    assert (first.extracted, first.reused) == (2, 0)
+    assert [n for n, _ in first.failed] == ["notes.jpg"]
+    assert cache.dir.name == config_key(cfg)
+    assert cache.has("pic0.png") and cache.has(picture_files[1]) and not cache.has("notes.jpg")
+    assert (cache.dir / "pic0.png.npz").is_file()
+    assert "notes.jpg" in cache.failed()
+
+    second = cache.ensure(picture_files, progress=False)
+    assert (second.extracted, second.reused, len(second.failed)) == (0, 2, 1)
+
+    frs = cache.load(["pic0.png", "pic1.png"])
+    feats, boxes = cache.load_arrays([picture_files[0], "pic1.png"])
+    assert feats.shape == (2, 20, FEATURE_DIM) and feats.dtype == np.float32
+    assert boxes.shape == (2, 20, 4)
+    np.testing.assert_array_equal(feats[0], frs[0].features)
+    np.testing.assert_array_equal(boxes[1], frs[1].boxes)
+    direct = RegionExtractor(cfg).extract(load_image(picture_files[0]))
+    np.testing.assert_allclose(frs[0].features, direct.features, rtol=2e-3, atol=2e-3)
+    with pytest.raises(KeyError):
+        cache.load(["notes.jpg"])
+
+
+def test_cache_interrupted_write_is_not_cached(tmp_path: Path, picture_files: list[Path]) -> None:
+    cfg = dataclasses.replace(ImageConfig(), full_frame_only=True)
+    cache = FeatureCache(tmp_path / "cache", cfg)
+    cache.dir.mkdir(parents=True)
+    dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
+    leftover = cache.dir / f".{dead_pid}.pic0.png.npz.abc123.tmp"
+    leftover.write_bytes(b"PK\x03\x04 half-written")
+    assert not cache.has("pic0.png")
+    report = cache.ensure(picture_files[:1], progress=False)
+    assert (report.extracted, report.reused) == (1, 0)
+    assert cache.has("pic0.png") and not leftover.exists()
+    assert not [p for p in os.listdir(cache.dir) if p.endswith(".tmp")]
+    assert cache.load(["pic0.png"])[0].features.shape == (1, FEATURE_DIM)
+
+
+@pytest.mark.slow
+def test_cache_with_two_worker_processes(tmp_path: Path, picture_files: list[Path]) -> None:
+    cache = FeatureCache(tmp_path / "cache", ImageConfig(full_frame_only=True))
+    report = cache.ensure(picture_files, workers=2, batch=1, progress=False)
+    assert (report.extracted, report.reused, len(report.failed)) == (2, 0, 1)
+    feats, boxes = cache.load_arrays(picture_files[:2])
+    assert feats.shape == (2, 1, FEATURE_DIM) and np.isfinite(feats).all()

@@ -1,0 +1,621 @@
+"""The fragment indexes on a small real model (MiniLM word table, spaCy parser, random fragment weights)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+import index.files
+import index.store
+from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images
+from index import ids as fid
+from index.base import FragmentIndex
+from index.build import main as build_main
+from index.query import encode_sentence
+from model.bundle import Bundle
+from model.config import ImageConfig, TextConfig
+from model.encoders import FragmentModel, ModelConfig
+from model.fragments import WORD_REL, TextPipeline
+from model.image import RegionExtractor
+from model.text import RelationVocab
+from model.words import WordTable
+
+H = 32
+F = 5  # fragments per test image: the whole image + 4 regions
+WORDS = [
+    "a", "an", "the", "dog", "cat", "man", "woman", "ball", "red", "blue", "green", "yellow", "white",
+    "black", "small", "big", "circle", "square", "triangle", "runs", "jumps", "sits", "plays", "on", "in",
+    "at", "beside", "near", "next", "to", "with", "of", "and", "is", "are", "picture", "grass", "water",
+    "street",
+]
+RELATIONS = ["det", "amod", "nsubj", "dobj", "prep_on", "prep_in", "prep_at", "prep_beside", "prep_near",
+             "prep_with", "prep_of", "cc", "conj", "aux", "advmod", "compound", WORD_REL]
+IMAGE_CFG = ImageConfig(n_regions=F - 1, backbone_size=224, proposal_resize=128, max_proposals=40)
+QUERIES = ["a red dog runs on the grass", "a man plays with a ball", "the small cat sits near the water",
+           "a woman is in the street", "a big black dog jumps", "a blue circle beside a yellow square"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The machine is shared: one thread each keeps torch and FAISS from oversubscribing it."""
+    torch_threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    yield
+    torch.set_num_threads(torch_threads)
+    faiss.omp_set_num_threads(faiss_threads)
+
+
+@pytest.fixture(scope="module")
+def words() -> WordTable:
+    return WordTable.build(WORDS)
+
+
+def make_bundle(words: WordTable, h: int = H, seed: int = 0) -> Bundle:
+    relations = RelationVocab(RELATIONS, {}, 0.01)
+    text = TextPipeline(TextConfig(), relations, words)
+    torch.manual_seed(seed)
+    model = FragmentModel(ModelConfig(h=h, n_relations=len(relations)))
+    return Bundle(model.eval(), text, IMAGE_CFG)
+
+
+@pytest.fixture(scope="module")
+def bundle(words: WordTable) -> Bundle:
+    return make_bundle(words)
+
+
+@pytest.fixture(scope="module")
+def extractor() -> RegionExtractor:
+    return RegionExtractor(IMAGE_CFG)
+
+
+def random_images(index: ImageIndex, n: int, seed: int, f: int = F) -> list[int]:
+    """n images of f random fragment vectors each (synthetic: only the index is under test)."""
+    rng = np.random.default_rng(seed)
+    vecs = rng.standard_normal((n, f, index.dim)).astype(np.float32)
+    boxes = np.tile(np.array([0, 0, 100, 80], np.float32), (n, f, 1))
+    boxes[:, 1:, 2:] = rng.uniform(10, 80, (n, f - 1, 2))
+    names = [f"img{seed}_{k}.jpg" for k in range(n)]
+    return index.add_vectors(vecs, boxes, np.tile([100, 80], (n, 1)), names, [f"/photos/{x}" for x in names])
+
+
+def name_of(index: ImageIndex, image_id: int) -> str:
+    rec = index.get(image_id)
+    assert rec is not None
+    return rec.name
+
+
+def ranking(hits: list) -> list[tuple[int, float]]:
+    return [(h.image_id if hasattr(h, "image_id") else h.sentence_id, round(h.score, 5)) for h in hits]
+
+
+def picture(colour: tuple[int, int, int], shape: str, size: tuple[int, int] = (160, 120)) -> Image.Image:
+    img = Image.new("RGB", size, (245, 245, 245))
+    draw = ImageDraw.Draw(img)
+    box = (size[0] // 4, size[1] // 4, 3 * size[0] // 4, 3 * size[1] // 4)
+    (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=colour)
+    return img
+
+
+@pytest.fixture()
+def image_index(tmp_path: Path, bundle: Bundle) -> Iterator[ImageIndex]:
+    index = ImageIndex.create(tmp_path / "images", bundle)
+    random_images(index, 40, seed=1)
+    index.save()
+    yield index
+    index.close()
+
+
+# -- ids ------------------------------------------------------------------------------------------------
+def test_ids_encode_item_and_fragment_and_decode_back():
+    items = np.array([0, 1, 7, 123_456_789, fid.MAX_ITEM])
+    frags = np.array([0, 19, 3, fid.MAX_FRAGMENTS - 1, 5])
+    ids = fid.encode(items, frags)
+    assert len(set(ids.tolist())) == len(ids)
+    back_items, back_frags = fid.decode(ids)
+    assert back_items.tolist() == items.tolist() and back_frags.tolist() == frags.tolist()
+    assert fid.decode(np.array([-1]))[0].tolist() == [-1]  # FAISS "no result" stays -1
+    lo, hi = fid.item_range(7)
+    assert all(lo <= i < hi for i in fid.item_fragments(7, 20)) and fid.encode(8, 0) == hi
+    with pytest.raises(ValueError):
+        fid.encode(1, fid.MAX_FRAGMENTS)
+    with pytest.raises(ValueError):
+        fid.encode(-1, 0)
+
+
+def test_faiss_holds_every_fragment_under_its_item_id(image_index: ImageIndex):
+    flat: Any = faiss.downcast_index(image_index.ann.index)
+    items, frags = fid.decode(faiss.vector_to_array(flat.id_map))
+    assert sorted(zip(items.tolist(), frags.tolist(), strict=True)) == [(i, f) for i in range(40) for f in range(F)]
+    inner: Any = faiss.downcast_index(flat.index)
+    for pos in (0, 17, 199):  # the vector under id (item, fragment) is that fragment's stored vector
+        stored = image_index.store.rows(int(image_index._seg[items[pos]]), int(image_index._off[items[pos]]), F)
+        assert np.array_equal(inner.reconstruct(pos), stored[frags[pos]])
+
+
+# -- search -----------------------------------------------------------------------------------------------
+def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bundle):
+    index = ImageIndex.create(tmp_path / "flat", bundle)  # default settings: flat, k_prime=64
+    random_images(index, 120, seed=2)
+    for q in QUERIES:
+        fast, slow = index.search(q, 10), index.search_exhaustive(q, 10)
+        assert ranking(fast) == ranking(slow), q
+        assert [m.triplet for m in fast[0].alignment] == [m.triplet for m in slow[0].alignment]
+    # the exhaustive ranking is the model's own score over every image
+    sent, _ = encode_sentence(bundle, QUERIES[0])
+    vecs, mask = index._vectors(index.ids())
+    scores = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0]
+    order = torch.argsort(scores, descending=True)[:10]
+    assert [h.image_id for h in index.search_exhaustive(QUERIES[0], 10)] == index.ids()[order.numpy()].tolist()
+    index.close()
+
+
+def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(image_index: ImageIndex,
+                                                                                 bundle: Bundle):
+    sent, _ = encode_sentence(bundle, QUERIES[0])
+    image_index.set_search(k_prime=200)  # every fragment is a hit: the partial scores are complete
+    every = image_index._candidates(sent.numpy())
+    image_index.set_search(rerank=8)
+    few = image_index._candidates(sent.numpy())
+    assert len(few) == 8 < len(every) == 40
+    # the 8 kept are those whose retrieved fragments add up to the most positive score
+    vecs, mask = image_index._vectors(every)
+    partial = ((vecs @ sent.T).clamp_min(0) * mask[..., None]).sum((1, 2)).numpy()
+    assert set(few.tolist()) == set(every[np.argsort(-partial)[:8]].tolist())
+    image_index.set_search(rerank=40)  # as many as there are images: the exhaustive ranking
+    assert ranking(image_index.search(QUERIES[0], 10)) == ranking(image_index.search_exhaustive(QUERIES[0], 10))
+
+
+def test_search_returns_alignment_with_triplets_and_boxes(image_index: ImageIndex):
+    hits = image_index.search("a red dog runs on the grass", 3)
+    assert len(hits) == 3 and hits[0].score >= hits[1].score >= hits[2].score > 0
+    triplets = {m.triplet for h in hits for m in h.alignment}
+    assert "amod(dog, red)" in triplets and "prep_on(runs, grass)" in triplets
+    for h in hits:
+        rec = image_index.get(h.image_id)
+        assert rec is not None and (h.name, h.path, h.width, h.height) == (rec.name, rec.path, 100, 80)
+        for m in h.alignment:
+            assert m.score > 0 and m.box == rec.boxes[m.fragment] and m.relation == m.triplet.split("(")[0]
+
+
+def test_added_image_is_found(image_index: ImageIndex, bundle: Bundle):
+    sent, _ = encode_sentence(bundle, QUERIES[1])
+    target = (sent.sum(0) / sent.sum(0).norm()).numpy() * 100  # aligned with every fragment of the query
+    vecs = np.repeat(target[None, None], F, axis=1)
+    boxes = np.tile(np.array([0, 0, 50, 50], np.float32), (1, F, 1))
+    [new] = image_index.add_vectors(vecs, boxes, np.array([[50, 50]]), ["new.jpg"], ["/photos/new.jpg"])
+    hits = image_index.search(QUERIES[1], 5)
+    assert hits[0].image_id == new and hits[0].name == "new.jpg"
+    assert image_index.search_exhaustive(QUERIES[1], 1)[0].image_id == new
+
+
+def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: Path, bundle: Bundle,
+                                                                     extractor: RegionExtractor):
+    photos = tmp_path / "photos"
+    (photos / "sub").mkdir(parents=True)
+    picture((220, 30, 30), "circle").save(photos / "red.jpg")
+    picture((30, 60, 220), "square", (200, 100)).save(photos / "sub" / "blue.png")
+    picture((30, 170, 60), "circle").save(photos / "sub" / "red.jpg")  # same file name, another picture
+    (photos / "broken.jpg").write_bytes(b"not an image")
+    index = ImageIndex.create(tmp_path / "idx", bundle, extractor=extractor)
+    paths = list_images(photos)
+    report = index.add_paths(paths)
+    assert len(report.added) == 3 and [Path(p).name for p, _ in report.skipped] == ["broken.jpg"]
+    blue = index.get(next(i for i in report.added if name_of(index, i) == "blue.png"))
+    assert blue is not None and (blue.width, blue.height) == (200, 100) and len(blue.boxes) == F
+    assert blue.boxes[0] == [0.0, 0.0, 200.0, 100.0]
+    # the two red.jpg files are two different pictures with their own features
+    reds = [i for i in report.added if name_of(index, i) == "red.jpg"]
+    a, b = (index.store.rows(int(index._seg[i]), int(index._off[i]), F) for i in reds)
+    assert not np.allclose(a, b)
+    # the same image added directly embeds to the same vectors as through add_paths
+    direct = index.add_image(Image.open(photos / "sub" / "blue.png").convert("RGB"), "blue2", photos / "x.png")
+    ia = next(i for i in report.added if name_of(index, i) == "blue.png")
+    va = index.store.rows(int(index._seg[ia]), int(index._off[ia]), F)
+    vb = index.store.rows(int(index._seg[direct]), int(index._off[direct]), F)
+    assert np.allclose(va, vb, atol=2e-2)  # the cache keeps features in float16
+    again = index.add_paths(paths)
+    assert again.added == [] and again.present == 3
+    index.close()
+
+
+def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle: Bundle):
+    hits = image_index.search_fragments("amod(dog, red)", 5)
+    assert len(hits) == 5 and all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
+    sent, _ = encode_sentence(bundle, "red dog")  # the phrase parses to the same triplet
+    vecs, mask = image_index._vectors(image_index.ids())
+    dots = (vecs @ sent[0]).clamp_min(0) * mask
+    flat = torch.argsort(dots.flatten(), descending=True)[:5]
+    expected = [(int(image_index.ids()[i // vecs.shape[1]]), int(i % vecs.shape[1])) for i in flat]
+    assert [(h.image_id, h.fragment) for h in hits] == expected
+    assert [h.image_id for h in image_index.search_fragments("red dog", 5)] == [e[0] for e in expected]
+
+
+def test_empty_indexes_answer_with_no_hits(tmp_path: Path, bundle: Bundle):
+    images = ImageIndex.create(tmp_path / "empty-images", bundle)
+    sentences = SentenceIndex.create(tmp_path / "empty-sentences", bundle)
+    assert len(images) == 0 and images.search(QUERIES[0], 5) == [] and images.search_exhaustive(QUERIES[0]) == []
+    assert images.search_fragments("red dog") == [] and images.get(0) is None and not images.remove(0)
+    img = torch.ones(F, H)
+    assert sentences.annotate_vectors(img, np.zeros((F, 4)), 5) == []
+    images.close()
+    sentences.close()
+
+
+def test_bad_queries_raise_value_errors(image_index: ImageIndex):
+    with pytest.raises(ValueError):
+        image_index.search("   ", 5)
+    with pytest.raises(ValueError):  # NoFragmentsError: no word of it is known
+        image_index.search("zxqv wqqz", 5)
+
+
+# -- removal --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_removed_image_is_never_returned_again(tmp_path: Path, bundle: Bundle, kind: str):
+    index = ImageIndex.create(tmp_path / kind, bundle, IndexSettings(kind=kind, k_prime=200))
+    random_images(index, 30, seed=3)
+    index.save()
+    top = index.search(QUERIES[0], 1)[0].image_id
+    region = index.search_fragments("red dog", 1)[0].image_id
+    assert index.remove(top) and index.remove(region) is (region != top)
+    assert not index.remove(top) and index.get(top) is None and len(index) == 28
+
+    def returned(ix: ImageIndex) -> set[int]:
+        out = {h.image_id for q in QUERIES for h in ix.search(q, 30) + ix.search_exhaustive(q, 30)}
+        return out | {h.image_id for h in ix.search_fragments("red dog", 200)}
+
+    assert top not in returned(index) and region not in returned(index)
+    index.save()
+    index.close()
+    loaded = ImageIndex.load(tmp_path / kind, bundle)
+    assert len(loaded) == 28 and top not in returned(loaded) and region not in returned(loaded)
+    assert loaded.get(top) is None and not loaded.remove(top)
+    loaded.close()
+
+
+# -- persistence ------------------------------------------------------------------------------------------
+def test_save_load_round_trip_gives_equal_results(image_index: ImageIndex, bundle: Bundle):
+    random_images(image_index, 5, seed=4)  # unsaved adds
+    image_index.remove(3)
+    before = {q: image_index.search(q, 8) for q in QUERIES}
+    regions = image_index.search_fragments("a man", 6)
+    image_index.save()
+    loaded = ImageIndex.load(image_index.root, bundle)
+    assert len(loaded) == len(image_index) == 44
+    for q in QUERIES:
+        assert loaded.search(q, 8) == before[q]
+    assert loaded.search_fragments("a man", 6) == regions
+    assert loaded.get(41) == image_index.get(41)
+    loaded.close()
+
+
+def test_float16_store_and_many_saves_merge_segments(tmp_path: Path, bundle: Bundle):
+    index = ImageIndex.create(tmp_path / "fp16", bundle, IndexSettings(store_dtype="float16"))
+    for seed in range(20):
+        random_images(index, 3, seed=seed)
+        index.save()
+    assert len(index.store.files) <= 16 + 1
+    before = {q: dict(ranking(index.search_exhaustive(q, 60))) for q in QUERIES}
+    for i in range(0, 45):
+        index.remove(i)  # most rows now belong to removed images: the next save rewrites the store
+    index.save()
+    assert len(index.store.files) == 1 and index.store.segment_rows() == [15 * F]
+    loaded = ImageIndex.load(index.root, bundle)
+    for q in QUERIES:
+        hits = ranking(loaded.search(q, 10))
+        assert hits == ranking(loaded.search_exhaustive(q, 10)) and len(hits) == 10
+        assert all(i >= 45 and before[q][i] == s for i, s in hits)  # same vectors, same scores
+    assert {p.name for p in index.root.glob("store-*")} == set(loaded.store.files)
+    loaded.close()
+    index.close()
+
+
+def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle: Bundle,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(index.store, "BLOCK_ROWS", 7)  # items of 5 rows leave blocks partly filled
+    ix = ImageIndex.create(tmp_path / "blocks", bundle)
+    rng = np.random.default_rng(10)
+    vecs = [rng.standard_normal((n, H)).astype(np.float32) for n in (5, 3, 9, 1, 5, 5, 2)]
+    ids = [ix.add_vectors(v[None], np.zeros((1, len(v), 4)), np.array([[1, 1]]), [str(i)], [str(i)])[0]
+           for i, v in enumerate(vecs)]
+    for i, v in zip(ids, vecs, strict=True):
+        assert np.array_equal(ix.store.rows(int(ix._seg[i]), int(ix._off[i]), len(v)), v)
+    gathered, mask = ix._vectors(np.array(ids))
+    assert mask.sum(1).tolist() == [len(v) for v in vecs]
+    ix.save()
+    loaded = ImageIndex.load(ix.root, bundle)
+    got, _ = loaded._vectors(np.array(ids))
+    assert torch.equal(got, gathered)
+    for i, v in zip(ids, vecs, strict=True):
+        assert np.array_equal(loaded.store.rows(int(loaded._seg[i]), int(loaded._off[i]), len(v)), v)
+    loaded.close()
+    ix.close()
+
+
+def test_crash_between_write_and_rename_leaves_the_old_state(image_index: ImageIndex, bundle: Bundle,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    before = {q: ranking(image_index.search(q, 5)) for q in QUERIES}
+    random_images(image_index, 10, seed=5)
+    image_index.remove(0)
+    crashed = tmp_path / "at-crash"
+    real_replace = index.files.os.replace
+
+    def crash(src: str, dst: str) -> None:
+        if "faiss-" in str(dst):  # the new store file is renamed already, the FAISS file is not
+            shutil.copytree(image_index.root, crashed)  # the folder as a crash would leave it
+            raise OSError("simulated crash")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(index.files.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        image_index.save()
+    monkeypatch.setattr(index.files.os, "replace", real_replace)
+    assert any(p.name.endswith(".tmp") for p in crashed.iterdir())  # the unrenamed file is there
+    old = ImageIndex.load(crashed, bundle)
+    assert len(old) == 40 and old.get(0) is not None
+    assert {q: ranking(old.search(q, 5)) for q in QUERIES} == before
+    old.save()  # a later save of the old state cleans the stray files
+    assert not any(p.name.endswith(".tmp") for p in crashed.iterdir())
+    old.close()
+    # the running index still holds the new state and saves it on the next try
+    image_index.save()
+    again = ImageIndex.load(image_index.root, bundle)
+    assert len(again) == 49 and again.get(0) is None
+    again.close()
+
+
+def test_crash_after_rename_before_commit_leaves_the_old_state(image_index: ImageIndex, bundle: Bundle,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    before = ranking(image_index.search(QUERIES[0], 10))
+    random_images(image_index, 10, seed=6)
+    crashed = tmp_path / "at-crash"
+
+    class Crash(BaseException):
+        pass
+
+    def crash(*args: object, **kwargs: object) -> None:
+        shutil.copytree(image_index.root, crashed)  # every new file is in place, the database not updated
+        raise Crash
+
+    monkeypatch.setattr(FragmentIndex, "_commit", crash)
+    with pytest.raises(Crash):
+        image_index.save()
+    old = ImageIndex.load(crashed, bundle)
+    assert len(old) == 40 and ranking(old.search(QUERIES[0], 10)) == before
+    old.close()
+
+
+def test_corrupt_files_fail_at_load_with_a_clear_error(image_index: ImageIndex, bundle: Bundle, tmp_path: Path):
+    image_index.close()
+    root = image_index.root
+
+    def damaged(pattern: str, damage: str) -> Path:
+        copy = tmp_path / f"{pattern.strip('*.-')}-{damage}"
+        shutil.copytree(root, copy)
+        target = next(copy.glob(pattern))
+        data = bytearray(target.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data[: len(data) // 2]) if damage == "truncate" else bytes(data))
+        return copy
+
+    with pytest.raises(IndexLoadError, match="FAISS file .* corrupt"):
+        ImageIndex.load(damaged("faiss-*", "flip"), bundle)
+    with pytest.raises(IndexLoadError, match="store file .* corrupt"):
+        ImageIndex.load(damaged("store-*", "truncate"), bundle)
+    with pytest.raises(IndexLoadError, match="not a readable index database|corrupt"):
+        ImageIndex.load(damaged("index.sqlite", "truncate"), bundle)
+    missing = tmp_path / "missing-faiss"
+    shutil.copytree(root, missing)
+    next(missing.glob("faiss-*")).unlink()
+    with pytest.raises(IndexLoadError, match="FAISS file .* missing"):
+        ImageIndex.load(missing, bundle)
+    with pytest.raises(IndexLoadError, match="no image index"):
+        ImageIndex.load(tmp_path / "nowhere", bundle)
+    with pytest.raises(IndexLoadError, match="is an index of images, not of sentences"):
+        SentenceIndex.load(root, bundle)
+
+
+def test_index_of_another_model_or_dimension_is_rejected(image_index: ImageIndex, words: WordTable):
+    image_index.close()
+    with pytest.raises(IndexLoadError, match="16-d"):
+        ImageIndex.load(image_index.root, make_bundle(words, h=16))
+    with pytest.raises(IndexLoadError, match="another model"):
+        ImageIndex.load(image_index.root, make_bundle(words, seed=1))
+    small = ImageIndex.create(image_index.root.parent / "x", make_bundle(words, h=16))
+    with pytest.raises(ValueError, match="expected"):
+        small.add_vectors(np.zeros((1, F, H), np.float32), np.zeros((1, F, 4)), np.array([[1, 1]]), ["a"], ["a"])
+    small.close()
+    with pytest.raises(FileExistsError):
+        ImageIndex.create(image_index.root, make_bundle(words))
+
+
+# -- other index kinds ------------------------------------------------------------------------------------
+def test_ivf_trains_once_enough_fragments_exist_and_keeps_working(tmp_path: Path, bundle: Bundle):
+    settings = IndexSettings(kind="ivf", nlist=4, nprobe=4, train_size=300, k_prime=32)
+    index = ImageIndex.create(tmp_path / "ivf", bundle, settings)
+    random_images(index, 20, seed=7)  # 100 fragments: the flat stand-in answers
+    assert not index.ann.trained and index.ann.active_kind == "flat"
+    random_images(index, 60, seed=8)  # 400 fragments: trained
+    assert index.ann.trained and index.ann.ntotal == 400
+    for q in QUERIES:  # nprobe = nlist visits every list: exact candidates
+        assert ranking(index.search(q, 5)) == ranking(index.search_exhaustive(q, 5))
+    index.remove(5)
+    index.save()
+    loaded = ImageIndex.load(index.root, bundle, nprobe=1)
+    assert loaded.ann.trained and loaded.ann.ntotal == 395 and loaded.settings.nprobe == 1
+    assert all(h.image_id != 5 for q in QUERIES for h in loaded.search(q, 10))
+    loaded.close()
+    index.close()
+
+
+def test_bulk_adds_train_on_a_sample_of_everything(tmp_path: Path, bundle: Bundle):
+    settings = IndexSettings(kind="ivfpq", nlist=2, m=4, nbits=4, nprobe=2, train_size=200, k_prime=64)
+    index = ImageIndex.create(tmp_path / "pq", bundle, settings)
+    with index.bulk():
+        random_images(index, 50, seed=9)
+        assert index.ann.ntotal == 0
+    assert index.ann.trained and index.ann.ntotal == 250
+    hits = index.search(QUERIES[0], 5)
+    exact = {h.image_id: h.score for h in index.search_exhaustive(QUERIES[0], 50)}
+    assert all(abs(exact[h.image_id] - h.score) < 1e-5 for h in hits)  # re-ranked with the exact score
+    index.close()
+
+
+def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bundle):
+    """"PCA<d>" projects without centring: the candidates of a projected index still follow v . s."""
+    rng = np.random.default_rng(11)
+    index = ImageIndex.create(tmp_path / "pca", bundle)
+    latent = rng.standard_normal((60, F, 8)).astype(np.float32)
+    lift = rng.standard_normal((8, H)).astype(np.float32)
+    vecs = latent @ lift + 2.0  # rank 8 + a common offset (a bias, as v = W x + b has)
+    index.add_vectors(vecs, np.zeros((60, F, 4)), np.tile([1, 1], (60, 1)), [str(i) for i in range(60)],
+                      [str(i) for i in range(60)])
+    index.rebuild(IndexSettings(kind="ivf", nlist=4, nprobe=4, pretransform="PCA9", train_size=100, k_prime=10))
+    assert index.ann.trained
+    queries = np.maximum(rng.standard_normal((6, 8)).astype(np.float32) @ lift, 0)
+    _, found = index.ann.search(queries, 10)
+    exact = np.argsort(-(queries @ vecs.reshape(-1, H).T), axis=1)[:, :10]
+    as_ids = fid.encode(exact // F, exact % F)
+    assert np.mean([len(set(a) & set(b)) for a, b in zip(found, as_ids, strict=True)]) >= 9
+    index.close()
+
+
+# -- concurrency ------------------------------------------------------------------------------------------
+def test_concurrent_searches_during_adds_see_whole_states(image_index: ImageIndex, bundle: Bundle):
+    sent, _ = encode_sentence(bundle, QUERIES[2])
+    k = 5
+    base = ranking(image_index.search_exhaustive(QUERIES[2], k))
+    direction = (sent.sum(0) / sent.sum(0).norm()).numpy()
+    adds = [np.repeat(direction[None, None] * (50 + 20 * i), F, axis=1) for i in range(6)]  # each beats the last
+    base_ids = [i for i, _ in base]
+    # after add i the new images lead (latest first), then the old top
+    states = [base_ids] + [([40 + j for j in range(i, -1, -1)] + base_ids)[:k] for i in range(len(adds))]
+    seen: list[list[tuple[int, float]]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                seen.append(ranking(image_index.search_vectors(sent, k)))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for i, vec in enumerate(adds):
+        image_index.add_vectors(vec, np.zeros((1, F, 4)), np.array([[1, 1]]), [f"n{i}"], [f"/n{i}"])
+        if i == 2:
+            image_index.save()
+        time.sleep(0.02)  # let the readers run between the writes
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors and len(seen) > len(adds)
+
+    assert all([i for i, _ in r] in states for r in seen)
+    assert len({tuple(i for i, _ in r) for r in seen}) >= 3  # the readers did run between the writes
+    assert [i for i, _ in ranking(image_index.search_vectors(sent, k))] == states[-1] == [45, 44, 43, 42, 41]
+
+
+# -- sentences ----------------------------------------------------------------------------------------------
+SENTENCES = ["a red dog runs on the grass", "a man plays with a ball in the street", "a small cat sits near water",
+             "a dog", "a woman is on a blue boat", "the white ball is big", "a black cat jumps at a man",
+             "a yellow square beside a green circle", "qqqq zzzz", "", "a dog and a cat are in the water"]
+
+
+def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: Path, bundle: Bundle,
+                                                                      extractor: RegionExtractor):
+    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), extractor=extractor)
+    ids = index.add_sentences(SENTENCES * 3)
+    assert len(ids) == 27 and len(index) == 27  # the empty and the unknown-word sentences are skipped
+    rec = index.get(ids[0])
+    assert rec is not None and rec.text == SENTENCES[0] and "amod(dog, red)" in rec.triplets
+    upload = picture((220, 30, 30), "circle", (300, 200))
+    frags = extractor.extract(upload)
+    fast = index.annotate_fragments(frags, 6)
+    assert ranking(fast) == ranking(index.annotate_exhaustive(frags, 6))
+    assert ranking(index.annotate(upload, 6)) == ranking(fast)
+    for hit in fast:
+        assert hit.text in SENTENCES and hit.alignment
+        for m in hit.alignment:
+            assert 0 <= m.box[0] < m.box[2] <= 300 and 0 <= m.box[1] < m.box[3] <= 200
+            assert m.box == [float(v) for v in frags.boxes[m.fragment]]
+    index.remove(fast[0].sentence_id)
+    index.save()
+    loaded = SentenceIndex.load(index.root, bundle, extractor=extractor)
+    assert ranking(loaded.annotate_fragments(frags, 5)) == ranking(fast[1:6])
+    loaded.close()
+    index.close()
+
+
+def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Path, words: WordTable):
+    from model.encoders import TwoBranch
+    from model.fragments import SENTENCE_REL
+
+    cfg = TextConfig(sentence_fragment=True)
+    relations = RelationVocab(TextPipeline.relation_names(cfg, RELATIONS), {}, 0.01)
+    torch.manual_seed(0)
+    model = TwoBranch(ModelConfig(kind="two-branch", h=16, hidden=32, n_relations=len(relations)))
+    two = Bundle(model.eval(), TextPipeline(cfg, relations, words), IMAGE_CFG)
+    images = ImageIndex.create(tmp_path / "tb-images", two)
+    feats = np.random.default_rng(12).standard_normal((12, F, 1280)).astype(np.float32)
+    with torch.inference_mode():
+        vecs = two.embed_images(feats).numpy()  # (12, 1, 16): the one global vector
+    images.add_vectors(vecs, np.tile([0.0, 0, 9, 9], (12, 1, 1)), np.tile([9, 9], (12, 1)),
+                       [str(i) for i in range(12)], [str(i) for i in range(12)])
+    hits = images.search(QUERIES[0], 5)
+    assert ranking(hits) == ranking(images.search_exhaustive(QUERIES[0], 5))
+    assert all(m.relation == SENTENCE_REL and m.fragment == 0 for h in hits for m in h.alignment)
+    sentences = SentenceIndex.create(tmp_path / "tb-sentences", two)
+    sentences.add_sentences(SENTENCES)
+    rec = sentences.get(0)
+    assert rec is not None and len(rec.triplets) == 1 and rec.triplets[0].startswith(SENTENCE_REL)
+    found = sentences.annotate_vectors(torch.from_numpy(vecs[0]), np.zeros((1, 4)), 3)
+    assert ranking(found) == ranking(sentences.annotate_vectors(torch.from_numpy(vecs[0]), np.zeros((1, 4)), 3,
+                                                                exhaustive=True))
+    images.close()
+    sentences.close()
+
+
+# -- command line -------------------------------------------------------------------------------------------
+def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name, colour, shape in (("a.jpg", (220, 30, 30), "circle"), ("b.jpg", (30, 60, 220), "square")):
+        picture(colour, shape).save(photos / name)
+    captions = tmp_path / "captions.txt"
+    captions.write_text("a.jpg#0\ta red circle .\na.jpg#1\tthe red ball\nb.jpg#0\ta blue square\n")
+    split = tmp_path / "train.txt"
+    split.write_text("a.jpg\n")
+    model = tmp_path / "model.pt"
+    bundle.save(model)
+    loaded_model = Bundle.load(model)
+    out = tmp_path / "index" / "images-all"
+    args = ["--model", str(model), "--images", str(photos), "--out", str(out), "--captions", str(captions),
+            "--split", str(split), "--cache", str(tmp_path / "cache"), "--workers", "1"]
+    build_main(args)
+    images = ImageIndex.load(out, loaded_model)
+    sentences = SentenceIndex.load(tmp_path / "index" / "sentences-train", loaded_model)
+    assert len(images) == 2 and len(sentences) == 2
+    assert {name_of(images, i) for i in images.ids()} == {"a.jpg", "b.jpg"}
+    assert len(images.search("a red circle", 2)) == 2
+    images.close()
+    picture((30, 170, 60), "circle").save(photos / "c.jpg")
+    build_main(args)  # extends the image index with the new file only
+    images = ImageIndex.load(out, loaded_model)
+    assert sorted(name_of(images, i) for i in images.ids()) == ["a.jpg", "b.jpg", "c.jpg"]
+    images.close()
+    sentences.close()

@@ -1,0 +1,24 @@
+"""Recall metrics against a hand-made ranking."""
+
+import numpy as np
+
+from model.evaluate import annotation_ranks, metrics_from_scores, search_ranks
+
+
+def test_ranks_on_hand_made_scores():
+    # 3 images, 2 sentences each: sentence l describes image l // 2
+    pair = np.array([0, 0, 1, 1, 2, 2])
+    scores = np.array(
+        [
+            [0.9, 0.1, 0.5, 0.2, 0.0, 0.0],  # image 0: best own 0.9 ranks 1st
+            [0.8, 0.7, 0.3, 0.6, 0.95, 0.1],  # image 1: best own 0.6 -> 0.8, 0.7, 0.95 ahead -> rank 4
+            [0.1, 0.1, 0.1, 0.1, 0.2, 0.1],  # image 2: own 0.2 best -> rank 1
+        ]
+    )
+    assert annotation_ranks(scores, pair).tolist() == [1, 4, 1]
+    # sentence 0: image 0 (0.9) top -> 1; sentence 3: image 1 0.6, image 0 0.2 -> 1;
+    # sentence 1: image 1 0.7 > 0.1 -> 2 ; sentence 5: image 1 0.1 ties own 0.1 -> counted against -> 2
+    assert search_ranks(scores, pair).tolist() == [1, 2, 2, 1, 2, 2]
+    m = metrics_from_scores(scores, pair)
+    assert abs(m["annot_r1"] - 200 / 3) < 1e-9 and m["annot_r5"] == 100.0
+    assert m["search_r1"] == 100 * 2 / 6 and m["search_medr"] == 2.0

@@ -1,0 +1,252 @@
+"""The API on the coloured-shapes index: results, alignments, health, metrics, OpenAPI, settings."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+from fastapi.testclient import TestClient
+
+from index import ImageIndex, SentenceIndex
+from service.app import STATIC, create_app
+from service.engine import Engine
+from service.prepare import prepare
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from tests.conftest_service import ServiceEnv
+
+pytest_plugins = ["tests.conftest_service"]
+
+
+def _inside(box: list[float], width: int, height: int) -> bool:
+    x0, y0, x1, y1 = box
+    eps = 1e-3
+    return -eps <= x0 <= x1 <= width + eps and -eps <= y0 <= y1 <= height + eps
+
+
+def test_health_and_ready(client: TestClient, service_env: ServiceEnv) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["images"] == len(service_env.dev)
+    assert ready.json()["sentences"] == len(service_env.engine.sentences or [])
+
+
+def test_search_finds_the_described_image_with_alignments(client: TestClient, service_env: ServiceEnv) -> None:
+    in_top5 = 0
+    for name in service_env.dev:
+        r = client.post("/search/images", json={"sentence": service_env.captions[name][0], "k": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        scores = [h["score"] for h in body["results"]]
+        assert len(scores) == 5 and scores == sorted(scores, reverse=True)
+        in_top5 += name in [h["name"] for h in body["results"]]
+        top = body["results"][0]
+        assert top["url"] == f"/images/{top['id']}"
+        assert top["alignment"], "every result carries its fragment alignment"
+        for m in top["alignment"]:
+            assert _inside(m["box"], top["width"], top["height"])
+            assert len(m["words"]) == 2 and m["relation"] and m["triplet"]
+    # 20 dev images: chance of the right one in the top 5 is 25 %
+    assert in_top5 >= 0.6 * len(service_env.dev)
+
+
+def test_result_image_is_served(client: TestClient) -> None:
+    hit = client.post("/search/images", json={"sentence": "a red circle beside a blue square", "k": 1}).json()
+    r = client.get(hit["results"][0]["url"])
+    assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+    assert r.content[:2] == b"\xff\xd8"
+
+
+def test_annotate_ranks_the_images_own_captions_high(client: TestClient, service_env: ServiceEnv) -> None:
+    name = service_env.dev[0]
+    r = client.post("/annotate", files={"file": ("x.jpg", service_env.jpeg(name), "image/jpeg")}, data={"k": "10"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["width"], body["height"]) == (224, 224)
+    texts = [h["text"] for h in body["results"]]
+    assert len(texts) == 10
+    assert set(texts) & set(service_env.captions[name]), "one of the image's own captions is in the top 10"
+    for hit in body["results"]:
+        for m in hit["alignment"]:
+            assert _inside(m["box"], body["width"], body["height"])
+
+
+def test_annotate_boxes_are_in_the_uploads_pixels(client: TestClient, service_env: ServiceEnv) -> None:
+    wide = service_env.png(400, 100)
+    r = client.post("/annotate", files={"file": ("wide.png", wide, "image/png")}, data={"k": "3"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["width"], body["height"]) == (400, 100)
+    boxes = [m["box"] for h in body["results"] for m in h["alignment"]]
+    assert boxes and all(_inside(b, 400, 100) for b in boxes)
+
+
+def test_fragment_search_by_phrase_and_triplet(client: TestClient) -> None:
+    r = client.post("/search/fragments", json={"phrase": "red circle", "k": 5})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert len(results) == 5
+    assert [h["score"] for h in results] == sorted((h["score"] for h in results), reverse=True)
+    assert all(_inside(h["box"], 224, 224) for h in results)
+    t = client.post("/search/fragments", json={"triplet": {"relation": "amod", "w1": "circle", "w2": "red"}, "k": 3})
+    assert t.status_code == 200, t.text
+    assert t.json()["query"] == "amod(circle, red)" and len(t.json()["results"]) == 3
+
+
+def test_fragment_search_needs_exactly_one_query(client: TestClient) -> None:
+    for body in ({"k": 3}, {"phrase": "red circle", "triplet": {"relation": "amod", "w1": "circle", "w2": "red"}}):
+        r = client.post("/search/fragments", json=body)
+        assert r.status_code == 422 and "exactly one" in r.json()["error"]["message"]
+
+
+def test_k_larger_than_the_collection_returns_what_exists(client: TestClient, service_env: ServiceEnv) -> None:
+    r = client.post("/search/images", json={"sentence": "a green triangle", "k": service_env.settings.k_max})
+    assert r.status_code == 200
+    assert 0 < len(r.json()["results"]) <= len(service_env.dev)
+
+
+def test_upload_then_search_then_delete(writable: tuple[TestClient, Engine], service_env: ServiceEnv) -> None:
+    c, engine = writable
+    before = c.get("/readyz").json()["images"]
+    jpeg = service_env.jpeg(service_env.dev[3])
+    key = {"X-API-Key": service_env.api_key}
+    r = c.post("/images", files={"file": ("../../evil name.jpg", jpeg, "image/jpeg")}, headers=key)
+    assert r.status_code == 201, r.text
+    added = r.json()
+    assert added["name"] == "evil name.jpg" and (added["width"], added["height"]) == (224, 224)
+    assert c.get("/readyz").json()["images"] == before + 1
+    got = c.get(added["url"])
+    assert got.status_code == 200 and got.headers["content-type"] == "image/jpeg"
+    stored = list(engine.settings.uploads_dir.iterdir())
+    assert len(stored) == 1 and stored[0].suffix == ".jpg", "the upload is stored under a name of the service's"
+    caption = service_env.captions[service_env.dev[3]][0]
+    names = [h["name"] for h in c.post("/search/images", json={"sentence": caption, "k": 5}).json()["results"]]
+    assert "evil name.jpg" in names, "the upload is searchable at once"
+    d = c.delete(f"/images/{added['id']}", headers={"X-API-Key": service_env.api_key})
+    assert d.status_code == 204
+    assert c.get(added["url"]).status_code == 404
+    assert c.get("/readyz").json()["images"] == before
+    assert c.delete(f"/images/{added['id']}", headers={"X-API-Key": service_env.api_key}).status_code == 404
+
+
+def test_writes_persist_across_a_restart(service_env: ServiceEnv, tmp_path) -> None:
+    settings, engine = service_env.writable(tmp_path)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        r = c.post("/images", files={"file": ("a.png", service_env.png(64, 48), "image/png")},
+                   headers={"X-API-Key": service_env.api_key})
+        assert r.status_code == 201
+        new_id = r.json()["id"]
+    index = ImageIndex.load(tmp_path / "images", service_env.shapes.bundle)
+    assert index.get(new_id) is not None and len(index) == len(service_env.dev) + 1
+
+
+def test_auth_can_only_be_switched_off_explicitly(service_env: ServiceEnv, tmp_path) -> None:
+    settings, engine = service_env.writable(tmp_path / "nokey", api_key=None)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        upload = {"file": ("a.png", service_env.png(32, 32), "image/png")}
+        assert c.post("/images", files=upload).status_code == 401
+        refused = c.post("/images", files=upload, headers={"X-API-Key": "anything"})
+        assert refused.status_code == 403 and "no API key" in refused.json()["error"]["message"]
+    settings, engine = service_env.writable(tmp_path / "open", api_key=None, auth_disabled=True)
+    with TestClient(create_app(settings, engine=engine)) as c:
+        assert c.post("/images", files={"file": ("a.png", service_env.png(32, 32), "image/png")}).status_code == 201
+
+
+def test_metrics_count_requests_per_route_and_index_size(client: TestClient, service_env: ServiceEnv) -> None:
+    client.post("/search/images", json={"sentence": "a blue square", "k": 2})
+    client.post("/search/images", json={"sentence": "", "k": 2})
+    client.get("/images/999999")
+    text = client.get("/metrics").text
+    assert re.search(r'fragsearch_requests_total\{method="POST",route="/search/images",status="200"\} [1-9]', text)
+    assert re.search(r'fragsearch_requests_total\{method="POST",route="/search/images",status="422"\} [1-9]', text)
+    assert 'route="/images/{image_id}",status="404"' in text, "routes are labelled by template, not raw path"
+    assert 'fragsearch_request_seconds_bucket{le="0.03",method="POST",route="/search/images"}' in text
+    assert f'fragsearch_index_size{{index="images"}} {float(len(service_env.dev))}' in text
+    assert "process_resident_memory_bytes" in text
+
+
+def test_openapi_lists_every_error_response(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    assert "ErrorResponse" in spec["components"]["schemas"]
+    expected = {
+        ("/search/images", "post"): {"413", "422", "503"},
+        ("/search/fragments", "post"): {"413", "422", "503"},
+        ("/annotate", "post"): {"413", "415", "422", "503"},
+        ("/images", "post"): {"401", "403", "413", "415", "422", "503"},
+        ("/images/{image_id}", "get"): {"404", "503"},
+        ("/images/{image_id}", "delete"): {"401", "403", "404", "503"},
+        ("/readyz", "get"): {"503"},
+    }
+    for (path, method), codes in expected.items():
+        responses = spec["paths"][path][method]["responses"]
+        assert codes <= set(responses), (path, method, set(responses))
+        for code in codes:
+            ref = responses[code]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorResponse")
+    assert "X-API-Key" in str(spec["components"]["securitySchemes"])
+
+
+def test_not_ready_until_loaded(service_env: ServiceEnv, tmp_path) -> None:
+    settings = service_env.settings_for(tmp_path, model_path=tmp_path / "missing.pt")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/healthz").status_code == 200
+        for _ in range(200):
+            r = c.get("/readyz")
+            if "failed" in r.json()["error"]["message"]:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        assert "missing.pt" in r.json()["error"]["message"]
+        s = c.post("/search/images", json={"sentence": "a red circle", "k": 1})
+        assert s.status_code == 503
+
+
+def test_loads_from_disk_in_the_background(service_env: ServiceEnv) -> None:
+    with TestClient(create_app(service_env.settings)) as c:
+        for _ in range(600):
+            r = c.get("/readyz")
+            if r.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+        assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
+
+
+def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("FRAGSEARCH_K_MAX", "70")
+    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
+    monkeypatch.setenv("FRAGSEARCH_API_KEY", "")
+    s = Settings(_env_file=None)  # type: ignore[call-arg]
+    assert s.k_max == 70 and s.api_key is None and not s.writes_open
+    assert s.model_file == tmp_path / "models" / "full" / "model.pt"
+    assert s.image_index_dir == tmp_path / "index" / "images-dev"
+    assert (s.host, s.port) == ("127.0.0.1", 8000)
+
+
+def test_page_is_self_contained(client: TestClient) -> None:
+    page = client.get("/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    for name in ("index.html", "app.js", "style.css"):
+        text = (STATIC / name).read_text()
+        assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", text), f"{name} loads something external"
+        assert "@import" not in text and "cdn" not in text.lower()
+    assert client.get("/static/app.js").status_code == 200
+
+
+def test_prepare_builds_what_is_missing_and_reuses_what_exists(service_env: ServiceEnv, tmp_path) -> None:
+    settings = service_env.settings_for(tmp_path, image_index=None, sentence_index=None, workers=1)
+    assert settings.model_file.is_file(), "the checkpoint exists, so nothing is trained"
+    prepare(settings)
+    images = ImageIndex.load(settings.image_index_dir, service_env.shapes.bundle)
+    sentences = SentenceIndex.load(settings.sentence_index_dir, service_env.shapes.bundle)
+    assert len(images) == len(service_env.dev)
+    assert len(sentences) == 5 * 60, "the captions of the train split"
+    images.close()
+    sentences.close()
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "index").rglob("*") if p.is_file()}
+    prepare(settings)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "index").rglob("*") if p.is_file()} == files

@@ -1,0 +1,159 @@
+"""Sentence → triplet conversion: spaCy parse, stanza UD conversion, fragment modes, relation vocab."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from model.text import (
+    ParsedSentence,
+    RelationVocab,
+    SpacyParser,
+    StanzaParser,
+    Triplet,
+    make_parser,
+    sentence_triplets,
+    stanza_document_to_parsed,
+)
+
+
+@pytest.fixture(scope="module")
+def spacy_parser() -> SpacyParser:
+    return SpacyParser(max_words=64)
+
+
+def _texts(parsed: ParsedSentence) -> set[str]:
+    return {t.text() for t in parsed.triplets}
+
+
+def test_spacy_collapses_prepositions(spacy_parser: SpacyParser) -> None:
+    (parsed,) = spacy_parser.parse(["A dog runs in the grass ."])
+    texts = _texts(parsed)
+    assert "prep_in(runs, grass)" in texts
+    assert "nsubj(runs, dog)" in texts
+    assert all(t.rel not in {"punct", "ROOT", "prep", "pobj"} for t in parsed.triplets)
+    assert parsed.tokens == ("a", "dog", "runs", "in", "the", "grass")
+    assert all(t.w1.islower() and t.w2.islower() for t in parsed.triplets)
+
+
+def test_spacy_batch_order_agent_and_lowercase(spacy_parser: SpacyParser) -> None:
+    out = spacy_parser.parse(["A Man is chased by a DOG .", "Dog", "Two girls play on the beach"])
+    assert len(out) == 3
+    assert "agent(chased, dog)" in _texts(out[0])
+    assert out[1].tokens == ("dog",) and out[1].triplets == ()
+    assert "prep_on(play, beach)" in _texts(out[2])
+
+
+def test_spacy_truncates_long_captions() -> None:
+    parser = SpacyParser(max_words=5)
+    (parsed,) = parser.parse([" ".join(["dog"] * 50) + " ."])
+    assert len(parsed.tokens) <= 5
+
+
+def test_empty_caption_is_an_error(spacy_parser: SpacyParser) -> None:
+    with pytest.raises(ValueError, match="empty caption"):
+        spacy_parser.parse(["A dog .", "   "])
+    with pytest.raises(ValueError, match="empty caption"):
+        StanzaParser().parse([""])
+
+
+def _word(i: int, text: str, head: int, deprel: str, upos: str = "NOUN") -> dict[str, Any]:
+    return {"id": i, "text": text, "lemma": text.lower(), "upos": upos, "head": head, "deprel": deprel}
+
+
+def test_stanza_document_conversion() -> None:
+    from stanza import Document
+
+    sent1 = [
+        _word(1, "A", 2, "det", "DET"),
+        _word(2, "dog", 3, "nsubj"),
+        _word(3, "runs", 0, "root", "VERB"),
+        _word(4, "in", 6, "case", "ADP"),
+        _word(5, "the", 6, "det", "DET"),
+        _word(6, "Park", 3, "obl"),
+        _word(7, ".", 3, "punct", "PUNCT"),
+    ]
+    sent2 = [
+        _word(1, "A", 2, "det", "DET"),
+        _word(2, "man", 4, "nsubj:pass"),
+        _word(3, "is", 4, "aux:pass", "AUX"),
+        _word(4, "chased", 0, "root", "VERB"),
+        _word(5, "by", 7, "case", "ADP"),
+        _word(6, "a", 7, "det", "DET"),
+        _word(7, "dog", 4, "obl:agent"),
+        _word(8, "because", 10, "case", "ADP"),
+        _word(9, "of", 8, "fixed", "ADP"),
+        _word(10, "rain", 4, "obl"),
+    ]
+    parsed = stanza_document_to_parsed(Document([sent1, sent2]))
+    assert len(parsed) == 2
+    texts1 = _texts(parsed[0])
+    assert "prep_in(runs, park)" in texts1
+    assert "nsubj(runs, dog)" in texts1
+    assert not any(t.rel in {"case", "punct", "root", "obl"} for t in parsed[0].triplets)
+    assert parsed[0].tokens == ("a", "dog", "runs", "in", "the", "park")
+    texts2 = _texts(parsed[1])
+    assert "nsubj_pass(chased, man)" in texts2
+    assert "agent(chased, dog)" in texts2
+    assert "prep_because_of(chased, rain)" in texts2
+    assert not any(t.rel in {"case", "fixed"} for t in parsed[1].triplets)
+
+
+def test_stanza_without_models_is_a_clear_error() -> None:
+    parser = make_parser("stanza")
+    assert parser.name == "stanza"
+    try:
+        out = parser.parse(["A dog runs in the grass ."])
+    except RuntimeError as err:
+        assert "stanza" in str(err) and "not installed" in str(err)
+        assert "spacy" in str(err)
+    else:  # English models happen to be installed on this host
+        assert "prep_in(runs, grass)" in _texts(out[0])
+
+
+def test_make_parser_unknown() -> None:
+    with pytest.raises(ValueError, match="spacy"):
+        make_parser("corenlp")
+
+
+def test_bow_and_bigram_modes() -> None:
+    parsed = ParsedSentence(tokens=("a", "dog", "runs"), triplets=(Triplet("nsubj", "runs", "dog"),))
+    assert sentence_triplets(parsed, "dependency") == [Triplet("nsubj", "runs", "dog")]
+    assert sentence_triplets(parsed, "bow") == [
+        Triplet("word", "a", "a"),
+        Triplet("word", "dog", "dog"),
+        Triplet("word", "runs", "runs"),
+    ]
+    bigrams = [Triplet("bigram", "a", "dog"), Triplet("bigram", "dog", "runs")]
+    assert sentence_triplets(parsed, "bigram") == bigrams
+    one = ParsedSentence(tokens=("dog",), triplets=())
+    assert sentence_triplets(one, "bigram") == [Triplet("bigram", "dog", "dog")]
+    with pytest.raises(ValueError, match="bigram"):
+        sentence_triplets(parsed, "trigram")
+
+
+def test_serialisation_round_trips() -> None:
+    t = Triplet("prep_in", "runs", "grass")
+    assert t.text() == "prep_in(runs, grass)"
+    assert Triplet.from_list(json.loads(json.dumps(t.to_list()))) == t
+    parsed = ParsedSentence(tokens=("dog", "runs"), triplets=(t,))
+    assert ParsedSentence.from_dict(json.loads(json.dumps(parsed.to_dict()))) == parsed
+
+
+def test_relation_vocab_cutoff_and_round_trip() -> None:
+    # 1000 relations: nsubj 60 %, det 37.5 %, prep_in 2 % (kept), dobj 0.5 % (dropped)
+    counts = {"nsubj": 600, "det": 375, "prep_in": 20, "dobj": 5}
+    lists = [[Triplet(rel, "a", "b")] * n for rel, n in counts.items()]
+    vocab = RelationVocab.fit(lists, cutoff=0.01)
+    assert vocab.kept == ("nsubj", "det", "prep_in")
+    assert len(vocab) == 3
+    assert vocab.index("nsubj") == 0 and vocab.index("prep_in") == 2
+    assert vocab.index("dobj") is None
+    assert vocab.counts == counts
+    assert vocab.dropped == ("dobj",)
+    assert vocab.coverage == pytest.approx(0.995)
+    again = RelationVocab.from_dict(json.loads(json.dumps(vocab.to_dict())))
+    assert again == vocab and again.kept == vocab.kept and again.index("det") == 1
+    assert len(RelationVocab.fit([], cutoff=0.01)) == 0

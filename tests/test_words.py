@@ -1,0 +1,77 @@
+"""MiniLM word table, sentence embeddings and in-context word vectors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model import words as words_mod
+from model.words import WordTable, encode_sentences, encode_words_in_context
+
+
+@pytest.fixture(scope="module")
+def table() -> WordTable:
+    return WordTable.build(["dog", "puppy", "car", "dog"])
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_word_table_similarity(table: WordTable) -> None:
+    assert table.words == ["car", "dog", "puppy"]
+    assert table.vectors.shape == (3, 384) and table.vectors.dtype == np.float32
+    assert table.dim == 384 and len(table) == 3
+    assert table.lookup("zebra") is None
+    idx = {w: table.lookup(w) for w in ("dog", "puppy", "car")}
+    assert all(i is not None for i in idx.values())
+    dog, puppy, car = (table.vectors[i] for i in idx.values())  # type: ignore[index]
+    assert _cos(dog, puppy) > _cos(dog, car)
+
+
+def test_save_load_round_trip(table: WordTable, tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "table.npz"
+    table.save(path)
+    assert [p.name for p in path.parent.iterdir()] == ["table.npz"]  # no temp file left
+    again = WordTable.load(path)
+    assert again.words == table.words
+    np.testing.assert_array_equal(again.vectors, table.vectors)
+
+
+def test_cached_reuses_file(table: WordTable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = WordTable.build.__func__  # type: ignore[attr-defined]
+
+    def counting_build(cls: type[WordTable], words: list[str], batch_size: int = 256) -> WordTable:
+        calls.append(1)
+        return original(cls, words, batch_size)
+
+    monkeypatch.setattr(WordTable, "build", classmethod(counting_build))
+    first = WordTable.cached(["puppy", "dog", "car"], tmp_path)
+    (path,) = list(tmp_path.glob("words-*.npz"))
+    mtime = os.stat(path).st_mtime_ns
+    second = WordTable.cached(["car", "dog", "puppy", "dog"], tmp_path)
+    assert calls == [1]
+    assert os.stat(path).st_mtime_ns == mtime
+    assert second.words == first.words == table.words
+    np.testing.assert_allclose(second.vectors, table.vectors, atol=1e-5)
+    WordTable.cached(["dog"], tmp_path)  # another vocabulary: another file
+    assert len(list(tmp_path.glob("words-*.npz"))) == 2 and calls == [1, 1]
+
+
+def test_encode_sentences() -> None:
+    emb = encode_sentences(["A dog runs on grass .", "A puppy plays in a field .", "A red car on a road ."])
+    assert emb.shape == (3, 384) and emb.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-4)
+    assert emb[0] @ emb[1] > emb[0] @ emb[2]
+
+
+def test_words_in_context() -> None:
+    toks = [["a", "snowboarder", "jumps"], ["dog"], []]
+    out = encode_words_in_context(toks)
+    assert [v.shape for v in out] == [(3, 384), (1, 384), (0, 384)]
+    np.testing.assert_allclose(np.linalg.norm(out[0], axis=1), 1.0, atol=1e-4)
+    assert words_mod.load_minilm() is words_mod.load_minilm()
