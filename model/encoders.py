@@ -24,6 +24,7 @@ class ModelConfig:
     h: int = 1000  # embedding size (paper: ~1000)
     n_relations: int = 1
     hidden: int = 2048  # two-branch hidden width
+    image_hidden: int = 0  # fragment model: 0 = linear image encoder (paper); >0 = one hidden ReLU layer
     dropout: float = 0.5  # two-branch dropout
 
     def to_dict(self) -> dict[str, object]:
@@ -31,12 +32,14 @@ class ModelConfig:
 
 
 class FragmentModel(nn.Module):
-    """Image fragment encoder (linear) and per-relation sentence fragment encoder."""
+    """Image fragment encoder (linear, or with one hidden layer) and per-relation sentence fragment encoder."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.image = nn.Linear(cfg.img_dim, cfg.h)
+        self.image: nn.Module = (
+            nn.Linear(cfg.img_dim, cfg.h) if cfg.image_hidden <= 0 else
+            nn.Sequential(nn.Linear(cfg.img_dim, cfg.image_hidden), nn.ReLU(), nn.Linear(cfg.image_hidden, cfg.h)))
         scale = (2 * cfg.word_dim) ** -0.5
         # one (W_R, b_R) per relation, as separate tensors so a batch only touches the ones it uses
         self.w_rel = nn.ParameterList(

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import resource
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -80,6 +81,8 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
                    "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
 }
+VARIANTS["sentence+mlp"] = {"text": {"sentence_fragment": True}, "model": {"image_hidden": 1024},
+                            "train": {"beta": 3.0}}
 VARIANTS["full"] = VARIANTS["sentence"]  # the served default: the best fragment variant on dev
 
 
@@ -224,7 +227,8 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
     rng = np.random.default_rng(cfg.seed)
     text = TextPipeline.fit(run.text, train_data.parsed, cache_root / "words")
     mcfg = ModelConfig(kind=run.model_kind, h=cfg.h, n_relations=len(text.relations),
-                       img_dim=train_data.feats.shape[-1], word_dim=text.words.dim)
+                       img_dim=train_data.feats.shape[-1], word_dim=text.words.dim,
+                       image_hidden=int(run.model_overrides.get("image_hidden", 0)))
     model = build_model(mcfg).to(cfg.device)
     bundle = Bundle(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
     feats = torch.from_numpy(train_data.feats)
@@ -266,6 +270,7 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
         logger.info("epoch %d: %s", epoch + 1, json.dumps({k: round(v, 4) for k, v in row.items()}))
     summary = {"variant": run.variant, "best": best, "history": history,
                "train_seconds": time.perf_counter() - t0,
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                "config": {"train": dataclasses.asdict(cfg), "text": dataclasses.asdict(run.text),
                           "image": dataclasses.asdict(run.image), "model": mcfg.to_dict()}}
     (out / "history.json").write_text(json.dumps(summary, indent=2))
