@@ -154,12 +154,12 @@ def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row
     _, exhaustive_ms = timed(
         lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], min(200, len(queries)))
     nlist = 128
-    base = IndexSettings()
-    settings = [dataclasses.replace(base, k_prime=kp) for kp in (8, 16, 32, 64, 128)]
+    base = IndexSettings()  # the defaults: flat, k_prime 128
+    settings = [dataclasses.replace(base, k_prime=kp) for kp in (16, 32, 64, 128, 256)]
     settings += [IndexSettings(kind="hnsw", ef_search=ef) for ef in (32, 128)]
     settings += [IndexSettings(kind="ivf", nlist=nlist, nprobe=p) for p in (4, 16)]
-    settings += [IndexSettings(kind="ivfpq", nlist=nlist, m=32, pretransform="PCA128", nprobe=16, k_prime=kp)
-                 for kp in (64, 256)]
+    settings += [IndexSettings(kind="ivfpq", nlist=nlist, pretransform="PCA128", nprobe=16, k_prime=kp, rerank=r)
+                 for kp, r in ((128, 0), (512, 0), (512, 128))]
 
     def measure() -> Row:
         found, ms = timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], len(queries))
@@ -178,7 +178,7 @@ def annotate_rows(args: argparse.Namespace, bundle: Bundle, frags: list, command
     sentences, _ = split.sentences()
     work = args.workdir / "train-sentences"
     shutil.rmtree(work, ignore_errors=True)
-    index = SentenceIndex.create(work, bundle, IndexSettings())
+    index = SentenceIndex.create(work, bundle)
     parsed = parse_cached(bundle.text.parser, sentences, args.cache / "parses")
     with index.bulk():
         index.add_parsed(parsed, sentences)
@@ -186,9 +186,8 @@ def annotate_rows(args: argparse.Namespace, bundle: Bundle, frags: list, command
     queries = frags[: args.annotate_queries]
     truth, exhaustive_ms = timed(
         lambda q: [h.sentence_id for h in index.annotate_fragments(queries[q], K, exhaustive=True)], len(queries))
-    settings = [IndexSettings(k_prime=kp) for kp in (16, 64)]
-    settings += [IndexSettings(kind="ivfpq", nlist=512, m=32, pretransform="PCA128", nprobe=p, k_prime=64)
-                 for p in (16, 64)]
+    settings = [IndexSettings(k_prime=kp, rerank=r) for kp, r in ((16, 0), (128, 0), (0, 30), (0, 100))]
+    settings += [IndexSettings(kind="ivfpq", nlist=512, pretransform="PCA128", nprobe=16, k_prime=0, rerank=100)]
 
     def measure() -> Row:
         found, ms = timed(lambda q: [h.sentence_id for h in index.annotate_fragments(queries[q], K)], len(queries))
@@ -255,7 +254,8 @@ def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str
     work = args.workdir / f"synthetic-{n_images}"
     shutil.rmtree(work, ignore_errors=True)
     big = n_images >= 50_000
-    pq = IndexSettings(kind="ivfpq", nlist=1024 if big else 256, m=32, pretransform="PCA128", store_dtype="float16")
+    nlist = int(256 * 2 ** round(2 * np.log10(max(1.0, n_images / 10_000))))  # 10k: 256, 100k: 1024, 1M: 4096
+    pq = IndexSettings(kind="ivfpq", nlist=nlist, m=32, pretransform="PCA128", store_dtype="float16")
     index = ImageIndex.create(work, bundle, pq if big else IndexSettings(store_dtype="float16"))
     t0 = time.perf_counter()
     chunk = 2048
@@ -271,21 +271,26 @@ def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str
     t0 = time.perf_counter()
     truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
     logger.info("exhaustive ground truth for %d queries in one pass: %.1f s", len(queries), time.perf_counter() - t0)
-    n_timed = min(len(queries), args.exhaustive_timed if big else 20)
+    n_timed = min(len(queries), args.exhaustive_timed if big else 20, 3 if n_images >= 1_000_000 else 1000)
     _, exhaustive_ms = timed(
         lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], n_timed)
     settings = [dataclasses.replace(pq, nprobe=p, k_prime=kp, rerank=r)
                 for p, kp, r in ((16, 64, 0), (64, 64, 0), (16, 256, 0), (16, 1024, 256), (16, 1024, 1024),
                                  (16, 4096, 512))]
+    if n_images >= 1_000_000:  # candidates in proportion to the collection
+        settings += [dataclasses.replace(pq, nprobe=16, k_prime=16384, rerank=1024)]
     if not big:  # raw-vector kinds keep h * 4 bytes per fragment in RAM: measured on the small collection
         settings = [IndexSettings(kind="flat", k_prime=kp, store_dtype="float16") for kp in (64, 256)] + settings
         settings += [IndexSettings(kind="hnsw", pretransform="PCA128", ef_search=128, k_prime=64,
                                    store_dtype="float16"),
                      IndexSettings(kind="ivf", nlist=256, nprobe=16, k_prime=64, store_dtype="float16")]
 
+    size = f"{n_images // 1000}k" if n_images < 1_000_000 else f"{n_images // 1_000_000}M"
+    label = f"synthetic-{size}-h{h}"
+
     def measure() -> Row:
-        found, ms = timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], len(queries))
-        return row(f"synthetic-{n_images // 1000}k", n_images, index, found, truth, ms, exhaustive_ms, command)
+        found, ms = timed(lambda q: [hit.image_id for hit in index.search_vectors(queries[q], K)], len(queries))
+        return row(label, n_images, index, found, truth, ms, exhaustive_ms, command)
 
     rows = sweep(index, settings, measure, args.build_threads)
     index.close()
@@ -368,16 +373,14 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m bench.index_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     rows: list[Row] = []
-    h = args.h
-    if not args.skip_dev:
-        if args.model.is_file():
-            bundle = Bundle.load(args.model)
-            h = h or bundle.dim
-            rows += dev_rows(args, bundle, command)
-        else:
-            logger.warning("no model at %s: the dev-image rows are skipped", args.model)
+    bundle = Bundle.load(args.model) if args.model.is_file() else None
+    if bundle is None:
+        logger.warning("no model at %s: no dev-image rows, synthetic h = %d", args.model, args.h or 1000)
+    elif not args.skip_dev:
+        rows += dev_rows(args, bundle, command)
+    h = args.h or (bundle.dim if bundle is not None else 1000)
     for n in args.sizes:
-        rows += synthetic_rows(args, n, h or 1000, command)
+        rows += synthetic_rows(args, n, h, command)
     if args.append and args.out.is_file():
         with open(args.out, newline="") as f:
             old = [read_row(r) for r in csv.DictReader(f)]

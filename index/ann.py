@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import faiss
@@ -109,6 +109,14 @@ class AnnIndex:
         self._gpu = None
         return n
 
+    def remove_ids(self, ids: Sequence[int]) -> int:
+        """Remove fragments by id; returns how many were removed (0 where deletion is unsupported)."""
+        if not self.supports_remove or not len(ids):
+            return 0
+        n = int(self.index.remove_ids(faiss.IDSelectorBatch(np.asarray(ids, dtype=np.int64))))
+        self._gpu = None
+        return n
+
     # -- search -----------------------------------------------------------------------------------
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """queries: (t, dim) float32 -> scores (t, k) and fragment ids (t, k) (-1 where fewer exist)."""
@@ -116,6 +124,14 @@ class AnnIndex:
         k = max(1, min(k, max(1, self.ntotal)))
         index = self._search_index()
         scores, ids = index.search(q, k)
+        return scores, ids
+
+    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every fragment with a positive score for any query (range search, radius 0): scores (N,)
+        and fragment ids (N,), all queries together. Approximate kinds return those they visit."""
+        if self.ntotal == 0:
+            return np.zeros(0, np.float32), np.zeros(0, np.int64)
+        _, scores, ids = self._search_index().range_search(np.ascontiguousarray(queries, dtype=np.float32), 0.0)
         return scores, ids
 
     def _search_index(self) -> faiss.Index:
@@ -204,7 +220,7 @@ def fit_projection(index: faiss.Index, sample: np.ndarray) -> None:
         pre = faiss.downcast_index(pre.index)
     if not isinstance(pre, faiss.IndexPreTransform):
         return
-    lt = faiss.downcast_VectorTransform(pre.chain.at(0))
+    lt = faiss.downcast_VectorTransform(pre.chain.at(0))  # type: ignore[attr-defined]
     if not isinstance(lt, faiss.LinearTransform) or isinstance(lt, faiss.PCAMatrix | faiss.OPQMatrix):
         return
     x = np.asarray(sample, dtype=np.float64)

@@ -37,6 +37,7 @@ from index.ann import AnnIndex, train_sample_size
 from index.files import TMP_SUFFIX, atomic_path, fsync_dir, sha256_file, unique_name
 from index.fingerprint import model_fingerprint
 from index.locks import ReadWriteLock
+from index.shared import SharedFragments
 from index.store import VectorStore
 from index.types import IndexLoadError, IndexSettings
 from model.bundle import Bundle
@@ -63,6 +64,7 @@ class FragmentIndex(Generic[P]):
 
     KIND: ClassVar[str]
     COLUMNS: ClassVar[tuple[tuple[str, str], ...]]  # (name, SQL type) of the payload columns
+    SHARED_FRAGMENTS: ClassVar[bool] = False  # identical vectors go into FAISS once (index.shared)
 
     def __init__(self, root: Path, bundle: Bundle, settings: IndexSettings, db: sqlite3.Connection) -> None:
         self.root = Path(root)
@@ -94,6 +96,7 @@ class FragmentIndex(Generic[P]):
         self._bulk_depth = 0
         self._unindexed: list[int] = []  # items whose fragments are not in FAISS yet (bulk adds)
         self._extractor: RegionExtractor | None = None
+        self._shared = SharedFragments() if self.SHARED_FRAGMENTS else None
         self._extractor_lock = threading.Lock()
 
     # -- creation and loading -------------------------------------------------------------------------
@@ -197,6 +200,9 @@ class FragmentIndex(Generic[P]):
             if (rows[rows[:, 4] == 0, 1] < 0).any():
                 raise IndexLoadError(f"{where}: a live item has no stored vectors: inconsistent metadata")
         index._count = int(index._alive.sum())
+        if index._shared is not None:
+            for i in np.flatnonzero(index._alive).tolist():
+                index._shared.add(i, index.store.rows(int(index._seg[i]), int(index._off[i]), int(index._n[i])))
         # FAISS
         ann_file = str(info["ann_file"])
         ann_path = root / ann_file
@@ -211,6 +217,9 @@ class FragmentIndex(Generic[P]):
         if index.ann.ntotal != int(info["ann_ntotal"]):
             raise IndexLoadError(f"{where}: FAISS file holds {index.ann.ntotal} fragments, metadata says "
                                  f"{info['ann_ntotal']}")
+        if index._shared is not None and index.ann.supports_remove and index.ann.ntotal != len(index._shared):
+            raise IndexLoadError(f"{where}: FAISS file holds {index.ann.ntotal} fragments, the store "
+                                 f"{len(index._shared)} distinct ones")
         index._ann_file, index._ann_sha, index._ann_dirty = ann_file, str(info["ann_sha256"]), False
         return index
 
@@ -283,13 +292,19 @@ class FragmentIndex(Generic[P]):
         with self._writer:
             first = self._next_id
             new = list(range(first, first + len(vectors)))
-            flat = np.concatenate(vectors).astype(np.float32, copy=False)
-            faiss_ids = np.concatenate([fid.item_fragments(i, len(v)) for i, v in zip(new, vectors, strict=True)])
             with self._rw.write():
+                pairs = list(zip(new, vectors, strict=True))
+                if self._shared is not None:  # only vectors not held yet go into FAISS
+                    rows = [np.asarray(self._shared.add(i, v.astype(self.store.dtype)), np.int64) for i, v in pairs]
+                    faiss_ids = np.concatenate([fid.encode(i, r) for (i, _), r in zip(pairs, rows, strict=True)])
+                    flat = np.concatenate([v[r] for (_, v), r in zip(pairs, rows, strict=True)]).astype(np.float32)
+                else:
+                    faiss_ids = np.concatenate([fid.item_fragments(i, len(v)) for i, v in pairs])
+                    flat = np.concatenate(vectors).astype(np.float32, copy=False)
                 if self._bulk_depth:
                     self._unindexed.extend(new)
                 else:
-                    self.ann.add(faiss_ids, flat)  # first: if FAISS refuses, nothing else has changed
+                    self.ann.add(faiss_ids, flat)
                     self._ann_dirty = True
                 self._grow(first + len(vectors))
                 for i, v, p in zip(new, vectors, payloads, strict=True):
@@ -311,8 +326,16 @@ class FragmentIndex(Generic[P]):
             with self._rw.write():
                 self._alive[item] = False
                 self._count -= 1
-                if self.ann.remove_item(item):
-                    self._ann_dirty = True
+                if self._shared is None:
+                    self._ann_dirty |= self.ann.remove_item(item) > 0
+                else:  # a vector other items hold stays, under the id of its next holder
+                    drop, moved = self._shared.remove(item)
+                    self._ann_dirty |= self.ann.remove_ids(drop) > 0
+                    waiting = set(self._unindexed)
+                    moved = [(o, r) for o, r in moved if o not in waiting]
+                    if moved:
+                        self.ann.add(*self._rows_of(moved))
+                        self._ann_dirty = True
                 if item not in self._pending:
                     self._removed.add(item)
             return True
@@ -334,7 +357,7 @@ class FragmentIndex(Generic[P]):
                 else:
                     for start in range(0, len(self._unindexed), ADD_ITEMS):
                         items = np.asarray(self._unindexed[start : start + ADD_ITEMS])
-                        ids, vecs = self._item_vectors(items)
+                        ids, vecs = self._entries(items)
                         with self._rw.write():
                             self.ann.add(ids, vecs)
                             self._ann_dirty = True
@@ -356,7 +379,7 @@ class FragmentIndex(Generic[P]):
                 ann = AnnIndex(self.dim, settings)  # the flat stand-in until there is enough to train
             elif settings.trainable:
                 train = self._sample(items, train_sample_size(settings))
-            batches = (self._item_vectors(items[s : s + ADD_ITEMS]) for s in range(0, len(items), ADD_ITEMS))
+            batches = (self._entries(items[s : s + ADD_ITEMS]) for s in range(0, len(items), ADD_ITEMS))
             if ann is None:
                 ann = AnnIndex.build(self.dim, settings, train, batches, total=total)
             else:
@@ -377,6 +400,22 @@ class FragmentIndex(Generic[P]):
             with self._rw.write():
                 self.settings = settings
                 self.ann.set_settings(settings)
+
+    def _entries(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What `items` put into FAISS: fragment ids (N,) and vectors (N, dim) float32 (with shared
+        fragments, only the representatives they hold)."""
+        if self._shared is None:
+            return self._item_vectors(items)
+        return self._rows_of(self._shared.representatives(items.tolist()))
+
+    def _rows_of(self, pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(item, row) pairs -> their fragment ids (N,) and stored vectors (N, dim) float32."""
+        if not pairs:
+            return np.zeros(0, np.int64), np.zeros((0, self.dim), np.float32)
+        items = np.asarray([i for i, _ in pairs], dtype=np.int64)
+        rows = np.asarray([r for _, r in pairs], dtype=np.int64)
+        vecs, _ = self.store.gather(self._seg[items], self._off[items] + rows, np.ones(len(items), np.int32))
+        return fid.encode(items, rows), vecs[:, 0]
 
     def _item_vectors(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Fragment ids (N,) and vectors (N, dim) float32 of `items`, all their fragments."""
@@ -533,25 +572,36 @@ class FragmentIndex(Generic[P]):
 
     # -- reads (callers hold self._rw.read()) --------------------------------------------------------
     def _candidates(self, queries: np.ndarray) -> np.ndarray:
-        """queries: (t, dim) -> ids of the live items with a fragment among a query's k' nearest.
+        """queries: (t, dim) -> ids of the live items with a fragment among a query's k' nearest
+        (k' = 0: every fragment with a positive score).
 
-        With `settings.rerank` = R > 0, only the R items whose retrieved fragments add up to the most
-        positive score (sum of max(0, FAISS score)) are kept for the exact re-rank.
+        With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
+        the sum of max(0, FAISS score) over their retrieved fragments) are kept for the exact re-rank.
         """
         if self.ann.ntotal == 0:
             return np.zeros(0, np.int64)
-        scores, found = self.ann.search(queries, self.settings.k_prime)
-        hit = found >= 0
-        items, _ = fid.decode(found[hit])
+        if self.settings.k_prime:
+            scores, found = self.ann.search(queries, self.settings.k_prime)
+            scores, found = scores[found >= 0], found[found >= 0]
+        else:
+            scores, found = self.ann.search_positive(queries)
+        if self._shared is not None:
+            items, weights = self._shared.expand(found, scores)
+        else:
+            items, weights = fid.decode(found)[0], scores
         uniq, where = np.unique(items, return_inverse=True)
         live = self._alive[uniq]
         limit = self.settings.rerank
         if not limit or live.sum() <= limit:
             return uniq[live]
-        partial = np.bincount(where, weights=np.maximum(scores[hit], 0), minlength=len(uniq))
+        partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)), uniq)
         partial[~live] = -1.0
-        keep = np.argpartition(-partial, limit - 1)[:limit]
+        keep = np.lexsort((uniq, -partial))[:limit]  # ties to the smaller id, as the final ranking
         return np.sort(uniq[keep])
+
+    def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Partial S_kl of candidates from their retrieved fragments: the sum over 1/|g_k| (items are images)."""
+        return partial / np.maximum(self._n[items], 1)
 
     def _candidate_fragments(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Unique live (item, fragment) pairs among each query's k nearest fragments."""

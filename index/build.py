@@ -13,12 +13,14 @@ cache (--cache), so images the trainer saw are not extracted twice.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 from index.images import ImageIndex, list_images
+from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sentences import SentenceIndex
 from index.types import IndexSettings
 from model.bundle import Bundle
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
     ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"))
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
+    ap.add_argument("--sentence-k-prime", type=int, default=SENTENCE_DEFAULTS.k_prime,
+                    help="sentence index: neighbours per image fragment (0: every positive one)")
+    ap.add_argument("--sentence-rerank", type=int, default=SENTENCE_DEFAULTS.rerank,
+                    help="sentence index: candidates scored exactly")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.images is None and args.captions is None:
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             out = base / f"sentences-{args.split.stem if args.split else 'all'}"
         sentences = read_sentences(args.captions, args.split)
         parse_dir = None if args.no_cache else args.cache / "parses"
-        sindex = build_sentence_index(bundle, sentences, out, settings, parse_dir, args.rebuild)
+        ssettings = dataclasses.replace(settings, k_prime=args.sentence_k_prime, rerank=args.sentence_rerank)
+        sindex = build_sentence_index(bundle, sentences, out, ssettings, parse_dir, args.rebuild)
         logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)
 
 

@@ -24,11 +24,14 @@ from index.types import IndexSettings, SentenceHit, SentenceRecord
 from model.bundle import Bundle
 from model.fragments import EncodedSentences
 from model.image import ImageFragments, RegionExtractor
+from model.score import SMOOTHING
 from model.text import ParsedSentence, Triplet
 
 logger = logging.getLogger(__name__)
 
 ENCODE_CHUNK = 512  # sentences parsed and embedded at a time
+DEFAULT_RERANK = 100
+DEFAULT_SETTINGS = IndexSettings(k_prime=0, rerank=DEFAULT_RERANK)
 
 
 @dataclass
@@ -42,12 +45,15 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     KIND = "sentence"
     COLUMNS = (("text", "TEXT"), ("triplets", "TEXT"))
+    SHARED_FRAGMENTS = True  # a triplet embeds to the same vector in every caption that has it
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
                extractor: RegionExtractor | None = None) -> SentenceIndex:
-        """A new, empty index folder (FileExistsError if one is there already)."""
-        index: SentenceIndex = cls._create(root, bundle, settings or IndexSettings())
+        """A new, empty index folder (FileExistsError if one is there already). The default settings
+        take every sentence fragment with a positive score (few distinct ones: captions share
+        triplets) and score the `DEFAULT_RERANK` best candidates exactly."""
+        index: SentenceIndex = cls._create(root, bundle, settings or DEFAULT_SETTINGS)
         return index._attach(extractor)
 
     @classmethod
@@ -128,6 +134,10 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
         return [SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes))
                 for item, s, p, frags in self._rank(img.numpy(), score, k, exhaustive)]
+
+    def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Partial S_kl of candidate sentences: the sum over (|g_l| + n)."""
+        return partial / (self._n[items] + SMOOTHING)
 
     # -- SQLite rows ------------------------------------------------------------------------------
     def _row(self, payload: StoredSentence) -> tuple[Any, ...]:

@@ -23,9 +23,10 @@ class IndexSettings:
     kind: "flat" (exact inner product), "hnsw" (graph), "ivf" (inverted lists, raw vectors) or
     "ivfpq" (inverted lists, product-quantised codes). `pretransform` is an optional FAISS
     pre-transform in index-factory syntax ("PCA256", "OPQ50_500") applied before hnsw / ivf / ivfpq.
-    `k_prime`: neighbours fetched per query fragment in the candidate stage; `rerank` R > 0 keeps the
-    R candidates whose retrieved fragments score highest (sum of positive FAISS scores) for the exact
-    re-rank (fetch many, score few).
+    `k_prime`: neighbours fetched per query fragment in the candidate stage (0: every fragment with a
+    positive score, by range search; meant with `rerank`, for collections that share fragments).
+    `rerank` R > 0 keeps the R candidates with the best partial score (their retrieved fragments'
+    positive FAISS scores, summed and normalised as S_kl is) for the exact re-rank: fetch many, score few.
     `store_dtype`: precision of the re-rank store (the vectors the exact score reads).
     """
 
@@ -37,7 +38,7 @@ class IndexSettings:
     ef_construction: int = 40  # hnsw build beam
     ef_search: int = 128  # hnsw search beam
     nprobe: int = 32  # inverted lists visited per query fragment (ivf, ivfpq)
-    k_prime: int = 64
+    k_prime: int = 128
     rerank: int = 0  # exact re-rank of every candidate (0), or of the R with the best partial FAISS score
     pretransform: str = ""
     store_dtype: str = "float32"
@@ -49,9 +50,11 @@ class IndexSettings:
             raise ValueError(f"index kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
-        for name in ("nlist", "m", "nbits", "hnsw_m", "ef_construction", "ef_search", "nprobe", "k_prime"):
+        for name in ("nlist", "m", "nbits", "hnsw_m", "ef_construction", "ef_search", "nprobe"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.k_prime < 0:
+            raise ValueError(f"k_prime must be >= 0 (0: every neighbour with a positive score), got {self.k_prime}")
         if self.rerank < 0:
             raise ValueError(f"rerank must be >= 0, got {self.rerank}")
         if self.train_size < 0:
@@ -85,7 +88,7 @@ class IndexSettings:
 
     def describe(self) -> str:
         """Short parameter string for logs and benchmark tables."""
-        parts = [f"k_prime={self.k_prime}", f"store={self.store_dtype}"]
+        parts = [f"k_prime={self.k_prime or 'positive'}", f"store={self.store_dtype}"]
         if self.rerank:
             parts.insert(1, f"rerank={self.rerank}")
         if self.pretransform:

@@ -95,6 +95,12 @@ def name_of(index: ImageIndex, image_id: int) -> str:
     return rec.name
 
 
+def name_text(index: SentenceIndex, sentence_id: int) -> str:
+    rec = index.get(sentence_id)
+    assert rec is not None
+    return rec.text
+
+
 def ranking(hits: list) -> list[tuple[int, float]]:
     return [(h.image_id if hasattr(h, "image_id") else h.sentence_id, round(h.score, 5)) for h in hits]
 
@@ -145,7 +151,7 @@ def test_faiss_holds_every_fragment_under_its_item_id(image_index: ImageIndex):
 
 # -- search -----------------------------------------------------------------------------------------------
 def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bundle):
-    index = ImageIndex.create(tmp_path / "flat", bundle)  # default settings: flat, k_prime=64
+    index = ImageIndex.create(tmp_path / "flat", bundle)  # default settings: flat, k_prime=128
     random_images(index, 120, seed=2)
     for q in QUERIES:
         fast, slow = index.search(q, 10), index.search_exhaustive(q, 10)
@@ -588,6 +594,44 @@ def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Pa
                                                                 exhaustive=True))
     images.close()
     sentences.close()
+
+
+def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Path, bundle: Bundle):
+    index = SentenceIndex.create(tmp_path / "shared", bundle, IndexSettings(k_prime=4))
+    ids = index.add_sentences(SENTENCES * 3)
+    distinct = {tuple(r) for i in ids for r in index.store.rows(int(index._seg[i]), int(index._off[i]),
+                                                               int(index._n[i])).tolist()}
+    assert index.ann.ntotal == len(distinct) < index.n_fragments
+    img = torch.from_numpy(index.store.rows(int(index._seg[ids[0]]), int(index._off[ids[0]]), 3).copy())
+    hits = index.annotate_vectors(img, np.zeros((3, 4)), 3)
+    assert ranking(hits) == ranking(index.annotate_vectors(img, np.zeros((3, 4)), 3, exhaustive=True))
+    copies = [i for i in ids if name_text(index, i) == hits[0].text]
+    assert sorted(h.sentence_id for h in hits) == copies  # the three copies of the best sentence tie
+    # the default candidate stage: every sentence fragment with a positive score, the best 5 re-ranked
+    index.set_search(k_prime=0, rerank=5)
+    for row in range(4):
+        query = torch.from_numpy(index.store.rows(int(index._seg[ids[row]]), int(index._off[ids[row]]), 2).copy())
+        query = query + 0.5 * torch.randn(query.shape, generator=torch.Generator().manual_seed(row))
+        assert ranking(index.annotate_vectors(query, np.zeros((2, 4)), 5)) == ranking(
+            index.annotate_vectors(query, np.zeros((2, 4)), 5, exhaustive=True))
+    index.set_search(k_prime=4, rerank=0)
+    # removing the copy that holds the FAISS entries hands them to the next copy
+    assert index.remove(copies[0])
+    assert index.ann.ntotal == len(distinct)
+    assert [h.sentence_id for h in index.annotate_vectors(img, np.zeros((3, 4)), 2)] == copies[1:]
+    index.save()
+    loaded = SentenceIndex.load(index.root, bundle)
+    assert loaded.ann.ntotal == len(distinct)
+    assert [h.sentence_id for h in loaded.annotate_vectors(img, np.zeros((3, 4)), 2)] == copies[1:]
+    for i in copies[1:]:
+        loaded.remove(i)
+    assert all(h.text != hits[0].text for h in loaded.annotate_vectors(img, np.zeros((3, 4)), 30))
+    loaded.save()
+    again = SentenceIndex.load(index.root, bundle)
+    assert again.ann.ntotal == loaded.ann.ntotal and len(again) == len(ids) - 3
+    again.close()
+    loaded.close()
+    index.close()
 
 
 # -- command line -------------------------------------------------------------------------------------------
