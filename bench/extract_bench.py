@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import machine
 from model.cache import ExtractionPool
 from model.config import ImageConfig, default_data_dir
 from model.image import PROPOSAL_MODES, Backbone, load_image, propose_boxes, set_torch_threads
@@ -38,18 +39,6 @@ FIELDS = ("method", "images", "workers", "seconds", "images_per_s", "machine", "
 Row = tuple[str, int, int, float, float, float]  # label, images, workers, seconds, CPU seconds, load
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "extract-bench.csv"
 
-
-def machine() -> str:
-    """CPU model and logical core count, from /proc/cpuinfo."""
-    model, cores = "unknown CPU", 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                cores += 1
-    except OSError:
-        pass
-    return f"{model} x {cores or os.cpu_count()} cores"
 
 
 def image_paths(data: Path, n: int, split: str = "train.txt") -> list[Path]:

@@ -18,7 +18,6 @@ import asyncio
 import csv
 import io
 import logging
-import os
 import random
 import shlex
 import sys
@@ -32,6 +31,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from bench import machine
 from model.config import default_data_dir
 
 logger = logging.getLogger("bench.load_bench")
@@ -50,18 +50,6 @@ FALLBACK_SENTENCES = (
 )
 FALLBACK_PHRASES = ("black dog", "red shirt", "green grass", "blue water", "white snow", "small child")
 
-
-def machine() -> str:
-    """CPU model and logical core count, from /proc/cpuinfo."""
-    model, cores = "unknown CPU", 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                cores += 1
-    except OSError:
-        pass
-    return f"{model} x {cores or os.cpu_count()} cores"
 
 
 @dataclass
