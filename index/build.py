@@ -52,9 +52,11 @@ def read_sentences(path: Path, split: Path | None = None) -> list[str]:
     return [c for n in names for c in by_image.get(n, [])]
 
 
-def _fresh_target(out: Path, rebuild: bool) -> Path:
-    """Where to build: `out` itself, or a sibling that replaces it once complete (rebuild)."""
-    if not rebuild or not out.exists():
+def _fresh_target(out: Path, rebuild: bool, resumable: bool = True) -> Path:
+    """Where to build: `out` itself (a resumable build), or a sibling that replaces it once complete
+    (a rebuild, or a build that cannot resume: then an interrupted build never leaves a half-filled
+    index where a finished one is expected)."""
+    if resumable and (not rebuild or not out.exists()):
         return out
     tmp = out.with_name(out.name + ".building")
     if tmp.exists():
@@ -64,6 +66,9 @@ def _fresh_target(out: Path, rebuild: bool) -> Path:
 
 def _swap_in(built: Path, out: Path) -> None:
     if built == out:
+        return
+    if not out.exists():
+        built.rename(out)
         return
     old = out.with_name(out.name + ".old")
     if old.exists():
@@ -117,7 +122,7 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
         index = SentenceIndex.load(out, bundle)
         logger.info("sentence index %s exists (%d sentences); --rebuild makes it again", out, len(index))
         return index
-    target = _fresh_target(out, rebuild)
+    target = _fresh_target(out, rebuild, resumable=False)
     index = SentenceIndex.create(target, bundle, settings)
     with index.bulk():
         if parse_dir is not None:
