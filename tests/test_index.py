@@ -663,3 +663,20 @@ def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle)
     assert sorted(name_of(images, i) for i in images.ids()) == ["a.jpg", "b.jpg", "c.jpg"]
     images.close()
     sentences.close()
+
+
+def test_interrupted_sentence_build_leaves_no_index_behind(tmp_path: Path, bundle: Bundle,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    from index.build import build_sentence_index
+
+    def crash(self: SentenceIndex, texts: list[str]) -> list[int]:
+        raise KeyboardInterrupt
+
+    out = tmp_path / "sentences"
+    monkeypatch.setattr(SentenceIndex, "add_sentences", crash)
+    with pytest.raises(KeyboardInterrupt):
+        build_sentence_index(bundle, ["a dog runs", "a red ball"], out, IndexSettings())
+    assert not out.exists()  # a later start builds it again instead of reusing a half-filled one
+    monkeypatch.undo()
+    index = build_sentence_index(bundle, ["a dog runs", "a red ball"], out, IndexSettings())
+    assert len(index) == 2
