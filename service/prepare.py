@@ -6,12 +6,14 @@ an image index left half-built by an interrupted run is extended with the images
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
 from index import IndexSettings
 from index.build import build_image_index, build_sentence_index
+from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import feature_cache
@@ -84,15 +86,17 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     sentences, _ = split.sentences()
     logger.info("sentence index: %d %s captions into %s", len(sentences), settings.sentence_split, target)
     t0 = time.perf_counter()
-    index = build_sentence_index(bundle, sentences, target, _index_settings(settings),
+    index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
                                  parse_dir=settings.cache_dir / "parses", rebuild=target.exists())
     logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
     return target
 
 
-def _index_settings(settings: Settings) -> IndexSettings:
-    return IndexSettings(kind=settings.index_kind, use_gpu=settings.device.startswith("cuda"))
+def _index_settings(settings: Settings, base: IndexSettings | None = None) -> IndexSettings:
+    """The index settings of a new index: `base` (default IndexSettings()) with the kind and device set."""
+    return dataclasses.replace(base or IndexSettings(), kind=settings.index_kind,
+                               use_gpu=settings.device.startswith("cuda"))
 
 
 def prepare(settings: Settings) -> float:
