@@ -29,11 +29,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--region-features", default=ImageConfig.region_features, choices=["roi_align", "crop"])
     ap.add_argument("--crop-size", type=int, default=ImageConfig.crop_size)
+    ap.add_argument("--min-box-frac", type=float, default=ImageConfig.min_box_frac,
+                    help="smallest region side as a fraction of the image side")
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of each split")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = check_data_dir(args.data)
-    cfg = dataclasses.replace(ImageConfig(), region_features=args.region_features, crop_size=args.crop_size)
+    cfg = dataclasses.replace(ImageConfig(), region_features=args.region_features, crop_size=args.crop_size,
+                              min_box_frac=args.min_box_frac)
     paths: list[Path] = []
     if args.splits:
         for split in args.splits:

@@ -51,18 +51,26 @@ def fragment_loss(flat: FlatFragments, pos: torch.Tensor, mil: bool, balanced: b
     return (hinge * is_pos).sum() / n_pos + (hinge * ~is_pos).sum() / n_neg
 
 
-def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, margin: float) -> torch.Tensor:
+def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, margin: float,
+                top_k: int = 0) -> torch.Tensor:
     """Global ranking objective C_G on a batch score matrix.
 
     s: (K, L) S_kl; pos: (K, L) correspondence; pair_image: (L,) index of sentence l's image.
     For every true pair (k, l): sum over other images k' of max(0, S_k'l - S_kl + margin) (rank images)
     and over sentences l' not of k of max(0, S_kl' - S_kl + margin) (rank sentences). Mean over pairs.
+    With `top_k` > 0 only the k most violating negatives of each pair count in each direction
+    (top_k = 1: the hardest negative only); 0 sums over all of them, as in the paper.
     """
     n_sent = s.shape[1]
     true = s[pair_image, torch.arange(n_sent)]  # (L,)
-    rank_images = F.relu(s - true[None, :] + margin).masked_fill(pos, 0).sum(0)  # (L,)
+    viol_images = F.relu(s - true[None, :] + margin).masked_fill(pos, 0)  # (K, L)
     rows = s[pair_image]  # (L, L'): S_{k(l), l'}
-    rank_sents = F.relu(rows - true[:, None] + margin).masked_fill(pos[pair_image], 0).sum(1)
+    viol_sents = F.relu(rows - true[:, None] + margin).masked_fill(pos[pair_image], 0)  # (L, L')
+    if top_k > 0:
+        rank_images = viol_images.topk(min(top_k, viol_images.shape[0]), dim=0).values.sum(0)
+        rank_sents = viol_sents.topk(min(top_k, viol_sents.shape[1]), dim=1).values.sum(1)
+    else:
+        rank_images, rank_sents = viol_images.sum(0), viol_sents.sum(1)
     return (rank_images + rank_sents).mean()
 
 

@@ -55,6 +55,7 @@ class TrainConfig:
     weight_decay: float = 1e-6  # alpha
     beta: float = 1.0  # weight of the global ranking objective
     margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
+    global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
     balanced: bool = True  # average positive and negative fragment hinges separately
     h: int = 256  # embedding size (paper: ~1000)
     # two-branch baseline
@@ -77,13 +78,17 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "bow": {"text": {"fragments": "bow"}},
     "bigram": {"text": {"fragments": "bigram"}},
     "sentence": {"text": {"sentence_fragment": True}},
-    "contextual": {"text": {"sentence_fragment": True, "word_vectors": "contextual"}},
     "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
                    "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
 }
 VARIANTS["sentence+mlp"] = {"text": {"sentence_fragment": True}, "model": {"image_hidden": 1024},
                             "train": {"beta": 3.0}}
-VARIANTS["full"] = VARIANTS["sentence"]  # the served default: the best fragment variant on dev
+VARIANTS["large-regions"] = {"text": {"sentence_fragment": True}, "image": {"min_box_frac": 0.15},
+                             "train": {"global_top_k": 5}}
+VARIANTS["large-regions+mlp"] = {**VARIANTS["large-regions"], "model": {"image_hidden": 1024}}
+VARIANTS["contextual"] = {**VARIANTS["large-regions"],
+                          "text": {"sentence_fragment": True, "word_vectors": "contextual"}}
+VARIANTS["full"] = VARIANTS["large-regions"]  # the served default: the best fragment variant on dev
 
 
 @dataclass
@@ -178,7 +183,7 @@ def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, da
         if use_frag:
             loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
         if use_glob:
-            loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin)
+            loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin, cfg.global_top_k)
         opt.zero_grad()
         loss.backward()
         opt.step()

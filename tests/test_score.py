@@ -90,5 +90,20 @@ def test_global_loss_hinge():
     assert abs(float(loss) - ((0.1 + 0.2) + (0.2 + 0.1)) / 2) < 1e-6
 
 
+def test_global_loss_top_k_keeps_hardest_negatives():
+    s = torch.tensor([[1.0, 0.2, 0.6], [0.1, 1.0, 0.3], [0.5, 0.4, 1.0]])
+    pos = torch.eye(3, dtype=torch.bool)
+    pair = torch.tensor([0, 1, 2])
+    margin = 1.0
+    # per pair l: violations of other images (column) and other sentences (row of its image)
+    img_v = [[0.1, 0.5], [0.2, 0.4], [0.6, 0.3]]
+    sent_v = [[0.2, 0.6], [0.1, 0.3], [0.5, 0.4]]
+    every = sum(sum(a) + sum(b) for a, b in zip(img_v, sent_v, strict=True)) / 3
+    hardest = sum(max(a) + max(b) for a, b in zip(img_v, sent_v, strict=True)) / 3
+    assert abs(float(global_loss(s, pos, pair, margin)) - every) < 1e-6
+    assert abs(float(global_loss(s, pos, pair, margin, top_k=1)) - hardest) < 1e-6
+    assert abs(float(global_loss(s, pos, pair, margin, top_k=5)) - every) < 1e-6
+
+
 def test_fragment_scores_shape():
     assert fragment_scores(torch.zeros(2, 3, 4), torch.zeros(5, 6, 4)).shape == (2, 3, 5, 6)
