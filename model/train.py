@@ -81,13 +81,12 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
                    "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
 }
-VARIANTS["sentence+mlp"] = {"text": {"sentence_fragment": True}, "model": {"image_hidden": 1024},
-                            "train": {"beta": 3.0}}
 VARIANTS["large-regions"] = {"text": {"sentence_fragment": True}, "image": {"min_box_frac": 0.15},
                              "train": {"global_top_k": 5}}
 VARIANTS["large-regions+mlp"] = {**VARIANTS["large-regions"], "model": {"image_hidden": 1024}}
 VARIANTS["contextual"] = {**VARIANTS["large-regions"],
                           "text": {"sentence_fragment": True, "word_vectors": "contextual"}}
+VARIANTS["contextual-r25"] = {**VARIANTS["contextual"], "image": {"min_box_frac": 0.25}}
 VARIANTS["full"] = VARIANTS["large-regions"]  # the served default: the best fragment variant on dev
 
 

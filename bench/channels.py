@@ -1,0 +1,104 @@
+"""Which fragments carry a model's dev recall: S_kl restricted to subsets of its fragments.
+
+    python -m bench.channels --only full contextual large-regions sentence
+
+For each fragment model, the dev R-sum (R@1+R@5+R@10, both directions) of the same S_kl
+(model.score.skl) computed over:
+
+- `all`: every fragment (the model's real score);
+- `whole-image`: the whole-image fragment only, against every sentence fragment;
+- `regions`: the 19 regions only;
+- `triplets`: the dependency triplets only (the whole-sentence fragment masked out; a sentence
+  left with no triplet scores 0);
+- `whole-pair`: the whole-image fragment against the whole-sentence fragment only.
+
+Writes docs/results/score-channels-dev.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.bundle import Bundle
+from model.config import default_artifacts_dir, default_data_dir
+from model.dataset import load_split_data
+from model.evaluate import metrics_from_scores
+from model.fragments import SENTENCE_REL
+from model.score import skl
+from model.text import make_parser
+
+logger = logging.getLogger(__name__)
+
+CHANNELS = ("all", "whole-image", "regions", "triplets", "whole-pair")
+
+
+def channel_rsums(bundle: Bundle, feats: np.ndarray, rels: list[list[str]], sent: torch.Tensor,
+                  sent_mask: torch.Tensor, pair_image: np.ndarray) -> dict[str, float]:
+    """Dev R-sum of S_kl over each channel's fragments (rels: each sentence's fragment relations)."""
+    with torch.no_grad():
+        img = bundle.embed_images(feats)
+    img_mask = torch.ones(img.shape[:2])
+    is_sentence = torch.zeros(sent_mask.shape, dtype=torch.bool)
+    for li, sentence_rels in enumerate(rels):
+        for j, r in enumerate(sentence_rels):
+            is_sentence[li, j] = r == SENTENCE_REL
+    only_triplets = sent_mask * ~is_sentence
+    only_sentence = sent_mask * is_sentence
+    whole, regions = img_mask.clone(), img_mask.clone()
+    whole[:, 1:] = 0
+    regions[:, 0] = 0
+    masks = {"all": (img_mask, sent_mask), "whole-image": (whole, sent_mask), "regions": (regions, sent_mask),
+             "triplets": (img_mask, only_triplets), "whole-pair": (whole, only_sentence)}
+    out: dict[str, float] = {}
+    for name, (im, sm) in masks.items():
+        if im.sum() == 0 or sm.sum() == 0:  # e.g. no whole-sentence fragment in this model
+            continue
+        with torch.no_grad():
+            s = skl(img, im, sent, sm, chunk=250)
+        out[name] = round(metrics_from_scores(s.numpy(), pair_image)["rsum"], 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/score-channels-dev.csv"))
+    ap.add_argument("--only", nargs="*", required=True, help="fragment model names under --models")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rows = []
+    for name in args.only:
+        bundle = Bundle.load(args.models / name / "model.pt")
+        if bundle.cfg.kind != "fragment" or bundle.image_cfg.full_frame_only:
+            logger.info("%s: not a fragment model with regions, skipped", name)
+            continue
+        data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
+                               make_parser(bundle.text.cfg.parser))
+        enc = bundle.text.encode_parsed(data.parsed, data.sentences)
+        with torch.no_grad():
+            sent, sent_mask = bundle.embed_sentences(enc)
+        rels = [[t.rel for t in trip] for trip in enc.triplets]
+        r = channel_rsums(bundle, data.feats, rels, sent, sent_mask, data.pair_image)
+        logger.info("%s: %s", name, r)
+        rows.append({"model": name, **{c: r.get(c, "") for c in CHANNELS}})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["model", *CHANNELS, "command"])
+        w.writeheader()
+        cmd = "python -m bench.channels --only " + " ".join(args.only)
+        for row in rows:
+            w.writerow({**row, "command": cmd})
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
