@@ -14,6 +14,7 @@ import csv
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -33,6 +34,12 @@ COLUMNS = ["model", "annot_r1", "annot_r5", "annot_r10", "annot_medr",
            "search_r1", "search_r5", "search_r10", "search_medr", "command"]
 ORDER = ["full", "paper", "fragment+global", "fragment", "global", "fullframe", "bow", "bigram",
          "sentence", "large-regions", "large-regions+mlp", "contextual", "two-branch"]
+
+
+def _style(i: int, name: str) -> dict[str, Any]:
+    """A distinct colour per row (tab20), the served model and the reference drawn heavier."""
+    return {"color": plt.get_cmap("tab20")(i % 20), "linewidth": 2.4 if name in ("full", "two-branch") else 1.2,
+            "linestyle": "--" if name == "two-branch" else "-"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / f"flickr8k-{args.split}.json").write_text(json.dumps(details, indent=2))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, (ann, sea) in curves.items():
-        axes[0].plot(range(1, 51), ann, label=name)
-        axes[1].plot(range(1, 51), sea, label=name)
+    for i, (name, (ann, sea)) in enumerate(curves.items()):
+        axes[0].plot(range(1, 51), ann, label=name, **_style(i, name))
+        axes[1].plot(range(1, 51), sea, label=name, **_style(i, name))
     for ax, title in zip(axes, ("image annotation (image -> sentences)", "image search (sentence -> images)"),
                          strict=True):
         ax.set_xscale("log")
@@ -97,12 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     fig.savefig(args.out / f"recall-at-k-{args.split}.png", dpi=110)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, hist in histories.items():
+    for i, (name, hist) in enumerate(histories.items()):
         ep = [h["epoch"] for h in hist]
-        axes[0].plot(ep, [h["loss"] for h in hist], label=name)
+        axes[0].plot(ep, [h["loss"] for h in hist], label=name, **_style(i, name))
         ev = [(h["epoch"], h["rsum"]) for h in hist if "rsum" in h]
         if ev:
-            axes[1].plot(*zip(*ev, strict=True), marker="o", label=name)
+            axes[1].plot(*zip(*ev, strict=True), marker="o", label=name, **_style(i, name))
     axes[0].set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
     axes[1].set(xlabel="epoch", ylabel="dev R-sum (R@1+5+10, both directions)", title="dev R-sum")
     for ax in axes:

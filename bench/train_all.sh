@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Train every row of docs/results/flickr8k-dev.csv on the 6,000 training images, then write the
 # table and plots. Two runs at a time, one thread each (a 2-core machine).
-#   ./run python -m model.extract --splits dev train --workers 2   # first: the feature cache
+#   ./run python -m model.extract --splits dev train --workers 2   # first: the feature caches
+#   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.15
+#   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.25
 #   bash bench/train_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +15,9 @@ lane() {
       > "artifacts/logs/train-$v.log" 2>&1 || echo "training $v failed: see artifacts/logs/train-$v.log" >&2
   done
 }
-lane full paper fragment fullframe bigram &
-lane two-branch fragment+global global bow contextual &
+lane full paper fragment fullframe bigram sentence &
+lane two-branch fragment+global global bow large-regions contextual &
 wait
-"$PY" -m bench.report
+"$PY" -m bench.report --only full paper fragment+global fragment global fullframe bow bigram sentence \
+  large-regions contextual two-branch
+"$PY" -m bench.channels --only full contextual large-regions sentence paper
