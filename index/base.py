@@ -55,6 +55,20 @@ DEAD_SHARE = 0.5  # share of store rows belonging to removed items that triggers
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
 ADD_ITEMS = 512  # items whose fragments go into FAISS in one call while rebuilding
 
+def built_fingerprint(root: Path) -> str | None:
+    """The model fingerprint an index folder was built with; None when it has no readable database."""
+    path = Path(root) / DB_FILE
+    if not path.is_file():
+        return None
+    try:
+        # immutable: no lock and no -wal/-shm files; the fingerprint is written once, when the index is created
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as db:
+            row = db.execute("SELECT value FROM info WHERE key = 'fingerprint'").fetchone()
+    except sqlite3.DatabaseError:
+        return None
+    return str(json.loads(row[0])) if row else None
+
+
 P = TypeVar("P")
 
 

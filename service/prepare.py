@@ -1,18 +1,24 @@
 """The embedded default's preparation: train the model and build the two indexes if missing.
 
-What exists is reused: a checkpoint is never retrained, a finished index is loaded as it is, and
-an image index left half-built by an interrupted run is extended with the images it lacks.
+What exists is reused: a checkpoint is never retrained, a finished index built with this
+checkpoint is loaded as it is, and an image index left half-built by an interrupted run is extended
+with the images it lacks. An index built with another checkpoint (the model was retrained or
+replaced) is set aside as `<name>.stale` and rebuilt; the stale copy is removed once the new one is
+complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from pathlib import Path
 
 from index import IndexSettings
+from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
+from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from model.bundle import Bundle
 from model.data import load_split
@@ -99,14 +105,32 @@ def _index_settings(settings: Settings, base: IndexSettings | None = None) -> In
                                use_gpu=settings.device.startswith("cuda"))
 
 
+def _set_aside_if_stale(root: Path, fingerprint: str) -> Path | None:
+    """Move an index built with another model to `<root>.stale`; returns where it went."""
+    built = built_fingerprint(root)
+    if built is None or built == fingerprint:
+        return None
+    stale = root.with_name(root.name + ".stale")
+    logger.warning("%s was built with another model (fingerprint %s, this model %s): rebuilding it",
+                   root, built, fingerprint)
+    shutil.rmtree(stale, ignore_errors=True)
+    root.rename(stale)
+    _partial_marker(root).unlink(missing_ok=True)
+    return stale
+
+
 def prepare(settings: Settings) -> float:
-    """Make sure the model and both indexes exist; returns the seconds spent."""
+    """Make sure the model and both indexes (built with that model) exist; returns the seconds spent."""
     t0 = time.perf_counter()
     ensure_model(settings)
-    if not image_index_ready(settings.image_index_dir) or not index_exists(settings.sentence_index_dir):
-        bundle = Bundle.load(settings.model_file, device=settings.device)
-        ensure_image_index(settings, bundle)
-        ensure_sentence_index(settings, bundle)
+    bundle = Bundle.load(settings.model_file, device=settings.device)
+    fingerprint = model_fingerprint(bundle)
+    stale = [p for p in (_set_aside_if_stale(settings.image_index_dir, fingerprint),
+                         _set_aside_if_stale(settings.sentence_index_dir, fingerprint)) if p is not None]
+    ensure_image_index(settings, bundle)
+    ensure_sentence_index(settings, bundle)
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
     seconds = time.perf_counter() - t0
     logger.info("preparation took %.1fs", seconds)
     return seconds

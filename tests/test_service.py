@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
-from index import ImageIndex, SentenceIndex
+from index import ImageIndex, IndexLoadError, SentenceIndex
+from model.bundle import Bundle
 from service.app import STATIC, create_app
 from service.engine import Engine
 from service.prepare import prepare
@@ -250,3 +253,25 @@ def test_prepare_builds_what_is_missing_and_reuses_what_exists(service_env: Serv
     files = {p: p.stat().st_mtime_ns for p in (tmp_path / "index").rglob("*") if p.is_file()}
     prepare(settings)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "index").rglob("*") if p.is_file()} == files
+
+
+def test_prepare_rebuilds_indexes_built_with_another_model(service_env: ServiceEnv, tmp_path) -> None:
+    model_path = tmp_path / "model.pt"
+    shutil.copy(service_env.shapes.model_path, model_path)
+    settings = service_env.settings_for(tmp_path, image_index=None, sentence_index=None, workers=1,
+                                        model_path=model_path)
+    prepare(settings)
+    retrained = Bundle.load(model_path)
+    with torch.no_grad():
+        next(retrained.model.parameters()).add_(0.01)  # another checkpoint: different weights
+    retrained.save(model_path)
+    new = Bundle.load(model_path)
+    with pytest.raises(IndexLoadError):
+        ImageIndex.load(settings.image_index_dir, new)
+    prepare(settings)
+    images = ImageIndex.load(settings.image_index_dir, new)
+    sentences = SentenceIndex.load(settings.sentence_index_dir, new)
+    assert len(images) == len(service_env.dev) and len(sentences) == 5 * 60
+    images.close()
+    sentences.close()
+    assert not list((tmp_path / "index").glob("*.stale")), "the stale copies are removed once rebuilt"
