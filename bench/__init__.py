@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from pathlib import Path
+
+from model.bundle import Bundle
+from model.config import default_artifacts_dir, default_data_dir
+from model.dataset import SplitData, load_split_data
+from model.text import make_parser
 
 
 def machine() -> str:
@@ -17,3 +24,28 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model} x {cores or os.cpu_count()} cores"
+
+
+def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:
+    """The flags of the benchmarks that evaluate trained models on a split: where models, data,
+    caches and results are."""
+    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--split", default="dev")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--out", type=Path, default=out)
+
+
+class SplitDataByConfig:
+    """A split's data loaded once per image settings and parser, shared by the models that use them."""
+
+    def __init__(self, data: Path, split: str, cache: Path) -> None:
+        self.data, self.split, self.cache = data, split, cache
+        self._loaded: dict[str, SplitData] = {}
+
+    def get(self, bundle: Bundle) -> SplitData:
+        key = json.dumps([bundle.image_cfg.__dict__, bundle.text.cfg.parser], sort_keys=True, default=str)
+        if key not in self._loaded:
+            self._loaded[key] = load_split_data(self.data, self.split, bundle.image_cfg, self.cache,
+                                                make_parser(bundle.text.cfg.parser))
+        return self._loaded[key]

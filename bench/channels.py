@@ -25,13 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import SplitDataByConfig, add_model_args
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
-from model.dataset import load_split_data
 from model.evaluate import metrics_from_scores
 from model.fragments import SENTENCE_REL
 from model.score import skl
-from model.text import make_parser
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +65,18 @@ def channel_rsums(bundle: Bundle, feats: np.ndarray, rels: list[list[str]], sent
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--split", default="dev")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/score-channels-dev.csv"))
+    add_model_args(ap, Path("docs/results/score-channels-dev.csv"))
     ap.add_argument("--only", nargs="*", required=True, help="fragment model names under --models")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rows = []
+    split_data = SplitDataByConfig(args.data, args.split, args.cache)
     for name in args.only:
         bundle = Bundle.load(args.models / name / "model.pt")
         if bundle.cfg.kind != "fragment" or bundle.image_cfg.full_frame_only:
             logger.info("%s: not a fragment model with regions, skipped", name)
             continue
-        data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
-                               make_parser(bundle.text.cfg.parser))
+        data = split_data.get(bundle)
         enc = bundle.text.encode_parsed(data.parsed, data.sentences)
         with torch.no_grad():
             sent, sent_mask = bundle.embed_sentences(enc)

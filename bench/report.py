@@ -22,11 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import SplitDataByConfig, add_model_args  # noqa: E402
 from model.bundle import Bundle  # noqa: E402
-from model.config import default_artifacts_dir, default_data_dir  # noqa: E402
-from model.dataset import load_split_data  # noqa: E402
 from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks  # noqa: E402
-from model.text import make_parser  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +43,7 @@ def _style(i: int, name: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--split", default="dev")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--out", type=Path, default=Path("docs/results"))
+    add_model_args(ap, Path("docs/results"))
     ap.add_argument("--only", nargs="*", default=None, help="model names to include")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -59,14 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     names.sort(key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
     args.out.mkdir(parents=True, exist_ok=True)
     rows, details, curves, histories = [], {}, {}, {}
-    data_by_cfg: dict[str, object] = {}
+    split_data = SplitDataByConfig(args.data, args.split, args.cache)
     for name in names:
         bundle = Bundle.load(args.models / name / "model.pt")
-        key = json.dumps([bundle.image_cfg.__dict__, bundle.text.cfg.parser], sort_keys=True, default=str)
-        if key not in data_by_cfg:
-            data_by_cfg[key] = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
-                                               make_parser(bundle.text.cfg.parser))
-        data = data_by_cfg[key]
+        data = split_data.get(bundle)
         m = evaluate(bundle, data)  # type: ignore[arg-type]
         enc = bundle.text.encode_parsed(data.parsed, data.sentences)  # type: ignore[attr-defined]
         scores = score_split(bundle, data.feats, enc)  # type: ignore[attr-defined]
