@@ -4,7 +4,9 @@
 
 For each artifacts/models/<name>/model.pt: evaluates it on the dev split (exact ranks, so every row
 is measured the same way), writes docs/results/flickr8k-dev.csv (+ a JSON with every metric, the
-Hodosh variant and training times), recall@K curves and training curves as PNG.
+Hodosh variant, training times, recall@K and training curves), recall@K curves and training
+curves as PNG. With --merge, the rows already in the table whose models are not evaluated now are
+kept as they are (and drawn where the JSON holds their curves).
 """
 
 from __future__ import annotations
@@ -45,14 +47,25 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, Path("docs/results"))
     ap.add_argument("--only", nargs="*", default=None, help="model names to include")
+    ap.add_argument("--merge", action="store_true", help="keep the table's rows of models not evaluated now")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = [p.parent.name for p in sorted(args.models.glob("*/model.pt"))]
     if args.only:
         names = [n for n in names if n in args.only]
-    names.sort(key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, details, curves, histories = [], {}, {}, {}
+    csv_path, json_path = args.out / f"flickr8k-{args.split}.csv", args.out / f"flickr8k-{args.split}.json"
+    kept_rows: dict[str, dict[str, Any]] = {}
+    details: dict[str, Any] = {}
+    if args.merge and csv_path.is_file():
+        with open(csv_path, newline="") as f:
+            kept_rows = {r["model"]: r for r in csv.DictReader(f) if r["model"] not in names}
+        old = json.loads(json_path.read_text()) if json_path.is_file() else {}
+        details = {n: old[n] for n in kept_rows if n in old}
+    rows: list[dict[str, Any]] = list(kept_rows.values())
+    curves: dict[str, tuple[list[float], list[float]]] = {
+        n: (d["recall_at_k"]["annot"], d["recall_at_k"]["search"]) for n, d in details.items() if "recall_at_k" in d}
+    histories: dict[str, list[dict[str, float]]] = {n: d["history"] for n, d in details.items() if "history" in d}
     split_data = SplitDataByConfig(args.data, args.split, args.cache)
     for name in names:
         bundle = Bundle.load(args.models / name / "model.pt")
@@ -71,13 +84,22 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"model": name, **{c: round(m[c], 1) for c in COLUMNS[1:-1]}, "command": command})
         details[name] = {"metrics": m, "train_seconds": hist.get("train_seconds"),
                          "epoch_seconds": [h.get("seconds") for h in hist.get("history", [])],
-                         "config": hist.get("config"), "command": command}
+                         "config": hist.get("config"), "command": command,
+                         "recall_at_k": {"annot": curves[name][0], "search": curves[name][1]},
+                         "history": histories[name]}
         logger.info("%s: %s", name, json.dumps(rows[-1]))
-    with open(args.out / f"flickr8k-{args.split}.csv", "w", newline="") as f:
+
+    def order(name: str) -> tuple[int, str]:
+        return (ORDER.index(name) if name in ORDER else len(ORDER), name)
+
+    rows.sort(key=lambda r: order(r["model"]))
+    with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    (args.out / f"flickr8k-{args.split}.json").write_text(json.dumps(details, indent=2))
+    json_path.write_text(json.dumps({n: details[n] for n in sorted(details, key=order)}, indent=2))
+    curves = {n: curves[n] for n in sorted(curves, key=order)}
+    histories = {n: histories[n] for n in sorted(histories, key=order)}
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, (name, (ann, sea)) in enumerate(curves.items()):

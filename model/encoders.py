@@ -3,6 +3,12 @@
 - image fragment:    v = W_m . cnn + b_m
 - sentence fragment: s = ReLU(W_R [We w1 ; We w2] + b_R), one (W_R, b_R) per kept relation,
   We fixed (rows of a frozen word-vector pool).
+
+Options beyond the paper (each off by default): a hidden layer for every image fragment
+(`image_hidden`); a hidden layer for the two global fragments only, the whole image and the whole
+sentence (`global_hidden`: their encoders become the two-branch model's MLP branches while the
+regions and triplets keep the paper's encoders); dropout on the frozen inputs while training
+(`input_dropout`). None of them changes how fragments are scored.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ class ModelConfig:
     n_relations: int = 1
     hidden: int = 2048  # two-branch hidden width
     image_hidden: int = 0  # fragment model: 0 = linear image encoder (paper); >0 = one hidden ReLU layer
-    dropout: float = 0.5  # two-branch dropout
+    dropout: float = 0.5  # dropout after the hidden layer (two-branch; fragment model's global encoders)
+    global_hidden: int = 0  # fragment model: >0 = the whole-image and whole-sentence fragments get one hidden layer
+    sentence_relation: int = -1  # relation id of the whole-sentence fragment (-1: the model has none)
+    input_dropout: float = 0.0  # fragment model: dropout on CNN features and word vectors while training
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -45,10 +54,20 @@ class FragmentModel(nn.Module):
         self.w_rel = nn.ParameterList(
             [nn.Parameter(torch.randn(2 * cfg.word_dim, cfg.h) * scale) for _ in range(cfg.n_relations)])
         self.b_rel = nn.ParameterList([nn.Parameter(torch.zeros(cfg.h)) for _ in range(cfg.n_relations)])
+        self.drop = nn.Dropout(cfg.input_dropout)
+        self.global_image: nn.Module | None = None
+        self.global_sentence: nn.Module | None = None
+        if cfg.global_hidden > 0:
+            self.global_image = _mlp(cfg.img_dim, cfg.global_hidden, cfg.h, cfg.dropout)
+            if 0 <= cfg.sentence_relation < cfg.n_relations:
+                self.global_sentence = _mlp(2 * cfg.word_dim, cfg.global_hidden, cfg.h, cfg.dropout)
 
     def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats: (K, F, img_dim) -> image fragments (K, F, h)."""
-        return self.image(feats)
+        """feats: (K, F, img_dim), row 0 the whole image -> image fragments (K, F, h)."""
+        x = self.drop(feats)
+        if self.global_image is None:
+            return self.image(x)
+        return torch.cat([self.global_image(x[:, :1]), self.image(x[:, 1:])], dim=1)
 
     def embed_sentences(
         self, pool: torch.Tensor, rel: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor
@@ -60,17 +79,28 @@ class FragmentModel(nn.Module):
         """
         n_sent, t = rel.shape
         flat_mask = mask.reshape(-1).bool()
-        x = torch.cat([pool[a.reshape(-1)], pool[b.reshape(-1)]], dim=1)[flat_mask]  # (N, 2d)
+        x = self.drop(torch.cat([pool[a.reshape(-1)], pool[b.reshape(-1)]], dim=1)[flat_mask])  # (N, 2d)
         r = rel.reshape(-1)[flat_mask]
         order = torch.argsort(r, stable=True)
         rids, counts = torch.unique_consecutive(r[order], return_counts=True)
-        parts = [xs @ self.w_rel[rid] + self.b_rel[rid]
+        parts = [self._relation(rid, xs)
                  for rid, xs in zip(rids.tolist(), torch.split(x[order], counts.tolist()), strict=True)]
         out = torch.cat(parts) if parts else x.new_zeros(0, self.cfg.h)
         out = out[torch.argsort(order)]  # back to fragment order
         full = x.new_zeros(n_sent * t, self.cfg.h)
         full[flat_mask] = F.relu(out)
         return full.reshape(n_sent, t, self.cfg.h)
+
+    def _relation(self, rid: int, x: torch.Tensor) -> torch.Tensor:
+        """Pre-activation of the fragments of one relation type. x: (N, 2d) -> (N, h)."""
+        if rid == self.cfg.sentence_relation and self.global_sentence is not None:
+            return self.global_sentence(x)
+        return x @ self.w_rel[rid] + self.b_rel[rid]
+
+
+def _mlp(d_in: int, hidden: int, d_out: int, dropout: float) -> nn.Sequential:
+    """Linear -> ReLU -> Dropout -> Linear."""
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, d_out))
 
 
 class TwoBranch(nn.Module):
@@ -84,13 +114,7 @@ class TwoBranch(nn.Module):
         self.cfg = cfg
 
         def branch(d_in: int) -> nn.Sequential:
-            return nn.Sequential(
-                nn.Linear(d_in, cfg.hidden),
-                nn.ReLU(),
-                nn.Dropout(cfg.dropout),
-                nn.Linear(cfg.hidden, cfg.h),
-                nn.BatchNorm1d(cfg.h),
-            )
+            return nn.Sequential(*_mlp(d_in, cfg.hidden, cfg.h, cfg.dropout), nn.BatchNorm1d(cfg.h))
 
         self.image = branch(cfg.img_dim)
         self.text = branch(cfg.word_dim)

@@ -124,6 +124,38 @@ class TextPipeline:
         logger.info("word table: %d words (%d-d)", len(words), words.dim)
         return cls(cfg, kept, words, parser)
 
+    def warm(self, parsed: Sequence[ParsedSentence], sentences: Sequence[str], cache_dir: Path) -> None:
+        """Fill the in-memory caches of frozen vectors for these sentences from one file under cache_dir.
+
+        The file holds the contextual word vectors and the whole-sentence vectors this pipeline's
+        settings use, keyed by the token lists and texts; it is computed once and written atomically.
+        """
+        contextual = self.cfg.word_vectors == "contextual"
+        if not (contextual or self.cfg.sentence_fragment) or not len(sentences):
+            return
+        keys = [tuple(p.tokens) or ("",) for p in parsed]
+        digest = hashlib.sha1(json.dumps([contextual, self.cfg.sentence_fragment, keys, list(sentences)]).encode())
+        path = Path(cache_dir) / f"vectors-{digest.hexdigest()[:16]}.npz"
+        if path.is_file():
+            with np.load(path) as z:
+                tokens, offsets, sent = z["tokens"], z["offsets"], z["sentences"]
+            logger.info("frozen vectors of %d sentences from %s", len(sentences), path)
+        else:
+            logger.info("computing frozen vectors of %d sentences", len(sentences))
+            ctx = encode_words_in_context([list(k) for k in keys]) if contextual else []
+            tokens = np.concatenate(ctx) if ctx else np.zeros((0, self.words.dim), np.float32)
+            offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
+            sent = encode_sentences(list(sentences)) if self.cfg.sentence_fragment else tokens[:0]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")  # one per process: runs may share a cache
+            np.savez(tmp, tokens=tokens, offsets=offsets, sentences=sent)
+            os.replace(tmp, path)
+        if contextual:
+            self._context_vecs.update(
+                (k, tokens[offsets[i] : offsets[i + 1]]) for i, k in enumerate(keys))
+        if self.cfg.sentence_fragment:
+            self._sentence_vecs.update(zip(sentences, sent, strict=True))
+
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
         return self.parser.parse(list(sentences))
 

@@ -30,7 +30,7 @@ from model.config import ImageConfig, TextConfig, default_artifacts_dir, default
 from model.dataset import SplitData, load_split_data
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
 from model.evaluate import evaluate
-from model.fragments import EncodedSentences, TextPipeline, pad_rows
+from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_rows
 from model.objectives import fragment_loss, global_loss, two_branch_loss
 from model.score import flatten, skl_from_flat
 from model.text import make_parser
@@ -38,6 +38,8 @@ from model.text import make_parser
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("full", "fragment+global", "fragment", "global")
+# ModelConfig fields a variant or a CLI flag of the same name may set for a fragment model
+MODEL_OPTIONS = {"image_hidden": int, "global_hidden": int, "dropout": float, "input_dropout": float}
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,12 @@ class Run:
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
 
-def make_run(variant: str, overrides: dict[str, Any]) -> Run:
+def make_run(variant: str, overrides: dict[str, Any], model_overrides: dict[str, Any] | None = None) -> Run:
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
     v = VARIANTS[variant]
     train = dataclasses.replace(TrainConfig(), **{**v.get("train", {}), **overrides})
-    model = dict(v.get("model", {}))
+    model = {**v.get("model", {}), **(model_overrides or {})}
     if "h" in model and "h" not in overrides:
         train = dataclasses.replace(train, h=model["h"])
     return Run(variant, train, TextConfig(**v.get("text", {})), ImageConfig(**v.get("image", {})),
@@ -231,9 +233,14 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     text = TextPipeline.fit(run.text, train_data.parsed, cache_root / "words")
+    for data in (train_data, dev_data):
+        if data is not None:
+            text.warm(data.parsed, data.sentences, cache_root / "vectors")
+    sid = text.relations.index(SENTENCE_REL)
+    shape = {k: v for k, v in run.model_overrides.items() if k in MODEL_OPTIONS}
     mcfg = ModelConfig(kind=run.model_kind, h=cfg.h, n_relations=len(text.relations),
                        img_dim=train_data.feats.shape[-1], word_dim=text.words.dim,
-                       image_hidden=int(run.model_overrides.get("image_hidden", 0)))
+                       sentence_relation=-1 if sid is None else sid, **shape)
     model = build_model(mcfg).to(cfg.device)
     bundle = Bundle(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
     feats = torch.from_numpy(train_data.feats)
@@ -304,10 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dev-limit", type=int, default=None)
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     _add_config_flags(ap)
+    for name, typ in MODEL_OPTIONS.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
-    run = make_run(args.variant, overrides)
+    shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
+    run = make_run(args.variant, overrides, shape)
     out = args.out or default_artifacts_dir() / "models" / args.variant
     parser = make_parser(run.text.parser)
     tr = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,

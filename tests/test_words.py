@@ -75,3 +75,31 @@ def test_words_in_context() -> None:
     assert [v.shape for v in out] == [(3, 384), (1, 384), (0, 384)]
     np.testing.assert_allclose(np.linalg.norm(out[0], axis=1), 1.0, atol=1e-4)
     assert words_mod.load_minilm() is words_mod.load_minilm()
+
+
+def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model.config import TextConfig
+    from model.fragments import TextPipeline
+    from model.text import ParsedSentence, RelationVocab, Triplet
+
+    cfg = TextConfig(sentence_fragment=True, word_vectors="contextual")
+    rels = RelationVocab(TextPipeline.relation_names(cfg, ["det"]), {"det": 3}, 0.01)
+    sentences = ["a dog runs", "a puppy", "a dog runs"]
+    parsed = [ParsedSentence(tuple(s.split()), (Triplet("det", s.split()[-1], "a"),)) for s in sentences]
+    fresh = TextPipeline(cfg, rels, table).encode_parsed(parsed, sentences)  # computed on the spot
+
+    first = TextPipeline(cfg, rels, table)
+    first.warm(parsed, sentences, tmp_path)
+    (path,) = list(tmp_path.glob("vectors-*.npz"))
+    assert not list(tmp_path.glob("*.tmp*"))
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the vectors file should have been used")
+
+    monkeypatch.setattr("model.fragments.encode_words_in_context", no_model)
+    monkeypatch.setattr("model.fragments.encode_sentences", no_model)
+    again = TextPipeline(cfg, rels, table)
+    again.warm(parsed, sentences, tmp_path)
+    enc = again.encode_parsed(parsed, sentences)
+    assert [list(r) for r in enc.rel] == [list(r) for r in fresh.rel]
+    np.testing.assert_allclose(enc.extra, fresh.extra, atol=1e-5)

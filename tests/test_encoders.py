@@ -1,0 +1,106 @@
+"""The fragment encoders' options: global encoders for the whole image / whole sentence, input dropout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.bundle import Bundle
+from model.config import ImageConfig, TextConfig
+from model.encoders import FragmentModel, ModelConfig
+from model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
+from model.text import RelationVocab
+from model.train import make_run
+from model.words import WordTable
+
+IMG_DIM, WORD_DIM, H = 12, 4, 8
+
+
+def _model(**kw: object) -> FragmentModel:
+    torch.manual_seed(0)
+    cfg = ModelConfig(h=H, n_relations=3, img_dim=IMG_DIM, word_dim=WORD_DIM, sentence_relation=2, **kw)  # type: ignore[arg-type]
+    return FragmentModel(cfg).eval()
+
+
+def _sentences() -> tuple[torch.Tensor, ...]:
+    pool = torch.randn(10, WORD_DIM)
+    rel = torch.tensor([[0, 1, 2], [2, 0, 0]])  # relation 2 = the whole-sentence fragment
+    a = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    return pool, rel, a, a, mask
+
+
+def test_global_encoders_touch_only_the_whole_image_and_whole_sentence() -> None:
+    m = _model(global_hidden=16)
+    assert m.global_image is not None and m.global_sentence is not None
+    feats = torch.randn(2, 5, IMG_DIM)
+    pool, rel, a, b, mask = _sentences()
+    with torch.no_grad():
+        img0, sent0 = m.embed_images(feats), m.embed_sentences(pool, rel, a, b, mask)
+        for p in [*m.global_image.parameters(), *m.global_sentence.parameters()]:
+            p.add_(torch.randn_like(p))
+        img1, sent1 = m.embed_images(feats), m.embed_sentences(pool, rel, a, b, mask)
+    assert not torch.allclose(img0[:, 0], img1[:, 0])  # whole image: the global encoder
+    assert torch.equal(img0[:, 1:], img1[:, 1:])  # regions: the paper's linear encoder
+    assert torch.equal(img0[:, 1:], m.image(feats[:, 1:]))
+    whole = rel == 2
+    assert not torch.allclose(sent0[whole], sent1[whole])
+    assert torch.equal(sent0[~whole], sent1[~whole])  # triplets (and padding) unchanged
+    assert torch.equal(sent1[1, 1:], torch.zeros(2, H))  # padding still zero
+    assert (sent1 >= 0).all()  # sentence fragments stay ReLU'd
+
+
+def test_without_options_the_model_is_the_papers() -> None:
+    m = _model()
+    assert m.global_image is None and m.global_sentence is None
+    feats = torch.randn(2, 5, IMG_DIM)
+    pool, rel, a, b, mask = _sentences()
+    with torch.no_grad():
+        img = m.embed_images(feats)
+        sent = m.embed_sentences(pool, rel, a, b, mask)
+        x = torch.cat([pool[a[0, 0]], pool[b[0, 0]]])
+        expect = torch.relu(x @ m.w_rel[0] + m.b_rel[0])
+    assert torch.allclose(img, m.image(feats))
+    assert torch.allclose(sent[0, 0], expect)
+
+
+def test_input_dropout_acts_only_while_training() -> None:
+    m = _model(input_dropout=0.5)
+    plain = _model()
+    plain.load_state_dict(m.state_dict())
+    feats = torch.randn(2, 5, IMG_DIM)
+    pool, rel, a, b, mask = _sentences()
+    with torch.no_grad():
+        assert torch.equal(m.embed_images(feats), plain.embed_images(feats))
+        assert torch.equal(m.embed_sentences(pool, rel, a, b, mask), plain.embed_sentences(pool, rel, a, b, mask))
+        m.train()
+        assert not torch.allclose(m.embed_images(feats), plain.embed_images(feats))
+
+
+def test_checkpoint_with_global_encoders_round_trips(tmp_path: Path) -> None:
+    words = WordTable(["dog", "grass"], np.random.default_rng(0).normal(size=(2, WORD_DIM)).astype(np.float32))
+    text_cfg = TextConfig(sentence_fragment=True)
+    rels = RelationVocab(TextPipeline.relation_names(text_cfg, ["nsubj"]), {"nsubj": 3}, 0.01)
+    sid = rels.index(SENTENCE_REL)
+    assert sid is not None and rels.index(WORD_REL) is not None
+    model = FragmentModel(ModelConfig(h=H, n_relations=len(rels.kept), img_dim=IMG_DIM, word_dim=WORD_DIM,
+                                      global_hidden=16, sentence_relation=sid, input_dropout=0.2)).eval()
+    bundle = Bundle(model, TextPipeline(text_cfg, rels, words), ImageConfig())
+    bundle.save(tmp_path / "m.pt")
+    again = Bundle.load(tmp_path / "m.pt")
+    assert again.cfg == bundle.cfg
+    feats = torch.randn(3, 20, IMG_DIM)
+    with torch.no_grad():
+        assert torch.equal(again.embed_images(feats), bundle.embed_images(feats))
+
+
+def test_model_options_reach_the_run_from_variant_and_flags() -> None:
+    run = make_run("full", {}, {"global_hidden": 64, "input_dropout": 0.1})
+    assert run.model_overrides["global_hidden"] == 64
+    assert run.model_overrides["input_dropout"] == 0.1
+    assert run.train.h == 512  # the variant's own model settings are kept
+    with pytest.raises(ValueError, match="unknown variant"):
+        make_run("no-such-variant", {})
