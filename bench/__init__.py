@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,16 @@ def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:
     ap.add_argument("--split", default="dev")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
     ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows already in the results of models not evaluated in this run")
+
+
+def kept_rows(path: Path, merge: bool, evaluated: list[str]) -> list[dict[str, str]]:
+    """With `merge`: the rows of a results CSV whose model is not among `evaluated` (else none)."""
+    if not merge or not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return [r for r in csv.DictReader(f) if r["model"] not in evaluated]
 
 
 class SplitDataByConfig:

@@ -21,11 +21,12 @@ import argparse
 import csv
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from bench import SplitDataByConfig, add_model_args
+from bench import SplitDataByConfig, add_model_args, kept_rows
 from model.bundle import Bundle
 from model.evaluate import metrics_from_scores
 from model.fragments import SENTENCE_REL
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", nargs="*", required=True, help="fragment model names under --models")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rows = []
+    rows: list[dict[str, Any]] = list(kept_rows(args.out, args.merge, args.only))
     split_data = SplitDataByConfig(args.data, args.split, args.cache)
     for name in args.only:
         bundle = Bundle.load(args.models / name / "model.pt")
@@ -83,14 +84,13 @@ def main(argv: list[str] | None = None) -> None:
         rels = [[t.rel for t in trip] for trip in enc.triplets]
         r = channel_rsums(bundle, data.feats, rels, sent, sent_mask, data.pair_image)
         logger.info("%s: %s", name, r)
-        rows.append({"model": name, **{c: r.get(c, "") for c in CHANNELS}})
+        rows.append({"model": name, **{c: r.get(c, "") for c in CHANNELS},
+                     "command": "python -m bench.channels --only " + " ".join(args.only)})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["model", *CHANNELS, "command"])
         w.writeheader()
-        cmd = "python -m bench.channels --only " + " ".join(args.only)
-        for row in rows:
-            w.writerow({**row, "command": cmd})
+        w.writerows(rows)
     logger.info("wrote %s", args.out)
 
 

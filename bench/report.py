@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench import SplitDataByConfig, add_model_args  # noqa: E402
+from bench import SplitDataByConfig, add_model_args, kept_rows  # noqa: E402
 from model.bundle import Bundle  # noqa: E402
 from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks  # noqa: E402
 
@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, Path("docs/results"))
     ap.add_argument("--only", nargs="*", default=None, help="model names to include")
-    ap.add_argument("--merge", action="store_true", help="keep the table's rows of models not evaluated now")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = [p.parent.name for p in sorted(args.models.glob("*/model.pt"))]
@@ -55,14 +54,9 @@ def main(argv: list[str] | None = None) -> None:
         names = [n for n in names if n in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = args.out / f"flickr8k-{args.split}.csv", args.out / f"flickr8k-{args.split}.json"
-    kept_rows: dict[str, dict[str, Any]] = {}
-    details: dict[str, Any] = {}
-    if args.merge and csv_path.is_file():
-        with open(csv_path, newline="") as f:
-            kept_rows = {r["model"]: r for r in csv.DictReader(f) if r["model"] not in names}
-        old = json.loads(json_path.read_text()) if json_path.is_file() else {}
-        details = {n: old[n] for n in kept_rows if n in old}
-    rows: list[dict[str, Any]] = list(kept_rows.values())
+    rows: list[dict[str, Any]] = list(kept_rows(csv_path, args.merge, names))
+    old = json.loads(json_path.read_text()) if rows and json_path.is_file() else {}
+    details: dict[str, Any] = {r["model"]: old[r["model"]] for r in rows if r["model"] in old}
     curves: dict[str, tuple[list[float], list[float]]] = {
         n: (d["recall_at_k"]["annot"], d["recall_at_k"]["search"]) for n, d in details.items() if "recall_at_k" in d}
     histories: dict[str, list[dict[str, float]]] = {n: d["history"] for n, d in details.items() if "history" in d}
