@@ -15,9 +15,9 @@ lane() {
       > "artifacts/logs/train-$v.log" 2>&1 || echo "training $v failed: see artifacts/logs/train-$v.log" >&2
   done
 }
-lane full paper fragment fullframe bigram sentence contextual-r25 &
-lane two-branch fragment+global global bow large-regions contextual &
+lane full paper fragment fullframe bigram sentence contextual-r25 wide &
+lane two-branch fragment+global global bow large-regions contextual dropout &
 wait
 "$PY" -m bench.report --only full paper fragment+global fragment global fullframe bow bigram sentence \
-  large-regions contextual contextual-r25 two-branch
-"$PY" -m bench.channels --only full contextual-r25 contextual large-regions sentence paper
+  large-regions contextual contextual-r25 wide dropout two-branch
+"$PY" -m bench.channels --only full dropout wide contextual-r25 contextual large-regions sentence paper

@@ -1,7 +1,8 @@
 """A trained model with everything it needs to embed new sentences and images: the checkpoint.
 
-A checkpoint holds the weights, the model/text/image settings, the kept relations and the word
-table, so it loads without any training code (`Bundle.load`).
+A checkpoint holds the weights, the model/text/image settings, the kept relations, the word
+table and, where the model is calibrated, its reference fragments (model/calibrate.py), so it loads
+without any training code (`Bundle.load`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from model.calibrate import Calibration
 from model.config import ImageConfig, TextConfig
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
@@ -35,11 +37,12 @@ class Bundle:
     """Model + text pipeline + image settings: embeds and scores image and sentence fragments."""
 
     def __init__(self, model: FragmentModel | TwoBranch, text: TextPipeline, image_cfg: ImageConfig,
-                 meta: dict[str, Any] | None = None) -> None:
+                 meta: dict[str, Any] | None = None, calibration: Calibration | None = None) -> None:
         self.model = model
         self.text = text
         self.image_cfg = image_cfg
         self.meta = dict(meta or {})
+        self.calibration = calibration  # fragment models only: per-item score scales
 
     @property
     def cfg(self) -> ModelConfig:
@@ -49,21 +52,26 @@ class Bundle:
     def dim(self) -> int:
         return self.model.cfg.h
 
-    def embed_images(self, feats: np.ndarray | torch.Tensor) -> torch.Tensor:
+    def embed_images(self, feats: np.ndarray | torch.Tensor, calibrated: bool = True) -> torch.Tensor:
         """feats: (K, F, img_dim) cached region features -> image fragments (K, F', h).
 
         F' = 1 for a full-frame model and for the two-branch model (its one global vector).
+        A calibrated model divides each image's fragments by its scale sigma_k (model/calibrate.py).
         """
         x = torch.as_tensor(feats, dtype=torch.float32)
         if self.image_cfg.full_frame_only or isinstance(self.model, TwoBranch):
             x = x[:, :1]
         if isinstance(self.model, TwoBranch):
             return self.model.embed_images(x[:, 0])[:, None, :]
-        return self.model.embed_images(x)
+        img = self.model.embed_images(x)
+        if calibrated and self.calibration is not None:
+            img = img / self.calibration.image_scales(img)[:, None, None]
+        return img
 
-    def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None
+    def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None, calibrated: bool = True
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sentence fragments (L, T, h) and their mask (L, T) for encoded sentences."""
+        """Sentence fragments (L, T, h) and their mask (L, T) for encoded sentences (each sentence's
+        fragments divided by its scale tau_l in a calibrated model)."""
         rel, a, b, mask = pad(enc, idx)
         pool = self.text.pool(enc)
         if isinstance(self.model, TwoBranch):
@@ -73,7 +81,10 @@ class Bundle:
             last = torch.eq(rel, sid).float().argmax(dim=1)
             rows = a[torch.arange(a.shape[0]), last]
             return self.model.embed_text(pool[rows])[:, None, :], torch.ones(a.shape[0], 1)
-        return self.model.embed_sentences(pool, rel, a, b, mask), mask.float()
+        sent, m = self.model.embed_sentences(pool, rel, a, b, mask), mask.float()
+        if calibrated and self.calibration is not None:
+            sent = sent / self.calibration.sentence_scales(sent, m)[:, None, None]
+        return sent, m
 
     def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
                chunk: int | None = None) -> torch.Tensor:
@@ -97,6 +108,7 @@ class Bundle:
             "words": list(self.text.words.words),
             "word_vectors": torch.from_numpy(np.asarray(self.text.words.vectors, dtype=np.float32)),
             "meta": self.meta,
+            "calibration": None if self.calibration is None else self.calibration.to_state(),
         }
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -122,4 +134,6 @@ class Bundle:
         model.eval()
         words = WordTable(list(state["words"]), state["word_vectors"].numpy())
         text = TextPipeline(TextConfig(**state["text_cfg"]), RelationVocab.from_dict(state["relations"]), words)
-        return cls(model, text, ImageConfig(**state["image_cfg"]), state.get("meta", {}))
+        cal = state.get("calibration")
+        return cls(model, text, ImageConfig(**state["image_cfg"]), state.get("meta", {}),
+                   None if cal is None else Calibration.from_state(cal))

@@ -54,10 +54,24 @@ def recall_table(ranks: np.ndarray, prefix: str) -> dict[str, float]:
     return out
 
 
+def hub_occurrence(scores: np.ndarray, top: int = 10) -> int:
+    """Hubness of search: the most sentences whose top `top` images all hold one same image.
+
+    scores: (N, L). Spread evenly, each image would be in the top of about L * top / N sentences.
+    """
+    n = scores.shape[0]
+    if n == 0 or scores.shape[1] == 0:
+        return 0
+    k = min(top, n)
+    best = np.argpartition(-scores, k - 1, axis=0)[:k]  # (k, L)
+    return int(np.bincount(best.ravel(), minlength=n).max())
+
+
 def metrics_from_scores(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float]:
     m = recall_table(annotation_ranks(scores, pair_image), "annot")
     m.update(recall_table(search_ranks(scores, pair_image), "search"))
     m["rsum"] = sum(m[f"{d}_r{k}"] for d in ("annot", "search") for k in KS)
+    m["search_hub_top10"] = float(hub_occurrence(scores))
     return m
 
 

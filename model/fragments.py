@@ -244,7 +244,7 @@ def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> l
     logger.info("parsing %d sentences with %s", len(sentences), parser.name)
     parsed = parser.parse(list(sentences))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # one per process: runs may share a cache
     tmp.write_text(json.dumps([p.to_dict() for p in parsed]))
     os.replace(tmp, path)
     return parsed

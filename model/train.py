@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from model.bundle import Bundle
+from model.calibrate import fit_calibration
 from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
@@ -60,6 +61,7 @@ class TrainConfig:
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
     balanced: bool = True  # average positive and negative fragment hinges separately
     h: int = 256  # embedding size (paper: ~1000)
+    calibrate: int = 0  # fragment models: reference images and sentences for score calibration (0 = none)
     # two-branch baseline
     tb_margin: float = 0.1
     tb_top_k: int = 50
@@ -80,7 +82,9 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "bow": {"text": {"fragments": "bow"}},
     "bigram": {"text": {"fragments": "bigram"}},
     "sentence": {"text": {"sentence_fragment": True}},
+    # only the whole-image row of the cache is read, the same at every region floor: share the served model's
     "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
+                   "image": {"min_box_frac": 0.25},
                    "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
 }
 VARIANTS["large-regions"] = {"text": {"sentence_fragment": True}, "image": {"min_box_frac": 0.15},
@@ -89,8 +93,10 @@ VARIANTS["large-regions+mlp"] = {**VARIANTS["large-regions"], "model": {"image_h
 VARIANTS["contextual"] = {**VARIANTS["large-regions"],
                           "text": {"sentence_fragment": True, "word_vectors": "contextual"}}
 VARIANTS["contextual-r25"] = {**VARIANTS["contextual"], "image": {"min_box_frac": 0.25}}
+VARIANTS["wide"] = {**VARIANTS["contextual-r25"], "model": {"h": 512}, "train": {"global_top_k": 5, "beta": 2.0}}
+VARIANTS["dropout"] = {**VARIANTS["wide"], "model": {"h": 512, "input_dropout": 0.2}}
 # the served default: the best fragment variant on dev
-VARIANTS["full"] = {**VARIANTS["contextual-r25"], "model": {"h": 512}, "train": {"global_top_k": 5, "beta": 2.0}}
+VARIANTS["full"] = {**VARIANTS["dropout"], "train": {**VARIANTS["wide"]["train"], "calibrate": 1000}}
 
 
 @dataclass
@@ -268,7 +274,11 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
         loss = step(epoch)
         row: dict[str, float] = {"epoch": epoch + 1, "loss": loss, "seconds": time.perf_counter() - t_ep}
         last = epoch == cfg.epochs - 1
-        if dev_data is not None and ((epoch + 1) % cfg.eval_every == 0 or last):
+        evaluated = dev_data is not None and ((epoch + 1) % cfg.eval_every == 0 or last)
+        if cfg.calibrate > 0 and isinstance(model, FragmentModel) and (evaluated or last):
+            bundle.calibration = fit_calibration(bundle, train_data, cfg.calibrate, cfg.seed)
+            bundle.meta["calibration"] = {"refs": cfg.calibrate, "split": "train", "seed": cfg.seed}
+        if evaluated and dev_data is not None:
             m = evaluate(bundle, dev_data)
             row.update({k: m[k] for k in ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1",
                                           "search_r5", "search_r10", "annot_medr", "search_medr")})

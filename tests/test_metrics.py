@@ -23,3 +23,15 @@ def test_ranks_on_hand_made_scores():
     m = metrics_from_scores(scores, pair)
     assert abs(m["annot_r1"] - 200 / 3) < 1e-9 and m["annot_r5"] == 100.0
     assert abs(m["search_r1"] - 100 * 2 / 6) < 1e-9 and m["search_medr"] == 2.0
+
+
+def test_hub_occurrence_counts_the_image_in_most_top_lists():
+    from model.evaluate import hub_occurrence
+
+    scores = np.array([[5.0, 5.0, 5.0, 0.0],  # image 0 tops three of the four sentences
+                       [1.0, 0.0, 2.0, 3.0],
+                       [0.0, 1.0, 0.0, 2.0]])
+    assert hub_occurrence(scores, top=1) == 3
+    assert hub_occurrence(scores, top=3) == 4  # every image is in every top 3
+    assert hub_occurrence(np.eye(3), top=1) == 1  # no hub
+    assert hub_occurrence(np.zeros((0, 4))) == 0

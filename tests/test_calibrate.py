@@ -1,0 +1,87 @@
+"""Score calibration: per-item scales against reference sets, still the one S_kl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.bundle import Bundle
+from model.calibrate import Calibration, fit_calibration
+from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks
+from model.score import align, skl
+from tests.conftest import ShapesModel
+
+
+def _random_calibration(h: int = 6, seed: int = 0) -> Calibration:
+    g = torch.Generator().manual_seed(seed)
+    ref_img = torch.randn(30, 4, h, generator=g)
+    ref_sent = torch.randn(40, 3, h, generator=g).relu()
+    mask = torch.ones(40, 3)
+    mask[::3, 2] = 0
+    return Calibration(ref_img, ref_sent * mask[..., None], mask, floor_image=1e-3, floor_sentence=1e-3)
+
+
+def test_calibrated_score_is_skl_over_the_two_scales() -> None:
+    cal = _random_calibration()
+    g = torch.Generator().manual_seed(1)
+    img, sent = torch.randn(5, 4, 6, generator=g), torch.randn(7, 3, 6, generator=g).relu()
+    im, sm = torch.ones(5, 4), torch.ones(7, 3)
+    sigma, tau = cal.image_scales(img), cal.sentence_scales(sent, sm)
+    raw = skl(img, im, sent, sm)
+    calibrated = skl(img / sigma[:, None, None], im, sent / tau[:, None, None], sm)
+    assert torch.allclose(calibrated, raw / sigma[:, None] / tau[None, :], rtol=1e-5)
+    # sigma_k: the spread of image k's S_kl over the reference sentences
+    expect = skl(img, im, cal.ref_sentences, cal.ref_sentence_mask).std(dim=1, unbiased=False)
+    assert torch.allclose(sigma, expect)
+    # the image scale leaves annotation alone, the sentence scale leaves search alone
+    pair = np.arange(7) % 5
+    assert np.array_equal(annotation_ranks(calibrated.numpy(), pair), annotation_ranks((raw / tau).numpy(), pair))
+    assert np.array_equal(search_ranks(calibrated.numpy(), pair),
+                          search_ranks((raw / sigma[:, None]).numpy(), pair))
+    # ... and no triplet changes the region it aligns to
+    a = align(img[0], sent[0])
+    b = align(img[0] / sigma[0], sent[0] / tau[0])
+    assert a.image_fragment == b.image_fragment and a.matched == b.matched
+
+
+def test_an_images_overall_scale_is_calibrated_away() -> None:
+    """A hub (an image whose fragments score 10x higher against everything) ranks like its plain copy."""
+    cal = _random_calibration()
+    img = torch.randn(1, 4, 6, generator=torch.Generator().manual_seed(2))
+    plain = img / cal.image_scales(img)[:, None, None]
+    hub = 10 * img
+    assert torch.allclose(hub / cal.image_scales(hub)[:, None, None], plain, rtol=1e-4)
+
+
+def test_an_item_that_never_scores_gets_the_floor_not_a_division_by_zero() -> None:
+    cal = _random_calibration()
+    zero_img = torch.zeros(2, 4, 6)
+    zero_sent = torch.zeros(1, 3, 6)
+    assert torch.equal(cal.image_scales(zero_img), torch.full((2,), 1e-3))
+    assert torch.equal(cal.sentence_scales(zero_sent, torch.ones(1, 3)), torch.full((1,), 1e-3))
+    assert torch.isfinite(zero_img / cal.image_scales(zero_img)[:, None, None]).all()
+
+
+def test_fit_on_the_shapes_model_and_round_trip(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    bundle = Bundle.load(shapes_model.model_path)
+    dev = shapes_model.dev
+    raw = evaluate(bundle, dev)
+    bundle.calibration = fit_calibration(bundle, dev, refs=15, seed=0)
+    assert bundle.calibration.ref_images.shape[0] == 15 and bundle.calibration.ref_sentences.shape[0] == 15
+    assert bundle.calibration.floor_image > 0 and bundle.calibration.floor_sentence > 0
+    cal = evaluate(bundle, dev)
+    chance = 100 * (1 + 5 + 10) / len(dev.names) * 2
+    assert cal["rsum"] > 3 * chance and raw["rsum"] > 3 * chance
+    bundle.save(tmp_path / "m.pt")
+    again = Bundle.load(tmp_path / "m.pt")
+    assert again.calibration is not None
+    enc = bundle.text.encode_parsed(dev.parsed, dev.sentences)
+    with torch.no_grad():
+        a = score_split(bundle, dev.feats, enc)
+        b = score_split(again, dev.feats, enc)
+        uncal = bundle.scores(bundle.embed_images(dev.feats, calibrated=False), torch.ones(len(dev.names), 20),
+                              *bundle.embed_sentences(enc, calibrated=False))
+    np.testing.assert_allclose(b, a, rtol=2e-2, atol=1e-6)  # references are stored at half precision
+    assert not np.allclose(a, uncal.numpy())
