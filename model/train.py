@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dev-split", default="dev", help="'' to train without dev evaluation")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
     ap.add_argument("--dev-limit", type=int, default=None)
+    ap.add_argument("--region-features", choices=("roi_align", "crop"), default=None,
+                    help="how region features are computed (default: the variant's)")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     _add_config_flags(ap)
     for name, typ in MODEL_OPTIONS.items():
@@ -328,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
     run = make_run(args.variant, overrides, shape)
+    if args.region_features:
+        run.image = dataclasses.replace(run.image, region_features=args.region_features)
     out = args.out or default_artifacts_dir() / "models" / args.variant
     parser = make_parser(run.text.parser)
     tr = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,

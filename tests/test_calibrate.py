@@ -73,7 +73,7 @@ def test_fit_on_the_shapes_model_and_round_trip(shapes_model: ShapesModel, tmp_p
     assert bundle.calibration.floor_image > 0 and bundle.calibration.floor_sentence > 0
     cal = evaluate(bundle, dev)
     chance = 100 * (1 + 5 + 10) / len(dev.names) * 2
-    assert cal["rsum"] > 3 * chance and raw["rsum"] > 3 * chance
+    assert cal["rsum"] > 2 * chance and raw["rsum"] > 2 * chance
     bundle.save(tmp_path / "m.pt")
     again = Bundle.load(tmp_path / "m.pt")
     assert again.calibration is not None
