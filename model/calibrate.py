@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +103,24 @@ def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -
     return cal
 
 
+def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float]:
+    """Milliseconds to embed one image / one sentence at a time (as a query is), with and without
+    the calibration scale, measured interleaved on the first `n` items of `data`."""
+    enc = bundle.text.encode_parsed(data.parsed[:n], data.sentences[:n])
+    times: dict[str, list[float]] = {k: [] for k in ("image", "image_calibrated", "sentence", "sentence_calibrated")}
+    bundle.model.eval()
+    with torch.no_grad():
+        for i in range(min(n, len(data.names), len(enc.rel))):
+            for cal in (False, True):
+                t = time.perf_counter()
+                bundle.embed_images(data.feats[i : i + 1], calibrated=cal)
+                times["image_calibrated" if cal else "image"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                bundle.embed_sentences(enc, [i], calibrated=cal)
+                times["sentence_calibrated" if cal else "sentence"].append(time.perf_counter() - t)
+    return {k: round(1000 * float(np.median(v)), 2) for k, v in times.items() if v}
+
+
 def main(argv: list[str] | None = None) -> None:
     from model.bundle import Bundle
     from model.config import default_artifacts_dir, default_data_dir
@@ -143,6 +162,11 @@ def main(argv: list[str] | None = None) -> None:
         keys = ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10")
         logger.info("dev without calibration: %s", json.dumps({k: round(before[k], 1) for k in keys} if before else {}))
         logger.info("dev with calibration:    %s", json.dumps({k: round(after[k], 1) for k in keys}))
+        if bundle.calibration is not None:
+            cost = per_item_ms(bundle, dev)
+            bundle.meta["calibration"]["ms_per_item"] = cost
+            logger.info("median ms to embed one item (dev, torch threads: %d): %s", torch.get_num_threads(),
+                        json.dumps(cost))
     bundle.save(args.model)
     logger.info("wrote %s", args.model)
 

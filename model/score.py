@@ -47,10 +47,14 @@ def flatten(img_frags: torch.Tensor, img_mask: torch.Tensor, sent_frags: torch.T
     n_sent, t, _ = sent_frags.shape
     img_real = img_mask.reshape(-1).bool()
     sent_real = sent_mask.reshape(-1).bool()
-    v = img_frags.reshape(k * f, h)[img_real]
-    s = sent_frags.reshape(n_sent * t, h)[sent_real]
-    img_of = torch.arange(k, device=img_frags.device).repeat_interleave(f)[img_real]
-    sent_of = torch.arange(n_sent, device=img_frags.device).repeat_interleave(t)[sent_real]
+    v = img_frags.reshape(k * f, h)
+    s = sent_frags.reshape(n_sent * t, h)
+    img_of = torch.arange(k, device=img_frags.device).repeat_interleave(f)
+    sent_of = torch.arange(n_sent, device=img_frags.device).repeat_interleave(t)
+    if not bool(img_real.all()):  # selecting copies the fragments: skipped when none is padding
+        v, img_of = v[img_real], img_of[img_real]
+    if not bool(sent_real.all()):
+        s, sent_of = s[sent_real], sent_of[sent_real]
     return FlatFragments(v @ s.T, img_of, sent_of, k, n_sent)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from model.bundle import Bundle
-from model.calibrate import Calibration, fit_calibration
+from model.calibrate import Calibration, fit_calibration, per_item_ms
 from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks
 from model.score import align, skl
 from tests.conftest import ShapesModel
@@ -85,3 +85,11 @@ def test_fit_on_the_shapes_model_and_round_trip(shapes_model: ShapesModel, tmp_p
                               *bundle.embed_sentences(enc, calibrated=False))
     np.testing.assert_allclose(b, a, rtol=2e-2, atol=1e-6)  # references are stored at half precision
     assert not np.allclose(a, uncal.numpy())
+
+
+def test_per_item_cost_is_measured_for_both_sides_with_and_without_scales(shapes_model: ShapesModel) -> None:
+    bundle = Bundle.load(shapes_model.model_path)
+    bundle.calibration = fit_calibration(bundle, shapes_model.dev, refs=10, seed=1)
+    cost = per_item_ms(bundle, shapes_model.dev, n=5)
+    assert set(cost) == {"image", "image_calibrated", "sentence", "sentence_calibrated"}
+    assert all(v > 0 for v in cost.values())

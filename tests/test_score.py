@@ -31,6 +31,14 @@ def test_skl_padding_is_ignored_and_chunking_is_exact():
     sent2 = sent.clone()
     sent2[1, 3:] = 100.0
     assert torch.allclose(skl(img, torch.ones(3, 4), sent2, sent_mask), full, atol=1e-6)
+    # and on the image side: image 2 has 2 real fragments, garbage in its padded slots
+    img_mask = torch.ones(3, 4)
+    img_mask[2, 2:] = 0
+    img2 = img.clone()
+    img2[2, 2:] = -50.0
+    padded = skl(img2, img_mask, sent, sent_mask)
+    assert torch.allclose(padded[:2], full[:2], atol=1e-6)
+    assert torch.allclose(padded[2:], skl(img[2:, :2], torch.ones(1, 2), sent, sent_mask), atol=1e-6)
 
 
 def test_skl_smoothing_favours_no_short_sentences():
