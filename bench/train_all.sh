@@ -4,6 +4,7 @@
 #   ./run python -m model.extract --splits dev train --workers 2   # first: the feature caches
 #   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.15
 #   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.25
+#   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop
 #   bash bench/train_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +17,8 @@ lane() {
   done
 }
 lane full paper fragment fullframe bigram sentence contextual-r25 wide &
-lane two-branch fragment+global global bow large-regions contextual dropout &
+lane two-branch fragment+global global bow large-regions contextual dropout full-roi &
 wait
-"$PY" -m bench.report --only full paper fragment+global fragment global fullframe bow bigram sentence \
+"$PY" -m bench.report --only full full-roi paper fragment+global fragment global fullframe bow bigram sentence \
   large-regions contextual contextual-r25 wide dropout two-branch
-"$PY" -m bench.channels --only full dropout wide contextual-r25 contextual large-regions sentence paper
+"$PY" -m bench.channels --only full full-roi dropout wide contextual-r25 contextual large-regions sentence paper

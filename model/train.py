@@ -82,7 +82,7 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "bow": {"text": {"fragments": "bow"}},
     "bigram": {"text": {"fragments": "bigram"}},
     "sentence": {"text": {"sentence_fragment": True}},
-    # only the whole-image row of the cache is read, the same at every region floor: share the served model's
+    # only the whole-image row of the cache is read, the same at every region floor: share full-roi's
     "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
                    "image": {"min_box_frac": 0.25},
                    "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
@@ -95,8 +95,9 @@ VARIANTS["contextual"] = {**VARIANTS["large-regions"],
 VARIANTS["contextual-r25"] = {**VARIANTS["contextual"], "image": {"min_box_frac": 0.25}}
 VARIANTS["wide"] = {**VARIANTS["contextual-r25"], "model": {"h": 512}, "train": {"global_top_k": 5, "beta": 2.0}}
 VARIANTS["dropout"] = {**VARIANTS["wide"], "model": {"h": 512, "input_dropout": 0.2}}
-# the served default: the best fragment variant on dev
-VARIANTS["full"] = {**VARIANTS["dropout"], "train": {**VARIANTS["wide"]["train"], "calibrate": 1000}}
+VARIANTS["full-roi"] = {**VARIANTS["dropout"], "train": {**VARIANTS["wide"]["train"], "calibrate": 1000}}
+# the served default: the best fragment variant on dev (region features from a CNN pass per region)
+VARIANTS["full"] = {**VARIANTS["full-roi"], "image": {"min_box_frac": 0.25, "region_features": "crop"}}
 
 
 @dataclass
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dev-limit", type=int, default=None)
     ap.add_argument("--region-features", choices=("roi_align", "crop"), default=None,
                     help="how region features are computed (default: the variant's)")
+    ap.add_argument("--crop-size", type=int, default=None,
+                    help="side regions are warped to with --region-features crop")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     _add_config_flags(ap)
     for name, typ in MODEL_OPTIONS.items():
@@ -332,6 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     run = make_run(args.variant, overrides, shape)
     if args.region_features:
         run.image = dataclasses.replace(run.image, region_features=args.region_features)
+    if args.crop_size:
+        run.image = dataclasses.replace(run.image, crop_size=args.crop_size)
     out = args.out or default_artifacts_dir() / "models" / args.variant
     parser = make_parser(run.text.parser)
     tr = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +105,11 @@ def test_model_options_reach_the_run_from_variant_and_flags() -> None:
     assert run.train.h == 512  # the variant's own model settings are kept
     with pytest.raises(ValueError, match="unknown variant"):
         make_run("no-such-variant", {})
+
+
+def test_full_and_full_roi_differ_only_in_region_features() -> None:
+    full, roi = make_run("full", {}), make_run("full-roi", {})
+    assert (full.image.region_features, roi.image.region_features) == ("crop", "roi_align")
+    assert dataclasses.replace(full.image, region_features="roi_align") == roi.image
+    assert (full.train, full.text, full.model_overrides) == (roi.train, roi.text, roi.model_overrides)
+    assert full.train.calibrate == 1000
