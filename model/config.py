@@ -6,6 +6,8 @@ the 1 % relation cut-off.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,26 @@ class ImageConfig:
     @property
     def n_fragments(self) -> int:
         return 1 if self.full_frame_only else 1 + self.n_regions
+
+
+REGION_FEATURES = ("roi_align", "crop")
+
+
+def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
+    """--region-features / --crop-size / --min-box-frac; with `defaults` None each is None unless given
+    (the run's own settings are kept, see `with_region_flags`)."""
+    ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
+                    help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
+    ap.add_argument("--crop-size", type=int, default=defaults and defaults.crop_size,
+                    help="side regions are warped to with --region-features crop")
+    ap.add_argument("--min-box-frac", type=float, default=defaults and defaults.min_box_frac,
+                    help="smallest region side as a fraction of the image side")
+
+
+def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:
+    """`cfg` with the region flags that were set (see `add_region_flags`)."""
+    given = {k: getattr(args, k) for k in ("region_features", "crop_size", "min_box_frac")}
+    return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,10 @@ Unreadable files are skipped, counted and listed in the cache's failed.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from pathlib import Path
 
-from model.config import ImageConfig, default_artifacts_dir, default_data_dir
+from model.config import ImageConfig, add_region_flags, default_artifacts_dir, default_data_dir, with_region_flags
 from model.data import check_data_dir, load_split
 from model.dataset import feature_cache
 
@@ -27,16 +26,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="split names or lists; none = every file in images/")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--region-features", default=ImageConfig.region_features, choices=["roi_align", "crop"])
-    ap.add_argument("--crop-size", type=int, default=ImageConfig.crop_size)
-    ap.add_argument("--min-box-frac", type=float, default=ImageConfig.min_box_frac,
-                    help="smallest region side as a fraction of the image side")
+    add_region_flags(ap, ImageConfig())
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of each split")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = check_data_dir(args.data)
-    cfg = dataclasses.replace(ImageConfig(), region_features=args.region_features, crop_size=args.crop_size,
-                              min_box_frac=args.min_box_frac)
+    cfg = with_region_flags(ImageConfig(), args)
     paths: list[Path] = []
     if args.splits:
         for split in args.splits:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.ops import box_iou, nms, roi_align
 
-from model.config import ImageConfig
+from model.config import REGION_FEATURES, ImageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ FULL_FRAME_DUP_IOU = 0.9  # proposals this close to the whole image duplicate ro
 CPU_PIXELS_PER_PASS = 2 * 224 * 224  # CPU micro-batch budget: larger batches thrash the cache
 GPU_IMAGES_PER_PASS = 64
 PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
-REGION_FEATURES = ("roi_align", "crop")
 
 # Fixed fallback boxes as fractions of the image (x0, y0, x1, y1): centre, halves, quadrants,
 # a larger centre and the 3x3 thirds — 19 boxes, enough to fill every region slot.

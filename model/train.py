@@ -27,7 +27,14 @@ from tqdm import tqdm
 
 from model.bundle import Bundle
 from model.calibrate import fit_calibration
-from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
+from model.config import (
+    ImageConfig,
+    TextConfig,
+    add_region_flags,
+    default_artifacts_dir,
+    default_data_dir,
+    with_region_flags,
+)
 from model.dataset import SplitData, load_split_data
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
 from model.evaluate import evaluate
@@ -97,7 +104,7 @@ VARIANTS["wide"] = {**VARIANTS["contextual-r25"], "model": {"h": 512}, "train": 
 VARIANTS["dropout"] = {**VARIANTS["wide"], "model": {"h": 512, "input_dropout": 0.2}}
 VARIANTS["full-roi"] = {**VARIANTS["dropout"], "train": {**VARIANTS["wide"]["train"], "calibrate": 1000}}
 # the served default: the best fragment variant on dev (region features from a CNN pass per region)
-VARIANTS["full"] = {**VARIANTS["full-roi"], "image": {"min_box_frac": 0.25, "region_features": "crop"}}
+VARIANTS["full"] = {**VARIANTS["full-roi"], "image": {**VARIANTS["full-roi"]["image"], "region_features": "crop"}}
 
 
 @dataclass
@@ -320,10 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dev-split", default="dev", help="'' to train without dev evaluation")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
     ap.add_argument("--dev-limit", type=int, default=None)
-    ap.add_argument("--region-features", choices=("roi_align", "crop"), default=None,
-                    help="how region features are computed (default: the variant's)")
-    ap.add_argument("--crop-size", type=int, default=None,
-                    help="side regions are warped to with --region-features crop")
+    add_region_flags(ap, None)  # each defaults to the variant's
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     _add_config_flags(ap)
     for name, typ in MODEL_OPTIONS.items():
@@ -333,10 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
     run = make_run(args.variant, overrides, shape)
-    if args.region_features:
-        run.image = dataclasses.replace(run.image, region_features=args.region_features)
-    if args.crop_size:
-        run.image = dataclasses.replace(run.image, crop_size=args.crop_size)
+    run.image = with_region_flags(run.image, args)
     out = args.out or default_artifacts_dir() / "models" / args.variant
     parser = make_parser(run.text.parser)
     tr = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig
+from model.config import ImageConfig, TextConfig, add_region_flags, with_region_flags
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
 from model.text import RelationVocab
@@ -113,3 +114,13 @@ def test_full_and_full_roi_differ_only_in_region_features() -> None:
     assert dataclasses.replace(full.image, region_features="roi_align") == roi.image
     assert (full.train, full.text, full.model_overrides) == (roi.train, roi.text, roi.model_overrides)
     assert full.train.calibrate == 1000
+
+
+def test_region_flags_override_only_what_is_given() -> None:
+    ap = argparse.ArgumentParser()
+    add_region_flags(ap, None)
+    run = make_run("full", {})
+    assert with_region_flags(run.image, ap.parse_args([])) == run.image
+    roi = with_region_flags(run.image, ap.parse_args(["--region-features", "roi_align"]))
+    assert roi == make_run("full-roi", {}).image
+    assert with_region_flags(ImageConfig(), ap.parse_args(["--crop-size", "160"])).crop_size == 160
