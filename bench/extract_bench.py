@@ -1,13 +1,20 @@
-"""Image-fragment extraction throughput: roi_align vs crop region features, 1..k worker processes.
+"""Image-fragment extraction cost: per stage, and end to end for each image-feature variant.
 
-    python -m bench.extract_bench --data /work/shared/data/flickr8k --n 200 --workers 1 2
+    python -m bench.extract_bench --n 200 --workers 1 2 --variants full full-crop full-roi
 
 Runs on the first N images of train.txt without touching the feature cache and writes
 docs/results/extract-bench.csv (method,images,workers,seconds,images_per_s,machine,command,
-cpu_ms_per_image,load_avg). Besides the end-to-end rows it times the stages alone in one process
-with one thread: selective search ("stage:proposals") and the backbone pass ("stage:backbone@<side>").
-On a shared machine the wall-clock rows depend on the other load (load_avg, the 1-minute load
-average before the run); cpu_ms_per_image (CPU time spent extracting, all workers) does much less,
+cpu_ms_per_image,load_avg). Stage rows are timed in this process with one thread:
+
+* ``stage:proposals(<mode>@<side>)``: selective search at each ``--proposal-resize``;
+* ``stage:backbone@<side>[<runtime>,<precision>]``: one backbone pass per image (torch eager,
+  ONNX Runtime float, ONNX Runtime int8);
+* ``stage:crops20@<side>[<runtime>,<precision>]``: 20 region crops of an image warped to 224² and
+  pooled (what the crop variants pay per image).
+
+End-to-end rows (``<variant>``) run the variant's extractor over the N images with 1..k worker
+processes. On a shared machine the wall-clock rows depend on the other load (load_avg, the 1-minute
+load average before the run); cpu_ms_per_image (CPU time spent extracting, all workers) much less,
 and gives the estimate for idle cores: images/s ≈ cores * 1000 / cpu_ms_per_image.
 """
 
@@ -21,16 +28,20 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from bench import machine
+from model.backbone import Backbone, preprocess, set_torch_threads, to_tensor
 from model.cache import ExtractionPool
-from model.config import ImageConfig, default_data_dir
-from model.image import PROPOSAL_MODES, Backbone, load_image, propose_boxes, set_torch_threads
+from model.config import PROPOSAL_MODES, ImageConfig, default_data_dir
+from model.imageio import load_image
+from model.proposals import propose_boxes
+from model.train import VARIANTS, make_run
 
 logger = logging.getLogger("bench.extract_bench")
 
@@ -38,7 +49,8 @@ FIELDS = ("method", "images", "workers", "seconds", "images_per_s", "machine", "
           "load_avg")
 Row = tuple[str, int, int, float, float, float]  # label, images, workers, seconds, CPU seconds, load
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "extract-bench.csv"
-
+BACKBONES = (("torch", "fp32"), ("onnx", "fp32"), ("onnx", "int8"))
+CROPS_PER_IMAGE = 20
 
 
 def image_paths(data: Path, n: int, split: str = "train.txt") -> list[Path]:
@@ -46,25 +58,55 @@ def image_paths(data: Path, n: int, split: str = "train.txt") -> list[Path]:
     return [data / "images" / name for name in names[:n]]
 
 
-def time_stages(paths: Sequence[Path], cfg: ImageConfig, sides: Sequence[int]) -> list[Row]:
+def _timed(label: str, n: int, work: Callable[..., object], *args: object) -> Row:
+    """One stage row: ``work(*args)`` timed in this process."""
+    load, start, cpu = os.getloadavg()[0], time.perf_counter(), time.process_time()
+    work(*args)
+    return (label, n, 1, time.perf_counter() - start, time.process_time() - cpu, load)
+
+
+def _crops(img: Image.Image, rng: np.random.Generator, size: int = 224) -> torch.Tensor:
+    """CROPS_PER_IMAGE random boxes with sides >= 25 % of the image, warped to size²."""
+    w, h = img.size
+    out = []
+    for _ in range(CROPS_PER_IMAGE):
+        bw, bh = rng.uniform(0.25, 1.0) * w, rng.uniform(0.25, 1.0) * h
+        x0, y0 = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
+        crop = img.resize((size, size), Image.Resampling.BILINEAR, box=(x0, y0, x0 + bw, y0 + bh))
+        out.append(to_tensor(np.asarray(crop)))
+    return torch.stack(out)
+
+
+def time_stages(paths: Sequence[Path], resizes: Sequence[int], sides: Sequence[int], mode: str) -> list[Row]:
     """Per-stage timings for ``paths`` in this process with one thread."""
     set_torch_threads(1)
     images = [load_image(p) for p in paths]
+    n = len(images)
     rows: list[Row] = []
-    load, start, cpu = os.getloadavg()[0], time.perf_counter(), time.process_time()
-    counts = [len(propose_boxes(np.asarray(img), cfg)) for img in images]
-    rows.append((f"stage:proposals({cfg.proposal_mode}@{cfg.proposal_resize})", len(images), 1,
-                 time.perf_counter() - start, time.process_time() - cpu, load))
-    logger.info("selective search: %.1f proposals per image kept (max %d)", float(np.mean(counts)), cfg.max_proposals)
-    backbone = Backbone("cpu")
-    for side in sides:
-        backbone.feature_map(torch.stack([backbone.preprocess(images[0], side)]))  # warm-up
-        load, start, cpu = os.getloadavg()[0], time.perf_counter(), time.process_time()
-        for i in range(0, len(images), 8):
-            batch = torch.stack([backbone.preprocess(img, side) for img in images[i : i + 8]])
-            backbone.feature_map(batch)
-        rows.append((f"stage:backbone@{side}", len(images), 1, time.perf_counter() - start,
-                     time.process_time() - cpu, load))
+    def proposals(cfg: ImageConfig, counts: list[int]) -> None:
+        counts.extend(len(propose_boxes(np.asarray(im), cfg)) for im in images)
+
+    def passes(bb: Backbone, side: int) -> None:
+        for im in images:
+            bb.feature_map(preprocess(im, side)[None])
+
+    def crops(bb: Backbone, rng: np.random.Generator) -> None:
+        for im in images:
+            bb.pooled(_crops(im, rng))
+
+    for resize in resizes:
+        cfg = dataclasses.replace(ImageConfig(), proposal_mode=mode, proposal_resize=resize, min_box_frac=0.25)
+        counts: list[int] = []
+        rows.append(_timed(f"stage:proposals({mode}@{resize})", n, proposals, cfg, counts))
+        logger.info("selective search @%d: %.1f proposals per image with sides >= 25 %%", resize, np.mean(counts))
+    for runtime, precision in BACKBONES:
+        bb = Backbone("cpu", precision, runtime)
+        for side in sides:
+            bb.feature_map(preprocess(images[0], side)[None])  # warm-up
+            rows.append(_timed(f"stage:backbone@{side}[{runtime},{precision}]", n, passes, bb, side))
+        rng = np.random.default_rng(0)
+        bb.pooled(_crops(images[0], rng))
+        rows.append(_timed(f"stage:crops{CROPS_PER_IMAGE}@224[{runtime},{precision}]", n, crops, bb, rng))
     return rows
 
 
@@ -88,12 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_dir())
     ap.add_argument("--n", type=int, default=200, help="images (the first N of train.txt)")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--methods", nargs="+", default=["roi_align", "crop"], choices=["roi_align", "crop"])
-    ap.add_argument("--backbone-sizes", type=int, nargs="+", default=[448, 224],
-                    help="roi_align backbone sides to compare (crop runs with the first)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes to compare")
+    ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=sorted(VARIANTS),
+                    help="training variants whose image settings are run end to end")
+    ap.add_argument("--backbone-sizes", type=int, nargs="+", default=[224, 448],
+                    help="sides of the backbone stage rows")
     ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES)
-    ap.add_argument("--proposal-resize", type=int, default=ImageConfig.proposal_resize)
+    ap.add_argument("--proposal-resize", type=int, nargs="+", default=[224, 112], help="sides of the proposal rows")
     ap.add_argument("--batch", type=int, default=8, help="images per task")
     ap.add_argument("--stage-images", type=int, default=50, help="images for the per-stage timings (0: skip)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -102,43 +145,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 
     paths = image_paths(args.data, args.n)
-    base = dataclasses.replace(ImageConfig(), proposal_mode=args.proposal_mode, proposal_resize=args.proposal_resize)
     command = "python -m bench.extract_bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     where = machine()
     logger.info("%d images from %s on %s", len(paths), args.data, where)
 
     rows: list[Row] = []
     if args.stage_images:
-        for row in time_stages(paths[: args.stage_images], base, args.backbone_sizes):
+        for row in time_stages(paths[: args.stage_images], args.proposal_resize, args.backbone_sizes,
+                               args.proposal_mode):
             rows.append(row)
             label, n, _, seconds, cpu, _ = row
-            logger.info("%-34s %6.1f images/s (1 thread; %.0f CPU ms/image)", label, n / seconds, 1000 * cpu / n)
+            logger.info("%-44s %7.1f images/s (1 thread; %.1f CPU ms/image)", label, n / seconds, 1000 * cpu / n)
 
     speed: dict[tuple[str, int], float] = {}
     cpu_ms: dict[str, float] = {}
-    for method in args.methods:
-        sides = args.backbone_sizes if method == "roi_align" else args.backbone_sizes[:1]
-        for side in sides:
-            cfg = dataclasses.replace(base, region_features=method, backbone_size=side)
-            label = f"{method}@{side}" if method == "roi_align" else f"crop@{cfg.crop_size}(score@{side})"
-            for workers in args.workers:
-                load = os.getloadavg()[0]
-                seconds, cpu = time_extraction(paths, cfg, workers, args.batch)
-                rows.append((label, len(paths), workers, seconds, cpu, load))
-                cpu_ms[label] = min(cpu_ms.get(label, float("inf")), 1000 * cpu / len(paths))
-                if side == args.backbone_sizes[0]:
-                    speed[(method, workers)] = len(paths) / seconds
-                logger.info("%-34s %6.1f images/s with %d worker(s) (%.1f s; %.0f CPU ms/image; "
-                            "load average before %.1f)", label, len(paths) / seconds, workers, seconds,
-                            1000 * cpu / len(paths), load)
+    for variant in args.variants:
+        cfg = make_run(variant, {}).image
+        for workers in args.workers:
+            load = os.getloadavg()[0]
+            seconds, cpu = time_extraction(paths, cfg, workers, args.batch)
+            rows.append((variant, len(paths), workers, seconds, cpu, load))
+            cpu_ms[variant] = min(cpu_ms.get(variant, float("inf")), 1000 * cpu / len(paths))
+            speed[(variant, workers)] = len(paths) / seconds
+            logger.info("%-34s %6.1f images/s with %d worker(s) (%.1f s; %.0f CPU ms/image; load average before "
+                        "%.1f)", variant, len(paths) / seconds, workers, seconds, 1000 * cpu / len(paths), load)
 
     for workers in args.workers:
-        if ("roi_align", workers) in speed and ("crop", workers) in speed:
-            logger.info("roi_align / crop speed ratio with %d worker(s): %.1fx",
-                        workers, speed[("roi_align", workers)] / speed[("crop", workers)])
-    for (method, workers), ips in sorted(speed.items()):
-        logger.info("%s, %d worker(s): 7,000 images in %.1f min at the measured speed", method, workers,
-                    7000 / ips / 60)
+        base = speed.get((args.variants[-1], workers))
+        for variant in args.variants[:-1]:
+            if base and (variant, workers) in speed:
+                logger.info("%s / %s speed with %d worker(s): %.2fx", variant, args.variants[-1], workers,
+                            speed[(variant, workers)] / base)
     cores = os.cpu_count() or 1
     for label, ms in cpu_ms.items():
         logger.info("%s on %d idle cores (CPU-bound estimate): %.1f images/s, 7,000 images in %.1f min",
@@ -152,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             writer.writerow(FIELDS)
         for label, n, workers, seconds, cpu, load in rows:
             writer.writerow([label, n, workers, f"{seconds:.2f}", f"{n / seconds:.2f}", where, command,
-                             f"{1000 * cpu / n:.0f}", f"{load:.1f}"])
+                             f"{1000 * cpu / n:.1f}", f"{load:.1f}"])
     logger.info("wrote %s", args.out)
     return 0
 

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ["model", "annot_r1", "annot_r5", "annot_r10", "annot_medr",
            "search_r1", "search_r5", "search_r10", "search_medr", "command"]
-ORDER = ["full", "paper", "fragment+global", "fragment", "global", "fullframe", "bow", "bigram",
-         "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide", "dropout",
+ORDER = ["full", "full-crop", "full-roi", "paper", "fragment+global", "fragment", "global", "fullframe", "bow",
+         "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide", "dropout",
          "two-branch"]
 
 

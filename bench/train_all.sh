@@ -5,6 +5,8 @@
 #   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.15
 #   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.25
 #   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop
+#   ./run python -m model.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop \
+#       --backbone-precision int8 --proposal-resize 112 --backbone-size 224
 #   bash bench/train_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +18,9 @@ lane() {
       > "artifacts/logs/train-$v.log" 2>&1 || echo "training $v failed: see artifacts/logs/train-$v.log" >&2
   done
 }
-lane full paper fragment fullframe bigram sentence contextual-r25 wide &
+lane full paper fragment fullframe bigram sentence contextual-r25 wide full-crop &
 lane two-branch fragment+global global bow large-regions contextual dropout full-roi &
 wait
-"$PY" -m bench.report --only full full-roi paper fragment+global fragment global fullframe bow bigram sentence \
+"$PY" -m bench.report --only full full-crop full-roi paper fragment+global fragment global fullframe bow bigram sentence \
   large-regions contextual contextual-r25 wide dropout two-branch
-"$PY" -m bench.channels --only full full-roi dropout wide contextual-r25 contextual large-regions sentence paper
+"$PY" -m bench.channels --only full full-crop full-roi dropout wide contextual-r25 contextual large-regions sentence paper

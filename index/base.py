@@ -655,15 +655,25 @@ class FragmentIndex(Generic[P]):
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
                 vecs, mask = self._vectors(items)
             else:
-                items = self._candidates(queries)
-                vecs, mask = self._vectors(items)
-                top = top_k(score(vecs, mask).numpy(), items, k)
-                keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
-                best = [(i, s) for _, i, s in top]
-                vecs, mask, items = vecs[keep], mask[keep], items[keep]
+                return self._top_of(self._candidates(queries), score, k)
             payloads = self._payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
                 for row, (item, s) in enumerate(best)]
+
+    def _top_of(self, items: np.ndarray, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], k: int
+                ) -> list[tuple[int, float, P, torch.Tensor]]:
+        """The k best of candidate `items` by `score` (the exact re-rank), as `_rank` returns them."""
+        vecs, mask = self._vectors(items)
+        top = top_k(score(vecs, mask).numpy(), items, k)
+        keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
+        vecs, mask, items = vecs[keep], mask[keep], items[keep]
+        payloads = self._payloads(items.tolist())
+        return [(i, s, payloads[i], vecs[row, : int(mask[row].sum())]) for row, (_, i, s) in enumerate(top)]
+
+    def candidates(self, queries: np.ndarray) -> np.ndarray:
+        """Ids of the candidate items of query fragments (t, dim): the recall stage alone."""
+        with self._rw.read():
+            return self._candidates(queries)
 
     def _rank_many(self, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_queries: int, k: int
                    ) -> list[list[tuple[int, float]]]:

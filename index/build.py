@@ -112,10 +112,13 @@ def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings
 
 
 def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
-                         parse_dir: Path | None = None, rebuild: bool = False) -> SentenceIndex:
+                         parse_dir: Path | None = None, rebuild: bool = False,
+                         vectors_dir: Path | None = None) -> SentenceIndex:
     """The sentence index at `out` over `sentences` (kept as it is when it exists, unless `rebuild`).
 
-    With `parse_dir`, parses are cached there (shared with the trainer: same sentences, same file).
+    With `parse_dir`, parses are cached there (shared with the trainer: same sentences, same file);
+    with `vectors_dir` too, so are the frozen MiniLM vectors (the trainer's training captions are the
+    default sentence collection: their vectors are not computed twice).
     """
     out = Path(out)
     if (out / "index.sqlite").exists() and not rebuild:
@@ -127,7 +130,10 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     with index.bulk():
         if parse_dir is not None:
             parsed = parse_cached(bundle.text.parser, list(sentences), parse_dir)
+            if vectors_dir is not None:
+                bundle.text.warm(parsed, sentences, vectors_dir)
             index.add_parsed(parsed, sentences)
+            bundle.text.forget()
         else:
             index.add_sentences(sentences)
     index.save()
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         sentences = read_sentences(args.captions, args.split)
         parse_dir = None if args.no_cache else args.cache / "parses"
         ssettings = dataclasses.replace(settings, k_prime=args.sentence_k_prime, rerank=args.sentence_rerank)
-        sindex = build_sentence_index(bundle, sentences, out, ssettings, parse_dir, args.rebuild)
+        sindex = build_sentence_index(bundle, sentences, out, ssettings, parse_dir, args.rebuild,
+                                      None if args.no_cache else args.cache / "vectors")
         logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)
 
 

@@ -25,7 +25,7 @@ from index.query import encode_phrase, encode_sentence, matches
 from index.types import AddReport, ImageHit, ImageRecord, IndexSettings, RegionHit
 from model.bundle import Bundle
 from model.cache import FeatureCache
-from model.image import ImageFragments, ImageReadError, RegionExtractor, load_image
+from model.image import ImageFragments, RegionExtractor
 from model.score import fragment_scores
 from model.text import Triplet
 
@@ -166,22 +166,12 @@ class ImageIndex(FragmentIndex[StoredImage]):
             yield FeatureCache(Path(tmp), self.bundle.image_cfg)
 
     def _checked(self, cache: FeatureCache, path: Path) -> ImageFragments | str:
-        """The cached fragments of `path`, re-extracted when the entry's size shows it belongs to another
-        image of the same file name; a reason string when the file cannot be read."""
-        frags = cache.load([path])[0]
+        """The cached fragments of `path` (entries are keyed by the file's content); a reason string
+        when the file cannot be read or changed after it was extracted."""
         try:
-            with Image.open(path) as im:
-                size = im.size
-        except (OSError, ValueError) as e:
-            return f"unreadable: {e}"
-        if size in ((frags.width, frags.height), (frags.height, frags.width)):
-            return frags
-        logger.warning("cached features of %s are of a %dx%d image, the file is %dx%d: extracting it again",
-                       path.name, frags.width, frags.height, *size)
-        try:
-            return self.extractor.extract(load_image(path))
-        except ImageReadError as e:
-            return str(e)
+            return cache.load([path])[0]
+        except KeyError as e:
+            return f"unreadable: {e.args[0] if e.args else e}"
 
     def find_paths(self, paths: Sequence[Path | str]) -> dict[str, int]:
         """Live images among `paths` (compared as given, resolve them first) -> their ids."""
@@ -229,6 +219,19 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
         return [ImageHit(item, p.name, p.path, p.width, p.height, s, matches(frags, sent, triplets, p.boxes))
                 for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
+
+    @torch.inference_mode()
+    def rerank(self, items: np.ndarray, sent: torch.Tensor, k: int = 10
+               ) -> list[tuple[int, float, StoredImage, torch.Tensor]]:
+        """The exact re-rank alone: the k best of candidate `items` for sentence fragments (T, h), as
+        (image id, S_kl, record, its fragments) best first."""
+        sent_mask = torch.ones(1, len(sent))
+
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+
+        with self._rw.read():
+            return self._top_of(items, score, k)
 
     @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:

@@ -73,7 +73,7 @@ class Bundle:
         """Sentence fragments (L, T, h) and their mask (L, T) for encoded sentences (each sentence's
         fragments divided by its scale tau_l in a calibrated model)."""
         rel, a, b, mask = pad(enc, idx)
-        pool = self.text.pool(enc)
+        pool, a, b = self.text.pool_of(enc, a, b)
         if isinstance(self.model, TwoBranch):
             sid = self.text.relations.index(SENTENCE_REL)
             if sid is None:

@@ -1,13 +1,14 @@
 """On-disk image feature cache: one ``.npz`` per image under a folder keyed by the feature settings.
 
-Entries are written atomically (temp file + fsync + rename), so an interrupted run leaves only
+An entry is named by the image's content (a hash of the file's bytes), not by its file name: two
+different photos with the same name and size never share features, and a renamed or copied photo
+is not extracted again. Entries are written atomically (temp file + fsync + rename), so an interrupted run leaves only
 complete entries and the next run resumes with what is missing. Unreadable files are skipped,
 counted and listed in ``failed.json``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import dataclasses
 import hashlib
@@ -15,6 +16,7 @@ import json
 import logging
 import multiprocessing
 import os
+import queue
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -26,33 +28,41 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, FEATURE_DIM, QUANT_VERSION, set_torch_threads
 from model.config import ImageConfig
-from model.image import (
-    BACKBONE_NAME,
-    FEATURE_DIM,
-    ImageFragments,
-    ImageReadError,
-    RegionExtractor,
-    load_image,
-    set_torch_threads,
-)
+from model.image import ImageFragments, RegionExtractor
+from model.imageio import ImageReadError, load_image
 
 logger = logging.getLogger(__name__)
 
-FEATURE_VERSION = 1  # bump when the extraction code changes its output for the same settings
+FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
 FAILED_FILE = "failed.json"
 CONFIG_FILE = "config.json"
 TMP_SUFFIX = ".tmp"
 
 
+def config_payload(cfg: ImageConfig) -> dict[str, Any]:
+    """Everything that shapes the features: every ImageConfig field, the backbone, the version, and for
+    the int8 backbone its quantization recipe."""
+    payload: dict[str, Any] = {"image": dataclasses.asdict(cfg), "backbone": BACKBONE_NAME,
+                               "version": FEATURE_VERSION}
+    if cfg.backbone_precision == "int8":
+        payload["quantization"] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
+    return payload
+
+
 def config_key(cfg: ImageConfig) -> str:
-    """Short hash of every ImageConfig field (all of them shape the features) + backbone + version."""
-    payload = {"image": dataclasses.asdict(cfg), "backbone": BACKBONE_NAME, "version": FEATURE_VERSION}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+    """Short hash of `config_payload`: the name of the cache folder for these settings."""
+    return hashlib.sha256(json.dumps(config_payload(cfg), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def content_key(data: bytes) -> str:
+    """The name of an image's entry: a hash of its file's bytes."""
+    return hashlib.sha256(data).hexdigest()[:32]
 
 
 def entry_name(item: str | Path) -> str:
-    """Cache key of an image: its file name (a path or a bare name both work)."""
+    """How an image is named in reports and ``failed.json``: its file name."""
     name = Path(item).name
     if name in ("", ".", ".."):
         raise ValueError(f"not a usable image name: {item!r}")
@@ -117,81 +127,95 @@ def _write_json(path: Path, obj: object) -> None:
 
 # -- extraction, in-process or in a pool of worker processes -------------------------------------------
 
-_worker_extractor: RegionExtractor | None = None
-_worker_parent: int | None = None
-
-
-def _init_worker(cfg: ImageConfig, device: str, parent: int) -> None:
-    global _worker_extractor, _worker_parent
-    set_torch_threads(1)
-    _worker_parent = parent
-    _worker_extractor = RegionExtractor(cfg, device)
-
 
 def _extract_chunk(
     extractor: RegionExtractor, paths: Sequence[str], out_dir: str | None
 ) -> tuple[int, list[tuple[str, str]]]:
-    """Load, extract and (if out_dir) store a chunk of images → (n extracted, [(name, reason)])."""
+    """Load, extract and (if out_dir) store a chunk of images → (n extracted, [(name, reason)]).
+
+    With out_dir, each image is stored as ``<out_dir>/<content key>.npz``."""
     failed: list[tuple[str, str]] = []
-    good: list[tuple[str, Image.Image]] = []
+    good: list[tuple[str, str, Image.Image]] = []
     for p in paths:
         try:
-            good.append((entry_name(p), load_image(Path(p))))
+            data = Path(p).read_bytes()
+            good.append((entry_name(p), content_key(data), load_image(data, name=str(p))))
+        except OSError as e:
+            failed.append((entry_name(p), f"{p}: cannot open ({e.strerror or e})"))
         except ImageReadError as e:
             failed.append((entry_name(p), str(e)))
     if not good:
         return 0, failed
     try:
-        frags = extractor.extract_batch([img for _, img in good])
-        results: list[tuple[str, ImageFragments | None, str]] = [
-            (n, f, "") for (n, _), f in zip(good, frags, strict=True)
+        frags = extractor.extract_batch([img for _, _, img in good])
+        results: list[tuple[str, str, ImageFragments | None, str]] = [
+            (n, k, f, "") for (n, k, _), f in zip(good, frags, strict=True)
         ]
     except Exception:  # isolate the image that breaks a batch
         results = []
-        for n, img in good:
+        for n, k, img in good:
             try:
-                results.append((n, extractor.extract(img), ""))
+                results.append((n, k, extractor.extract(img), ""))
             except Exception as e:
-                results.append((n, None, f"feature extraction failed: {type(e).__name__}: {e}"))
+                results.append((n, k, None, f"feature extraction failed: {type(e).__name__}: {e}"))
     done = 0
-    for n, frag, reason in results:
+    for n, key, frag, reason in results:
         if frag is None:
             failed.append((n, reason))
             continue
         if out_dir is not None:
-            write_entry(Path(out_dir) / f"{n}.npz", frag)
+            write_entry(Path(out_dir) / f"{key}.npz", frag)
         done += 1
     return done, failed
 
 
-def _run_chunk(paths: Sequence[str], out_dir: str | None) -> tuple[int, list[tuple[str, str]], float]:
-    """Pool task → (n extracted, failures, CPU seconds this worker spent on it)."""
-    assert _worker_extractor is not None, "worker not initialised"
-    if os.getppid() != _worker_parent:  # the parent was killed: do not keep working as an orphan
-        os._exit(1)
-    cpu = time.process_time()
-    done, failed = _extract_chunk(_worker_extractor, paths, out_dir)
-    return done, failed, time.process_time() - cpu
+_STOP = None  # sentinel task: the worker exits
 
 
-def _worker_pid() -> int:
-    time.sleep(0.05)  # long enough for the other workers to take a task too
-    return os.getpid()
+def _worker_main(cfg: ImageConfig, device: str, runtime: str, parent: int, warm: Sequence[str],
+                 tasks: Any, results: Any) -> None:
+    """A pool worker: one torch/OpenCV thread, its own extractor, tasks until the stop sentinel.
+
+    Messages back: ("ready", pid) once warm, ("done", task id, n, failures, CPU seconds) per task,
+    ("error", task id, text) when a task raised."""
+    set_torch_threads(1)
+    extractor = RegionExtractor(cfg, device, runtime)
+    if warm:
+        _extract_chunk(extractor, warm, None)
+    results.put(("ready", os.getpid()))
+    while True:
+        task = tasks.get()
+        if task is _STOP or os.getppid() != parent:  # stopped, or the parent was killed: no orphan work
+            return
+        tid, paths, out_dir = task
+        cpu = time.process_time()
+        try:
+            done, failed = _extract_chunk(extractor, paths, out_dir)
+        except Exception as e:  # reported to the parent, which raises it
+            results.put(("error", tid, f"{type(e).__name__}: {e}"))
+            continue
+        results.put(("done", tid, done, failed, time.process_time() - cpu))
 
 
 class ExtractionPool:
-    """Runs RegionExtractor over image files, in this process (workers=1) or in a process pool.
+    """Runs RegionExtractor over image files, in this process (workers=1) or in worker processes.
 
-    Each pool worker uses 1 torch/OpenCV thread and its own extractor; use as a context manager.
-    ``cpu_seconds`` adds up the CPU time spent extracting (all workers), a load-independent cost.
+    Each worker process uses 1 torch/OpenCV thread and holds its own extractor (no module state);
+    use as a context manager. ``cpu_seconds`` adds up the CPU time spent extracting (all workers),
+    a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``).
     """
 
-    def __init__(self, cfg: ImageConfig, device: str = "cpu", workers: int = 1) -> None:
+    POLL_S = 1.0  # how often a waiting parent checks that its workers are alive
+
+    def __init__(self, cfg: ImageConfig, device: str = "cpu", workers: int = 1, runtime: str = "auto") -> None:
         self.cfg = cfg
         self.device = device
+        self.runtime = runtime
         self.workers = max(1, workers)
         self._local: RegionExtractor | None = None
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self._procs: list[Any] = []
+        self._tasks: Any = None
+        self._results: Any = None
         self.cpu_seconds = 0.0
 
     def __enter__(self) -> ExtractionPool:
@@ -201,45 +225,63 @@ class ExtractionPool:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop the workers (they finish the task at hand), then reap them."""
+        if not self._procs:
+            return
+        for _ in self._procs:
+            self._tasks.put(_STOP)
+        for proc in self._procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        self._procs = []
 
-    def _executor(self) -> cf.ProcessPoolExecutor:
-        if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(
-                max_workers=self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self.cfg, self.device, os.getpid()),
-            )
-        return self._pool
+    def _start(self, warm: Sequence[str] = ()) -> None:
+        if self._procs:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        self._tasks, self._results = ctx.Queue(), ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker_main, daemon=True,
+                        args=(self.cfg, self.device, self.runtime, os.getpid(), list(warm), self._tasks, self._results))
+            for _ in range(self.workers)
+        ]
+        for proc in self._procs:
+            proc.start()
+        ready = 0
+        while ready < self.workers:
+            if self._message()[0] == "ready":
+                ready += 1
+
+    def _message(self) -> tuple[Any, ...]:
+        """The next message from a worker; raises if a worker died instead of answering."""
+        while True:
+            try:
+                return tuple(self._results.get(timeout=self.POLL_S))
+            except queue.Empty:
+                dead = [p for p in self._procs if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"an extraction worker exited with code {dead[0].exitcode}") from None
 
     def warm_up(self, paths: Sequence[Path]) -> None:
-        """Start every worker (model loaded) by extracting ``paths`` once per worker, unstored."""
+        """Start every worker (model loaded) and extract ``paths`` once in each, unstored."""
         chunk = [str(p) for p in paths]
         if self.workers == 1:
             _extract_chunk(self._extractor(), chunk, None)
             return
-        futures = [self._executor().submit(_run_chunk, chunk, None) for _ in range(self.workers)]
-        for f in futures:
-            f.result()
-        pids: set[int] = set()
-        deadline = time.monotonic() + 300
-        while len(pids) < self.workers and time.monotonic() < deadline:  # every worker initialised
-            batch = [self._executor().submit(_worker_pid) for _ in range(self.workers)]
-            pids.update(f.result() for f in batch)
+        self._start(chunk)
 
     def _extractor(self) -> RegionExtractor:
         if self._local is None:
-            self._local = RegionExtractor(self.cfg, self.device)
+            self._local = RegionExtractor(self.cfg, self.device, self.runtime)
         return self._local
 
     def run(
         self, paths: Sequence[Path], batch: int = 8, out_dir: Path | None = None, progress: bool = True,
         desc: str = "features",
     ) -> tuple[int, list[tuple[str, str]]]:
-        """Extract every path (storing ``<out_dir>/<name>.npz`` when out_dir is given)
+        """Extract every path (storing ``<out_dir>/<content key>.npz`` when out_dir is given)
         → (n extracted, [(name, reason)] for skipped files)."""
         chunks = [[str(p) for p in paths[i : i + batch]] for i in range(0, len(paths), max(1, batch))]
         target = None if out_dir is None else str(out_dir)
@@ -256,12 +298,21 @@ class ExtractionPool:
                     done, failed = done + n, failed + bad
                     bar.update(len(chunk))
             else:
-                futures = {self._executor().submit(_run_chunk, chunk, target): len(chunk) for chunk in chunks}
-                for fut in cf.as_completed(futures):
-                    n, bad, cpu = fut.result()
+                self._start()
+                for tid, chunk in enumerate(chunks):
+                    self._tasks.put((tid, chunk, target))
+                remaining = len(chunks)
+                while remaining:
+                    msg = self._message()
+                    if msg[0] == "error":
+                        raise RuntimeError(f"feature extraction failed in a worker: {msg[2]}")
+                    if msg[0] != "done":
+                        continue
+                    remaining -= 1
+                    _, tid, n, bad, cpu = msg
                     self.cpu_seconds += cpu
-                    done, failed = done + n, failed + bad
-                    bar.update(futures[fut])
+                    done, failed = done + n, failed + list(map(tuple, bad))
+                    bar.update(len(chunks[tid]))
         finally:
             bar.close()
         return done, failed
@@ -271,20 +322,37 @@ class ExtractionPool:
 
 
 class FeatureCache:
-    """Image fragments cached under ``root / config_key(cfg)``, one ``<image name>.npz`` per image."""
+    """Image fragments cached under ``root / config_key(cfg)``, one ``<content key>.npz`` per image.
 
-    def __init__(self, root: Path, cfg: ImageConfig, device: str = "cpu") -> None:
+    Images are given as paths; their content keys are remembered per (path, size, mtime)."""
+
+    def __init__(self, root: Path, cfg: ImageConfig, device: str = "cpu", runtime: str = "auto") -> None:
         self.root = Path(root)
         self.cfg = cfg
         self.device = device
+        self.runtime = runtime
         self.dir = self.root / config_key(cfg)
+        self._keys: dict[tuple[str, int, int], str] = {}
 
-    def path(self, name: str | Path) -> Path:
-        return self.dir / f"{entry_name(name)}.npz"
+    def key(self, path: str | Path) -> str:
+        """The content key of the image file at ``path`` (OSError if it cannot be read)."""
+        st = os.stat(path)
+        memo = (str(path), st.st_size, st.st_mtime_ns)
+        key = self._keys.get(memo)
+        if key is None:
+            key = self._keys[memo] = content_key(Path(path).read_bytes())
+        return key
 
-    def has(self, name: str | Path) -> bool:
+    def path(self, image: str | Path) -> Path:
+        """Where the entry of the image file at ``image`` is (or would be) stored."""
+        return self.dir / f"{self.key(image)}.npz"
+
+    def has(self, image: str | Path) -> bool:
         """True once the image's entry is complete on disk (temp files do not count)."""
-        return self.path(name).is_file()
+        try:
+            return self.path(image).is_file()
+        except OSError:
+            return False
 
     def failed(self) -> dict[str, str]:
         """Names recorded as unreadable → reason."""
@@ -297,17 +365,19 @@ class FeatureCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
         if not (self.dir / CONFIG_FILE).is_file():
-            _write_json(self.dir / CONFIG_FILE, {"image": dataclasses.asdict(self.cfg), "backbone": BACKBONE_NAME,
-                                                 "version": FEATURE_VERSION})
+            _write_json(self.dir / CONFIG_FILE, config_payload(self.cfg))
         todo: list[Path] = []
         seen: set[str] = set()
         reused = 0
         for p in paths:
-            name = entry_name(p)
-            if name in seen:
+            try:
+                key = self.key(p)
+            except OSError:
+                key = f"unreadable:{p}"
+            if key in seen:
                 continue
-            seen.add(name)
-            if self.has(name):
+            seen.add(key)
+            if self.has(p):
                 reused += 1
             else:
                 todo.append(Path(p))
@@ -316,9 +386,10 @@ class FeatureCache:
         if todo:
             logger.info("extracting %d images (%d cached) into %s with %d worker(s)",
                         len(todo), reused, self.dir, workers)
-            with ExtractionPool(self.cfg, self.device, min(workers, max(1, len(todo) // max(1, batch)))) as pool:
+            with ExtractionPool(self.cfg, self.device, min(workers, max(1, len(todo) // max(1, batch))),
+                                self.runtime) as pool:
                 extracted, failed = pool.run(todo, batch=batch, out_dir=self.dir, progress=progress)
-        self._record_failures([entry_name(p) for p in todo], failed)
+        self._record_failures(todo, failed)
         for name, reason in failed:
             logger.warning("skipped %s: %s", name, reason)
         report = CacheReport(extracted, reused, sorted(failed), time.perf_counter() - start)
@@ -327,36 +398,40 @@ class FeatureCache:
                         extracted, report.seconds, report.images_per_s, len(failed))
         return report
 
-    def load(self, names: Sequence[str | Path]) -> list[ImageFragments]:
-        """Cached fragments of each image (features float32); KeyError if one is missing."""
-        return [read_entry(self._existing(n)) for n in names]
+    def load(self, images: Sequence[str | Path]) -> list[ImageFragments]:
+        """Cached fragments of each image file (features float32); KeyError if one is missing."""
+        return [read_entry(self._existing(n)) for n in images]
 
-    def load_arrays(self, names: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray]:
-        """→ features (N, F, 1280) float32, boxes (N, F, 4) float32, in the order of ``names``."""
+    def load_arrays(self, images: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray]:
+        """→ features (N, F, 1280) float32, boxes (N, F, 4) float32, in the order of ``images``."""
         n_frag = self.cfg.n_fragments
-        feats = np.empty((len(names), n_frag, FEATURE_DIM), dtype=np.float32)
-        boxes = np.empty((len(names), n_frag, 4), dtype=np.float32)
-        for k, name in enumerate(names):
-            with np.load(self._existing(name)) as z:
+        feats = np.empty((len(images), n_frag, FEATURE_DIM), dtype=np.float32)
+        boxes = np.empty((len(images), n_frag, 4), dtype=np.float32)
+        for k, image in enumerate(images):
+            with np.load(self._existing(image)) as z:
                 f, b = z["features"], z["boxes"]
                 if f.shape != (n_frag, FEATURE_DIM):
-                    raise ValueError(f"{entry_name(name)}: cached features {f.shape}, expected {(n_frag, FEATURE_DIM)}")
+                    raise ValueError(f"{entry_name(image)}: cached features {f.shape}, "
+                                     f"expected {(n_frag, FEATURE_DIM)}")
                 feats[k] = f
                 boxes[k] = b
         return feats, boxes
 
     # -- internals ---------------------------------------------------------------------------------
 
-    def _existing(self, name: str | Path) -> Path:
-        path = self.path(name)
+    def _existing(self, image: str | Path) -> Path:
+        try:
+            path = self.path(image)
+        except OSError as e:
+            raise KeyError(f"{image} cannot be read: {e}") from e
         if not path.is_file():
-            raise KeyError(f"{entry_name(name)} is not in the feature cache {self.dir}")
+            raise KeyError(f"{entry_name(image)} is not in the feature cache {self.dir}")
         return path
 
-    def _record_failures(self, attempted: Sequence[str], failed: Sequence[tuple[str, str]]) -> None:
+    def _record_failures(self, attempted: Sequence[Path], failed: Sequence[tuple[str, str]]) -> None:
         known = self.failed()
-        tried = set(attempted)
-        merged = {n: r for n, r in known.items() if n not in tried and not self.has(n)}
+        tried = {entry_name(p) for p in attempted}
+        merged = {n: r for n, r in known.items() if n not in tried}
         merged.update(dict(failed))
         if merged != known:
             _write_json(self.dir / FAILED_FILE, merged)

@@ -34,6 +34,7 @@ class ImageConfig:
     region_features: str = "roi_align"  # "roi_align" (one backbone pass) or "crop" (a CNN pass per region)
     backbone_size: int = 448  # side the image is resized to for the single backbone pass
     crop_size: int = 224  # side each region is warped to in "crop" mode
+    backbone_precision: str = "fp32"  # "fp32" or "int8" (the quantized ONNX graph, model/backbone.py)
     # selective search: "single", "balanced", "fast" or "quality" (model/image.py); "balanced" is
     # OpenCV's fast mode minus its coarsest k and its colour-blind strategy: 0.6x the time, nearly
     # the same regions (docs/results/extract-bench.csv)
@@ -50,10 +51,13 @@ class ImageConfig:
 
 
 REGION_FEATURES = ("roi_align", "crop")
+PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
+BACKBONE_PRECISIONS = ("fp32", "int8")
 
 
 def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
-    """--region-features / --crop-size / --min-box-frac; with `defaults` None each is None unless given
+    """The image-fragment flags (--region-features, --crop-size, --min-box-frac, --backbone-size,
+    --backbone-precision, --proposal-mode, --proposal-resize); with `defaults` None each is None unless given
     (the run's own settings are kept, see `with_region_flags`)."""
     ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
                     help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
@@ -61,11 +65,24 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
                     help="side regions are warped to with --region-features crop")
     ap.add_argument("--min-box-frac", type=float, default=defaults and defaults.min_box_frac,
                     help="smallest region side as a fraction of the image side")
+    ap.add_argument("--backbone-size", type=int, default=defaults and defaults.backbone_size,
+                    help="side of the one backbone pass (roi_align features; proposal scoring with crops)")
+    ap.add_argument("--backbone-precision", choices=BACKBONE_PRECISIONS,
+                    default=defaults and defaults.backbone_precision,
+                    help="fp32, or int8: the quantized backbone graph")
+    ap.add_argument("--proposal-mode", choices=PROPOSAL_MODES,
+                    default=defaults and defaults.proposal_mode, help="selective search strategy set")
+    ap.add_argument("--proposal-resize", type=int, default=defaults and defaults.proposal_resize,
+                    help="longer side the image is resized to for selective search")
+
+
+REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
+                "proposal_mode", "proposal_resize")
 
 
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:
     """`cfg` with the region flags that were set (see `add_region_flags`)."""
-    given = {k: getattr(args, k) for k in ("region_features", "crop_size", "min_box_frac")}
+    given = {k: getattr(args, k) for k in REGION_FLAGS}
     return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})
 
 

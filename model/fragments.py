@@ -124,6 +124,11 @@ class TextPipeline:
         logger.info("word table: %d words (%d-d)", len(words), words.dim)
         return cls(cfg, kept, words, parser)
 
+    def forget(self) -> None:
+        """Drop the in-memory frozen vectors (after a bulk job that `warm`-ed them)."""
+        self._sentence_vecs.clear()
+        self._context_vecs.clear()
+
     def warm(self, parsed: Sequence[ParsedSentence], sentences: Sequence[str], cache_dir: Path) -> None:
         """Fill the in-memory caches of frozen vectors for these sentences from one file under cache_dir.
 
@@ -230,9 +235,19 @@ class TextPipeline:
         """Parse and encode query sentences (raises ValueError on an empty one)."""
         return self.encode_parsed(self.parse(sentences), sentences, strict=strict)
 
-    def pool(self, enc: EncodedSentences, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(V + E, d) frozen vectors the ids of `enc` point into."""
-        return torch.from_numpy(np.concatenate([self.words.vectors, enc.extra])).float().to(device)
+    def pool_of(self, enc: EncodedSentences, a: torch.Tensor, b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The frozen vectors that ids a and b (any shape) point to: (U, d), and a, b re-pointed into it.
+
+        Ids below the word table's size are its rows, the others rows of ``enc.extra`` (the per-sentence
+        vectors: contextual words, whole sentences); only the rows used are copied."""
+        used = torch.unique(torch.cat([a.reshape(-1), b.reshape(-1)]))  # sorted
+        ids = used.numpy()
+        base = len(self.words)
+        table = self.words.vectors
+        rows = np.concatenate([table[ids[ids < base]], enc.extra[ids[ids >= base] - base]])
+        pool = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        return pool, torch.searchsorted(used, a), torch.searchsorted(used, b)
 
 
 def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:

@@ -103,8 +103,13 @@ VARIANTS["contextual-r25"] = {**VARIANTS["contextual"], "image": {"min_box_frac"
 VARIANTS["wide"] = {**VARIANTS["contextual-r25"], "model": {"h": 512}, "train": {"global_top_k": 5, "beta": 2.0}}
 VARIANTS["dropout"] = {**VARIANTS["wide"], "model": {"h": 512, "input_dropout": 0.2}}
 VARIANTS["full-roi"] = {**VARIANTS["dropout"], "train": {**VARIANTS["wide"]["train"], "calibrate": 1000}}
-# the served default: the best fragment variant on dev (region features from a CNN pass per region)
-VARIANTS["full"] = {**VARIANTS["full-roi"], "image": {**VARIANTS["full-roi"]["image"], "region_features": "crop"}}
+# region features from a CNN pass per region (R-CNN-style crops, float backbone)
+VARIANTS["full-crop"] = {**VARIANTS["full-roi"],
+                         "image": {**VARIANTS["full-roi"]["image"], "region_features": "crop"}}
+# the served default: crops through the int8 backbone, proposals at 112 px, ranked by a 224 px pass
+VARIANTS["full"] = {**VARIANTS["full-crop"],
+                    "image": {**VARIANTS["full-crop"]["image"], "backbone_precision": "int8",
+                              "proposal_resize": 112, "backbone_size": 224}}
 
 
 @dataclass

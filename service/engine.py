@@ -19,7 +19,7 @@ from PIL import Image
 from index import ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
 from model.bundle import Bundle
 from model.fragments import NoFragmentsError
-from model.image import ImageReadError, load_image
+from model.imageio import ImageReadError, load_image
 from service.errors import ApiError
 from service.settings import Settings
 

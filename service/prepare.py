@@ -93,7 +93,8 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     logger.info("sentence index: %d %s captions into %s", len(sentences), settings.sentence_split, target)
     t0 = time.perf_counter()
     index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
-                                 parse_dir=settings.cache_dir / "parses", rebuild=target.exists())
+                                 parse_dir=settings.cache_dir / "parses", rebuild=target.exists(),
+                                 vectors_dir=settings.cache_dir / "vectors")
     logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
     return target

@@ -108,19 +108,27 @@ def test_model_options_reach_the_run_from_variant_and_flags() -> None:
         make_run("no-such-variant", {})
 
 
-def test_full_and_full_roi_differ_only_in_region_features() -> None:
-    full, roi = make_run("full", {}), make_run("full-roi", {})
-    assert (full.image.region_features, roi.image.region_features) == ("crop", "roi_align")
-    assert dataclasses.replace(full.image, region_features="roi_align") == roi.image
-    assert (full.train, full.text, full.model_overrides) == (roi.train, roi.text, roi.model_overrides)
+def test_full_variants_differ_only_in_image_features() -> None:
+    full, crop, roi = make_run("full", {}), make_run("full-crop", {}), make_run("full-roi", {})
+    assert (full.image.region_features, crop.image.region_features, roi.image.region_features) == (
+        "crop", "crop", "roi_align")
+    assert dataclasses.replace(crop.image, region_features="roi_align") == roi.image
+    assert dataclasses.replace(full.image, backbone_precision="fp32", proposal_resize=crop.image.proposal_resize,
+                               backbone_size=crop.image.backbone_size) == crop.image
+    assert full.image.backbone_precision == "int8" and crop.image.backbone_precision == "fp32"
+    for other in (crop, roi):
+        assert (full.train, full.text, full.model_overrides) == (other.train, other.text, other.model_overrides)
     assert full.train.calibrate == 1000
 
 
 def test_region_flags_override_only_what_is_given() -> None:
     ap = argparse.ArgumentParser()
     add_region_flags(ap, None)
-    run = make_run("full", {})
+    run = make_run("full-crop", {})
     assert with_region_flags(run.image, ap.parse_args([])) == run.image
     roi = with_region_flags(run.image, ap.parse_args(["--region-features", "roi_align"]))
     assert roi == make_run("full-roi", {}).image
+    int8 = with_region_flags(run.image, ap.parse_args(["--backbone-precision", "int8", "--proposal-resize", "112",
+                                                       "--backbone-size", "224"]))
+    assert int8 == make_run("full", {}).image
     assert with_region_flags(ImageConfig(), ap.parse_args(["--crop-size", "160"])).crop_size == 160

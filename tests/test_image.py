@@ -13,16 +13,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from model.cache import FeatureCache, config_key
+from model.backbone import FEATURE_DIM, set_torch_threads
+from model.cache import FeatureCache, config_key, content_key
 from model.config import ImageConfig
-from model.image import (
-    FEATURE_DIM,
-    ImageReadError,
-    RegionExtractor,
-    load_image,
-    propose_boxes,
-    set_torch_threads,
-)
+from model.image import RegionExtractor
+from model.imageio import ImageReadError, load_image
+from model.proposals import propose_boxes
 
 SQUARE = (120.0, 110.0, 200.0, 190.0)
 
@@ -193,15 +189,16 @@ def test_cache_ensure_reuse_and_failures(tmp_path: Path, picture_files: list[Pat
     assert (first.extracted, first.reused) == (2, 0)
     assert [n for n, _ in first.failed] == ["notes.jpg"]
     assert cache.dir.name == config_key(cfg)
-    assert cache.has("pic0.png") and cache.has(picture_files[1]) and not cache.has("notes.jpg")
-    assert (cache.dir / "pic0.png.npz").is_file()
+    assert cache.has(picture_files[0]) and cache.has(picture_files[1]) and not cache.has(picture_files[2])
+    assert cache.path(picture_files[0]) == cache.dir / f"{content_key(picture_files[0].read_bytes())}.npz"
+    assert cache.path(picture_files[0]).is_file()
     assert "notes.jpg" in cache.failed()
 
     second = cache.ensure(picture_files, progress=False)
     assert (second.extracted, second.reused, len(second.failed)) == (0, 2, 1)
 
-    frs = cache.load(["pic0.png", "pic1.png"])
-    feats, boxes = cache.load_arrays([picture_files[0], "pic1.png"])
+    frs = cache.load(picture_files[:2])
+    feats, boxes = cache.load_arrays(picture_files[:2])
     assert feats.shape == (2, 20, FEATURE_DIM) and feats.dtype == np.float32
     assert boxes.shape == (2, 20, 4)
     np.testing.assert_array_equal(feats[0], frs[0].features)
@@ -209,7 +206,29 @@ def test_cache_ensure_reuse_and_failures(tmp_path: Path, picture_files: list[Pat
     direct = RegionExtractor(cfg).extract(load_image(picture_files[0]))
     np.testing.assert_allclose(frs[0].features, direct.features, rtol=2e-3, atol=2e-3)
     with pytest.raises(KeyError):
-        cache.load(["notes.jpg"])
+        cache.load([picture_files[2]])
+
+
+def test_cache_is_keyed_by_content_not_name(tmp_path: Path) -> None:
+    """Two different photos with the same name and size get their own features; a renamed copy of a
+    cached photo is not extracted again."""
+    cfg = ImageConfig(full_frame_only=True)
+    cache = FeatureCache(tmp_path / "cache", cfg)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = tmp_path / "a" / "same.bmp", tmp_path / "b" / "same.bmp"  # BMP: size set by the dimensions
+    shapes_picture().save(first)
+    Image.new("RGB", (224, 224), (10, 200, 30)).save(second)
+    assert first.stat().st_size == second.stat().st_size
+    report = cache.ensure([first, second], progress=False)
+    assert (report.extracted, report.reused) == (2, 0)
+    feats, _ = cache.load_arrays([first, second])
+    assert not np.allclose(feats[0], feats[1])
+    renamed = tmp_path / "renamed.bmp"
+    renamed.write_bytes(first.read_bytes())
+    again = cache.ensure([renamed], progress=False)
+    assert (again.extracted, again.reused) == (0, 1)
+    np.testing.assert_array_equal(cache.load_arrays([renamed])[0], feats[:1])
 
 
 def test_cache_interrupted_write_is_not_cached(tmp_path: Path, picture_files: list[Path]) -> None:
@@ -217,14 +236,14 @@ def test_cache_interrupted_write_is_not_cached(tmp_path: Path, picture_files: li
     cache = FeatureCache(tmp_path / "cache", cfg)
     cache.dir.mkdir(parents=True)
     dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
-    leftover = cache.dir / f".{dead_pid}.pic0.png.npz.abc123.tmp"
+    leftover = cache.dir / f".{dead_pid}.{cache.path(picture_files[0]).name}.abc123.tmp"
     leftover.write_bytes(b"PK\x03\x04 half-written")
-    assert not cache.has("pic0.png")
+    assert not cache.has(picture_files[0])
     report = cache.ensure(picture_files[:1], progress=False)
     assert (report.extracted, report.reused) == (1, 0)
-    assert cache.has("pic0.png") and not leftover.exists()
+    assert cache.has(picture_files[0]) and not leftover.exists()
     assert not [p for p in os.listdir(cache.dir) if p.endswith(".tmp")]
-    assert cache.load(["pic0.png"])[0].features.shape == (1, FEATURE_DIM)
+    assert cache.load(picture_files[:1])[0].features.shape == (1, FEATURE_DIM)
 
 
 @pytest.mark.slow

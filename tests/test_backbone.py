@@ -1,0 +1,96 @@
+"""The backbone's runtimes and precisions, and what the upload decoder imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from model.backbone import Backbone, calibration_images, onnx_graph, preprocess
+from model.config import ImageConfig
+from model.image import RegionExtractor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def picture() -> Image.Image:
+    img = Image.new("RGB", (224, 224), (240, 235, 220))
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((20, 30, 120, 130), fill=(200, 30, 30))
+    draw.rectangle((110, 100, 210, 200), fill=(30, 60, 200))
+    draw.line((0, 220, 224, 150), fill=(20, 120, 20), width=9)
+    return img
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+    return torch.nn.functional.cosine_similarity(a, b, dim=1).numpy()
+
+
+@pytest.fixture(scope="module")
+def torch_backbone() -> Backbone:
+    return Backbone("cpu", "fp32", "torch")
+
+
+def test_onnx_float_matches_torch(torch_backbone: Backbone) -> None:
+    x = torch.stack([preprocess(picture(), 224), preprocess(picture().rotate(90), 224)])
+    onnx = Backbone("cpu", "fp32", "onnx")
+    assert (onnx.runtime, torch_backbone.runtime) == ("onnx", "torch")
+    a, b = torch_backbone.feature_map(x), onnx.feature_map(x)
+    assert a.shape == b.shape == (2, 1280, 7, 7)
+    torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+    big = preprocess(picture(), 448)[None]  # the graph takes any side
+    assert onnx.feature_map(big).shape == (1, 1280, 14, 14)
+    np.testing.assert_array_equal(onnx.classify(a.mean(dim=(2, 3))).argmax(1).numpy(),
+                                  torch_backbone.classify(a.mean(dim=(2, 3))).argmax(1).numpy())
+
+
+def test_int8_features_stay_close_to_float(torch_backbone: Backbone) -> None:
+    crops = [picture().resize((224, 224), Image.Resampling.BILINEAR, box=box)
+             for box in ((0, 0, 224, 224), (10, 20, 130, 140), (100, 90, 220, 210), (0, 112, 224, 224))]
+    x = torch.stack([preprocess(c, 224) for c in crops])
+    int8 = Backbone("cpu", "int8")
+    assert int8.runtime == "onnx"
+    cos = _cos(torch_backbone.pooled(x), int8.pooled(x))
+    assert cos.min() > 0.9, cos
+    # and far from a wrong answer: the int8 features of one crop are closer to its own float
+    # features than to another crop's
+    f, q = torch_backbone.pooled(x), int8.pooled(x)
+    sims = torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(f, dim=1).T
+    assert (sims.argmax(dim=1) == torch.arange(len(crops))).all()
+
+
+def test_graphs_are_made_once_and_the_same_everywhere(tmp_path: Path) -> None:
+    np.testing.assert_array_equal(calibration_images(4), calibration_images(4))
+    assert calibration_images(4).min() >= -1.0 and calibration_images(4).max() <= 1.0
+    first = onnx_graph("fp32", tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert onnx_graph("fp32", tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_unknown_precision_or_runtime_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        Backbone("cpu", "fp8")
+    with pytest.raises(ValueError, match="runtime"):
+        Backbone("cpu", "fp32", "tensorrt")
+
+
+def test_int8_crop_extractor_gives_every_fragment() -> None:
+    cfg = ImageConfig(region_features="crop", backbone_precision="int8", backbone_size=224, proposal_resize=112,
+                      min_box_frac=0.25)
+    fr = RegionExtractor(cfg).extract(picture())
+    assert fr.features.shape == (20, 1280) and np.isfinite(fr.features).all()
+    assert (fr.boxes[:, 2] > fr.boxes[:, 0]).all() and (fr.boxes[:, 3] > fr.boxes[:, 1]).all()
+
+
+def test_upload_decoding_imports_neither_opencv_nor_torch() -> None:
+    code = ("import sys, model.imageio; "
+            "bad = [m for m in ('cv2', 'torch', 'torchvision') if m in sys.modules]; "
+            "sys.exit(f'imported {bad}' if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr + done.stdout
