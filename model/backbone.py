@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from model.atomic import atomic_path
 from model.config import BACKBONE_PRECISIONS, default_artifacts_dir
 
 logger = logging.getLogger(__name__)
@@ -190,14 +190,14 @@ def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None)
     with _export_lock:
         if not fp32.is_file():
             logger.info("exporting %s to ONNX (%s)", BACKBONE_NAME, fp32)
-            with _atomic_path(fp32) as tmp:
+            with atomic_path(fp32) as tmp:
                 _export(net if net is not None else _efficientnet(), tmp)
         if precision == "fp32":
             return fp32
         int8 = folder / f"{BACKBONE_NAME}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
         if not int8.is_file():
             logger.info("quantizing %s to int8 (%d calibration images)", BACKBONE_NAME, CALIBRATION_IMAGES)
-            with _atomic_path(int8) as tmp:
+            with atomic_path(int8) as tmp:
                 _quantize(fp32, tmp)
         return int8
 
@@ -268,21 +268,6 @@ def _ort_session(path: Path, device: torch.device) -> Any:
     if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
     return ort.InferenceSession(str(path), opts, providers=providers)
-
-
-@contextlib.contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """A temp path beside ``path``; renamed onto it when the block succeeds."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
 
 @contextlib.contextmanager

@@ -17,9 +17,8 @@ import logging
 import multiprocessing
 import os
 import queue
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from model.atomic import atomic_file, stale_temps
 from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, FEATURE_DIM, QUANT_VERSION, set_torch_threads
 from model.config import ImageConfig
 from model.image import ImageFragments, RegionExtractor
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
 FAILED_FILE = "failed.json"
 CONFIG_FILE = "config.json"
-TMP_SUFFIX = ".tmp"
 
 
 def config_payload(cfg: ImageConfig) -> dict[str, Any]:
@@ -83,28 +82,9 @@ class CacheReport:
         return self.extracted / self.seconds if self.seconds > 0 else 0.0
 
 
-# -- atomic file writes ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _atomic_target(path: Path) -> Iterator[Any]:
-    """Yield a binary file handle; on success it is fsynced and renamed onto ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{os.getpid()}.{path.name}.", suffix=TMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def write_entry(path: Path, frag: ImageFragments) -> None:
     """Store one image's fragments (features as float16) atomically."""
-    with _atomic_target(path) as fh:
+    with atomic_file(path) as fh:
         np.savez(
             fh,
             boxes=frag.boxes.astype(np.float32),
@@ -121,7 +101,7 @@ def read_entry(path: Path) -> ImageFragments:
 
 
 def _write_json(path: Path, obj: object) -> None:
-    with _atomic_target(path) as fh:
+    with atomic_file(path) as fh:
         fh.write(json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
@@ -438,20 +418,6 @@ class FeatureCache:
 
     def _remove_stale_temps(self) -> None:
         """Delete temp files left by writers that no longer run (an interrupted earlier run)."""
-        for tmp in self.dir.glob(f".*{TMP_SUFFIX}"):
-            field_ = tmp.name.split(".")[1]  # ".<pid>.<name>.<random>.tmp"
-            pid = int(field_) if field_.isdigit() else None
-            if pid is not None and (pid == os.getpid() or _alive(pid)):
-                continue  # still being written
+        for tmp in stale_temps(self.dir):
             with contextlib.suppress(OSError):
                 tmp.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
