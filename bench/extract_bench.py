@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 from bench import machine
-from model.backbone import Backbone, preprocess, set_torch_threads, to_tensor
+from model.backbone import RUNTIMES, Backbone, preprocess, set_torch_threads, to_tensor
 from model.cache import ExtractionPool
 from model.config import PROPOSAL_MODES, ImageConfig, default_data_dir
 from model.imageio import load_image
@@ -110,10 +110,11 @@ def time_stages(paths: Sequence[Path], resizes: Sequence[int], sides: Sequence[i
     return rows
 
 
-def time_extraction(paths: Sequence[Path], cfg: ImageConfig, workers: int, batch: int) -> tuple[float, float]:
+def time_extraction(paths: Sequence[Path], cfg: ImageConfig, workers: int, batch: int,
+                    runtime: str = "auto") -> tuple[float, float]:
     """(wall seconds, CPU seconds) to extract ``paths`` with warm workers (start-up excluded)."""
     set_torch_threads(1)
-    with ExtractionPool(cfg, "cpu", workers) as pool:
+    with ExtractionPool(cfg, "cpu", workers, runtime) as pool:
         start = time.perf_counter()
         pool.warm_up(paths[:2])
         logger.info("  %d worker(s) ready in %.1f s", workers, time.perf_counter() - start)
@@ -133,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes to compare")
     ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=sorted(VARIANTS),
                     help="training variants whose image settings are run end to end")
+    ap.add_argument("--runtimes", nargs="+", default=["auto"], choices=RUNTIMES,
+                    help="backbone runtimes of the end-to-end rows (auto: ONNX Runtime on the CPU; a float "
+                         "variant on torch is labelled <variant>[torch])")
     ap.add_argument("--backbone-sizes", type=int, nargs="+", default=[224, 448],
                     help="sides of the backbone stage rows")
     ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES)
@@ -161,14 +165,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu_ms: dict[str, float] = {}
     for variant in args.variants:
         cfg = make_run(variant, {}).image
-        for workers in args.workers:
-            load = os.getloadavg()[0]
-            seconds, cpu = time_extraction(paths, cfg, workers, args.batch)
-            rows.append((variant, len(paths), workers, seconds, cpu, load))
-            cpu_ms[variant] = min(cpu_ms.get(variant, float("inf")), 1000 * cpu / len(paths))
-            speed[(variant, workers)] = len(paths) / seconds
-            logger.info("%-34s %6.1f images/s with %d worker(s) (%.1f s; %.0f CPU ms/image; load average before "
-                        "%.1f)", variant, len(paths) / seconds, workers, seconds, 1000 * cpu / len(paths), load)
+        for runtime in args.runtimes:
+            if runtime == "torch" and cfg.backbone_precision == "int8":
+                continue  # the int8 graph runs on ONNX Runtime only
+            label = variant if runtime == "auto" else f"{variant}[{runtime}]"
+            for workers in args.workers:
+                load = os.getloadavg()[0]
+                seconds, cpu = time_extraction(paths, cfg, workers, args.batch, runtime)
+                rows.append((label, len(paths), workers, seconds, cpu, load))
+                cpu_ms[label] = min(cpu_ms.get(label, float("inf")), 1000 * cpu / len(paths))
+                speed[(label, workers)] = len(paths) / seconds
+                logger.info("%-34s %6.1f images/s with %d worker(s) (%.1f s; %.0f CPU ms/image; load average "
+                            "before %.1f)", label, len(paths) / seconds, workers, seconds, 1000 * cpu / len(paths),
+                            load)
 
     for workers in args.workers:
         base = speed.get((args.variants[-1], workers))

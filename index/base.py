@@ -648,7 +648,7 @@ class FragmentIndex(Generic[P]):
         Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
         """
         with self._rw.read():
-            if exhaustive:
+            if exhaustive or self._small():
                 best: list[tuple[int, float]] = []
                 for part, vecs, mask in self._scan():
                     best = merge_top_k(best, part, score(vecs, mask).numpy(), k)
@@ -659,6 +659,11 @@ class FragmentIndex(Generic[P]):
             payloads = self._payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
                 for row, (item, s) in enumerate(best)]
+
+    def _small(self) -> bool:
+        """At most `settings.exact_below` live fragments: the exact scan is the cheaper search."""
+        limit = self.settings.exact_below
+        return bool(limit) and int(np.count_nonzero(self._alive)) <= limit and int(self._n[self._alive].sum()) <= limit
 
     def _top_of(self, items: np.ndarray, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], k: int
                 ) -> list[tuple[int, float, P, torch.Tensor]]:

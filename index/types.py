@@ -28,6 +28,9 @@ class IndexSettings:
     `rerank` R > 0 keeps the R candidates with the best partial score (their retrieved fragments'
     positive FAISS scores, summed and normalised as S_kl is) for the exact re-rank: fetch many, score few.
     `store_dtype`: precision of the re-rank store (the vectors the exact score reads).
+    `exact_below`: a collection of at most this many live fragments is searched by the exact score over
+    every item, without the candidate stage (at that size the scan costs less than the candidate
+    search and agrees with the exact ranking by definition); 0 always uses the candidates.
     """
 
     kind: str = "flat"
@@ -44,6 +47,7 @@ class IndexSettings:
     store_dtype: str = "float32"
     train_size: int = 0  # vectors needed before ivf / ivfpq is trained; 0: 39 per list (and 39 * 2^nbits)
     use_gpu: bool = False  # search on a GPU copy where faiss-gpu and a GPU are present
+    exact_below: int = 50_000  # live fragments under which a search scans every item exactly
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -59,6 +63,8 @@ class IndexSettings:
             raise ValueError(f"rerank must be >= 0, got {self.rerank}")
         if self.train_size < 0:
             raise ValueError(f"train_size must be >= 0, got {self.train_size}")
+        if self.exact_below < 0:
+            raise ValueError(f"exact_below must be >= 0, got {self.exact_below}")
 
     @property
     def trainable(self) -> bool:
@@ -110,7 +116,7 @@ class IndexSettings:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def with_search(self, **changes: Any) -> IndexSettings:
-        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, use_gpu)."""
+        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, use_gpu, exact_below)."""
         bad = sorted(set(changes) & set(STRUCTURAL))
         if bad:
             raise ValueError(f"{', '.join(bad)} shape the stored index: rebuild it to change them")

@@ -10,18 +10,15 @@ Two things are kept apart:
 
 The ONNX graphs are made from the package's weights on first use (export, then for int8 static
 QDQ quantization, per channel, calibrated on a fixed, seeded set of smooth random images: no data
-set is needed and every machine makes the same graph) and kept in the backbone folder under a
-name that carries their content hash.
+set is needed and every machine makes the same graph) and kept in the graph folder (``model/onnx.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +27,8 @@ import torch
 from PIL import Image
 
 from model.atomic import atomic_path
-from model.config import BACKBONE_PRECISIONS, default_artifacts_dir
+from model.config import BACKBONE_PRECISIONS
+from model.onnx import OPSET, export, graph_dir, session
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +37,10 @@ BACKBONE_NAME = "efficientnet-lite0"
 RUNTIMES = ("auto", "torch", "onnx")
 CPU_PIXELS_PER_PASS = 2 * 224 * 224  # torch CPU micro-batch budget: larger batches thrash the cache
 GPU_IMAGES_PER_PASS = 64
-ONNX_OPSET = 17
 CALIBRATION_IMAGES = 64  # int8: smooth random images the activation ranges are measured on
 CALIBRATION_SEED = 0
 QUANT_VERSION = 1  # bump when the quantization recipe changes (it changes the int8 features)
-_export_lock = threading.Lock()
-
-
-def backbone_dir() -> Path:
-    """Where exported / quantized graphs are kept: $FRAGSEARCH_ARTIFACTS/cache/backbones."""
-    return default_artifacts_dir() / "cache" / "backbones"
+_quant_lock = threading.Lock()
 
 
 def set_torch_threads(n: int) -> None:
@@ -141,8 +133,8 @@ class Backbone:
         self._net: torch.nn.Module | None = None
         self._session: Any = None
         if use_onnx:
-            path = onnx_graph(precision, cache_dir or backbone_dir(), net)
-            self._session = _ort_session(path, self.device)
+            path = onnx_graph(precision, cache_dir or graph_dir(), net)
+            self._session = session(path, self.device)
         else:
             self._net = net.to(self.device)
 
@@ -185,37 +177,19 @@ class Backbone:
 def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None) -> Path:
     """The backbone's ONNX graph for ``precision`` in ``folder``, made on first use (atomically, so
     concurrent workers never read a half-written file)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fp32 = folder / f"{BACKBONE_NAME}-fp32-opset{ONNX_OPSET}.onnx"
-    with _export_lock:
-        if not fp32.is_file():
-            logger.info("exporting %s to ONNX (%s)", BACKBONE_NAME, fp32)
-            with atomic_path(fp32) as tmp:
-                _export(net if net is not None else _efficientnet(), tmp)
-        if precision == "fp32":
-            return fp32
-        int8 = folder / f"{BACKBONE_NAME}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
+    fp32 = export(_Features(net if net is not None else _efficientnet()), (torch.zeros(1, 3, 224, 224),),
+                  folder / f"{BACKBONE_NAME}-fp32-opset{OPSET}.onnx", ["x"], ["features"],
+                  {"x": {0: "batch", 2: "height", 3: "width"},
+                   "features": {0: "batch", 2: "map_height", 3: "map_width"}})
+    if precision == "fp32":
+        return fp32
+    int8 = folder / f"{BACKBONE_NAME}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
+    with _quant_lock:
         if not int8.is_file():
             logger.info("quantizing %s to int8 (%d calibration images)", BACKBONE_NAME, CALIBRATION_IMAGES)
             with atomic_path(int8) as tmp:
                 _quantize(fp32, tmp)
-        return int8
-
-
-def graph_digest(path: Path) -> str:
-    """Short content hash of a graph file."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-
-
-def _export(net: torch.nn.Module, out: Path) -> None:
-    x = torch.zeros(1, 3, 224, 224)
-    with torch.inference_mode(), warnings_quiet():
-        torch.onnx.export(
-            _Features(net), (x,), str(out), input_names=["x"], output_names=["features"], opset_version=ONNX_OPSET,
-            dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"},
-                          "features": {0: "batch", 2: "map_height", 3: "map_width"}},
-            dynamo=False,
-        )
+    return int8
 
 
 def calibration_images(n: int = CALIBRATION_IMAGES, seed: int = CALIBRATION_SEED, side: int = 224) -> np.ndarray:
@@ -255,25 +229,3 @@ def _quantize(fp32: Path, out: Path) -> None:
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         nodes_to_exclude=[convs[0], convs[-1]],
                         extra_options={"CalibTensorRangeSymmetric": False})
-
-
-def _ort_session(path: Path, device: torch.device) -> Any:
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = max(1, torch.get_num_threads())
-    opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
-    providers = ["CPUExecutionProvider"]
-    if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-        providers.insert(0, "CUDAExecutionProvider")
-    return ort.InferenceSession(str(path), opts, providers=providers)
-
-
-@contextlib.contextmanager
-def warnings_quiet() -> Iterator[None]:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield

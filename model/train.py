@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import resource
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     dev = (load_split_data(args.data, args.dev_split, run.image, args.cache, parser, args.workers,
                            args.dev_limit) if args.dev_split else None)
     summary = train(run, tr, dev, out, args.cache)
-    command = "python -m model.train " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m model.train " + shlex.join(sys.argv[1:] if argv is None else argv)
     summary["command"] = command
     (out / "history.json").write_text(json.dumps(summary, indent=2))
     logger.info("best dev: %s", json.dumps(summary["best"]))

@@ -45,6 +45,13 @@ QUERIES = ["a red dog runs on the grass", "a man plays with a ball", "the small 
            "a woman is in the street", "a big black dog jumps", "a blue circle beside a yellow square"]
 
 
+@pytest.fixture(autouse=True)
+def candidate_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests of this module exercise the candidate stage on collections small enough for the exact
+    scan (`IndexSettings.exact_below`): keep the candidates on. The scan has its own test."""
+    monkeypatch.setattr(FragmentIndex, "_small", lambda self: False)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The machine is shared: one thread each keeps torch and FAISS from oversubscribing it."""
@@ -164,6 +171,21 @@ def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bun
     order = torch.argsort(scores, descending=True)[:10]
     assert [h.image_id for h in index.search_exhaustive(QUERIES[0], 10)] == index.ids()[order.numpy()].tolist()
     index.close()
+
+
+def test_small_collections_are_scanned_exactly(tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.undo()  # the real policy
+    settings = IndexSettings(k_prime=1)  # one neighbour per query fragment: candidates miss images
+    small = ImageIndex.create(tmp_path / "small", bundle, settings)
+    random_images(small, 60, seed=5)
+    assert small.n_fragments <= settings.exact_below
+    for q in QUERIES:
+        assert ranking(small.search(q, 10)) == ranking(small.search_exhaustive(q, 10)), q
+    small.set_search(exact_below=0)  # the candidate stage alone finds fewer than 10 for some query
+    assert any(ranking(small.search(q, 10)) != ranking(small.search_exhaustive(q, 10)) for q in QUERIES)
+    small.set_search(exact_below=small.n_fragments - 1)  # one fragment more than the limit: candidates
+    assert any(ranking(small.search(q, 10)) != ranking(small.search_exhaustive(q, 10)) for q in QUERIES)
+    small.close()
 
 
 def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(image_index: ImageIndex,

@@ -103,3 +103,22 @@ def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypa
     enc = again.encode_parsed(parsed, sentences)
     assert [list(r) for r in enc.rel] == [list(r) for r in fresh.rel]
     np.testing.assert_allclose(enc.extra, fresh.extra, atol=1e-5)
+
+
+def test_onnx_encoders_give_the_torch_outputs() -> None:
+    """The ONNX Runtime path equals sentence-transformers' own encode and the torch transformer."""
+    import torch
+
+    sentences = ["A black dog is running after a white dog in the snow .", "two men", "  padded  text "]
+    model = words_mod.load_minilm()
+    reference = np.asarray(model.encode(sentences, convert_to_numpy=True, normalize_embeddings=True))
+    np.testing.assert_allclose(encode_sentences(sentences), reference, atol=1e-5)
+    tokens = [["a", "hot", "dog", "stand"], ["dog"]]
+    tokenizer, bert = model[0].tokenizer, model[0].auto_model
+    enc = tokenizer(tokens, is_split_into_words=True, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = bert(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state.numpy()
+    got = encode_words_in_context(tokens, normalize=False)
+    for b, toks in enumerate(tokens):
+        pieces = [i for i, w in enumerate(enc.word_ids(b)) if w == len(toks) - 1]
+        np.testing.assert_allclose(got[b][-1], hidden[b, pieces].mean(axis=0), atol=1e-4)
