@@ -675,10 +675,6 @@ class FragmentIndex(Generic[P]):
         payloads = self._payloads(items.tolist())
         return [(i, s, payloads[i], vecs[row, : int(mask[row].sum())]) for row, (_, i, s) in enumerate(top)]
 
-    def candidates(self, queries: np.ndarray) -> np.ndarray:
-        """Ids of the candidate items of query fragments (t, dim): the recall stage alone."""
-        with self._rw.read():
-            return self._candidates(queries)
 
     def _rank_many(self, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_queries: int, k: int
                    ) -> list[list[tuple[int, float]]]:

@@ -221,19 +221,6 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
 
     @torch.inference_mode()
-    def rerank(self, items: np.ndarray, sent: torch.Tensor, k: int = 10
-               ) -> list[tuple[int, float, StoredImage, torch.Tensor]]:
-        """The exact re-rank alone: the k best of candidate `items` for sentence fragments (T, h), as
-        (image id, S_kl, record, its fragments) best first."""
-        sent_mask = torch.ones(1, len(sent))
-
-        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
-
-        with self._rw.read():
-            return self._top_of(items, score, k)
-
-    @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:
         """Exact top k (image id, score) for many queries (each (T_q, h)) in one pass over the store."""
         t_max = max((len(s) for s in sents), default=1)

@@ -28,10 +28,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from model.atomic import atomic_file, stale_temps
-from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, FEATURE_DIM, QUANT_VERSION, set_torch_threads
+from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, FEATURE_DIM, QUANT_VERSION, onnx_graph, set_torch_threads
 from model.config import ImageConfig
 from model.image import ImageFragments, RegionExtractor
 from model.imageio import ImageReadError, load_image
+from model.onnx import graph_dir
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ class ExtractionPool:
     def _start(self, warm: Sequence[str] = ()) -> None:
         if self._procs:
             return
+        onnx_graph(self.cfg.backbone_precision, graph_dir())  # made once here, not by every worker at once
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [
