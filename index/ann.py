@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 PCA_RE = re.compile(r"^PCA(\d+)$")
 TRAIN_SAMPLE_PER_LIST = 64  # training vectors per inverted list (FAISS asks for 39..256)
 MAX_TRAIN_SAMPLE = 200_000
+POSITIVE_CHUNK = 1 << 18  # stored vectors scored per matrix product in search_positive (bounds memory)
 
 
 def _unwrap(index: faiss.Index) -> faiss.Index:
@@ -127,12 +128,43 @@ class AnnIndex:
         return scores, ids
 
     def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every fragment with a positive score for any query (range search, radius 0): scores (N,)
-        and fragment ids (N,), all queries together. Approximate kinds return those they visit."""
+        """Every fragment with a positive score for some query, with its positive scores: scores (N,)
+        and fragment ids (N,), to be summed per fragment (a fragment may come once per query).
+
+        A flat index on the CPU gives each fragment once, with the sum over the queries of its
+        positive scores, from matrix products over its stored vectors (the same numbers as a range
+        search, without collecting every (query, fragment) pair); other kinds range-search (radius 0),
+        approximate ones returning the fragments they visit."""
         if self.ntotal == 0:
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
-        _, scores, ids = self._search_index().range_search(np.ascontiguousarray(queries, dtype=np.float32), 0.0)
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        stored = self._flat_vectors()
+        if stored is not None:
+            vecs, ids = stored
+            sums = np.empty(len(vecs), np.float32)
+            for start in range(0, len(vecs), POSITIVE_CHUNK):
+                part = vecs[start : start + POSITIVE_CHUNK] @ q.T
+                np.maximum(part, 0.0, out=part)
+                sums[start : start + len(part)] = part.sum(axis=1)
+            hit = sums > 0
+            return sums[hit], ids[hit]
+        _, scores, ids = self._search_index().range_search(q, 0.0)
         return scores, ids
+
+    def _flat_vectors(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The stored vectors (N, dim) (a view, no copy) and their ids (N,) of an exact flat index on
+        the CPU; None for other kinds (read under the owner's read lock: a write may move them)."""
+        if self.settings.use_gpu and gpu_available():
+            return None
+        outer = faiss.downcast_index(self.index)
+        if not isinstance(outer, faiss.IndexIDMap | faiss.IndexIDMap2):
+            return None
+        inner = faiss.downcast_index(outer.index)
+        if not isinstance(inner, faiss.IndexFlat) or inner.metric_type != faiss.METRIC_INNER_PRODUCT:
+            return None
+        n = int(inner.ntotal)
+        vecs = faiss.rev_swig_ptr(inner.get_xb(), n * self.dim).reshape(n, self.dim)
+        return vecs, faiss.vector_to_array(outer.id_map)
 
     def _search_index(self) -> faiss.Index:
         if not self.settings.use_gpu:
