@@ -19,6 +19,7 @@ take the exclusive side only to mutate in-memory state.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -39,7 +40,7 @@ from index.fingerprint import model_fingerprint
 from index.locks import ReadWriteLock
 from index.shared import SharedFragments
 from index.store import VectorStore
-from index.types import IndexLoadError, IndexSettings
+from index.types import IndexFullError, IndexLoadError, IndexSettings
 from model.bundle import Bundle
 from model.image import RegionExtractor
 
@@ -476,10 +477,12 @@ class FragmentIndex(Generic[P]):
                 else:
                     ann_file, ann_sha = self._ann_file, self._ann_sha
                 self._commit(gen, files, rows, seg, off, ann_file, ann_sha)
-            except BaseException:
+            except BaseException as e:
                 for path in created:
                     with contextlib.suppress(OSError):
                         path.unlink()
+                if _disk_full(e):
+                    raise IndexFullError(self.root, e) from e
                 raise
             arrays = [self.store.segments[self.store.files.index(f)] if f in self.store.files
                       else VectorStore.open_segment(self.root / f, self.dim, self.store.dtype, r)
@@ -560,7 +563,8 @@ class FragmentIndex(Generic[P]):
             db.executemany("UPDATE info SET value = ? WHERE key = ?", ((json.dumps(v), k) for k, v in info.items()))
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite may have rolled back already (e.g. SQLITE_FULL)
+                db.execute("ROLLBACK")
             raise
 
     def _remove_unreferenced(self, keep: set[str]) -> None:
@@ -718,6 +722,13 @@ def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.nda
     merged = best + [(int(i), float(s)) for _, i, s in top_k(scores, items, k)]
     merged.sort(key=lambda t: (-t[1], t[0]))
     return merged[:k]
+
+
+def _disk_full(e: BaseException) -> bool:
+    """A write failed for want of space: ENOSPC / EDQUOT, or SQLite's SQLITE_FULL."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, sqlite3.OperationalError) and "full" in str(e).lower()
 
 
 def _connect(path: Path) -> sqlite3.Connection:
