@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -724,11 +725,17 @@ def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.nda
     return merged[:k]
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _disk_full(e: BaseException) -> bool:
-    """A write failed for want of space: ENOSPC / EDQUOT, or SQLite's SQLITE_FULL."""
+    """A write failed for want of space: ENOSPC / EDQUOT, SQLite's SQLITE_FULL, or FAISS's write error
+    (a RuntimeError that carries only the OS's reason as text)."""
     if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(e, sqlite3.OperationalError) and "full" in str(e).lower()
+        return e.errno in FULL
+    if isinstance(e, sqlite3.OperationalError):
+        return "full" in str(e).lower()
+    return isinstance(e, RuntimeError) and any(os.strerror(code) in str(e) for code in FULL)
 
 
 def _connect(path: Path) -> sqlite3.Connection:
