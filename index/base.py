@@ -19,9 +19,11 @@ take the exclusive side only to mutate in-memory state.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -39,7 +41,7 @@ from index.fingerprint import model_fingerprint
 from index.locks import ReadWriteLock
 from index.shared import SharedFragments
 from index.store import VectorStore
-from index.types import IndexLoadError, IndexSettings
+from index.types import IndexFullError, IndexLoadError, IndexSettings
 from model.bundle import Bundle
 from model.image import RegionExtractor
 
@@ -150,11 +152,15 @@ class FragmentIndex(Generic[P]):
             check = db.execute("PRAGMA quick_check").fetchone()
             if not check or check[0] != "ok":
                 raise IndexLoadError(f"{path} is corrupt (SQLite integrity check: {check})")
+            db.execute("BEGIN")  # one snapshot for every table read below: a writer may commit meanwhile
             info = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM info")}
         except (sqlite3.DatabaseError, json.JSONDecodeError) as e:
+            with contextlib.suppress(NameError, sqlite3.Error):
+                db.close()
             raise IndexLoadError(f"{path} is not a readable index database: {e}") from e
         try:
             index = cls._from_info(root, bundle, db, info, search or {})
+            db.execute("COMMIT")
         except BaseException:
             db.close()
             raise
@@ -476,10 +482,12 @@ class FragmentIndex(Generic[P]):
                 else:
                     ann_file, ann_sha = self._ann_file, self._ann_sha
                 self._commit(gen, files, rows, seg, off, ann_file, ann_sha)
-            except BaseException:
+            except BaseException as e:
                 for path in created:
                     with contextlib.suppress(OSError):
                         path.unlink()
+                if _disk_full(e):
+                    raise IndexFullError(self.root, e) from e
                 raise
             arrays = [self.store.segments[self.store.files.index(f)] if f in self.store.files
                       else VectorStore.open_segment(self.root / f, self.dim, self.store.dtype, r)
@@ -560,7 +568,8 @@ class FragmentIndex(Generic[P]):
             db.executemany("UPDATE info SET value = ? WHERE key = ?", ((json.dumps(v), k) for k, v in info.items()))
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite may have rolled back already (e.g. SQLITE_FULL)
+                db.execute("ROLLBACK")
             raise
 
     def _remove_unreferenced(self, keep: set[str]) -> None:
@@ -729,6 +738,19 @@ def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.nda
     merged = best + [(int(i), float(s)) for _, i, s in top_k(scores, items, k)]
     merged.sort(key=lambda t: (-t[1], t[0]))
     return merged[:k]
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full(e: BaseException) -> bool:
+    """A write failed for want of space: ENOSPC / EDQUOT, SQLite's SQLITE_FULL, or FAISS's write error
+    (a RuntimeError that carries only the OS's reason as text)."""
+    if isinstance(e, OSError):
+        return e.errno in FULL
+    if isinstance(e, sqlite3.OperationalError):
+        return "full" in str(e).lower()
+    return isinstance(e, RuntimeError) and any(os.strerror(code) in str(e) for code in FULL)
 
 
 def _connect(path: Path) -> sqlite3.Connection:

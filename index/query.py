@@ -78,7 +78,7 @@ def encode_phrase(bundle: Bundle, phrase: str) -> tuple[torch.Tensor, list[Tripl
     if m and bundle.cfg.kind == "fragment" and text.cfg.word_vectors == "static":
         rel, w1, w2 = m.group(1), m.group(2).lower(), m.group(3).lower()
         rid, a, b = text.relations.index(rel), text.words.lookup(w1), text.words.lookup(w2)
-        if rid is not None and a is not None and b is not None:
+        if rid is not None and a is not None and b is not None and text.content_words([w1, w2]):
             enc = EncodedSentences([[Triplet(rel, w1, w2)]], [np.array([rid])], [np.array([a])], [np.array([b])],
                                    np.zeros((0, text.words.dim), np.float32))
             return embed_encoded(bundle, enc)[0]

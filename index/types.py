@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,14 @@ STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretr
 
 class IndexLoadError(ValueError):
     """An index folder is missing, corrupt, or was built for another model or dimension."""
+
+
+class IndexFullError(OSError):
+    """A save ran out of disk space (ENOSPC); the last committed state is what the folder holds."""
+
+    def __init__(self, root: object, cause: BaseException) -> None:
+        super().__init__(errno.ENOSPC, f"no space left to save the index at {root} ({cause}); the last saved "
+                         "state is kept")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from spacy.lang.en.stop_words import STOP_WORDS
 
 from model.config import TextConfig
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, make_parser, sentence_triplets
@@ -30,7 +31,7 @@ SENTENCE_REL = "<sentence>"  # the whole-sentence fragment, mirror of the whole-
 
 
 class NoFragmentsError(ValueError):
-    """A sentence has no usable fragment (no known word)."""
+    """A query has nothing to match: no content word the model was trained on."""
 
 
 @dataclass
@@ -164,6 +165,13 @@ class TextPipeline:
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
         return self.parser.parse(list(sentences))
 
+    def content_words(self, words: Sequence[str]) -> list[str]:
+        """The words of a query that carry meaning the model learnt: in the training vocabulary (the
+        word table) and not function words. A query without one has nothing to match, whatever the
+        word vectors: contextual vectors exist for any token, and the whole-sentence fragment exists
+        for any text, so "!!!", emoji or made-up words would otherwise be scored like a sentence."""
+        return [w for w in words if w in self.words and w not in STOP_WORDS]
+
     def kept_triplets(self, parsed: ParsedSentence, unigram: bool = False) -> list[Triplet]:
         """Triplets whose relation is kept and whose words are known; fallback to unigrams."""
         known = (lambda w: True) if self.cfg.word_vectors == "contextual" else (
@@ -221,9 +229,10 @@ class TextPipeline:
                 a.append(base + n_extra)
                 b.append(base + n_extra)
                 n_extra += 1
-            if strict and not trip:
+            if strict and (not trip or not self.content_words(p.tokens)):
                 raise NoFragmentsError(
-                    f"no usable fragment in {sentences[li]!r}: none of its words is in the vocabulary")
+                    f"nothing to match in {sentences[li]!r}: none of its words is a content word of the "
+                    f"model's training vocabulary")
             enc.triplets.append(trip)
             enc.rel.append(np.array(rel, dtype=np.int64))
             enc.a.append(np.array(a, dtype=np.int64))
@@ -232,7 +241,7 @@ class TextPipeline:
         return enc
 
     def encode(self, sentences: Sequence[str], strict: bool = True) -> EncodedSentences:
-        """Parse and encode query sentences (raises ValueError on an empty one)."""
+        """Parse and encode query sentences (`strict`: NoFragmentsError for one with nothing to match)."""
         return self.encode_parsed(self.parse(sentences), sentences, strict=strict)
 
     def pool_of(self, enc: EncodedSentences, a: torch.Tensor, b: torch.Tensor

@@ -19,6 +19,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from service import errors
+from service.admission import Gate, Gates
 from service.engine import Engine
 from service.limits import MULTIPART_OVERHEAD, BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
@@ -84,6 +85,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.load_error = None
     if engine is not None:
         metrics.ready.set(1)
+    app.state.gates = Gates(
+        heavy=Gate("heavy", settings.heavy_slots, settings.heavy_queue, settings.heavy_deadline,
+                   settings.retry_after, metrics),
+        search=Gate("search", settings.search_slots, settings.search_queue, settings.search_deadline,
+                    settings.retry_after, metrics))
 
     def size(attr: str) -> float:
         eng = app.state.engine
@@ -100,7 +106,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.include_router(health.build_router())
     upload_limit = settings.max_upload_bytes + MULTIPART_OVERHEAD
     app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit},
-                       default=settings.max_json_bytes)
+                       default=settings.max_json_bytes, timeout=settings.body_timeout)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts refused bodies
 
     @app.get("/", include_in_schema=False)

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request, Security
 from fastapi.security import APIKeyHeader
 
+from service.admission import Gates
 from service.engine import Engine
 from service.errors import ApiError
 from service.settings import API_KEY_HEADER, Settings
@@ -33,6 +34,12 @@ def get_engine(request: Request) -> Engine:
     return engine
 
 
+def get_gates(request: Request) -> Gates:
+    gates = request.app.state.gates
+    assert isinstance(gates, Gates)
+    return gates
+
+
 def require_key(request: Request, key: Annotated[str | None, Security(api_key_header)] = None) -> None:
     """Writes need the configured key: 401 without a key, 403 with a wrong one (or none configured)."""
     settings = get_settings(request)
@@ -49,4 +56,5 @@ def require_key(request: Request, key: Annotated[str | None, Security(api_key_he
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
+GatesDep = Annotated[Gates, Depends(get_gates)]
 WriteKey = Depends(require_key)

@@ -6,6 +6,7 @@ Bad input becomes an ApiError with the status of the service's bad-input contrac
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import threading
@@ -46,6 +47,13 @@ def text_error(exc: ValueError, what: str) -> ApiError:
     if isinstance(exc, NoFragmentsError):
         return ApiError(422, "no_fragments", f"the {what} has no usable fragment: {exc}")
     return ApiError(422, "empty_sentence", f"the {what} is empty or unusable: {exc}")
+
+
+def storage_error(exc: OSError, what: str) -> ApiError | None:
+    """A full disk (or quota) while saving -> 507 with what survived; None for any other OSError."""
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return ApiError(507, "insufficient_storage", f"no space left to save the index: {what}")
 
 
 def safe_name(filename: str | None, fallback: str) -> str:
@@ -156,15 +164,20 @@ class Engine:
         path = uploads / f"{stem}.jpg"
         name = safe_name(filename, f"{stem}.jpg")
         with self._write_lock, self._heavy:  # write lock first, then a slot: one order, no deadlock
-            decoded.image.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)
             image_id: int | None = None
             try:
+                decoded.image.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)
                 image_id = self.images.add_image(decoded.image, name, path)
                 self.images.save()
-            except BaseException:
+            except BaseException as e:
                 if image_id is not None:
                     self.images.remove(image_id)
                 path.unlink(missing_ok=True)
+                full = storage_error(e, "the image was not added; the index is as it was") \
+                    if isinstance(e, OSError) else None
+                if full is not None:
+                    logger.error("could not save the index after an upload: %s", e)
+                    raise full from e
                 raise
             rec = self.images.get(image_id)
         assert rec is not None
@@ -177,7 +190,15 @@ class Engine:
             rec = self.images.get(image_id)
             if rec is None or not self.images.remove(image_id):
                 return False
-            self.images.save()
+            try:
+                self.images.save()
+            except OSError as e:
+                full = storage_error(e, f"image {image_id} is no longer served but its removal is not saved "
+                                     "(it is saved with the next write that succeeds)")
+                if full is None:
+                    raise
+                logger.error("could not save the index after removing image %d: %s", image_id, e)
+                raise full from e
             path = Path(rec.path)
             if self._owned(path):
                 path.unlink(missing_ok=True)

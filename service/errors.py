@@ -11,6 +11,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from service.schemas import ErrorResponse
 
@@ -22,10 +23,13 @@ STATUS_CODES = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    408: "body_timeout",
     413: "too_large",
     415: "unsupported_media_type",
     422: "invalid_request",
     503: "not_ready",
+    504: "deadline",
+    507: "insufficient_storage",
 }
 
 
@@ -51,7 +55,8 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
         401: "no API key", 403: "wrong API key, or writes disabled", 404: "unknown id",
         413: "body or image too large", 415: "not an image", 422: "invalid input (says why)",
-        503: "model or index not loaded yet",
+        503: "model or index not loaded yet, or the service is busy (see Retry-After)",
+        504: "the request did not finish within its deadline", 507: "no space left to save the index",
     }
     return {s: {"model": ErrorResponse, "description": descriptions.get(s, "error")} for s in statuses}
 
@@ -100,6 +105,12 @@ async def _http_handler(request: Request, exc: Exception) -> JSONResponse:
     return error_response(status, STATUS_CODES.get(status, "error"), message, headers=headers)
 
 
+async def _disconnect_handler(request: Request, exc: Exception) -> JSONResponse:
+    """The client closed the connection before its body arrived: nobody reads this answer."""
+    logger.info("client went away during the body of %s %s", request.method, request.url.path)
+    return error_response(400, "client_disconnected", "the client closed the connection before the body arrived")
+
+
 async def _unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error on %s %s", request.method, request.url.path)
     return error_response(500, "internal_error", "internal error")
@@ -110,4 +121,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_handler)
     app.add_exception_handler(ApiError, _api_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_handler)
+    app.add_exception_handler(ClientDisconnect, _disconnect_handler)
     app.add_exception_handler(Exception, _unexpected_handler)

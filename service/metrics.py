@@ -27,6 +27,12 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.index_size = Gauge("fragsearch_index_size", "items in an index", ["index"], registry=self.registry)
         self.ready = Gauge("fragsearch_ready", "1 once the model and indexes are loaded", registry=self.registry)
+        self.refused = Counter("fragsearch_refused", "requests refused by an admission gate (reason: overloaded = "
+                               "503 at once, deadline = 504)", ["gate", "reason"], registry=self.registry)
+        self.gate_running = Gauge("fragsearch_gate_running", "requests of a gate whose work is running",
+                                  ["gate"], registry=self.registry)
+        self.gate_waiting = Gauge("fragsearch_gate_waiting", "requests of a gate waiting for a slot", ["gate"],
+                                  registry=self.registry)
 
     def track_index(self, name: str, size: Callable[[], float]) -> None:
         self.index_size.labels(index=name).set_function(size)

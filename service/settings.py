@@ -50,6 +50,17 @@ class Settings(BaseSettings):
     warmup: bool = Field(default=True, description="run one search and one annotation before reporting ready")
     heavy_slots: int = Field(default=2, ge=1, description="image extractions (annotate, uploads) run at once; "
                              "more requests wait their turn")
+    heavy_queue: int = Field(default=4, ge=0, description="annotate / upload requests that may wait for a slot; "
+                             "more are refused at once with 503 and Retry-After")
+    heavy_deadline: float = Field(default=30.0, gt=0, description="seconds an annotate / upload request may take "
+                                  "(waiting included) before it is answered 504")
+    search_slots: int = Field(default=4, ge=1, description="searches (images, fragments) running at once")
+    search_queue: int = Field(default=16, ge=0, description="searches that may wait for a slot; more get 503")
+    search_deadline: float = Field(default=10.0, gt=0, description="seconds a search may take before it is "
+                                   "answered 504")
+    retry_after: float = Field(default=1.0, gt=0, description="seconds a refused client is told to wait (Retry-After)")
+    body_timeout: float = Field(default=15.0, gt=0, description="seconds allowed between two parts of a request "
+                                "body (a body shorter than its Content-Length gets 408)")
     log_level: str = "info"
 
     # writes

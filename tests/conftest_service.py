@@ -31,6 +31,7 @@ MAX_UPLOAD = 300_000
 MAX_PIXELS = 2_000_000
 K_MAX = 40
 MAX_CHARS = 200
+DEADLINE = 600.0
 
 
 @dataclass
@@ -79,6 +80,9 @@ def make_settings(shapes: ShapesModel, root: Path, **overrides: object) -> Setti
         "image_index": root / "images", "sentence_index": root / "sentences", "uploads": root / "uploads",
         "cache": shapes.cache, "api_key": API_KEY, "warmup": False, "k_max": K_MAX,
         "max_upload_bytes": MAX_UPLOAD, "max_pixels": MAX_PIXELS, "max_sentence_chars": MAX_CHARS,
+        # deadlines far beyond any request's work, so that no test depends on how busy the machine is
+        # (test_service_overload.py sets short ones where the deadline itself is tested)
+        "heavy_deadline": DEADLINE, "search_deadline": DEADLINE,
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

@@ -3,19 +3,43 @@
 from __future__ import annotations
 
 import mimetypes
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Path, Response, UploadFile
 from fastapi.responses import FileResponse
+from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 
-from service.deps import EngineDep, SettingsDep, require_key
+from service.deps import EngineDep, GatesDep, SettingsDep, require_key
 from service.errors import ApiError, responses
 from service.routes.convert import image_out
 from service.routes.uploads import read_upload
 from service.schemas import ImageOut
 
-ImageId = Annotated[int, Path(description="image id in the index")]
+MAX_ID = 2**63 - 1  # ids are int64 in FAISS and SQLite
+ID_TEXT = re.compile(r"0|[1-9][0-9]{0,18}")  # plain decimal, no sign, blank, point or leading zero
+
+
+def _id_text(value: object) -> object:
+    """Only plain decimal text is an id; anything else, of any length, fails validation before int()
+    sees it (the path's 404). The ':int' path converter called int() on any run of digits and failed
+    with a 500 past Python's 4,300-digit limit."""
+    if isinstance(value, str) and not ID_TEXT.fullmatch(value):
+        raise ValueError("an image id is a decimal number")
+    return value
+
+
+ImageId = Annotated[int, Path(ge=0, le=MAX_ID, description="image id in the index"), BeforeValidator(_id_text)]
+
+
+# OpenAPI links: the id an upload answers with is the id GET and DELETE take (stateful fuzzing follows them)
+ADDED_LINKS = {
+    "GetImage": {"operationId": "get_image", "parameters": {"image_id": "$response.body#/id"},
+                 "description": "the file of the image just added"},
+    "DeleteImage": {"operationId": "delete_image", "parameters": {"image_id": "$response.body#/id"},
+                    "description": "remove the image just added"},
+}
 
 
 def _not_found(image_id: int) -> ApiError:
@@ -25,7 +49,7 @@ def _not_found(image_id: int) -> ApiError:
 def build_router() -> APIRouter:
     router = APIRouter(tags=["images"])
 
-    @router.get("/images/{image_id:int}", response_class=FileResponse, responses={
+    @router.get("/images/{image_id}", operation_id="get_image", response_class=FileResponse, responses={
         200: {"content": {"image/*": {}}, "description": "the image file"},
         **responses(404, 503)})
     async def get_image(image_id: ImageId, engine: EngineDep) -> FileResponse:
@@ -36,17 +60,19 @@ def build_router() -> APIRouter:
         media = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FileResponse(path, media_type=media, headers={"Cache-Control": "public, max-age=3600"})
 
-    @router.post("/images", status_code=201, response_model=ImageOut, dependencies=[Depends(require_key)],
-                 responses=responses(401, 403, 413, 415, 422, 503))
+    @router.post("/images", operation_id="add_image", status_code=201, response_model=ImageOut,
+                 dependencies=[Depends(require_key)],
+                 responses={201: {"links": ADDED_LINKS}, **responses(401, 403, 408, 413, 415, 422, 503, 504, 507)})
     async def add_image(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],
-                        engine: EngineDep, s: SettingsDep) -> ImageOut:
+                        engine: EngineDep, s: SettingsDep, gates: GatesDep) -> ImageOut:
         """Index an uploaded image (needs the API key); it is stored in the service's uploads folder."""
         data = await read_upload(file, s.max_upload_bytes)
-        rec = await run_in_threadpool(engine.add_image, data, file.filename)
+        rec = await gates.heavy.run(engine.add_image, data, file.filename)
         return image_out(rec)
 
-    @router.delete("/images/{image_id:int}", status_code=204, dependencies=[Depends(require_key)],
-                   responses=responses(401, 403, 404, 503))
+    @router.delete("/images/{image_id}", operation_id="delete_image", status_code=204,
+                   dependencies=[Depends(require_key)],
+                   responses=responses(401, 403, 404, 503, 507))
     async def delete_image(image_id: ImageId, engine: EngineDep) -> Response:
         """Remove an image from the index (needs the API key)."""
         if not await run_in_threadpool(engine.remove_image, image_id):

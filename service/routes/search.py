@@ -6,9 +6,8 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, File, Form, UploadFile
-from starlette.concurrency import run_in_threadpool
 
-from service.deps import EngineDep, SettingsDep
+from service.deps import EngineDep, GatesDep, SettingsDep
 from service.errors import responses
 from service.routes.convert import check_k, check_text, image_result, region_result, sentence_result
 from service.routes.uploads import read_upload
@@ -28,18 +27,19 @@ def _ms(t0: float) -> float:
 def build_router() -> APIRouter:
     router = APIRouter(tags=["search"])
 
-    @router.post("/search/images", response_model=SearchImagesResponse, responses=responses(413, 422, 503))
-    async def search_images(body: SearchImagesRequest, engine: EngineDep, s: SettingsDep) -> SearchImagesResponse:
+    @router.post("/search/images", response_model=SearchImagesResponse, responses=responses(413, 422, 503, 504))
+    async def search_images(body: SearchImagesRequest, engine: EngineDep, s: SettingsDep,
+                            gates: GatesDep) -> SearchImagesResponse:
         """Images ranked by S_kl for a sentence, each with its fragment alignment."""
         t0 = time.perf_counter()
         k = check_k(body.k, s)
         sentence = check_text(body.sentence, s, "sentence")
-        hits = await run_in_threadpool(engine.search_images, sentence, k)
+        hits = await gates.search.run(engine.search_images, sentence, k)
         return SearchImagesResponse(sentence=sentence, results=[image_result(h) for h in hits], took_ms=_ms(t0))
 
-    @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503))
+    @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
     async def search_fragments(body: SearchFragmentsRequest, engine: EngineDep,
-                               s: SettingsDep) -> SearchFragmentsResponse:
+                               s: SettingsDep, gates: GatesDep) -> SearchFragmentsResponse:
         """Image regions that best match a phrase or one dependency triplet."""
         t0 = time.perf_counter()
         k = check_k(body.k, s)
@@ -47,23 +47,23 @@ def build_router() -> APIRouter:
             t = body.triplet
             query = f"{t.relation}({t.w1}, {t.w2})"
             check_text(f"{t.w1} {t.w2}", s, "triplet")
-            hits = await run_in_threadpool(engine.search_triplet, t.relation, t.w1, t.w2, k)
+            hits = await gates.search.run(engine.search_triplet, t.relation, t.w1, t.w2, k)
         else:
             assert body.phrase is not None
             query = check_text(body.phrase, s, "phrase")
-            hits = await run_in_threadpool(engine.search_fragments, query, k)
+            hits = await gates.search.run(engine.search_fragments, query, k)
         return SearchFragmentsResponse(query=query, results=[region_result(h) for h in hits], took_ms=_ms(t0))
 
-    @router.post("/annotate", response_model=AnnotateResponse, responses=responses(413, 415, 422, 503))
+    @router.post("/annotate", response_model=AnnotateResponse, responses=responses(408, 413, 415, 422, 503, 504))
     async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],
-                       engine: EngineDep, s: SettingsDep,
+                       engine: EngineDep, s: SettingsDep, gates: GatesDep,
                        k: Annotated[int, Form(ge=1, description="number of sentences")] = 5) -> AnnotateResponse:
         """Sentences of the collection ranked by S_kl for an uploaded image, with their alignments
         to the upload's regions (boxes in the upload's pixels)."""
         t0 = time.perf_counter()
         k = check_k(k, s)
         data = await read_upload(file, s.max_upload_bytes)
-        decoded, hits = await run_in_threadpool(engine.annotate, data, k)
+        decoded, hits = await gates.heavy.run(engine.annotate, data, k)
         return AnnotateResponse(width=decoded.width, height=decoded.height,
                                 results=[sentence_result(h) for h in hits], took_ms=_ms(t0))
 
