@@ -242,7 +242,7 @@ class FragmentIndex(Generic[P]):
         """The region extractor of the model's image settings (made on first use unless given)."""
         with self._extractor_lock:
             if self._extractor is None:
-                self._extractor = RegionExtractor(self.bundle.image_cfg)
+                self._extractor = RegionExtractor(self.bundle.image_cfg, str(self.bundle.device))
             return self._extractor
 
     # -- size and ids ---------------------------------------------------------------------------------

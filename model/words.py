@@ -141,11 +141,11 @@ class WordTable:
         return table
 
 
-def encode_sentences(sentences: Sequence[str], batch_size: int = 64) -> np.ndarray:
-    """MiniLM sentence embeddings, float32 of shape (N, 384), unit norm."""
+def encode_sentences(sentences: Sequence[str], batch_size: int = 64, device: str = "cpu") -> np.ndarray:
+    """MiniLM sentence embeddings (computed on `device`), float32 of shape (N, 384), unit norm."""
     if len(sentences) == 0:
         return np.zeros((0, WORD_DIM), dtype=np.float32)
-    model = load_minilm()
+    model = load_minilm(device)
     out = model.encode(
         list(sentences), batch_size=batch_size, convert_to_numpy=True, normalize_embeddings=True
     )
@@ -153,17 +153,17 @@ def encode_sentences(sentences: Sequence[str], batch_size: int = 64) -> np.ndarr
 
 
 def encode_words_in_context(
-    token_lists: Sequence[Sequence[str]], batch_size: int = 32, normalize: bool = True
+    token_lists: Sequence[Sequence[str]], batch_size: int = 32, normalize: bool = True, device: str = "cpu"
 ) -> list[np.ndarray]:
     """Contextual word vectors: for sentence k, an array (len(token_lists[k]), 384).
 
-    Each sentence goes through MiniLM's transformer once; a word's vector is the mean of its
+    Each sentence goes through MiniLM's transformer once (on `device`); a word's vector is the mean of its
     word-piece outputs (unit norm when ``normalize``, like the word table). A word that gets no
     word piece (cut by the 256-piece limit, or empty) gets a zero vector.
     """
     import torch
 
-    model = load_minilm()
+    model = load_minilm(device)
     transformer: Any = model[0]
     tokenizer = transformer.tokenizer
     bert = transformer.auto_model
