@@ -40,7 +40,7 @@ from model.device import DeviceError, device_name
 from model.train import main as train_main
 from service.settings import Settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
 
 INDEX_DB = "index.sqlite"  # present once an index folder has been saved
 
