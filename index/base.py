@@ -54,6 +54,7 @@ FAISS_PREFIX, FAISS_SUFFIX = "faiss", ".index"
 STORE_PREFIX, STORE_SUFFIX = "store", ".npy"
 MAX_SEGMENTS = 16  # more saved segments than this: the smaller half is merged at the next save
 DEAD_SHARE = 0.5  # share of store rows belonging to removed items that triggers a full rewrite
+LOAD_ATTEMPTS = 5  # loads of an index that a writer keeps committing to meanwhile
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
 ADD_ITEMS = 512  # items whose fragments go into FAISS in one call while rebuilding
 
@@ -142,6 +143,18 @@ class FragmentIndex(Generic[P]):
 
     @classmethod
     def _load(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None = None) -> Any:
+        """`_load_once`, again when a writer committed and removed files the first snapshot named."""
+        for attempt in range(LOAD_ATTEMPTS):
+            try:
+                return cls._load_once(root, bundle, search)
+            except IndexMovedError:
+                if attempt == LOAD_ATTEMPTS - 1:
+                    raise
+                logger.info("index at %s changed while it was being loaded: loading it again", root)
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _load_once(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None = None) -> Any:
         root = Path(root)
         path = root / DB_FILE
         if not path.is_file():
@@ -161,6 +174,11 @@ class FragmentIndex(Generic[P]):
         try:
             index = cls._from_info(root, bundle, db, info, search or {})
             db.execute("COMMIT")
+        except IndexLoadError as e:
+            db.close()
+            if _generation(path) != info.get("generation"):  # a newer commit replaced the files it named
+                raise IndexMovedError(str(e)) from e
+            raise
         except BaseException:
             db.close()
             raise
@@ -248,7 +266,7 @@ class FragmentIndex(Generic[P]):
         """The region extractor of the model's image settings (made on first use unless given)."""
         with self._extractor_lock:
             if self._extractor is None:
-                self._extractor = RegionExtractor(self.bundle.image_cfg)
+                self._extractor = RegionExtractor(self.bundle.image_cfg, str(self.bundle.device))
             return self._extractor
 
     # -- size and ids ---------------------------------------------------------------------------------
@@ -751,6 +769,23 @@ def _disk_full(e: BaseException) -> bool:
     if isinstance(e, sqlite3.OperationalError):
         return "full" in str(e).lower()
     return isinstance(e, RuntimeError) and any(os.strerror(code) in str(e) for code in FULL)
+
+
+class IndexMovedError(IndexLoadError):
+    """The index was committed anew while it was being loaded (the files a snapshot named are gone)."""
+
+
+def _generation(path: Path) -> Any:
+    """The committed generation in the database at `path` now (None when it cannot be read)."""
+    try:
+        db = _connect(path)
+        try:
+            row = db.execute("SELECT value FROM info WHERE key = 'generation'").fetchone()
+        finally:
+            db.close()
+        return None if row is None else json.loads(row[0])
+    except (sqlite3.Error, json.JSONDecodeError):
+        return None
 
 
 def _connect(path: Path) -> sqlite3.Connection:

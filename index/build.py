@@ -80,17 +80,19 @@ def _swap_in(built: Path, out: Path) -> None:
 
 def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings: IndexSettings,
                       cache: FeatureCache | None = None, workers: int = 1, rebuild: bool = False,
-                      save_every: int = SAVE_EVERY) -> ImageIndex:
-    """Index `paths` into the image index at `out` (created, extended, or rebuilt), saving as it goes."""
+                      save_every: int = SAVE_EVERY, collection_root: Path | None = None) -> ImageIndex:
+    """Index `paths` into the image index at `out` (created, extended, or rebuilt), saving as it goes.
+
+    Paths under `collection_root` are stored relative to it (ImageIndex.create)."""
     out = Path(out)
     target = _fresh_target(out, rebuild)
     if (target / "index.sqlite").exists():
-        index = ImageIndex.load(target, bundle, cache=cache)
+        index = ImageIndex.load(target, bundle, cache=cache, collection_root=collection_root)
         if index.settings.kind != settings.kind:
             logger.warning("%s is a %s index; keeping it (use --rebuild for %s)", out, index.settings.kind,
                            settings.kind)
     else:
-        index = ImageIndex.create(target, bundle, settings, cache=cache)
+        index = ImageIndex.create(target, bundle, settings, cache=cache, collection_root=collection_root)
     todo = [Path(p).resolve() for p in paths]
     present = index.find_paths(todo)
     todo = [p for p in todo if str(p) not in present]
@@ -108,7 +110,7 @@ def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings
     index.close()
     _swap_in(target, out)
     logger.info("image index %s: %d images added, %d unreadable files skipped", out, len(todo) - skipped, skipped)
-    return ImageIndex.load(out, bundle, cache=cache)
+    return ImageIndex.load(out, bundle, cache=cache, collection_root=collection_root)
 
 
 def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
@@ -155,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
     ap.add_argument("--image-list", type=Path, help="only the images named in this file (one name per line)")
     ap.add_argument("--out", type=Path, help="image index folder")
+    ap.add_argument("--collection-root", type=Path, default=None,
+                    help="store image paths relative to this folder (the service's FRAGSEARCH_DATA), so the "
+                         "index moves with the collection (host / container); default: absolute paths")
     ap.add_argument("--captions", type=Path, help="sentences to index: Flickr8K captions.txt or one per line")
     ap.add_argument("--split", type=Path, help="only the captions of the images named in this list")
     ap.add_argument("--sentences-out", type=Path,
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"no images found in {args.images}")
         cache = None if args.no_cache else feature_cache(args.cache, bundle.image_cfg)
         index = build_image_index(bundle, paths, args.out, settings, cache, args.workers, args.rebuild,
-                                  args.save_every)
+                                  args.save_every, collection_root=args.collection_root)
         logger.info("image index %s: %d images, %d fragments", args.out, len(index), index.n_fragments)
     if args.captions is not None:
         out = args.sentences_out

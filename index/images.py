@@ -54,29 +54,56 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     cache: FeatureCache | None
 
+    collection_root: Path | None
+
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
-               cache: FeatureCache | None = None, extractor: RegionExtractor | None = None) -> ImageIndex:
-        """A new, empty index folder (FileExistsError if one is there already)."""
+               cache: FeatureCache | None = None, extractor: RegionExtractor | None = None,
+               collection_root: Path | None = None) -> ImageIndex:
+        """A new, empty index folder (FileExistsError if one is there already).
+
+        Images under `collection_root` are stored by their path relative to it, so that the index
+        still finds them where the collection is mounted elsewhere (host / container); others by
+        their absolute path."""
         index: ImageIndex = cls._create(root, bundle, settings or IndexSettings())
-        return index._attach(cache, extractor)
+        return index._attach(cache, extractor, collection_root)
 
     @classmethod
     def load(cls, root: Path, bundle: Bundle, cache: FeatureCache | None = None,
-             extractor: RegionExtractor | None = None, **search: Any) -> ImageIndex:
+             extractor: RegionExtractor | None = None, collection_root: Path | None = None,
+             **search: Any) -> ImageIndex:
         """Open an index folder built for `bundle`; IndexLoadError when it is missing, corrupt, or was
-        built for another model or dimension. `search` overrides search-time settings (nprobe, k_prime...)."""
+        built for another model or dimension. Relative image paths are read against `collection_root`.
+        `search` overrides search-time settings (nprobe, k_prime, use_gpu...)."""
         index: ImageIndex = cls._load(root, bundle, search)
-        return index._attach(cache, extractor)
+        return index._attach(cache, extractor, collection_root)
 
-    def _attach(self, cache: FeatureCache | None, extractor: RegionExtractor | None) -> ImageIndex:
+    def _attach(self, cache: FeatureCache | None, extractor: RegionExtractor | None,
+                collection_root: Path | None) -> ImageIndex:
         if cache is not None:
             want = dataclasses.replace(self.bundle.image_cfg, full_frame_only=False)
             if dataclasses.replace(cache.cfg, full_frame_only=False) != want:
                 raise ValueError("the feature cache was made with other image settings than the model's")
         self.cache = cache
         self._extractor = extractor
+        self.collection_root = None if collection_root is None else Path(collection_root).resolve()
         return self
+
+    def stored_path(self, path: Path | str) -> str:
+        """How `path` is stored: relative to the collection root (POSIX form) when under it, else as given."""
+        root = self.collection_root
+        if root is not None:
+            p = Path(path)
+            full = p if p.is_absolute() else p.resolve()
+            if full.is_relative_to(root):
+                return full.relative_to(root).as_posix()
+        return str(path)
+
+    def real_path(self, stored: str) -> str:
+        """The file of a stored path: relative ones are read against the collection root."""
+        if self.collection_root is None or Path(stored).is_absolute():
+            return stored
+        return str(self.collection_root / stored)
 
     # -- adding -----------------------------------------------------------------------------------
     def add_image(self, image: Image.Image, name: str, path: Path | str) -> int:
@@ -97,7 +124,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 vecs = list(self.bundle.embed_images(np.stack([f.features for f in frags])).numpy())
             else:
                 vecs = [self.bundle.embed_images(f.features[None])[0].numpy() for f in frags]
-        payloads = [StoredImage(str(name), str(path), int(f.width), int(f.height),
+        payloads = [StoredImage(str(name), self.stored_path(path), int(f.width), int(f.height),
                                 np.asarray(f.boxes[: len(v)], dtype=np.float32))
                     for f, v, name, path in zip(frags, vecs, names, paths, strict=True)]
         return self._insert(vecs, payloads)
@@ -163,7 +190,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
             yield self.cache
             return
         with tempfile.TemporaryDirectory(prefix="fragsearch-features-") as tmp:
-            yield FeatureCache(Path(tmp), self.bundle.image_cfg)
+            yield FeatureCache(Path(tmp), self.bundle.image_cfg, str(self.bundle.device))
 
     def _checked(self, cache: FeatureCache, path: Path) -> ImageFragments | str:
         """The cached fragments of `path` (entries are keyed by the file's content); a reason string
@@ -175,7 +202,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     def find_paths(self, paths: Sequence[Path | str]) -> dict[str, int]:
         """Live images among `paths` (compared as given, resolve them first) -> their ids."""
-        wanted = {str(p) for p in paths}
+        given = {self.stored_path(p): str(p) for p in paths}
+        wanted = set(given)
         with self._rw.read():
             found = {p.path: i for i, p in self._pending.items() if p.path in wanted and self.contains(i)}
             items = list(wanted)
@@ -186,7 +214,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                     rows = self._reader.execute(
                         f"SELECT id, path FROM items WHERE deleted = 0 AND path IN ({marks})", part).fetchall()
                 found.update({str(path): int(i) for i, path in rows if self.contains(int(i))})
-        return found
+        return {given[stored]: i for stored, i in found.items()}
 
     # -- reading ----------------------------------------------------------------------------------
     def get(self, image_id: int) -> ImageRecord | None:
@@ -195,7 +223,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
             if not self.contains(image_id):
                 return None
             p = self._payloads([image_id])[image_id]
-        return ImageRecord(image_id, p.name, p.path, p.width, p.height, p.boxes.tolist())
+        return ImageRecord(image_id, p.name, self.real_path(p.path), p.width, p.height, p.boxes.tolist())
 
     def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images for a sentence: FAISS candidates, exact score, alignments."""
@@ -217,7 +245,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
-        return [ImageHit(item, p.name, p.path, p.width, p.height, s, matches(frags, sent, triplets, p.boxes))
+        return [ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
+                         matches(frags, sent, triplets, p.boxes))
                 for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
 
     @torch.inference_mode()

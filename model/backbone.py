@@ -28,6 +28,7 @@ from PIL import Image
 
 from model.atomic import atomic_path
 from model.config import BACKBONE_PRECISIONS
+from model.device import resolve_device
 from model.onnx import OPSET, export, graph_dir, session
 
 logger = logging.getLogger(__name__)
@@ -52,15 +53,6 @@ def set_torch_threads(n: int) -> None:
         import cv2
 
         cv2.setNumThreads(max(1, n))
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"cuda"`` when asked for and available, else the CPU (with a warning if cuda was asked for)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        logger.warning("CUDA requested but not available: using the CPU")
-        return torch.device("cpu")
-    return dev
 
 
 def to_tensor(rgb: np.ndarray) -> torch.Tensor:

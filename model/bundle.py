@@ -3,6 +3,11 @@
 A checkpoint holds the weights, the model/text/image settings, the kept relations, the word
 table and, where the model is calibrated, its reference fragments (model/calibrate.py), so it loads
 without any training code (`Bundle.load`).
+
+Loading never unpickles code: the file is read with ``torch.load(weights_only=True)`` (tensors,
+numbers, strings, lists and dicts only), on the CPU, and the model is then moved to the device
+(model/device.py). A Bundle embeds and scores on its model's device and hands back CPU tensors,
+so the index and the service handle only CPU arrays whatever the device.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 
 from model.calibrate import Calibration
 from model.config import ImageConfig, TextConfig
+from model.device import resolve_device
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.score import skl
@@ -36,6 +42,8 @@ class CheckpointError(ValueError):
 class Bundle:
     """Model + text pipeline + image settings: embeds and scores image and sentence fragments."""
 
+    _calibration: Calibration | None
+
     def __init__(self, model: FragmentModel | TwoBranch, text: TextPipeline, image_cfg: ImageConfig,
                  meta: dict[str, Any] | None = None, calibration: Calibration | None = None) -> None:
         self.model = model
@@ -43,6 +51,20 @@ class Bundle:
         self.image_cfg = image_cfg
         self.meta = dict(meta or {})
         self.calibration = calibration  # fragment models only: per-item score scales
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (embedding and scoring run there)."""
+        return next(self.model.parameters()).device
+
+    @property
+    def calibration(self) -> Calibration | None:
+        return self._calibration
+
+    @calibration.setter
+    def calibration(self, cal: Calibration | None) -> None:
+        """Kept on the model's device (its references are scored against every new item)."""
+        self._calibration = None if cal is None else cal.to(self.device)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -61,12 +83,13 @@ class Bundle:
         x = torch.as_tensor(feats, dtype=torch.float32)
         if self.image_cfg.full_frame_only or isinstance(self.model, TwoBranch):
             x = x[:, :1]
+        x = x.to(self.device)
         if isinstance(self.model, TwoBranch):
-            return self.model.embed_images(x[:, 0])[:, None, :]
+            return self.model.embed_images(x[:, 0])[:, None, :].cpu()
         img = self.model.embed_images(x)
         if calibrated and self.calibration is not None:
             img = img / self.calibration.image_scales(img)[:, None, None]
-        return img
+        return img.cpu()
 
     def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None, calibrated: bool = True
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,24 +97,29 @@ class Bundle:
         fragments divided by its scale tau_l in a calibrated model)."""
         rel, a, b, mask = pad(enc, idx)
         pool, a, b = self.text.pool_of(enc, a, b)
+        rel, a, b, mask, pool = (t.to(self.device) for t in (rel, a, b, mask, pool))
         if isinstance(self.model, TwoBranch):
             sid = self.text.relations.index(SENTENCE_REL)
             if sid is None:
                 raise ValueError("a two-branch model needs the whole-sentence fragment")
             last = torch.eq(rel, sid).float().argmax(dim=1)
-            rows = a[torch.arange(a.shape[0]), last]
-            return self.model.embed_text(pool[rows])[:, None, :], torch.ones(a.shape[0], 1)
+            rows = a[torch.arange(a.shape[0], device=a.device), last]
+            return self.model.embed_text(pool[rows])[:, None, :].cpu(), torch.ones(a.shape[0], 1)
         sent, m = self.model.embed_sentences(pool, rel, a, b, mask), mask.float()
         if calibrated and self.calibration is not None:
             sent = sent / self.calibration.sentence_scales(sent, m)[:, None, None]
-        return sent, m
+        return sent.cpu(), m.cpu()
 
     def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
                chunk: int | None = None) -> torch.Tensor:
-        """(K, L) image–sentence scores: S_kl for fragment models, the inner product for two-branch."""
+        """(K, L) image–sentence scores: S_kl for fragment models, the inner product for two-branch.
+
+        Computed on the model's device, returned on the CPU."""
+        dev = self.device
+        img, img_mask, sent, sent_mask = (t.to(dev) for t in (img, img_mask, sent, sent_mask))
         if isinstance(self.model, TwoBranch):
-            return img[:, 0] @ sent[:, 0].T
-        return skl(img, img_mask, sent, sent_mask, chunk=chunk)
+            return (img[:, 0] @ sent[:, 0].T).cpu()
+        return skl(img, img_mask, sent, sent_mask, chunk=chunk).cpu()
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -103,7 +131,7 @@ class Bundle:
             "model_cfg": self.model.cfg.to_dict(),
             "text_cfg": dataclasses.asdict(self.text.cfg),
             "image_cfg": dataclasses.asdict(self.image_cfg),
-            "state_dict": self.model.state_dict(),
+            "state_dict": {k: v.cpu() for k, v in self.model.state_dict().items()},
             "relations": self.text.relations.to_dict(),
             "words": list(self.text.words.words),
             "word_vectors": torch.from_numpy(np.asarray(self.text.words.vectors, dtype=np.float32)),
@@ -118,22 +146,32 @@ class Bundle:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, device: str = "cpu") -> Bundle:
+    def load(cls, path: Path, device: str | torch.device = "cpu") -> Bundle:
+        """Read a checkpoint on the CPU without unpickling code, then move the model to `device`
+        (auto / cpu / cuda: model/device.py). CheckpointError for a missing, damaged or foreign file."""
         path = Path(path)
+        dev = resolve_device(device)
         if not path.is_file():
             raise CheckpointError(f"model checkpoint not found: {path}")
         try:
-            state = torch.load(path, map_location=device, weights_only=False)
-        except Exception as exc:  # torch raises many types for a damaged file
-            raise CheckpointError(f"cannot read model checkpoint {path}: {exc}") from exc
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for a damaged file or a pickled object
+            raise CheckpointError(f"cannot read model checkpoint {path} (tensors, numbers, strings, lists "
+                                  f"and dicts only): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                                  ) from exc
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not a fragsearch checkpoint (format {FORMAT})")
-        model_cfg = ModelConfig(**state["model_cfg"])
-        model = build_model(model_cfg)
-        model.load_state_dict(state["state_dict"])
-        model.eval()
-        words = WordTable(list(state["words"]), state["word_vectors"].numpy())
-        text = TextPipeline(TextConfig(**state["text_cfg"]), RelationVocab.from_dict(state["relations"]), words)
-        cal = state.get("calibration")
-        return cls(model, text, ImageConfig(**state["image_cfg"]), state.get("meta", {}),
-                   None if cal is None else Calibration.from_state(cal))
+        try:
+            model_cfg = ModelConfig(**state["model_cfg"])
+            model = build_model(model_cfg)
+            model.load_state_dict(state["state_dict"])
+            words = WordTable(list(state["words"]), state["word_vectors"].numpy())
+            text = TextPipeline(TextConfig(**state["text_cfg"]), RelationVocab.from_dict(state["relations"]), words)
+            image_cfg = ImageConfig(**state["image_cfg"])
+            cal = state.get("calibration")
+            calibration = None if cal is None else Calibration.from_state(cal)
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            raise CheckpointError(f"{path}: a damaged or incompatible fragsearch checkpoint: {exc}") from exc
+        model.to(dev).eval()
+        text.device = str(dev)
+        return cls(model, text, image_cfg, state.get("meta", {}), calibration)

@@ -59,23 +59,32 @@ class Calibration:
     def image_scales(self, img: torch.Tensor) -> torch.Tensor:
         """img: (K, F, h) uncalibrated image fragments -> (K,) sigma_k."""
         with torch.no_grad():
-            out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2]), self.ref_sentences,
+            out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2], device=img.device),
+                       self.ref_sentences,
                        self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
                    for k in range(0, img.shape[0], BLOCK)]
         return (torch.cat(out) if out else img.new_zeros(0)).clamp_min(self.floor_image)
 
     def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """sent: (L, T, h) uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l."""
-        ones = torch.ones(self.ref_images.shape[:2])
+        ones = torch.ones(self.ref_images.shape[:2], device=self.ref_images.device)
         with torch.no_grad():
             out = [skl(self.ref_images, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)
                    for s in range(0, sent.shape[0], BLOCK)]
         return (torch.cat(out) if out else sent.new_zeros(0)).clamp_min(self.floor_sentence)
 
+    def to(self, device: torch.device | str) -> Calibration:
+        """The same references on `device` (self when they are there already)."""
+        dev = torch.device(device)
+        if self.ref_images.device == dev:
+            return self
+        return Calibration(self.ref_images.to(dev), self.ref_sentences.to(dev), self.ref_sentence_mask.to(dev),
+                           self.floor_image, self.floor_sentence)
+
     def to_state(self) -> dict[str, Any]:
-        """Stored at half precision (the scales are spreads: 3 significant digits are plenty)."""
-        return {"ref_images": self.ref_images.half(), "ref_sentences": self.ref_sentences.half(),
-                "ref_sentence_mask": self.ref_sentence_mask.bool(), "floor_image": self.floor_image,
+        """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty)."""
+        return {"ref_images": self.ref_images.half().cpu(), "ref_sentences": self.ref_sentences.half().cpu(),
+                "ref_sentence_mask": self.ref_sentence_mask.bool().cpu(), "floor_image": self.floor_image,
                 "floor_sentence": self.floor_sentence}
 
     @classmethod
@@ -97,9 +106,9 @@ def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -
         img = bundle.embed_images(data.feats[img_idx], calibrated=False)
         sent, mask = bundle.embed_sentences(enc, calibrated=False)
     bundle.model.train(was_training)
-    cal = Calibration(img, sent, mask)
-    cal.floor_image = FLOOR * float(cal.image_scales(img).median())
-    cal.floor_sentence = FLOOR * float(cal.sentence_scales(sent, mask).median())
+    cal = Calibration(img, sent, mask).to(bundle.device)
+    cal.floor_image = FLOOR * float(cal.image_scales(cal.ref_images).median())
+    cal.floor_sentence = FLOOR * float(cal.sentence_scales(cal.ref_sentences, cal.ref_sentence_mask).median())
     return cal
 
 
@@ -137,20 +146,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1, help="feature extraction processes")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bundle = Bundle.load(args.model)
+    bundle = Bundle.load(args.model, device=args.device)
+    device = str(bundle.device)
     if bundle.cfg.kind != "fragment":
         raise SystemExit(f"{args.model}: only fragment models are calibrated (this one is {bundle.cfg.kind!r})")
     parser = make_parser(bundle.text.cfg.parser)
-    dev = (load_split_data(args.data, args.dev_split, bundle.image_cfg, args.cache, parser, args.workers)
-           if args.dev_split else None)
+    dev = (load_split_data(args.data, args.dev_split, bundle.image_cfg, args.cache, parser, args.workers,
+                           device=device) if args.dev_split else None)
     if dev is not None:
         bundle.text.warm(dev.parsed, dev.sentences, args.cache / "vectors")
     bundle.calibration = None
     before = evaluate(bundle, dev) if dev is not None else None
     if args.refs > 0:
-        train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers)
+        train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers,
+                                device=device)
         bundle.calibration = fit_calibration(bundle, train, args.refs, args.seed)
         bundle.meta["calibration"] = {"refs": args.refs, "split": args.split, "seed": args.seed}
     else:

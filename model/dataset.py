@@ -41,15 +41,16 @@ def feature_cache(cache_root: Path, image_cfg: ImageConfig, device: str = "cpu")
 
 
 def load_split_data(root: Path, split: str | Path, image_cfg: ImageConfig, cache_root: Path,
-                    parser: Parser, workers: int = 1, limit: int | None = None) -> SplitData:
-    """Extract (or reuse) the features of a split's images and parse (or reuse) its captions.
+                    parser: Parser, workers: int = 1, limit: int | None = None, device: str = "cpu") -> SplitData:
+    """Extract (or reuse, the backbone on `device`) the features of a split's images and parse (or reuse)
+    its captions.
 
     Unreadable images are skipped and counted, with their captions.
     """
     sp = load_split(root, split)
     if limit is not None:
         sp = sp.subset(limit)
-    cache = feature_cache(cache_root, image_cfg)
+    cache = feature_cache(cache_root, image_cfg, device)
     report = cache.ensure([sp.image_path(n) for n in sp.images], workers=workers)
     if report.failed:
         bad = {Path(name).name for name, _ in report.failed}

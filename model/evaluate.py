@@ -107,11 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
     ap.add_argument("--out", type=Path, default=None, help="write the metrics as JSON here")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bundle = Bundle.load(args.model)
+    bundle = Bundle.load(args.model, device=args.device)
     data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
-                           make_parser(bundle.text.cfg.parser), workers=args.workers, limit=args.limit)
+                           make_parser(bundle.text.cfg.parser), workers=args.workers, limit=args.limit,
+                           device=str(bundle.device))
     metrics = evaluate(bundle, data)
     text = json.dumps(metrics, indent=2)
     logger.info("metrics on %s (%d images): %s", args.split, len(data.names), text)

@@ -86,6 +86,7 @@ class TextPipeline:
         self.relations = relations
         self.words = words
         self._parser = parser
+        self.device = "cpu"  # where MiniLM runs (the bundle's device once loaded)
         self._sentence_vecs: dict[str, np.ndarray] = {}  # MiniLM sentence vectors already computed
         self._context_vecs: dict[tuple[str, ...], np.ndarray] = {}  # contextual word vectors, per token list
 
@@ -148,10 +149,10 @@ class TextPipeline:
             logger.info("frozen vectors of %d sentences from %s", len(sentences), path)
         else:
             logger.info("computing frozen vectors of %d sentences", len(sentences))
-            ctx = encode_words_in_context([list(k) for k in keys]) if contextual else []
+            ctx = encode_words_in_context([list(k) for k in keys], device=self.device) if contextual else []
             tokens = np.concatenate(ctx) if ctx else np.zeros((0, self.words.dim), np.float32)
             offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
-            sent = encode_sentences(list(sentences)) if self.cfg.sentence_fragment else tokens[:0]
+            sent = encode_sentences(list(sentences), device=self.device) if self.cfg.sentence_fragment else tokens[:0]
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")  # one per process: runs may share a cache
             np.savez(tmp, tokens=tokens, offsets=offsets, sentences=sent)
@@ -198,9 +199,9 @@ class TextPipeline:
         ctx: list[np.ndarray] = []
         if contextual:
             ctx = self._cached(self._context_vecs, [tuple(p.tokens) or ("",) for p in parsed],
-                               lambda keys: encode_words_in_context([list(k) for k in keys]))
+                               lambda keys: encode_words_in_context([list(k) for k in keys], device=self.device))
         sent_vecs = (np.stack(self._cached(self._sentence_vecs, list(sentences), lambda keys: list(
-            encode_sentences(keys)))) if self.cfg.sentence_fragment and len(sentences) else None)
+            encode_sentences(keys, device=self.device)))) if self.cfg.sentence_fragment and len(sentences) else None)
         enc = EncodedSentences([], [], [], [])
         for li, p in enumerate(parsed):
             trip = self.kept_triplets(p, unigram)

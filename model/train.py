@@ -37,6 +37,7 @@ from model.config import (
     with_region_flags,
 )
 from model.dataset import SplitData, load_split_data
+from model.device import device_name
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
 from model.evaluate import evaluate
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_rows
@@ -77,7 +78,7 @@ class TrainConfig:
     tb_lambda_struct: float = 0.1
     eval_every: int = 2
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda: model/device.py
 
 
 # Named rows of docs/results: (model kind, text settings, image settings, train settings) overrides.
@@ -196,6 +197,7 @@ def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, da
     for start in bar:
         idx = order[start : start + cfg.batch_size]
         imgs, local, pos = _batch_images(data.pair_image, idx)
+        local, pos = local.to(cfg.device), pos.to(cfg.device)
         img = model.embed_images(feats[torch.from_numpy(imgs)].to(cfg.device))
         img_mask = torch.ones(img.shape[:2], device=img.device)
         rel, a, b, mask = batches.sentences(idx, rng)
@@ -231,9 +233,9 @@ def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data
             continue
         sents = np.concatenate([rng.choice(by_image[k], size=min(2, len(by_image[k])), replace=False)
                                 for k in imgs])
-        pair_local = torch.from_numpy(np.searchsorted(np.sort(imgs), data.pair_image[sents]))
+        pair_local = torch.from_numpy(np.searchsorted(np.sort(imgs), data.pair_image[sents])).to(cfg.device)
         sorted_imgs = np.sort(imgs)
-        pos = pair_local[None, :] == torch.arange(len(imgs))[:, None]
+        pos = pair_local[None, :] == torch.arange(len(imgs), device=cfg.device)[:, None]
         img = model.embed_images(feats[torch.from_numpy(sorted_imgs), 0].to(cfg.device))
         txt = model.embed_text(sent_vecs[torch.from_numpy(sents)].to(cfg.device))
         loss = two_branch_loss(img, txt, pos, pair_local, cfg.tb_margin, cfg.tb_top_k,
@@ -248,11 +250,14 @@ def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data
 
 def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path,
           cache_root: Path) -> dict[str, Any]:
-    """Train, evaluate on dev every `eval_every` epochs, keep the best checkpoint as out/model.pt."""
-    cfg = run.train
+    """Train, evaluate on dev every `eval_every` epochs, keep the best checkpoint as out/model.pt.
+
+    Everything runs on run.train.device (resolved here: auto -> cuda when available)."""
+    run.train = cfg = dataclasses.replace(run.train, device=device_name(run.train.device))
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     text = TextPipeline.fit(run.text, train_data.parsed, cache_root / "words")
+    text.device = cfg.device
     for data in (train_data, dev_data):
         if data is not None:
             text.warm(data.parsed, data.sentences, cache_root / "vectors")
@@ -275,8 +280,8 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
     else:
         batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device)
         step = lambda e: train_fragment_epoch(model, run, feats, train_data, batches, opt, e, rng)  # noqa: E731
-    logger.info("training %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
-                len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
+    logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
+                cfg.device, len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
                 time.perf_counter() - t0)
     history: list[dict[str, float]] = []
     best: dict[str, float] | None = None
@@ -346,10 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     run.image = with_region_flags(run.image, args)
     out = args.out or default_artifacts_dir() / "models" / args.variant
     parser = make_parser(run.text.parser)
+    device = device_name(run.train.device)
     tr = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,
-                         args.train_limit)
+                         args.train_limit, device)
     dev = (load_split_data(args.data, args.dev_split, run.image, args.cache, parser, args.workers,
-                           args.dev_limit) if args.dev_split else None)
+                           args.dev_limit, device) if args.dev_split else None)
     summary = train(run, tr, dev, out, args.cache)
     command = "python -m model.train " + shlex.join(sys.argv[1:] if argv is None else argv)
     summary["command"] = command

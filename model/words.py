@@ -223,7 +223,7 @@ def encode_words_in_context(
 ) -> list[np.ndarray]:
     """Contextual word vectors: for sentence k, an array (len(token_lists[k]), 384).
 
-    Each sentence goes through MiniLM's transformer once; a word's vector is the mean of its
+    Each sentence goes through MiniLM's transformer once (on `device`); a word's vector is the mean of its
     word-piece outputs (unit norm when ``normalize``, like the word table). A word that gets no
     word piece (cut by the 256-piece limit, or empty) gets a zero vector.
     """

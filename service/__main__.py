@@ -1,4 +1,8 @@
-"""The embedded default: prepare what is missing, then serve on 127.0.0.1:8000.
+"""The embedded default: serve on 127.0.0.1:8000 at once and prepare what is missing meanwhile.
+
+GET /healthz answers from the first second; GET /readyz answers 503 with what is still being prepared
+(stage, items done / total, estimated time left) until the model and both indexes are loaded, and
+searches are served as soon as the image index is.
 
     python -m service [--host H] [--port P] [--no-prepare]
 
@@ -17,9 +21,9 @@ from pathlib import Path
 
 import uvicorn
 
-from model.data import DataError
+from model.data import DataError, load_split
+from model.device import DeviceError, device_name
 from service.app import create_app
-from service.prepare import prepare
 from service.settings import Settings
 
 logger = logging.getLogger("service")
@@ -49,18 +53,24 @@ def main(argv: list[str] | None = None) -> int:
         overrides["prepare"] = False
     settings = Settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        device = device_name(settings.device)
+    except DeviceError as e:
+        logger.error("cannot start: %s", e)
+        return 2
     if settings.writes_open and settings.auth_disabled:
         logger.warning("auth is disabled: anyone who can reach the port can add and delete images")
     elif not settings.writes_open:
         logger.info("no API key configured (FRAGSEARCH_API_KEY): POST/DELETE /images are refused")
     if settings.prepare:
         try:
-            prepare(settings)
+            load_split(settings.data, settings.image_split)
         except DataError as e:
             logger.error("cannot prepare: %s (set FRAGSEARCH_DATA to the Flickr8K folder)", e)
             return 2
-    app = create_app(settings, started=started)
-    logger.info("serving on http://%s:%d (ready when /readyz answers 200)", settings.host, settings.port)
+    app = create_app(settings, started=started, prepare=settings.prepare)
+    logger.info("serving on http://%s:%d on %s (ready when /readyz answers 200%s)", settings.host, settings.port,
+                device, "; it reports what is still being prepared" if settings.prepare else "")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
     return 0
 

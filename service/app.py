@@ -7,11 +7,14 @@ then), and are shared read-only by all requests; CPU-heavy work runs in the thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI
@@ -23,10 +26,12 @@ from service.admission import Gate, Gates
 from service.engine import Engine
 from service.limits import MULTIPART_OVERHEAD, BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
+from service.prepare import Progress, prepare
 from service.routes import health, images, search
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STATIC = Path(__file__).resolve().parent / "static"
 DESCRIPTION = """Cross-modal image/sentence retrieval with Deep Fragment Embeddings.
@@ -47,33 +52,83 @@ def load_engine(settings: Settings) -> Engine:
     return engine
 
 
-async def _load_in_background(app: FastAPI, settings: Settings, started: float) -> None:
-    """Load the engine in a worker thread; `started` is the perf_counter the ready time is measured from."""
+def prepare_and_load(app: FastAPI, settings: Settings, progress: Progress) -> Engine:
+    """Prepare what is missing (service/prepare.py), publishing a search-only engine as soon as the image
+    index is ready, then attach the sentence index; blocking."""
+
+    def images_ready() -> None:
+        progress.enter("loading", "the model and the image index: searches are served from here on")
+        app.state.engine = Engine.load(settings, with_sentences=False)
+
+    prepare(settings, progress, on_images=images_ready)
+    progress.enter("loading", "the sentence index")
+    engine: Engine = app.state.engine
+    engine.attach_sentences()
+    if settings.warmup:
+        engine.warm_up()
+    return engine
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a new daemon thread, awaited."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, failed: bool) -> None:
+        if not fut.done():
+            (fut.set_exception if failed else fut.set_result)(value)
+
+    def body() -> None:
+        try:
+            out: Any = (fn(*args), False)
+        except BaseException as e:  # handed to the awaiting task
+            out = (e, True)
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the service stopped meanwhile
+            loop.call_soon_threadsafe(settle, *out)
+
+    threading.Thread(target=body, name=f"{fn.__name__}", daemon=True).start()
+    return await fut
+
+
+async def _load_in_background(app: FastAPI, settings: Settings, started: float, progress: Progress | None) -> None:
+    """Load the engine in a worker thread (preparing first when `progress` is given); `started` is the
+    perf_counter the ready time is measured from."""
     try:
-        engine = await asyncio.to_thread(load_engine, settings)
+        if progress is None:
+            engine = await asyncio.to_thread(load_engine, settings)
+        else:
+            if settings.torch_threads:
+                torch.set_num_threads(settings.torch_threads)
+            # a daemon thread: stopping the service does not wait for a preparation under way
+            engine = await _in_daemon_thread(prepare_and_load, app, settings, progress)
     except Exception as e:  # reported by /readyz and the log; the process stays up for /healthz
-        logger.exception("could not load the model and indexes")
+        logger.exception("could not prepare or load the model and indexes")
         app.state.load_error = f"{type(e).__name__}: {e}"
         return
     app.state.engine = engine
+    if progress is not None:
+        progress.finish()
+    app.state.ready = True
     app.state.metrics.ready.set(1)
     logger.info("ready in %.1fs after start-up", time.perf_counter() - started)
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
-               started: float | None = None) -> FastAPI:
+               started: float | None = None, prepare: bool = False) -> FastAPI:
     """The service. With `engine` given it is used as is (ready at once); otherwise it is loaded
-    from the settings' paths in the background after start-up. `started` (a time.perf_counter
+    from the settings' paths in the background after start-up, after preparing what is missing
+    when `prepare` is set (GET /readyz reports how far that got). `started` (a time.perf_counter
     value, default: when the app starts) is what the logged ready time is measured from."""
     settings = settings or Settings()
     metrics = Metrics()
+    progress = Progress() if prepare and engine is None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task: asyncio.Task[None] | None = None
         if app.state.engine is None:
             t0 = started if started is not None else time.perf_counter()
-            task = asyncio.create_task(_load_in_background(app, settings, t0))
+            task = asyncio.create_task(_load_in_background(app, settings, t0, progress))
         yield
         if task is not None and not task.done():
             task.cancel()
@@ -83,6 +138,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.metrics = metrics
     app.state.engine = engine
     app.state.load_error = None
+    app.state.progress = progress
+    app.state.ready = engine is not None
     if engine is not None:
         metrics.ready.set(1)
     app.state.gates = Gates(

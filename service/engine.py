@@ -19,6 +19,7 @@ from PIL import Image
 
 from index import ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
 from model.bundle import Bundle
+from model.device import is_gpu
 from model.fragments import NoFragmentsError
 from model.imageio import ImageReadError, load_image
 from service.errors import ApiError
@@ -84,20 +85,34 @@ class Engine:
         self._heavy = threading.BoundedSemaphore(settings.heavy_slots)  # bounds CPU and memory of extractions
 
     @classmethod
-    def load(cls, settings: Settings) -> Engine:
-        """Load the checkpoint and both indexes named by the settings (raises on a missing or bad one)."""
+    def load(cls, settings: Settings, with_sentences: bool = True) -> Engine:
+        """Load the checkpoint and both indexes named by the settings (raises on a missing or bad one).
+
+        Image paths are read against the data folder (index/images.py); FAISS searches on the GPU when
+        the model is on one. `with_sentences=False` leaves the sentence index for `attach_sentences`."""
         t0 = time.perf_counter()
         bundle = Bundle.load(settings.model_file, device=settings.device)
-        images = ImageIndex.load(settings.image_index_dir, bundle)
-        sentences = SentenceIndex.load(settings.sentence_index_dir, bundle) \
-            if (settings.sentence_index_dir / "index.sqlite").is_file() else None
-        if sentences is None:
+        images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.data,
+                                 use_gpu=is_gpu(bundle.device))
+        sentences = cls._sentence_index(settings, bundle) if with_sentences else None
+        if sentences is None and with_sentences:
             logger.warning("no sentence index at %s: /annotate is unavailable", settings.sentence_index_dir)
         engine = cls(settings, bundle, images, sentences)
         engine.load_seconds = time.perf_counter() - t0
         logger.info("loaded model and indexes in %.1fs: %d images, %d sentences", engine.load_seconds,
                     len(images), engine.sentence_count())
         return engine
+
+    @staticmethod
+    def _sentence_index(settings: Settings, bundle: Bundle) -> SentenceIndex | None:
+        if not (settings.sentence_index_dir / "index.sqlite").is_file():
+            return None
+        return SentenceIndex.load(settings.sentence_index_dir, bundle, use_gpu=is_gpu(bundle.device))
+
+    def attach_sentences(self) -> bool:
+        """Load the sentence index (built after the engine was loaded); False when there is none."""
+        self.sentences = self._sentence_index(self.settings, self.bundle)
+        return self.sentences is not None
 
     def sentence_count(self) -> int:
         return len(self.sentences) if self.sentences is not None else 0

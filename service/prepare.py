@@ -5,6 +5,13 @@ checkpoint is loaded as it is, and an image index left half-built by an interrup
 with the images it lacks. An index built with another checkpoint (the model was retrained or
 replaced) is set aside as `<name>.stale` and rebuilt; the stale copy is removed once the new one is
 complete.
+
+Progress (`Progress`): the stage being prepared and, from the live progress bar of the step under
+way (feature extraction, training epochs, indexing), the items done, the total and the estimated
+time left. The service reports it on GET /readyz while it prepares; `python -m service.prepare`
+(the one-shot preparation a container runs before the service) writes it to the log.
+
+    python -m service.prepare      (settings from FRAGSEARCH_* like the service)
 """
 
 from __future__ import annotations
@@ -12,8 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
 
 from index import IndexSettings
 from index.base import built_fingerprint
@@ -21,12 +34,13 @@ from index.build import build_image_index, build_sentence_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from model.bundle import Bundle
-from model.data import load_split
+from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
+from model.device import DeviceError, device_name
 from model.train import main as train_main
 from service.settings import Settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
 
 INDEX_DB = "index.sqlite"  # present once an index folder has been saved
 
@@ -44,6 +58,82 @@ def image_index_ready(root: Path) -> bool:
     return index_exists(root) and not _partial_marker(root).exists()
 
 
+STAGES = ("model", "image index", "sentence index", "loading")
+
+
+class Progress:
+    """What is being prepared: the stage, and the items done / total of the step under way.
+
+    The step's counts come from the newest live progress bar (tqdm) of this process: extraction,
+    training epochs and indexing all draw one, so every long step is covered by one mechanism."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.stage = "starting"
+        self.detail = ""
+        self.done_stages: list[str] = []
+        self.finished = False
+        self._lock = threading.Lock()
+
+    def enter(self, stage: str, detail: str = "") -> None:
+        with self._lock:
+            if self.stage in STAGES and self.stage not in self.done_stages:
+                self.done_stages.append(self.stage)
+            self.stage, self.detail = stage, detail
+        logger.info("preparing: %s%s", stage, f" ({detail})" if detail else "")
+
+    def finish(self) -> None:
+        with self._lock:
+            self.finished = True
+            self.stage, self.detail = "ready", ""
+
+    def _left(self) -> list[str]:
+        """The stages after the current one (all of them before the first)."""
+        if self.finished:
+            return []
+        after = STAGES.index(self.stage) + 1 if self.stage in STAGES else 0
+        return list(STAGES[after:])
+
+    @staticmethod
+    def _bar() -> Any | None:
+        """The newest live tqdm bar with a total, or None."""
+        try:
+            with tqdm.get_lock():
+                bars = [b for b in list(getattr(tqdm, "_instances", ())) if b.total and not b.disable]
+        except (RuntimeError, AttributeError):
+            return None
+        return max(bars, key=lambda b: b.start_t, default=None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """stage, detail, step (the bar's label), done, total, eta_seconds (None when unknown), elapsed."""
+        with self._lock:
+            out: dict[str, Any] = {"stage": self.stage, "detail": self.detail, "step": None, "done": None,
+                                   "total": None, "eta_seconds": None,
+                                   "elapsed_seconds": round(time.monotonic() - self.started, 1),
+                                   "stages_done": list(self.done_stages), "stages_left": self._left()}
+        bar = None if self.finished else self._bar()
+        if bar is not None:
+            done, total = int(bar.n), int(bar.total)
+            elapsed = float(bar.format_dict.get("elapsed", 0.0))
+            out.update(step=str(bar.desc).rstrip(": ") or None, done=done, total=total,
+                       eta_seconds=round(elapsed * (total - done) / done, 1) if done > 0 else None)
+        return out
+
+    def line(self) -> str:
+        s = self.snapshot()
+        parts = [f"preparing {s['stage']}"]
+        if s["step"] or s["total"]:
+            parts.append(f"{s['step'] or 'step'} {s['done']}/{s['total']}")
+        if s["eta_seconds"] is not None:
+            parts.append(f"about {s['eta_seconds'] / 60:.1f} min left in this step")
+        parts.append(f"{s['elapsed_seconds'] / 60:.1f} min so far")
+        return ", ".join(parts)
+
+
+def _limited(split: Split, settings: Settings) -> Split:
+    return split if settings.limit is None else split.subset(settings.limit)
+
+
 def ensure_model(settings: Settings) -> Path:
     """The checkpoint; trained with model.train (variant settings.variant) if absent."""
     path = settings.model_file
@@ -53,8 +143,11 @@ def ensure_model(settings: Settings) -> Path:
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
     t0 = time.perf_counter()
+    n = settings.limit
+    limits = [] if n is None else ["--train-limit", str(n), "--dev-limit", str(n)]
     train_main(["--data", str(settings.data), "--variant", settings.variant, "--out", str(path.parent),
-                "--cache", str(settings.cache_dir), "--workers", str(settings.workers), "--device", settings.device])
+                "--cache", str(settings.cache_dir), "--workers", str(settings.workers),
+                "--device", device_name(settings.device), *limits])
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
     logger.info("model: trained in %.0fs", time.perf_counter() - t0)
@@ -67,15 +160,16 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     if image_index_ready(target):
         logger.info("image index: reusing %s", target)
         return target
-    split = load_split(settings.data, settings.image_split)
+    split = _limited(load_split(settings.data, settings.image_split), settings)
     logger.info("image index: indexing %d %s images into %s", len(split.images), settings.image_split, target)
     t0 = time.perf_counter()
     marker = _partial_marker(target)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=settings.device)
+    cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=str(bundle.device))
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
-                              _index_settings(settings), cache=cache, workers=settings.workers)
+                              _index_settings(settings), cache=cache, workers=settings.workers,
+                              collection_root=settings.data)
     marker.unlink()
     logger.info("image index: %d images in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
@@ -88,7 +182,7 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     if index_exists(target):
         logger.info("sentence index: reusing %s", target)
         return target
-    split = load_split(settings.data, settings.sentence_split)
+    split = _limited(load_split(settings.data, settings.sentence_split), settings)
     sentences, _ = split.sentences()
     logger.info("sentence index: %d %s captions into %s", len(sentences), settings.sentence_split, target)
     t0 = time.perf_counter()
@@ -103,7 +197,7 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
 def _index_settings(settings: Settings, base: IndexSettings | None = None) -> IndexSettings:
     """The index settings of a new index: `base` (default IndexSettings()) with the kind and device set."""
     return dataclasses.replace(base or IndexSettings(), kind=settings.index_kind,
-                               use_gpu=settings.device.startswith("cuda"))
+                               use_gpu=device_name(settings.device).startswith("cuda"))
 
 
 def _set_aside_if_stale(root: Path, fingerprint: str) -> Path | None:
@@ -120,18 +214,67 @@ def _set_aside_if_stale(root: Path, fingerprint: str) -> Path | None:
     return stale
 
 
-def prepare(settings: Settings) -> float:
-    """Make sure the model and both indexes (built with that model) exist; returns the seconds spent."""
+def prepare(settings: Settings, progress: Progress | None = None,
+            on_images: Callable[[], None] | None = None) -> float:
+    """Make sure the model and both indexes (built with that model) exist; returns the seconds spent.
+
+    `progress` follows the stages; `on_images` is called once the image index is ready (before the
+    sentence index is built), so that a service can answer searches while the rest is prepared."""
+    progress = progress or Progress()
     t0 = time.perf_counter()
+    progress.enter("model", "training it: features first, then the epochs"
+                   if not settings.model_file.is_file() else "reusing the checkpoint")
     ensure_model(settings)
     bundle = Bundle.load(settings.model_file, device=settings.device)
     fingerprint = model_fingerprint(bundle)
     stale = [p for p in (_set_aside_if_stale(settings.image_index_dir, fingerprint),
                          _set_aside_if_stale(settings.sentence_index_dir, fingerprint)) if p is not None]
+    progress.enter("image index")
     ensure_image_index(settings, bundle)
+    if on_images is not None:
+        on_images()
+    progress.enter("sentence index")
     ensure_sentence_index(settings, bundle)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     seconds = time.perf_counter() - t0
     logger.info("preparation took %.1fs", seconds)
     return seconds
+
+
+def log_progress(progress: Progress, every: float, stop: threading.Event) -> None:
+    """Log progress.line() every `every` seconds until `stop` is set (a daemon thread's body)."""
+    while not stop.wait(every):
+        logger.info("%s", progress.line())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be."""
+    del argv
+    try:
+        settings = Settings()
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        device = device_name(settings.device)
+    except DeviceError as e:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logger.error("cannot start: %s", e)
+        return 2
+    logger.info("preparing on %s: data %s, artifacts %s%s", device, settings.data, settings.artifacts,
+                "" if settings.limit is None else f", the first {settings.limit} images of each split")
+    progress = Progress()
+    stop = threading.Event()
+    threading.Thread(target=log_progress, args=(progress, settings.progress_every, stop), daemon=True).start()
+    try:
+        prepare(settings, progress)
+    except DataError as e:
+        logger.error("cannot prepare: %s (set FRAGSEARCH_DATA to the Flickr8K folder)", e)
+        return 2
+    finally:
+        stop.set()
+    progress.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -140,3 +140,25 @@ class Ready(BaseModel):
     images: int = Field(description="images in the index")
     sentences: int = Field(description="sentences in the collection")
     load_seconds: float
+
+
+class PrepareProgress(BaseModel):
+    """How far the preparation got (service/prepare.py Progress)."""
+
+    stage: str = Field(description="model, image index, sentence index, loading")
+    detail: str = ""
+    step: str | None = Field(default=None, description="the step under way (its progress bar's label)")
+    done: int | None = Field(default=None, description="items of the step done")
+    total: int | None = Field(default=None, description="items of the step in all")
+    eta_seconds: float | None = Field(default=None, description="estimated seconds left in the step")
+    elapsed_seconds: float
+    stages_done: list[str] = []
+    stages_left: list[str] = []
+
+
+class NotReady(ErrorResponse):
+    """GET /readyz before the service is ready: the error body plus what is still being prepared."""
+
+    status: str = Field(description="preparing, loading or failed")
+    progress: PrepareProgress | None = None
+    serving: list[str] = Field(default=[], description="routes that answer already")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model.config import default_artifacts_dir, default_data_dir
+from model.device import check_device_name
 
 API_KEY_HEADER = "X-API-Key"
 
@@ -41,11 +42,16 @@ class Settings(BaseSettings):
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
     index_kind: str = Field(default="flat", description="FAISS index kind of newly built indexes")
     workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
+    limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
+                              "(train, dev, the indexed images and the caption collection): a small trial")
+    progress_every: float = Field(default=30.0, gt=0, description="seconds between progress lines of "
+                                  "python -m service.prepare")
 
     # serving
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    device: str = Field(default="cpu", description="'cpu' or 'cuda' (model and FAISS)")
+    device: str = Field(default="auto", description="auto (cuda when available), cpu or cuda: model, "
+                        "MiniLM, image backbone, training and FAISS (model/device.py)")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: torch's choice")
     warmup: bool = Field(default=True, description="run one search and one annotation before reporting ready")
     heavy_slots: int = Field(default=2, ge=1, description="image extractions (annotate, uploads) run at once; "
@@ -75,6 +81,16 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="largest image upload")
     max_pixels: int = Field(default=40_000_000, ge=1, description="largest image (width x height) decoded")
     max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
+
+    @field_validator("limit", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value  # FRAGSEARCH_LIMIT= (compose)
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        return check_device_name(value)  # whether this machine has it is checked at start-up
 
     @model_validator(mode="after")
     def _derive_paths(self) -> Settings:

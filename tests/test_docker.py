@@ -1,13 +1,20 @@
-"""The Docker files validate without a Docker engine: compose config (GPU and CPU) and hadolint."""
+"""The Docker files validate without a Docker engine (compose config for GPU and CPU, hadolint), say
+what the first start needs, and install what the lock pins. The real container run is
+bench/container_smoke.sh (recorded in docs/results/container-smoke.json)."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,23 +33,95 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
-def test_compose_gpu_config_is_valid() -> None:
-    r = _run(_tool("docker-compose"), "-f", "docker-compose.yml", "config", "-q")
+def _config(*files: str) -> dict[str, Any]:
+    """`docker compose config` of the files, validated (-q) and parsed (its JSON form)."""
+    args = [a for f in files for a in ("-f", f)]
+    r = _run(_tool("docker-compose"), *args, "config", "-q")
     assert r.returncode == 0, r.stderr
+    merged = _run(_tool("docker-compose"), *args, "config", "--format", "json")
+    assert merged.returncode == 0, merged.stderr
+    config: dict[str, Any] = json.loads(merged.stdout)
+    return config
+
+
+def _gpus(service: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(((service.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices", []))
+
+
+def test_compose_gpu_config_is_valid() -> None:
+    services = _config("docker-compose.yml")["services"]
+    for name in ("fragsearch", "prepare"):
+        assert [d["driver"] for d in _gpus(services[name])] == ["nvidia"]
+        assert services[name]["environment"]["FRAGSEARCH_DEVICE"] == "cuda"
+        assert services[name]["build"]["args"]["VARIANT"] == "gpu"
+
+
+def test_first_start_prepares_once_then_serves_when_ready() -> None:
+    config = _config("docker-compose.yml")
+    serve, prep = config["services"]["fragsearch"], config["services"]["prepare"]
+    assert prep["command"] == ["python", "-m", "service.prepare"] and prep["restart"] == "no"
+    assert serve["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
+    assert "--no-prepare" in serve["command"] and serve["restart"] == "unless-stopped"
+    check = serve["healthcheck"]["test"]
+    assert check[0] == "CMD-SHELL" and "/readyz" in check[1]
+    assert "artifacts" in config["volumes"]
+    for service in (serve, prep):  # the artifacts in a named volume, the data a read-only bind mount
+        mounts = {v["target"]: v for v in service["volumes"]}
+        assert mounts["/artifacts"]["type"] == "volume" and mounts["/artifacts"]["source"] == "artifacts"
+        assert mounts["/data"]["type"] == "bind" and mounts["/data"]["read_only"] is True
 
 
 def test_compose_cpu_override_is_valid_and_drops_the_gpu() -> None:
-    compose = _tool("docker-compose")
-    r = _run(compose, "-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml", "config", "-q")
-    assert r.returncode == 0, r.stderr
-    merged = _run(compose, "-f", "docker-compose.yml", "-f", "docker-compose.cpu.yml", "config")
-    assert merged.returncode == 0, merged.stderr
-    assert "nvidia" not in merged.stdout
-    assert "FRAGSEARCH_DEVICE: cpu" in merged.stdout
-    gpu = _run(compose, "-f", "docker-compose.yml", "config")
-    assert "driver: nvidia" in gpu.stdout and "/healthz" in gpu.stdout
+    services = _config("docker-compose.yml", "docker-compose.cpu.yml")["services"]
+    for name in ("fragsearch", "prepare"):
+        assert _gpus(services[name]) == []
+        assert services[name]["environment"]["FRAGSEARCH_DEVICE"] == "cpu"
+        assert services[name]["build"]["args"]["VARIANT"] == "cpu"
+        assert services[name]["image"] == "fragsearch:cpu"
 
 
 def test_dockerfile_passes_hadolint() -> None:
-    r = _run(_tool("hadolint"), "--failure-threshold", "error", "Dockerfile")
+    r = _run(_tool("hadolint"), "--failure-threshold", "warning", "Dockerfile")
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfile_installs_the_lock_with_an_init_and_only_the_stanza_processors_used() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "COPY requirements.lock" in text and "-r /tmp/requirements-image.txt" in text
+    assert "requirements.txt" not in text.split("\n# Every Python package")[1]
+    assert 'ENTRYPOINT ["tini", "--"]' in text
+    used = re.search(r'processors="([^"]+)"', (ROOT / "model" / "text.py").read_text())
+    fetched = re.search(r"processors='([^']+)'", text)
+    assert used and fetched and used.group(1) == fetched.group(1)
+
+
+def _pins(name: str) -> dict[str, str]:
+    out = {}
+    for line in (ROOT / name).read_text().splitlines():
+        if line and not line.startswith(("#", "-r ")):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            out[canonicalize_name(req.name)] = spec.version
+    return out
+
+
+def test_the_lock_pins_everything_requirements_txt_asks_for() -> None:
+    runtime, dev = _pins("requirements.lock"), _pins("requirements-dev.lock")
+    assert not set(runtime) & set(dev)
+    assert "-r requirements.lock" in (ROOT / "requirements-dev.lock").read_text()
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            version = {**runtime, **dev}.get(canonicalize_name(req.name))
+            assert version is not None and req.specifier.contains(version), f"{line} is not pinned by the lock"
+    for name in ("faiss-cpu", "torch", "onnxruntime", "onnx", "uvicorn"):
+        assert name in runtime
+    for name in ("pytest", "ruff", "mypy"):
+        assert name in dev and name not in runtime
+
+
+def test_run_installs_from_the_lock() -> None:
+    text = (ROOT / "run").read_text()
+    assert "pip\" install -q -r requirements-dev.lock" in text
+    assert "cat requirements.lock requirements-dev.lock | sha256sum" in text

@@ -194,3 +194,41 @@ $("annotate-form").addEventListener("submit", (e) => {
     runSearch();
   }
 })();
+
+// While the service prepares (GET /readyz answers 503 with its progress) say how far it got, and poll.
+function describeProgress(body) {
+  const p = body && body.progress;
+  if (!p) return body && body.error ? body.error.message : "The service is loading.";
+  let text = `Preparing: ${p.stage}${p.detail ? ` (${p.detail})` : ""}`;
+  if (p.total) text += ` — ${p.step || "step"} ${p.done} / ${p.total}`;
+  if (p.eta_seconds !== null && p.eta_seconds !== undefined) {
+    text += `, about ${Math.max(1, Math.round(p.eta_seconds / 60))} min left in this step`;
+  }
+  if (p.stages_left && p.stages_left.length) text += `; then ${p.stages_left.join(", ")}`;
+  if (body.serving && body.serving.length) text += ". Searches already work.";
+  return text + ".";
+}
+
+(async function watchReadiness() {
+  const banner = $("preparing");
+  for (;;) {
+    let response = null;
+    let body = null;
+    try {
+      response = await fetch("/readyz");
+      body = await response.json().catch(() => null);
+    } catch (err) {
+      response = null;
+    }
+    if (response && response.ok) {
+      banner.hidden = true;
+      document.body.dataset.service = "ready";
+      return;
+    }
+    banner.hidden = false;
+    document.body.dataset.service = body && body.status ? body.status : "unreachable";
+    banner.textContent = response ? describeProgress(body) : "The service does not answer.";
+    if (body && body.status === "failed") return;
+    await new Promise((resolve) => setTimeout(resolve, 5000));
+  }
+})();

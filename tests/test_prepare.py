@@ -1,0 +1,113 @@
+"""Preparation while serving: progress on /readyz, searches before annotation, and indexes that move
+with their collection (image paths relative to the data folder)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from fastapi.testclient import TestClient
+from tqdm import tqdm
+
+from index import ImageIndex, IndexSettings
+from index.build import build_image_index
+from model.data import load_split
+from model.dataset import feature_cache
+from service.app import create_app
+from service.prepare import STAGES, Progress
+from tests.conftest_service import ServiceEnv
+
+pytest_plugins = ["tests.conftest_service"]
+
+
+def test_progress_reads_the_step_under_way_from_its_progress_bar() -> None:
+    progress = Progress()
+    progress.enter("image index")
+    with tqdm(total=10, desc="indexing images", disable=False) as bar:
+        time.sleep(0.2)
+        bar.update(4)
+        snap = progress.snapshot()
+    assert snap["stage"] == "image index" and snap["step"] == "indexing images"
+    assert (snap["done"], snap["total"]) == (4, 10)
+    assert snap["eta_seconds"] is not None and snap["eta_seconds"] > 0
+    assert snap["stages_left"] == ["sentence index", "loading"]
+    after = progress.snapshot()  # the bar is closed: no step counts
+    assert after["done"] is None and after["total"] is None
+    assert "image index" in progress.line()
+    progress.finish()
+    assert progress.snapshot()["stage"] == "ready" and progress.snapshot()["stages_left"] == []
+
+
+def test_an_index_moves_with_its_collection(service_env: ServiceEnv, tmp_path: Path) -> None:
+    shapes = service_env.shapes
+    bundle = shapes.bundle
+    dev = load_split(shapes.data, "dev")
+    paths = [dev.image_path(n) for n in dev.images[:6]]
+    cache = feature_cache(shapes.cache, bundle.image_cfg)
+    outside = tmp_path / "elsewhere" / "upload.jpg"
+    outside.parent.mkdir()
+    shutil.copy(paths[0], outside)
+    index = build_image_index(bundle, [*paths, outside], tmp_path / "index" / "images", IndexSettings(), cache=cache,
+                              collection_root=shapes.data)
+    first = index.find_paths([paths[1]])[str(paths[1])]
+    assert index.stored_path(paths[1]) == f"images/{paths[1].name}"
+    assert index.stored_path(outside) == str(outside)  # outside the collection: absolute
+    index.close()
+    # the collection and the index mounted elsewhere (as in a container): every file is found there
+    moved = tmp_path / "mounted"
+    (moved / "images").mkdir(parents=True)
+    for p in paths:
+        shutil.copy(p, moved / "images" / p.name)
+    shutil.copytree(tmp_path / "index", tmp_path / "index-moved")
+    again = ImageIndex.load(tmp_path / "index-moved" / "images", bundle, collection_root=moved)
+    rec = again.get(first)
+    assert rec is not None and rec.path == str(moved.resolve() / "images" / paths[1].name)
+    assert all(Path(h.path).is_file() for h in again.search("a red circle", 7))
+    assert again.find_paths([moved / "images" / paths[2].name])  # the same image, seen at its new place
+    again.close()
+
+
+def test_serves_while_preparing_and_says_how_far_it_got(service_env: ServiceEnv, tmp_path: Path) -> None:
+    """A checkpoint and no indexes: /healthz at once, /readyz 503 with the stage until both indexes are
+    built, then 200; the page's data comes from the same answers."""
+    settings = service_env.settings_for(tmp_path, variant="paper", image_index=tmp_path / "index" / "images-dev",
+                                        sentence_index=tmp_path / "index" / "sentences-train", limit=12)
+    app = create_app(settings, prepare=True)
+    seen: list[dict] = []
+    with TestClient(app) as c:
+        assert c.get("/healthz").status_code == 200
+        first = c.get("/readyz")
+        assert first.status_code == 503 and first.json()["status"] == "preparing"
+        assert first.json()["error"]["code"] == "not_ready"
+        deadline = time.monotonic() + 300
+        while True:
+            r = c.get("/readyz")
+            if r.status_code == 200:
+                break
+            body = r.json()
+            assert body["status"] == "preparing", body
+            seen.append(body["progress"])
+            assert time.monotonic() < deadline, "preparation did not finish"
+            time.sleep(0.05)
+        assert r.json()["images"] == 12
+        assert r.json()["sentences"] == 60  # the 5 captions of the first 12 training images
+        assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
+        assert c.post("/annotate", files={"file": ("x.jpg", service_env.jpeg(), "image/jpeg")}).status_code == 200
+    stages = {p["stage"] for p in seen}
+    assert stages <= {"starting", *STAGES}, stages
+    assert (tmp_path / "index" / "images-dev" / "index.sqlite").is_file()
+
+
+def test_readiness_reports_a_failed_preparation(service_env: ServiceEnv, tmp_path: Path) -> None:
+    settings = service_env.settings_for(tmp_path, data=tmp_path / "no-data", image_index=tmp_path / "i",
+                                        sentence_index=tmp_path / "s")
+    with TestClient(create_app(settings, prepare=True)) as c:
+        for _ in range(400):
+            r = c.get("/readyz")
+            if r.json()["status"] == "failed":
+                break
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["status"] == "failed"
+        assert "no-data" in r.json()["error"]["message"]
+        assert c.get("/healthz").status_code == 200
