@@ -93,13 +93,15 @@ def check_committed_state(root: Path, shapes: ShapesModel, entries: list[tuple[i
             rec = index.get(int(i))
             assert rec is not None and len(rec.boxes) == rows[i]
         assert index.ann.ntotal == index.n_fragments == sum(rows.values()), "FAISS and the store disagree"
-        # a search works and finds only live items; an item's own fragment finds it first
+        # a search works, finds only live items, and ranks them as the exact score over every item does
         if len(ids):
             probe = int(ids[len(ids) // 2])
             vecs, _ = index._vectors(np.asarray([probe]))
-            hits = index.search_vectors(vecs[0, :3].clone(), k=5)
-            assert hits and hits[0].image_id == probe
-            assert {h.image_id for h in hits} <= set(ids.tolist())
+            query = vecs[0, :3].clone()
+            hits = index.search_vectors(query, k=5)
+            assert hits and {h.image_id for h in hits} <= set(ids.tolist())
+            exact = index.search_vectors(query, k=5, exhaustive=True)
+            assert [h.image_id for h in hits] == [h.image_id for h in exact]
         return gen
     finally:
         index.close()
