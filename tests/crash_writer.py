@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--journal", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ops", type=int, default=1_000_000)
+    ap.add_argument("--wait", action="store_true", help="after 'ready', wait for a line on stdin before writing")
     ap.add_argument("--die-after-commit", action="store_true",
                     help="SIGKILL itself after the first commit, before the clean-up of unreferenced files")
     args = ap.parse_args(argv)
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     sys.stdout.write("ready\n")  # the protocol line the test waits for
     sys.stdout.flush()
+    if args.wait:
+        sys.stdin.readline()  # both writers hold the loaded index before either writes
     for op in range(args.ops):
         live = index.ids()
         if len(live) > 4 and rng.random() < 0.4:

@@ -53,8 +53,8 @@ READY_TIMEOUT = 120.0
 def start_writer(index: Path, model: Path, journal: Path, seed: int, *extra: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "tests.crash_writer", "--index", str(index), "--model", str(model),
            "--journal", str(journal), "--seed", str(seed), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def wait_ready(proc: subprocess.Popen[str]) -> None:
@@ -181,7 +181,14 @@ def test_two_writer_processes_one_wins(shapes_model: ShapesModel, crash_index: t
     logs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
     for j in logs:
         shutil.copy(log, j)
-    procs = [start_writer(root, shapes_model.model_path, j, 40 + n, "--ops", "40") for n, j in enumerate(logs)]
+    procs = [start_writer(root, shapes_model.model_path, j, 40 + n, "--ops", "40", "--wait")
+             for n, j in enumerate(logs)]
+    for p in procs:  # both have loaded the same committed state before either writes
+        wait_ready(p)
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     results = [p.communicate(timeout=300) for p in procs]
     codes = [p.returncode for p in procs]
     assert sorted(codes) == [0, 3], (codes, [err[-3000:] for _, err in results])
