@@ -20,7 +20,7 @@ import logging
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,16 +81,6 @@ def _efficientnet() -> torch.nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-class FeatureMaps(Protocol):
-    """What the region extractor needs of a backbone."""
-
-    device: torch.device
-
-    def feature_map(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor: ...
 
 
 class _Features(torch.nn.Module):
