@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     retry_after: float = Field(default=1.0, gt=0, description="seconds a refused client is told to wait (Retry-After)")
     body_timeout: float = Field(default=15.0, gt=0, description="seconds allowed between two parts of a request "
                                 "body (a body shorter than its Content-Length gets 408)")
+    freeze_heap: bool = Field(default=True, description="once loaded, move the model's and indexes' objects out of "
+                              "the garbage collector's reach (gc.freeze): a full collection over them pauses every "
+                              "request for ~0.4 s")
     log_level: str = "info"
 
     # writes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import shutil
 import time
@@ -217,6 +218,27 @@ def test_loads_from_disk_in_the_background(service_env: ServiceEnv) -> None:
             time.sleep(0.05)
         assert r.status_code == 200, r.text
         assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
+
+
+def test_loaded_objects_are_frozen_out_of_the_collector(service_env: ServiceEnv) -> None:
+    gc.unfreeze()
+    settings = service_env.settings.model_copy(update={"freeze_heap": True})
+    try:
+        with TestClient(create_app(settings)) as c:
+            for _ in range(600):
+                r = c.get("/readyz")
+                if r.status_code == 200:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 200, r.text
+            engine = c.app.state.engine  # type: ignore[attr-defined]
+            frozen = gc.get_freeze_count()
+            assert frozen > 1000
+            # the loaded model is among the frozen objects: a full collection no longer walks it
+            assert all(o is not engine for o in gc.get_objects(generation=2))
+            assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
+    finally:
+        gc.unfreeze()
 
 
 def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
