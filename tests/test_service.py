@@ -171,6 +171,7 @@ def test_metrics_count_requests_per_route_and_index_size(client: TestClient, ser
     assert 'fragsearch_request_seconds_bucket{le="0.03",method="POST",route="/search/images"}' in text
     assert f'fragsearch_index_size{{index="images"}} {float(len(service_env.dev))}' in text
     assert "process_resident_memory_bytes" in text
+    assert re.search(r'python_gc_collections_total\{generation="2"\} \d', text)
 
 
 def test_openapi_lists_every_error_response(client: TestClient) -> None:
