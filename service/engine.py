@@ -24,6 +24,7 @@ from model.fragments import NoFragmentsError
 from model.imageio import ImageReadError, load_image
 from service.errors import ApiError
 from service.settings import Settings
+from service.thumbnails import thumbnail
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,17 @@ class Engine:
         with self._heavy:
             decoded = self.decode(data)
             return decoded, self.sentences.annotate(decoded.image, k)
+
+    def thumbnail_file(self, image_id: int, size: int) -> Path | None:
+        """The cached thumbnail of an indexed image (made when missing), or None when there is no such
+        image; an image file that cannot be decoded is a 422 (its original is still served)."""
+        path = self.image_file(image_id)
+        if path is None:
+            return None
+        try:
+            return thumbnail(path, size, self.settings.thumbnails_dir, self.settings.max_pixels)
+        except ImageReadError as e:
+            raise ApiError(422, "no_thumbnail", f"image {image_id} has no thumbnail: {e}") from e
 
     def image_file(self, image_id: int) -> Path | None:
         """The file of an indexed image, or None: only paths the index holds are ever served."""

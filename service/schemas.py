@@ -82,6 +82,7 @@ class ImageResult(BaseModel):
     id: int
     name: str
     url: str = Field(description="where the image file is served")
+    thumbnail: str = Field(description="a thumbnail of it (GET /images/{id}/thumbnail?size=...)")
     width: int
     height: int
     score: float = Field(description="image-sentence score S_kl")

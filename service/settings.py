@@ -141,6 +141,10 @@ class Settings(BaseSettings):
         return self.cache
 
     @property
+    def thumbnails_dir(self) -> Path:
+        return self.cache_dir / "thumbnails"
+
+    @property
     def writes_open(self) -> bool:
         """Writes are possible: a key is configured, or auth was switched off explicitly."""
         return self.auth_disabled or self.api_key is not None

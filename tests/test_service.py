@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 import re
 import shutil
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from index import ImageIndex, IndexLoadError, SentenceIndex
 from model.bundle import Bundle
@@ -160,6 +162,32 @@ def test_auth_can_only_be_switched_off_explicitly(service_env: ServiceEnv, tmp_p
         assert c.post("/images", files={"file": ("a.png", service_env.png(32, 32), "image/png")}).status_code == 201
 
 
+def test_thumbnails_come_in_a_few_sizes_and_are_made_once(client: TestClient, service_env: ServiceEnv) -> None:
+    top = client.post("/search/images", json={"sentence": "a red circle", "k": 1}).json()["results"][0]
+    assert top["thumbnail"] == f"/images/{top['id']}/thumbnail?size=256"
+    folder = service_env.settings.thumbnails_dir
+    before = set(folder.glob("*.jpg")) if folder.is_dir() else set()
+    r = client.get(f"/images/{top['id']}/thumbnail", params={"size": 100})
+    assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+    thumb = Image.open(io.BytesIO(r.content))
+    scale = 128 / max(top["width"], top["height"])  # 100 is served at the next size, 128; aspect kept
+    assert max(thumb.size) == 128
+    assert abs(thumb.size[0] - top["width"] * scale) <= 1 and abs(thumb.size[1] - top["height"] * scale) <= 1
+    made = set(folder.glob("*.jpg")) - before
+    assert len(made) == 1
+    again = client.get(f"/images/{top['id']}/thumbnail", params={"size": 128})
+    assert again.content == r.content and set(folder.glob("*.jpg")) - before == made, "the cached file is served"
+    big = Image.open(io.BytesIO(client.get(f"/images/{top['id']}/thumbnail", params={"size": 4000}).content))
+    assert max(big.size) == min(512, max(top["width"], top["height"])), "never above 512, never enlarged"
+    default = Image.open(io.BytesIO(client.get(f"/images/{top['id']}/thumbnail").content))
+    assert max(default.size) == min(256, max(top["width"], top["height"]))
+    for bad in (0, -5, 4097, "big"):
+        e = client.get(f"/images/{top['id']}/thumbnail", params={"size": bad})
+        assert e.status_code == 422 and e.json()["error"]["code"], (bad, e.text)
+    missing = client.get("/images/999999/thumbnail")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
 def test_metrics_count_requests_per_route_and_index_size(client: TestClient, service_env: ServiceEnv) -> None:
     client.post("/search/images", json={"sentence": "a blue square", "k": 2})
     client.post("/search/images", json={"sentence": "", "k": 2})
@@ -183,6 +211,7 @@ def test_openapi_lists_every_error_response(client: TestClient) -> None:
         ("/annotate", "post"): {"413", "415", "422", "503"},
         ("/images", "post"): {"401", "403", "413", "415", "422", "503"},
         ("/images/{image_id}", "get"): {"404", "503"},
+        ("/images/{image_id}/thumbnail", "get"): {"404", "422", "503"},
         ("/images/{image_id}", "delete"): {"401", "403", "404", "503"},
         ("/readyz", "get"): {"503"},
     }

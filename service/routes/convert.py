@@ -12,6 +12,10 @@ def image_url(image_id: int) -> str:
     return f"/images/{image_id}"
 
 
+def thumbnail_url(image_id: int, size: int = 256) -> str:
+    return f"/images/{image_id}/thumbnail?size={size}"
+
+
 def check_k(k: int, settings: Settings) -> int:
     if k < 1 or k > settings.k_max:
         raise ApiError(422, "bad_k", f"k must be between 1 and {settings.k_max}, got {k}")
@@ -38,7 +42,8 @@ def match_out(m: FragmentMatch) -> FragmentMatchOut:
 
 
 def image_result(hit: ImageHit) -> ImageResult:
-    return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id), width=hit.width,
+    return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id),
+                       thumbnail=thumbnail_url(hit.image_id), width=hit.width,
                        height=hit.height, score=float(hit.score), alignment=[match_out(m) for m in hit.alignment])
 
 

@@ -89,7 +89,7 @@ async function searchImages(sentence, k) {
   const results = $("results");
   results.replaceChildren();
   data.results.forEach((hit, rank) => {
-    const { frame, overlay } = figure(hit.url, hit.name, hit.width, hit.height);
+    const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);  // boxes: original's pixels
     drawAlignment(overlay, hit.alignment, hit.width, hit.height);
     results.append(el("figure", { class: "card", "data-id": hit.id }, frame,
       el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · S = ${hit.score.toFixed(4)}`),
