@@ -17,7 +17,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from index import ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
+from index import Explanation, ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
 from model.bundle import Bundle
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
@@ -133,6 +133,12 @@ class Engine:
     def search_images(self, sentence: str, k: int) -> list[ImageHit]:
         try:
             return self.images.search(sentence, k)
+        except ValueError as e:
+            raise text_error(e, "sentence") from e
+
+    def explain(self, image_id: int, sentence: str) -> Explanation | None:
+        try:
+            return self.images.explain(image_id, sentence)
         except ValueError as e:
             raise text_error(e, "sentence") from e
 

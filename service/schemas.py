@@ -89,6 +89,44 @@ class ImageResult(BaseModel):
     alignment: list[FragmentMatchOut]
 
 
+class ExplainRequest(BaseModel):
+    image_id: int = Field(ge=0, le=2**63 - 1, strict=True, description="an indexed image's id")
+    sentence: str = Field(description="the sentence the image is explained for", examples=["a dog runs on the grass"])
+
+
+class PairOut(BaseModel):
+    """One sentence fragment with one image fragment."""
+
+    triplet: str = Field(description="the sentence fragment as text, e.g. 'amod(dog, black)'")
+    relation: str
+    words: list[str] = Field(description="[w1, w2]")
+    fragment: int = Field(description="index of the image fragment (0 = whole image)")
+    box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
+    score: float = Field(description="fragment score v_i . s_j")
+    cleared: bool = Field(description="v_i . s_j > 0: only such pairs count towards S_kl")
+    contribution: float = Field(description="the pair's share of S_kl: max(0, v_i . s_j) / (|g_k| (|g_l| + n))")
+
+
+class ExplainResponse(BaseModel):
+    image_id: int
+    name: str
+    url: str = Field(description="where the image file is served")
+    thumbnail: str = Field(description="a thumbnail of it")
+    width: int
+    height: int
+    sentence: str
+    score: float = Field(description="the image-sentence score S_kl, as searches compute it")
+    rank: int = Field(description="the image's place among all indexed images by the exact score (1 = first; "
+                      "ties to the smaller id)")
+    images: int = Field(description="how many images were ranked")
+    image_fragments: int
+    sentence_fragments: int
+    alignment: list[FragmentMatchOut] = Field(description="each sentence fragment's best region, as in a search")
+    pairs: list[PairOut] = Field(description="every (sentence fragment, image fragment) pair, sentence fragment "
+                                 "by sentence fragment; for fragment models the contributions sum to the score")
+    took_ms: float
+
+
 class SearchImagesResponse(BaseModel):
     sentence: str
     results: list[ImageResult]

@@ -188,6 +188,30 @@ def test_thumbnails_come_in_a_few_sizes_and_are_made_once(client: TestClient, se
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
+def test_explain_gives_the_score_rank_and_every_pairs_share(client: TestClient, service_env: ServiceEnv) -> None:
+    sentence = service_env.captions[service_env.dev[0]][0]
+    hits = client.post("/search/images", json={"sentence": sentence, "k": 3}).json()["results"]
+    for place, hit in enumerate(hits, start=1):
+        r = client.post("/explain", json={"image_id": hit["id"], "sentence": sentence})
+        assert r.status_code == 200, r.text
+        e = r.json()
+        assert e["rank"] == place and e["images"] == len(service_env.dev)
+        assert abs(e["score"] - hit["score"]) < 1e-5
+        assert e["alignment"] == hit["alignment"]
+        pairs = e["pairs"]
+        assert len(pairs) == e["image_fragments"] * e["sentence_fragments"]
+        assert abs(sum(p["contribution"] for p in pairs) - e["score"]) < 1e-5
+        assert all(p["cleared"] == (p["score"] > 0) and (p["contribution"] > 0) == p["cleared"] for p in pairs)
+        for m in e["alignment"]:  # each aligned region is its triplet's best pair
+            mine = [p for p in pairs if p["triplet"] == m["triplet"]]
+            assert max(p["score"] for p in mine) == pytest.approx(m["score"], abs=1e-5)
+    missing = client.post("/explain", json={"image_id": 999999, "sentence": sentence})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    for body in ({"image_id": hits[0]["id"], "sentence": "  "}, {"image_id": -1, "sentence": sentence},
+                 {"image_id": "1", "sentence": sentence}, {"sentence": sentence}):
+        assert client.post("/explain", json=body).status_code == 422, body
+
+
 def test_metrics_count_requests_per_route_and_index_size(client: TestClient, service_env: ServiceEnv) -> None:
     client.post("/search/images", json={"sentence": "a blue square", "k": 2})
     client.post("/search/images", json={"sentence": "", "k": 2})
@@ -212,6 +236,7 @@ def test_openapi_lists_every_error_response(client: TestClient) -> None:
         ("/images", "post"): {"401", "403", "413", "415", "422", "503"},
         ("/images/{image_id}", "get"): {"404", "503"},
         ("/images/{image_id}/thumbnail", "get"): {"404", "422", "503"},
+        ("/explain", "post"): {"404", "422", "503"},
         ("/images/{image_id}", "delete"): {"401", "403", "404", "503"},
         ("/readyz", "get"): {"503"},
     }

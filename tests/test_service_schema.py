@@ -40,6 +40,7 @@ LONG_EXAMPLES = int(os.environ.get("FRAGSEARCH_FUZZ_EXAMPLES", "300"))
 OPERATIONS = [
     ("POST", "/search/images"),
     ("POST", "/search/fragments"),
+    ("POST", "/explain"),
     ("POST", "/annotate"),
     ("GET", "/images/{image_id}"),
     ("GET", "/images/{image_id}/thumbnail"),

@@ -1,4 +1,4 @@
-"""POST /search/images, POST /search/fragments, POST /annotate."""
+"""POST /search/images, POST /search/fragments, POST /explain, POST /annotate."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, UploadFile
 
 from service.deps import EngineDep, GatesDep, SettingsDep
-from service.errors import responses
-from service.routes.convert import check_k, check_text, image_result, region_result, sentence_result
+from service.errors import ApiError, responses
+from service.routes.convert import check_k, check_text, explain_out, image_result, region_result, sentence_result
 from service.routes.uploads import read_upload
 from service.schemas import (
     AnnotateResponse,
+    ExplainRequest,
+    ExplainResponse,
     SearchFragmentsRequest,
     SearchFragmentsResponse,
     SearchImagesRequest,
@@ -53,6 +55,17 @@ def build_router() -> APIRouter:
             query = check_text(body.phrase, s, "phrase")
             hits = await gates.search.run(engine.search_fragments, query, k)
         return SearchFragmentsResponse(query=query, results=[region_result(h) for h in hits], took_ms=_ms(t0))
+
+    @router.post("/explain", response_model=ExplainResponse, responses=responses(404, 413, 422, 503, 504))
+    async def explain(body: ExplainRequest, engine: EngineDep, s: SettingsDep, gates: GatesDep) -> ExplainResponse:
+        """Why (not) this image: its S_kl for the sentence, the rank the exact score gives it among all
+        indexed images, and every fragment pair's score, whether it clears the threshold and its share."""
+        t0 = time.perf_counter()
+        sentence = check_text(body.sentence, s, "sentence")
+        found = await gates.search.run(engine.explain, body.image_id, sentence)
+        if found is None:
+            raise ApiError(404, "not_found", f"no image with id {body.image_id}")
+        return explain_out(found, sentence, _ms(t0))
 
     @router.post("/annotate", response_model=AnnotateResponse, responses=responses(408, 413, 415, 422, 503, 504))
     async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],
