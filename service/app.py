@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -29,7 +30,8 @@ from service.limits import MULTIPART_OVERHEAD, BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
 from service.prepare import Progress, prepare
 from service.routes import health, images, search
-from service.settings import Settings
+from service.settings import API_KEY_HEADER, Settings
+from service.version import __version__
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -149,7 +151,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         if task is not None and not task.done():
             task.cancel()
 
-    app = FastAPI(title="fragsearch", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="fragsearch", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = engine
@@ -180,7 +182,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     upload_limit = settings.max_upload_bytes + MULTIPART_OVERHEAD
     app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit},
                        default=settings.max_json_bytes, timeout=settings.body_timeout)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts refused bodies
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # it also counts refused bodies
+    if settings.cors_origins:  # outermost: a browser's preflight is answered before any other check
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Content-Type", API_KEY_HEADER], max_age=600)
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:

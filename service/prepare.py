@@ -38,6 +38,7 @@ from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
 from model.train import main as train_main
+from service import logs
 from service.settings import Settings
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
@@ -253,11 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     del argv
     try:
         settings = Settings()
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(settings.log_level, settings.log_format)
         device = device_name(settings.device)
     except DeviceError as e:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure("info", "text")
         logger.error("cannot start: %s", e)
         return 2
     logger.info("preparing on %s: data %s, artifacts %s%s", device, settings.data, settings.artifacts,

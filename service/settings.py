@@ -7,6 +7,7 @@ default needs no configuration at all.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,6 +72,10 @@ class Settings(BaseSettings):
                               "the garbage collector's reach (gc.freeze): a full collection over them pauses every "
                               "request for ~0.4 s")
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(default="text", description="log lines as text or as one JSON "
+                                                "object each (time, level, logger, message, exception)")
+    cors_origins: list[str] = Field(default_factory=list, description="origins allowed to call the API from a "
+                                    "browser (CORS), e.g. [\"https://photos.example.org\"]; empty: none (the default)")
 
     # writes
     api_key: SecretStr | None = Field(
