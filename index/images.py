@@ -225,6 +225,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
             p = self._payloads([image_id])[image_id]
         return ImageRecord(image_id, p.name, self.real_path(p.path), p.width, p.height, p.boxes.tolist())
 
+    def fragments(self, image_id: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        """An indexed image's embedded fragments (F, h) and their boxes (F, 4), or None."""
+        with self._rw.read():
+            if not self.contains(image_id):
+                return None
+            vecs, mask = self._vectors(np.asarray([image_id], dtype=np.int64))
+            boxes = self._payloads([image_id])[image_id].boxes
+        return vecs[0, : int(mask[0].sum())], boxes
+
     def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images for a sentence: FAISS candidates, exact score, alignments."""
         sent, triplets = encode_sentence(self.bundle, sentence)

@@ -180,7 +180,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.include_router(images.build_router())
     app.include_router(health.build_router())
     upload_limit = settings.max_upload_bytes + MULTIPART_OVERHEAD
-    app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit},
+    app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit,
+                                                           "/search/similar": upload_limit},
                        default=settings.max_json_bytes, timeout=settings.body_timeout)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # it also counts refused bodies
     if settings.cors_origins:  # outermost: a browser's preflight is answered before any other check

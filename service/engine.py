@@ -15,9 +15,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
 from PIL import Image
 
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
+from index.similar import Similar, describe_and_search
 from model.bundle import Bundle
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
@@ -141,6 +144,29 @@ class Engine:
             return self.images.explain(image_id, sentence)
         except ValueError as e:
             raise text_error(e, "sentence") from e
+
+    def similar_to_image(self, image_id: int, k: int) -> tuple[tuple[int, int], Similar] | None:
+        """The size of an indexed image and the images like it (itself left out), or None when there is
+        no such image."""
+        if self.sentences is None:
+            raise ApiError(503, "not_ready", "no sentence collection is loaded")
+        rec, found = self.images.get(image_id), self.images.fragments(image_id)
+        if rec is None or found is None:
+            return None
+        return (rec.width, rec.height), describe_and_search(self.images, self.sentences, *found, k=k,
+                                                            exclude=image_id)
+
+    def similar_to_upload(self, data: bytes, k: int) -> tuple[Decoded, Similar]:
+        """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
+        if self.sentences is None:
+            raise ApiError(503, "not_ready", "no sentence collection is loaded")
+        with self._heavy:
+            decoded = self.decode(data)
+            frags = self.sentences.extractor.extract(decoded.image)
+            with torch.inference_mode():
+                img = self.bundle.embed_images(frags.features[None])[0]
+            boxes = np.asarray(frags.boxes[: len(img)], dtype=np.float32)
+            return decoded, describe_and_search(self.images, self.sentences, img, boxes, k=k)
 
     def search_fragments(self, phrase: str, k: int) -> list[RegionHit]:
         try:

@@ -147,6 +147,17 @@ class AnnotateResponse(BaseModel):
     took_ms: float
 
 
+class SimilarResponse(BaseModel):
+    image_id: int | None = Field(description="the query image's id (None for an upload)")
+    width: int = Field(description="the query image's width (the descriptions' boxes are in its pixels)")
+    height: int
+    described_by: list[SentenceResult] = Field(description="the collection's sentences with the best S_kl for the "
+                                               "query image, aligned to its regions: together they are the query")
+    results: list[ImageResult] = Field(description="images ranked by S_kl for those sentences' fragments, each "
+                                       "with their alignment to its regions")
+    took_ms: float
+
+
 class RegionResult(BaseModel):
     image_id: int
     name: str

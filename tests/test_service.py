@@ -212,6 +212,48 @@ def test_explain_gives_the_score_rank_and_every_pairs_share(client: TestClient, 
         assert client.post("/explain", json=body).status_code == 422, body
 
 
+def _pairs(captions: list[str]) -> set[str]:
+    """The "colour shape" phrases the shapes captions name."""
+    words = " ".join(captions).split()
+    return {f"{a} {b}" for a, b in zip(words, words[1:], strict=False)
+            if a in ("red", "blue", "green", "yellow") and b in ("circle", "square", "triangle")}
+
+
+def test_similar_images_through_the_sentences_that_describe_them(client: TestClient,
+                                                                 service_env: ServiceEnv) -> None:
+    ids = {h["name"]: h["id"] for h in client.post("/search/images", json={
+        "sentence": "a red circle", "k": len(service_env.dev)}).json()["results"]}
+    shared = 0
+    for name in service_env.dev:
+        r = client.post("/search/similar", data={"image_id": ids[name], "k": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["image_id"] == ids[name] and body["width"] > 0
+        assert 1 <= len(body["described_by"]) <= 5
+        results = body["results"]
+        assert len(results) == 3 and ids[name] not in [h["id"] for h in results], "the query is left out"
+        assert [h["score"] for h in results] == sorted((h["score"] for h in results), reverse=True)
+        assert all(h["alignment"] for h in results), "each result shows which described triplets it matched"
+        shared += bool(_pairs(service_env.captions[name]) & _pairs(service_env.captions[results[0]["name"]]))
+    # two of twelve colour-shape pairs per picture: another picture shares one with p ~ 0.3 by chance
+    assert shared >= 0.6 * len(service_env.dev), shared
+
+    name = service_env.dev[0]
+    upload = service_env.image_path(name).read_bytes()
+    r = client.post("/search/similar", files={"file": ("q.jpg", upload, "image/jpeg")}, data={"k": "2"})
+    assert r.status_code == 200, r.text
+    assert r.json()["image_id"] is None and r.json()["described_by"] and len(r.json()["results"]) == 2
+    assert r.json()["results"][0]["name"] == name, "an upload of an indexed image finds that image first"
+
+    both = client.post("/search/similar", files={"file": ("q.jpg", upload, "image/jpeg")},
+                       data={"image_id": ids[name]})
+    for bad in (both, client.post("/search/similar", data={"k": 3})):
+        assert bad.status_code == 422 and bad.json()["error"]["code"] == "one_query"
+    assert client.post("/search/similar", data={"image_id": 999999}).status_code == 404
+    assert client.post("/search/similar", data={"image_id": ids[name], "k": 0}).status_code == 422
+    assert client.post("/search/similar", data={"image_id": "x"}).status_code == 422
+
+
 def test_metrics_count_requests_per_route_and_index_size(client: TestClient, service_env: ServiceEnv) -> None:
     client.post("/search/images", json={"sentence": "a blue square", "k": 2})
     client.post("/search/images", json={"sentence": "", "k": 2})
@@ -237,6 +279,7 @@ def test_openapi_lists_every_error_response(client: TestClient) -> None:
         ("/images/{image_id}", "get"): {"404", "503"},
         ("/images/{image_id}/thumbnail", "get"): {"404", "422", "503"},
         ("/explain", "post"): {"404", "422", "503"},
+        ("/search/similar", "post"): {"404", "413", "415", "422", "503"},
         ("/images/{image_id}", "delete"): {"401", "403", "404", "503"},
         ("/readyz", "get"): {"503"},
     }

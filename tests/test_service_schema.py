@@ -41,6 +41,7 @@ OPERATIONS = [
     ("POST", "/search/images"),
     ("POST", "/search/fragments"),
     ("POST", "/explain"),
+    ("POST", "/search/similar"),
     ("POST", "/annotate"),
     ("GET", "/images/{image_id}"),
     ("GET", "/images/{image_id}/thumbnail"),
