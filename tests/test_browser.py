@@ -86,7 +86,9 @@ def test_search_from_the_page_draws_images_and_boxes(served: str) -> None:
     dom = chromium("--dump-dom", url)
     assert 'data-state="done"' in dom, dom[-2000:]
     assert len(re.findall(r'<figure class="card"', dom)) == 4
-    assert len(re.findall(r'<img class="result-img" src="/images/\d+"', dom)) == 4
+    assert len(re.findall(r'<img class="result-img" src="/images/\d+/thumbnail\?size=256"', dom)) == 4
+    assert len(re.findall(r'<button type="button" class="why">', dom)) == 4
+    assert len(re.findall(r'<button type="button" class="like">', dom)) == 4
     boxes = re.findall(r'<div class="box( whole)?"', dom)
     assert boxes, "aligned regions are drawn as boxes"
     labels = re.findall(r'<span class="label"[^>]*>([^<]+)</span>', dom)
@@ -95,6 +97,16 @@ def test_search_from_the_page_draws_images_and_boxes(served: str) -> None:
     shot = SCREENSHOTS / "service-shapes.png"
     chromium(f"--screenshot={shot}", "--window-size=1280,1000", url)
     assert shot.is_file() and shot.stat().st_size > 10_000
+
+
+def test_more_like_this_from_the_page(served: str, service_env: ServiceEnv) -> None:
+    query = service_env.engine.images.search("a red circle", 1)[0]
+    dom = chromium("--dump-dom", f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 3}))
+    assert 'data-state="done"' in dom, dom[-2000:]
+    ids = re.findall(r'<figure class="card" data-id="(\d+)"', dom)
+    assert len(ids) == 3 and str(query.image_id) not in ids
+    assert f"images like image {query.image_id} (described as" in dom
+    assert re.search(r'<div class="box( whole)?"', dom), "each result shows the described triplets' regions"
 
 
 def test_region_search_from_the_page(served: str) -> None:

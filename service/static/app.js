@@ -86,16 +86,79 @@ async function searchImages(sentence, k) {
   const data = await api("/search/images", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k }),
   });
+  showImages(data.results, data.sentence);
+  return `${data.results.length} images for “${data.sentence}” in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// Result cards: the thumbnail with its alignment, and the "why?" (POST /explain, when there is a
+// sentence) and "more like this" (POST /search/similar) buttons.
+function showImages(hits, sentence) {
   const results = $("results");
   results.replaceChildren();
-  data.results.forEach((hit, rank) => {
+  hits.forEach((hit, rank) => {
     const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);  // boxes: original's pixels
     drawAlignment(overlay, hit.alignment, hit.width, hit.height);
-    results.append(el("figure", { class: "card", "data-id": hit.id }, frame,
+    const why = el("button", { type: "button", class: "why" }, "why?");
+    const like = el("button", { type: "button", class: "like" }, "more like this");
+    const card = el("figure", { class: "card", "data-id": hit.id }, frame,
       el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · S = ${hit.score.toFixed(4)}`),
-      legend(hit.alignment)));
+      legend(hit.alignment), el("div", { class: "actions" }, why, like));
+    if (sentence) why.addEventListener("click", () => explain(card, hit.id, sentence));
+    else why.hidden = true;
+    like.addEventListener("click", () => {
+      history.replaceState(null, "", `?${new URLSearchParams({ like: hit.id, k: $("k").value })}`);
+      moreLike(hit.id, hit.name);
+    });
+    results.append(card);
   });
-  return `${data.results.length} images for “${data.sentence}” in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// Every fragment pair of one result: v·s, whether it clears the threshold, its share of S_kl.
+async function explain(card, imageId, sentence) {
+  const old = card.querySelector(".explain");
+  if (old) { old.remove(); return; }
+  const box = el("div", { class: "explain", role: "region", "aria-label": "why this image" }, "explaining…");
+  card.append(box);
+  try {
+    const e = await api("/explain", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ image_id: imageId, sentence }),
+    });
+    const pairs = [...e.pairs].sort((a, b) => b.contribution - a.contribution || b.score - a.score).slice(0, 12);
+    const rows = pairs.map((p) => el("tr", { class: p.cleared ? "cleared" : "below" },
+      el("td", {}, p.triplet), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}`),
+      el("td", {}, p.score.toFixed(3)), el("td", {}, p.contribution.toFixed(5))));
+    box.replaceChildren(
+      el("p", {}, `S = ${e.score.toFixed(4)}, rank ${e.rank} of ${e.images}; `,
+        `${e.pairs.filter((p) => p.cleared).length} of ${e.pairs.length} pairs clear the threshold (v·s > 0)`),
+      el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "triplet"), el("th", {}, "region"),
+        el("th", {}, "v·s"), el("th", {}, "share of S"))), el("tbody", {}, ...rows)));
+  } catch (err) {
+    box.textContent = err.message;
+    box.classList.add("error");
+  }
+}
+
+async function moreLike(imageId, name) {
+  const status = $("search-status");
+  const k = Number($("k").value) || 8;
+  status.textContent = "searching…";
+  status.classList.remove("error");
+  document.body.dataset.state = "searching";
+  const form = new FormData();
+  form.append("image_id", String(imageId));
+  form.append("k", String(k));
+  try {
+    const data = await api("/search/similar", { method: "POST", body: form });
+    showImages(data.results, null);
+    const said = data.described_by.length ? ` (described as “${data.described_by[0].text}”)` : "";
+    status.textContent = `${data.results.length} images like ${name}${said} in ${data.took_ms.toFixed(0)} ms`;
+    document.body.dataset.state = "done";
+  } catch (err) {
+    status.textContent = err.message;
+    status.classList.add("error");
+    document.body.dataset.state = "error";
+  }
 }
 
 async function searchRegions(phrase, k) {
@@ -184,7 +247,7 @@ $("annotate-form").addEventListener("submit", (e) => {
   if (file) runAnnotate(file, Number($("ak").value) || 5);
 });
 
-// ?q=... runs the search on load (links and headless checks use it).
+// ?q=... runs the search on load, ?like=<image id> "more like this" (links and headless checks use them).
 (function fromQuery() {
   const params = new URLSearchParams(location.search);
   if (params.get("mode") === "regions") $("mode").value = "regions";
@@ -192,6 +255,8 @@ $("annotate-form").addEventListener("submit", (e) => {
   if (params.get("q")) {
     $("q").value = params.get("q");
     runSearch();
+  } else if (/^\d+$/.test(params.get("like") || "")) {
+    moreLike(Number(params.get("like")), `image ${params.get("like")}`);
   }
 })();
 
