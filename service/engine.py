@@ -96,7 +96,7 @@ class Engine:
         the model is on one. `with_sentences=False` leaves the sentence index for `attach_sentences`."""
         t0 = time.perf_counter()
         bundle = Bundle.load(settings.model_file, device=settings.device)
-        images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.data,
+        images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.collection_root,
                                  use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None
         if sentences is None and with_sentences:

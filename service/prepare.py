@@ -33,6 +33,7 @@ from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
+from index.sync import open_index, sync_folder
 from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
@@ -156,8 +157,18 @@ def ensure_model(settings: Settings) -> Path:
 
 
 def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
-    """The image index of the settings.image_split images (features from the shared cache)."""
+    """The image index of the settings.image_split images (features from the shared cache), or of the
+    settings.collection folder, synced with it at every start."""
     target = settings.image_index_dir
+    if settings.collection is not None:
+        if not settings.collection.is_dir():
+            raise FileNotFoundError(f"the collection folder {settings.collection} does not exist")
+        index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings))
+        try:
+            sync_folder(index, settings.collection, workers=settings.workers)
+        finally:
+            index.close()
+        return target
     if image_index_ready(target):
         logger.info("image index: reusing %s", target)
         return target

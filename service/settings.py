@@ -12,10 +12,11 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model.config import default_artifacts_dir, default_data_dir
+from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
 
 API_KEY_HEADER = "X-API-Key"
+
 
 
 class Settings(BaseSettings):
@@ -40,6 +41,9 @@ class Settings(BaseSettings):
     prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
     variant: str = Field(default="full", description="model variant trained when the checkpoint is missing")
     image_split: str = Field(default="dev", description="split whose images are indexed")
+    collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
+                                    "image split: indexed on the first start and synced (new, changed, renamed, "
+                                    "deleted files) at every start (index/sync.py)")
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
     index_kind: str = Field(default="flat", description="FAISS index kind of newly built indexes")
     workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
@@ -107,8 +111,11 @@ class Settings(BaseSettings):
             self.api_key = None  # an empty FRAGSEARCH_API_KEY means no key
         if self.model_path is None:
             self.model_path = a / "models" / self.variant / "model.pt"
+        if self.collection is not None:
+            self.collection = self.collection.expanduser().resolve()
         if self.image_index is None:
-            self.image_index = a / "index" / f"images-{self.image_split}"
+            self.image_index = (collection_index(a, self.collection) if self.collection is not None
+                                else a / "index" / f"images-{self.image_split}")
         if self.sentence_index is None:
             self.sentence_index = a / "index" / f"sentences-{self.sentence_split}"
         if self.uploads is None:
@@ -124,6 +131,11 @@ class Settings(BaseSettings):
     def model_file(self) -> Path:
         assert self.model_path is not None
         return self.model_path
+
+    @property
+    def collection_root(self) -> Path:
+        """What relative image paths of the image index are read against."""
+        return self.collection if self.collection is not None else self.data
 
     @property
     def image_index_dir(self) -> Path:
