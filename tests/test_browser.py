@@ -124,7 +124,8 @@ def test_a_bad_query_shows_the_error(served: str) -> None:
 
 @pytest.mark.slow
 def test_screenshot_of_the_flickr8k_page() -> None:
-    """The page answering "a dog runs through the grass" on the embedded default's dev index."""
+    """The page answering "a dog runs through the grass" on the embedded default's dev index (a model
+    with the whole-sentence fragment: drawn as a frame label, not as a region)."""
     settings = Settings(_env_file=None, warmup=False)  # type: ignore[call-arg]
     if not (settings.model_file.is_file() and settings.image_index_dir.exists()):
         pytest.skip("the embedded default's model and dev index are not built (python -m service)")
@@ -138,6 +139,10 @@ def test_screenshot_of_the_flickr8k_page() -> None:
         url = page_url(base, "a dog runs through the grass", k="8")
         dom = chromium("--dump-dom", url)
         assert 'data-state="done"' in dom and re.search(r'<div class="box', dom)
+        # the whole-sentence fragment is a label on the frame, never a region box's label
+        assert re.search(r'<div class="frame-label"[^>]*><span class="label"[^>]*>whole sentence \d', dom)
+        box_labels = re.findall(r'<div class="box[^"]*"[^>]*><div class="labels">(.*?)</div>', dom)
+        assert box_labels and not any("whole sentence" in b or "&lt;sentence&gt;" in b for b in box_labels)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shot = SCREENSHOTS / "service-flickr8k-dog.png"
         chromium(f"--screenshot={shot}", "--window-size=1280,1000", url)

@@ -50,17 +50,37 @@ function boxDiv(box, width, height, labels, whole) {
   return div;
 }
 
-// Matched fragments grouped by image fragment: one box per region, one label per sentence fragment.
+// The whole-sentence fragment (relation "<sentence>") is not a phrase of the sentence: its score
+// enters S_kl against every image fragment, and the region it scores best with does not say where
+// anything is (on Flickr8K dev it is the whole image for most sentences). So it is shown as a label
+// on the frame, never as a region box.
+const SENTENCE_REL = "<sentence>";
+
+function fragmentText(m) {
+  return m.relation === SENTENCE_REL ? "whole sentence" : m.triplet;
+}
+
+// Matched fragments grouped by image fragment: one box per region, one label per triplet; the
+// whole-sentence fragment as a frame label.
 function drawAlignment(overlay, alignment, width, height) {
   overlay.replaceChildren();
   const groups = new Map();
+  const frameLabels = [];
   alignment.forEach((m, j) => {
     if (!(m.score > 0)) return;
-    const colour = PALETTE[j % PALETTE.length];
+    const label = { text: `${fragmentText(m)} ${m.score.toFixed(2)}`, colour: PALETTE[j % PALETTE.length] };
+    if (m.relation === SENTENCE_REL) {
+      frameLabels.push(label);
+      return;
+    }
     if (!groups.has(m.fragment)) groups.set(m.fragment, { box: m.box, labels: [] });
-    groups.get(m.fragment).labels.push({ text: `${m.triplet} ${m.score.toFixed(2)}`, colour });
+    groups.get(m.fragment).labels.push(label);
   });
   for (const [fragment, g] of groups) overlay.append(boxDiv(g.box, width, height, g.labels, fragment === 0));
+  if (frameLabels.length) {
+    overlay.append(el("div", { class: "frame-label", title: "the whole sentence against the whole picture: not a region" },
+      ...frameLabels.map((l) => el("span", { class: "label", style: { background: l.colour } }, l.text))));
+  }
   return groups.size;
 }
 
@@ -77,7 +97,7 @@ function legend(alignment) {
     const matched = m.score > 0;
     list.append(el("li", { class: matched ? "" : "unmatched" },
       el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
-      `${m.triplet}  ${m.score.toFixed(3)}`));
+      `${fragmentText(m)}  ${m.score.toFixed(3)}`));
   });
   return list;
 }
