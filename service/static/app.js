@@ -76,7 +76,11 @@ function drawAlignment(overlay, alignment, width, height) {
     if (!groups.has(m.fragment)) groups.set(m.fragment, { box: m.box, labels: [] });
     groups.get(m.fragment).labels.push(label);
   });
-  for (const [fragment, g] of groups) overlay.append(boxDiv(g.box, width, height, g.labels, fragment === 0));
+  for (const [fragment, g] of groups) {
+    const div = boxDiv(g.box, width, height, g.labels, fragment === 0);
+    div.dataset.fragment = String(fragment);  // the legend's items of this region point at it (linkHover)
+    overlay.append(div);
+  }
   if (frameLabels.length) {
     overlay.append(el("div", { class: "frame-label", title: "the whole sentence against the whole picture: not a region" },
       ...frameLabels.map((l) => el("span", { class: "label", style: { background: l.colour } }, l.text))));
@@ -95,7 +99,8 @@ function legend(alignment) {
   const list = el("ul", { class: "legend" });
   alignment.forEach((m, j) => {
     const matched = m.score > 0;
-    list.append(el("li", { class: matched ? "" : "unmatched" },
+    list.append(el("li", { class: matched ? "" : "unmatched", tabindex: "0",
+      ...(matched && m.relation !== SENTENCE_REL ? { "data-fragment": String(m.fragment) } : {}) },
       el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
       `${fragmentText(m)}  ${m.score.toFixed(3)}`));
   });
@@ -159,15 +164,19 @@ async function explain(card, imageId, sentence) {
   }
 }
 
-async function moreLike(imageId, name) {
+function moreLike(imageId, name) {
+  const form = new FormData();
+  form.append("image_id", String(imageId));
+  return runSimilar(form, name);
+}
+
+// POST /search/similar with `form` (an image_id or a file); the results replace the search results.
+async function runSimilar(form, name) {
   const status = $("search-status");
-  const k = Number($("k").value) || 8;
   status.textContent = "searching…";
   status.classList.remove("error");
   document.body.dataset.state = "searching";
-  const form = new FormData();
-  form.append("image_id", String(imageId));
-  form.append("k", String(k));
+  form.append("k", String(Number($("k").value) || 8));
   try {
     const data = await api("/search/similar", { method: "POST", body: form });
     showImages(data.results, null);
@@ -317,3 +326,76 @@ function describeProgress(body) {
     await new Promise((resolve) => setTimeout(resolve, 5000));
   }
 })();
+
+// Hovering (or focusing) a triplet of a legend lights up its region, hovering a region its triplets.
+function linkHover(container) {
+  const light = (fragment, on) => {
+    if (fragment === undefined) return;
+    container.querySelectorAll(`[data-fragment="${fragment}"]`).forEach((n) => n.classList.toggle("hot", on));
+  };
+  for (const type of ["mouseover", "focusin"]) {
+    container.addEventListener(type, (e) => {
+      const node = e.target.closest("[data-fragment]");
+      if (node) light(node.dataset.fragment, true);
+    });
+  }
+  for (const type of ["mouseout", "focusout"]) {
+    container.addEventListener(type, (e) => {
+      const node = e.target.closest("[data-fragment]");
+      if (node) light(node.dataset.fragment, false);
+    });
+  }
+}
+linkHover($("results"));
+linkHover($("annotation"));
+
+// An image dropped anywhere on the page, or pasted, is described (POST /annotate); "more like this"
+// then finds images like it (POST /search/similar with the upload).
+function imageFile(items) {
+  for (const item of items || []) {
+    const file = item instanceof File ? item : item.kind === "file" ? item.getAsFile() : null;
+    if (file && file.type.startsWith("image/")) return file;
+  }
+  return null;
+}
+
+let lastUpload = null;
+function takeUpload(file) {
+  lastUpload = file;
+  $("similar-upload").disabled = false;
+  runAnnotate(file, Number($("ak").value) || 5);
+}
+
+document.addEventListener("dragover", (e) => {
+  if ([...e.dataTransfer.types].includes("Files")) {
+    e.preventDefault();
+    document.body.classList.add("dropping");
+  }
+});
+document.addEventListener("dragleave", (e) => {
+  if (e.target === document.documentElement || e.target === document.body) document.body.classList.remove("dropping");
+});
+document.addEventListener("drop", (e) => {
+  document.body.classList.remove("dropping");
+  const file = imageFile(e.dataTransfer.files);
+  if (!file) return;
+  e.preventDefault();
+  takeUpload(file);
+});
+document.addEventListener("paste", (e) => {
+  const file = imageFile(e.clipboardData && e.clipboardData.items);
+  if (!file) return;
+  e.preventDefault();
+  takeUpload(file);
+});
+$("file").addEventListener("change", () => {
+  lastUpload = $("file").files[0] || null;
+  $("similar-upload").disabled = !lastUpload;
+});
+
+$("similar-upload").addEventListener("click", () => {
+  if (!lastUpload) return;
+  const form = new FormData();
+  form.append("file", lastUpload);
+  runSimilar(form, lastUpload.name);
+});
