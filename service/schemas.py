@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
+
+# Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
+_MATCH = {"triplet": "amod(dog, black)", "relation": "amod", "words": ["dog", "black"],
+          "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412}
+_IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
+          "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "score": 0.0831,
+          "alignment": [_MATCH]}
+_SENTENCE = {"id": 2051, "text": "A black dog runs through the grass .", "score": 0.0794, "alignment": [_MATCH]}
+
+
+def _example(example: dict[str, Any]) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"examples": [example]})
 
 
 class ErrorBody(BaseModel):
@@ -17,6 +29,9 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     """Every 4xx/5xx answer has this body."""
+
+    model_config = _example({"error": {"code": "no_fragments", "message": "the sentence has no word the model knows",
+                                       "details": None}})
 
     error: ErrorBody
 
@@ -108,6 +123,12 @@ class PairOut(BaseModel):
 
 
 class ExplainResponse(BaseModel):
+    model_config = _example({
+        "image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
+        "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "sentence": "a black dog runs",
+        "score": 0.0831, "rank": 1, "images": 1000, "image_fragments": 20, "sentence_fragments": 2,
+        "alignment": [_MATCH], "pairs": [{**_MATCH, "cleared": True, "contribution": 0.00294}], "took_ms": 15.0})
+
     image_id: int
     name: str
     url: str = Field(description="where the image file is served")
@@ -128,6 +149,8 @@ class ExplainResponse(BaseModel):
 
 
 class SearchImagesResponse(BaseModel):
+    model_config = _example({"sentence": "a black dog runs", "results": [_IMAGE], "took_ms": 27.4})
+
     sentence: str
     results: list[ImageResult]
     took_ms: float
@@ -141,6 +164,8 @@ class SentenceResult(BaseModel):
 
 
 class AnnotateResponse(BaseModel):
+    model_config = _example({"width": 500, "height": 375, "results": [_SENTENCE], "took_ms": 212.0})
+
     width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
     height: int
     results: list[SentenceResult]
@@ -148,6 +173,11 @@ class AnnotateResponse(BaseModel):
 
 
 class SimilarResponse(BaseModel):
+    model_config = _example({
+        "image_id": 17, "width": 500, "height": 375, "described_by": [_SENTENCE],
+        "results": [{**_IMAGE, "id": 240, "url": "/images/240", "thumbnail": "/images/240/thumbnail?size=256"}],
+        "took_ms": 130.0})
+
     image_id: int | None = Field(description="the query image's id (None for an upload)")
     width: int = Field(description="the query image's width (the descriptions' boxes are in its pixels)")
     height: int
@@ -168,12 +198,19 @@ class RegionResult(BaseModel):
 
 
 class SearchFragmentsResponse(BaseModel):
+    model_config = _example({
+        "query": "black dog", "took_ms": 18.2,
+        "results": [{"image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
+                     "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.62}]})
+
     query: str
     results: list[RegionResult]
     took_ms: float
 
 
 class ImageOut(BaseModel):
+    model_config = _example({"id": 1001, "name": "beach.jpg", "url": "/images/1001", "width": 640, "height": 480})
+
     id: int
     name: str
     url: str

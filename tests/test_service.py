@@ -254,6 +254,18 @@ def test_similar_images_through_the_sentences_that_describe_them(client: TestCli
     assert client.post("/search/similar", data={"image_id": "x"}).status_code == 422
 
 
+def test_response_examples_are_valid_answers(client: TestClient) -> None:
+    from service import schemas
+
+    components = client.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("SearchImagesResponse", "AnnotateResponse", "SimilarResponse", "SearchFragmentsResponse",
+                 "ExplainResponse", "ImageOut", "ErrorResponse"):
+        examples = components[name].get("examples")
+        assert examples, f"{name} has no example in the OpenAPI document"
+        for example in examples:
+            getattr(schemas, name).model_validate(example)
+
+
 def test_metrics_count_requests_per_route_and_index_size(client: TestClient, service_env: ServiceEnv) -> None:
     client.post("/search/images", json={"sentence": "a blue square", "k": 2})
     client.post("/search/images", json={"sentence": "", "k": 2})
