@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from index.candidates import BackendOptions
 from index.images import IMAGE_SUFFIXES, ImageIndex
 from index.types import IndexSettings
 from model.atomic import atomic_file
@@ -195,12 +196,14 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
     return report
 
 
-def open_index(out: Path, bundle: Bundle, folder: Path, cache_dir: Path, settings: IndexSettings) -> ImageIndex:
-    """The collection's index at `out` (made when missing), reading paths against `folder`."""
+def open_index(out: Path, bundle: Bundle, folder: Path, cache_dir: Path, settings: IndexSettings,
+               backend: BackendOptions | None = None) -> ImageIndex:
+    """The collection's index at `out` (made when missing), reading paths against `folder`; `backend`
+    is where its candidate vectors live (FAISS in-process by default, or Milvus)."""
     cache = feature_cache(cache_dir, bundle.image_cfg)
     if (out / "index.sqlite").is_file():
-        return ImageIndex.load(out, bundle, cache=cache, collection_root=folder)
-    return ImageIndex.create(out, bundle, settings, cache=cache, collection_root=folder)
+        return ImageIndex.load(out, bundle, cache=cache, collection_root=folder, backend=backend)
+    return ImageIndex.create(out, bundle, settings, cache=cache, collection_root=folder, backend=backend)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -97,7 +97,7 @@ class Engine:
         t0 = time.perf_counter()
         bundle = Bundle.load(settings.model_file, device=settings.device)
         images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.collection_root,
-                                 use_gpu=is_gpu(bundle.device))
+                                 backend=settings.backend, use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None
         if sentences is None and with_sentences:
             logger.warning("no sentence index at %s: /annotate is unavailable", settings.sentence_index_dir)
@@ -111,7 +111,8 @@ class Engine:
     def _sentence_index(settings: Settings, bundle: Bundle) -> SentenceIndex | None:
         if not (settings.sentence_index_dir / "index.sqlite").is_file():
             return None
-        return SentenceIndex.load(settings.sentence_index_dir, bundle, use_gpu=is_gpu(bundle.device))
+        return SentenceIndex.load(settings.sentence_index_dir, bundle, backend=settings.backend,
+                                  use_gpu=is_gpu(bundle.device))
 
     def attach_sentences(self) -> bool:
         """Load the sentence index (built after the engine was loaded); False when there is none."""

@@ -163,7 +163,8 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     if settings.collection is not None:
         if not settings.collection.is_dir():
             raise FileNotFoundError(f"the collection folder {settings.collection} does not exist")
-        index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings))
+        index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings),
+                           backend=settings.backend)
         try:
             sync_folder(index, settings.collection, workers=settings.workers)
         finally:
@@ -181,7 +182,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=str(bundle.device))
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
                               _index_settings(settings), cache=cache, workers=settings.workers,
-                              collection_root=settings.data)
+                              collection_root=settings.data, backend=settings.backend)
     marker.unlink()
     logger.info("image index: %d images in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
@@ -200,7 +201,7 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     t0 = time.perf_counter()
     index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
                                  parse_dir=settings.cache_dir / "parses", rebuild=target.exists(),
-                                 vectors_dir=settings.cache_dir / "vectors")
+                                 vectors_dir=settings.cache_dir / "vectors", backend=settings.backend)
     logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
     return target

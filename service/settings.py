@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from index.candidates import BackendOptions
 from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
 
@@ -45,7 +46,15 @@ class Settings(BaseSettings):
                                     "image split: indexed on the first start and synced (new, changed, renamed, "
                                     "deleted files) at every start (index/sync.py)")
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
-    index_kind: str = Field(default="flat", description="FAISS index kind of newly built indexes")
+    index_kind: str = Field(default="flat", description="index kind of newly built indexes (flat, hnsw, ivf, "
+                            "ivfpq: FAISS kinds, mapped onto Milvus index types with the milvus backend)")
+    index_backend: Literal["faiss", "milvus"] = Field(
+        default="faiss", description="where candidate vectors are searched: faiss (in-process, the embedded "
+        "default) or milvus (a Milvus server or cluster at milvus_uri, or milvus-lite)")
+    milvus_uri: str | None = Field(
+        default=None, description="Milvus server or cluster (http://host:19530), or a milvus-lite folder "
+        "(path/file.db); default: milvus.db inside each index folder")
+    milvus_token: SecretStr | None = Field(default=None, description="Milvus credentials (user:password or key)")
     workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
     limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
                               "(train, dev, the indexed images and the caption collection): a small trial")
@@ -160,6 +169,12 @@ class Settings(BaseSettings):
     @property
     def thumbnails_dir(self) -> Path:
         return self.cache_dir / "thumbnails"
+
+    @property
+    def backend(self) -> BackendOptions:
+        """Where the indexes keep their candidate vectors."""
+        token = self.milvus_token.get_secret_value() if self.milvus_token is not None else None
+        return BackendOptions(self.index_backend, self.milvus_uri or None, token or None)
 
     @property
     def writes_open(self) -> bool:
