@@ -135,6 +135,4 @@ def load_variant(name: str, folder: Path = VARIANTS_DIR) -> Variant:
         for section in SECTIONS:
             settings[section].update(own[section])
     _, base, description, _ = chain[0]
-    variant = Variant(name, description, base, settings)
-    _ = (variant.text, variant.image, variant.train)  # every field name was checked; construct once
-    return variant
+    return Variant(name, description, base, settings)
