@@ -41,7 +41,7 @@ from model.cache import ExtractionPool
 from model.config import PROPOSAL_MODES, ImageConfig, default_data_dir
 from model.imageio import load_image
 from model.proposals import propose_boxes
-from model.train import VARIANTS, make_run
+from model.variants import load_variant, variant_names
 
 logger = logging.getLogger("bench.extract_bench")
 
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=default_data_dir())
     ap.add_argument("--n", type=int, default=200, help="images (the first N of train.txt)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes to compare")
-    ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=sorted(VARIANTS),
+    ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=variant_names(),
                     help="training variants whose image settings are run end to end")
     ap.add_argument("--runtimes", nargs="+", default=["auto"], choices=RUNTIMES,
                     help="backbone runtimes of the end-to-end rows (auto: ONNX Runtime on the CPU; a float "
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     speed: dict[tuple[str, int], float] = {}
     cpu_ms: dict[str, float] = {}
     for variant in args.variants:
-        cfg = make_run(variant, {}).image
+        cfg = load_variant(variant).image
         for runtime in args.runtimes:
             if runtime == "torch" and cfg.backbone_precision == "int8":
                 continue  # the int8 graph runs on ONNX Runtime only

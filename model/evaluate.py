@@ -85,14 +85,21 @@ def score_split(bundle: Bundle, feats: np.ndarray, enc: EncodedSentences, chunk:
     return bundle.scores(img, img_mask, sent, sent_mask, chunk=chunk).numpy()
 
 
+def split_metrics(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float]:
+    """Metrics over every sentence, plus hodosh_<metric>: the same over each image's first sentence only.
+
+    scores: (N, L) image x sentence; pair_image: (L,), every image with at least one sentence."""
+    metrics = metrics_from_scores(scores, pair_image)
+    first = np.array([int(np.flatnonzero(pair_image == k)[0]) for k in range(scores.shape[0])])
+    hodosh = metrics_from_scores(scores[:, first], pair_image[first])
+    metrics.update({f"hodosh_{k}": v for k, v in hodosh.items()})
+    return metrics
+
+
 def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
     """Metrics on a split (all 5 sentences per image) plus the Hodosh (*) first-sentence variant."""
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
-    scores = score_split(bundle, data.feats, enc)
-    metrics = metrics_from_scores(scores, data.pair_image)
-    first = np.array([int(np.flatnonzero(data.pair_image == k)[0]) for k in range(len(data.names))])
-    hodosh = metrics_from_scores(scores[:, first], data.pair_image[first])
-    metrics.update({f"hodosh_{k}": v for k, v in hodosh.items()})
+    metrics = split_metrics(score_split(bundle, data.feats, enc), data.pair_image)
     metrics["images"] = float(len(data.names))
     metrics["sentences"] = float(len(data.sentences))
     return metrics

@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-import index.files
 import index.store
+import model.atomic
 from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images
 from index import ids as fid
 from index.base import FragmentIndex
@@ -394,7 +394,7 @@ def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageI
     random_images(faiss_index, 10, seed=5)
     faiss_index.remove(0)
     crashed = tmp_path / "at-crash"
-    real_replace = index.files.os.replace
+    real_replace = model.atomic.os.replace
 
     def crash(src: str, dst: str) -> None:
         if "faiss-" in str(dst):  # the new store file is renamed already, the FAISS file is not
@@ -402,10 +402,10 @@ def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageI
             raise OSError("simulated crash")
         real_replace(src, dst)
 
-    monkeypatch.setattr(index.files.os, "replace", crash)
+    monkeypatch.setattr(model.atomic.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         faiss_index.save()
-    monkeypatch.setattr(index.files.os, "replace", real_replace)
+    monkeypatch.setattr(model.atomic.os, "replace", real_replace)
     assert any(p.name.endswith(".tmp") for p in crashed.iterdir())  # the unrenamed file is there
     old = ImageIndex.load(crashed, bundle)
     assert len(old) == 40 and old.get(0) is not None
