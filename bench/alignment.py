@@ -266,12 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, Path("docs/results/alignment-dev.csv"))
     ap.add_argument("--only", nargs="+", required=True, help="model names under --models, or name=checkpoint")
-    ap.add_argument("--nouns", type=Path, default=NOUNS_FILE)
+    ap.add_argument("--nouns", type=Path, default=NOUNS_FILE, help="noun -> ImageNet classes (tools/imagenet_nouns.py)")
     ap.add_argument("--work", type=Path, default=default_artifacts_dir() / "alignment",
                     help="where the region predictions are cached")
     ap.add_argument("--runtime", choices=("auto", "torch", "onnx"), default="auto",
                     help="how the float classifier runs (auto: ONNX Runtime on the CPU, equal to torch to ~1e-5)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch / ONNX Runtime threads")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_torch_threads(args.threads)

@@ -129,7 +129,8 @@ def time_extraction(paths: Sequence[Path], cfg: ImageConfig, workers: int, batch
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--n", type=int, default=200, help="images (the first N of train.txt)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes to compare")
     ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=variant_names(),
@@ -139,11 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "variant on torch is labelled <variant>[torch])")
     ap.add_argument("--backbone-sizes", type=int, nargs="+", default=[224, 448],
                     help="sides of the backbone stage rows")
-    ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES)
+    ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES,
+                    help="selective search strategies of the proposals stage row")
     ap.add_argument("--proposal-resize", type=int, nargs="+", default=[224, 112], help="sides of the proposal rows")
     ap.add_argument("--batch", type=int, default=8, help="images per task")
     ap.add_argument("--stage-images", type=int, default=50, help="images for the per-stage timings (0: skip)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     ap.add_argument("--append", action="store_true", help="add rows to an existing CSV instead of replacing it")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")

@@ -161,7 +161,8 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+                    help="the checkpoint (model.pt); default: the served full model")
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
     ap.add_argument("--image-list", type=Path, help="only the images named in this file (one name per line)")
     ap.add_argument("--out", type=Path, help="image index folder")
@@ -176,21 +177,26 @@ def main(argv: list[str] | None = None) -> None:
                     help="feature / parse cache shared with the trainer")
     ap.add_argument("--no-cache", action="store_true", help="extract features without the shared cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    ap.add_argument("--rebuild", action="store_true", help="build anew instead of extending what is at --out")
-    ap.add_argument("--save-every", type=int, default=SAVE_EVERY)
+    ap.add_argument("--rebuild", action="store_true",
+                    help="build anew instead of extending what is at --out")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
+                    help="images added between two commits of the index (an interrupted build resumes from the last)")
     defaults = IndexSettings()
-    ap.add_argument("--kind", default=defaults.kind, choices=("flat", "hnsw", "ivf", "ivfpq"))
-    ap.add_argument("--nlist", type=int, default=defaults.nlist)
+    ap.add_argument("--kind", default=defaults.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
+                    help="FAISS index kind of the candidate stage")
+    ap.add_argument("--nlist", type=int, default=defaults.nlist, help="IVF lists (ivf, ivfpq)")
     ap.add_argument("--m", type=int, default=defaults.m, help="PQ sub-vectors (ivfpq)")
     ap.add_argument("--nbits", type=int, default=defaults.nbits, help="bits per PQ code (4: fast-scan)")
-    ap.add_argument("--nprobe", type=int, default=defaults.nprobe)
+    ap.add_argument("--nprobe", type=int, default=defaults.nprobe, help="IVF lists searched per query fragment")
     ap.add_argument("--k-prime", type=int, default=defaults.k_prime, help="neighbours per query fragment")
     ap.add_argument("--rerank", type=int, default=defaults.rerank,
                     help="score exactly only the R candidates with the best partial score (0: all)")
-    ap.add_argument("--ef-search", type=int, default=defaults.ef_search)
-    ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m)
+    ap.add_argument("--ef-search", type=int, default=defaults.ef_search,
+                    help="HNSW search breadth")
+    ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m, help="HNSW neighbours per node")
     ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
-    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"))
+    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"),
+                    help="precision of the re-rank store of fragment vectors")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
     ap.add_argument("--backend", default="faiss", choices=BACKENDS,
                     help="where candidate vectors are searched: in-process FAISS, or Milvus")

@@ -70,12 +70,15 @@ def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="checkpoint to calibrate (rewritten in place)")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--split", default="train", help="where the reference items are drawn from")
-    ap.add_argument("--dev-split", default="dev", help="evaluated before and after ('' to skip)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--dev-split", default="dev",
+                    help="evaluated before and after ('' to skip)")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the reference draw")
     ap.add_argument("--workers", type=int, default=1, help="feature extraction processes")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)

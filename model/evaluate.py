@@ -107,10 +107,14 @@ def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--split", default="dev", help="split name (DATA/<name>.txt) or path of a split list")
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
+    ap.add_argument("--split", default="dev",
+                    help="split name (DATA/<name>.txt) or path of a split list")
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
     ap.add_argument("--out", type=Path, default=None, help="write the metrics as JSON here")

@@ -57,6 +57,7 @@ from model.variants import (
     SECTIONS,
     VARIANTS_DIR,
     VariantError,
+    field_meanings,
     load_variant,
     read_variant_file,
     variant_names,
@@ -296,13 +297,16 @@ FLAG_HELP = {
 
 
 def _add_config_flags(ap: argparse.ArgumentParser) -> None:
+    meanings = field_meanings("train")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        say = FLAG_HELP.get(f.name) or meanings.get(f.name)
         if f.type in ("bool", bool):
-            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
+                            help=f"{say} (true/false; default: the variant's)")
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(flag, type=typ, default=None, help=FLAG_HELP.get(f.name),
+            ap.add_argument(flag, type=typ, default=None, help=f"{say} (default: the variant's)",
                             choices=SELECTIONS if f.name == "selection" else None)
 
 
@@ -325,11 +329,14 @@ def split_for_selection(cfg: TrainConfig, data: SplitData) -> tuple[SplitData, S
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--variant", default="full", help="a model/variants/<name>.toml (--list)")
-    ap.add_argument("--out", type=Path, default=None, help="default: artifacts/models/<variant>")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--train-split", default="train")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: artifacts/models/<variant>")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
+    ap.add_argument("--train-split", default="train", help="split whose images and captions are trained on")
     ap.add_argument("--dev-split", default=None,
                     help="only '' is accepted, the old spelling of --selection last (dev never selects a model)")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")

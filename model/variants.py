@@ -14,6 +14,7 @@ trains.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -136,3 +137,17 @@ def load_variant(name: str, folder: Path = VARIANTS_DIR) -> Variant:
             settings[section].update(own[section])
     _, base, description, _ = chain[0]
     return Variant(name, description, base, settings)
+
+
+def field_meanings(section: str, folder: Path = VARIANTS_DIR) -> dict[str, str]:
+    """What each field of a settings group ("model", "text", "image", "train") means: the table of
+    model/variants/README.md, the one place fields are described (command-line help reads it)."""
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return {}
+    parts = readme.read_text(encoding="utf-8").split(f"## `[{section}]`", 1)
+    if len(parts) < 2:
+        return {}
+    body = parts[1].split("\n## ", 1)[0]
+    return {name: meaning.strip()
+            for name, meaning in re.findall(r"^\| `(\w+)` \| \w+ \| [^|]+ \| (\S[^|]*) \|$", body, flags=re.M)}
