@@ -69,6 +69,7 @@ class TrainConfig:
     beta: float = 1.0  # weight of the global ranking objective
     margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
+    rank_images: bool = True  # DT-RNN / DeViSE: the ranking loss also ranks images for a sentence (False: DeViSE's)
     balanced: bool = True  # average positive and negative fragment hinges separately
     h: int = 256  # embedding size (paper: ~1000)
     calibrate: int = 0  # fragment models: reference images and sentences for score calibration (0 = none)
@@ -131,6 +132,12 @@ VARIANTS["devise"] = {
     "model": {"kind": "devise", "h": 384}, "text": {"fragments": "tree"},
     "image": {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8",
               "proposal_resize": 112, "backbone_size": 224},
+    "train": {"margin": 0.1, "rank_images": False}}
+# DeViSE as the fragment paper re-implemented it: the same model, ranked both ways (its global objective)
+VARIANTS["devise-bidirectional"] = {
+    "model": {"kind": "devise", "h": 384}, "text": {"fragments": "tree"},
+    "image": {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8",
+              "proposal_resize": 112, "backbone_size": 224},
     "train": {"margin": 0.1}}
 VARIANTS["dt-rnn-contextual"] = {
     "model": {"kind": "dt-rnn", "h": 256}, "text": {"fragments": "tree", "word_vectors": "contextual"},
@@ -146,7 +153,7 @@ VARIANTS["devise-contextual"] = {
     "model": {"kind": "devise", "h": 384}, "text": {"fragments": "tree", "word_vectors": "contextual"},
     "image": {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8",
               "proposal_resize": 112, "backbone_size": 224},
-    "train": {"margin": 0.1}}
+    "train": {"margin": 0.1, "rank_images": False}}
 
 
 @dataclass
@@ -286,8 +293,8 @@ def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data
 def train_global_epoch(model: TreeRNN | DeViSE, run: Run, feats: torch.Tensor, data: SplitData,
                        enc: EncodedSentences, pool: torch.Tensor, opt: torch.optim.Optimizer, epoch: int,
                        rng: np.random.Generator) -> float:
-    """One epoch of a tree RNN (bidirectional ranking, Socher et al. Eq. 5) or DeViSE (its hinge rank loss)
-    over the inner products v . s of a batch's whole images and sentences (their fragment scores)."""
+    """One epoch of a tree RNN (bidirectional ranking, Socher et al. Eq. 5) or DeViSE (its hinge rank loss:
+    `rank_images` False) over the inner products v . s of a batch's whole images and sentences."""
     cfg = run.train
     model.train()
     assert enc.trees is not None
@@ -302,7 +309,7 @@ def train_global_epoch(model: TreeRNN | DeViSE, run: Run, feats: torch.Tensor, d
         ones_i, ones_s = img.new_ones(len(img), 1), sent.new_ones(len(sent), 1)
         scores = flatten(img[:, None], ones_i, sent[:, None], ones_s).scores  # (K, L) v . s
         loss = global_loss(scores, pos.to(cfg.device), local.to(cfg.device), cfg.margin, cfg.global_top_k,
-                           rank_images=not isinstance(model, DeViSE))
+                           rank_images=cfg.rank_images)
         opt.zero_grad()
         loss.backward()
         opt.step()
