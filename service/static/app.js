@@ -78,7 +78,8 @@ function drawAlignment(overlay, alignment, width, height) {
   });
   for (const [fragment, g] of groups) overlay.append(boxDiv(g.box, width, height, g.labels, fragment === 0));
   if (frameLabels.length) {
-    overlay.append(el("div", { class: "frame-label", title: "the whole sentence against the whole picture: not a region" },
+    const title = "the whole sentence, scored against every fragment of the picture: not a region";
+    overlay.append(el("div", { class: "frame-label", title },
       ...frameLabels.map((l) => el("span", { class: "label", style: { background: l.colour } }, l.text))));
   }
   return groups.size;
