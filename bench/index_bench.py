@@ -279,7 +279,7 @@ def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str
                                  (16, 4096, 512))]
     if n_images >= 1_000_000:  # candidates in proportion to the collection
         settings += [dataclasses.replace(pq, nprobe=16, k_prime=kp, rerank=r)
-                     for kp, r in ((16384, 1024), (16384, 4096), (65536, 2048))]
+                     for kp, r in ((16384, 1024), (16384, 2048), (32768, 2048), (16384, 4096), (65536, 2048))]
     if not big:  # raw-vector kinds keep h * 4 bytes per fragment in RAM: measured on the small collection
         settings = [IndexSettings(kind="flat", k_prime=kp, store_dtype="float16") for kp in (64, 256)] + settings
         settings += [IndexSettings(kind="hnsw", pretransform="PCA128", ef_search=128, k_prime=64,

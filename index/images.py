@@ -21,12 +21,12 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.base import FragmentIndex
-from index.query import encode_phrase, encode_sentence, matches
-from index.types import AddReport, ImageHit, ImageRecord, IndexSettings, RegionHit
+from index.query import encode_phrase, encode_sentence, matches, row_triplets
+from index.types import AddReport, Explanation, ImageHit, ImageRecord, IndexSettings, PairShare, RegionHit
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.image import ImageFragments, RegionExtractor
-from model.score import fragment_scores
+from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
 logger = logging.getLogger(__name__)
@@ -225,6 +225,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
             p = self._payloads([image_id])[image_id]
         return ImageRecord(image_id, p.name, self.real_path(p.path), p.width, p.height, p.boxes.tolist())
 
+    def fragments(self, image_id: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        """An indexed image's embedded fragments (F, h) and their boxes (F, 4), or None."""
+        with self._rw.read():
+            if not self.contains(image_id):
+                return None
+            vecs, mask = self._vectors(np.asarray([image_id], dtype=np.int64))
+            boxes = self._payloads([image_id])[image_id].boxes
+        return vecs[0, : int(mask[0].sum())], boxes
+
     def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images for a sentence: FAISS candidates, exact score, alignments."""
         sent, triplets = encode_sentence(self.bundle, sentence)
@@ -248,6 +257,37 @@ class ImageIndex(FragmentIndex[StoredImage]):
         return [ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
                          matches(frags, sent, triplets, p.boxes))
                 for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
+
+    @torch.inference_mode()
+    def explain(self, image_id: int, sentence: str) -> Explanation | None:
+        """Why image `image_id` scores what it does for `sentence` (None when it is not indexed): its
+        S_kl, the rank the exact score gives it over the whole collection (what a search with enough
+        candidates returns), its alignment and every fragment pair's share of the score."""
+        sent, triplets = encode_sentence(self.bundle, sentence)
+        sent_mask = torch.ones(1, len(sent))
+        with self._rw.read():
+            if not self.contains(image_id):
+                return None
+            ids, scores = [], []
+            for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
+                ids.append(part)
+                scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
+            item = np.asarray([image_id], dtype=np.int64)
+            vecs, mask = self._vectors(item)
+            payload = self._payloads([image_id])[image_id]
+        all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
+        mine = float(all_scores[all_ids == image_id][0])
+        ahead = (all_scores > mine) | ((all_scores == mine) & (all_ids < image_id))
+        rank = 1 + int(np.count_nonzero(ahead))
+        frags = vecs[0, : int(mask[0].sum())]
+        dots, shares = pair_contributions(frags, sent)
+        names = row_triplets(triplets, len(sent))
+        pairs = [PairShare(names[j].text(), names[j].rel, (names[j].w1, names[j].w2), i,
+                           [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(dots[i, j] > 0),
+                           float(shares[i, j]))
+                 for j in range(len(sent)) for i in range(len(frags))]
+        return Explanation(image_id, payload.name, payload.width, payload.height, mine, rank, len(all_ids),
+                           len(frags), len(sent), matches(frags, sent, triplets, payload.boxes), pairs)
 
     @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:

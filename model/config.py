@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,14 @@ def default_data_dir() -> Path:
 def default_artifacts_dir() -> Path:
     """Where weights, caches and indexes live (git-ignored): $FRAGSEARCH_ARTIFACTS or ./artifacts."""
     return Path(os.environ.get("FRAGSEARCH_ARTIFACTS", str(DEFAULT_ARTIFACTS)))
+
+
+def collection_index(artifacts: Path, folder: Path) -> Path:
+    """The index folder of a photo collection: <artifacts>/index/collection-<folder name>-<hash of its
+    absolute path> (two folders of one name get their own)."""
+    folder = Path(folder).resolve()
+    tag = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+    return Path(artifacts) / "index" / f"collection-{folder.name or 'root'}-{tag}"
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,13 @@ from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
+from index.sync import open_index, sync_folder
 from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
 from model.train import main as train_main
+from service import logs
 from service.settings import Settings
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
@@ -155,8 +157,18 @@ def ensure_model(settings: Settings) -> Path:
 
 
 def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
-    """The image index of the settings.image_split images (features from the shared cache)."""
+    """The image index of the settings.image_split images (features from the shared cache), or of the
+    settings.collection folder, synced with it at every start."""
     target = settings.image_index_dir
+    if settings.collection is not None:
+        if not settings.collection.is_dir():
+            raise FileNotFoundError(f"the collection folder {settings.collection} does not exist")
+        index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings))
+        try:
+            sync_folder(index, settings.collection, workers=settings.workers)
+        finally:
+            index.close()
+        return target
     if image_index_ready(target):
         logger.info("image index: reusing %s", target)
         return target
@@ -253,11 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     del argv
     try:
         settings = Settings()
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(settings.log_level, settings.log_format)
         device = device_name(settings.device)
     except DeviceError as e:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure("info", "text")
         logger.error("cannot start: %s", e)
         return 2
     logger.info("preparing on %s: data %s, artifacts %s%s", device, settings.data, settings.artifacts,

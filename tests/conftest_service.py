@@ -83,6 +83,9 @@ def make_settings(shapes: ShapesModel, root: Path, **overrides: object) -> Setti
         # deadlines far beyond any request's work, so that no test depends on how busy the machine is
         # (test_service_overload.py sets short ones where the deadline itself is tested)
         "heavy_deadline": DEADLINE, "search_deadline": DEADLINE,
+        # one pytest process serves many apps: freezing each one's objects would keep them all alive
+        # (test_service.py checks the freeze itself)
+        "freeze_heap": False,
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]

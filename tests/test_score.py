@@ -3,7 +3,7 @@
 import torch
 
 from model.objectives import fragment_loss, global_loss, mil_labels
-from model.score import align, flatten, fragment_scores, skl
+from model.score import align, flatten, fragment_scores, pair_contributions, skl
 
 
 def test_skl_matches_hand_computed_example():
@@ -115,3 +115,16 @@ def test_global_loss_top_k_keeps_hardest_negatives():
 
 def test_fragment_scores_shape():
     assert fragment_scores(torch.zeros(2, 3, 4), torch.zeros(5, 6, 4)).shape == (2, 3, 5, 6)
+
+
+def test_pair_contributions_are_each_pairs_share_of_skl():
+    torch.manual_seed(3)
+    img, sent = torch.randn(6, 8), torch.randn(4, 8)
+    dots, shares = pair_contributions(img, sent)
+    for i in range(6):  # a naive loop: v_i . s_j, and max(0, v_i . s_j) / (|g_k| (|g_l| + n))
+        for j in range(4):
+            dot = float(sum(img[i, d] * sent[j, d] for d in range(8)))
+            assert abs(float(dots[i, j]) - dot) < 1e-5
+            assert abs(float(shares[i, j]) - max(0.0, dot) / (6 * (4 + 5.0))) < 1e-6
+    total = skl(img[None], torch.ones(1, 6), sent[None], torch.ones(1, 4))[0, 0]
+    assert torch.allclose(shares.sum(), total, atol=1e-6)
