@@ -2,6 +2,7 @@
 
     python -m bench.index_bench                                   # dev images + synthetic 10k and 100k
     python -m bench.index_bench --skip-dev --sizes 10000          # synthetic only
+    python -m bench.index_bench --sizes --skip-annotate --backends faiss milvus --append   # dev, both backends
 
 For each collection and index setting, a fixed query set is run through the indexed search (FAISS
 candidates, exact re-rank) and through the exhaustive exact ranking of the whole collection;
@@ -13,6 +14,10 @@ Collections: the Flickr8K dev images with the trained model (when its checkpoint
 image -> sentence direction over the training captions), and synthetic collections of N images x 20
 fragments in the model's h (1000 by default): a topic mixture of intrinsic rank 64 plus isotropic
 noise, queries of 6-12 non-negative fragments drawn from 2-3 topics.
+
+`--backends faiss milvus` measures the dev images on both candidate backends side by side in one
+run (collection `flickr8k-dev-backends`): in-process FAISS and Milvus (milvus-lite in the work
+folder; the same exact re-rank after either).
 
 Writes docs/results/index-bench.csv and index-bench.png (agreement vs latency).
 """
@@ -37,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from index import ImageIndex, IndexSettings, SentenceIndex
+from index.candidates import BACKENDS, BackendOptions, FaissCandidates
 from index.query import encode_sentence
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
@@ -49,7 +55,7 @@ from model.words import WordTable
 
 logger = logging.getLogger("bench.index_bench")
 
-COLUMNS = ["collection", "images", "index_type", "params", "agreement_at_10", "p50_ms", "p99_ms",
+COLUMNS = ["collection", "images", "backend", "index_type", "params", "agreement_at_10", "p50_ms", "p99_ms",
            "exhaustive_p50_ms", "speedup", "bytes_per_fragment", "command"]
 K = 10
 N_FRAGMENTS = 20  # paper: the whole image + 19 regions
@@ -59,6 +65,7 @@ N_FRAGMENTS = 20  # paper: the whole image + 19 regions
 class Row:
     collection: str
     images: int
+    backend: str
     index_type: str
     params: str
     agreement_at_10: float
@@ -88,8 +95,12 @@ def timed(fn: Callable[[int], list[int]], n: int) -> tuple[list[list[int]], np.n
 
 
 def ann_bytes_per_fragment(index: ImageIndex | SentenceIndex) -> float:
-    """Bytes of the FAISS index (codes, ids, quantiser: what stays in RAM) per fragment."""
-    return float(faiss.serialize_index(index.ann.index).nbytes / max(1, index.ann.ntotal))
+    """Bytes of the FAISS index (codes, ids, quantiser: what stays in RAM) per fragment; for Milvus,
+    the row it stores (float32 vector + fragment id + item id; its index structures come on top)."""
+    candidates = index.candidates
+    if isinstance(candidates, FaissCandidates):
+        return float(faiss.serialize_index(candidates.ann.index).nbytes / max(1, candidates.ntotal))
+    return float(4 * index.dim + 16)
 
 
 def describe(index: ImageIndex | SentenceIndex) -> str:
@@ -100,12 +111,13 @@ def describe(index: ImageIndex | SentenceIndex) -> str:
 def row(collection: str, n_items: int, index: ImageIndex | SentenceIndex, found: list[list[int]],
         truth: list[list[int]], ms: np.ndarray, exhaustive_ms: np.ndarray, command: str) -> Row:
     p50, ex50 = float(np.percentile(ms, 50)), float(np.percentile(exhaustive_ms, 50))
-    r = Row(collection, n_items, index.ann.active_kind, describe(index), round(agreement(found, truth), 4),
+    r = Row(collection, n_items, index.candidates.NAME, index.candidates.active_kind, describe(index),
+            round(agreement(found, truth), 4),
             round(p50, 2), round(float(np.percentile(ms, 99)), 2), round(ex50, 2), round(ex50 / p50, 1),
             round(ann_bytes_per_fragment(index), 1), command)
-    logger.info("%-28s %-6s %-70s agree@10 %.3f  p50 %7.2f ms  p99 %7.2f ms  exh %8.1f ms  x%.1f  %.0f B/frag",
-                collection, r.index_type, r.params, r.agreement_at_10, r.p50_ms, r.p99_ms, r.exhaustive_p50_ms,
-                r.speedup, r.bytes_per_fragment)
+    logger.info("%-28s %-6s %-6s %-70s agree@10 %.3f  p50 %7.2f ms  p99 %7.2f ms  exh %8.1f ms  x%.1f  %.0f B/frag",
+                collection, r.backend, r.index_type, r.params, r.agreement_at_10, r.p50_ms, r.p99_ms,
+                r.exhaustive_p50_ms, r.speedup, r.bytes_per_fragment)
     return r
 
 
@@ -118,14 +130,15 @@ def sweep(index: ImageIndex | SentenceIndex, settings: Sequence[IndexSettings],
         structural = dataclasses.replace(s, nprobe=index.settings.nprobe, ef_search=index.settings.ef_search,
                                          k_prime=index.settings.k_prime, rerank=index.settings.rerank, use_gpu=False)
         current = dataclasses.replace(index.settings, use_gpu=False)
-        if structural != current or not index.ann.trained:
+        if structural != current or not index.candidates.trained:
             t0 = time.perf_counter()
             search_threads = faiss.omp_get_max_threads()
             faiss.omp_set_num_threads(build_threads)
             index.rebuild(s)
             faiss.omp_set_num_threads(search_threads)
             logger.info("built %s in %.1f s", s.factory(), time.perf_counter() - t0)
-        index.set_search(nprobe=s.nprobe, ef_search=s.ef_search, k_prime=s.k_prime, rerank=s.rerank)
+        index.set_search(nprobe=s.nprobe, ef_search=s.ef_search, k_prime=s.k_prime, rerank=s.rerank,
+                         exact_below=s.exact_below)
         rows.append(measure())
     return rows
 
@@ -170,6 +183,58 @@ def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row
     if not args.skip_annotate:
         rows += annotate_rows(args, bundle, frags, command)
     return rows
+
+
+def backend_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row]:
+    """The dev images on each of `args.backends`, side by side: the same queries, the same exact
+    ground truth, settings that exist on both (the candidate stage always on: exact_below=0)."""
+    split = load_split(args.data, "dev")
+    paths = [split.image_path(n) for n in split.images]
+    cache = feature_cache(args.cache, bundle.image_cfg)
+    cache.ensure(paths, workers=args.workers)
+    frags = cache.load(paths)
+    queries = []
+    for caps in split.captions[: args.dev_queries]:
+        try:
+            queries.append(encode_sentence(bundle, caps[0])[0])
+        except ValueError:
+            continue
+    base = IndexSettings(exact_below=0)
+    settings = [base, dataclasses.replace(base, kind="hnsw", ef_search=128),
+                dataclasses.replace(base, kind="ivf", nlist=128, nprobe=16)]
+    rows: list[Row] = []
+    truth: list[list[int]] = []
+    for name in args.backends:
+        work = args.workdir / f"dev-images-{name}"
+        shutil.rmtree(work, ignore_errors=True)
+        index = ImageIndex.create(work, bundle, base, cache=cache, backend=BackendOptions(name))
+        index.add_extracted(frags, list(split.images), paths)
+        index.save()
+        truth = truth or [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+        logger.info("dev on %s: %d images, %d queries", name, len(index), len(queries))
+        rows += sweep(index, settings, BackendMeasure(index, queries, truth, command), args.build_threads)
+        index.close()
+    return rows
+
+
+class BackendMeasure:
+    """One row of `backend_rows`: the indexed search of every query against the exact truth, with the
+    exhaustive search of (up to) 200 queries on the same index as the reference time."""
+
+    def __init__(self, index: ImageIndex, queries: list[torch.Tensor], truth: list[list[int]], command: str) -> None:
+        self.index, self.queries, self.truth, self.command = index, queries, truth, command
+        _, self.exhaustive_ms = timed(self._exhaustive, min(200, len(queries)))
+
+    def _exhaustive(self, q: int) -> list[int]:
+        return [h.image_id for h in self.index.search_vectors(self.queries[q], K, exhaustive=True)]
+
+    def _indexed(self, q: int) -> list[int]:
+        return [h.image_id for h in self.index.search_vectors(self.queries[q], K)]
+
+    def __call__(self) -> Row:
+        found, ms = timed(self._indexed, len(self.queries))
+        return row("flickr8k-dev-backends", len(self.index), self.index, found, self.truth, ms, self.exhaustive_ms,
+                   self.command)
 
 
 def annotate_rows(args: argparse.Namespace, bundle: Bundle, frags: list, command: str) -> list[Row]:
@@ -311,9 +376,11 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
 
 
 def read_row(r: dict[str, str]) -> Row:
-    n = {c: float(r[c]) for c in COLUMNS[4:10]}
-    return Row(r["collection"], int(r["images"]), r["index_type"], r["params"], n["agreement_at_10"], n["p50_ms"],
-               n["p99_ms"], n["exhaustive_p50_ms"], n["speedup"], n["bytes_per_fragment"], r["command"])
+    """A CSV row; rows written before the backend column are FAISS rows."""
+    n = {c: float(r[c]) for c in COLUMNS[5:11]}
+    return Row(r["collection"], int(r["images"]), r.get("backend") or "faiss", r["index_type"], r["params"],
+               n["agreement_at_10"], n["p50_ms"], n["p99_ms"], n["exhaustive_p50_ms"], n["speedup"],
+               n["bytes_per_fragment"], r["command"])
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:
@@ -365,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--annotate-queries", type=int, default=50, help="dev images used as queries of the annotate rows")
     ap.add_argument("--skip-dev", action="store_true", help="leave out the dev-image rows")
     ap.add_argument("--skip-annotate", action="store_true", help="leave out the image -> sentence rows")
+    ap.add_argument("--backends", nargs="*", default=[], choices=BACKENDS,
+                    help="also measure the dev images on these candidate backends side by side")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
     ap.add_argument("--build-threads", type=int, default=2, help="FAISS threads while building")
@@ -382,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     if bundle is None:
         logger.warning("no model at %s: no dev-image rows, synthetic h = %d", args.model, args.h or 1000)
     elif not args.skip_dev:
-        rows += dev_rows(args, bundle, command)
+        rows += dev_rows(args, bundle, command) if not args.backends else backend_rows(args, bundle, command)
     h = args.h or (bundle.dim if bundle is not None else 1000)
     for n in args.sizes:
         rows += synthetic_rows(args, n, h, command)

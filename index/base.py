@@ -327,9 +327,8 @@ class FragmentIndex(Generic[P]):
                 return False
             self._reconcile()
             with self._rw.write():
-                self.items.kill(item)
                 if self._shared is None:
-                    self.candidates.remove_item(item)
+                    self.candidates.remove_item(item)  # first: a backend that refuses it leaves the item live
                 else:  # a vector other items hold stays, under the id of its next holder
                     drop, moved = self._shared.remove(item)
                     self.candidates.remove_ids(np.asarray(drop, np.int64))
@@ -337,6 +336,7 @@ class FragmentIndex(Generic[P]):
                     moved = [(o, r) for o, r in moved if o not in waiting]
                     if moved:
                         self.candidates.add(*self._rows_of(moved))
+                self.items.kill(item)
             return True
 
     @contextlib.contextmanager

@@ -27,10 +27,12 @@ re-rank store. A rebuild fills a new collection; the commit names it and the old
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ from tqdm import tqdm
 from index import ids as fid
 from index.candidates import BackendOptions, CandidateBackend, Sources
 from index.files import fsync_dir
-from index.types import IndexLoadError, IndexSettings
+from index.types import IndexFullError, IndexLoadError, IndexSettings
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,18 @@ ID, ITEM, VECTOR = "id", "item", "vector"
 
 _lite_lock = threading.Lock()
 _lite_users: dict[str, int] = {}  # milvus-lite folder -> open backends in this process
+
+
+@contextlib.contextmanager
+def _space(root: Path) -> Iterator[None]:
+    """A write the server refused for want of disk space (milvus-lite writes into the index folder)
+    becomes IndexFullError, as a full disk during a save does."""
+    try:
+        yield
+    except Exception as e:
+        if os.strerror(errno.ENOSPC) in str(e) and not isinstance(e, OSError):
+            raise IndexFullError(root, e) from e
+        raise
 
 
 def is_lite(uri: str) -> bool:
@@ -211,7 +225,8 @@ class MilvusCandidates(CandidateBackend):
             end = start + INSERT_ROWS
             part = zip(ids[start:end].tolist(), items[start:end].tolist(), vecs[start:end], strict=True)
             rows = [{ID: int(i), ITEM: int(t), VECTOR: v} for i, t, v in part]
-            self.client.upsert(self.collection, data=rows)
+            with _space(self.root):
+                self.client.upsert(self.collection, data=rows)
         self._count += len(ids)
 
     def remove_item(self, item: int) -> int:
@@ -227,7 +242,8 @@ class MilvusCandidates(CandidateBackend):
     def _delete(self, expr: str = "", ids: list[int] | None = None) -> int:
         """Delete by expression or ids; the count is read back (not every server reports it reliably)."""
         before = self._count
-        self.client.delete(self.collection, filter=expr, ids=ids)
+        with _space(self.root):
+            self.client.delete(self.collection, filter=expr, ids=ids)
         self._count = self._stored_count()
         return before - self._count
 
@@ -309,7 +325,8 @@ class MilvusCandidates(CandidateBackend):
 
     # -- persistence ------------------------------------------------------------------------------
     def persist(self, root: Path, generation: int, created: list[Path]) -> dict[str, Any]:
-        self.client.flush(self.collection)
+        with _space(self.root):
+            self.client.flush(self.collection)
         return {"backend": self.NAME, "milvus_uri": self.stored_uri, "milvus_prefix": self.prefix,
                 "milvus_collection": self.collection, "ann_file": "", "ann_sha256": "", "ann_trained": True,
                 "ann_ntotal": self._count}

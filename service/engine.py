@@ -248,7 +248,14 @@ class Engine:
         """Remove from the index (and delete the file if the service stored it); False if unknown."""
         with self._write_lock:
             rec = self.images.get(image_id)
-            if rec is None or not self.images.remove(image_id):
+            try:
+                removed = rec is not None and self.images.remove(image_id)
+            except OSError as e:  # a candidate backend that writes at once (Milvus) on a full disk
+                full = storage_error(e, f"image {image_id} was not removed; the index is as it was")
+                if full is None:
+                    raise
+                raise full from e
+            if rec is None or not removed:
                 return False
             try:
                 self.images.save()

@@ -328,14 +328,23 @@ def test_full_disk_during_save_keeps_the_last_good_state(service_env: ServiceEnv
     assert refused.json()["error"]["code"] == "insufficient_storage"
     assert "no space left" in refused.json()["error"]["message"]
     assert live_items(engine.images) == before, "the failed upload left nothing behind in memory"
-    assert engine.images.remove(int(engine.images.ids()[0]))
-    with pytest.raises(IndexFullError, match="no space left"):
-        engine.images.save()
+    first = int(engine.images.ids()[0])
+    writes_at_once = engine.images.candidates.NAME == "milvus"  # milvus-lite writes a removal into the folder
+    if writes_at_once:
+        with pytest.raises(IndexFullError, match="no space left"):
+            engine.images.remove(first)
+        assert engine.images.contains(first), "a refused removal leaves the image in place"
+    else:
+        assert engine.images.remove(first)
+        with pytest.raises(IndexFullError, match="no space left"):
+            engine.images.save()
     reloaded = ImageIndex.load(small_disk / "images", bundle)
     assert live_items(reloaded) == before, "the last good state survives on disk"
     reloaded.close()
     # with space again, the service writes again (the pending removal is saved with it)
     filler.unlink()
+    if writes_at_once:
+        assert engine.images.remove(first)
     added = asyncio.run(post())
     assert added.status_code == 201, added.text
     reloaded = ImageIndex.load(small_disk / "images", bundle)
