@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 ENGINES = ("local", "ray")
 DEFAULT_BATCH = 8  # images per task / per actor call
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PROPOSAL_TASK_MEMORY = 256 * 2**20  # bytes reserved by a proposal task (selective search on one batch)
 RAY_ENV = ("FRAGSEARCH_ARTIFACTS", "FRAGSEARCH_DATA")  # settings the Ray workers must share with the driver
 
 
@@ -192,7 +193,10 @@ def extract_ray(paths: Sequence[str], cfg: ImageConfig, sink: Sink, workers: int
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the driver's tqdm bar below reports progress
     ds = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=max(1, -(-len(paths) // batch)))
-    ds = ds.map_batches(propose_stage, fn_kwargs={"cfg": cfg}, batch_size=batch, batch_format="numpy", num_cpus=1)
+    # the proposal tasks reserve memory and the actors do not: remote arguments that differ keep Ray Data
+    # from fusing the proposals into the actors, so they stay a CPU stage of their own
+    ds = ds.map_batches(propose_stage, fn_kwargs={"cfg": cfg}, batch_size=batch, batch_format="numpy", num_cpus=1,
+                        memory=PROPOSAL_TASK_MEMORY)
     ds = ds.map_batches(BackboneStage, fn_constructor_kwargs={"cfg": cfg, "device": device, "runtime": runtime},
                         batch_size=batch, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
                         num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0)
@@ -328,12 +332,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             index = ImageIndex.create(args.index, bundle, IndexSettings(kind=args.kind),
                                       collection_root=args.collection_root)
         try:
-            with index.bulk() if index.settings.trainable and not index.ann.trained else contextlib.nullcontext():
-                load_shards(index, args.shards)
-            index.save()
+            load_shards(index, args.shards)
+            logger.info("image index %s: %d images, %d fragments", args.index, len(index), index.n_fragments)
         finally:
             index.close()
-        logger.info("image index %s: %d images", args.index, len(ImageIndex.load(args.index, bundle)))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ candidate backend behind ``ImageIndex`` loads the same shards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -206,7 +207,7 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
     """Add the images of the shards in ``folder`` that ``index`` does not hold yet (by path) → how many.
 
     Goes through ``ImageIndex.add_extracted`` (the model embeds the features, the index's backend
-    stores them) and saves after each shard, so an interrupted load resumes where it stopped."""
+    stores them) and saves the index."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
@@ -220,9 +221,14 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
     for path in files:
         with np.load(path, allow_pickle=False) as z:
             total += len(z["keys"])
+    # an untrained ivf / ivfpq index is trained once on a sample of everything (index.bulk), then saved;
+    # any other is saved after each shard, so an interrupted load resumes where it stopped
+    once = index.settings.trainable and not index.ann.trained
     added = 0
-    bar = tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress)
-    try:
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress))
+        if once:
+            stack.enter_context(index.bulk())
         for path in files:
             shard = read_shard(path)
             present = index.find_paths(shard.paths)
@@ -232,11 +238,11 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
                 index.add_extracted([shard.fragments(k) for k in part], [shard.names[k] for k in part],
                                     [shard.paths[k] for k in part])
                 added += len(part)
-            if rows:
+            if rows and not once:
                 index.save()
             bar.update(len(shard))
-    finally:
-        bar.close()
+    if once and added:
+        index.save()
     logger.info("loaded %d images from %d shards in %s into %s (%d there already)", added, len(files), folder,
                 index.root, total - added)
     return added

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from index import ImageIndex, list_images
-from index.bulk import bulk_extract, ray_session
+from index import ImageIndex, IndexSettings, list_images
+from index.bulk import bulk_extract
 from index.shards import (
     FAILED_FILE,
     ShardError,
@@ -28,9 +30,16 @@ from model.config import ImageConfig
 from model.image import RegionExtractor
 from model.imageio import load_image
 from model.words import WordTable
+from tests.netns import REPO, hosts, in_ns, ray_env, ray_temp, stop_ray
 from tests.test_index import IMAGE_CFG, WORDS, F, make_bundle, picture
 
 CFG = shard_settings(IMAGE_CFG)
+# the served model's image settings (model/train.py "full"), as index.bulk's region flags, for the Ray runs
+RAY_CFG = ImageConfig(region_features="crop", backbone_precision="int8", proposal_resize=112, backbone_size=224,
+                      min_box_frac=0.25)
+RAY_FLAGS = ["--region-features", "crop", "--backbone-precision", "int8", "--proposal-resize", "112",
+             "--backbone-size", "224", "--min-box-frac", "0.25"]
+JOB_TIMEOUT_S = 600
 
 
 def photo_folder(root: Path) -> Path:
@@ -51,6 +60,11 @@ def photo_folder(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def words() -> WordTable:
     return WordTable.build(WORDS)
+
+
+@pytest.fixture(scope="module")
+def ray_extractor() -> RegionExtractor:
+    return RegionExtractor(RAY_CFG)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +97,7 @@ def check_shards_equal_plain(folder: Path, photos: Path, extractor: RegionExtrac
         want_boxes, want_feats = plain(extractor, p)
         assert key == content_key(Path(p).read_bytes())
         assert size == Image.open(p).size
-        assert feats.dtype == np.float16 and feats.shape == (F, 1280)
+        assert feats.dtype == np.float16 and feats.shape == (extractor.cfg.n_fragments, 1280)
         np.testing.assert_array_equal(boxes, want_boxes)
         np.testing.assert_array_equal(feats, want_feats)
     failed = json.loads((folder / FAILED_FILE).read_text())
@@ -139,12 +153,13 @@ def test_temp_files_of_an_interrupted_write_are_not_shards(tmp_path: Path):
     assert shard_files(out) == [] and done_paths(out) == set()
 
 
-def test_shards_load_into_an_index_through_its_add_api_and_resume(tmp_path: Path, words, extractor):
+@pytest.mark.parametrize("kind", ["flat", "ivf"])  # ivf: loaded inside index.bulk(), saved once
+def test_shards_load_into_an_index_through_its_add_api_and_resume(tmp_path: Path, words, kind: str):
     photos = photo_folder(tmp_path)
     out = tmp_path / "shards"
     bulk_extract(list_images(photos), out, IMAGE_CFG, "local", workers=1, shard_size=3, progress=False)
     bundle = make_bundle(words)
-    index = ImageIndex.create(tmp_path / "idx", bundle)
+    index = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings(kind=kind))
     assert load_shards(index, out, chunk=2, progress=False) == 5
     assert len(index) == 5
     # each image went in as if added by the index itself from the plain extractor's features
@@ -177,18 +192,28 @@ def test_loading_shards_of_other_settings_than_the_model_fails(tmp_path: Path, w
 
 
 @pytest.mark.slow
-def test_ray_engine_gives_the_plain_extractor_features(tmp_path: Path, extractor: RegionExtractor):
-    """Proposals on Ray CPU tasks, the backbone on a Ray actor: the same boxes and features, bit for bit
-    in float16, as RegionExtractor in this process; unreadable files recorded; a re-run resumes."""
+def test_ray_engine_gives_the_plain_extractor_features(tmp_path: Path, ray_extractor: RegionExtractor):
+    """``python -m index.bulk --engine ray`` (proposals on Ray CPU tasks, the backbone on a Ray actor) in a
+    namespace of its own (tests/netns.py: Ray there listens on loopback only): the same boxes and
+    features, bit for bit in float16, as RegionExtractor in this process; unreadable files recorded;
+    a second run resumes with nothing to do."""
     photos = photo_folder(tmp_path)
     out = tmp_path / "shards"
-    with ray_session(None, workers=1):
-        report = bulk_extract(list_images(photos), out, IMAGE_CFG, "ray", workers=1, shard_size=2, batch=2,
-                              progress=False)
-        assert (report.extracted, report.failed) == (5, 1)
-        check_shards_equal_plain(out, photos, extractor)
-        again = bulk_extract(list_images(photos), out, IMAGE_CFG, "ray", workers=1, progress=False)
-        assert (again.extracted, again.present) == (0, 5)
+    temp = ray_temp()
+    cmd = [sys.executable, "-m", "index.bulk", "--engine", "ray", "--workers", "1", "--images", str(photos),
+           "--shards", str(out), "--no-cache", "--batch", "2", "--shard-size", "2",
+           "--model", str(tmp_path / "no-model.pt"), *RAY_FLAGS]
+    try:
+        with hosts(1) as (host,):
+            for _ in range(2):
+                job = subprocess.run(in_ns(host, *cmd), env=ray_env(temp), cwd=REPO, capture_output=True, text=True,
+                                     timeout=JOB_TIMEOUT_S)
+                assert job.returncode == 0, job.stderr[-4000:]
+    finally:
+        stop_ray([], [temp])
+    check_shards_equal_plain(out, photos, ray_extractor)
+    assert len(shard_files(out)) == 3
+    assert ": 0 extracted" in job.stderr and "5 present" in job.stderr  # the second run found them all in the shards
 
 
 def test_image_config_round_trips_through_the_manifest(tmp_path: Path):
