@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import tempfile
@@ -192,10 +193,11 @@ def extract_ray(paths: Sequence[str], cfg: ImageConfig, sink: Sink, workers: int
     onnx_graph(cfg.backbone_precision, graph_dir())  # made once here, not by every actor at once
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the driver's tqdm bar below reports progress
-    ds = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=max(1, -(-len(paths) // batch)))
+    blocks = max(1, -(-len(paths) // batch))
+    ds: ray.data.Dataset = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=blocks)
     # the proposal tasks reserve memory and the actors do not: remote arguments that differ keep Ray Data
     # from fusing the proposals into the actors, so they stay a CPU stage of their own
-    ds = ds.map_batches(propose_stage, fn_kwargs={"cfg": cfg}, batch_size=batch, batch_format="numpy", num_cpus=1,
+    ds = ds.map_batches(functools.partial(propose_stage, cfg=cfg), batch_size=batch, batch_format="numpy", num_cpus=1,
                         memory=PROPOSAL_TASK_MEMORY)
     ds = ds.map_batches(BackboneStage, fn_constructor_kwargs={"cfg": cfg, "device": device, "runtime": runtime},
                         batch_size=batch, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
