@@ -7,7 +7,9 @@ Each run starts from empty folders (a fresh feature cache and shard folder: noth
 is timed from the engine's start to its last shard: model loading in the workers / actors included,
 Ray's own start (``ray.init`` on this machine, ``startup_s``) not — a cluster is up before a bulk job.
 ``workers`` is the number of extraction processes (local) or backbone actors (Ray, whose proposal stage
-runs on one more logical CPU: ``index/bulk.py``). Rows go to docs/results/bulk-extract.csv.
+runs on one more logical CPU: ``index/bulk.py``). ``cpu_ms_per_image`` adds the CPU time of every
+process of the run (this one, the pool's workers, Ray's daemons, tasks and actors): the cost that does
+not depend on what else shares the machine. Rows go to docs/results/bulk-extract.csv.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import csv
 import logging
 import os
+import resource
 import shlex
 import sys
 import tempfile
@@ -33,9 +36,36 @@ from model.train import VARIANTS, make_run
 
 logger = logging.getLogger("bench.bulk_bench")
 
-FIELDS = ("engine", "variant", "images", "workers", "seconds", "images_per_s", "startup_s", "failed", "machine",
-          "command", "load_avg")
+FIELDS = ("engine", "variant", "images", "workers", "seconds", "images_per_s", "cpu_ms_per_image", "startup_s",
+          "failed", "machine", "command", "load_avg")
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "bulk-extract.csv"
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process, its reaped children and every live
+    descendant (Ray's daemons, tasks and actors; the local pool's workers), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    kids: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            text = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # state, ppid, ... utime (11), stime (12)
+        kids.setdefault(int(fields[1]), []).append(int(d.name))
+        cpu[int(d.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, list(kids.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += kids.get(pid, [])
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,16 +98,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                     start = time.perf_counter()
                     with ray_session(None, workers):
                         startup = time.perf_counter() - start
+                        cpu = tree_cpu_seconds()
                         report = bulk_extract(paths, Path(tmp) / "shards", cfg, engine, workers, None,
                                               batch=args.batch)
+                        cpu = tree_cpu_seconds() - cpu  # before the shutdown ends Ray's processes
                 else:
+                    cpu = tree_cpu_seconds()
                     report = bulk_extract(paths, Path(tmp) / "shards", cfg, engine, workers, cache, batch=args.batch)
+                    cpu = tree_cpu_seconds() - cpu
+            cpu_ms = 1000 * cpu / max(1, report.extracted)
             speed[(engine, workers)] = report.images_per_s
-            logger.info("%-5s %d worker(s): %6.2f images/s (%d images in %.1f s; start-up %.1f s; load average "
-                        "before %.1f)", engine, workers, report.images_per_s, report.extracted, report.seconds,
-                        startup, load)
+            logger.info("%-5s %d worker(s): %6.2f images/s (%d images in %.1f s; %.0f CPU ms/image; start-up %.1f s; "
+                        "load average before %.1f)", engine, workers, report.images_per_s, report.extracted,
+                        report.seconds, cpu_ms, startup, load)
             rows.append([engine, args.variant, report.extracted, workers, f"{report.seconds:.2f}",
-                         f"{report.images_per_s:.2f}", f"{startup:.1f}", report.failed, where, command, f"{load:.1f}"])
+                         f"{report.images_per_s:.2f}", f"{cpu_ms:.1f}", f"{startup:.1f}", report.failed, where,
+                         command, f"{load:.1f}"])
     for workers in args.workers:
         if ("ray", workers) in speed and ("local", workers) in speed and speed[("local", workers)] > 0:
             logger.info("ray / local with %d worker(s): %.2fx", workers,

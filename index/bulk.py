@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 ENGINES = ("local", "ray")
 DEFAULT_BATCH = 8  # images per task / per actor call
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROPOSAL_TASK_MEMORY = 256 * 2**20  # bytes reserved by a proposal task (selective search on one batch)
+PROPOSAL_TASK_MEMORY = 640 * 2**20  # bytes reserved by a proposal task: its worker (torch, OpenCV) peaked at ~500 MB
 RAY_ENV = ("FRAGSEARCH_ARTIFACTS", "FRAGSEARCH_DATA")  # settings the Ray workers must share with the driver
 
 
