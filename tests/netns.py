@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -78,10 +79,16 @@ def in_ns(host: Host, *cmd: str) -> list[str]:
     return ["ip", "netns", "exec", host.ns, *cmd]
 
 
+RAY_TOKEN = secrets.token_hex(32)  # the test clusters' authentication token (Ray 2.60 asks for one)
+
+
 def ray_env(temp: str) -> dict[str, str]:
     """The environment of Ray processes and drivers in the tests: this checkout importable, no usage
-    reports, Ray's session files under ``temp`` (how `stop_ray` finds the processes to end)."""
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO), "RAY_TMPDIR": temp}
+    reports, Ray's session files under ``temp`` (how `stop_ray` finds the processes to end), token
+    authentication with a token of this test session (head, workers and driver share it; the user's
+    ~/.ray/auth_token is neither read nor written)."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO), "RAY_TMPDIR": temp,
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": RAY_TOKEN}
 
 
 def ray_temp() -> str:
