@@ -30,11 +30,13 @@ def machine() -> str:
 def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:
     """The flags of the benchmarks that evaluate trained models on a split: where models, data,
     caches and results are."""
-    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--split", default="dev")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--models", type=Path, default=default_artifacts_dir() / "models",
+                    help="folder of trained models, one <name>/model.pt each")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--split", default="dev", help="split evaluated on (reported, never used to choose a model)")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache")
+    ap.add_argument("--out", type=Path, default=out, help="the results file written")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows already in the results of models not evaluated in this run")
 

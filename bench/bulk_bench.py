@@ -32,7 +32,7 @@ from index.bulk import ENGINES, bulk_extract, ray_session
 from model.backbone import set_torch_threads
 from model.cache import FeatureCache
 from model.config import default_data_dir
-from model.train import VARIANTS, make_run
+from model.variants import load_variant, variant_names
 
 logger = logging.getLogger("bench.bulk_bench")
 
@@ -70,18 +70,19 @@ def tree_cpu_seconds() -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--n", type=int, default=200, help="images (the first N of train.txt)")
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
-    ap.add_argument("--variant", default="full", choices=sorted(VARIANTS), help="whose image settings are used")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                    help="extraction processes (local) / backbone actors (ray) to compare")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES, help="engines to compare")
+    ap.add_argument("--variant", default="full", choices=variant_names(), help="whose image settings are used")
     ap.add_argument("--batch", type=int, default=8, help="images per task / actor call")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
 
     paths = image_paths(args.data, args.n)
-    cfg = make_run(args.variant, {}).image
+    cfg = load_variant(args.variant).image
     command = "python -m bench.bulk_bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     where = machine()
     logger.info("%d images from %s on %s, %s image settings: %s", len(paths), args.data, where, args.variant, cfg)

@@ -41,7 +41,7 @@ from model.cache import ExtractionPool
 from model.config import PROPOSAL_MODES, ImageConfig, default_data_dir
 from model.imageio import load_image
 from model.proposals import propose_boxes
-from model.train import VARIANTS, make_run
+from model.variants import load_variant, variant_names
 
 logger = logging.getLogger("bench.extract_bench")
 
@@ -129,21 +129,23 @@ def time_extraction(paths: Sequence[Path], cfg: ImageConfig, workers: int, batch
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--n", type=int, default=200, help="images (the first N of train.txt)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker processes to compare")
-    ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=sorted(VARIANTS),
+    ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=variant_names(),
                     help="training variants whose image settings are run end to end")
     ap.add_argument("--runtimes", nargs="+", default=["auto"], choices=RUNTIMES,
                     help="backbone runtimes of the end-to-end rows (auto: ONNX Runtime on the CPU; a float "
                          "variant on torch is labelled <variant>[torch])")
     ap.add_argument("--backbone-sizes", type=int, nargs="+", default=[224, 448],
                     help="sides of the backbone stage rows")
-    ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES)
+    ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES,
+                    help="selective search strategies of the proposals stage row")
     ap.add_argument("--proposal-resize", type=int, nargs="+", default=[224, 112], help="sides of the proposal rows")
     ap.add_argument("--batch", type=int, default=8, help="images per task")
     ap.add_argument("--stage-images", type=int, default=50, help="images for the per-stage timings (0: skip)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     ap.add_argument("--append", action="store_true", help="add rows to an existing CSV instead of replacing it")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
@@ -164,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     speed: dict[tuple[str, int], float] = {}
     cpu_ms: dict[str, float] = {}
     for variant in args.variants:
-        cfg = make_run(variant, {}).image
+        cfg = load_variant(variant).image
         for runtime in args.runtimes:
             if runtime == "torch" and cfg.backbone_precision == "int8":
                 continue  # the int8 graph runs on ONNX Runtime only

@@ -279,7 +279,7 @@ def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str
                                  (16, 4096, 512))]
     if n_images >= 1_000_000:  # candidates in proportion to the collection
         settings += [dataclasses.replace(pq, nprobe=16, k_prime=kp, rerank=r)
-                     for kp, r in ((16384, 1024), (16384, 4096), (65536, 2048))]
+                     for kp, r in ((16384, 1024), (16384, 2048), (32768, 2048), (16384, 4096), (65536, 2048))]
     if not big:  # raw-vector kinds keep h * 4 bytes per fragment in RAM: measured on the small collection
         settings = [IndexSettings(kind="flat", k_prime=kp, store_dtype="float16") for kp in (64, 256)] + settings
         settings += [IndexSettings(kind="hnsw", pretransform="PCA128", ef_search=128, k_prime=64,
@@ -348,20 +348,24 @@ def plot(rows: Sequence[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--workdir", type=Path, default=default_artifacts_dir() / "bench" / "index")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
+    ap.add_argument("--workdir", type=Path, default=default_artifacts_dir() / "bench" / "index",
+                    help="where the benchmark's indexes are built (removed after)")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"), help="the CSV written")
     ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000], help="synthetic collection sizes")
     ap.add_argument("--h", type=int, default=None, help="synthetic dimension (default: the model's, else 1000)")
     ap.add_argument("--queries", type=int, default=50, help="synthetic queries")
     ap.add_argument("--exhaustive-timed", type=int, default=5, help="queries timed exhaustively on large collections")
-    ap.add_argument("--dev-queries", type=int, default=1000)
-    ap.add_argument("--annotate-queries", type=int, default=50)
-    ap.add_argument("--skip-dev", action="store_true")
-    ap.add_argument("--skip-annotate", action="store_true")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dev-queries", type=int, default=1000, help="dev captions used as queries of the dev-image rows")
+    ap.add_argument("--annotate-queries", type=int, default=50, help="dev images used as queries of the annotate rows")
+    ap.add_argument("--skip-dev", action="store_true", help="leave out the dev-image rows")
+    ap.add_argument("--skip-annotate", action="store_true", help="leave out the image -> sentence rows")
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
     ap.add_argument("--build-threads", type=int, default=2, help="FAISS threads while building")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic index folders")

@@ -320,14 +320,15 @@ async def run(url: str, scenarios: Sequence[str], client_counts: Sequence[int], 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the running service's base URL (loopback only)")
     ap.add_argument("--clients", type=int, nargs="+", default=[8], help="client counts to run each scenario with")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds per scenario (e.g. 10 for a quick run)")
-    ap.add_argument("--scenarios", nargs="+", default=["search", "annotate", "mixed"], choices=SCENARIOS)
+    ap.add_argument("--scenarios", nargs="+", default=["search", "annotate", "mixed"], choices=SCENARIOS,
+                    help="what each client sends")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of unrecorded load first")
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--k", type=int, default=10, help="results per query")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="queries: dev captions; upload: a dev image")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     ap.add_argument("--pid", type=int, help="the server's process id (RSS from /proc instead of /metrics)")
     ap.add_argument("--rss-every", type=float, default=5.0, help="seconds between two RSS samples")
     ap.add_argument("--probe-every", type=float, default=0.25, help="seconds between two /healthz probes")

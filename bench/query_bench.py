@@ -84,14 +84,17 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=art / "models" / "full" / "model.pt")
-    ap.add_argument("--index", type=Path, default=art / "index" / "images-dev")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--model", type=Path, default=art / "models" / "full" / "model.pt",
+                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--index", type=Path, default=art / "index" / "images-dev",
+                    help="the image index searched; default: the served dev-image index")
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--n", type=int, default=200, help="queries: the first N dev captions")
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--k", type=int, default=10, help="results per query")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--append", action="store_true")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --out (replace those measured now)")
     ap.add_argument("--candidates", action="store_true", help="always use the candidate stage")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")

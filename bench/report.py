@@ -7,6 +7,10 @@ is measured the same way), writes docs/results/flickr8k-dev.csv (+ a JSON with e
 Hodosh variant, training times, recall@K and training curves), recall@K curves and training
 curves as PNG. With --merge, the rows already in the table whose models are not evaluated now are
 kept as they are (and drawn where the JSON holds their curves).
+
+Dev is evaluated here only: the `selection` column says how each row's checkpoint was chosen (on
+training images held out of training, a fixed epoch count, or, for older rows, on dev), read from
+the run's history.json; each row's variant (model/variants/<name>.toml) is described in the JSON.
 """
 
 from __future__ import annotations
@@ -27,14 +31,38 @@ import numpy as np  # noqa: E402
 from bench import SplitDataByConfig, add_model_args, kept_rows  # noqa: E402
 from model.bundle import Bundle  # noqa: E402
 from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks  # noqa: E402
+from model.variants import VariantError, load_variant  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["model", "annot_r1", "annot_r5", "annot_r10", "annot_medr",
-           "search_r1", "search_r5", "search_r10", "search_medr", "command"]
+           "search_r1", "search_r5", "search_r10", "search_medr", "selection", "command"]
+METRICS = COLUMNS[1:9]
 ORDER = ["full", "full-crop", "full-roi", "paper", "fragment+global", "fragment", "global", "fullframe", "bow",
          "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide", "dropout",
          "two-branch"]
+
+
+def selection_label(hist: dict[str, Any]) -> str:
+    """How a run's checkpoint was chosen, from its history.json (older runs: dev or fixed epochs)."""
+    history = hist.get("history", [])
+    sel = hist.get("selection")
+    if sel is not None:
+        if sel["rule"] == "val":
+            return f"val ({sel['images']} train images held out): epoch {sel['epoch']}/{sel['epochs']}"
+        return f"fixed {sel['epochs']} epochs"
+    if not history:
+        return "dev (best evaluated epoch; history not kept)"
+    best = hist.get("best")
+    return f"dev: epoch {int(best['epoch'])}/{len(history)}" if best else f"fixed {len(history)} epochs"
+
+
+def variant_description(hist: dict[str, Any], name: str) -> str | None:
+    """The description of the variant the run names (None when its file is gone)."""
+    try:
+        return load_variant(str(hist.get("variant", name))).description
+    except VariantError:
+        return None
 
 
 def _style(i: int, name: str) -> dict[str, Any]:
@@ -75,8 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         hist = json.loads(hist_path.read_text()) if hist_path.is_file() else {}
         histories[name] = hist.get("history", [])
         command = hist.get("command", "")
-        rows.append({"model": name, **{c: round(m[c], 1) for c in COLUMNS[1:-1]}, "command": command})
+        rows.append({"model": name, **{c: round(m[c], 1) for c in METRICS}, "selection": selection_label(hist),
+                     "command": command})
         details[name] = {"metrics": m, "train_seconds": hist.get("train_seconds"),
+                         "variant": hist.get("variant", name), "description": variant_description(hist, name),
+                         "selection": hist.get("selection", rows[-1]["selection"]),
                          "epoch_seconds": [h.get("seconds") for h in hist.get("history", [])],
                          "config": hist.get("config"), "command": command,
                          "recall_at_k": {"annot": curves[name][0], "search": curves[name][1]},
@@ -114,11 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     for i, (name, hist) in enumerate(histories.items()):
         ep = [h["epoch"] for h in hist]
         axes[0].plot(ep, [h["loss"] for h in hist], label=name, **_style(i, name))
-        ev = [(h["epoch"], h["rsum"]) for h in hist if "rsum" in h]
+        ev = [(h["epoch"], h.get("val_rsum", h.get("rsum"))) for h in hist if "val_rsum" in h or "rsum" in h]
         if ev:
             axes[1].plot(*zip(*ev, strict=True), marker="o", label=name, **_style(i, name))
     axes[0].set(xlabel="epoch", ylabel="training loss", title="training loss", yscale="log")
-    axes[1].set(xlabel="epoch", ylabel="dev R-sum (R@1+5+10, both directions)", title="dev R-sum")
+    axes[1].set(xlabel="epoch", ylabel="R-sum (R@1+5+10, both directions)",
+                title="R-sum on the selection split (held-out training images; dev for older rows)")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)

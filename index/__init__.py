@@ -8,12 +8,14 @@ from index.images import ImageIndex, list_images
 from index.sentences import SentenceIndex
 from index.types import (
     AddReport,
+    Explanation,
     FragmentMatch,
     ImageHit,
     ImageRecord,
     IndexFullError,
     IndexLoadError,
     IndexSettings,
+    PairShare,
     RegionHit,
     SentenceHit,
     SentenceRecord,
@@ -21,6 +23,7 @@ from index.types import (
 
 __all__ = [
     "AddReport",
+    "Explanation",
     "FragmentMatch",
     "ImageHit",
     "ImageIndex",
@@ -28,6 +31,7 @@ __all__ = [
     "IndexFullError",
     "IndexLoadError",
     "IndexSettings",
+    "PairShare",
     "RegionHit",
     "SentenceHit",
     "SentenceIndex",

@@ -110,7 +110,7 @@ class AnnIndex:
         self._gpu = None
         return n
 
-    def remove_ids(self, ids: Sequence[int]) -> int:
+    def remove_ids(self, ids: Sequence[int] | np.ndarray) -> int:
         """Remove fragments by id; returns how many were removed (0 where deletion is unsupported)."""
         if not self.supports_remove or not len(ids):
             return 0

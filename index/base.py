@@ -1,15 +1,27 @@
-"""The storage machinery both indexes share: FAISS candidates, the re-rank store, SQLite metadata.
+"""What both indexes share: writes, the save protocol, candidate recall and the exact re-rank.
+
+The parts, one job each:
+
+    index.catalogue   index.sqlite: item rows + the `info` table that names the committed state
+    index.items       the item table in memory (store location, fragment count, alive)
+    index.store       the re-rank store: fragment vectors read back exactly for S_kl
+    index.compaction  merging store segments at a save
+    index.candidates  the candidate backend: in-process FAISS (a faiss-*.index file) or Milvus
+    index.ranking     top-k with ties to the smaller id
 
 An index folder holds
 
     index.sqlite          metadata (one row per item) and the `info` table that names the current
-                          FAISS file and store segments: the commit point of every save
-    faiss-*.index         the candidate index (ids: index.ids)
+                          store segments and candidate state: the commit point of every save
+    faiss-*.index         the FAISS candidate index (ids: index.ids), with the FAISS backend
     store-*.npy           fragment vectors for the exact re-rank (memory-mapped)
 
-`save()` writes new files under fresh names (temp file, fsync, rename), then commits one SQLite
-transaction that points `info` at them, then deletes the files no longer named. A crash at any
-point before the commit leaves the previous state loadable.
+`save()` writes new files under fresh names (temp file, fsync, rename), makes the candidate state
+durable (a new FAISS file; or a Milvus flush), then commits one SQLite transaction that points
+`info` at them, then deletes the files (and Milvus collections) no longer named. A crash at any
+point before the commit leaves the previous state loadable. A Milvus collection lives outside the
+folder and sees writes before they are committed: the first write after a load reconciles it with
+the committed state (index.milvus).
 
 Concurrency: searches run under the shared side of a readers-writer lock; writers are serialised
 by an RLock, do their slow work (extraction, embedding, file writes) without blocking searches and
@@ -21,12 +33,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -35,10 +45,22 @@ import numpy as np
 import torch
 
 from index import ids as fid
-from index.ann import AnnIndex, train_sample_size
-from index.files import TMP_SUFFIX, atomic_path, fsync_dir, sha256_file, unique_name
+from index.candidates import (
+    FAISS_PREFIX,
+    BackendOptions,
+    CandidateBackend,
+    Sources,
+    create_backend,
+    entries_batches,
+    open_backend,
+)
+from index.catalogue import DB_FILE, FORMAT, Catalogue, built_fingerprint, committed_generation
+from index.compaction import STORE_PREFIX, STORE_SUFFIX, compact
+from index.files import TMP_SUFFIX, fsync_dir, unique_name
 from index.fingerprint import model_fingerprint
+from index.items import ItemTable
 from index.locks import ReadWriteLock
+from index.ranking import merge_top_k, top_k
 from index.shared import SharedFragments
 from index.store import VectorStore
 from index.types import IndexFullError, IndexLoadError, IndexSettings
@@ -47,32 +69,16 @@ from model.image import RegionExtractor
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "fragsearch-index-1"
-DB_FILE = "index.sqlite"
+__all__ = ["DB_FILE", "FragmentIndex", "built_fingerprint"]
+
 LOCK_FILE = ".writer.lock"
-FAISS_PREFIX, FAISS_SUFFIX = "faiss", ".index"
-STORE_PREFIX, STORE_SUFFIX = "store", ".npy"
-MAX_SEGMENTS = 16  # more saved segments than this: the smaller half is merged at the next save
-DEAD_SHARE = 0.5  # share of store rows belonging to removed items that triggers a full rewrite
 LOAD_ATTEMPTS = 5  # loads of an index that a writer keeps committing to meanwhile
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
-ADD_ITEMS = 512  # items whose fragments go into FAISS in one call while rebuilding
-
-def built_fingerprint(root: Path) -> str | None:
-    """The model fingerprint an index folder was built with; None when it has no readable database."""
-    path = Path(root) / DB_FILE
-    if not path.is_file():
-        return None
-    try:
-        # immutable: no lock and no -wal/-shm files; the fingerprint is written once, when the index is created
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as db:
-            row = db.execute("SELECT value FROM info WHERE key = 'fingerprint'").fetchone()
-    except sqlite3.DatabaseError:
-        return None
-    return str(json.loads(row[0])) if row else None
-
+ADD_ITEMS = 512  # items whose fragments go into the candidate backend in one call while rebuilding
+SAMPLE_SEED = 0
 
 P = TypeVar("P")
+Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class FragmentIndex(Generic[P]):
@@ -81,72 +87,56 @@ class FragmentIndex(Generic[P]):
 
     KIND: ClassVar[str]
     COLUMNS: ClassVar[tuple[tuple[str, str], ...]]  # (name, SQL type) of the payload columns
-    SHARED_FRAGMENTS: ClassVar[bool] = False  # identical vectors go into FAISS once (index.shared)
+    SHARED_FRAGMENTS: ClassVar[bool] = False  # identical vectors go into the backend once (index.shared)
 
-    def __init__(self, root: Path, bundle: Bundle, settings: IndexSettings, db: sqlite3.Connection) -> None:
+    def __init__(self, root: Path, bundle: Bundle, settings: IndexSettings, catalogue: Catalogue,
+                 candidates: CandidateBackend) -> None:
         self.root = Path(root)
         self.bundle = bundle
         self.dim = bundle.dim
         self.settings = settings
         self.fingerprint = model_fingerprint(bundle)
         bundle.model.eval()
-        self._db = db
-        self._reader = sqlite3.connect(self.root / DB_FILE, check_same_thread=False, timeout=30.0)
-        self._reader_lock = threading.Lock()
+        self.catalogue = catalogue
+        self.items: ItemTable[P] = ItemTable()
+        self.store = VectorStore(self.dim, settings.store_dtype)
+        self.candidates = candidates
         self._writer = threading.RLock()
         self._rw = ReadWriteLock()
-        self.store = VectorStore(self.dim, settings.store_dtype)
-        self.ann = AnnIndex(self.dim, settings)
-        # per item id: segment (-1 once its rows are dropped), row offset, fragment count, alive
-        self._seg = np.zeros(0, np.int32)
-        self._off = np.zeros(0, np.int64)
-        self._n = np.zeros(0, np.int32)
-        self._alive = np.zeros(0, bool)
-        self._count = 0
-        self._next_id = 0
-        self._pending: dict[int, P] = {}  # added since the last save
-        self._removed: set[int] = set()  # saved items removed since the last save
         self._generation = 0
-        self._ann_file = ""
-        self._ann_sha = ""
-        self._ann_dirty = True
+        self._reconciled = False
         self._bulk_depth = 0
-        self._unindexed: list[int] = []  # items whose fragments are not in FAISS yet (bulk adds)
+        self._unindexed: list[int] = []  # items whose fragments are not in the backend yet (bulk adds)
+        self._replaced: list[CandidateBackend] = []  # backends a rebuild replaced, dropped after the next commit
         self._extractor: RegionExtractor | None = None
         self._shared = SharedFragments() if self.SHARED_FRAGMENTS else None
         self._extractor_lock = threading.Lock()
 
     # -- creation and loading -------------------------------------------------------------------------
     @classmethod
-    def _create(cls, root: Path, bundle: Bundle, settings: IndexSettings) -> Any:
-        root = Path(root)
-        if (root / DB_FILE).exists():
-            raise FileExistsError(f"an index already exists at {root}: load it, or choose another folder")
-        root.mkdir(parents=True, exist_ok=True)
-        db = _connect(root / DB_FILE)
-        cols = "".join(f", {name} {kind}" for name, kind in cls.COLUMNS)
-        with db:
-            db.execute("CREATE TABLE info (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            db.execute(f"CREATE TABLE items (id INTEGER PRIMARY KEY, n INTEGER NOT NULL, seg INTEGER NOT NULL, "
-                       f"off INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0{cols})")
-            db.executemany("INSERT INTO info VALUES (?, ?)", [
-                ("format", json.dumps(FORMAT)), ("kind", json.dumps(cls.KIND)), ("dim", json.dumps(bundle.dim)),
-                ("fingerprint", json.dumps(model_fingerprint(bundle))), ("settings", json.dumps(settings.to_dict())),
-                ("generation", "0"), ("next_id", "0"), ("segments", "[]"), ("ann_file", '""'),
-                ("ann_sha256", '""'), ("ann_trained", "false"), ("ann_ntotal", "0"),
-                ("created", json.dumps(time.time())),
-            ])
-        index = cls(root, bundle, settings, db)
+    def _create(cls, root: Path, bundle: Bundle, settings: IndexSettings, backend: BackendOptions | None) -> Any:
+        backend = backend or BackendOptions()
+        info = {"kind": cls.KIND, "dim": bundle.dim, "fingerprint": model_fingerprint(bundle),
+                "settings": settings.to_dict(), "segments": [], "backend": backend.backend}
+        catalogue = Catalogue.create(root, cls.COLUMNS, info)
+        try:
+            candidates = create_backend(Path(root), bundle.dim, settings, backend, cls.KIND)
+        except BaseException:
+            catalogue.close()
+            raise
+        index = cls(root, bundle, settings, catalogue, candidates)
+        index._reconciled = True
         index.save()
-        logger.info("created %s index at %s (%s, h=%d)", cls.KIND, root, settings.kind, bundle.dim)
+        logger.info("created %s index at %s (%s %s, h=%d)", cls.KIND, root, backend.backend, settings.kind, bundle.dim)
         return index
 
     @classmethod
-    def _load(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None = None) -> Any:
+    def _load(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None = None,
+              backend: BackendOptions | None = None) -> Any:
         """`_load_once`, again when a writer committed and removed files the first snapshot named."""
         for attempt in range(LOAD_ATTEMPTS):
             try:
-                return cls._load_once(root, bundle, search)
+                return cls._load_once(root, bundle, search, backend)
             except IndexMovedError:
                 if attempt == LOAD_ATTEMPTS - 1:
                     raise
@@ -154,41 +144,29 @@ class FragmentIndex(Generic[P]):
         raise AssertionError("unreachable")
 
     @classmethod
-    def _load_once(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None = None) -> Any:
+    def _load_once(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None,
+                   backend: BackendOptions | None) -> Any:
         root = Path(root)
-        path = root / DB_FILE
-        if not path.is_file():
-            raise IndexLoadError(f"no {cls.KIND} index at {root} ({DB_FILE} is missing); "
-                                 f"build one with: python -m index.build")
+        catalogue, info = Catalogue.open_snapshot(root, cls.COLUMNS, cls.KIND)
         try:
-            db = _connect(path)
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if not check or check[0] != "ok":
-                raise IndexLoadError(f"{path} is corrupt (SQLite integrity check: {check})")
-            db.execute("BEGIN")  # one snapshot for every table read below: a writer may commit meanwhile
-            info = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM info")}
-        except (sqlite3.DatabaseError, json.JSONDecodeError) as e:
-            with contextlib.suppress(NameError, sqlite3.Error):
-                db.close()
-            raise IndexLoadError(f"{path} is not a readable index database: {e}") from e
-        try:
-            index = cls._from_info(root, bundle, db, info, search or {})
-            db.execute("COMMIT")
+            index = cls._from_info(root, bundle, catalogue, info, search or {}, backend)
+            catalogue.end_snapshot()
         except IndexLoadError as e:
-            db.close()
-            if _generation(path) != info.get("generation"):  # a newer commit replaced the files it named
+            catalogue.close()
+            if committed_generation(root) != info.get("generation"):  # a newer commit replaced the files it named
                 raise IndexMovedError(str(e)) from e
             raise
         except BaseException:
-            db.close()
+            catalogue.close()
             raise
-        logger.info("loaded %s index %s: %d items, %d fragments in FAISS (%s), generation %d", cls.KIND, root,
-                    len(index), index.ann.ntotal, index.ann.active_kind, index._generation)
+        logger.info("loaded %s index %s: %d items, %d fragments in %s (%s), generation %d", cls.KIND, root,
+                    len(index), index.candidates.ntotal, index.candidates.NAME, index.candidates.active_kind,
+                    index._generation)
         return index
 
     @classmethod
-    def _from_info(cls, root: Path, bundle: Bundle, db: sqlite3.Connection, info: dict[str, Any],
-                   search: dict[str, Any]) -> Any:
+    def _from_info(cls, root: Path, bundle: Bundle, catalogue: Catalogue, info: dict[str, Any],
+                   search: dict[str, Any], backend: BackendOptions | None) -> Any:
         where = f"index at {root}"
         if info.get("format") != FORMAT:
             raise IndexLoadError(f"{where} has format {info.get('format')!r}, expected {FORMAT!r}")
@@ -206,59 +184,41 @@ class FragmentIndex(Generic[P]):
                 settings = settings.with_search(**search)
         except (TypeError, ValueError) as e:
             raise IndexLoadError(f"{where}: bad settings: {e}") from e
-        index = cls(root, bundle, settings, db)
-        index._generation = int(info["generation"])
-        index._next_id = int(info["next_id"])
-        # store segments
+        store = VectorStore(bundle.dim, settings.store_dtype)
         files, arrays = [], []
         for seg in info["segments"]:
             file, n_rows = str(seg["file"]), int(seg["rows"])
             try:
-                arrays.append(VectorStore.open_segment(root / file, bundle.dim, index.store.dtype, n_rows))
+                arrays.append(VectorStore.open_segment(root / file, bundle.dim, store.dtype, n_rows))
             except FileNotFoundError as e:
                 raise IndexLoadError(f"{where}: store file {file} is missing") from e
             except (OSError, ValueError) as e:
                 raise IndexLoadError(f"{where}: store file {file} is corrupt: {e}") from e
             files.append(file)
-        index.store.commit(files, arrays)
-        # items
-        rows = np.array(db.execute("SELECT id, seg, off, n, deleted FROM items ORDER BY id").fetchall(),
-                        dtype=np.int64).reshape(-1, 5)
-        index._grow(index._next_id)
+        store.commit(files, arrays)
+        rows = catalogue.item_rows()
+        next_id = int(info["next_id"])
         if len(rows):
-            if rows[:, 0].max() >= index._next_id:
-                raise IndexLoadError(f"{where}: item ids beyond next_id {index._next_id}: inconsistent metadata")
-            item = rows[:, 0]
-            index._seg[item], index._off[item], index._n[item] = rows[:, 1], rows[:, 2], rows[:, 3]
-            index._alive[item] = rows[:, 4] == 0
+            if rows[:, 0].max() >= next_id:
+                raise IndexLoadError(f"{where}: item ids beyond next_id {next_id}: inconsistent metadata")
             live = rows[rows[:, 1] >= 0]
-            sizes = np.array(index.store.segment_rows() + [0], dtype=np.int64)
+            sizes = np.array(store.segment_rows() + [0], dtype=np.int64)
             if len(live) and ((live[:, 1] >= len(arrays)).any() or (live[:, 2] + live[:, 3] > sizes[live[:, 1]]).any()):
                 raise IndexLoadError(f"{where}: item rows point outside the store: inconsistent metadata")
             if (rows[rows[:, 4] == 0, 1] < 0).any():
                 raise IndexLoadError(f"{where}: a live item has no stored vectors: inconsistent metadata")
-        index._count = int(index._alive.sum())
+        candidates = open_backend(root, bundle.dim, settings, info, backend)
+        index = cls(root, bundle, settings, catalogue, candidates)
+        index.store = store
+        index._generation = int(info["generation"])
+        index.items.load(rows, next_id)
         if index._shared is not None:
-            for i in np.flatnonzero(index._alive).tolist():
-                index._shared.add(i, index.store.rows(int(index._seg[i]), int(index._off[i]), int(index._n[i])))
-        # FAISS
-        ann_file = str(info["ann_file"])
-        ann_path = root / ann_file
-        if not ann_file or not ann_path.is_file():
-            raise IndexLoadError(f"{where}: FAISS file {ann_file or '(none)'} is missing")
-        if sha256_file(ann_path) != info["ann_sha256"]:
-            raise IndexLoadError(f"{where}: FAISS file {ann_file} is corrupt (checksum mismatch)")
-        try:
-            index.ann = AnnIndex.read(ann_path, bundle.dim, settings, bool(info["ann_trained"]))
-        except (RuntimeError, ValueError) as e:
-            raise IndexLoadError(f"{where}: FAISS file {ann_file} is unreadable: {e}") from e
-        if index.ann.ntotal != int(info["ann_ntotal"]):
-            raise IndexLoadError(f"{where}: FAISS file holds {index.ann.ntotal} fragments, metadata says "
-                                 f"{info['ann_ntotal']}")
-        if index._shared is not None and index.ann.supports_remove and index.ann.ntotal != len(index._shared):
-            raise IndexLoadError(f"{where}: FAISS file holds {index.ann.ntotal} fragments, the store "
+            for i in index.items.live().tolist():
+                index._shared.add(i, index._rows(i))
+        if (index._shared is not None and candidates.NAME == "faiss" and candidates.supports_remove
+                and candidates.ntotal != len(index._shared)):
+            raise IndexLoadError(f"{where}: FAISS file holds {candidates.ntotal} fragments, the store "
                                  f"{len(index._shared)} distinct ones")
-        index._ann_file, index._ann_sha, index._ann_dirty = ann_file, str(info["ann_sha256"]), False
         return index
 
     @property
@@ -271,7 +231,7 @@ class FragmentIndex(Generic[P]):
 
     # -- size and ids ---------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._count
+        return self.items.count
 
     def __enter__(self) -> Any:
         return self
@@ -280,42 +240,49 @@ class FragmentIndex(Generic[P]):
         self.close()
 
     def close(self) -> None:
-        """Close the database connections (the index is unusable afterwards)."""
+        """Close the database connections and the candidate backend (the index is unusable afterwards)."""
         with self._writer:
-            self._db.close()
-            with self._reader_lock:
-                self._reader.close()
+            self.catalogue.close()
+            self.candidates.close()
 
     def ids(self) -> np.ndarray:
         """Ids of the live items, ascending."""
         with self._rw.read():
-            return np.flatnonzero(self._alive)
+            return self.items.live()
 
     def contains(self, item: int) -> bool:
-        return 0 <= item < len(self._alive) and bool(self._alive[item])
+        return self.items.contains(item)
 
     @property
     def n_fragments(self) -> int:
         """Fragments of the live items."""
         with self._rw.read():
-            return int(self._n[self._alive].sum())
+            return self.items.fragments()
 
     @property
     def generation(self) -> int:
         """Number of the last save (increases by one per save)."""
         return self._generation
 
-    def _grow(self, size: int) -> None:
-        if size <= len(self._alive):
-            return
-        cap = max(size, 2 * len(self._alive), 1024)
-        for name, fill in (("_seg", -1), ("_off", 0), ("_n", 0), ("_alive", False)):
-            old = getattr(self, name)
-            new = np.full(cap, fill, dtype=old.dtype)
-            new[: len(old)] = old
-            setattr(self, name, new)
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold the shared side of the lock: the items and the store do not change meanwhile."""
+        with self._rw.read():
+            yield
+
+    def _rows(self, item: int) -> np.ndarray:
+        """(n, dim) stored rows of one item (a view, in the store dtype)."""
+        return self.store.rows(int(self.items.seg[item]), int(self.items.off[item]), int(self.items.n[item]))
 
     # -- writes ---------------------------------------------------------------------------------------
+    def _reconcile(self) -> None:
+        """Before the first write after a load: the backend holds exactly the committed state."""
+        if self._reconciled:
+            return
+        expected = len(self._shared) if self._shared is not None else self.items.fragments()
+        self.candidates.reconcile(self.items.next_id, expected, self._sources(self.items.live()))
+        self._reconciled = True
+
     def _insert(self, vectors: Sequence[np.ndarray], payloads: Sequence[P]) -> list[int]:
         """Add items: vectors[i] (n_i, dim) float32 are item i's fragments. Returns the new ids."""
         if len(vectors) != len(payloads):
@@ -328,31 +295,28 @@ class FragmentIndex(Generic[P]):
         if not vectors:
             return []
         with self._writer:
-            first = self._next_id
+            self._reconcile()
+            first = self.items.next_id
             new = list(range(first, first + len(vectors)))
             with self._rw.write():
                 pairs = list(zip(new, vectors, strict=True))
-                if self._shared is not None:  # only vectors not held yet go into FAISS
+                if self._shared is not None:  # only vectors not held yet go into the backend
                     rows = [np.asarray(self._shared.add(i, v.astype(self.store.dtype)), np.int64) for i, v in pairs]
-                    faiss_ids = np.concatenate([fid.encode(i, r) for (i, _), r in zip(pairs, rows, strict=True)])
+                    entry_ids = np.concatenate([fid.encode(i, r) for (i, _), r in zip(pairs, rows, strict=True)])
                     flat = np.concatenate([v[r] for (_, v), r in zip(pairs, rows, strict=True)]).astype(np.float32)
                 else:
-                    faiss_ids = np.concatenate([fid.item_fragments(i, len(v)) for i, v in pairs])
+                    entry_ids = np.concatenate([fid.item_fragments(i, len(v)) for i, v in pairs])
                     flat = np.concatenate(vectors).astype(np.float32, copy=False)
                 if self._bulk_depth:
                     self._unindexed.extend(new)
                 else:
-                    self.ann.add(faiss_ids, flat)
-                    self._ann_dirty = True
-                self._grow(first + len(vectors))
+                    self.candidates.add(entry_ids, flat)
+                self.items.grow(first + len(vectors))
                 for i, v, p in zip(new, vectors, payloads, strict=True):
                     seg, off = self.store.append(v)
-                    self._seg[i], self._off[i], self._n[i] = seg, off, len(v)
-                    self._pending[i] = p
-                self._alive[new] = True
-                self._count += len(new)
-                self._next_id = first + len(vectors)
-            if not self._bulk_depth and self.ann.needs_build(self.ann.ntotal):
+                    self.items.place(i, seg, off, len(v), p)
+                self.items.next_id = first + len(vectors)
+            if not self._bulk_depth and self.candidates.needs_build(self.candidates.ntotal):
                 self.rebuild()
         return new
 
@@ -361,26 +325,23 @@ class FragmentIndex(Generic[P]):
         with self._writer:
             if not self.contains(item):
                 return False
+            self._reconcile()
             with self._rw.write():
-                self._alive[item] = False
-                self._count -= 1
+                self.items.kill(item)
                 if self._shared is None:
-                    self._ann_dirty |= self.ann.remove_item(item) > 0
+                    self.candidates.remove_item(item)
                 else:  # a vector other items hold stays, under the id of its next holder
                     drop, moved = self._shared.remove(item)
-                    self._ann_dirty |= self.ann.remove_ids(drop) > 0
+                    self.candidates.remove_ids(np.asarray(drop, np.int64))
                     waiting = set(self._unindexed)
                     moved = [(o, r) for o, r in moved if o not in waiting]
                     if moved:
-                        self.ann.add(*self._rows_of(moved))
-                        self._ann_dirty = True
-                if item not in self._pending:
-                    self._removed.add(item)
+                        self.candidates.add(*self._rows_of(moved))
             return True
 
     @contextlib.contextmanager
     def bulk(self) -> Iterator[None]:
-        """Defer FAISS inserts while adding many items; on exit the candidate index is built once
+        """Defer backend inserts while adding many items; on exit the candidate index is built once
         (trained on a sample of everything when its kind needs training). Items added inside are
         reachable by exhaustive search only until the block ends."""
         with self._writer:
@@ -390,46 +351,33 @@ class FragmentIndex(Generic[P]):
             finally:
                 self._bulk_depth -= 1
             if self._bulk_depth == 0 and self._unindexed:
-                if self.ann.needs_build(self.ann.ntotal + int(self._n[self._unindexed].sum())):
+                waiting = np.asarray(self._unindexed, np.int64)
+                if self.candidates.needs_build(self.candidates.ntotal + self.items.fragments(waiting)):
                     self.rebuild()
                 else:
-                    for start in range(0, len(self._unindexed), ADD_ITEMS):
-                        items = np.asarray(self._unindexed[start : start + ADD_ITEMS])
-                        ids, vecs = self._entries(items)
+                    for ids, vecs in entries_batches(waiting, ADD_ITEMS, self._entries):
                         with self._rw.write():
-                            self.ann.add(ids, vecs)
-                            self._ann_dirty = True
+                            self.candidates.add(ids, vecs)
                 self._unindexed = []
 
     def rebuild(self, settings: IndexSettings | None = None) -> None:
         """Build the candidate index anew from the store, optionally of another kind (`settings`; the
-        store precision stays). Trains a trainable kind on a random sample of the stored fragments
-        and drops the fragments of removed items that hnsw keeps. Saved by the next save()."""
+        store precision stays). A trainable kind is trained on a random sample of the stored
+        fragments; removed items' fragments that hnsw keeps are dropped. Saved by the next save()."""
         with self._writer:
+            self._reconcile()
             settings = settings or self.settings
             if settings.store_dtype != self.settings.store_dtype:
                 raise ValueError("the store precision cannot change in place: build a new index")
-            items = np.flatnonzero(self._alive)
-            total = int(self._n[items].sum())
-            train = np.zeros((0, self.dim), np.float32)
-            ann: AnnIndex | None = None
-            if settings.trainable and total < settings.train_threshold():
-                ann = AnnIndex(self.dim, settings)  # the flat stand-in until there is enough to train
-            elif settings.trainable:
-                train = self._sample(items, train_sample_size(settings))
-            batches = (self._entries(items[s : s + ADD_ITEMS]) for s in range(0, len(items), ADD_ITEMS))
-            if ann is None:
-                ann = AnnIndex.build(self.dim, settings, train, batches, total=total)
-            else:
-                for ids, vecs in batches:
-                    ann.add(ids, vecs)
+            built = self.candidates.rebuilt(settings, self._sources(self.items.live()))
             with self._rw.write():
                 self.settings = settings
-                self.ann = ann
-                self._ann_dirty = True
+                if built is not self.candidates:
+                    self._replaced.append(self.candidates)
+                self.candidates = built
                 self._unindexed = []
-            logger.info("%s index %s: candidate index rebuilt (%s, %d fragments)", self.KIND, self.root,
-                        ann.active_kind, ann.ntotal)
+            logger.info("%s index %s: candidate index rebuilt (%s %s, %d fragments)", self.KIND, self.root,
+                        built.NAME, built.active_kind, built.ntotal)
 
     def set_search(self, **changes: Any) -> None:
         """Change search-time settings (nprobe, ef_search, k_prime, rerank, use_gpu) without a rebuild."""
@@ -437,11 +385,16 @@ class FragmentIndex(Generic[P]):
             settings = self.settings.with_search(**changes)
             with self._rw.write():
                 self.settings = settings
-                self.ann.set_settings(settings)
+                self.candidates.set_settings(settings)
+
+    def _sources(self, items: np.ndarray) -> Sources:
+        """The entries of `items` for a backend's rebuild or resynchronisation."""
+        return Sources(batches=lambda: entries_batches(items, ADD_ITEMS, self._entries),
+                       total=self.items.fragments(items), sample=lambda size: self._sample(items, size))
 
     def _entries(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """What `items` put into FAISS: fragment ids (N,) and vectors (N, dim) float32 (with shared
-        fragments, only the representatives they hold)."""
+        """What `items` put into the backend: fragment ids (N,) and vectors (N, dim) float32 (with
+        shared fragments, only the representatives they hold)."""
         if self._shared is None:
             return self._item_vectors(items)
         return self._rows_of(self._shared.representatives(items.tolist()))
@@ -452,22 +405,27 @@ class FragmentIndex(Generic[P]):
             return np.zeros(0, np.int64), np.zeros((0, self.dim), np.float32)
         items = np.asarray([i for i, _ in pairs], dtype=np.int64)
         rows = np.asarray([r for _, r in pairs], dtype=np.int64)
-        vecs, _ = self.store.gather(self._seg[items], self._off[items] + rows, np.ones(len(items), np.int32))
-        return fid.encode(items, rows), vecs[:, 0]
+        return fid.encode(items, rows), self.fragment_vectors(items, rows)
+
+    def fragment_vectors(self, items: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Stored vectors (N, dim) float32 of fragment `rows` of `items` (each (N,))."""
+        vecs, _ = self.store.gather(self.items.seg[items], self.items.off[items] + rows,
+                                    np.ones(len(items), np.int32))
+        return vecs[:, 0]
 
     def _item_vectors(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Fragment ids (N,) and vectors (N, dim) float32 of `items`, all their fragments."""
-        vecs, mask = self.store.gather(self._seg[items], self._off[items], self._n[items])
+        vecs, mask = self.store.gather(self.items.seg[items], self.items.off[items], self.items.n[items])
         ids = fid.encode(items[:, None], np.arange(vecs.shape[1])[None, :])
         return ids[mask], vecs[mask]
 
     def _sample(self, items: np.ndarray, size: int) -> np.ndarray:
         """Up to `size` fragment vectors drawn at random from `items`."""
-        rng = np.random.default_rng(0)
-        total = int(self._n[items].sum())
+        rng = np.random.default_rng(SAMPLE_SEED)
+        total = self.items.fragments(items)
         if total <= size:
             return self._item_vectors(items)[1]
-        per_item = max(1, int(np.ceil(size / max(1, len(items)) )))
+        per_item = max(1, int(np.ceil(size / max(1, len(items)))))
         chosen = np.sort(rng.choice(len(items), size=min(len(items), int(np.ceil(size / per_item))), replace=False))
         vecs = self._item_vectors(items[chosen])[1]
         if len(vecs) > size:
@@ -480,26 +438,20 @@ class FragmentIndex(Generic[P]):
         with self._writer, self._file_lock():
             if self._bulk_depth:
                 raise RuntimeError("save() inside bulk(): leave the bulk block first")
+            self._reconcile()
             gen = self._generation + 1
             created: list[Path] = []
             try:
                 files, rows = list(self.store.files), self.store.segment_rows()
-                seg, off = self._seg.copy(), self._off.copy()
+                seg, off = self.items.seg.copy(), self.items.off.copy()
                 if self.store.live_rows:
                     name = unique_name(STORE_PREFIX, gen, STORE_SUFFIX)
                     created.append(self.root / name)
                     rows.append(self.store.write_live(self.root / name))
                     files.append(name)
-                files, rows = self._compact(gen, files, rows, seg, off, created)
-                if self._ann_dirty or not self._ann_file:
-                    ann_file = unique_name(FAISS_PREFIX, gen, FAISS_SUFFIX)
-                    created.append(self.root / ann_file)
-                    with atomic_path(self.root / ann_file) as tmp:
-                        self.ann.write(tmp)
-                    ann_sha = sha256_file(self.root / ann_file)
-                else:
-                    ann_file, ann_sha = self._ann_file, self._ann_sha
-                self._commit(gen, files, rows, seg, off, ann_file, ann_sha)
+                files, rows = compact(self.root, self.store, self.items, gen, files, rows, seg, off, created)
+                backend_info = self.candidates.persist(self.root, gen, created)
+                self._commit(gen, files, rows, seg, off, backend_info)
             except BaseException as e:
                 for path in created:
                     with contextlib.suppress(OSError):
@@ -512,86 +464,28 @@ class FragmentIndex(Generic[P]):
                       for f, r in zip(files, rows, strict=True)]
             with self._rw.write():
                 self.store.commit(files, arrays)
-                self._seg[: len(seg)], self._off[: len(off)] = seg, off
-                self._pending.clear()
-                self._removed.clear()
+                self.items.seg[: len(seg)], self.items.off[: len(off)] = seg, off
+                self.items.saved()
                 self._generation = gen
-                self._ann_file, self._ann_sha, self._ann_dirty = ann_file, ann_sha, False
-            self._remove_unreferenced(set(files) | {ann_file})
-            with contextlib.suppress(sqlite3.DatabaseError):  # fold the log into the database file
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
-    def _compact(self, gen: int, files: list[str], rows: list[int], seg: np.ndarray, off: np.ndarray,
-                 created: list[Path]) -> tuple[list[str], list[int]]:
-        """Merge segments when there are many or they hold many removed rows. Updates seg/off in place."""
-        n_items = self._next_id
-        alive = self._alive[:n_items]
-        has_rows = seg[:n_items] >= 0
-        dead_rows = int(self._n[:n_items][has_rows & ~alive].sum())
-        total = sum(rows)
-        if total and dead_rows > DEAD_SHARE * total:
-            merge = list(range(len(files)))
-        elif len(files) > MAX_SEGMENTS:
-            merge = sorted(np.argsort(rows, kind="stable")[: len(files) // 2].tolist())
-        else:
-            return files, rows
-        in_merge = np.isin(seg[:n_items], merge)
-        moving = np.flatnonzero(in_merge & alive)
-        moving = moving[np.lexsort((off[moving], seg[moving]))]
-        name = unique_name(STORE_PREFIX, gen, STORE_SUFFIX)
-        created.append(self.root / name)
-        # rows of the segment just written from the live rows are read from memory (store.rows)
-        locs = [(int(seg[i]), int(off[i]), int(self._n[i])) for i in moving]
-        new_offsets = self.store.write_items(self.root / name, locs)
-        keep = [s for s in range(len(files)) if s not in merge]
-        renumber = np.full(len(files), -1, np.int64)
-        renumber[keep] = np.arange(len(keep))
-        dropped = np.flatnonzero(in_merge & ~alive)
-        stay = np.flatnonzero(~in_merge & has_rows)
-        seg[stay] = renumber[seg[stay]]
-        seg[dropped] = -1
-        seg[moving] = len(keep)
-        off[moving] = new_offsets
-        logger.info("%s index: merged %d store segments (%d rows kept, %d removed rows dropped)", self.KIND,
-                    len(merge), sum(n for _, _, n in locs), int(self._n[dropped].sum()))
-        return [files[s] for s in keep] + [name], [rows[s] for s in keep] + [sum(n for _, _, n in locs)]
+                self.candidates.committed(backend_info)
+            self._remove_unreferenced(set(files) | self.candidates.keeps())
+            self.catalogue.checkpoint()
 
     def _commit(self, gen: int, files: list[str], rows: list[int], seg: np.ndarray, off: np.ndarray,
-                ann_file: str, ann_sha: str) -> None:
-        """One SQLite transaction: new items, removals, moved rows, and `info` pointing at the new files."""
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            on_disk = int(json.loads(db.execute("SELECT value FROM info WHERE key='generation'").fetchone()[0]))
-            if on_disk != self._generation:
-                raise RuntimeError(f"the index at {self.root} was saved by another writer (generation {on_disk}, "
-                                   f"this copy has {self._generation}); reload it before writing")
-            names = ", ".join(name for name, _ in self.COLUMNS)
-            marks = ", ".join("?" for _ in self.COLUMNS)
-            db.executemany(
-                f"INSERT INTO items (id, n, seg, off, deleted, {names}) VALUES (?, ?, ?, ?, ?, {marks})",
-                ((i, int(self._n[i]), int(seg[i]), int(off[i]), int(not self._alive[i]), *self._row(p))
-                 for i, p in sorted(self._pending.items())),
-            )
-            db.executemany("UPDATE items SET deleted = 1 WHERE id = ?", ((i,) for i in sorted(self._removed)))
-            moved = np.flatnonzero((seg != self._seg[: len(seg)]) | (off != self._off[: len(off)]))
-            db.executemany("UPDATE items SET seg = ?, off = ? WHERE id = ?",
-                           ((int(seg[i]), int(off[i]), int(i)) for i in moved if int(i) not in self._pending))
-            info = {
-                "generation": gen, "next_id": self._next_id, "settings": self.settings.to_dict(),
-                "segments": [{"file": f, "rows": r} for f, r in zip(files, rows, strict=True)],
-                "ann_file": ann_file, "ann_sha256": ann_sha, "ann_trained": self.ann.trained,
-                "ann_ntotal": self.ann.ntotal,
-            }
-            db.executemany("UPDATE info SET value = ? WHERE key = ?", ((json.dumps(v), k) for k, v in info.items()))
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:  # SQLite may have rolled back already (e.g. SQLITE_FULL)
-                db.execute("ROLLBACK")
-            raise
+                backend_info: dict[str, Any]) -> None:
+        """One catalogue transaction: new items, removals, moved rows, and `info` naming the new state."""
+        items = self.items
+        added = ((i, int(items.n[i]), int(seg[i]), int(off[i]), int(not items.alive[i]), *self._row(p))
+                 for i, p in sorted(items.pending.items()))
+        moved = np.flatnonzero((seg != items.seg[: len(seg)]) | (off != items.off[: len(off)]))
+        info = {"generation": gen, "next_id": items.next_id, "settings": self.settings.to_dict(),
+                "segments": [{"file": f, "rows": r} for f, r in zip(files, rows, strict=True)], **backend_info}
+        self.catalogue.commit(self._generation, added, sorted(items.removed),
+                              ((int(seg[i]), int(off[i]), int(i)) for i in moved if int(i) not in items.pending), info)
 
     def _remove_unreferenced(self, keep: set[str]) -> None:
-        """Delete store / FAISS files and temp files that the committed state does not name."""
+        """Delete store / FAISS files and temp files that the committed state does not name, and the
+        backends a rebuild replaced."""
         for path in self.root.iterdir():
             name = path.name
             ours = (name.startswith((STORE_PREFIX + "-", FAISS_PREFIX + "-"))
@@ -600,6 +494,10 @@ class FragmentIndex(Generic[P]):
                 with contextlib.suppress(OSError):
                     path.unlink()
         fsync_dir(self.root)
+        replaced, self._replaced = self._replaced, []
+        for old in replaced:
+            old.discard()
+        self.candidates.drop_unreferenced()
 
     @contextlib.contextmanager
     def _file_lock(self) -> Iterator[None]:
@@ -617,61 +515,63 @@ class FragmentIndex(Generic[P]):
         (k' = 0: every fragment with a positive score).
 
         With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
-        the sum of max(0, FAISS score) over their retrieved fragments) are kept for the exact re-rank.
+        the sum of max(0, backend score) over their retrieved fragments) are kept for the exact re-rank.
         """
-        if self.ann.ntotal == 0:
+        if self.candidates.ntotal == 0:
             return np.zeros(0, np.int64)
         if self.settings.k_prime:
-            scores, found = self.ann.search(queries, self.settings.k_prime)
+            search = self.candidates.search if self._shared is not None else self.candidates.search_items
+            scores, found = search(queries, self.settings.k_prime)
             scores, found = scores[found >= 0], found[found >= 0]
         else:
-            scores, found = self.ann.search_positive(queries)
+            scores, found = self.candidates.search_positive(queries)
         if self._shared is not None:
             items, weights = self._shared.expand(found, scores)
         else:
             items, weights = fid.decode(found)[0], scores
         uniq, where = np.unique(items, return_inverse=True)
-        live = self._alive[uniq]
+        live = self.items.live_among(uniq)
         limit = self.settings.rerank
         if not limit or live.sum() <= limit:
             return uniq[live]
-        partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)), uniq)
+        partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)),
+                                 np.where(live, uniq, 0))
         partial[~live] = -1.0
         keep = np.lexsort((uniq, -partial))[:limit]  # ties to the smaller id, as the final ranking
         return np.sort(uniq[keep])
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Partial S_kl of candidates from their retrieved fragments: the sum over 1/|g_k| (items are images)."""
-        return partial / np.maximum(self._n[items], 1)
+        return partial / np.maximum(self.items.n[items], 1)
 
-    def _candidate_fragments(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Unique live (item, fragment) pairs among each query's k nearest fragments."""
-        if self.ann.ntotal == 0:
+    def candidate_fragments(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Unique live (item, fragment) pairs among each query's k nearest fragments (caller holds `reading`)."""
+        if self.candidates.ntotal == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        _, found = self.ann.search(queries, k)
+        _, found = self.candidates.search(queries, k)
         uniq = np.unique(found[found >= 0])
         items, frags = fid.decode(uniq)
-        keep = self._alive[items]
+        keep = self.items.live_among(items)
         return items[keep], frags[keep]
 
     def _vectors(self, items: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored fragments of `items`: (C, F_max, dim) float32 and mask (C, F_max)."""
-        vecs, mask = self.store.gather(self._seg[items], self._off[items], self._n[items])
+        vecs, mask = self.store.gather(self.items.seg[items], self.items.off[items], self.items.n[items])
         return torch.from_numpy(vecs), torch.from_numpy(mask.astype(np.float32))
 
     def _scan(self, chunk: int = SCAN_ITEMS) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
         """Every live item in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
-        items = np.flatnonzero(self._alive)
-        items = items[np.lexsort((self._off[items], self._seg[items]))]  # file order
+        items = self.items.live()
+        items = items[np.lexsort((self.items.off[items], self.items.seg[items]))]  # file order
         for start in range(0, len(items), chunk):
             part = items[start : start + chunk]
             yield (part, *self._vectors(part))
 
-    def _rank(self, queries: np.ndarray, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], k: int,
-              exhaustive: bool = False) -> list[tuple[int, float, P, torch.Tensor]]:
+    def _rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False
+              ) -> list[tuple[int, float, P, torch.Tensor]]:
         """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C,)).
 
-        Scored are the FAISS candidates of `queries` (t, h), or every live item when `exhaustive`.
+        Scored are the backend's candidates of `queries` (t, h), or every live item when `exhaustive`.
         Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
         """
         with self._rw.read():
@@ -683,28 +583,25 @@ class FragmentIndex(Generic[P]):
                 vecs, mask = self._vectors(items)
             else:
                 return self._top_of(self._candidates(queries), score, k)
-            payloads = self._payloads(items.tolist())
+            payloads = self.payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
                 for row, (item, s) in enumerate(best)]
 
     def _small(self) -> bool:
         """At most `settings.exact_below` live fragments: the exact scan is the cheaper search."""
         limit = self.settings.exact_below
-        return bool(limit) and int(np.count_nonzero(self._alive)) <= limit and int(self._n[self._alive].sum()) <= limit
+        return bool(limit) and self.items.count <= limit and self.items.fragments() <= limit
 
-    def _top_of(self, items: np.ndarray, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], k: int
-                ) -> list[tuple[int, float, P, torch.Tensor]]:
+    def _top_of(self, items: np.ndarray, score: Score, k: int) -> list[tuple[int, float, P, torch.Tensor]]:
         """The k best of candidate `items` by `score` (the exact re-rank), as `_rank` returns them."""
         vecs, mask = self._vectors(items)
         top = top_k(score(vecs, mask).numpy(), items, k)
         keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
         vecs, mask, items = vecs[keep], mask[keep], items[keep]
-        payloads = self._payloads(items.tolist())
+        payloads = self.payloads(items.tolist())
         return [(i, s, payloads[i], vecs[row, : int(mask[row].sum())]) for row, (_, i, s) in enumerate(top)]
 
-
-    def _rank_many(self, score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_queries: int, k: int
-                   ) -> list[list[tuple[int, float]]]:
+    def _rank_many(self, score: Score, n_queries: int, k: int) -> list[list[tuple[int, float]]]:
         """Exact top k (item, score) of n queries in one pass over the store; `score` maps stored
         fragments ((C, F, h), mask (C, F)) to (C, n_queries) scores."""
         best: list[list[tuple[int, float]]] = [[] for _ in range(n_queries)]
@@ -715,22 +612,18 @@ class FragmentIndex(Generic[P]):
                     best[q] = merge_top_k(best[q], part, scores[:, q], k)
         return best
 
-    def _payloads(self, items: Sequence[int]) -> dict[int, P]:
-        """Metadata of items (pending ones from memory, saved ones from SQLite)."""
+    def payloads(self, items: Sequence[int]) -> dict[int, P]:
+        """Metadata of items (pending ones from memory, saved ones from the catalogue)."""
         out: dict[int, P] = {}
         saved = []
         for i in items:
-            p = self._pending.get(int(i))
+            p = self.items.pending.get(int(i))
             if p is not None:
                 out[int(i)] = p
             else:
                 saved.append(int(i))
         if saved:
-            names = ", ".join(name for name, _ in self.COLUMNS)
-            marks = ", ".join("?" for _ in saved)
-            with self._reader_lock:
-                rows = self._reader.execute(f"SELECT id, {names} FROM items WHERE id IN ({marks})", saved).fetchall()
-            for row in rows:
+            for row in self.catalogue.payload_rows(saved):
                 out[int(row[0])] = self._from_row(row[1:])
         return out
 
@@ -740,22 +633,6 @@ class FragmentIndex(Generic[P]):
 
     def _from_row(self, row: Sequence[Any]) -> P:
         raise NotImplementedError
-
-
-def top_k(scores: np.ndarray, items: np.ndarray, k: int) -> list[tuple[int, int, float]]:
-    """The k best (position, item, score) by score, ties broken by the smaller item id."""
-    if len(items) == 0 or k <= 0:
-        return []
-    order = np.lexsort((items, -scores))[:k]
-    return [(int(p), int(items[p]), float(scores[p])) for p in order]
-
-
-def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.ndarray, k: int
-                ) -> list[tuple[int, float]]:
-    """Running top-k over chunks of an exhaustive scan: (item, score) pairs."""
-    merged = best + [(int(i), float(s)) for _, i, s in top_k(scores, items, k)]
-    merged.sort(key=lambda t: (-t[1], t[0]))
-    return merged[:k]
 
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -773,25 +650,3 @@ def _disk_full(e: BaseException) -> bool:
 
 class IndexMovedError(IndexLoadError):
     """The index was committed anew while it was being loaded (the files a snapshot named are gone)."""
-
-
-def _generation(path: Path) -> Any:
-    """The committed generation in the database at `path` now (None when it cannot be read)."""
-    try:
-        db = _connect(path)
-        try:
-            row = db.execute("SELECT value FROM info WHERE key = 'generation'").fetchone()
-        finally:
-            db.close()
-        return None if row is None else json.loads(row[0])
-    except (sqlite3.Error, json.JSONDecodeError):
-        return None
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit), WAL journal, full fsync."""
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=FULL")
-    return db
-

@@ -4,6 +4,10 @@
         --image-list ../shared/data/flickr8k/dev.txt --out artifacts/index/images-dev \\
         --captions ../shared/data/flickr8k/captions.txt --split ../shared/data/flickr8k/train.txt
 
+`--backend milvus` keeps the candidate vectors in Milvus instead of an in-process FAISS file:
+`--uri http://host:19530` for a Milvus server or cluster, `--uri path/file.db` (or no --uri: a
+`milvus.db` folder inside each index folder) for milvus-lite.
+
 Any folder of images works (searched recursively): a user's own photos as well as Flickr8K. An
 existing image index at --out is extended with the images it does not hold yet; --rebuild builds
 a new one beside it and swaps it in when complete. Region features go through the shared feature
@@ -19,6 +23,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from index.candidates import BACKENDS, BackendOptions
 from index.images import ImageIndex, list_images
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sentences import SentenceIndex
@@ -80,25 +85,28 @@ def _swap_in(built: Path, out: Path) -> None:
 
 def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings: IndexSettings,
                       cache: FeatureCache | None = None, workers: int = 1, rebuild: bool = False,
-                      save_every: int = SAVE_EVERY, collection_root: Path | None = None) -> ImageIndex:
+                      save_every: int = SAVE_EVERY, collection_root: Path | None = None,
+                      backend: BackendOptions | None = None) -> ImageIndex:
     """Index `paths` into the image index at `out` (created, extended, or rebuilt), saving as it goes.
 
-    Paths under `collection_root` are stored relative to it (ImageIndex.create)."""
+    Paths under `collection_root` are stored relative to it (ImageIndex.create); `backend` is where a
+    new index keeps its candidate vectors (an existing one keeps its own)."""
     out = Path(out)
     target = _fresh_target(out, rebuild)
     if (target / "index.sqlite").exists():
-        index = ImageIndex.load(target, bundle, cache=cache, collection_root=collection_root)
+        index = ImageIndex.load(target, bundle, cache=cache, collection_root=collection_root, backend=backend)
         if index.settings.kind != settings.kind:
             logger.warning("%s is a %s index; keeping it (use --rebuild for %s)", out, index.settings.kind,
                            settings.kind)
     else:
-        index = ImageIndex.create(target, bundle, settings, cache=cache, collection_root=collection_root)
+        index = ImageIndex.create(target, bundle, settings, cache=cache, collection_root=collection_root,
+                                  backend=backend)
     todo = [Path(p).resolve() for p in paths]
     present = index.find_paths(todo)
     todo = [p for p in todo if str(p) not in present]
     logger.info("%d images to add to %s (%d there already)", len(todo), out, len(present))
     skipped = 0
-    if index.settings.trainable and not index.ann.trained:
+    if index.settings.trainable and not index.candidates.trained:
         with index.bulk():  # one training on a sample of everything, then one insert
             skipped += len(index.add_paths(todo, workers=workers, skip_present=False).skipped)
         index.save()
@@ -110,12 +118,12 @@ def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings
     index.close()
     _swap_in(target, out)
     logger.info("image index %s: %d images added, %d unreadable files skipped", out, len(todo) - skipped, skipped)
-    return ImageIndex.load(out, bundle, cache=cache, collection_root=collection_root)
+    return ImageIndex.load(out, bundle, cache=cache, collection_root=collection_root, backend=backend)
 
 
 def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
                          parse_dir: Path | None = None, rebuild: bool = False,
-                         vectors_dir: Path | None = None) -> SentenceIndex:
+                         vectors_dir: Path | None = None, backend: BackendOptions | None = None) -> SentenceIndex:
     """The sentence index at `out` over `sentences` (kept as it is when it exists, unless `rebuild`).
 
     With `parse_dir`, parses are cached there (shared with the trainer: same sentences, same file);
@@ -124,11 +132,11 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     """
     out = Path(out)
     if (out / "index.sqlite").exists() and not rebuild:
-        index = SentenceIndex.load(out, bundle)
+        index = SentenceIndex.load(out, bundle, backend=backend)
         logger.info("sentence index %s exists (%d sentences); --rebuild makes it again", out, len(index))
         return index
     target = _fresh_target(out, rebuild, resumable=False)
-    index = SentenceIndex.create(target, bundle, settings)
+    index = SentenceIndex.create(target, bundle, settings, backend=backend)
     with index.bulk():
         if parse_dir is not None:
             parsed = parse_cached(bundle.text.parser, list(sentences), parse_dir)
@@ -142,7 +150,7 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     index.close()
     _swap_in(target, out)
     logger.info("sentence index %s: %d sentences", out, len(sentences))
-    return SentenceIndex.load(out, bundle)
+    return SentenceIndex.load(out, bundle, backend=backend)
 
 
 def settings_from_args(args: argparse.Namespace) -> IndexSettings:
@@ -153,7 +161,8 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+                    help="the checkpoint (model.pt); default: the served full model")
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
     ap.add_argument("--image-list", type=Path, help="only the images named in this file (one name per line)")
     ap.add_argument("--out", type=Path, help="image index folder")
@@ -168,22 +177,32 @@ def main(argv: list[str] | None = None) -> None:
                     help="feature / parse cache shared with the trainer")
     ap.add_argument("--no-cache", action="store_true", help="extract features without the shared cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    ap.add_argument("--rebuild", action="store_true", help="build anew instead of extending what is at --out")
-    ap.add_argument("--save-every", type=int, default=SAVE_EVERY)
+    ap.add_argument("--rebuild", action="store_true",
+                    help="build anew instead of extending what is at --out")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
+                    help="images added between two commits of the index (an interrupted build resumes from the last)")
     defaults = IndexSettings()
-    ap.add_argument("--kind", default=defaults.kind, choices=("flat", "hnsw", "ivf", "ivfpq"))
-    ap.add_argument("--nlist", type=int, default=defaults.nlist)
+    ap.add_argument("--kind", default=defaults.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
+                    help="FAISS index kind of the candidate stage")
+    ap.add_argument("--nlist", type=int, default=defaults.nlist, help="IVF lists (ivf, ivfpq)")
     ap.add_argument("--m", type=int, default=defaults.m, help="PQ sub-vectors (ivfpq)")
     ap.add_argument("--nbits", type=int, default=defaults.nbits, help="bits per PQ code (4: fast-scan)")
-    ap.add_argument("--nprobe", type=int, default=defaults.nprobe)
+    ap.add_argument("--nprobe", type=int, default=defaults.nprobe, help="IVF lists searched per query fragment")
     ap.add_argument("--k-prime", type=int, default=defaults.k_prime, help="neighbours per query fragment")
     ap.add_argument("--rerank", type=int, default=defaults.rerank,
                     help="score exactly only the R candidates with the best partial score (0: all)")
-    ap.add_argument("--ef-search", type=int, default=defaults.ef_search)
-    ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m)
+    ap.add_argument("--ef-search", type=int, default=defaults.ef_search,
+                    help="HNSW search breadth")
+    ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m, help="HNSW neighbours per node")
     ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
-    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"))
+    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"),
+                    help="precision of the re-rank store of fragment vectors")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
+    ap.add_argument("--backend", default="faiss", choices=BACKENDS,
+                    help="where candidate vectors are searched: in-process FAISS, or Milvus")
+    ap.add_argument("--uri", default=None,
+                    help="Milvus: a server (http://host:19530) or a milvus-lite folder (file.db); default: "
+                         "milvus.db inside each index folder")
     ap.add_argument("--sentence-k-prime", type=int, default=SENTENCE_DEFAULTS.k_prime,
                     help="sentence index: neighbours per image fragment (0: every positive one)")
     ap.add_argument("--sentence-rerank", type=int, default=SENTENCE_DEFAULTS.rerank,
@@ -194,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("give --images and/or --captions")
     if args.images is not None and args.out is None:
         ap.error("--images needs --out")
+    if args.uri is not None and args.backend != "milvus":
+        ap.error("--uri needs --backend milvus")
+    backend = BackendOptions(args.backend, args.uri)
     bundle = Bundle.load(args.model)
     settings = settings_from_args(args)
     if args.images is not None:
@@ -205,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"no images found in {args.images}")
         cache = None if args.no_cache else feature_cache(args.cache, bundle.image_cfg)
         index = build_image_index(bundle, paths, args.out, settings, cache, args.workers, args.rebuild,
-                                  args.save_every, collection_root=args.collection_root)
+                                  args.save_every, collection_root=args.collection_root, backend=backend)
         logger.info("image index %s: %d images, %d fragments", args.out, len(index), index.n_fragments)
     if args.captions is not None:
         out = args.sentences_out
@@ -216,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         parse_dir = None if args.no_cache else args.cache / "parses"
         ssettings = dataclasses.replace(settings, k_prime=args.sentence_k_prime, rerank=args.sentence_rerank)
         sindex = build_sentence_index(bundle, sentences, out, ssettings, parse_dir, args.rebuild,
-                                      None if args.no_cache else args.cache / "vectors")
+                                      None if args.no_cache else args.cache / "vectors", backend)
         logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)
 
 

@@ -293,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively) to extract")
     ap.add_argument("--shards", type=Path, required=True, help="shard folder (written by extraction, read by --index)")
-    ap.add_argument("--engine", choices=ENGINES, default="local")
+    ap.add_argument("--engine", choices=ENGINES, default="local",
+                    help="local: worker processes on this machine; ray: Ray Data (this machine or --address)")
     ap.add_argument("--workers", type=int, default=2,
                     help="local: extraction processes; ray: backbone actors")
     ap.add_argument("--address", default=None, help="ray: the cluster to join (host:port of its head); "

@@ -21,12 +21,13 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.base import FragmentIndex
-from index.query import encode_phrase, encode_sentence, matches
-from index.types import AddReport, ImageHit, ImageRecord, IndexSettings, RegionHit
+from index.candidates import BackendOptions
+from index.query import encode_phrase, encode_sentence, matches, row_triplets
+from index.types import AddReport, Explanation, ImageHit, ImageRecord, IndexSettings, PairShare, RegionHit
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.image import ImageFragments, RegionExtractor
-from model.score import fragment_scores
+from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
 logger = logging.getLogger(__name__)
@@ -59,23 +60,25 @@ class ImageIndex(FragmentIndex[StoredImage]):
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
                cache: FeatureCache | None = None, extractor: RegionExtractor | None = None,
-               collection_root: Path | None = None) -> ImageIndex:
-        """A new, empty index folder (FileExistsError if one is there already).
+               collection_root: Path | None = None, backend: BackendOptions | None = None) -> ImageIndex:
+        """A new, empty index folder (FileExistsError if one is there already); `backend` chooses where
+        the candidate search runs (default: in-process FAISS).
 
         Images under `collection_root` are stored by their path relative to it, so that the index
         still finds them where the collection is mounted elsewhere (host / container); others by
         their absolute path."""
-        index: ImageIndex = cls._create(root, bundle, settings or IndexSettings())
+        index: ImageIndex = cls._create(root, bundle, settings or IndexSettings(), backend)
         return index._attach(cache, extractor, collection_root)
 
     @classmethod
     def load(cls, root: Path, bundle: Bundle, cache: FeatureCache | None = None,
              extractor: RegionExtractor | None = None, collection_root: Path | None = None,
-             **search: Any) -> ImageIndex:
+             backend: BackendOptions | None = None, **search: Any) -> ImageIndex:
         """Open an index folder built for `bundle`; IndexLoadError when it is missing, corrupt, or was
         built for another model or dimension. Relative image paths are read against `collection_root`.
-        `search` overrides search-time settings (nprobe, k_prime, use_gpu...)."""
-        index: ImageIndex = cls._load(root, bundle, search)
+        `search` overrides search-time settings (nprobe, k_prime, use_gpu...); `backend` the Milvus URI
+        (it must name the backend the index was built with)."""
+        index: ImageIndex = cls._load(root, bundle, search, backend)
         return index._attach(cache, extractor, collection_root)
 
     def _attach(self, cache: FeatureCache | None, extractor: RegionExtractor | None,
@@ -204,26 +207,29 @@ class ImageIndex(FragmentIndex[StoredImage]):
         """Live images among `paths` (compared as given, resolve them first) -> their ids."""
         given = {self.stored_path(p): str(p) for p in paths}
         wanted = set(given)
-        with self._rw.read():
-            found = {p.path: i for i, p in self._pending.items() if p.path in wanted and self.contains(i)}
-            items = list(wanted)
-            for start in range(0, len(items), 500):
-                part = items[start : start + 500]
-                marks = ", ".join("?" for _ in part)
-                with self._reader_lock:
-                    rows = self._reader.execute(
-                        f"SELECT id, path FROM items WHERE deleted = 0 AND path IN ({marks})", part).fetchall()
-                found.update({str(path): int(i) for i, path in rows if self.contains(int(i))})
+        with self.reading():
+            found = {p.path: i for i, p in self.items.pending.items() if p.path in wanted and self.contains(i)}
+            found.update({str(path): i for i, path in self.catalogue.lookup("path", sorted(wanted))
+                          if self.contains(i)})
         return {given[stored]: i for stored, i in found.items()}
 
     # -- reading ----------------------------------------------------------------------------------
     def get(self, image_id: int) -> ImageRecord | None:
         """The image's record, or None when it is unknown or removed."""
-        with self._rw.read():
+        with self.reading():
             if not self.contains(image_id):
                 return None
-            p = self._payloads([image_id])[image_id]
+            p = self.payloads([image_id])[image_id]
         return ImageRecord(image_id, p.name, self.real_path(p.path), p.width, p.height, p.boxes.tolist())
+
+    def fragments(self, image_id: int) -> tuple[torch.Tensor, np.ndarray] | None:
+        """An indexed image's embedded fragments (F, h) and their boxes (F, 4), or None."""
+        with self.reading():
+            if not self.contains(image_id):
+                return None
+            vecs, mask = self._vectors(np.asarray([image_id], dtype=np.int64))
+            boxes = self.payloads([image_id])[image_id].boxes
+        return vecs[0, : int(mask[0].sum())], boxes
 
     def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images for a sentence: FAISS candidates, exact score, alignments."""
@@ -250,6 +256,37 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
 
     @torch.inference_mode()
+    def explain(self, image_id: int, sentence: str) -> Explanation | None:
+        """Why image `image_id` scores what it does for `sentence` (None when it is not indexed): its
+        S_kl, the rank the exact score gives it over the whole collection (what a search with enough
+        candidates returns), its alignment and every fragment pair's share of the score."""
+        sent, triplets = encode_sentence(self.bundle, sentence)
+        sent_mask = torch.ones(1, len(sent))
+        with self.reading():
+            if not self.contains(image_id):
+                return None
+            ids, scores = [], []
+            for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
+                ids.append(part)
+                scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
+            item = np.asarray([image_id], dtype=np.int64)
+            vecs, mask = self._vectors(item)
+            payload = self.payloads([image_id])[image_id]
+        all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
+        mine = float(all_scores[all_ids == image_id][0])
+        ahead = (all_scores > mine) | ((all_scores == mine) & (all_ids < image_id))
+        rank = 1 + int(np.count_nonzero(ahead))
+        frags = vecs[0, : int(mask[0].sum())]
+        dots, shares = pair_contributions(frags, sent)
+        names = row_triplets(triplets, len(sent))
+        pairs = [PairShare(names[j].text(), names[j].rel, (names[j].w1, names[j].w2), i,
+                           [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(dots[i, j] > 0),
+                           float(shares[i, j]))
+                 for j in range(len(sent)) for i in range(len(frags))]
+        return Explanation(image_id, payload.name, payload.width, payload.height, mine, rank, len(all_ids),
+                           len(frags), len(sent), matches(frags, sent, triplets, payload.boxes), pairs)
+
+    @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:
         """Exact top k (image id, score) for many queries (each (T_q, h)) in one pass over the store."""
         t_max = max((len(s) for s in sents), default=1)
@@ -272,15 +309,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
         max(k', k) regions per phrase fragment and those are scored exactly.
         """
         sent, _ = encode_phrase(self.bundle, phrase)
-        with self._rw.read():
-            items, frags = self._candidate_fragments(sent.numpy(), max(self.settings.k_prime, k))
+        with self.reading():
+            items, frags = self.candidate_fragments(sent.numpy(), max(self.settings.k_prime, k))
             if len(items) == 0:
                 return []
-            regions, _ = self.store.gather(self._seg[items], self._off[items] + frags, np.ones(len(items), np.int32))
+            regions = self.fragment_vectors(items, frags)[:, None]
             scores = fragment_scores(torch.from_numpy(regions), sent[None])[:, 0, 0, :].clamp_min(0).sum(-1).numpy()
             order = np.lexsort((frags, items, -scores))[:k]
             order = order[scores[order] > 0]
-            payloads = self._payloads(items[order].tolist())
+            payloads = self.payloads(items[order].tolist())
         return [RegionHit(int(items[o]), payloads[int(items[o])].name,
                           [float(v) for v in payloads[int(items[o])].boxes[frags[o]]], int(frags[o]), float(scores[o]))
                 for o in order]

@@ -47,10 +47,11 @@ def row_triplets(triplets: Sequence[Triplet], rows: int) -> list[Triplet]:
     raise ValueError(f"{rows} embedded fragments for {len(triplets)} triplets: cannot tell which is which")
 
 
-def embed_encoded(bundle: Bundle, enc: EncodedSentences) -> list[tuple[torch.Tensor, list[Triplet]]]:
+def embed_encoded(bundle: Bundle, enc: EncodedSentences, calibrated: bool = True
+                  ) -> list[tuple[torch.Tensor, list[Triplet]]]:
     """Per sentence: its fragments (T, h) float32 and their triplets; T = 0 when it has none."""
     with torch.inference_mode():
-        sent, mask = bundle.embed_sentences(enc)
+        sent, mask = bundle.embed_sentences(enc, calibrated=calibrated)
     out = []
     for row in range(len(enc)):
         t = int(mask[row].sum())

@@ -19,6 +19,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.base import FragmentIndex
+from index.candidates import BackendOptions
 from index.query import embed_encoded, matches, text_lock
 from index.types import IndexSettings, SentenceHit, SentenceRecord
 from model.bundle import Bundle
@@ -49,18 +50,18 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
-               extractor: RegionExtractor | None = None) -> SentenceIndex:
+               extractor: RegionExtractor | None = None, backend: BackendOptions | None = None) -> SentenceIndex:
         """A new, empty index folder (FileExistsError if one is there already). The default settings
         take every sentence fragment with a positive score (few distinct ones: captions share
         triplets) and score the `DEFAULT_RERANK` best candidates exactly."""
-        index: SentenceIndex = cls._create(root, bundle, settings or DEFAULT_SETTINGS)
+        index: SentenceIndex = cls._create(root, bundle, settings or DEFAULT_SETTINGS, backend)
         return index._attach(extractor)
 
     @classmethod
     def load(cls, root: Path, bundle: Bundle, extractor: RegionExtractor | None = None,
-             **search: Any) -> SentenceIndex:
+             backend: BackendOptions | None = None, **search: Any) -> SentenceIndex:
         """Open an index folder built for `bundle` (IndexLoadError when missing, corrupt or mismatched)."""
-        index: SentenceIndex = cls._load(root, bundle, search)
+        index: SentenceIndex = cls._load(root, bundle, search, backend)
         return index._attach(extractor)
 
     def _attach(self, extractor: RegionExtractor | None) -> SentenceIndex:
@@ -102,10 +103,10 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     # -- reading ----------------------------------------------------------------------------------
     def get(self, sentence_id: int) -> SentenceRecord | None:
-        with self._rw.read():
+        with self.reading():
             if not self.contains(sentence_id):
                 return None
-            p = self._payloads([sentence_id])[sentence_id]
+            p = self.payloads([sentence_id])[sentence_id]
         return SentenceRecord(sentence_id, p.text, [t.text() for t in p.triplets])
 
     def annotate(self, image: Image.Image, k: int = 10) -> list[SentenceHit]:
@@ -137,7 +138,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Partial S_kl of candidate sentences: the sum over (|g_l| + n)."""
-        return partial / (self._n[items] + SMOOTHING)
+        return partial / (self.items.n[items] + SMOOTHING)
 
     # -- SQLite rows ------------------------------------------------------------------------------
     def _row(self, payload: StoredSentence) -> tuple[Any, ...]:

@@ -223,7 +223,7 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
             total += len(z["keys"])
     # an untrained ivf / ivfpq index is trained once on a sample of everything (index.bulk), then saved;
     # any other is saved after each shard, so an interrupted load resumes where it stopped
-    once = index.settings.trainable and not index.ann.trained
+    once = index.settings.trainable and not index.candidates.trained
     added = 0
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress))

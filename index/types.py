@@ -178,6 +178,39 @@ class RegionHit:
 
 
 @dataclass
+class PairShare:
+    """One (sentence fragment, image fragment) pair of an explained score: its v_i . s_j, whether it
+    clears the threshold (v_i . s_j > 0: only those count) and its share of S_kl."""
+
+    triplet: str
+    relation: str
+    words: tuple[str, str]
+    fragment: int
+    box: list[float]
+    score: float
+    cleared: bool
+    contribution: float
+
+
+@dataclass
+class Explanation:
+    """Why an image scores what it does for a sentence: S_kl, the rank the exact score gives it among
+    `images` live images (ties to the smaller id, as searches rank), its alignment and every pair."""
+
+    image_id: int
+    name: str
+    width: int
+    height: int
+    score: float
+    rank: int
+    images: int
+    image_fragments: int
+    sentence_fragments: int
+    alignment: list[FragmentMatch]
+    pairs: list[PairShare]
+
+
+@dataclass
 class ImageRecord:
     """An indexed image: boxes (F, 4) of its fragments in its own pixels, row 0 the whole image."""
 

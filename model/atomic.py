@@ -1,15 +1,16 @@
-"""Atomic file writes: a temp file beside the target, fsynced, then renamed onto it.
+"""Atomic file writes, the one helper of model/ and index/: a temp file beside the target, fsynced,
+renamed onto it, then the folder fsynced (so the rename survives a power cut).
 
 A reader never sees a half-written file, and a crash leaves the previous version (or nothing) in
 place plus at most a temp file named ``.<pid>.<target name>.<random>.tmp``, which `stale_temps`
-finds once its writer is gone.
+finds once its writer is gone (the index removes the ones in its folder at its next save).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -17,17 +18,37 @@ from typing import BinaryIO
 TMP_SUFFIX = ".tmp"
 
 
+def fsync_dir(folder: Path) -> None:
+    """Make renames in ``folder`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temp name beside ``path`` (not created): ``.<pid>.<name>.<random>.tmp``."""
+    return path.with_name(f".{os.getpid()}.{path.name}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """A temp path beside ``path`` for a writer that wants a file name; renamed onto ``path`` (after
-    an fsync) when the block succeeds, removed when it fails."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{os.getpid()}.{path.name}.", suffix=TMP_SUFFIX)
-    os.close(fd)
+    """A temp path beside ``path`` for a writer that wants a file name (the body creates the file);
+    fsynced and renamed onto ``path`` when the block succeeds, removed when it fails."""
+    path = Path(path)
+    tmp = temp_path(path)
     try:
-        yield Path(tmp)
+        yield tmp
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -36,7 +57,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """A binary file handle whose content replaces ``path`` atomically when the block succeeds."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+    with atomic_path(path) as tmp, open(tmp, "xb") as fh:
         yield fh
         fh.flush()
 

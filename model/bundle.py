@@ -1,7 +1,7 @@
 """A trained model with everything it needs to embed new sentences and images: the checkpoint.
 
 A checkpoint holds the weights, the model/text/image settings, the kept relations, the word
-table and, where the model is calibrated, its reference fragments (model/calibrate.py), so it loads
+table and, where the model is calibrated, its reference fragments (model/calibration.py), so it loads
 without any training code (`Bundle.load`).
 
 Loading never unpickles code: the file is read with ``torch.load(weights_only=True)`` (tensors,
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from model.calibrate import Calibration
+from model.atomic import atomic_file
+from model.calibration import Calibration
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
@@ -78,7 +78,7 @@ class Bundle:
         """feats: (K, F, img_dim) cached region features -> image fragments (K, F', h).
 
         F' = 1 for a full-frame model and for the two-branch model (its one global vector).
-        A calibrated model divides each image's fragments by its scale sigma_k (model/calibrate.py).
+        A calibrated model divides each image's fragments by its scale sigma_k (model/calibration.py).
         """
         x = torch.as_tensor(feats, dtype=torch.float32)
         if self.image_cfg.full_frame_only or isinstance(self.model, TwoBranch):
@@ -123,7 +123,7 @@ class Bundle:
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """Atomic write: temp file, fsync, rename."""
+        """Atomic write (model/atomic.py)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
@@ -138,12 +138,8 @@ class Bundle:
             "meta": self.meta,
             "calibration": None if self.calibration is None else self.calibration.to_state(),
         }
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
+        with atomic_file(path) as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: Path, device: str | torch.device = "cpu") -> Bundle:

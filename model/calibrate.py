@@ -1,18 +1,8 @@
-"""Score calibration: each item's fragments are scaled so that its S_kl against a fixed reference set has
-unit spread.
+"""Score calibration: fitting the reference sets (model/calibration.py holds the data and its maths),
+timing it, and the command line that calibrates a trained checkpoint.
 
-S_kl is positively homogeneous in either side's fragments (max(0, c v.s) = c max(0, v.s) for c > 0), so
-dividing image k's fragments by sigma_k and sentence l's by tau_l gives S_kl / (sigma_k tau_l): still the
-one S_kl (model.score.skl), of the calibrated fragments. sigma_k is the standard deviation of image k's
-S_kl against R reference training sentences, tau_l that of sentence l against R reference training images.
-
-Why: without it a few images score high against almost every sentence (hubs) and crowd the top of
-image search. For a fixed image, sigma_k does not change how its sentences rank, and for a fixed
-sentence tau_l does not change how its images rank: the image scale acts on search only, the
-sentence scale on annotation only, and neither changes which region a triplet aligns to. The
-reference sets are drawn from the training split and stored, embedded, in the checkpoint; the scale
-of a new image or sentence is computed from its own fragments when it is embedded. (In the
-retrieval literature: querybank normalisation, a remedy for hubness.)
+The reference sets are drawn from the training split (`fit_calibration`), embedded by the
+uncalibrated model and stored in the checkpoint; `per_item_ms` measures what the scale costs a query.
 
     python -m model.calibrate --model artifacts/models/full/model.pt --refs 1000
 """
@@ -23,74 +13,21 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from model.score import skl
-
-if TYPE_CHECKING:
-    from model.bundle import Bundle
-    from model.dataset import SplitData
+from model.bundle import Bundle
+from model.calibration import Calibration
+from model.config import default_artifacts_dir, default_data_dir
+from model.dataset import SplitData, load_split_data
+from model.evaluate import evaluate
+from model.text import make_parser
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
 FLOOR = 0.01  # smallest scale, as a share of the reference items' median scale (an all-zero item)
-
-
-@dataclass
-class Calibration:
-    """Reference fragments, embedded by the uncalibrated model.
-
-    ref_images: (R_i, F, h); ref_sentences: (R_s, T, h) with ref_sentence_mask (R_s, T);
-    floor_image / floor_sentence: the smallest scale each side's items get.
-    """
-
-    ref_images: torch.Tensor
-    ref_sentences: torch.Tensor
-    ref_sentence_mask: torch.Tensor
-    floor_image: float = 0.0
-    floor_sentence: float = 0.0
-
-    def image_scales(self, img: torch.Tensor) -> torch.Tensor:
-        """img: (K, F, h) uncalibrated image fragments -> (K,) sigma_k."""
-        with torch.no_grad():
-            out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2], device=img.device),
-                       self.ref_sentences,
-                       self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
-                   for k in range(0, img.shape[0], BLOCK)]
-        return (torch.cat(out) if out else img.new_zeros(0)).clamp_min(self.floor_image)
-
-    def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """sent: (L, T, h) uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l."""
-        ones = torch.ones(self.ref_images.shape[:2], device=self.ref_images.device)
-        with torch.no_grad():
-            out = [skl(self.ref_images, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)
-                   for s in range(0, sent.shape[0], BLOCK)]
-        return (torch.cat(out) if out else sent.new_zeros(0)).clamp_min(self.floor_sentence)
-
-    def to(self, device: torch.device | str) -> Calibration:
-        """The same references on `device` (self when they are there already)."""
-        dev = torch.device(device)
-        if self.ref_images.device == dev:
-            return self
-        return Calibration(self.ref_images.to(dev), self.ref_sentences.to(dev), self.ref_sentence_mask.to(dev),
-                           self.floor_image, self.floor_sentence)
-
-    def to_state(self) -> dict[str, Any]:
-        """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty)."""
-        return {"ref_images": self.ref_images.half().cpu(), "ref_sentences": self.ref_sentences.half().cpu(),
-                "ref_sentence_mask": self.ref_sentence_mask.bool().cpu(), "floor_image": self.floor_image,
-                "floor_sentence": self.floor_sentence}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Calibration:
-        return cls(state["ref_images"].float(), state["ref_sentences"].float(),
-                   state["ref_sentence_mask"].float(), float(state["floor_image"]), float(state["floor_sentence"]))
 
 
 def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -> Calibration:
@@ -131,20 +68,17 @@ def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float
 
 
 def main(argv: list[str] | None = None) -> None:
-    from model.bundle import Bundle
-    from model.config import default_artifacts_dir, default_data_dir
-    from model.dataset import load_split_data
-    from model.evaluate import evaluate
-    from model.text import make_parser
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="checkpoint to calibrate (rewritten in place)")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--split", default="train", help="where the reference items are drawn from")
-    ap.add_argument("--dev-split", default="dev", help="evaluated before and after ('' to skip)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--dev-split", default="dev",
+                    help="evaluated before and after ('' to skip)")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the reference draw")
     ap.add_argument("--workers", type=int, default=1, help="feature extraction processes")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)

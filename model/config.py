@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,14 @@ def default_data_dir() -> Path:
 def default_artifacts_dir() -> Path:
     """Where weights, caches and indexes live (git-ignored): $FRAGSEARCH_ARTIFACTS or ./artifacts."""
     return Path(os.environ.get("FRAGSEARCH_ARTIFACTS", str(DEFAULT_ARTIFACTS)))
+
+
+def collection_index(artifacts: Path, folder: Path) -> Path:
+    """The index folder of a photo collection: <artifacts>/index/collection-<folder name>-<hash of its
+    absolute path> (two folders of one name get their own)."""
+    folder = Path(folder).resolve()
+    tag = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+    return Path(artifacts) / "index" / f"collection-{folder.name or 'root'}-{tag}"
 
 
 @dataclass(frozen=True)
@@ -98,3 +107,39 @@ class TextConfig:
     word_vectors: str = "static"  # "static" (per-word table) or "contextual" (tokens in their sentence)
     unigram_prob: float = 0.05  # training: share of sentences shown as unigram fragments (trains fallback)
     max_words: int = 64  # longest caption parsed (tokens past it are ignored)
+
+
+SELECTIONS = ("val", "last")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and model-selection settings (each is a `python -m model.train` flag of the same name)."""
+
+    objective: str = "full"  # full (C_0 -> C_F, + global), fragment+global (C_0 + global), fragment, global
+    epochs: int = 10  # paper: 20 (half the budget fits a 2-core machine; the R-sum has flattened by then)
+    dense_epochs: int = 4  # epochs with the dense C_0 before switching to MIL C_F (paper: half)
+    anneal_epochs: int = 2  # last epochs at lr x 0.1
+    batch_size: int = 100  # image-sentence pairs per batch
+    optimizer: str = "adam"  # "adam" or "sgd" (momentum 0.9, as in the paper)
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 1e-6  # alpha
+    beta: float = 1.0  # weight of the global ranking objective
+    margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
+    global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
+    balanced: bool = True  # average positive and negative fragment hinges separately
+    h: int = 256  # embedding size (paper: ~1000)
+    calibrate: int = 0  # fragment models: reference images and sentences for score calibration (0 = none)
+    # two-branch baseline
+    tb_margin: float = 0.1
+    tb_top_k: int = 50
+    tb_lambda_img: float = 2.0
+    tb_lambda_struct: float = 0.1
+    # model selection: never on dev (dev is the split the results report)
+    selection: str = "val"  # "val": the epoch with the best R-sum on the validation part; "last": the last epoch
+    val_images: int = 500  # training images held out (with their captions) as the validation part
+    val_seed: int = 0  # draw of the validation part (fixed: the same images in every run)
+    eval_every: int = 2  # epochs between evaluations on the validation part (and the last epoch)
+    seed: int = 0
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda: model/device.py

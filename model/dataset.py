@@ -34,6 +34,26 @@ class SplitData:
         return self.split.images
 
 
+def select_images(data: SplitData, keep: np.ndarray) -> SplitData:
+    """The images `keep` (indices, kept in split order) with all their captions and parses."""
+    keep = np.unique(np.asarray(keep, dtype=np.int64))
+    new_id = np.full(len(data.names), -1, dtype=np.int64)
+    new_id[keep] = np.arange(len(keep))
+    rows = np.flatnonzero(new_id[data.pair_image] >= 0)
+    sp = Split(data.split.root, tuple(data.names[k] for k in keep), tuple(data.split.captions[k] for k in keep))
+    return SplitData(sp, data.feats[keep], data.boxes[keep], [data.sentences[i] for i in rows],
+                     new_id[data.pair_image[rows]], [data.parsed[i] for i in rows])
+
+
+def hold_out(data: SplitData, n: int, seed: int) -> tuple[SplitData, SplitData]:
+    """(the rest, `n` images drawn with `seed`): an image-disjoint split of `data`, each image with all
+    its captions. The same `data`, `n` and `seed` always hold out the same images."""
+    drawn = np.random.default_rng(seed).choice(len(data.names), size=n, replace=False)
+    held = np.zeros(len(data.names), dtype=bool)
+    held[drawn] = True
+    return select_images(data, np.flatnonzero(~held)), select_images(data, np.flatnonzero(held))
+
+
 def feature_cache(cache_root: Path, image_cfg: ImageConfig, device: str = "cpu") -> FeatureCache:
     """The shared feature cache: always the full 1 + n_regions fragments (full-frame models slice row 0)."""
     return FeatureCache(Path(cache_root) / "features", dataclasses.replace(image_cfg, full_frame_only=False),

@@ -85,14 +85,21 @@ def score_split(bundle: Bundle, feats: np.ndarray, enc: EncodedSentences, chunk:
     return bundle.scores(img, img_mask, sent, sent_mask, chunk=chunk).numpy()
 
 
+def split_metrics(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float]:
+    """Metrics over every sentence, plus hodosh_<metric>: the same over each image's first sentence only.
+
+    scores: (N, L) image x sentence; pair_image: (L,), every image with at least one sentence."""
+    metrics = metrics_from_scores(scores, pair_image)
+    first = np.array([int(np.flatnonzero(pair_image == k)[0]) for k in range(scores.shape[0])])
+    hodosh = metrics_from_scores(scores[:, first], pair_image[first])
+    metrics.update({f"hodosh_{k}": v for k, v in hodosh.items()})
+    return metrics
+
+
 def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
     """Metrics on a split (all 5 sentences per image) plus the Hodosh (*) first-sentence variant."""
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
-    scores = score_split(bundle, data.feats, enc)
-    metrics = metrics_from_scores(scores, data.pair_image)
-    first = np.array([int(np.flatnonzero(data.pair_image == k)[0]) for k in range(len(data.names))])
-    hodosh = metrics_from_scores(scores[:, first], data.pair_image[first])
-    metrics.update({f"hodosh_{k}": v for k, v in hodosh.items()})
+    metrics = split_metrics(score_split(bundle, data.feats, enc), data.pair_image)
     metrics["images"] = float(len(data.names))
     metrics["sentences"] = float(len(data.sentences))
     return metrics
@@ -100,10 +107,14 @@ def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--split", default="dev", help="split name (DATA/<name>.txt) or path of a split list")
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
+    ap.add_argument("--split", default="dev",
+                    help="split name (DATA/<name>.txt) or path of a split list")
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of the split")
     ap.add_argument("--out", type=Path, default=None, help="write the metrics as JSON here")

@@ -21,11 +21,13 @@ logger = logging.getLogger(__name__)
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--splits", nargs="*", default=["train", "dev"],
                     help="split names or lists; none = every file in images/")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     add_region_flags(ap, ImageConfig())
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of each split")
     args = ap.parse_args(argv)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 from spacy.lang.en.stop_words import STOP_WORDS
 
+from model.atomic import atomic_file
 from model.config import TextConfig
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, make_parser, sentence_triplets
 from model.words import WordTable, encode_sentences, encode_words_in_context
@@ -154,9 +154,8 @@ class TextPipeline:
             offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
             sent = encode_sentences(list(sentences), device=self.device) if self.cfg.sentence_fragment else tokens[:0]
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")  # one per process: runs may share a cache
-            np.savez(tmp, tokens=tokens, offsets=offsets, sentences=sent)
-            os.replace(tmp, path)
+            with atomic_file(path) as fh:  # runs may share a cache: each writes its own temp file
+                np.savez(fh, tokens=tokens, offsets=offsets, sentences=sent)
         if contextual:
             self._context_vecs.update(
                 (k, tokens[offsets[i] : offsets[i + 1]]) for i, k in enumerate(keys))
@@ -269,7 +268,6 @@ def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> l
     logger.info("parsing %d sentences with %s", len(sentences), parser.name)
     parsed = parser.parse(list(sentences))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # one per process: runs may share a cache
-    tmp.write_text(json.dumps([p.to_dict() for p in parsed]))
-    os.replace(tmp, path)
+    with atomic_file(path) as fh:  # runs may share a cache: each writes its own temp file
+        fh.write(json.dumps([p.to_dict() for p in parsed]).encode())
     return parsed

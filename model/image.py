@@ -149,13 +149,8 @@ class RegionExtractor:
 
     def _crop_features(self, images: Sequence[Image.Image], boxes: Sequence[np.ndarray]) -> list[ImageFragments]:
         """Warp every box of every image to crop_size² and pool the backbone on each crop."""
-        size = self.cfg.crop_size
-        crops = [
-            to_tensor(np.asarray(img.resize((size, size), Image.Resampling.BILINEAR, box=_pil_box(b))))
-            for img, bx in zip(images, boxes, strict=True)
-            for b in bx
-        ]
-        pooled = _numpy(self.backbone.pooled(torch.stack(crops)))
+        crops = torch.cat([region_crops(img, bx, self.cfg.crop_size) for img, bx in zip(images, boxes, strict=True)])
+        pooled = _numpy(self.backbone.pooled(crops))
         out, start = [], 0
         for img, bx in zip(images, boxes, strict=True):
             out.append(ImageFragments(bx, pooled[start : start + len(bx)], img.size[0], img.size[1]))
@@ -173,6 +168,14 @@ def image_proposals(image: Image.Image, cfg: ImageConfig) -> np.ndarray:
 
 def _rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def region_crops(image: Image.Image, boxes: np.ndarray, size: int) -> torch.Tensor:
+    """Each box (N, 4) [x0, y0, x1, y1] of an RGB image cropped and warped to size² → (N, 3, size, size)
+    in [-1, 1]: what the backbone sees of a region in "crop" mode."""
+    return torch.stack([
+        to_tensor(np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=_pil_box(b)))) for b in boxes
+    ])
 
 
 def _pil_box(b: np.ndarray) -> tuple[float, float, float, float]:

@@ -91,6 +91,18 @@ def skl(
     return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask), smoothing)
 
 
+def pair_contributions(img_frags: torch.Tensor, sent_frags: torch.Tensor,
+                       smoothing: float = SMOOTHING) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each fragment pair's share of one pair's S_kl: (v_i . s_j (F, T), max(0, v_i . s_j) / (F (T + n))).
+
+    img_frags: (F, h), sent_frags: (T, h), real fragments only; the shares sum to `skl` of the pair.
+    """
+    flat = flatten(img_frags[None], img_frags.new_ones(1, len(img_frags)), sent_frags[None],
+                   sent_frags.new_ones(1, len(sent_frags)))
+    norm = len(img_frags) * (len(sent_frags) + smoothing)
+    return flat.scores, flat.scores.clamp_min(0) / norm
+
+
 @dataclass(frozen=True)
 class Alignment:
     """For each sentence fragment j: its best image fragment and their score v_i . s_j.

@@ -1,11 +1,17 @@
 """Train a fragment model (or the two-branch baseline) on a data folder's train split.
 
     python -m model.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
+    python -m model.train --list        (the variants: model/variants/*.toml, model/variants.py)
 
 C = C_F + beta * C_G + alpha * ||theta||^2 with the paper's schedule: the first `dense_epochs`
 with the dense fragment objective C_0, then its MIL form C_F; learning rate x0.1 for the last
-`anneal_epochs`. The backbone is frozen (its features are cached). The checkpoint kept is the one
-with the best dev R-sum (R@1+R@5+R@10, both directions).
+`anneal_epochs`. The backbone is frozen (its features are cached).
+
+Model selection never looks at dev (the split the results table reports; bench/report.py evaluates
+it): with `--selection val` (the default) `--val-images` training images, drawn once with
+`--val-seed` and never trained on, are held out with their captions, and the checkpoint kept is the
+epoch with the best R-sum (R@1+R@5+R@10, both directions) on them; with `--selection last` every
+training image is trained on and the last epoch is kept (a fixed epoch count).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -29,14 +35,16 @@ from tqdm import tqdm
 from model.bundle import Bundle
 from model.calibrate import fit_calibration
 from model.config import (
+    SELECTIONS,
     ImageConfig,
     TextConfig,
+    TrainConfig,
     add_region_flags,
     default_artifacts_dir,
     default_data_dir,
     with_region_flags,
 )
-from model.dataset import SplitData, load_split_data
+from model.dataset import SplitData, hold_out, load_split_data
 from model.device import device_name
 from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
 from model.evaluate import evaluate
@@ -44,74 +52,23 @@ from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_ro
 from model.objectives import fragment_loss, global_loss, two_branch_loss
 from model.score import flatten, skl_from_flat
 from model.text import make_parser
+from model.variants import (
+    MODEL_SHAPE,
+    SECTIONS,
+    VARIANTS_DIR,
+    VariantError,
+    field_meanings,
+    load_variant,
+    read_variant_file,
+    variant_names,
+)
 
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("full", "fragment+global", "fragment", "global")
-# ModelConfig fields a variant or a CLI flag of the same name may set for a fragment model
-MODEL_OPTIONS = {"image_hidden": int, "global_hidden": int, "dropout": float, "input_dropout": float}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation settings (each is a CLI flag of the same name)."""
-
-    objective: str = "full"  # full (C_0 -> C_F, + global), fragment+global (C_0 + global), fragment, global
-    epochs: int = 10  # paper: 20 (half the budget fits a 2-core machine; dev R-sum has flattened by then)
-    dense_epochs: int = 4  # epochs with the dense C_0 before switching to MIL C_F (paper: half)
-    anneal_epochs: int = 2  # last epochs at lr x 0.1
-    batch_size: int = 100  # image-sentence pairs per batch
-    optimizer: str = "adam"  # "adam" or "sgd" (momentum 0.9, as in the paper)
-    lr: float = 1e-3
-    momentum: float = 0.9
-    weight_decay: float = 1e-6  # alpha
-    beta: float = 1.0  # weight of the global ranking objective
-    margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
-    global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
-    balanced: bool = True  # average positive and negative fragment hinges separately
-    h: int = 256  # embedding size (paper: ~1000)
-    calibrate: int = 0  # fragment models: reference images and sentences for score calibration (0 = none)
-    # two-branch baseline
-    tb_margin: float = 0.1
-    tb_top_k: int = 50
-    tb_lambda_img: float = 2.0
-    tb_lambda_struct: float = 0.1
-    eval_every: int = 2
-    seed: int = 0
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda: model/device.py
-
-
-# Named rows of docs/results: (model kind, text settings, image settings, train settings) overrides.
-VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
-    "paper": {},
-    "fragment+global": {"train": {"objective": "fragment+global"}},
-    "fragment": {"train": {"objective": "fragment"}},
-    "global": {"train": {"objective": "global"}},
-    "fullframe": {"image": {"full_frame_only": True}},
-    "bow": {"text": {"fragments": "bow"}},
-    "bigram": {"text": {"fragments": "bigram"}},
-    "sentence": {"text": {"sentence_fragment": True}},
-    # only the whole-image row of the cache is read, the same at every region floor: share full-roi's
-    "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
-                   "image": {"min_box_frac": 0.25},
-                   "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
-}
-VARIANTS["large-regions"] = {"text": {"sentence_fragment": True}, "image": {"min_box_frac": 0.15},
-                             "train": {"global_top_k": 5}}
-VARIANTS["large-regions+mlp"] = {**VARIANTS["large-regions"], "model": {"image_hidden": 1024}}
-VARIANTS["contextual"] = {**VARIANTS["large-regions"],
-                          "text": {"sentence_fragment": True, "word_vectors": "contextual"}}
-VARIANTS["contextual-r25"] = {**VARIANTS["contextual"], "image": {"min_box_frac": 0.25}}
-VARIANTS["wide"] = {**VARIANTS["contextual-r25"], "model": {"h": 512}, "train": {"global_top_k": 5, "beta": 2.0}}
-VARIANTS["dropout"] = {**VARIANTS["wide"], "model": {"h": 512, "input_dropout": 0.2}}
-VARIANTS["full-roi"] = {**VARIANTS["dropout"], "train": {**VARIANTS["wide"]["train"], "calibrate": 1000}}
-# region features from a CNN pass per region (R-CNN-style crops, float backbone)
-VARIANTS["full-crop"] = {**VARIANTS["full-roi"],
-                         "image": {**VARIANTS["full-roi"]["image"], "region_features": "crop"}}
-# the served default: crops through the int8 backbone, proposals at 112 px, ranked by a 224 px pass
-VARIANTS["full"] = {**VARIANTS["full-crop"],
-                    "image": {**VARIANTS["full-crop"]["image"], "backbone_precision": "int8",
-                              "proposal_resize": 112, "backbone_size": 224}}
+MODEL_OPTIONS = MODEL_SHAPE  # ModelConfig fields a variant or a CLI flag of the same name may set
+VAL_METRICS = ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10", "annot_medr",
+               "search_medr")  # kept per evaluated epoch in the history, as val_<name>
 
 
 @dataclass
@@ -125,15 +82,21 @@ class Run:
 
 
 def make_run(variant: str, overrides: dict[str, Any], model_overrides: dict[str, Any] | None = None) -> Run:
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
-    v = VARIANTS[variant]
-    train = dataclasses.replace(TrainConfig(), **{**v.get("train", {}), **overrides})
-    model = {**v.get("model", {}), **(model_overrides or {})}
-    if "h" in model and "h" not in overrides:
-        train = dataclasses.replace(train, h=model["h"])
-    return Run(variant, train, TextConfig(**v.get("text", {})), ImageConfig(**v.get("image", {})),
-               model.get("kind", "fragment"), model)
+    """The variant's settings (model/variants/<variant>.toml) with flag `overrides` of TrainConfig fields
+    and `model_overrides` of model shape options."""
+    v = load_variant(variant)
+    model = {**v.model, **(model_overrides or {})}
+    return Run(variant, dataclasses.replace(v.train, **overrides), v.text, v.image, v.model_kind, model)
+
+
+def list_variants(out: TextIO) -> None:
+    """One line per variant: its name, the variant it extends and what it sets, and its description."""
+    for name in variant_names():
+        v = load_variant(name)
+        base, _, own = read_variant_file(VARIANTS_DIR / f"{name}.toml")
+        sets = ", ".join(f"{s}.{k}={val}" for s in SECTIONS for k, val in own[s].items())
+        out.write(f"{name:18s} {('= ' + base + ' + ') if base else '= defaults + '}{sets or 'nothing'}\n"
+                  f"{'':18s}   {v.description}\n")
 
 
 def _lr_at(cfg: TrainConfig, epoch: int) -> float:
@@ -248,9 +211,10 @@ def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data
     return total / max(n, 1)
 
 
-def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path,
+def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path,
           cache_root: Path) -> dict[str, Any]:
-    """Train, evaluate on dev every `eval_every` epochs, keep the best checkpoint as out/model.pt.
+    """Train; with `val_data` (a part held out of the training images, never dev: `hold_out`) evaluate
+    on it every `eval_every` epochs and keep the best epoch as out/model.pt, without it keep the last.
 
     Everything runs on run.train.device (resolved here: auto -> cuda when available)."""
     run.train = cfg = dataclasses.replace(run.train, device=device_name(run.train.device))
@@ -258,7 +222,7 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
     rng = np.random.default_rng(cfg.seed)
     text = TextPipeline.fit(run.text, train_data.parsed, cache_root / "words")
     text.device = cfg.device
-    for data in (train_data, dev_data):
+    for data in (train_data, val_data):
         if data is not None:
             text.warm(data.parsed, data.sentences, cache_root / "vectors")
     sid = text.relations.index(SENTENCE_REL)
@@ -285,6 +249,9 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
                 time.perf_counter() - t0)
     history: list[dict[str, float]] = []
     best: dict[str, float] | None = None
+    selection: dict[str, Any] = (
+        {"rule": "last", "epochs": cfg.epochs} if val_data is None else
+        {"rule": "val", "epochs": cfg.epochs, "images": len(val_data.names), "seed": cfg.val_seed})
     out.mkdir(parents=True, exist_ok=True)
     for epoch in range(cfg.epochs):
         for g in opt.param_groups:
@@ -293,23 +260,25 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
         loss = step(epoch)
         row: dict[str, float] = {"epoch": epoch + 1, "loss": loss, "seconds": time.perf_counter() - t_ep}
         last = epoch == cfg.epochs - 1
-        evaluated = dev_data is not None and ((epoch + 1) % cfg.eval_every == 0 or last)
+        evaluated = val_data is not None and ((epoch + 1) % cfg.eval_every == 0 or last)
         if cfg.calibrate > 0 and isinstance(model, FragmentModel) and (evaluated or last):
             bundle.calibration = fit_calibration(bundle, train_data, cfg.calibrate, cfg.seed)
             bundle.meta["calibration"] = {"refs": cfg.calibrate, "split": "train", "seed": cfg.seed}
-        if evaluated and dev_data is not None:
-            m = evaluate(bundle, dev_data)
-            row.update({k: m[k] for k in ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1",
-                                          "search_r5", "search_r10", "annot_medr", "search_medr")})
+        if evaluated and val_data is not None:
+            m = evaluate(bundle, val_data)
+            row.update({f"val_{k}": m[k] for k in VAL_METRICS})
             if best is None or m["rsum"] > best["rsum"]:
                 best = {**m, "epoch": float(epoch + 1)}
-                bundle.meta["dev"] = best
+                bundle.meta["selection"] = {**selection, "epoch": epoch + 1, "val": best}
                 bundle.save(out / "model.pt")
-        elif dev_data is None and last:
+        elif val_data is None and last:
+            bundle.meta["selection"] = {**selection, "epoch": epoch + 1}
             bundle.save(out / "model.pt")
         history.append(row)
         logger.info("epoch %d: %s", epoch + 1, json.dumps({k: round(v, 4) for k, v in row.items()}))
-    summary = {"variant": run.variant, "best": best, "history": history,
+    selection["epoch"] = int(best["epoch"]) if best is not None else cfg.epochs
+    summary = {"variant": run.variant, "selection": selection, "best": best, "history": history,
+               "train_images": len(train_data.names), "train_sentences": len(train_data.sentences),
                "train_seconds": time.perf_counter() - t0,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                "config": {"train": dataclasses.asdict(cfg), "text": dataclasses.asdict(run.text),
@@ -318,49 +287,95 @@ def train(run: Run, train_data: SplitData, dev_data: SplitData | None, out: Path
     return summary
 
 
+FLAG_HELP = {
+    "selection": "which epoch is kept: val = the best R-sum on --val-images training images held out of training "
+                 "(never dev); last = the last epoch, every training image trained on (a fixed epoch count)",
+    "val_images": "training images (with their captions) held out as the validation part of --selection val",
+    "val_seed": "seed of the draw of the validation part (fixed: the same images in every run)",
+    "eval_every": "epochs between evaluations on the validation part (--selection val)",
+}
+
+
 def _add_config_flags(ap: argparse.ArgumentParser) -> None:
+    meanings = field_meanings("train")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        say = FLAG_HELP.get(f.name) or meanings.get(f.name)
         if f.type in ("bool", bool):
-            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
+            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
+                            help=f"{say} (true/false; default: the variant's)")
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(flag, type=typ, default=None)
+            ap.add_argument(flag, type=typ, default=None, help=f"{say} (default: the variant's)",
+                            choices=SELECTIONS if f.name == "selection" else None)
+
+
+def split_for_selection(cfg: TrainConfig, data: SplitData) -> tuple[SplitData, SplitData | None]:
+    """(what is trained on, the validation part or None): `cfg.val_images` training images held out
+    with `cfg.val_seed` for --selection val, nothing for --selection last."""
+    if cfg.selection == "last":
+        return data, None
+    if cfg.selection != "val":
+        raise ValueError(f"unknown selection {cfg.selection!r}: one of {', '.join(SELECTIONS)}")
+    if not 0 < cfg.val_images < len(data.names) // 2:
+        raise ValueError(f"cannot hold out {cfg.val_images} of {len(data.names)} training images for validation "
+                         "(at most half): pass a smaller --val-images, or --selection last")
+    rest, val = hold_out(data, cfg.val_images, cfg.val_seed)
+    logger.info("model selection on %d training images held out with their %d captions (seed %d); training on %d",
+                len(val.names), len(val.sentences), cfg.val_seed, len(rest.names))
+    return rest, val
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--variant", default="full", choices=sorted(VARIANTS))
-    ap.add_argument("--out", type=Path, default=None, help="default: artifacts/models/<variant>")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--train-split", default="train")
-    ap.add_argument("--dev-split", default="dev", help="'' to train without dev evaluation")
+    ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
+    ap.add_argument("--variant", default="full", help="a model/variants/<name>.toml (--list)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: artifacts/models/<variant>")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
+    ap.add_argument("--train-split", default="train", help="split whose images and captions are trained on")
+    ap.add_argument("--dev-split", default=None,
+                    help="only '' is accepted, the old spelling of --selection last (dev never selects a model)")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
-    ap.add_argument("--dev-limit", type=int, default=None)
     add_region_flags(ap, None)  # each defaults to the variant's
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     _add_config_flags(ap)
     for name, typ in MODEL_OPTIONS.items():
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
     args = ap.parse_args(argv)
+    if args.list:
+        list_variants(sys.stdout)
+        return
+    if args.dev_split not in (None, ""):
+        ap.error("--dev-split: dev is never used to select a model (python -m bench.report evaluates it); "
+                 "--selection val holds out training images instead, --selection last keeps the last epoch")
+    if args.dev_split == "" and args.selection not in (None, "last"):
+        ap.error("--dev-split '' means --selection last")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    if args.dev_split == "":
+        overrides["selection"] = "last"
     shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
-    run = make_run(args.variant, overrides, shape)
+    try:
+        run = make_run(args.variant, overrides, shape)
+    except VariantError as exc:
+        ap.error(str(exc))
     run.image = with_region_flags(run.image, args)
     out = args.out or default_artifacts_dir() / "models" / args.variant
     parser = make_parser(run.text.parser)
     device = device_name(run.train.device)
-    tr = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,
-                         args.train_limit, device)
-    dev = (load_split_data(args.data, args.dev_split, run.image, args.cache, parser, args.workers,
-                           args.dev_limit, device) if args.dev_split else None)
-    summary = train(run, tr, dev, out, args.cache)
+    data = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,
+                           args.train_limit, device)
+    tr, val = split_for_selection(run.train, data)
+    summary = train(run, tr, val, out, args.cache)
     command = "python -m model.train " + shlex.join(sys.argv[1:] if argv is None else argv)
     summary["command"] = command
     (out / "history.json").write_text(json.dumps(summary, indent=2))
-    logger.info("best dev: %s", json.dumps(summary["best"]))
+    logger.info("kept epoch %d of %d (%s)", summary["selection"]["epoch"], run.train.epochs,
+                summary["selection"]["rule"])
 
 
 if __name__ == "__main__":

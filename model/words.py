@@ -11,12 +11,13 @@ import functools
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from model.atomic import atomic_file
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -77,17 +78,11 @@ class WordTable:
         return None if i is None else self.vectors[i]
 
     def save(self, path: Path) -> None:
-        """Write one .npz (words, vectors) atomically: temp file in the same folder, then rename."""
+        """Write one .npz (words, vectors) atomically (model/atomic.py)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, words=np.array(self.words, dtype=str), vectors=self.vectors)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path) as f:
+            np.savez(f, words=np.array(self.words, dtype=str), vectors=self.vectors)
 
     @classmethod
     def load(cls, path: Path) -> WordTable:

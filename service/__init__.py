@@ -2,5 +2,6 @@
 
 from service.app import create_app
 from service.settings import Settings
+from service.version import __version__
 
-__all__ = ["Settings", "create_app"]
+__all__ = ["Settings", "__version__", "create_app"]

@@ -23,8 +23,10 @@ import uvicorn
 
 from model.data import DataError, load_split
 from model.device import DeviceError, device_name
+from service import logs
 from service.app import create_app
 from service.settings import Settings
+from service.version import __version__
 
 logger = logging.getLogger("service")
 
@@ -43,16 +45,17 @@ def process_started() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default=None)
-    ap.add_argument("--port", type=int, default=None)
+    ap.add_argument("--host", default=None, help="address to listen on (default: FRAGSEARCH_HOST, 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=None, help="port to listen on (default: FRAGSEARCH_PORT, 8000)")
     ap.add_argument("--no-prepare", action="store_true", help="serve what exists; do not train or index")
+    ap.add_argument("--version", action="version", version=f"fragsearch {__version__}")
     args = ap.parse_args(argv)
     started = process_started()
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if args.no_prepare:
         overrides["prepare"] = False
     settings = Settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     try:
         device = device_name(settings.device)
     except DeviceError as e:
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings, started=started, prepare=settings.prepare)
     logger.info("serving on http://%s:%d on %s (ready when /readyz answers 200%s)", settings.host, settings.port,
                 device, "; it reports what is still being prepared" if settings.prepare else "")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG)
     return 0
 
 

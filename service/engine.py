@@ -15,15 +15,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
 from PIL import Image
 
-from index import ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
+from index import Explanation, ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
+from index.similar import Similar, describe_and_search
 from model.bundle import Bundle
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
 from model.imageio import ImageReadError, load_image
 from service.errors import ApiError
 from service.settings import Settings
+from service.thumbnails import thumbnail
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +96,8 @@ class Engine:
         the model is on one. `with_sentences=False` leaves the sentence index for `attach_sentences`."""
         t0 = time.perf_counter()
         bundle = Bundle.load(settings.model_file, device=settings.device)
-        images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.data,
-                                 use_gpu=is_gpu(bundle.device))
+        images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.collection_root,
+                                 backend=settings.backend, use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None
         if sentences is None and with_sentences:
             logger.warning("no sentence index at %s: /annotate is unavailable", settings.sentence_index_dir)
@@ -107,7 +111,8 @@ class Engine:
     def _sentence_index(settings: Settings, bundle: Bundle) -> SentenceIndex | None:
         if not (settings.sentence_index_dir / "index.sqlite").is_file():
             return None
-        return SentenceIndex.load(settings.sentence_index_dir, bundle, use_gpu=is_gpu(bundle.device))
+        return SentenceIndex.load(settings.sentence_index_dir, bundle, backend=settings.backend,
+                                  use_gpu=is_gpu(bundle.device))
 
     def attach_sentences(self) -> bool:
         """Load the sentence index (built after the engine was loaded); False when there is none."""
@@ -135,6 +140,35 @@ class Engine:
         except ValueError as e:
             raise text_error(e, "sentence") from e
 
+    def explain(self, image_id: int, sentence: str) -> Explanation | None:
+        try:
+            return self.images.explain(image_id, sentence)
+        except ValueError as e:
+            raise text_error(e, "sentence") from e
+
+    def similar_to_image(self, image_id: int, k: int) -> tuple[tuple[int, int], Similar] | None:
+        """The size of an indexed image and the images like it (itself left out), or None when there is
+        no such image."""
+        if self.sentences is None:
+            raise ApiError(503, "not_ready", "no sentence collection is loaded")
+        rec, found = self.images.get(image_id), self.images.fragments(image_id)
+        if rec is None or found is None:
+            return None
+        return (rec.width, rec.height), describe_and_search(self.images, self.sentences, *found, k=k,
+                                                            exclude=image_id)
+
+    def similar_to_upload(self, data: bytes, k: int) -> tuple[Decoded, Similar]:
+        """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
+        if self.sentences is None:
+            raise ApiError(503, "not_ready", "no sentence collection is loaded")
+        with self._heavy:
+            decoded = self.decode(data)
+            frags = self.sentences.extractor.extract(decoded.image)
+            with torch.inference_mode():
+                img = self.bundle.embed_images(frags.features[None])[0]
+            boxes = np.asarray(frags.boxes[: len(img)], dtype=np.float32)
+            return decoded, describe_and_search(self.images, self.sentences, img, boxes, k=k)
+
     def search_fragments(self, phrase: str, k: int) -> list[RegionHit]:
         try:
             return self.images.search_fragments(phrase, k)
@@ -159,6 +193,17 @@ class Engine:
         with self._heavy:
             decoded = self.decode(data)
             return decoded, self.sentences.annotate(decoded.image, k)
+
+    def thumbnail_file(self, image_id: int, size: int) -> Path | None:
+        """The cached thumbnail of an indexed image (made when missing), or None when there is no such
+        image; an image file that cannot be decoded is a 422 (its original is still served)."""
+        path = self.image_file(image_id)
+        if path is None:
+            return None
+        try:
+            return thumbnail(path, size, self.settings.thumbnails_dir, self.settings.max_pixels)
+        except ImageReadError as e:
+            raise ApiError(422, "no_thumbnail", f"image {image_id} has no thumbnail: {e}") from e
 
     def image_file(self, image_id: int) -> Path | None:
         """The file of an indexed image, or None: only paths the index holds are ever served."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics: request counts and latencies per route, index sizes, process memory.
+"""Prometheus metrics: request counts and latencies per route, index sizes, process memory, collections.
 
 Each app has its own registry (several apps may live in one process, e.g. in tests).
 """
@@ -8,7 +8,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -21,6 +29,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)  # collections per generation: full ones pause every request
         self.requests = Counter("fragsearch_requests", "HTTP requests answered", ["method", "route", "status"],
                                 registry=self.registry)
         self.latency = Histogram("fragsearch_request_seconds", "HTTP request latency", ["method", "route"],

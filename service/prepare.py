@@ -33,11 +33,13 @@ from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
+from index.sync import open_index, sync_folder
 from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
-from model.train import main as train_main
+from model.variants import load_variant
+from service import logs
 from service.settings import Settings
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
@@ -135,19 +137,25 @@ def _limited(split: Split, settings: Settings) -> Split:
 
 
 def ensure_model(settings: Settings) -> Path:
-    """The checkpoint; trained with model.train (variant settings.variant) if absent."""
+    """The checkpoint; trained with model.train (variant settings.variant) if absent.
+
+    The model is trained on every training image for the variant's fixed epoch count (`--selection
+    last`), as the served `full` was; the trainer is imported only then."""
     path = settings.model_file
     if path.is_file():
         logger.info("model: reusing %s", path)
         return path
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
+    load_variant(settings.variant)  # an unknown variant fails here, before any extraction
+    from model.train import main as train_main  # training code only when there is a model to train
+
     t0 = time.perf_counter()
     n = settings.limit
-    limits = [] if n is None else ["--train-limit", str(n), "--dev-limit", str(n)]
+    limits = [] if n is None else ["--train-limit", str(n)]
     train_main(["--data", str(settings.data), "--variant", settings.variant, "--out", str(path.parent),
                 "--cache", str(settings.cache_dir), "--workers", str(settings.workers),
-                "--device", device_name(settings.device), *limits])
+                "--device", device_name(settings.device), "--selection", "last", *limits])
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
     logger.info("model: trained in %.0fs", time.perf_counter() - t0)
@@ -155,8 +163,19 @@ def ensure_model(settings: Settings) -> Path:
 
 
 def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
-    """The image index of the settings.image_split images (features from the shared cache)."""
+    """The image index of the settings.image_split images (features from the shared cache), or of the
+    settings.collection folder, synced with it at every start."""
     target = settings.image_index_dir
+    if settings.collection is not None:
+        if not settings.collection.is_dir():
+            raise FileNotFoundError(f"the collection folder {settings.collection} does not exist")
+        index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings),
+                           backend=settings.backend)
+        try:
+            sync_folder(index, settings.collection, workers=settings.workers)
+        finally:
+            index.close()
+        return target
     if image_index_ready(target):
         logger.info("image index: reusing %s", target)
         return target
@@ -169,7 +188,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=str(bundle.device))
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
                               _index_settings(settings), cache=cache, workers=settings.workers,
-                              collection_root=settings.data)
+                              collection_root=settings.data, backend=settings.backend)
     marker.unlink()
     logger.info("image index: %d images in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
@@ -188,7 +207,7 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     t0 = time.perf_counter()
     index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
                                  parse_dir=settings.cache_dir / "parses", rebuild=target.exists(),
-                                 vectors_dir=settings.cache_dir / "vectors")
+                                 vectors_dir=settings.cache_dir / "vectors", backend=settings.backend)
     logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
     return target
@@ -253,11 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     del argv
     try:
         settings = Settings()
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(settings.log_level, settings.log_format)
         device = device_name(settings.device)
     except DeviceError as e:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure("info", "text")
         logger.error("cannot start: %s", e)
         return 2
     logger.info("preparing on %s: data %s, artifacts %s%s", device, settings.data, settings.artifacts,

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
+
+# Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
+_MATCH = {"triplet": "amod(dog, black)", "relation": "amod", "words": ["dog", "black"],
+          "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412}
+_IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
+          "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "score": 0.0831,
+          "alignment": [_MATCH]}
+_SENTENCE = {"id": 2051, "text": "A black dog runs through the grass .", "score": 0.0794, "alignment": [_MATCH]}
+
+
+def _example(example: dict[str, Any]) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"examples": [example]})
 
 
 class ErrorBody(BaseModel):
@@ -17,6 +29,9 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     """Every 4xx/5xx answer has this body."""
+
+    model_config = _example({"error": {"code": "no_fragments", "message": "the sentence has no word the model knows",
+                                       "details": None}})
 
     error: ErrorBody
 
@@ -82,13 +97,60 @@ class ImageResult(BaseModel):
     id: int
     name: str
     url: str = Field(description="where the image file is served")
+    thumbnail: str = Field(description="a thumbnail of it (GET /images/{id}/thumbnail?size=...)")
     width: int
     height: int
     score: float = Field(description="image-sentence score S_kl")
     alignment: list[FragmentMatchOut]
 
 
+class ExplainRequest(BaseModel):
+    image_id: int = Field(ge=0, le=2**63 - 1, strict=True, description="an indexed image's id")
+    sentence: str = Field(description="the sentence the image is explained for", examples=["a dog runs on the grass"])
+
+
+class PairOut(BaseModel):
+    """One sentence fragment with one image fragment."""
+
+    triplet: str = Field(description="the sentence fragment as text, e.g. 'amod(dog, black)'")
+    relation: str
+    words: list[str] = Field(description="[w1, w2]")
+    fragment: int = Field(description="index of the image fragment (0 = whole image)")
+    box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
+    score: float = Field(description="fragment score v_i . s_j")
+    cleared: bool = Field(description="v_i . s_j > 0: only such pairs count towards S_kl")
+    contribution: float = Field(description="the pair's share of S_kl: max(0, v_i . s_j) / (|g_k| (|g_l| + n))")
+
+
+class ExplainResponse(BaseModel):
+    model_config = _example({
+        "image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
+        "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "sentence": "a black dog runs",
+        "score": 0.0831, "rank": 1, "images": 1000, "image_fragments": 20, "sentence_fragments": 2,
+        "alignment": [_MATCH], "pairs": [{**_MATCH, "cleared": True, "contribution": 0.00294}], "took_ms": 15.0})
+
+    image_id: int
+    name: str
+    url: str = Field(description="where the image file is served")
+    thumbnail: str = Field(description="a thumbnail of it")
+    width: int
+    height: int
+    sentence: str
+    score: float = Field(description="the image-sentence score S_kl, as searches compute it")
+    rank: int = Field(description="the image's place among all indexed images by the exact score (1 = first; "
+                      "ties to the smaller id)")
+    images: int = Field(description="how many images were ranked")
+    image_fragments: int
+    sentence_fragments: int
+    alignment: list[FragmentMatchOut] = Field(description="each sentence fragment's best region, as in a search")
+    pairs: list[PairOut] = Field(description="every (sentence fragment, image fragment) pair, sentence fragment "
+                                 "by sentence fragment; for fragment models the contributions sum to the score")
+    took_ms: float
+
+
 class SearchImagesResponse(BaseModel):
+    model_config = _example({"sentence": "a black dog runs", "results": [_IMAGE], "took_ms": 27.4})
+
     sentence: str
     results: list[ImageResult]
     took_ms: float
@@ -102,9 +164,27 @@ class SentenceResult(BaseModel):
 
 
 class AnnotateResponse(BaseModel):
+    model_config = _example({"width": 500, "height": 375, "results": [_SENTENCE], "took_ms": 212.0})
+
     width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
     height: int
     results: list[SentenceResult]
+    took_ms: float
+
+
+class SimilarResponse(BaseModel):
+    model_config = _example({
+        "image_id": 17, "width": 500, "height": 375, "described_by": [_SENTENCE],
+        "results": [{**_IMAGE, "id": 240, "url": "/images/240", "thumbnail": "/images/240/thumbnail?size=256"}],
+        "took_ms": 130.0})
+
+    image_id: int | None = Field(description="the query image's id (None for an upload)")
+    width: int = Field(description="the query image's width (the descriptions' boxes are in its pixels)")
+    height: int
+    described_by: list[SentenceResult] = Field(description="the collection's sentences with the best S_kl for the "
+                                               "query image, aligned to its regions: together they are the query")
+    results: list[ImageResult] = Field(description="images ranked by S_kl for those sentences' fragments, each "
+                                       "with their alignment to its regions")
     took_ms: float
 
 
@@ -118,12 +198,19 @@ class RegionResult(BaseModel):
 
 
 class SearchFragmentsResponse(BaseModel):
+    model_config = _example({
+        "query": "black dog", "took_ms": 18.2,
+        "results": [{"image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
+                     "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.62}]})
+
     query: str
     results: list[RegionResult]
     took_ms: float
 
 
 class ImageOut(BaseModel):
+    model_config = _example({"id": 1001, "name": "beach.jpg", "url": "/images/1001", "width": 640, "height": 480})
+
     id: int
     name: str
     url: str

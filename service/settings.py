@@ -7,14 +7,17 @@ default needs no configuration at all.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model.config import default_artifacts_dir, default_data_dir
+from index.candidates import BackendOptions
+from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
 
 API_KEY_HEADER = "X-API-Key"
+
 
 
 class Settings(BaseSettings):
@@ -39,8 +42,19 @@ class Settings(BaseSettings):
     prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
     variant: str = Field(default="full", description="model variant trained when the checkpoint is missing")
     image_split: str = Field(default="dev", description="split whose images are indexed")
+    collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
+                                    "image split: indexed on the first start and synced (new, changed, renamed, "
+                                    "deleted files) at every start (index/sync.py)")
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
-    index_kind: str = Field(default="flat", description="FAISS index kind of newly built indexes")
+    index_kind: str = Field(default="flat", description="index kind of newly built indexes (flat, hnsw, ivf, "
+                            "ivfpq: FAISS kinds, mapped onto Milvus index types with the milvus backend)")
+    index_backend: Literal["faiss", "milvus"] = Field(
+        default="faiss", description="where candidate vectors are searched: faiss (in-process, the embedded "
+        "default) or milvus (a Milvus server or cluster at milvus_uri, or milvus-lite)")
+    milvus_uri: str | None = Field(
+        default=None, description="Milvus server or cluster (http://host:19530), or a milvus-lite folder "
+        "(path/file.db); default: milvus.db inside each index folder")
+    milvus_token: SecretStr | None = Field(default=None, description="Milvus credentials (user:password or key)")
     workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
     limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
                               "(train, dev, the indexed images and the caption collection): a small trial")
@@ -67,7 +81,14 @@ class Settings(BaseSettings):
     retry_after: float = Field(default=1.0, gt=0, description="seconds a refused client is told to wait (Retry-After)")
     body_timeout: float = Field(default=15.0, gt=0, description="seconds allowed between two parts of a request "
                                 "body (a body shorter than its Content-Length gets 408)")
+    freeze_heap: bool = Field(default=True, description="once loaded, move the model's and indexes' objects out of "
+                              "the garbage collector's reach (gc.freeze): a full collection over them pauses every "
+                              "request for ~0.4 s")
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(default="text", description="log lines as text or as one JSON "
+                                                "object each (time, level, logger, message, exception)")
+    cors_origins: list[str] = Field(default_factory=list, description="origins allowed to call the API from a "
+                                    "browser (CORS), e.g. [\"https://photos.example.org\"]; empty: none (the default)")
 
     # writes
     api_key: SecretStr | None = Field(
@@ -99,8 +120,11 @@ class Settings(BaseSettings):
             self.api_key = None  # an empty FRAGSEARCH_API_KEY means no key
         if self.model_path is None:
             self.model_path = a / "models" / self.variant / "model.pt"
+        if self.collection is not None:
+            self.collection = self.collection.expanduser().resolve()
         if self.image_index is None:
-            self.image_index = a / "index" / f"images-{self.image_split}"
+            self.image_index = (collection_index(a, self.collection) if self.collection is not None
+                                else a / "index" / f"images-{self.image_split}")
         if self.sentence_index is None:
             self.sentence_index = a / "index" / f"sentences-{self.sentence_split}"
         if self.uploads is None:
@@ -116,6 +140,11 @@ class Settings(BaseSettings):
     def model_file(self) -> Path:
         assert self.model_path is not None
         return self.model_path
+
+    @property
+    def collection_root(self) -> Path:
+        """What relative image paths of the image index are read against."""
+        return self.collection if self.collection is not None else self.data
 
     @property
     def image_index_dir(self) -> Path:
@@ -136,6 +165,16 @@ class Settings(BaseSettings):
     def cache_dir(self) -> Path:
         assert self.cache is not None
         return self.cache
+
+    @property
+    def thumbnails_dir(self) -> Path:
+        return self.cache_dir / "thumbnails"
+
+    @property
+    def backend(self) -> BackendOptions:
+        """Where the indexes keep their candidate vectors."""
+        token = self.milvus_token.get_secret_value() if self.milvus_token is not None else None
+        return BackendOptions(self.index_backend, self.milvus_uri or None, token or None)
 
     @property
     def writes_open(self) -> bool:

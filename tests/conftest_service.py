@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from index import ImageIndex, IndexSettings, SentenceIndex
+from index.candidates import BackendOptions
 from model.data import load_split
 from model.dataset import feature_cache
 from service.app import create_app
@@ -61,13 +62,13 @@ class ServiceEnv:
 
     def settings_for(self, root: Path, **overrides: object) -> Settings:
         """The test settings with indexes and uploads under `root`."""
-        return make_settings(self.shapes, root, **overrides)
+        return make_settings(self.shapes, root, **{"index_backend": self.settings.index_backend, **overrides})
 
     def writable(self, tmp: Path, **overrides: object) -> tuple[Settings, Engine]:
         """Settings and an engine over a private copy of the indexes (and its own uploads folder)."""
         shutil.copytree(self.root / "images", tmp / "images")
         shutil.copytree(self.root / "sentences", tmp / "sentences")
-        settings = make_settings(self.shapes, tmp, **overrides)
+        settings = self.settings_for(tmp, **overrides)
         bundle = self.shapes.bundle
         engine = Engine(settings, bundle, ImageIndex.load(tmp / "images", bundle),
                         SentenceIndex.load(tmp / "sentences", bundle))
@@ -83,27 +84,34 @@ def make_settings(shapes: ShapesModel, root: Path, **overrides: object) -> Setti
         # deadlines far beyond any request's work, so that no test depends on how busy the machine is
         # (test_service_overload.py sets short ones where the deadline itself is tested)
         "heavy_deadline": DEADLINE, "search_deadline": DEADLINE,
+        # one pytest process serves many apps: freezing each one's objects would keep them all alive
+        # (test_service.py checks the freeze itself)
+        "freeze_heap": False,
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
 
-@pytest.fixture(scope="session")
-def service_env(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> ServiceEnv:
-    root = tmp_path_factory.mktemp("service")
+@pytest.fixture(scope="session", params=["faiss", "milvus"])
+def service_env(request: pytest.FixtureRequest, shapes_model: ShapesModel,
+                tmp_path_factory: pytest.TempPathFactory) -> ServiceEnv:
+    """Indexes of the dev images and of the train + dev captions, with their candidates in FAISS or in
+    Milvus (milvus-lite in each index folder): every service test runs on both."""
+    backend = BackendOptions(request.param)
+    root = tmp_path_factory.mktemp(f"service-{backend.backend}")
     bundle = shapes_model.bundle
     dev = load_split(shapes_model.data, "dev")
     train = load_split(shapes_model.data, "train")
     cache = feature_cache(shapes_model.cache, bundle.image_cfg)
-    images = ImageIndex.create(root / "images", bundle, IndexSettings(), cache=cache)
+    images = ImageIndex.create(root / "images", bundle, IndexSettings(), cache=cache, backend=backend)
     images.add_paths([dev.image_path(n) for n in dev.images])
     images.save()
-    sentences = SentenceIndex.create(root / "sentences", bundle, IndexSettings())
+    sentences = SentenceIndex.create(root / "sentences", bundle, IndexSettings(), backend=backend)
     texts, _ = train.sentences()
     dev_texts, _ = dev.sentences()
     sentences.add_sentences(texts + dev_texts)
     sentences.save()
-    settings = make_settings(shapes_model, root)
+    settings = make_settings(shapes_model, root, index_backend=backend.backend)
     engine = Engine(settings, bundle, images, sentences)
     captions = {n: list(c) for n, c in zip(dev.images, dev.captions, strict=True)}
     return ServiceEnv(root, shapes_model, settings, engine, list(dev.images), captions)

@@ -23,6 +23,7 @@ from fastapi import FastAPI
 from model.config import default_artifacts_dir
 from service.app import create_app
 from service.settings import Settings
+from tests.cdp import Browser
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -86,7 +87,9 @@ def test_search_from_the_page_draws_images_and_boxes(served: str) -> None:
     dom = chromium("--dump-dom", url)
     assert 'data-state="done"' in dom, dom[-2000:]
     assert len(re.findall(r'<figure class="card"', dom)) == 4
-    assert len(re.findall(r'<img class="result-img" src="/images/\d+"', dom)) == 4
+    assert len(re.findall(r'<img class="result-img" src="/images/\d+/thumbnail\?size=256"', dom)) == 4
+    assert len(re.findall(r'<button type="button" class="why">', dom)) == 4
+    assert len(re.findall(r'<button type="button" class="like">', dom)) == 4
     boxes = re.findall(r'<div class="box( whole)?"', dom)
     assert boxes, "aligned regions are drawn as boxes"
     labels = re.findall(r'<span class="label"[^>]*>([^<]+)</span>', dom)
@@ -95,6 +98,16 @@ def test_search_from_the_page_draws_images_and_boxes(served: str) -> None:
     shot = SCREENSHOTS / "service-shapes.png"
     chromium(f"--screenshot={shot}", "--window-size=1280,1000", url)
     assert shot.is_file() and shot.stat().st_size > 10_000
+
+
+def test_more_like_this_from_the_page(served: str, service_env: ServiceEnv) -> None:
+    query = service_env.engine.images.search("a red circle", 1)[0]
+    dom = chromium("--dump-dom", f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 3}))
+    assert 'data-state="done"' in dom, dom[-2000:]
+    ids = re.findall(r'<figure class="card" data-id="(\d+)"', dom)
+    assert len(ids) == 3 and str(query.image_id) not in ids
+    assert f"images like image {query.image_id} (described as" in dom
+    assert re.search(r'<div class="box( whole)?"', dom), "each result shows the described triplets' regions"
 
 
 def test_region_search_from_the_page(served: str) -> None:
@@ -112,7 +125,8 @@ def test_a_bad_query_shows_the_error(served: str) -> None:
 
 @pytest.mark.slow
 def test_screenshot_of_the_flickr8k_page() -> None:
-    """The page answering "a dog runs through the grass" on the embedded default's dev index."""
+    """The page answering "a dog runs through the grass" on the embedded default's dev index (a model
+    with the whole-sentence fragment: drawn as a frame label, not as a region)."""
     settings = Settings(_env_file=None, warmup=False)  # type: ignore[call-arg]
     if not (settings.model_file.is_file() and settings.image_index_dir.exists()):
         pytest.skip("the embedded default's model and dev index are not built (python -m service)")
@@ -126,7 +140,61 @@ def test_screenshot_of_the_flickr8k_page() -> None:
         url = page_url(base, "a dog runs through the grass", k="8")
         dom = chromium("--dump-dom", url)
         assert 'data-state="done"' in dom and re.search(r'<div class="box', dom)
+        # the whole-sentence fragment is a label on the frame, never a region box's label
+        assert re.search(r'<div class="frame-label"[^>]*><span class="label"[^>]*>whole sentence \d', dom)
+        box_labels = re.findall(r'<div class="box[^"]*"[^>]*><div class="labels">(.*?)</div>', dom)
+        assert box_labels and not any("whole sentence" in b or "&lt;sentence&gt;" in b for b in box_labels)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shot = SCREENSHOTS / "service-flickr8k-dog.png"
         chromium(f"--screenshot={shot}", "--window-size=1280,1000", url)
         assert shot.is_file()
+
+
+def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: ServiceEnv) -> None:
+    """Interactions, driven over the DevTools protocol: hovering a triplet lights its region and a
+    region its triplets, "why?" opens the pair table, a dropped and a pasted image are described, and
+    "more like this" finds images like the upload."""
+    browser = Browser(CHROMIUM)
+    try:
+        browser.navigate(page_url(served, "a red circle beside a blue square", k="4"))
+        browser.wait_for("document.body.dataset.state === 'done'")
+        lit = browser.evaluate("""(() => {
+            const card = document.querySelector('#results .card');
+            const item = card.querySelector('.legend li[data-fragment]');
+            const f = item.dataset.fragment;
+            item.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));
+            const on = card.querySelectorAll(`.box.hot[data-fragment="${f}"]`).length;
+            item.dispatchEvent(new MouseEvent('mouseout', {bubbles: true}));
+            const off = card.querySelectorAll('.hot').length;
+            const box = card.querySelector('.box[data-fragment]');
+            box.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));
+            const items = card.querySelectorAll(`.legend li.hot[data-fragment="${box.dataset.fragment}"]`).length;
+            return [on, off, items];
+        })()""")
+        assert lit[0] == 1 and lit[1] == 0 and lit[2] >= 1, lit
+        browser.evaluate("document.querySelector('#results .card .why').click()")
+        browser.wait_for("document.querySelectorAll('#results .card .explain tbody tr').length > 0")
+        assert "rank" in browser.evaluate("document.querySelector('#results .card .explain p').textContent")
+
+        name = service_env.dev[0]
+        path = service_env.image_path(name)
+        image_id = service_env.engine.images.find_paths([path])[str(path)]
+        make_file = (f"fetch('/images/{image_id}').then(r => r.blob()).then(b => {{ const dt = new DataTransfer();"
+                     " dt.items.add(new File([b], 'dropped.jpg', {type: 'image/jpeg'}));"
+                     " window.__dt = dt; return true; })")
+        assert browser.evaluate(make_file)
+        browser.evaluate("document.body.dispatchEvent(new DragEvent('drop', "
+                         "{dataTransfer: window.__dt, bubbles: true, cancelable: true}))")
+        browser.wait_for("document.querySelectorAll('#annotation .sentences li').length > 0")
+        browser.evaluate("document.getElementById('similar-upload').click()")
+        browser.wait_for("document.getElementById('search-status').textContent.startsWith('4 images like dropped.jpg')")
+        first = browser.evaluate("document.querySelector('#results .card figcaption').textContent")
+        assert name in first, first  # the dropped copy of an indexed image finds that image first
+        browser.screenshot(SCREENSHOTS / "service-interactions.png")
+
+        browser.evaluate("document.getElementById('annotation').replaceChildren()")
+        browser.evaluate("document.dispatchEvent(new ClipboardEvent('paste', "
+                         "{clipboardData: window.__dt, bubbles: true, cancelable: true}))")
+        browser.wait_for("document.querySelectorAll('#annotation .sentences li').length > 0")
+    finally:
+        browser.close()

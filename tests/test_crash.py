@@ -92,7 +92,7 @@ def check_committed_state(root: Path, shapes: ShapesModel, entries: list[tuple[i
         for i in ids.tolist():
             rec = index.get(int(i))
             assert rec is not None and len(rec.boxes) == rows[i]
-        assert index.ann.ntotal == index.n_fragments == sum(rows.values()), "FAISS and the store disagree"
+        assert index.candidates.ntotal == index.n_fragments == sum(rows.values()), "FAISS and the store disagree"
         # a search works, finds only live items, and ranks them as the exact score over every item does
         if len(ids):
             probe = int(ids[len(ids) // 2])

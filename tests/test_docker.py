@@ -33,9 +33,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
-def _config(*files: str) -> dict[str, Any]:
-    """`docker compose config` of the files, validated (-q) and parsed (its JSON form)."""
-    args = [a for f in files for a in ("-f", f)]
+def _config(*files: str, profile: str | None = None) -> dict[str, Any]:
+    """`docker compose config` of the files (with a profile), validated (-q) and parsed (its JSON form)."""
+    args = [a for f in files for a in ("-f", f)] + (["--profile", profile] if profile else [])
     r = _run(_tool("docker-compose"), *args, "config", "-q")
     assert r.returncode == 0, r.stderr
     merged = _run(_tool("docker-compose"), *args, "config", "--format", "json")
@@ -78,6 +78,27 @@ def test_compose_cpu_override_is_valid_and_drops_the_gpu() -> None:
         assert services[name]["environment"]["FRAGSEARCH_DEVICE"] == "cpu"
         assert services[name]["build"]["args"]["VARIANT"] == "cpu"
         assert services[name]["image"] == "fragsearch:cpu"
+
+
+def test_milvus_profile_is_valid_pinned_and_off_by_default() -> None:
+    default = _config("docker-compose.yml")["services"]
+    assert set(default) == {"fragsearch", "prepare"}  # `docker compose up` is unchanged
+    services = _config("docker-compose.yml", profile="milvus")["services"]
+    assert {"milvus", "milvus-etcd", "milvus-minio"} <= set(services)
+    images = {name: services[name]["image"] for name in ("milvus", "milvus-etcd", "milvus-minio")}
+    assert images["milvus"].startswith("milvusdb/milvus:v")
+    assert images["milvus-etcd"].startswith("quay.io/coreos/etcd:v")
+    assert images["milvus-minio"].startswith("minio/minio:RELEASE.")
+    assert all(":" in i and not i.endswith(":latest") for i in images.values())  # pinned tags
+    milvus = services["milvus"]
+    assert milvus["environment"]["ETCD_ENDPOINTS"] == "milvus-etcd:2379"
+    assert milvus["environment"]["MINIO_ADDRESS"] == "milvus-minio:9000"
+    assert {d: c["condition"] for d, c in milvus["depends_on"].items()} == {
+        "milvus-etcd": "service_healthy", "milvus-minio": "service_healthy"}
+    assert [(p["host_ip"], p["target"]) for p in milvus["ports"]] == [("127.0.0.1", 19530)]  # loopback only
+    for name in ("fragsearch", "prepare"):  # the service reads the backend and the URI from the environment
+        env = services[name]["environment"]
+        assert env["FRAGSEARCH_INDEX_BACKEND"] == "faiss" and "FRAGSEARCH_MILVUS_URI" in env
 
 
 def test_dockerfile_passes_hadolint() -> None:

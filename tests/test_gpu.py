@@ -14,7 +14,7 @@ import torch
 from index import ImageIndex, IndexSettings
 from index.ann import gpu_available
 from model.bundle import Bundle
-from model.dataset import feature_cache, load_split_data
+from model.dataset import feature_cache, hold_out, load_split_data
 from model.text import make_parser
 from model.train import make_run, train
 from tests.conftest import ShapesModel
@@ -28,7 +28,8 @@ def test_train_and_calibrate_on_cuda(shapes_model: ShapesModel, tmp_path: Path) 
                              "eval_every": 3, "calibrate": 20, "device": "cuda"})
     parser = make_parser("spacy")
     tr = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, parser, device="cuda")
-    summary = train(run, tr, shapes_model.dev, tmp_path, shapes_model.cache)
+    rest, val = hold_out(tr, 10, seed=0)  # selection on held-out training images, as the trainer does
+    summary = train(run, rest, val, tmp_path, shapes_model.cache)
     assert summary["config"]["train"]["device"].startswith("cuda")
     bundle = Bundle.load(tmp_path / "model.pt", device="cuda")
     assert bundle.device.type == "cuda" and bundle.calibration is not None

@@ -15,12 +15,13 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-import index.files
 import index.store
+import model.atomic
 from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images
 from index import ids as fid
 from index.base import FragmentIndex
 from index.build import main as build_main
+from index.candidates import BackendOptions
 from index.query import encode_sentence
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig
@@ -120,8 +121,24 @@ def picture(colour: tuple[int, int, int], shape: str, size: tuple[int, int] = (1
     return img
 
 
+@pytest.fixture(params=["faiss", "milvus"])
+def backend(request: pytest.FixtureRequest) -> BackendOptions:
+    """Where the candidate vectors live: in-process FAISS, or Milvus (milvus-lite in the index folder)."""
+    return BackendOptions(request.param)
+
+
 @pytest.fixture()
-def image_index(tmp_path: Path, bundle: Bundle) -> Iterator[ImageIndex]:
+def image_index(tmp_path: Path, bundle: Bundle, backend: BackendOptions) -> Iterator[ImageIndex]:
+    index = ImageIndex.create(tmp_path / "images", bundle, backend=backend)
+    random_images(index, 40, seed=1)
+    index.save()
+    yield index
+    index.close()
+
+
+@pytest.fixture()
+def faiss_index(tmp_path: Path, bundle: Bundle) -> Iterator[ImageIndex]:
+    """`image_index` on FAISS only: for tests of FAISS files and of the FAISS candidate stage."""
     index = ImageIndex.create(tmp_path / "images", bundle)
     random_images(index, 40, seed=1)
     index.save()
@@ -146,19 +163,20 @@ def test_ids_encode_item_and_fragment_and_decode_back():
         fid.encode(-1, 0)
 
 
-def test_faiss_holds_every_fragment_under_its_item_id(image_index: ImageIndex):
-    flat: Any = faiss.downcast_index(image_index.ann.index)
+def test_faiss_holds_every_fragment_under_its_item_id(faiss_index: ImageIndex):
+    flat: Any = faiss.downcast_index(faiss_index.candidates.ann.index)
     items, frags = fid.decode(faiss.vector_to_array(flat.id_map))
     assert sorted(zip(items.tolist(), frags.tolist(), strict=True)) == [(i, f) for i in range(40) for f in range(F)]
     inner: Any = faiss.downcast_index(flat.index)
     for pos in (0, 17, 199):  # the vector under id (item, fragment) is that fragment's stored vector
-        stored = image_index.store.rows(int(image_index._seg[items[pos]]), int(image_index._off[items[pos]]), F)
+        item = int(items[pos])
+        stored = faiss_index.store.rows(int(faiss_index.items.seg[item]), int(faiss_index.items.off[item]), F)
         assert np.array_equal(inner.reconstruct(pos), stored[frags[pos]])
 
 
 # -- search -----------------------------------------------------------------------------------------------
-def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bundle):
-    index = ImageIndex.create(tmp_path / "flat", bundle)  # default settings: flat, k_prime=128
+def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bundle, backend: BackendOptions):
+    index = ImageIndex.create(tmp_path / "flat", bundle, backend=backend)  # default settings: flat, k_prime=128
     random_images(index, 120, seed=2)
     for q in QUERIES:
         fast, slow = index.search(q, 10), index.search_exhaustive(q, 10)
@@ -188,20 +206,20 @@ def test_small_collections_are_scanned_exactly(tmp_path: Path, bundle: Bundle, m
     small.close()
 
 
-def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(image_index: ImageIndex,
+def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(faiss_index: ImageIndex,
                                                                                  bundle: Bundle):
     sent, _ = encode_sentence(bundle, QUERIES[0])
-    image_index.set_search(k_prime=200)  # every fragment is a hit: the partial scores are complete
-    every = image_index._candidates(sent.numpy())
-    image_index.set_search(rerank=8)
-    few = image_index._candidates(sent.numpy())
+    faiss_index.set_search(k_prime=200)  # every fragment is a hit: the partial scores are complete
+    every = faiss_index._candidates(sent.numpy())
+    faiss_index.set_search(rerank=8)
+    few = faiss_index._candidates(sent.numpy())
     assert len(few) == 8 < len(every) == 40
     # the 8 kept are those whose retrieved fragments add up to the most positive score
-    vecs, mask = image_index._vectors(every)
+    vecs, mask = faiss_index._vectors(every)
     partial = ((vecs @ sent.T).clamp_min(0) * mask[..., None]).sum((1, 2)).numpy()
     assert set(few.tolist()) == set(every[np.argsort(-partial)[:8]].tolist())
-    image_index.set_search(rerank=40)  # as many as there are images: the exhaustive ranking
-    assert ranking(image_index.search(QUERIES[0], 10)) == ranking(image_index.search_exhaustive(QUERIES[0], 10))
+    faiss_index.set_search(rerank=40)  # as many as there are images: the exhaustive ranking
+    assert ranking(faiss_index.search(QUERIES[0], 10)) == ranking(faiss_index.search_exhaustive(QUERIES[0], 10))
 
 
 def test_search_returns_alignment_with_triplets_and_boxes(image_index: ImageIndex):
@@ -244,13 +262,13 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
     assert blue.boxes[0] == [0.0, 0.0, 200.0, 100.0]
     # the two red.jpg files are two different pictures with their own features
     reds = [i for i in report.added if name_of(index, i) == "red.jpg"]
-    a, b = (index.store.rows(int(index._seg[i]), int(index._off[i]), F) for i in reds)
+    a, b = (index.store.rows(int(index.items.seg[i]), int(index.items.off[i]), F) for i in reds)
     assert not np.allclose(a, b)
     # the same image added directly embeds to the same vectors as through add_paths
     direct = index.add_image(Image.open(photos / "sub" / "blue.png").convert("RGB"), "blue2", photos / "x.png")
     ia = next(i for i in report.added if name_of(index, i) == "blue.png")
-    va = index.store.rows(int(index._seg[ia]), int(index._off[ia]), F)
-    vb = index.store.rows(int(index._seg[direct]), int(index._off[direct]), F)
+    va = index.store.rows(int(index.items.seg[ia]), int(index.items.off[ia]), F)
+    vb = index.store.rows(int(index.items.seg[direct]), int(index.items.off[direct]), F)
     assert np.allclose(va, vb, atol=2e-2)  # the cache keeps features in float16
     again = index.add_paths(paths)
     assert again.added == [] and again.present == 3
@@ -269,9 +287,9 @@ def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle:
     assert [h.image_id for h in image_index.search_fragments("red dog", 5)] == [e[0] for e in expected]
 
 
-def test_empty_indexes_answer_with_no_hits(tmp_path: Path, bundle: Bundle):
-    images = ImageIndex.create(tmp_path / "empty-images", bundle)
-    sentences = SentenceIndex.create(tmp_path / "empty-sentences", bundle)
+def test_empty_indexes_answer_with_no_hits(tmp_path: Path, bundle: Bundle, backend: BackendOptions):
+    images = ImageIndex.create(tmp_path / "empty-images", bundle, backend=backend)
+    sentences = SentenceIndex.create(tmp_path / "empty-sentences", bundle, backend=backend)
     assert len(images) == 0 and images.search(QUERIES[0], 5) == [] and images.search_exhaustive(QUERIES[0]) == []
     assert images.search_fragments("red dog") == [] and images.get(0) is None and not images.remove(0)
     img = torch.ones(F, H)
@@ -280,17 +298,17 @@ def test_empty_indexes_answer_with_no_hits(tmp_path: Path, bundle: Bundle):
     sentences.close()
 
 
-def test_bad_queries_raise_value_errors(image_index: ImageIndex):
+def test_bad_queries_raise_value_errors(faiss_index: ImageIndex):
     with pytest.raises(ValueError):
-        image_index.search("   ", 5)
+        faiss_index.search("   ", 5)
     with pytest.raises(ValueError):  # NoFragmentsError: no word of it is known
-        image_index.search("zxqv wqqz", 5)
+        faiss_index.search("zxqv wqqz", 5)
 
 
 # -- removal --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])
-def test_removed_image_is_never_returned_again(tmp_path: Path, bundle: Bundle, kind: str):
-    index = ImageIndex.create(tmp_path / kind, bundle, IndexSettings(kind=kind, k_prime=200))
+def test_removed_image_is_never_returned_again(tmp_path: Path, bundle: Bundle, kind: str, backend: BackendOptions):
+    index = ImageIndex.create(tmp_path / kind, bundle, IndexSettings(kind=kind, k_prime=200), backend=backend)
     random_images(index, 30, seed=3)
     index.save()
     top = index.search(QUERIES[0], 1)[0].image_id
@@ -357,7 +375,7 @@ def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle
     ids = [ix.add_vectors(v[None], np.zeros((1, len(v), 4)), np.array([[1, 1]]), [str(i)], [str(i)])[0]
            for i, v in enumerate(vecs)]
     for i, v in zip(ids, vecs, strict=True):
-        assert np.array_equal(ix.store.rows(int(ix._seg[i]), int(ix._off[i]), len(v)), v)
+        assert np.array_equal(ix.store.rows(int(ix.items.seg[i]), int(ix.items.off[i]), len(v)), v)
     gathered, mask = ix._vectors(np.array(ids))
     assert mask.sum(1).tolist() == [len(v) for v in vecs]
     ix.save()
@@ -365,29 +383,29 @@ def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle
     got, _ = loaded._vectors(np.array(ids))
     assert torch.equal(got, gathered)
     for i, v in zip(ids, vecs, strict=True):
-        assert np.array_equal(loaded.store.rows(int(loaded._seg[i]), int(loaded._off[i]), len(v)), v)
+        assert np.array_equal(loaded.store.rows(int(loaded.items.seg[i]), int(loaded.items.off[i]), len(v)), v)
     loaded.close()
     ix.close()
 
 
-def test_crash_between_write_and_rename_leaves_the_old_state(image_index: ImageIndex, bundle: Bundle,
+def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageIndex, bundle: Bundle,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    before = {q: ranking(image_index.search(q, 5)) for q in QUERIES}
-    random_images(image_index, 10, seed=5)
-    image_index.remove(0)
+    before = {q: ranking(faiss_index.search(q, 5)) for q in QUERIES}
+    random_images(faiss_index, 10, seed=5)
+    faiss_index.remove(0)
     crashed = tmp_path / "at-crash"
-    real_replace = index.files.os.replace
+    real_replace = model.atomic.os.replace
 
     def crash(src: str, dst: str) -> None:
         if "faiss-" in str(dst):  # the new store file is renamed already, the FAISS file is not
-            shutil.copytree(image_index.root, crashed)  # the folder as a crash would leave it
+            shutil.copytree(faiss_index.root, crashed)  # the folder as a crash would leave it
             raise OSError("simulated crash")
         real_replace(src, dst)
 
-    monkeypatch.setattr(index.files.os, "replace", crash)
+    monkeypatch.setattr(model.atomic.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
-        image_index.save()
-    monkeypatch.setattr(index.files.os, "replace", real_replace)
+        faiss_index.save()
+    monkeypatch.setattr(model.atomic.os, "replace", real_replace)
     assert any(p.name.endswith(".tmp") for p in crashed.iterdir())  # the unrenamed file is there
     old = ImageIndex.load(crashed, bundle)
     assert len(old) == 40 and old.get(0) is not None
@@ -396,36 +414,36 @@ def test_crash_between_write_and_rename_leaves_the_old_state(image_index: ImageI
     assert not any(p.name.endswith(".tmp") for p in crashed.iterdir())
     old.close()
     # the running index still holds the new state and saves it on the next try
-    image_index.save()
-    again = ImageIndex.load(image_index.root, bundle)
+    faiss_index.save()
+    again = ImageIndex.load(faiss_index.root, bundle)
     assert len(again) == 49 and again.get(0) is None
     again.close()
 
 
-def test_crash_after_rename_before_commit_leaves_the_old_state(image_index: ImageIndex, bundle: Bundle,
+def test_crash_after_rename_before_commit_leaves_the_old_state(faiss_index: ImageIndex, bundle: Bundle,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    before = ranking(image_index.search(QUERIES[0], 10))
-    random_images(image_index, 10, seed=6)
+    before = ranking(faiss_index.search(QUERIES[0], 10))
+    random_images(faiss_index, 10, seed=6)
     crashed = tmp_path / "at-crash"
 
     class Crash(BaseException):
         pass
 
     def crash(*args: object, **kwargs: object) -> None:
-        shutil.copytree(image_index.root, crashed)  # every new file is in place, the database not updated
+        shutil.copytree(faiss_index.root, crashed)  # every new file is in place, the database not updated
         raise Crash
 
     monkeypatch.setattr(FragmentIndex, "_commit", crash)
     with pytest.raises(Crash):
-        image_index.save()
+        faiss_index.save()
     old = ImageIndex.load(crashed, bundle)
     assert len(old) == 40 and ranking(old.search(QUERIES[0], 10)) == before
     old.close()
 
 
-def test_corrupt_files_fail_at_load_with_a_clear_error(image_index: ImageIndex, bundle: Bundle, tmp_path: Path):
-    image_index.close()
-    root = image_index.root
+def test_corrupt_files_fail_at_load_with_a_clear_error(faiss_index: ImageIndex, bundle: Bundle, tmp_path: Path):
+    faiss_index.close()
+    root = faiss_index.root
 
     def damaged(pattern: str, damage: str) -> Path:
         copy = tmp_path / f"{pattern.strip('*.-')}-{damage}"
@@ -454,18 +472,18 @@ def test_corrupt_files_fail_at_load_with_a_clear_error(image_index: ImageIndex, 
         SentenceIndex.load(root, bundle)
 
 
-def test_index_of_another_model_or_dimension_is_rejected(image_index: ImageIndex, words: WordTable):
-    image_index.close()
+def test_index_of_another_model_or_dimension_is_rejected(faiss_index: ImageIndex, words: WordTable):
+    faiss_index.close()
     with pytest.raises(IndexLoadError, match="16-d"):
-        ImageIndex.load(image_index.root, make_bundle(words, h=16))
+        ImageIndex.load(faiss_index.root, make_bundle(words, h=16))
     with pytest.raises(IndexLoadError, match="another model"):
-        ImageIndex.load(image_index.root, make_bundle(words, seed=1))
-    small = ImageIndex.create(image_index.root.parent / "x", make_bundle(words, h=16))
+        ImageIndex.load(faiss_index.root, make_bundle(words, seed=1))
+    small = ImageIndex.create(faiss_index.root.parent / "x", make_bundle(words, h=16))
     with pytest.raises(ValueError, match="expected"):
         small.add_vectors(np.zeros((1, F, H), np.float32), np.zeros((1, F, 4)), np.array([[1, 1]]), ["a"], ["a"])
     small.close()
     with pytest.raises(FileExistsError):
-        ImageIndex.create(image_index.root, make_bundle(words))
+        ImageIndex.create(faiss_index.root, make_bundle(words))
 
 
 # -- other index kinds ------------------------------------------------------------------------------------
@@ -473,15 +491,15 @@ def test_ivf_trains_once_enough_fragments_exist_and_keeps_working(tmp_path: Path
     settings = IndexSettings(kind="ivf", nlist=4, nprobe=4, train_size=300, k_prime=32)
     index = ImageIndex.create(tmp_path / "ivf", bundle, settings)
     random_images(index, 20, seed=7)  # 100 fragments: the flat stand-in answers
-    assert not index.ann.trained and index.ann.active_kind == "flat"
+    assert not index.candidates.trained and index.candidates.active_kind == "flat"
     random_images(index, 60, seed=8)  # 400 fragments: trained
-    assert index.ann.trained and index.ann.ntotal == 400
+    assert index.candidates.trained and index.candidates.ntotal == 400
     for q in QUERIES:  # nprobe = nlist visits every list: exact candidates
         assert ranking(index.search(q, 5)) == ranking(index.search_exhaustive(q, 5))
     index.remove(5)
     index.save()
     loaded = ImageIndex.load(index.root, bundle, nprobe=1)
-    assert loaded.ann.trained and loaded.ann.ntotal == 395 and loaded.settings.nprobe == 1
+    assert loaded.candidates.trained and loaded.candidates.ntotal == 395 and loaded.settings.nprobe == 1
     assert all(h.image_id != 5 for q in QUERIES for h in loaded.search(q, 10))
     loaded.close()
     index.close()
@@ -492,8 +510,8 @@ def test_bulk_adds_train_on_a_sample_of_everything(tmp_path: Path, bundle: Bundl
     index = ImageIndex.create(tmp_path / "pq", bundle, settings)
     with index.bulk():
         random_images(index, 50, seed=9)
-        assert index.ann.ntotal == 0
-    assert index.ann.trained and index.ann.ntotal == 250
+        assert index.candidates.ntotal == 0
+    assert index.candidates.trained and index.candidates.ntotal == 250
     hits = index.search(QUERIES[0], 5)
     exact = {h.image_id: h.score for h in index.search_exhaustive(QUERIES[0], 50)}
     assert all(abs(exact[h.image_id] - h.score) < 1e-5 for h in hits)  # re-ranked with the exact score
@@ -510,9 +528,9 @@ def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bun
     index.add_vectors(vecs, np.zeros((60, F, 4)), np.tile([1, 1], (60, 1)), [str(i) for i in range(60)],
                       [str(i) for i in range(60)])
     index.rebuild(IndexSettings(kind="ivf", nlist=4, nprobe=4, pretransform="PCA9", train_size=100, k_prime=10))
-    assert index.ann.trained
+    assert index.candidates.trained
     queries = np.maximum(rng.standard_normal((6, 8)).astype(np.float32) @ lift, 0)
-    _, found = index.ann.search(queries, 10)
+    _, found = index.candidates.search(queries, 10)
     exact = np.argsort(-(queries @ vecs.reshape(-1, H).T), axis=1)[:, :10]
     as_ids = fid.encode(exact // F, exact % F)
     assert np.mean([len(set(a) & set(b)) for a, b in zip(found, as_ids, strict=True)]) >= 9
@@ -520,10 +538,10 @@ def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bun
 
 
 # -- concurrency ------------------------------------------------------------------------------------------
-def test_concurrent_searches_during_adds_see_whole_states(image_index: ImageIndex, bundle: Bundle):
+def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageIndex, bundle: Bundle):
     sent, _ = encode_sentence(bundle, QUERIES[2])
     k = 5
-    base = ranking(image_index.search_exhaustive(QUERIES[2], k))
+    base = ranking(faiss_index.search_exhaustive(QUERIES[2], k))
     direction = (sent.sum(0) / sent.sum(0).norm()).numpy()
     adds = [np.repeat(direction[None, None] * (50 + 20 * i), F, axis=1) for i in range(6)]  # each beats the last
     base_ids = [i for i, _ in base]
@@ -536,7 +554,7 @@ def test_concurrent_searches_during_adds_see_whole_states(image_index: ImageInde
     def reader() -> None:
         try:
             while not stop.is_set():
-                seen.append(ranking(image_index.search_vectors(sent, k)))
+                seen.append(ranking(faiss_index.search_vectors(sent, k)))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -544,9 +562,9 @@ def test_concurrent_searches_during_adds_see_whole_states(image_index: ImageInde
     for t in threads:
         t.start()
     for i, vec in enumerate(adds):
-        image_index.add_vectors(vec, np.zeros((1, F, 4)), np.array([[1, 1]]), [f"n{i}"], [f"/n{i}"])
+        faiss_index.add_vectors(vec, np.zeros((1, F, 4)), np.array([[1, 1]]), [f"n{i}"], [f"/n{i}"])
         if i == 2:
-            image_index.save()
+            faiss_index.save()
         time.sleep(0.02)  # let the readers run between the writes
     stop.set()
     for t in threads:
@@ -555,7 +573,7 @@ def test_concurrent_searches_during_adds_see_whole_states(image_index: ImageInde
 
     assert all([i for i, _ in r] in states for r in seen)
     assert len({tuple(i for i, _ in r) for r in seen}) >= 3  # the readers did run between the writes
-    assert [i for i, _ in ranking(image_index.search_vectors(sent, k))] == states[-1] == [45, 44, 43, 42, 41]
+    assert [i for i, _ in ranking(faiss_index.search_vectors(sent, k))] == states[-1] == [45, 44, 43, 42, 41]
 
 
 # -- sentences ----------------------------------------------------------------------------------------------
@@ -565,8 +583,10 @@ SENTENCES = ["a red dog runs on the grass", "a man plays with a ball in the stre
 
 
 def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: Path, bundle: Bundle,
-                                                                      extractor: RegionExtractor):
-    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), extractor=extractor)
+                                                                      extractor: RegionExtractor,
+                                                                      backend: BackendOptions):
+    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), extractor=extractor,
+                                 backend=backend)
     ids = index.add_sentences(SENTENCES * 3)
     assert len(ids) == 27 and len(index) == 27  # the empty and the unknown-word sentences are skipped
     rec = index.get(ids[0])
@@ -618,13 +638,14 @@ def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Pa
     sentences.close()
 
 
-def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Path, bundle: Bundle):
-    index = SentenceIndex.create(tmp_path / "shared", bundle, IndexSettings(k_prime=4))
+def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Path, bundle: Bundle,
+                                                                    backend: BackendOptions):
+    index = SentenceIndex.create(tmp_path / "shared", bundle, IndexSettings(k_prime=4), backend=backend)
     ids = index.add_sentences(SENTENCES * 3)
-    distinct = {tuple(r) for i in ids for r in index.store.rows(int(index._seg[i]), int(index._off[i]),
-                                                               int(index._n[i])).tolist()}
-    assert index.ann.ntotal == len(distinct) < index.n_fragments
-    img = torch.from_numpy(index.store.rows(int(index._seg[ids[0]]), int(index._off[ids[0]]), 3).copy())
+    distinct = {tuple(r) for i in ids for r in index.store.rows(int(index.items.seg[i]), int(index.items.off[i]),
+                                                               int(index.items.n[i])).tolist()}
+    assert index.candidates.ntotal == len(distinct) < index.n_fragments
+    img = torch.from_numpy(index.store.rows(int(index.items.seg[ids[0]]), int(index.items.off[ids[0]]), 3).copy())
     hits = index.annotate_vectors(img, np.zeros((3, 4)), 3)
     assert ranking(hits) == ranking(index.annotate_vectors(img, np.zeros((3, 4)), 3, exhaustive=True))
     copies = [i for i in ids if name_text(index, i) == hits[0].text]
@@ -632,32 +653,33 @@ def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Pat
     # the default candidate stage: every sentence fragment with a positive score, the best 5 re-ranked
     index.set_search(k_prime=0, rerank=5)
     for row in range(4):
-        query = torch.from_numpy(index.store.rows(int(index._seg[ids[row]]), int(index._off[ids[row]]), 2).copy())
+        first = ids[row]
+        query = torch.from_numpy(index.store.rows(int(index.items.seg[first]), int(index.items.off[first]), 2).copy())
         query = query + 0.5 * torch.randn(query.shape, generator=torch.Generator().manual_seed(row))
         assert ranking(index.annotate_vectors(query, np.zeros((2, 4)), 5)) == ranking(
             index.annotate_vectors(query, np.zeros((2, 4)), 5, exhaustive=True))
     index.set_search(k_prime=4, rerank=0)
     # removing the copy that holds the FAISS entries hands them to the next copy
     assert index.remove(copies[0])
-    assert index.ann.ntotal == len(distinct)
+    assert index.candidates.ntotal == len(distinct)
     assert [h.sentence_id for h in index.annotate_vectors(img, np.zeros((3, 4)), 2)] == copies[1:]
     index.save()
     loaded = SentenceIndex.load(index.root, bundle)
-    assert loaded.ann.ntotal == len(distinct)
+    assert loaded.candidates.ntotal == len(distinct)
     assert [h.sentence_id for h in loaded.annotate_vectors(img, np.zeros((3, 4)), 2)] == copies[1:]
     for i in copies[1:]:
         loaded.remove(i)
     assert all(h.text != hits[0].text for h in loaded.annotate_vectors(img, np.zeros((3, 4)), 30))
     loaded.save()
     again = SentenceIndex.load(index.root, bundle)
-    assert again.ann.ntotal == loaded.ann.ntotal and len(again) == len(ids) - 3
+    assert again.candidates.ntotal == loaded.candidates.ntotal and len(again) == len(ids) - 3
     again.close()
     loaded.close()
     index.close()
 
 
 # -- command line -------------------------------------------------------------------------------------------
-def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle):
+def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle, backend: BackendOptions):
     photos = tmp_path / "photos"
     photos.mkdir()
     for name, colour, shape in (("a.jpg", (220, 30, 30), "circle"), ("b.jpg", (30, 60, 220), "square")):
@@ -671,7 +693,7 @@ def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle)
     loaded_model = Bundle.load(model)
     out = tmp_path / "index" / "images-all"
     args = ["--model", str(model), "--images", str(photos), "--out", str(out), "--captions", str(captions),
-            "--split", str(split), "--cache", str(tmp_path / "cache"), "--workers", "1"]
+            "--split", str(split), "--cache", str(tmp_path / "cache"), "--workers", "1", "--backend", backend.backend]
     build_main(args)
     images = ImageIndex.load(out, loaded_model)
     sentences = SentenceIndex.load(tmp_path / "index" / "sentences-train", loaded_model)

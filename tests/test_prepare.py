@@ -111,3 +111,30 @@ def test_readiness_reports_a_failed_preparation(service_env: ServiceEnv, tmp_pat
         assert r.status_code == 503 and r.json()["status"] == "failed"
         assert "no-data" in r.json()["error"]["message"]
         assert c.get("/healthz").status_code == 200
+
+
+def test_serves_a_photo_collection_synced_at_every_start(service_env: ServiceEnv, tmp_path: Path) -> None:
+    """FRAGSEARCH_COLLECTION: the folder's photos are indexed on the first start and synced at the next."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in service_env.dev[:3]:
+        shutil.copy(service_env.image_path(name), photos / name)
+    settings = service_env.settings_for(tmp_path, collection=photos, image_index=None,
+                                        sentence_index=service_env.root / "sentences")
+    assert settings.image_index_dir.name.startswith("collection-photos-")
+
+    def serve() -> list[str]:
+        with TestClient(create_app(settings, prepare=True)) as c:
+            deadline = time.monotonic() + 300
+            while (r := c.get("/readyz")).status_code != 200:
+                assert r.json()["status"] == "preparing", r.json()
+                assert time.monotonic() < deadline, "preparation did not finish"
+                time.sleep(0.05)
+            hits = c.post("/search/images", json={"sentence": "a red circle", "k": 10}).json()["results"]
+            assert all(c.get(h["url"]).status_code == 200 for h in hits), "files are served from the folder"
+            return sorted(h["name"] for h in hits)
+
+    assert serve() == sorted(service_env.dev[:3])
+    (photos / service_env.dev[0]).unlink()
+    shutil.copy(service_env.image_path(service_env.dev[3]), photos / service_env.dev[3])
+    assert serve() == sorted(service_env.dev[1:4])

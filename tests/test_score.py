@@ -1,9 +1,11 @@
 """S_kl, alignment, the MIL label rule and the objectives on hand-computed examples."""
 
+import math
+
 import torch
 
-from model.objectives import fragment_loss, global_loss, mil_labels
-from model.score import align, flatten, fragment_scores, skl
+from model.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
+from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl
 
 
 def test_skl_matches_hand_computed_example():
@@ -115,3 +117,97 @@ def test_global_loss_top_k_keeps_hardest_negatives():
 
 def test_fragment_scores_shape():
     assert fragment_scores(torch.zeros(2, 3, 4), torch.zeros(5, 6, 4)).shape == (2, 3, 5, 6)
+
+
+def test_pair_contributions_are_each_pairs_share_of_skl():
+    torch.manual_seed(3)
+    img, sent = torch.randn(6, 8), torch.randn(4, 8)
+    dots, shares = pair_contributions(img, sent)
+    for i in range(6):  # a naive loop: v_i . s_j, and max(0, v_i . s_j) / (|g_k| (|g_l| + n))
+        for j in range(4):
+            dot = float(sum(img[i, d] * sent[j, d] for d in range(8)))
+            assert abs(float(dots[i, j]) - dot) < 1e-5
+            assert abs(float(shares[i, j]) - max(0.0, dot) / (6 * (4 + 5.0))) < 1e-6
+    total = skl(img[None], torch.ones(1, 6), sent[None], torch.ones(1, 4))[0, 0]
+    assert torch.allclose(shares.sum(), total, atol=1e-6)
+
+
+def test_skl_of_a_random_batch_matches_a_double_loop():
+    """Several images and sentences of different fragment counts (padding on both sides) against
+    the formula written out: S_kl = sum_i sum_j max(0, v_i . s_j) / (|g_k| (|g_l| + n))."""
+    gen = torch.Generator().manual_seed(3)
+    img, sent = torch.randn(4, 5, 6, generator=gen), torch.randn(6, 7, 6, generator=gen)
+    n_img, n_sent = [5, 2, 4, 1], [7, 1, 3, 6, 2, 5]
+    img_mask = (torch.arange(5)[None, :] < torch.tensor(n_img)[:, None]).float()
+    sent_mask = (torch.arange(7)[None, :] < torch.tensor(n_sent)[:, None]).float()
+    want = torch.zeros(4, 6)
+    for k in range(4):
+        for m in range(6):
+            total = 0.0
+            for i in range(n_img[k]):
+                for j in range(n_sent[m]):
+                    total += max(0.0, sum(float(img[k, i, d] * sent[m, j, d]) for d in range(6)))
+            want[k, m] = total / (n_img[k] * (n_sent[m] + 5))
+    assert torch.allclose(skl(img, img_mask, sent, sent_mask), want, atol=1e-5)
+    assert torch.allclose(skl(img, img_mask, sent, sent_mask, chunk=4), want, atol=1e-5)
+    assert torch.allclose(skl(img, img_mask, sent, sent_mask, smoothing=0.0),
+                          want * (torch.tensor(n_sent)[None, :] + 5) / torch.tensor(n_sent)[None, :], atol=1e-5)
+
+
+def test_mil_gives_the_bag_its_own_best_not_the_columns_best():
+    # column 0's bag is rows 0 and 1 (both negative); row 2, outside the bag, scores highest in the column
+    scores = torch.tensor([[-0.3], [-0.8], [0.9]])
+    in_pair = torch.tensor([[True], [True], [False]])
+    assert mil_labels(scores, in_pair, mil=True)[:, 0].tolist() == [1.0, -1.0, -1.0]
+
+
+# three image fragments (rows 0, 1 of image 0; row 2 of image 1) x three sentence fragments
+# (columns 0, 1 of sentence 0, which describes image 0; column 2 of sentence 1, describing image 1)
+FLAT = FlatFragments(torch.tensor([[0.5, -0.4, 0.3], [-0.2, -0.6, -0.1], [0.7, 0.2, -0.5]]),
+                     torch.tensor([0, 0, 1]), torch.tensor([0, 0, 1]), 2, 2)
+
+
+def test_fragment_loss_with_mil_on_a_hand_computed_batch():
+    pos = torch.eye(2, dtype=torch.bool)
+    # MIL labels: column 0 follows the signs in its bag (+1, -1); column 1 has no positive in its bag,
+    # so its bag's best (row 0, -0.4) is +1 (not row 2, the column's best at 0.2); column 2's only
+    # bag member (row 2) is +1. Everything outside a bag is -1.
+    assert mil_labels(FLAT.scores, pos[FLAT.img_of][:, FLAT.sent_of], mil=True).tolist() == [
+        [1.0, 1.0, -1.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, 1.0]]
+    # hinges max(0, 1 - y s): positives 0.5, 1.4, 1.5; negatives 1.3, 0.8, 0.4, 0.9, 1.7, 1.2
+    balanced = (0.5 + 1.4 + 1.5) / 3 + (1.3 + 0.8 + 0.4 + 0.9 + 1.7 + 1.2) / 6
+    assert abs(float(fragment_loss(FLAT, pos, mil=True)) - balanced) < 1e-6
+    assert abs(float(fragment_loss(FLAT, pos, mil=True, balanced=False)) - 9.7 / 9) < 1e-6
+    # dense: every pair inside a corresponding image-sentence pair is +1
+    dense = (0.5 + 1.4 + 1.2 + 1.6 + 1.5) / 5 + (1.3 + 0.9 + 1.7 + 1.2) / 4
+    assert abs(float(fragment_loss(FLAT, pos, mil=False)) - dense) < 1e-6
+
+
+def test_two_branch_loss_on_a_hand_computed_batch():
+    # images along the axes; sentences 0, 1 describe image 0 and sentences 2, 3 image 1
+    img = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    txt = torch.tensor([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0], [0.8, 0.6]])
+    pair = torch.tensor([0, 0, 1, 1])
+    pos = pair[None, :] == torch.arange(2)[:, None]
+    r2, near, far = math.sqrt(2.0), math.sqrt(0.4), math.sqrt(0.8)  # distances |x - y| of the unit vectors
+    close = math.sqrt(0.08)  # |txt1 - txt3|
+    m = 0.5
+
+    def relu(x: float) -> float:
+        return max(0.0, x)
+
+    # sentence -> image: each sentence's image closer than the other image (the one negative)
+    s2i = (relu(m + 0 - r2) + relu(m + far - near) + relu(m + 0 - r2) + relu(m + far - near)) / 4
+    # image -> sentence, hardest negative: the anchor image closer to its sentence than to others' sentences
+    i2s = (relu(m + 0 - near) + relu(m + far - near) + relu(m + 0 - near) + relu(m + far - near)) / 4
+    # structure: a sentence closer to its image's other sentence (distance `far` for both pairs) than to
+    # the other image's sentences, hardest negative
+    struct = (relu(m + far - near) + relu(m + far - close) + relu(m + far - near) + relu(m + far - close)) / 4
+    want = s2i + 2.0 * i2s + 0.1 * struct
+    got = two_branch_loss(img, txt, pos, pair, margin=m, top_k=1, lambda_img=2.0, lambda_struct=0.1)
+    assert abs(float(got) - want) < 1e-5
+    assert abs(want - 1.2366357) < 1e-6  # the same sum, evaluated once by hand
+    # pulled apart by more than the margin, every term is zero
+    apart = two_branch_loss(img, torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]), pos, pair,
+                            margin=0.1, top_k=1)
+    assert float(apart) == 0.0

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import io
 import re
 import shutil
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from index import ImageIndex, IndexLoadError, SentenceIndex
 from model.bundle import Bundle
@@ -159,6 +163,111 @@ def test_auth_can_only_be_switched_off_explicitly(service_env: ServiceEnv, tmp_p
         assert c.post("/images", files={"file": ("a.png", service_env.png(32, 32), "image/png")}).status_code == 201
 
 
+def test_thumbnails_come_in_a_few_sizes_and_are_made_once(client: TestClient, service_env: ServiceEnv) -> None:
+    top = client.post("/search/images", json={"sentence": "a red circle", "k": 1}).json()["results"][0]
+    assert top["thumbnail"] == f"/images/{top['id']}/thumbnail?size=256"
+    folder = service_env.settings.thumbnails_dir
+    shutil.rmtree(folder, ignore_errors=True)  # the cache is shared by the tests of both backends
+    before: set[Path] = set()
+    r = client.get(f"/images/{top['id']}/thumbnail", params={"size": 100})
+    assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
+    thumb = Image.open(io.BytesIO(r.content))
+    scale = 128 / max(top["width"], top["height"])  # 100 is served at the next size, 128; aspect kept
+    assert max(thumb.size) == 128
+    assert abs(thumb.size[0] - top["width"] * scale) <= 1 and abs(thumb.size[1] - top["height"] * scale) <= 1
+    made = set(folder.glob("*.jpg")) - before
+    assert len(made) == 1
+    again = client.get(f"/images/{top['id']}/thumbnail", params={"size": 128})
+    assert again.content == r.content and set(folder.glob("*.jpg")) - before == made, "the cached file is served"
+    big = Image.open(io.BytesIO(client.get(f"/images/{top['id']}/thumbnail", params={"size": 4000}).content))
+    assert max(big.size) == min(512, max(top["width"], top["height"])), "never above 512, never enlarged"
+    default = Image.open(io.BytesIO(client.get(f"/images/{top['id']}/thumbnail").content))
+    assert max(default.size) == min(256, max(top["width"], top["height"]))
+    for bad in (0, -5, 4097, "big"):
+        e = client.get(f"/images/{top['id']}/thumbnail", params={"size": bad})
+        assert e.status_code == 422 and e.json()["error"]["code"], (bad, e.text)
+    missing = client.get("/images/999999/thumbnail")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_explain_gives_the_score_rank_and_every_pairs_share(client: TestClient, service_env: ServiceEnv) -> None:
+    sentence = service_env.captions[service_env.dev[0]][0]
+    hits = client.post("/search/images", json={"sentence": sentence, "k": 3}).json()["results"]
+    for place, hit in enumerate(hits, start=1):
+        r = client.post("/explain", json={"image_id": hit["id"], "sentence": sentence})
+        assert r.status_code == 200, r.text
+        e = r.json()
+        assert e["rank"] == place and e["images"] == len(service_env.dev)
+        assert abs(e["score"] - hit["score"]) < 1e-5
+        assert e["alignment"] == hit["alignment"]
+        pairs = e["pairs"]
+        assert len(pairs) == e["image_fragments"] * e["sentence_fragments"]
+        assert abs(sum(p["contribution"] for p in pairs) - e["score"]) < 1e-5
+        assert all(p["cleared"] == (p["score"] > 0) and (p["contribution"] > 0) == p["cleared"] for p in pairs)
+        for m in e["alignment"]:  # each aligned region is its triplet's best pair
+            mine = [p for p in pairs if p["triplet"] == m["triplet"]]
+            assert max(p["score"] for p in mine) == pytest.approx(m["score"], abs=1e-5)
+    missing = client.post("/explain", json={"image_id": 999999, "sentence": sentence})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    for body in ({"image_id": hits[0]["id"], "sentence": "  "}, {"image_id": -1, "sentence": sentence},
+                 {"image_id": "1", "sentence": sentence}, {"sentence": sentence}):
+        assert client.post("/explain", json=body).status_code == 422, body
+
+
+def _pairs(captions: list[str]) -> set[str]:
+    """The "colour shape" phrases the shapes captions name."""
+    words = " ".join(captions).split()
+    return {f"{a} {b}" for a, b in zip(words, words[1:], strict=False)
+            if a in ("red", "blue", "green", "yellow") and b in ("circle", "square", "triangle")}
+
+
+def test_similar_images_through_the_sentences_that_describe_them(client: TestClient,
+                                                                 service_env: ServiceEnv) -> None:
+    ids = {h["name"]: h["id"] for h in client.post("/search/images", json={
+        "sentence": "a red circle", "k": len(service_env.dev)}).json()["results"]}
+    shared = 0
+    for name in service_env.dev:
+        r = client.post("/search/similar", data={"image_id": ids[name], "k": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["image_id"] == ids[name] and body["width"] > 0
+        assert 1 <= len(body["described_by"]) <= 5
+        results = body["results"]
+        assert len(results) == 3 and ids[name] not in [h["id"] for h in results], "the query is left out"
+        assert [h["score"] for h in results] == sorted((h["score"] for h in results), reverse=True)
+        assert all(h["alignment"] for h in results), "each result shows which described triplets it matched"
+        shared += bool(_pairs(service_env.captions[name]) & _pairs(service_env.captions[results[0]["name"]]))
+    # two of twelve colour-shape pairs per picture: another picture shares one with p ~ 0.3 by chance
+    assert shared >= 0.6 * len(service_env.dev), shared
+
+    name = service_env.dev[0]
+    upload = service_env.image_path(name).read_bytes()
+    r = client.post("/search/similar", files={"file": ("q.jpg", upload, "image/jpeg")}, data={"k": "2"})
+    assert r.status_code == 200, r.text
+    assert r.json()["image_id"] is None and r.json()["described_by"] and len(r.json()["results"]) == 2
+    assert r.json()["results"][0]["name"] == name, "an upload of an indexed image finds that image first"
+
+    both = client.post("/search/similar", files={"file": ("q.jpg", upload, "image/jpeg")},
+                       data={"image_id": ids[name]})
+    for bad in (both, client.post("/search/similar", data={"k": 3})):
+        assert bad.status_code == 422 and bad.json()["error"]["code"] == "one_query"
+    assert client.post("/search/similar", data={"image_id": 999999}).status_code == 404
+    assert client.post("/search/similar", data={"image_id": ids[name], "k": 0}).status_code == 422
+    assert client.post("/search/similar", data={"image_id": "x"}).status_code == 422
+
+
+def test_response_examples_are_valid_answers(client: TestClient) -> None:
+    from service import schemas
+
+    components = client.get("/openapi.json").json()["components"]["schemas"]
+    for name in ("SearchImagesResponse", "AnnotateResponse", "SimilarResponse", "SearchFragmentsResponse",
+                 "ExplainResponse", "ImageOut", "ErrorResponse"):
+        examples = components[name].get("examples")
+        assert examples, f"{name} has no example in the OpenAPI document"
+        for example in examples:
+            getattr(schemas, name).model_validate(example)
+
+
 def test_metrics_count_requests_per_route_and_index_size(client: TestClient, service_env: ServiceEnv) -> None:
     client.post("/search/images", json={"sentence": "a blue square", "k": 2})
     client.post("/search/images", json={"sentence": "", "k": 2})
@@ -170,6 +279,7 @@ def test_metrics_count_requests_per_route_and_index_size(client: TestClient, ser
     assert 'fragsearch_request_seconds_bucket{le="0.03",method="POST",route="/search/images"}' in text
     assert f'fragsearch_index_size{{index="images"}} {float(len(service_env.dev))}' in text
     assert "process_resident_memory_bytes" in text
+    assert re.search(r'python_gc_collections_total\{generation="2"\} \d', text)
 
 
 def test_openapi_lists_every_error_response(client: TestClient) -> None:
@@ -181,6 +291,9 @@ def test_openapi_lists_every_error_response(client: TestClient) -> None:
         ("/annotate", "post"): {"413", "415", "422", "503"},
         ("/images", "post"): {"401", "403", "413", "415", "422", "503"},
         ("/images/{image_id}", "get"): {"404", "503"},
+        ("/images/{image_id}/thumbnail", "get"): {"404", "422", "503"},
+        ("/explain", "post"): {"404", "422", "503"},
+        ("/search/similar", "post"): {"404", "413", "415", "422", "503"},
         ("/images/{image_id}", "delete"): {"401", "403", "404", "503"},
         ("/readyz", "get"): {"503"},
     }
@@ -217,6 +330,27 @@ def test_loads_from_disk_in_the_background(service_env: ServiceEnv) -> None:
             time.sleep(0.05)
         assert r.status_code == 200, r.text
         assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
+
+
+def test_loaded_objects_are_frozen_out_of_the_collector(service_env: ServiceEnv) -> None:
+    gc.unfreeze()
+    settings = service_env.settings.model_copy(update={"freeze_heap": True})
+    try:
+        with TestClient(create_app(settings)) as c:
+            for _ in range(600):
+                r = c.get("/readyz")
+                if r.status_code == 200:
+                    break
+                time.sleep(0.05)
+            assert r.status_code == 200, r.text
+            engine = c.app.state.engine  # type: ignore[attr-defined]
+            frozen = gc.get_freeze_count()
+            assert frozen > 1000
+            # the loaded model is among the frozen objects: a full collection no longer walks it
+            assert all(o is not engine for o in gc.get_objects(generation=2))
+            assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
+    finally:
+        gc.unfreeze()
 
 
 def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -157,3 +157,14 @@ def test_relation_vocab_cutoff_and_round_trip() -> None:
     again = RelationVocab.from_dict(json.loads(json.dumps(vocab.to_dict())))
     assert again == vocab and again.kept == vocab.kept and again.index("det") == 1
     assert len(RelationVocab.fit([], cutoff=0.01)) == 0
+
+
+def test_relation_cutoff_at_its_boundary() -> None:
+    """A relation type with exactly 1 % of the training relations is kept; one relation fewer is not."""
+    for total in (100, 300, 700, 1000):
+        at = total // 100  # exactly 1 %
+        lists = [[Triplet("amod", "a", "b")] * at, [Triplet("det", "a", "b")] * (total - at)]
+        assert RelationVocab.fit(lists, cutoff=0.01).kept == ("det", "amod"), total
+        below = [[Triplet("amod", "a", "b")] * at, [Triplet("det", "a", "b")] * (total - at + 1)]
+        assert RelationVocab.fit(below, cutoff=0.01).kept == ("det",), total
+        assert RelationVocab.fit(lists, cutoff=0.0100001).kept == ("det",), total

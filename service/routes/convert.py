@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from index import FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
+from index import Explanation, FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
 from service.errors import ApiError
-from service.schemas import FragmentMatchOut, ImageOut, ImageResult, RegionResult, SentenceResult
+from service.schemas import (
+    ExplainResponse,
+    FragmentMatchOut,
+    ImageOut,
+    ImageResult,
+    PairOut,
+    RegionResult,
+    SentenceResult,
+)
 from service.settings import Settings
 
 
 def image_url(image_id: int) -> str:
     return f"/images/{image_id}"
+
+
+def thumbnail_url(image_id: int, size: int = 256) -> str:
+    return f"/images/{image_id}/thumbnail?size={size}"
 
 
 def check_k(k: int, settings: Settings) -> int:
@@ -38,7 +50,8 @@ def match_out(m: FragmentMatch) -> FragmentMatchOut:
 
 
 def image_result(hit: ImageHit) -> ImageResult:
-    return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id), width=hit.width,
+    return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id),
+                       thumbnail=thumbnail_url(hit.image_id), width=hit.width,
                        height=hit.height, score=float(hit.score), alignment=[match_out(m) for m in hit.alignment])
 
 
@@ -54,3 +67,15 @@ def region_result(hit: RegionHit) -> RegionResult:
 
 def image_out(rec: ImageRecord) -> ImageOut:
     return ImageOut(id=rec.image_id, name=rec.name, url=image_url(rec.image_id), width=rec.width, height=rec.height)
+
+
+def explain_out(e: Explanation, sentence: str, took_ms: float) -> ExplainResponse:
+    return ExplainResponse(
+        image_id=e.image_id, name=e.name, url=image_url(e.image_id), thumbnail=thumbnail_url(e.image_id),
+        width=e.width, height=e.height, sentence=sentence, score=e.score, rank=e.rank, images=e.images,
+        image_fragments=e.image_fragments, sentence_fragments=e.sentence_fragments,
+        alignment=[match_out(m) for m in e.alignment],
+        pairs=[PairOut(triplet=p.triplet, relation=p.relation, words=list(p.words), fragment=p.fragment,
+                       box=_box(p.box), score=p.score, cleared=p.cleared, contribution=p.contribution)
+               for p in e.pairs],
+        took_ms=took_ms)

@@ -1,4 +1,4 @@
-"""GET /images/{id}, POST /images, DELETE /images/{id}."""
+"""GET /images/{id}, GET /images/{id}/thumbnail, POST /images, DELETE /images/{id}."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mimetypes
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, File, Path, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Path, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
@@ -16,6 +16,7 @@ from service.errors import ApiError, responses
 from service.routes.convert import image_out
 from service.routes.uploads import read_upload
 from service.schemas import ImageOut
+from service.thumbnails import SIZES, snap
 
 MAX_ID = 2**63 - 1  # ids are int64 in FAISS and SQLite
 ID_TEXT = re.compile(r"0|[1-9][0-9]{0,18}")  # plain decimal, no sign, blank, point or leading zero
@@ -37,6 +38,8 @@ ImageId = Annotated[int, Path(ge=0, le=MAX_ID, description="image id in the inde
 ADDED_LINKS = {
     "GetImage": {"operationId": "get_image", "parameters": {"image_id": "$response.body#/id"},
                  "description": "the file of the image just added"},
+    "GetThumbnail": {"operationId": "get_thumbnail", "parameters": {"image_id": "$response.body#/id"},
+                     "description": "a thumbnail of the image just added"},
     "DeleteImage": {"operationId": "delete_image", "parameters": {"image_id": "$response.body#/id"},
                     "description": "remove the image just added"},
 }
@@ -59,6 +62,21 @@ def build_router() -> APIRouter:
             raise _not_found(image_id)
         media = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FileResponse(path, media_type=media, headers={"Cache-Control": "public, max-age=3600"})
+
+    @router.get("/images/{image_id}/thumbnail", operation_id="get_thumbnail", response_class=FileResponse,
+                responses={200: {"content": {"image/jpeg": {}}, "description": "the thumbnail (JPEG)"},
+                           **responses(404, 422, 503, 504)})
+    async def get_thumbnail(image_id: ImageId, engine: EngineDep, gates: GatesDep,
+                            size: Annotated[int, Query(ge=1, le=4096, description=(
+                                "longest side wanted, in pixels; served at the next of "
+                                f"{', '.join(map(str, SIZES))} (the largest above it); never enlarged"))] = 256,
+                            ) -> FileResponse:
+        """A JPEG thumbnail of an indexed image, made once and cached; the boxes of the results are in
+        the original's pixels, so draw them in proportion to the original's width and height."""
+        path = await gates.search.run(engine.thumbnail_file, image_id, snap(size))
+        if path is None:
+            raise _not_found(image_id)
+        return FileResponse(path, media_type="image/jpeg", headers={"Cache-Control": "public, max-age=3600"})
 
     @router.post("/images", operation_id="add_image", status_code=201, response_model=ImageOut,
                  dependencies=[Depends(require_key)],

@@ -1,4 +1,4 @@
-"""POST /search/images, POST /search/fragments, POST /annotate."""
+"""POST /search/images, POST /search/fragments, POST /search/similar, POST /explain, POST /annotate."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, UploadFile
 
+from index.similar import Similar
 from service.deps import EngineDep, GatesDep, SettingsDep
-from service.errors import responses
-from service.routes.convert import check_k, check_text, image_result, region_result, sentence_result
+from service.errors import ApiError, responses
+from service.routes.convert import check_k, check_text, explain_out, image_result, region_result, sentence_result
 from service.routes.uploads import read_upload
 from service.schemas import (
     AnnotateResponse,
+    ExplainRequest,
+    ExplainResponse,
     SearchFragmentsRequest,
     SearchFragmentsResponse,
     SearchImagesRequest,
     SearchImagesResponse,
+    SimilarResponse,
 )
 
 
@@ -53,6 +57,48 @@ def build_router() -> APIRouter:
             query = check_text(body.phrase, s, "phrase")
             hits = await gates.search.run(engine.search_fragments, query, k)
         return SearchFragmentsResponse(query=query, results=[region_result(h) for h in hits], took_ms=_ms(t0))
+
+    @router.post("/explain", response_model=ExplainResponse, responses=responses(404, 413, 422, 503, 504))
+    async def explain(body: ExplainRequest, engine: EngineDep, s: SettingsDep, gates: GatesDep) -> ExplainResponse:
+        """Why (not) this image: its S_kl for the sentence, the rank the exact score gives it among all
+        indexed images, and every fragment pair's score, whether it clears the threshold and its share."""
+        t0 = time.perf_counter()
+        sentence = check_text(body.sentence, s, "sentence")
+        found = await gates.search.run(engine.explain, body.image_id, sentence)
+        if found is None:
+            raise ApiError(404, "not_found", f"no image with id {body.image_id}")
+        return explain_out(found, sentence, _ms(t0))
+
+    @router.post("/search/similar", response_model=SimilarResponse,
+                 responses=responses(404, 408, 413, 415, 422, 503, 504))
+    async def search_similar(
+        engine: EngineDep, s: SettingsDep, gates: GatesDep,
+        file: Annotated[UploadFile | None, File(description="an image (JPEG, PNG, ...); or give image_id")] = None,
+        image_id: Annotated[int | None, Form(ge=0, le=2**63 - 1, description="an indexed image's id")] = None,
+        k: Annotated[int, Form(ge=1, description="number of images")] = 10,
+    ) -> SimilarResponse:
+        """More like this: images ranked for an indexed image (`image_id`, itself left out) or an upload
+        (`file`), through the sentences that describe it best (see `described_by`): their fragments
+        together are the query, scored by S_kl, and each result shows which of their triplets matched
+        which of its regions."""
+        t0 = time.perf_counter()
+        k = check_k(k, s)
+        if (file is None) == (image_id is None):
+            raise ApiError(422, "one_query", "give exactly one of 'file' (an upload) or 'image_id'")
+        result: Similar
+        if image_id is not None:
+            found = await gates.search.run(engine.similar_to_image, image_id, k)
+            if found is None:
+                raise ApiError(404, "not_found", f"no image with id {image_id}")
+            (width, height), result = found
+        else:
+            assert file is not None
+            data = await read_upload(file, s.max_upload_bytes)
+            decoded, result = await gates.heavy.run(engine.similar_to_upload, data, k)
+            width, height = decoded.width, decoded.height
+        return SimilarResponse(image_id=image_id, width=width, height=height,
+                               described_by=[sentence_result(h) for h in result.described_by],
+                               results=[image_result(h) for h in result.hits], took_ms=_ms(t0))
 
     @router.post("/annotate", response_model=AnnotateResponse, responses=responses(408, 413, 415, 422, 503, 504))
     async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],

@@ -50,17 +50,41 @@ function boxDiv(box, width, height, labels, whole) {
   return div;
 }
 
-// Matched fragments grouped by image fragment: one box per region, one label per sentence fragment.
+// The whole-sentence fragment (relation "<sentence>") is not a phrase of the sentence: its score
+// enters S_kl against every image fragment, and the region it scores best with does not say where
+// anything is (on Flickr8K dev it is the whole image for most sentences). So it is shown as a label
+// on the frame, never as a region box.
+const SENTENCE_REL = "<sentence>";
+
+function fragmentText(m) {
+  return m.relation === SENTENCE_REL ? "whole sentence" : m.triplet;
+}
+
+// Matched fragments grouped by image fragment: one box per region, one label per triplet; the
+// whole-sentence fragment as a frame label.
 function drawAlignment(overlay, alignment, width, height) {
   overlay.replaceChildren();
   const groups = new Map();
+  const frameLabels = [];
   alignment.forEach((m, j) => {
     if (!(m.score > 0)) return;
-    const colour = PALETTE[j % PALETTE.length];
+    const label = { text: `${fragmentText(m)} ${m.score.toFixed(2)}`, colour: PALETTE[j % PALETTE.length] };
+    if (m.relation === SENTENCE_REL) {
+      frameLabels.push(label);
+      return;
+    }
     if (!groups.has(m.fragment)) groups.set(m.fragment, { box: m.box, labels: [] });
-    groups.get(m.fragment).labels.push({ text: `${m.triplet} ${m.score.toFixed(2)}`, colour });
+    groups.get(m.fragment).labels.push(label);
   });
-  for (const [fragment, g] of groups) overlay.append(boxDiv(g.box, width, height, g.labels, fragment === 0));
+  for (const [fragment, g] of groups) {
+    const div = boxDiv(g.box, width, height, g.labels, fragment === 0);
+    div.dataset.fragment = String(fragment);  // the legend's items of this region point at it (linkHover)
+    overlay.append(div);
+  }
+  if (frameLabels.length) {
+    overlay.append(el("div", { class: "frame-label", title: "the whole sentence against the whole picture: not a region" },
+      ...frameLabels.map((l) => el("span", { class: "label", style: { background: l.colour } }, l.text))));
+  }
   return groups.size;
 }
 
@@ -75,9 +99,10 @@ function legend(alignment) {
   const list = el("ul", { class: "legend" });
   alignment.forEach((m, j) => {
     const matched = m.score > 0;
-    list.append(el("li", { class: matched ? "" : "unmatched" },
+    list.append(el("li", { class: matched ? "" : "unmatched", tabindex: "0",
+      ...(matched && m.relation !== SENTENCE_REL ? { "data-fragment": String(m.fragment) } : {}) },
       el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
-      `${m.triplet}  ${m.score.toFixed(3)}`));
+      `${fragmentText(m)}  ${m.score.toFixed(3)}`));
   });
   return list;
 }
@@ -86,16 +111,83 @@ async function searchImages(sentence, k) {
   const data = await api("/search/images", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k }),
   });
+  showImages(data.results, data.sentence);
+  return `${data.results.length} images for “${data.sentence}” in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// Result cards: the thumbnail with its alignment, and the "why?" (POST /explain, when there is a
+// sentence) and "more like this" (POST /search/similar) buttons.
+function showImages(hits, sentence) {
   const results = $("results");
   results.replaceChildren();
-  data.results.forEach((hit, rank) => {
-    const { frame, overlay } = figure(hit.url, hit.name, hit.width, hit.height);
+  hits.forEach((hit, rank) => {
+    const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);  // boxes: original's pixels
     drawAlignment(overlay, hit.alignment, hit.width, hit.height);
-    results.append(el("figure", { class: "card", "data-id": hit.id }, frame,
+    const why = el("button", { type: "button", class: "why" }, "why?");
+    const like = el("button", { type: "button", class: "like" }, "more like this");
+    const card = el("figure", { class: "card", "data-id": hit.id }, frame,
       el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · S = ${hit.score.toFixed(4)}`),
-      legend(hit.alignment)));
+      legend(hit.alignment), el("div", { class: "actions" }, why, like));
+    if (sentence) why.addEventListener("click", () => explain(card, hit.id, sentence));
+    else why.hidden = true;
+    like.addEventListener("click", () => {
+      history.replaceState(null, "", `?${new URLSearchParams({ like: hit.id, k: $("k").value })}`);
+      moreLike(hit.id, hit.name);
+    });
+    results.append(card);
   });
-  return `${data.results.length} images for “${data.sentence}” in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// Every fragment pair of one result: v·s, whether it clears the threshold, its share of S_kl.
+async function explain(card, imageId, sentence) {
+  const old = card.querySelector(".explain");
+  if (old) { old.remove(); return; }
+  const box = el("div", { class: "explain", role: "region", "aria-label": "why this image" }, "explaining…");
+  card.append(box);
+  try {
+    const e = await api("/explain", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ image_id: imageId, sentence }),
+    });
+    const pairs = [...e.pairs].sort((a, b) => b.contribution - a.contribution || b.score - a.score).slice(0, 12);
+    const rows = pairs.map((p) => el("tr", { class: p.cleared ? "cleared" : "below" },
+      el("td", {}, p.triplet), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}`),
+      el("td", {}, p.score.toFixed(3)), el("td", {}, p.contribution.toFixed(5))));
+    box.replaceChildren(
+      el("p", {}, `S = ${e.score.toFixed(4)}, rank ${e.rank} of ${e.images}; `,
+        `${e.pairs.filter((p) => p.cleared).length} of ${e.pairs.length} pairs clear the threshold (v·s > 0)`),
+      el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "triplet"), el("th", {}, "region"),
+        el("th", {}, "v·s"), el("th", {}, "share of S"))), el("tbody", {}, ...rows)));
+  } catch (err) {
+    box.textContent = err.message;
+    box.classList.add("error");
+  }
+}
+
+function moreLike(imageId, name) {
+  const form = new FormData();
+  form.append("image_id", String(imageId));
+  return runSimilar(form, name);
+}
+
+// POST /search/similar with `form` (an image_id or a file); the results replace the search results.
+async function runSimilar(form, name) {
+  const status = $("search-status");
+  status.textContent = "searching…";
+  status.classList.remove("error");
+  document.body.dataset.state = "searching";
+  form.append("k", String(Number($("k").value) || 8));
+  try {
+    const data = await api("/search/similar", { method: "POST", body: form });
+    showImages(data.results, null);
+    const said = data.described_by.length ? ` (described as “${data.described_by[0].text}”)` : "";
+    status.textContent = `${data.results.length} images like ${name}${said} in ${data.took_ms.toFixed(0)} ms`;
+    document.body.dataset.state = "done";
+  } catch (err) {
+    status.textContent = err.message;
+    status.classList.add("error");
+    document.body.dataset.state = "error";
+  }
 }
 
 async function searchRegions(phrase, k) {
@@ -184,7 +276,7 @@ $("annotate-form").addEventListener("submit", (e) => {
   if (file) runAnnotate(file, Number($("ak").value) || 5);
 });
 
-// ?q=... runs the search on load (links and headless checks use it).
+// ?q=... runs the search on load, ?like=<image id> "more like this" (links and headless checks use them).
 (function fromQuery() {
   const params = new URLSearchParams(location.search);
   if (params.get("mode") === "regions") $("mode").value = "regions";
@@ -192,6 +284,8 @@ $("annotate-form").addEventListener("submit", (e) => {
   if (params.get("q")) {
     $("q").value = params.get("q");
     runSearch();
+  } else if (/^\d+$/.test(params.get("like") || "")) {
+    moreLike(Number(params.get("like")), `image ${params.get("like")}`);
   }
 })();
 
@@ -232,3 +326,76 @@ function describeProgress(body) {
     await new Promise((resolve) => setTimeout(resolve, 5000));
   }
 })();
+
+// Hovering (or focusing) a triplet of a legend lights up its region, hovering a region its triplets.
+function linkHover(container) {
+  const light = (fragment, on) => {
+    if (fragment === undefined) return;
+    container.querySelectorAll(`[data-fragment="${fragment}"]`).forEach((n) => n.classList.toggle("hot", on));
+  };
+  for (const type of ["mouseover", "focusin"]) {
+    container.addEventListener(type, (e) => {
+      const node = e.target.closest("[data-fragment]");
+      if (node) light(node.dataset.fragment, true);
+    });
+  }
+  for (const type of ["mouseout", "focusout"]) {
+    container.addEventListener(type, (e) => {
+      const node = e.target.closest("[data-fragment]");
+      if (node) light(node.dataset.fragment, false);
+    });
+  }
+}
+linkHover($("results"));
+linkHover($("annotation"));
+
+// An image dropped anywhere on the page, or pasted, is described (POST /annotate); "more like this"
+// then finds images like it (POST /search/similar with the upload).
+function imageFile(items) {
+  for (const item of items || []) {
+    const file = item instanceof File ? item : item.kind === "file" ? item.getAsFile() : null;
+    if (file && file.type.startsWith("image/")) return file;
+  }
+  return null;
+}
+
+let lastUpload = null;
+function takeUpload(file) {
+  lastUpload = file;
+  $("similar-upload").disabled = false;
+  runAnnotate(file, Number($("ak").value) || 5);
+}
+
+document.addEventListener("dragover", (e) => {
+  if ([...e.dataTransfer.types].includes("Files")) {
+    e.preventDefault();
+    document.body.classList.add("dropping");
+  }
+});
+document.addEventListener("dragleave", (e) => {
+  if (e.target === document.documentElement || e.target === document.body) document.body.classList.remove("dropping");
+});
+document.addEventListener("drop", (e) => {
+  document.body.classList.remove("dropping");
+  const file = imageFile(e.dataTransfer.files);
+  if (!file) return;
+  e.preventDefault();
+  takeUpload(file);
+});
+document.addEventListener("paste", (e) => {
+  const file = imageFile(e.clipboardData && e.clipboardData.items);
+  if (!file) return;
+  e.preventDefault();
+  takeUpload(file);
+});
+$("file").addEventListener("change", () => {
+  lastUpload = $("file").files[0] || null;
+  $("similar-upload").disabled = !lastUpload;
+});
+
+$("similar-upload").addEventListener("click", () => {
+  if (!lastUpload) return;
+  const form = new FormData();
+  form.append("file", lastUpload);
+  runSimilar(form, lastUpload.name);
+});

@@ -1,0 +1,355 @@
+"""Milvus as the candidate backend: one row per fragment in a collection, searched per query fragment.
+
+A row: `id` (the fragment id, item · 2^10 + row, the primary key), `item` (the image or sentence
+id) and `vector` (FLOAT_VECTOR, inner product). The URI chooses the server: a Milvus server or
+cluster ("http://host:19530"), or milvus-lite ("path/file.db": a gRPC server in this process,
+listening on 127.0.0.1 only; by default `milvus.db` inside the index folder). The same code runs
+against both. Candidates come from Milvus; the score stays the exact S_kl of model.score over the
+re-rank store (index.base), as with FAISS.
+
+`IndexSettings.kind` maps onto Milvus index types: flat → FLAT, hnsw → HNSW (hnsw_m, ef_construction,
+ef_search), ivf → IVF_FLAT (nlist, nprobe), ivfpq → IVF_PQ (nlist, m, nbits, nprobe; a Milvus
+server: milvus-lite has no IVF_PQ). A FAISS pre-transform has no Milvus counterpart.
+
+Image candidates are searched with `group_by_field="item"`: the k' nearest *images* per query
+fragment (each by its best fragment), where FAISS gives the k' nearest fragments. Milvus returns at
+most 16,384 results per query (`MAX_TOPK`): larger k' are cut to it, and k' = 0 (every positive
+fragment) is a range search with radius 0 capped at the same number.
+
+Crash safety: the collection sees writes before the catalogue commits them. Before the first write
+after a commit, a marker file is made in the index folder (fsynced); the commit removes it. The first
+write after a load that finds the marker (a writer died after touching Milvus, before its commit)
+deletes the rows of items the catalogue never committed and, when the count still differs from the
+committed state (an uncommitted removal) or fragments are shared, refills the collection from the
+re-rank store. A rebuild fills a new collection; the commit names it and the old one is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from index import ids as fid
+from index.candidates import BackendOptions, CandidateBackend, Sources
+from index.files import fsync_dir
+from index.types import IndexLoadError, IndexSettings
+
+logger = logging.getLogger(__name__)
+
+LITE_FILE = "milvus.db"  # the default milvus-lite folder inside an index folder
+DIRTY_MARKER = ".milvus-uncommitted"
+COLLECTION_PREFIX = "fragsearch"
+MAX_TOPK = 16_384  # Milvus's limit on results per query
+INSERT_ROWS = 4096  # rows per insert call
+ID, ITEM, VECTOR = "id", "item", "vector"
+
+_lite_lock = threading.Lock()
+_lite_users: dict[str, int] = {}  # milvus-lite folder -> open backends in this process
+
+
+def is_lite(uri: str) -> bool:
+    """A milvus-lite folder (pymilvus starts a local server for URIs ending in .db)."""
+    return uri.endswith(".db")
+
+
+def index_spec(settings: IndexSettings) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(Milvus index type, build params, search params) for `settings`; ValueError when it has no
+    Milvus counterpart."""
+    if settings.pretransform:
+        raise ValueError(f"Milvus has no pre-transform ({settings.pretransform!r}): leave it out with --backend "
+                         "milvus (use ivfpq's m for compression)")
+    if settings.kind == "flat":
+        return "FLAT", {}, {}
+    if settings.kind == "hnsw":
+        return "HNSW", {"M": settings.hnsw_m, "efConstruction": settings.ef_construction}, {"ef": settings.ef_search}
+    if settings.kind == "ivf":
+        return "IVF_FLAT", {"nlist": settings.nlist}, {"nprobe": settings.nprobe}
+    return ("IVF_PQ", {"nlist": settings.nlist, "m": settings.m, "nbits": settings.nbits},
+            {"nprobe": settings.nprobe})
+
+
+class MilvusCandidates(CandidateBackend):
+    """Fragment vectors in one Milvus collection."""
+
+    NAME = "milvus"
+
+    def __init__(self, root: Path, uri: str, stored_uri: str, prefix: str, collection: str, dim: int,
+                 settings: IndexSettings, token: str | None) -> None:
+        from pymilvus import MilvusClient
+
+        self.root = Path(root)
+        self.uri, self.stored_uri, self.prefix = uri, stored_uri, prefix
+        self.collection = collection
+        self.dim = dim
+        self.settings = settings
+        self.token = token
+        self._index_type, _, self._search_params = index_spec(settings)
+        if is_lite(uri):
+            with _lite_lock:
+                _lite_users[uri] = _lite_users.get(uri, 0) + 1
+        self.client = MilvusClient(uri=uri, token=token or "")
+        self._count = 0
+        self._marked = False
+        self._closed = False
+        self._committed = ""
+
+    # -- opening --------------------------------------------------------------------------------------
+    @staticmethod
+    def _where(root: Path, uri: str | None) -> tuple[str, str]:
+        """(URI to connect to, URI to record in the catalogue): "" records the default lite folder."""
+        if not uri:
+            return str(Path(root).resolve() / LITE_FILE), ""
+        if is_lite(uri):
+            return str(Path(uri).resolve()), str(Path(uri).resolve())
+        return uri, uri
+
+    @classmethod
+    def create(cls, root: Path, dim: int, settings: IndexSettings, options: BackendOptions,
+               kind: str) -> MilvusCandidates:
+        index_type, _, _ = index_spec(settings)
+        uri, stored = cls._where(root, options.uri)
+        if is_lite(uri) and index_type == "IVF_PQ":
+            raise ValueError("milvus-lite has no IVF_PQ index: use --kind ivf or hnsw, or a Milvus server (--uri)")
+        prefix = f"{COLLECTION_PREFIX}_{kind}_{secrets.token_hex(6)}"
+        out = cls(root, uri, stored, prefix, f"{prefix}_0", dim, settings, options.token)
+        try:
+            out._make_collection()
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    @classmethod
+    def open(cls, root: Path, dim: int, settings: IndexSettings, info: dict[str, Any],
+             options: BackendOptions | None) -> MilvusCandidates:
+        stored = str(info.get("milvus_uri", ""))
+        uri, _ = cls._where(root, (options.uri if options else None) or stored or None)
+        collection, prefix = str(info.get("milvus_collection", "")), str(info.get("milvus_prefix", ""))
+        try:
+            out = cls(root, uri, stored, prefix, collection, dim, settings, options.token if options else None)
+        except Exception as e:
+            raise IndexLoadError(f"index at {root}: cannot reach Milvus at {uri}: {e}") from e
+        try:
+            if not collection or not out.client.has_collection(collection):
+                raise IndexLoadError(f"index at {root}: Milvus at {uri} has no collection {collection!r}: "
+                                     "rebuild the index with python -m index.build --backend milvus")
+            out.client.load_collection(collection)
+            out._count = out._stored_count()
+        except BaseException:
+            out.close()
+            raise
+        out._committed = collection
+        out._marked = (out.root / DIRTY_MARKER).exists()
+        return out
+
+    def _make_collection(self) -> None:
+        from pymilvus import DataType, MilvusClient
+
+        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+        schema.add_field(ID, DataType.INT64, is_primary=True)
+        schema.add_field(ITEM, DataType.INT64)
+        schema.add_field(VECTOR, DataType.FLOAT_VECTOR, dim=self.dim)
+        index_type, build, _ = index_spec(self.settings)
+        params = self.client.prepare_index_params()
+        # build parameters as one JSON "params" entry: what Milvus servers accept and milvus-lite reads
+        # (pymilvus would otherwise send each as its own key, which milvus-lite ignores)
+        params.add_index(field_name=VECTOR, index_type=index_type, metric_type="IP", params={"params": build})
+        self.client.create_collection(self.collection, schema=schema, index_params=params,
+                                      consistency_level="Strong")
+        self.client.load_collection(self.collection)
+        self._count = 0
+
+    def _stored_count(self) -> int:
+        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])
+        return int(rows[0]["count(*)"]) if rows else 0
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return self._count
+
+    @property
+    def active_kind(self) -> str:
+        return self.settings.kind
+
+    @property
+    def trained(self) -> bool:
+        return True  # Milvus trains its index on each sealed segment itself
+
+    @property
+    def supports_remove(self) -> bool:
+        return True
+
+    def set_settings(self, settings: IndexSettings) -> None:
+        self.settings = settings
+        self._index_type, _, self._search_params = index_spec(settings)
+
+    # -- writes -----------------------------------------------------------------------------------
+    def _mark(self) -> None:
+        """Before the first change after a commit: the marker that says the collection may hold
+        uncommitted writes."""
+        if not self._marked:
+            (self.root / DIRTY_MARKER).touch()
+            fsync_dir(self.root)
+            self._marked = True
+
+    def add(self, ids: np.ndarray, vecs: np.ndarray) -> None:
+        if len(ids) == 0:
+            return
+        self._mark()
+        items = fid.decode(ids)[0]
+        vecs = np.asarray(vecs, dtype=np.float32)
+        for start in range(0, len(ids), INSERT_ROWS):
+            end = start + INSERT_ROWS
+            part = zip(ids[start:end].tolist(), items[start:end].tolist(), vecs[start:end], strict=True)
+            rows = [{ID: int(i), ITEM: int(t), VECTOR: v} for i, t, v in part]
+            self.client.upsert(self.collection, data=rows)
+        self._count += len(ids)
+
+    def remove_item(self, item: int) -> int:
+        self._mark()
+        return self._delete(f"{ITEM} == {int(item)}")
+
+    def remove_ids(self, ids: np.ndarray) -> int:
+        if not len(ids):
+            return 0
+        self._mark()
+        return self._delete(ids=[int(i) for i in ids])
+
+    def _delete(self, expr: str = "", ids: list[int] | None = None) -> int:
+        """Delete by expression or ids; the count is read back (not every server reports it reliably)."""
+        before = self._count
+        self.client.delete(self.collection, filter=expr, ids=ids)
+        self._count = self._stored_count()
+        return before - self._count
+
+    def rebuilt(self, settings: IndexSettings, sources: Sources) -> MilvusCandidates:
+        """A new collection of `settings` filled from the store (the current one stays until the commit)."""
+        out = MilvusCandidates(self.root, self.uri, self.stored_uri, self.prefix,
+                               f"{self.prefix}_{secrets.token_hex(4)}", self.dim, settings, self.token)
+        out._marked = self._marked
+        out._committed = self._committed
+        try:
+            out._make_collection()
+            out._fill(sources)
+        except BaseException:
+            out.discard()
+            raise
+        return out
+
+    def _fill(self, sources: Sources) -> None:
+        with tqdm(total=sources.total, desc=f"Milvus {self._index_type}", unit="frag",
+                  disable=sources.total < 50_000, leave=False) as bar:
+            for ids, vecs in sources.batches():
+                self.add(ids, vecs)
+                bar.update(len(ids))
+        self.client.flush(self.collection)
+
+    def reconcile(self, next_id: int, expected: int, sources: Sources) -> None:
+        """See the module docstring: rows of uncommitted items go; a count that still differs (or
+        shared fragments, whose representatives may have moved) refills the collection."""
+        if not self._marked:
+            return
+        self._delete(f"{ITEM} >= {next_id}")
+        shared = expected != sources.total  # the entries are representatives of shared vectors
+        if self._count == expected and not shared:
+            logger.info("Milvus collection %s holds the committed state", self.collection)
+            return
+        logger.warning("Milvus collection %s holds %d fragments, the committed state %d: refilling it from the "
+                       "re-rank store", self.collection, self._count, expected)
+        self.client.drop_collection(self.collection)
+        self._make_collection()
+        self._fill(sources)
+
+    # -- search -----------------------------------------------------------------------------------
+    def _search(self, queries: np.ndarray, limit: int, params: dict[str, Any],
+                group: bool = False) -> list[list[dict[str, Any]]]:
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
+        return self.client.search(self.collection, data=list(q), limit=limit, anns_field=VECTOR,
+                                  search_params={"metric_type": "IP", "params": params}, output_fields=[], **extra)
+
+    def _hits(self, queries: np.ndarray, k: int, group: bool) -> tuple[np.ndarray, np.ndarray]:
+        k = max(1, min(k, MAX_TOPK, max(1, self._count)))
+        params = dict(self._search_params)
+        if "ef" in params:
+            params["ef"] = max(int(params["ef"]), k)  # HNSW's beam must cover k
+        results = self._search(queries, k, params, group)
+        scores = np.zeros((len(queries), k), np.float32)
+        ids = np.full((len(queries), k), -1, np.int64)
+        for row, hits in enumerate(results):
+            for col, hit in enumerate(hits[:k]):
+                scores[row, col], ids[row, col] = float(hit["distance"]), int(hit["id"])
+        return scores, ids
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._hits(queries, k, group=False)
+
+    def search_items(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k nearest items per query fragment (grouped by `item`, each by its best fragment)."""
+        return self._hits(queries, k, group=True)
+
+    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self._count == 0:
+            return np.zeros(0, np.float32), np.zeros(0, np.int64)
+        params = {**self._search_params, "radius": 0.0}
+        results = self._search(queries, min(MAX_TOPK, self._count), params)
+        scores = np.asarray([float(h["distance"]) for hits in results for h in hits], np.float32)
+        ids = np.asarray([int(h["id"]) for hits in results for h in hits], np.int64)
+        keep = scores > 0
+        return scores[keep], ids[keep]
+
+    # -- persistence ------------------------------------------------------------------------------
+    def persist(self, root: Path, generation: int, created: list[Path]) -> dict[str, Any]:
+        self.client.flush(self.collection)
+        return {"backend": self.NAME, "milvus_uri": self.stored_uri, "milvus_prefix": self.prefix,
+                "milvus_collection": self.collection, "ann_file": "", "ann_sha256": "", "ann_trained": True,
+                "ann_ntotal": self._count}
+
+    def committed(self, info: dict[str, Any]) -> None:
+        self._committed = str(info["milvus_collection"])
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / DIRTY_MARKER)
+        fsync_dir(self.root)
+        self._marked = False
+
+    def keeps(self) -> set[str]:
+        return set()
+
+    def drop_unreferenced(self) -> None:
+        """Drop this index's collections that the commit does not name (a rebuild's old one, or one
+        a crashed rebuild left)."""
+        for name in self.client.list_collections():
+            if name.startswith(self.prefix + "_") and name != self._committed:
+                logger.info("dropping Milvus collection %s (no longer named by the index)", name)
+                self.client.drop_collection(name)
+
+    def discard(self) -> None:
+        """Drop this collection (a rebuild replaced it, or a rebuild failed while filling it)."""
+        if not self._closed:
+            self.client.drop_collection(self.collection)
+        self.close()
+
+    def close(self) -> None:
+        """Close the client; the last user of a milvus-lite folder in this process stops its server."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.close()
+        if is_lite(self.uri):
+            with _lite_lock:
+                left = _lite_users[self.uri] = _lite_users.get(self.uri, 1) - 1
+                if left <= 0:
+                    del _lite_users[self.uri]
+            if left <= 0:
+                from milvus_lite.server_manager import server_manager_instance
+
+                server_manager_instance.release_server(self.uri)

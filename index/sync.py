@@ -1,0 +1,245 @@
+"""Keep an image index in step with a folder of photos: one command, safe to re-run and to interrupt.
+
+    python -m index.sync ~/Pictures                      # or: ./run index ~/Pictures
+    python -m index.sync ~/Pictures --out artifacts/index/my-photos --workers 2
+
+The folder is walked recursively (hidden files and folders left out). Against the manifest kept in
+the index folder (`sync-manifest.json`: per file, relative to the folder, its size, modification
+time, content hash and image id), each run
+
+- adds new files,
+- re-extracts changed ones (size or modification time differ and the content hash too; a file
+  only touched keeps its entry),
+- follows renames and moves (a new path whose content is that of a vanished one: the features
+  come back from the content-keyed feature cache, nothing is extracted again),
+- removes images whose file is gone,
+- reports files it cannot read (listed, not fatal) and formats Pillow cannot open (HEIC, RAW: listed
+  as unsupported).
+
+Paths are stored relative to the folder, so the index still finds the photos when the folder is
+mounted elsewhere. Work is saved every `--save-every` images: an interrupted run keeps what it
+committed, and the next run adopts images the index holds but the manifest does not know yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from index.candidates import BackendOptions
+from index.images import IMAGE_SUFFIXES, ImageIndex
+from index.types import IndexSettings
+from model.atomic import atomic_file
+from model.bundle import Bundle
+from model.config import collection_index, default_artifacts_dir
+from model.dataset import feature_cache
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "sync-manifest.json"
+UNSUPPORTED_SUFFIXES = (".heic", ".heif", ".avif", ".cr2", ".cr3", ".nef", ".arw", ".dng", ".raf", ".orf", ".rw2",
+                        ".raw", ".srw", ".pef")
+SAVE_EVERY = 500
+HASH_CHUNK = 1 << 20
+
+
+@dataclass
+class Entry:
+    size: int
+    mtime_ns: int
+    sha256: str
+    image_id: int
+
+
+@dataclass
+class SyncReport:
+    """What a sync did, by file path relative to the folder."""
+
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{len(self.added)} added, {len(self.changed)} changed, {len(self.renamed)} renamed, "
+                f"{len(self.removed)} removed, {self.unchanged} unchanged, {len(self.unreadable)} unreadable, "
+                f"{len(self.unsupported)} unsupported")
+
+
+def file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(index_dir: Path) -> dict[str, Entry]:
+    path = index_dir / MANIFEST
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return {rel: Entry(**e) for rel, e in data["files"].items()}
+
+
+def write_manifest(index_dir: Path, folder: Path, files: dict[str, Entry]) -> None:
+    body = {"folder": str(folder), "files": {rel: vars(e) for rel, e in sorted(files.items())}}
+    with atomic_file(index_dir / MANIFEST) as f:
+        f.write(json.dumps(body, indent=1).encode())
+
+
+def walk(folder: Path) -> tuple[dict[str, os.stat_result], list[str]]:
+    """Indexable files (relative POSIX path -> stat) and unsupported image files under `folder`."""
+    found: dict[str, os.stat_result] = {}
+    unsupported: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            path = Path(dirpath) / name
+            rel = path.relative_to(folder).as_posix()
+            suffix = path.suffix.lower()
+            if suffix in IMAGE_SUFFIXES:
+                try:
+                    found[rel] = path.stat()
+                except OSError:  # vanished meanwhile
+                    continue
+            elif suffix in UNSUPPORTED_SUFFIXES:
+                unsupported.append(rel)
+    return found, unsupported
+
+
+def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: int = SAVE_EVERY) -> SyncReport:
+    """Bring `index` (loaded with collection_root=folder) in step with the files under `folder`."""
+    folder = Path(folder).resolve()
+    report = SyncReport()
+    manifest = {rel: e for rel, e in read_manifest(index.root).items() if index.contains(e.image_id)}
+    on_disk, report.unsupported = walk(folder)
+    # images committed by an interrupted run before its manifest was written: adopt them
+    adopt = index.find_paths([folder / rel for rel in on_disk if rel not in manifest])
+    for path, image_id in adopt.items():
+        rel = Path(path).relative_to(folder).as_posix()
+        st = on_disk[rel]
+        manifest[rel] = Entry(st.st_size, st.st_mtime_ns, file_hash(folder / rel), image_id)
+
+    vanished = {rel: e for rel, e in manifest.items() if rel not in on_disk}
+    by_hash = {e.sha256: rel for rel, e in vanished.items()}
+    to_add: list[str] = []
+    to_remove: list[int] = []
+    for rel, st in tqdm(on_disk.items(), desc="checking", unit="file", disable=len(on_disk) < 1000):
+        old = manifest.get(rel)
+        if old is not None and old.size == st.st_size and old.mtime_ns == st.st_mtime_ns:
+            report.unchanged += 1
+            continue
+        digest = file_hash(folder / rel)
+        if old is not None and old.sha256 == digest:  # touched, not changed
+            manifest[rel] = Entry(st.st_size, st.st_mtime_ns, digest, old.image_id)
+            report.unchanged += 1
+            continue
+        if old is not None:
+            report.changed.append(rel)
+            to_remove.append(old.image_id)
+            del manifest[rel]
+        elif digest in by_hash:
+            was = by_hash.pop(digest)
+            report.renamed.append((was, rel))
+        else:
+            report.added.append(rel)
+        to_add.append(rel)
+    renamed_from = {was for was, _ in report.renamed}
+    for rel, e in vanished.items():
+        if rel not in renamed_from:
+            report.removed.append(rel)
+        to_remove.append(e.image_id)
+        del manifest[rel]
+
+    for image_id in to_remove:
+        index.remove(image_id)
+    if to_remove:
+        index.save()
+        write_manifest(index.root, folder, manifest)
+    bar = tqdm(total=len(to_add), desc=f"indexing {folder.name}", unit="img", disable=not to_add)
+    failed: set[str] = set()
+    for start in range(0, len(to_add), save_every):
+        part = to_add[start : start + save_every]
+        added = index.add_paths([folder / rel for rel in part], workers=workers)
+        for path, reason in added.skipped:
+            rel = Path(path).relative_to(folder).as_posix() if Path(path).is_relative_to(folder) else path
+            report.unreadable.append((rel, reason))
+            failed.add(rel)
+        index.save()
+        ids = index.find_paths([folder / rel for rel in part])
+        for path, image_id in ids.items():
+            rel = Path(path).relative_to(folder).as_posix()
+            st = on_disk[rel]
+            manifest[rel] = Entry(st.st_size, st.st_mtime_ns, file_hash(folder / rel), image_id)
+        write_manifest(index.root, folder, manifest)
+        bar.update(len(part))
+    bar.close()
+    if failed:  # an unreadable file is not added: it is neither new nor changed in the report
+        report.added = [r for r in report.added if r not in failed]
+        report.changed = [r for r in report.changed if r not in failed]
+        report.renamed = [(a, b) for a, b in report.renamed if b not in failed]
+    write_manifest(index.root, folder, manifest)
+    logger.info("synced %s into %s: %s", folder, index.root, report.summary())
+    return report
+
+
+def open_index(out: Path, bundle: Bundle, folder: Path, cache_dir: Path, settings: IndexSettings,
+               backend: BackendOptions | None = None) -> ImageIndex:
+    """The collection's index at `out` (made when missing), reading paths against `folder`; `backend`
+    is where its candidate vectors live (FAISS in-process by default, or Milvus)."""
+    cache = feature_cache(cache_dir, bundle.image_cfg)
+    if (out / "index.sqlite").is_file():
+        return ImageIndex.load(out, bundle, cache=cache, collection_root=folder, backend=backend)
+    return ImageIndex.create(out, bundle, settings, cache=cache, collection_root=folder, backend=backend)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = default_artifacts_dir()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path, help="the folder of photos (searched recursively)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the index folder (default: artifacts/index/collection-<name>-<hash of the path>)")
+    ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt", help="the checkpoint")
+    ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature cache (keyed by image content)")
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY, help="images added between two commits")
+    ap.add_argument("--index-kind", default="flat", help="FAISS index kind of a new index (flat, hnsw, ivf, ivfpq)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.folder.is_dir():
+        logger.error("not a folder: %s", args.folder)
+        return 2
+    if not args.model.is_file():
+        logger.error("no model at %s: train one (python -m model.train) or start the service once", args.model)
+        return 2
+    folder = args.folder.resolve()
+    out = args.out or collection_index(a, folder)
+    bundle = Bundle.load(args.model)
+    index = open_index(out, bundle, folder, args.cache, IndexSettings(kind=args.index_kind))
+    try:
+        report = sync_folder(index, folder, workers=args.workers, save_every=args.save_every)
+    finally:
+        index.close()
+    for rel, reason in report.unreadable:
+        logger.warning("unreadable: %s (%s)", rel, reason)
+    for rel in report.unsupported:
+        logger.warning("unsupported format (Pillow cannot open it): %s", rel)
+    logger.info("%s -> %s: %s", folder, out, report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

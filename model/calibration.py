@@ -1,0 +1,80 @@
+"""Score calibration, the data every checkpoint load needs: each item's fragments are scaled so that
+its S_kl against a fixed reference set has unit spread.
+
+S_kl is positively homogeneous in either side's fragments (max(0, c v.s) = c max(0, v.s) for c > 0), so
+dividing image k's fragments by sigma_k and sentence l's by tau_l gives S_kl / (sigma_k tau_l): still the
+one S_kl (model.score.skl), of the calibrated fragments. sigma_k is the standard deviation of image k's
+S_kl against R reference training sentences, tau_l that of sentence l against R reference training images.
+
+Why: without it a few images score high against almost every sentence (hubs) and crowd the top of
+image search. For a fixed image, sigma_k does not change how its sentences rank, and for a fixed
+sentence tau_l does not change how its images rank: the image scale acts on search only, the
+sentence scale on annotation only, and neither changes which region a triplet aligns to. The
+reference sets are drawn from the training split and stored, embedded, in the checkpoint; the scale
+of a new image or sentence is computed from its own fragments when it is embedded. (In the
+retrieval literature: querybank normalisation, a remedy for hubness.)
+
+Fitting the references, timing them and the command line are model/calibrate.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from model.score import skl
+
+BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
+
+
+@dataclass
+class Calibration:
+    """Reference fragments, embedded by the uncalibrated model.
+
+    ref_images: (R_i, F, h); ref_sentences: (R_s, T, h) with ref_sentence_mask (R_s, T);
+    floor_image / floor_sentence: the smallest scale each side's items get.
+    """
+
+    ref_images: torch.Tensor
+    ref_sentences: torch.Tensor
+    ref_sentence_mask: torch.Tensor
+    floor_image: float = 0.0
+    floor_sentence: float = 0.0
+
+    def image_scales(self, img: torch.Tensor) -> torch.Tensor:
+        """img: (K, F, h) uncalibrated image fragments -> (K,) sigma_k."""
+        with torch.no_grad():
+            out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2], device=img.device),
+                       self.ref_sentences,
+                       self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
+                   for k in range(0, img.shape[0], BLOCK)]
+        return (torch.cat(out) if out else img.new_zeros(0)).clamp_min(self.floor_image)
+
+    def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """sent: (L, T, h) uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l."""
+        ones = torch.ones(self.ref_images.shape[:2], device=self.ref_images.device)
+        with torch.no_grad():
+            out = [skl(self.ref_images, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)
+                   for s in range(0, sent.shape[0], BLOCK)]
+        return (torch.cat(out) if out else sent.new_zeros(0)).clamp_min(self.floor_sentence)
+
+    def to(self, device: torch.device | str) -> Calibration:
+        """The same references on `device` (self when they are there already)."""
+        dev = torch.device(device)
+        if self.ref_images.device == dev:
+            return self
+        return Calibration(self.ref_images.to(dev), self.ref_sentences.to(dev), self.ref_sentence_mask.to(dev),
+                           self.floor_image, self.floor_sentence)
+
+    def to_state(self) -> dict[str, Any]:
+        """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty)."""
+        return {"ref_images": self.ref_images.half().cpu(), "ref_sentences": self.ref_sentences.half().cpu(),
+                "ref_sentence_mask": self.ref_sentence_mask.bool().cpu(), "floor_image": self.floor_image,
+                "floor_sentence": self.floor_sentence}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Calibration:
+        return cls(state["ref_images"].float(), state["ref_sentences"].float(),
+                   state["ref_sentence_mask"].float(), float(state["floor_image"]), float(state["floor_sentence"]))

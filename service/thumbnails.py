@@ -1,0 +1,42 @@
+"""Thumbnails of indexed images: a few fixed sizes, made once and kept in a cache folder.
+
+A request's size is rounded up to the next of `SIZES` (the largest when it asks for more), so the
+cache holds at most len(SIZES) files per image. A thumbnail's file name is a hash of the source's
+path, size and modification time plus the thumbnail size: an image replaced on disk gets a new
+thumbnail, and thumbnails of deleted images are never served again (their ids are never reused).
+Files are written atomically; two requests making the same thumbnail both write whole files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from PIL import Image
+
+from model.atomic import atomic_path
+from model.imageio import load_image
+
+SIZES = (64, 128, 256, 512)
+QUALITY = 85
+
+
+def snap(size: int) -> int:
+    """The thumbnail size served for a requested one: the smallest of SIZES not below it."""
+    return next((s for s in SIZES if s >= size), SIZES[-1])
+
+
+def thumbnail(source: Path, size: int, cache_dir: Path, max_pixels: int) -> Path:
+    """The cached JPEG of `source` whose longer side is `size` at most (never enlarged); made when
+    missing. Raises model.imageio.ImageReadError when the source cannot be decoded."""
+    st = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{size}".encode()).hexdigest()[:32]
+    out = cache_dir / f"{key}.jpg"
+    if out.is_file():
+        return out
+    img = load_image(source, max_pixels=max_pixels)
+    img.thumbnail((size, size), Image.Resampling.LANCZOS)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        img.save(tmp, "JPEG", quality=QUALITY)
+    return out

@@ -1,0 +1,43 @@
+"""Every command-line flag of the project's commands says what it does (--help)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+COMMANDS = ["model.train", "model.extract", "model.calibrate", "model.evaluate", "index.build", "index.sync",
+            "index.bulk", "service.__main__", "bench.index_bench", "bench.query_bench", "bench.extract_bench", "bench.load_bench",
+            "bench.soak_bench", "bench.report", "bench.channels", "bench.similar_bench", "bench.alignment",
+            "bench.bulk_bench"]
+
+
+class Captured(Exception):
+    pass
+
+
+def parser_of(module: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The parser a command's main() builds, taken when it parses (nothing else of main runs)."""
+    seen: list[argparse.ArgumentParser] = []
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        seen.append(self)
+        raise Captured
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    main: Callable[..., Any] = importlib.import_module(module).main
+    with pytest.raises(Captured):
+        main([])
+    return seen[0]
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_every_flag_has_help(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = parser_of(module, monkeypatch)
+    silent = [a.option_strings[0] if a.option_strings else a.dest for a in parser._actions
+              if not isinstance(a, argparse._HelpAction | argparse._VersionAction) and not (a.help or "").strip()]
+    assert not silent, f"{module}: flags without help: {', '.join(silent)}"

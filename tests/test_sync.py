@@ -1,0 +1,93 @@
+"""Syncing an index with a folder of photos: add, change, touch, rename, delete, unreadable and
+unsupported files, re-runs that change nothing, and an interrupted run's images adopted."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from index import ImageIndex, IndexSettings
+from index.sync import MANIFEST, main, read_manifest, sync_folder
+from tests.synthetic import make_picture
+
+if TYPE_CHECKING:
+    from tests.conftest import ShapesModel
+
+
+def picture(path: Path, seed: int) -> None:
+    import random
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make_picture(random.Random(seed))[0].save(path, "JPEG", quality=90)
+
+
+def paths_of(index: ImageIndex) -> dict[str, int]:
+    """stored (relative) path -> id of every live image."""
+    out = {}
+    for i in index.ids():
+        rec = index.get(int(i))
+        assert rec is not None
+        out[index.stored_path(rec.path)] = int(i)
+    return out
+
+
+def test_sync_follows_the_folder(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    for n, rel in enumerate(["a.jpg", "b.jpg", "trip/c.jpg", "trip/same.jpg", "home/same.jpg"]):
+        picture(photos / rel, n)
+    (photos / ".hidden.jpg").write_bytes((photos / "a.jpg").read_bytes())
+    (photos / "notes.txt").write_text("not an image")
+    cache = shapes_model.cache / "sync-features"
+    from model.dataset import feature_cache
+
+    index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(),
+                              cache=feature_cache(cache, shapes_model.bundle.image_cfg), collection_root=photos)
+    first = sync_folder(index, photos)
+    assert sorted(first.added) == ["a.jpg", "b.jpg", "home/same.jpg", "trip/c.jpg", "trip/same.jpg"]
+    assert sorted(paths_of(index)) == sorted(first.added), "stored relative to the folder, hidden files left out"
+    ids = paths_of(index)
+
+    again = sync_folder(index, photos)
+    assert (again.added, again.changed, again.removed, again.renamed, again.unchanged) == ([], [], [], [], 5)
+
+    picture(photos / "new/d.jpg", 10)                     # added
+    picture(photos / "b.jpg", 11)                         # changed content
+    stamp = (photos / "a.jpg").stat().st_mtime_ns + 5_000_000_000
+    os.utime(photos / "a.jpg", ns=(stamp, stamp))         # touched only
+    (photos / "moved").mkdir()
+    shutil.move(photos / "trip/c.jpg", photos / "moved/c2.jpg")  # renamed
+    (photos / "trip/same.jpg").unlink()                   # deleted
+    (photos / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    (photos / "phone.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    third = sync_folder(index, photos)
+    assert third.added == ["new/d.jpg"] and third.changed == ["b.jpg"]
+    assert third.renamed == [("trip/c.jpg", "moved/c2.jpg")] and third.removed == ["trip/same.jpg"]
+    assert [rel for rel, _ in third.unreadable] == ["broken.jpg"] and third.unsupported == ["phone.heic"]
+    now = paths_of(index)
+    assert sorted(now) == ["a.jpg", "b.jpg", "home/same.jpg", "moved/c2.jpg", "new/d.jpg"]
+    assert now["a.jpg"] == ids["a.jpg"] and now["home/same.jpg"] == ids["home/same.jpg"], "untouched keep their id"
+    assert now["b.jpg"] != ids["b.jpg"], "a changed file is extracted again"
+    assert set(read_manifest(index.root)) == set(now)
+
+    # an interrupted run committed images but not the manifest: the next run adopts them, adds nothing
+    (index.root / MANIFEST).unlink()
+    adopted = sync_folder(index, photos)
+    assert adopted.added == [] and adopted.unchanged == 5 and paths_of(index) == now
+    index.close()
+
+
+def test_the_command_indexes_a_folder(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    for n in range(3):
+        picture(photos / f"p{n}.jpg", 20 + n)
+    out = tmp_path / "index"
+    args = [str(photos), "--out", str(out), "--model", str(shapes_model.model_path),
+            "--cache", str(shapes_model.cache / "sync-features"), "--workers", "1"]
+    assert main(args) == 0
+    assert main(args) == 0  # a second run finds everything in place
+    index = ImageIndex.load(out, shapes_model.bundle, collection_root=photos)
+    assert len(index) == 3 and index.search("a red circle", 1)
+    index.close()
+    assert main([str(tmp_path / "missing"), "--out", str(out), "--model", str(shapes_model.model_path)]) == 2

@@ -1,0 +1,88 @@
+"""Training on the coloured-shapes set: it learns, and model selection never looks at dev."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.bundle import Bundle
+from model.config import ImageConfig, TrainConfig
+from model.dataset import SplitData, hold_out, load_split_data
+from model.encoders import build_model
+from model.evaluate import evaluate
+from model.text import make_parser
+from model.train import main as train_main
+from model.train import split_for_selection
+from tests.conftest import ShapesModel
+
+
+@pytest.fixture(scope="module")
+def shapes_train(shapes_model: ShapesModel) -> SplitData:
+    return load_split_data(shapes_model.data, "train", ImageConfig(), shapes_model.cache, make_parser("spacy"))
+
+
+def test_training_lowers_the_loss_and_beats_the_untrained_model(shapes_model: ShapesModel) -> None:
+    history = shapes_model.summary["history"]
+    assert isinstance(history, list) and len(history) == 30
+    # the loss changes definition at the switch from C_0 to MIL C_F (epoch 11): compare within each phase
+    assert history[9]["loss"] < 0.5 * history[0]["loss"]
+    assert history[-1]["loss"] < history[10]["loss"]
+    trained = shapes_model.bundle
+    torch.manual_seed(0)
+    untrained = Bundle(build_model(trained.cfg).eval(), trained.text, trained.image_cfg)
+    before, after = evaluate(untrained, shapes_model.dev), evaluate(trained, shapes_model.dev)
+    # 20 dev images: chance R-sum is about 2 * (5 + 25 + 50) = 160
+    assert after["rsum"] > before["rsum"] + 100, (before["rsum"], after["rsum"])
+    assert after["search_medr"] < before["search_medr"] and after["annot_medr"] < before["annot_medr"]
+
+
+def test_held_out_part_is_image_disjoint_and_fixed(shapes_train: SplitData) -> None:
+    rest, val = hold_out(shapes_train, 10, seed=0)
+    assert len(val.names) == 10 and len(rest.names) == 50
+    assert not set(val.names) & set(rest.names)
+    assert sorted(val.names + rest.names) == sorted(shapes_train.names)
+    for part in (rest, val):  # every image keeps all its captions, in order, with its own features
+        assert len(part.sentences) == 5 * len(part.names) == len(part.parsed) == len(part.pair_image)
+        for k, name in enumerate(part.names):
+            src = shapes_train.names.index(name)
+            own = [s for s, i in zip(shapes_train.sentences, shapes_train.pair_image, strict=True) if i == src]
+            assert [s for s, i in zip(part.sentences, part.pair_image, strict=True) if i == k] == own
+            assert np.array_equal(part.feats[k], shapes_train.feats[src])
+    assert hold_out(shapes_train, 10, seed=0)[1].names == val.names
+    assert hold_out(shapes_train, 10, seed=1)[1].names != val.names
+
+
+def test_selection_settings(shapes_train: SplitData) -> None:
+    rest, val = split_for_selection(TrainConfig(selection="val", val_images=12), shapes_train)
+    assert val is not None and (len(rest.names), len(val.names)) == (48, 12)
+    assert split_for_selection(TrainConfig(selection="last"), shapes_train) == (shapes_train, None)
+    with pytest.raises(ValueError, match="cannot hold out 30 of 60"):
+        split_for_selection(TrainConfig(val_images=30), shapes_train)
+    with pytest.raises(SystemExit):
+        train_main(["--dev-split", "dev"])  # dev never selects a model
+
+
+def test_trainer_keeps_the_best_epoch_on_held_out_training_images(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    common = ["--data", str(shapes_model.data), "--cache", str(shapes_model.cache), "--variant", "paper",
+              "--workers", "1", "--h", "16", "--batch-size", "20", "--dense-epochs", "1", "--anneal-epochs", "1",
+              "--lr", "3e-3"]
+    train_main([*common, "--out", str(tmp_path / "val"), "--epochs", "4", "--eval-every", "1", "--val-images", "10"])
+    summary = json.loads((tmp_path / "val" / "history.json").read_text())
+    assert summary["selection"]["rule"] == "val" and summary["selection"]["images"] == 10
+    assert (summary["train_images"], summary["train_sentences"]) == (50, 250)  # the 10 are not trained on
+    rsums = [h["val_rsum"] for h in summary["history"]]
+    assert len(rsums) == 4 and not any("rsum" in h for h in summary["history"])
+    kept = summary["selection"]["epoch"]
+    assert kept == 1 + int(np.argmax(rsums))  # the first of the best
+    meta = Bundle.load(tmp_path / "val" / "model.pt").meta
+    assert meta["selection"]["epoch"] == kept and meta["selection"]["val"]["rsum"] == max(rsums)
+    assert meta["selection"]["val"]["images"] == 10 and "dev" not in meta
+    # the old spelling of a fixed epoch count: every training image, the last epoch
+    train_main([*common, "--out", str(tmp_path / "last"), "--epochs", "2", "--dev-split", ""])
+    summary = json.loads((tmp_path / "last" / "history.json").read_text())
+    assert summary["selection"] == {"rule": "last", "epochs": 2, "epoch": 2} and summary["train_images"] == 60
+    assert Bundle.load(tmp_path / "last" / "model.pt").meta["selection"]["epoch"] == 2

@@ -1,0 +1,160 @@
+"""Variants as data (model/variants/*.toml): each resolves to the settings the rows of the results
+table were trained with, the files are checked, documented and listed, and serving imports no
+training code to learn what a variant is."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from model.config import ImageConfig, TextConfig, TrainConfig
+from model.train import list_variants, make_run
+from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, variant_names
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every row's settings as the trainer's dict chain gave them, written out flat (section -> field -> value).
+LR = {"text": {"sentence_fragment": True}, "image": {"min_box_frac": 0.15}, "train": {"global_top_k": 5}}
+CTX = {"text": {"sentence_fragment": True, "word_vectors": "contextual"}}
+ROI = {"model": {"h": 512, "input_dropout": 0.2}, **CTX, "image": {"min_box_frac": 0.25},
+       "train": {"global_top_k": 5, "beta": 2.0, "calibrate": 1000}}
+EXPECTED: dict[str, dict[str, dict[str, Any]]] = {
+    "paper": {},
+    "fragment+global": {"train": {"objective": "fragment+global"}},
+    "fragment": {"train": {"objective": "fragment"}},
+    "global": {"train": {"objective": "global"}},
+    "fullframe": {"image": {"full_frame_only": True}},
+    "bow": {"text": {"fragments": "bow"}},
+    "bigram": {"text": {"fragments": "bigram"}},
+    "sentence": {"text": {"sentence_fragment": True}},
+    "two-branch": {"model": {"kind": "two-branch", "h": 512}, "text": {"sentence_fragment": True},
+                   "image": {"min_box_frac": 0.25},
+                   "train": {"lr": 1e-3, "weight_decay": 1e-5, "epochs": 30, "batch_size": 128, "eval_every": 3}},
+    "large-regions": LR,
+    "large-regions+mlp": {**LR, "model": {"image_hidden": 1024}},
+    "contextual": {**LR, **CTX},
+    "contextual-r25": {**CTX, "image": {"min_box_frac": 0.25}, "train": {"global_top_k": 5}},
+    "wide": {"model": {"h": 512}, **CTX, "image": {"min_box_frac": 0.25}, "train": {"global_top_k": 5, "beta": 2.0}},
+    "dropout": {"model": {"h": 512, "input_dropout": 0.2}, **CTX, "image": {"min_box_frac": 0.25},
+                "train": {"global_top_k": 5, "beta": 2.0}},
+    "full-roi": ROI,
+    "full-crop": {**ROI, "image": {"min_box_frac": 0.25, "region_features": "crop"}},
+    "full": {**ROI, "image": {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8",
+                              "proposal_resize": 112, "backbone_size": 224}},
+}
+
+
+def test_every_variant_is_a_file_and_every_file_a_known_row() -> None:
+    assert variant_names() == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_variant_resolves_to_the_rows_settings(name: str) -> None:
+    want = EXPECTED[name]
+    model = want.get("model", {})
+    v = load_variant(name)
+    assert v.text == TextConfig(**want.get("text", {}))
+    assert v.image == ImageConfig(**want.get("image", {}))
+    assert v.train == TrainConfig(**{**want.get("train", {}), "h": model.get("h", 256)})
+    assert v.model == model and v.model_kind == model.get("kind", "fragment")
+    run = make_run(name, {})
+    assert (run.train, run.text, run.image, run.model_kind, run.model_overrides) == (
+        v.train, v.text, v.image, v.model_kind, v.model)
+
+
+def test_full_roi_and_two_branch_field_by_field() -> None:
+    defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
+                      "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "beta": 1.0,
+                      "margin": 0.05, "global_top_k": 0, "balanced": True, "h": 256, "calibrate": 0,
+                      "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,
+                      "selection": "val", "val_images": 500, "val_seed": 0, "eval_every": 2, "seed": 0,
+                      "device": "auto"}
+    defaults_text = {"parser": "spacy", "fragments": "dependency", "relation_cutoff": 0.01, "min_word_count": 1,
+                     "sentence_fragment": False, "word_vectors": "static", "unigram_prob": 0.05, "max_words": 64}
+    defaults_image = {"n_regions": 19, "region_features": "roi_align", "backbone_size": 448, "crop_size": 224,
+                      "backbone_precision": "fp32", "proposal_mode": "balanced", "proposal_resize": 224,
+                      "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False}
+    full = load_variant("full")
+    assert dataclasses.asdict(full.train) == {**defaults_train, "h": 512, "global_top_k": 5, "beta": 2.0,
+                                              "calibrate": 1000}
+    assert dataclasses.asdict(full.text) == {**defaults_text, "sentence_fragment": True,
+                                             "word_vectors": "contextual"}
+    assert dataclasses.asdict(full.image) == {**defaults_image, "region_features": "crop", "backbone_size": 224,
+                                              "backbone_precision": "int8", "proposal_resize": 112,
+                                              "min_box_frac": 0.25}
+    assert full.model == {"h": 512, "input_dropout": 0.2}
+    roi = load_variant("full-roi")
+    assert dataclasses.asdict(roi.train) == dataclasses.asdict(full.train)
+    assert dataclasses.asdict(roi.image) == {**defaults_image, "min_box_frac": 0.25}
+    tb = load_variant("two-branch")
+    assert dataclasses.asdict(tb.train) == {**defaults_train, "h": 512, "lr": 0.001, "weight_decay": 1e-5,
+                                            "epochs": 30, "batch_size": 128, "eval_every": 3}
+    assert dataclasses.asdict(tb.text) == {**defaults_text, "sentence_fragment": True}
+    assert dataclasses.asdict(tb.image) == {**defaults_image, "min_box_frac": 0.25}
+    assert tb.model == {"kind": "two-branch", "h": 512} and tb.model_kind == "two-branch"
+
+
+def test_flags_override_the_variant() -> None:
+    run = make_run("full", {"h": 128, "epochs": 3}, {"input_dropout": 0.0})
+    assert (run.train.h, run.train.epochs, run.train.beta, run.model_overrides["input_dropout"]) == (128, 3, 2.0, 0.0)
+
+
+def test_base_chain_field_by_field_and_malformed_files(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text('[train]\nbeta = 2\nepochs = 3\n[model]\nh = 64\n')
+    (tmp_path / "b.toml").write_text('base = "a"\ndescription = "b"\n[train]\nepochs = 5\n')
+    b = load_variant("b", tmp_path)
+    assert (b.train.beta, b.train.epochs, b.train.h, b.base, b.description) == (2.0, 5, 64, "a", "b")
+    assert isinstance(b.train.beta, float)
+    (tmp_path / "c.toml").write_text('base = "d"\n')
+    (tmp_path / "d.toml").write_text('base = "c"\n')
+    with pytest.raises(VariantError, match="base cycle"):
+        load_variant("c", tmp_path)
+    (tmp_path / "e.toml").write_text('base = "nope"\n')
+    with pytest.raises(VariantError, match="unknown variant 'nope' \\(the base of 'e'\\)"):
+        load_variant("e", tmp_path)
+    (tmp_path / "f.toml").write_text("[train]\nbetta = 1.0\n")
+    with pytest.raises(VariantError, match="no field 'betta'"):
+        load_variant("f", tmp_path)
+    (tmp_path / "g.toml").write_text('[train]\nepochs = "ten"\n')
+    with pytest.raises(VariantError, match="is not of type int"):
+        load_variant("g", tmp_path)
+    (tmp_path / "h.toml").write_text("[image]\nn_regions = true\n")
+    with pytest.raises(VariantError, match="is not of type int"):
+        load_variant("h", tmp_path)
+    (tmp_path / "i.toml").write_text('[optim]\nlr = 1.0\n')
+    with pytest.raises(VariantError, match="unknown keys"):
+        load_variant("i", tmp_path)
+    with pytest.raises(VariantError, match="unknown variant 'zz'"):
+        load_variant("zz", tmp_path)
+
+
+def test_every_field_is_documented() -> None:
+    """model/variants/README.md has one table row per field a variant may set, under its section."""
+    text = (VARIANTS_DIR / "README.md").read_text()
+    for section, types in FIELD_TYPES.items():
+        body = text.split(f"## `[{section}]`", 1)[1].split("\n## ", 1)[0]
+        rows = re.findall(r"^\| `(\w+)` \| (\w+) \| [^|]+ \| \S[^|]* \|$", body, flags=re.M)
+        assert {name: kind for name, kind in rows} == {k: t.__name__ for k, t in types.items()}, section
+
+
+def test_list_names_every_variant_with_its_base_and_description() -> None:
+    out = io.StringIO()
+    list_variants(out)
+    lines = out.getvalue().splitlines()
+    assert [ln.split()[0] for ln in lines[::2]] == variant_names()
+    full = lines[2 * variant_names().index("full")]
+    assert "= full-crop + image.backbone_precision=int8" in full
+    assert load_variant("full").description in lines[2 * variant_names().index("full") + 1]
+
+
+def test_serving_does_not_import_the_trainer() -> None:
+    code = ("import sys, service.app, service.prepare, bench.report; "
+            "sys.exit(1 if 'model.train' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
