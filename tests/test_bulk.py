@@ -168,8 +168,8 @@ def test_shards_load_into_an_index_through_its_add_api_and_resume(tmp_path: Path
     rec = index.get(hit)
     assert rec is not None and (rec.width, rec.height) == (200, 100) and rec.name == "blue.png"
     direct = index.add_image(Image.open(blue).convert("RGB"), "blue-direct", tmp_path / "direct.png")
-    got = index.store.rows(int(index._seg[hit]), int(index._off[hit]), F)
-    want = index.store.rows(int(index._seg[direct]), int(index._off[direct]), F)
+    got = index.store.rows(int(index.items.seg[hit]), int(index.items.off[hit]), F)
+    want = index.store.rows(int(index.items.seg[direct]), int(index.items.off[direct]), F)
     np.testing.assert_allclose(got, want, atol=2e-2)  # shards keep features in float16, as the cache does
     index.remove(direct)
     index.save()
