@@ -38,9 +38,17 @@ logger = logging.getLogger(__name__)
 COLUMNS = ["model", "annot_r1", "annot_r5", "annot_r10", "annot_medr",
            "search_r1", "search_r5", "search_r10", "search_medr", "selection", "command"]
 METRICS = COLUMNS[1:9]
-ORDER = ["full", "full-crop", "full-roi", "paper", "fragment+global", "fragment", "global", "fullframe", "bow",
-         "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide", "dropout",
-         "two-branch"]
+# the published numbers the rows are compared with (Karpathy et al. 2014, Table 2): references, not measurements
+PAPER_COMMAND = "published: Karpathy et al. 2014, Table 2 (Flickr8K test split, full-size images)"
+PAPER_ROWS = {
+    "full (paper)": (12.6, 32.9, 44.0, 14.0, 9.7, 29.6, 42.5, 15.0),
+    "sdt-rnn (paper)": (6.0, 22.7, 34.0, 23.0, 6.6, 21.6, 31.7, 25.0),
+    "devise (paper)": (4.8, 16.5, 27.3, 28.0, 5.9, 20.1, 29.6, 29.0),
+}
+ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+global", "fragment", "global", "fullframe",
+         "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide",
+         "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
+         "devise", "devise (paper)", "devise-bidirectional", "devise-contextual"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         names = [n for n in names if n in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path, json_path = args.out / f"flickr8k-{args.split}.csv", args.out / f"flickr8k-{args.split}.json"
-    rows: list[dict[str, Any]] = list(kept_rows(csv_path, args.merge, names))
+    rows: list[dict[str, Any]] = list(kept_rows(csv_path, args.merge, [*names, *PAPER_ROWS]))
     old = json.loads(json_path.read_text()) if rows and json_path.is_file() else {}
     details: dict[str, Any] = {r["model"]: old[r["model"]] for r in rows if r["model"] in old}
     curves: dict[str, tuple[list[float], list[float]]] = {
@@ -117,12 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     def order(name: str) -> tuple[int, str]:
         return (ORDER.index(name) if name in ORDER else len(ORDER), name)
 
+    rows += [{"model": name, **dict(zip(METRICS, values, strict=True)), "selection": "published",
+              "command": PAPER_COMMAND}
+             for name, values in PAPER_ROWS.items()]
     rows.sort(key=lambda r: order(r["model"]))
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    json_path.write_text(json.dumps({n: details[n] for n in sorted(details, key=order)}, indent=2))
+    json_path.write_text(json.dumps({n: details[n] for n in sorted(details, key=order) if n not in PAPER_ROWS},
+                                    indent=2))
     curves = {n: curves[n] for n in sorted(curves, key=order)}
     histories = {n: histories[n] for n in sorted(histories, key=order)}
 

@@ -18,9 +18,11 @@ lane() {
       > "artifacts/logs/train-$v.log" 2>&1 || echo "training $v failed: see artifacts/logs/train-$v.log" >&2
   done
 }
-lane full paper fragment fullframe bigram sentence contextual-r25 wide full-crop &
-lane two-branch fragment+global global bow large-regions contextual dropout full-roi &
+lane full paper fragment fullframe bigram sentence contextual-r25 wide full-crop sdt-rnn dt-rnn devise devise-bidirectional &
+lane two-branch fragment+global global bow large-regions contextual dropout full-roi sdt-rnn-contextual \
+  devise-contextual dt-rnn-contextual &
 wait
 "$PY" -m bench.report --only full full-crop full-roi paper fragment+global fragment global fullframe bow bigram sentence \
-  large-regions contextual contextual-r25 wide dropout two-branch
+  large-regions contextual contextual-r25 wide dropout two-branch dt-rnn sdt-rnn dt-rnn-contextual sdt-rnn-contextual \
+  devise devise-bidirectional devise-contextual
 "$PY" -m bench.channels --only full full-crop full-roi dropout wide contextual-r25 contextual large-regions sentence paper

@@ -24,10 +24,11 @@ from model.atomic import atomic_file
 from model.calibration import Calibration
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
-from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
+from model.encoders import DeViSE, FragmentModel, GlobalModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.score import skl
 from model.text import RelationVocab
+from model.trees import TreeBatch
 from model.words import WordTable
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Bundle:
 
     _calibration: Calibration | None
 
-    def __init__(self, model: FragmentModel | TwoBranch, text: TextPipeline, image_cfg: ImageConfig,
+    def __init__(self, model: FragmentModel | GlobalModel, text: TextPipeline, image_cfg: ImageConfig,
                  meta: dict[str, Any] | None = None, calibration: Calibration | None = None) -> None:
         self.model = model
         self.text = text
@@ -74,17 +75,23 @@ class Bundle:
     def dim(self) -> int:
         return self.model.cfg.h
 
+    @property
+    def is_global(self) -> bool:
+        """One vector per image and per sentence (two-branch, DT-RNN, SDT-RNN, DeViSE): the fragment
+        model's special case of one fragment per side, the whole image and the whole sentence."""
+        return not isinstance(self.model, FragmentModel)
+
     def embed_images(self, feats: np.ndarray | torch.Tensor, calibrated: bool = True) -> torch.Tensor:
         """feats: (K, F, img_dim) cached region features -> image fragments (K, F', h).
 
-        F' = 1 for a full-frame model and for the two-branch model (its one global vector).
+        F' = 1 for a full-frame model and for the global models (their one whole-image vector).
         A calibrated model divides each image's fragments by its scale sigma_k (model/calibration.py).
         """
         x = torch.as_tensor(feats, dtype=torch.float32)
-        if self.image_cfg.full_frame_only or isinstance(self.model, TwoBranch):
+        if self.image_cfg.full_frame_only or self.is_global:
             x = x[:, :1]
         x = x.to(self.device)
-        if isinstance(self.model, TwoBranch):
+        if not isinstance(self.model, FragmentModel):
             return self.model.embed_images(x[:, 0])[:, None, :].cpu()
         img = self.model.embed_images(x)
         if calibrated and self.calibration is not None:
@@ -94,7 +101,15 @@ class Bundle:
     def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None, calibrated: bool = True
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sentence fragments (L, T, h) and their mask (L, T) for encoded sentences (each sentence's
-        fragments divided by its scale tau_l in a calibrated model)."""
+        fragments divided by its scale tau_l in a calibrated model). A global model gives (L, 1, h)."""
+        if isinstance(self.model, TreeRNN | DeViSE):
+            if enc.trees is None:
+                raise ValueError("a tree or word-mean model needs sentences encoded with their trees")
+            trees = enc.trees if idx is None else [enc.trees[i] for i in idx]
+            batch = TreeBatch.of(trees)
+            pool, rows, _ = self.text.pool_of(enc, batch.rows.clamp_min(0), batch.rows[:0])
+            vecs = self.model.embed_sentences(pool.to(self.device), batch.with_rows(rows).to(self.device))
+            return vecs[:, None, :].cpu(), torch.ones(len(trees), 1)
         rel, a, b, mask = pad(enc, idx)
         pool, a, b = self.text.pool_of(enc, a, b)
         rel, a, b, mask, pool = (t.to(self.device) for t in (rel, a, b, mask, pool))
@@ -112,13 +127,12 @@ class Bundle:
 
     def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
                chunk: int | None = None) -> torch.Tensor:
-        """(K, L) image–sentence scores: S_kl for fragment models, the inner product for two-branch.
+        """(K, L) image–sentence scores S_kl (model/score.py); for a global model, one fragment per side,
+        S_kl = max(0, v . s) / (1 + n): its inner product wherever that is positive.
 
         Computed on the model's device, returned on the CPU."""
         dev = self.device
         img, img_mask, sent, sent_mask = (t.to(dev) for t in (img, img_mask, sent, sent_mask))
-        if isinstance(self.model, TwoBranch):
-            return (img[:, 0] @ sent[:, 0].T).cpu()
         return skl(img, img_mask, sent, sent_mask, chunk=chunk).cpu()
 
     # -- persistence -------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class TextConfig:
     """How sentences become fragments."""
 
     parser: str = "spacy"  # "spacy" or "stanza"
-    fragments: str = "dependency"  # "dependency", "bow" or "bigram"
+    fragments: str = "dependency"  # "dependency", "bow", "bigram" or "tree" (the parse tree, for tree RNNs)
     relation_cutoff: float = 0.01  # relation types under this share of training relations are dropped
     min_word_count: int = 1  # training-vocabulary words seen fewer times are dropped
     sentence_fragment: bool = False  # add a whole-sentence fragment beside the triplets
@@ -128,6 +128,7 @@ class TrainConfig:
     beta: float = 1.0  # weight of the global ranking objective
     margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
+    rank_images: bool = True  # DT-RNN / DeViSE: the ranking loss also ranks images for a sentence (False: DeViSE's)
     balanced: bool = True  # average positive and negative fragment hinges separately
     h: int = 256  # embedding size (paper: ~1000)
     calibrate: int = 0  # fragment models: reference images and sentences for score calibration (0 = none)

@@ -1,4 +1,5 @@
-"""The two fragment encoders of Deep Fragment Embeddings, and the two-branch global baseline.
+"""The two fragment encoders of Deep Fragment Embeddings, and the global baselines: the two-branch
+embedding, the DT-RNN / SDT-RNN and DeViSE.
 
 - image fragment:    v = W_m . cnn + b_m
 - sentence fragment: s = ReLU(W_R [We w1 ; We w2] + b_R), one (W_R, b_R) per kept relation,
@@ -9,6 +10,16 @@ Options beyond the paper (each off by default): a hidden layer for every image f
 sentence (`global_hidden`: their encoders become the two-branch model's MLP branches while the
 regions and triplets keep the paper's encoders); dropout on the frozen inputs while training
 (`input_dropout`). None of them changes how fragments are scored.
+
+The global models embed one vector per image and per sentence: a fragment model's special case of
+one fragment per side (model/bundle.py scores them with the same S_kl).
+
+- DT-RNN / SDT-RNN (SPEC.md §2, Socher et al. Eq. 4): h_i = tanh((W_v x_i + sum_j l(j) W_pos(i,j) h_j) / l(i))
+  over the dependency tree (model/trees.py), one W per relative child position (l1, l2, ..., r1, ...;
+  identity past the positions seen in training, as the paper does) or, for the SDT-RNN, per relation;
+  the sentence vector is the root's; v = W_I z for the whole-image CNN vector z. No biases (the paper has none).
+- DeViSE: v = M z into the word-vector space; a sentence is the mean of its words' fixed vectors,
+  L2-normalised; nothing on the text side is trained.
 """
 
 from __future__ import annotations
@@ -19,12 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.trees import TreeBatch
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes of a model; saved with its weights."""
 
-    kind: str = "fragment"  # "fragment" or "two-branch"
+    kind: str = "fragment"  # "fragment", "two-branch", "dt-rnn", "sdt-rnn" or "devise"
     img_dim: int = 1280
     word_dim: int = 384
     h: int = 1000  # embedding size (paper: ~1000)
@@ -35,6 +48,8 @@ class ModelConfig:
     global_hidden: int = 0  # fragment model: >0 = the whole-image and whole-sentence fragments get one hidden layer
     sentence_relation: int = -1  # relation id of the whole-sentence fragment (-1: the model has none)
     input_dropout: float = 0.0  # fragment model: dropout on CNN features and word vectors while training
+    tree_left: int = 0  # DT-RNN: left-child position matrices (the most left children a training node has)
+    tree_right: int = 0  # DT-RNN: right-child position matrices
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -128,9 +143,92 @@ class TwoBranch(nn.Module):
         return F.normalize(self.text(vecs), dim=-1)
 
 
-def build_model(cfg: ModelConfig) -> FragmentModel | TwoBranch:
+class TreeRNN(nn.Module):
+    """DT-RNN (kind "dt-rnn": a matrix per child position) or SDT-RNN ("sdt-rnn": per relation)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.semantic = cfg.kind == "sdt-rnn"
+        n_mats = cfg.n_relations if self.semantic else cfg.tree_left + cfg.tree_right
+        self.image = nn.Linear(cfg.img_dim, cfg.h, bias=False)  # W_I
+        self.word = nn.Linear(cfg.word_dim, cfg.h, bias=False)  # W_v
+        self.child = nn.Parameter(torch.randn(max(n_mats, 1), cfg.h, cfg.h) * cfg.h**-0.5)  # W_pos / W_rel, (M, h, h)
+
+    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: (K, img_dim) whole-image features -> (K, h)."""
+        return self.image(feats)
+
+    def matrix_ids(self, rel: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The child matrix of each edge (E,): its relation (SDT-RNN) or its position: l1..l_L are
+        0..L-1, r1..r_R are L..L+R-1; -1 (identity) for a position past those."""
+        if self.semantic:
+            return rel
+        left, right = self.cfg.tree_left, self.cfg.tree_right
+        ids = torch.where(pos < 0, -pos - 1, left + pos - 1)
+        beyond = ((pos < 0) & (-pos > left)) | ((pos > 0) & (pos > right))
+        return torch.where(beyond, -1, ids)
+
+    def _messages(self, h: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+        """W_m h for each row of h (E, h) with its matrix id (E,), grouped by matrix."""
+        order = torch.argsort(mats, stable=True)
+        ids, counts = torch.unique_consecutive(mats[order], return_counts=True)
+        parts = [x if m < 0 else x @ self.child[m].T
+                 for m, x in zip(ids.tolist(), torch.split(h[order], counts.tolist()), strict=True)]
+        out = torch.cat(parts) if parts else h
+        return out[torch.argsort(order)]
+
+    def embed_sentences(self, pool: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
+        """Sentence vectors (L, h): the root of each tree, nodes computed height by height
+        (pool: (P, word_dim) fixed word vectors that batch.rows point into). An empty sentence is 0."""
+        has = (batch.rows >= 0).unsqueeze(1).to(pool.dtype)
+        wx = self.word(pool[batch.rows.clamp_min(0)] * has)  # (N, h)
+        hid = wx.new_zeros(wx.shape)
+        for level in batch.levels:
+            acc = wx[level.nodes]
+            if len(level.child):
+                msg = self._messages(hid[level.child] * batch.size[level.child, None],
+                                     self.matrix_ids(level.rel, level.pos))
+                acc = acc.index_add(0, level.parent, msg)
+            hid = hid.index_copy(0, level.nodes, torch.tanh(acc / batch.size[level.nodes, None]))
+        hid = torch.cat([hid, hid.new_zeros(1, hid.shape[1])])  # row N: the vector of an empty sentence
+        return hid[torch.where(batch.root >= 0, batch.root, len(hid) - 1)]
+
+
+class DeViSE(nn.Module):
+    """DeViSE: the image mapped linearly into the word-vector space; a sentence = its mean word vector."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.h != cfg.word_dim:
+            raise ValueError(f"DeViSE embeds in the word-vector space: h = {cfg.h} must be word_dim = {cfg.word_dim}")
+        self.cfg = cfg
+        self.image = nn.Linear(cfg.img_dim, cfg.word_dim, bias=False)  # M
+
+    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats: (K, img_dim) whole-image features -> (K, word_dim)."""
+        return self.image(feats)
+
+    def embed_sentences(self, pool: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
+        """(L, word_dim): the L2-normalised mean of each sentence's word vectors (words without one are
+        left out; a sentence with none is 0)."""
+        has = batch.rows >= 0
+        x = pool[batch.rows[has]]
+        total = x.new_zeros(batch.n_sentences, x.shape[1]).index_add(0, batch.sent_of[has], x)
+        return F.normalize(total, dim=-1)
+
+
+GlobalModel = TwoBranch | TreeRNN | DeViSE
+GLOBAL_KINDS = ("two-branch", "dt-rnn", "sdt-rnn", "devise")
+
+
+def build_model(cfg: ModelConfig) -> FragmentModel | GlobalModel:
     if cfg.kind == "fragment":
         return FragmentModel(cfg)
     if cfg.kind == "two-branch":
         return TwoBranch(cfg)
-    raise ValueError(f"unknown model kind {cfg.kind!r}: expected 'fragment' or 'two-branch'")
+    if cfg.kind in ("dt-rnn", "sdt-rnn"):
+        return TreeRNN(cfg)
+    if cfg.kind == "devise":
+        return DeViSE(cfg)
+    raise ValueError(f"unknown model kind {cfg.kind!r}: 'fragment' or one of {', '.join(GLOBAL_KINDS)}")

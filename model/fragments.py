@@ -21,6 +21,7 @@ from spacy.lang.en.stop_words import STOP_WORDS
 from model.atomic import atomic_file
 from model.config import TextConfig
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, make_parser, sentence_triplets
+from model.trees import SentenceTree
 from model.words import WordTable, encode_sentences, encode_words_in_context
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 CACHE_LIMIT = 200_000  # sentences whose frozen vectors a pipeline keeps in memory
 WORD_REL = "<word>"  # fallback: a sentence with no usable triplet becomes its known words, (w, w) each
 SENTENCE_REL = "<sentence>"  # the whole-sentence fragment, mirror of the whole-image fragment
+OTHER_REL = "<other>"  # tree encoders: the relations under the cut-off share one matrix
+PARSE_FORMAT = "tree-1"  # parse cache entries hold the tree (ParsedSentence.heads, labels)
 
 
 class NoFragmentsError(ValueError):
@@ -40,6 +43,8 @@ class EncodedSentences:
 
     rel[l], a[l], b[l]: (T_l,) int64 — relation id and pool rows of w1 and w2.
     extra: (E, d) float32 pool rows that follow the word table.
+    trees: with fragments "tree" (the global sentence encoders), each sentence's dependency tree over
+    the same pool; its one fragment is then the whole sentence (a, b unused).
     """
 
     triplets: list[list[Triplet]]
@@ -47,6 +52,7 @@ class EncodedSentences:
     a: list[np.ndarray]
     b: list[np.ndarray]
     extra: np.ndarray = field(default_factory=lambda: np.zeros((0, 384), np.float32))
+    trees: list[SentenceTree] | None = None
 
     def __len__(self) -> int:
         return len(self.triplets)
@@ -108,9 +114,11 @@ class TextPipeline:
     @staticmethod
     def relation_names(cfg: TextConfig, kept: Sequence[str]) -> list[str]:
         """Relation ids of a model: the kept relations, then the fallback and sentence types."""
-        names = [r for r in kept if r not in (WORD_REL, SENTENCE_REL)] + [WORD_REL]
-        if cfg.sentence_fragment:
+        names = [r for r in kept if r not in (WORD_REL, SENTENCE_REL, OTHER_REL)] + [WORD_REL]
+        if cfg.sentence_fragment or cfg.fragments == "tree":
             names.append(SENTENCE_REL)
+        if cfg.fragments == "tree":
+            names.append(OTHER_REL)
         return names
 
     @classmethod
@@ -201,9 +209,12 @@ class TextPipeline:
                                lambda keys: encode_words_in_context([list(k) for k in keys], device=self.device))
         sent_vecs = (np.stack(self._cached(self._sentence_vecs, list(sentences), lambda keys: list(
             encode_sentences(keys, device=self.device)))) if self.cfg.sentence_fragment and len(sentences) else None)
-        enc = EncodedSentences([], [], [], [])
+        tree_mode = self.cfg.fragments == "tree"
+        enc = EncodedSentences([], [], [], [], trees=[] if tree_mode else None)
         for li, p in enumerate(parsed):
-            trip = self.kept_triplets(p, unigram)
+            if tree_mode:
+                self._append_tree(enc, p, sentences[li], base + n_extra if contextual else None)
+            trip = [] if tree_mode else self.kept_triplets(p, unigram)
             row_of: dict[str, int] = {}
             if contextual and p.tokens:
                 extra.append(ctx[li].astype(np.float32))
@@ -229,16 +240,33 @@ class TextPipeline:
                 a.append(base + n_extra)
                 b.append(base + n_extra)
                 n_extra += 1
-            if strict and (not trip or not self.content_words(p.tokens)):
+            if strict and ((not trip and not tree_mode) or not self.content_words(p.tokens)):
                 raise NoFragmentsError(
                     f"nothing to match in {sentences[li]!r}: none of its words is a content word of the "
                     f"model's training vocabulary")
+            if tree_mode:  # one fragment, the whole sentence, composed from enc.trees[li]
+                text = " ".join(p.tokens) or sentences[li].strip().lower()
+                trip, rel, a, b = [Triplet(SENTENCE_REL, text, text)], [self.relations.index(SENTENCE_REL)], [0], [0]
             enc.triplets.append(trip)
             enc.rel.append(np.array(rel, dtype=np.int64))
             enc.a.append(np.array(a, dtype=np.int64))
             enc.b.append(np.array(b, dtype=np.int64))
         enc.extra = np.concatenate(extra) if extra else np.zeros((0, self.words.dim), np.float32)
         return enc
+
+    def _append_tree(self, enc: EncodedSentences, p: ParsedSentence, sentence: str, first_row: int | None) -> None:
+        """The sentence's tree: token i reads pool row first_row + i (contextual vectors) or its word
+        table row (static; -1 for a word outside the table)."""
+        if len(p.heads) != len(p.tokens):
+            raise ValueError(f"the parse of {sentence!r} has no dependency tree (a parse cache from before trees?)")
+        if first_row is not None:
+            rows = [first_row + i for i in range(len(p.tokens))]
+        else:
+            rows = [-1 if (r := self.words.lookup(w)) is None else r for w in p.tokens]
+        other = self.relations.index(OTHER_REL)
+        assert enc.trees is not None and other is not None
+        rels = [other if (r := self.relations.index(lab)) is None else r for lab in p.labels]
+        enc.trees.append(SentenceTree.build(rows, p.heads, rels, root_rel=other))
 
     def encode(self, sentences: Sequence[str], strict: bool = True) -> EncodedSentences:
         """Parse and encode query sentences (`strict`: NoFragmentsError for one with nothing to match)."""
@@ -261,7 +289,7 @@ class TextPipeline:
 
 def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:
     """Parses of a sentence list, stored once under cache_dir (keyed by parser and text)."""
-    digest = hashlib.sha1(("\n".join(sentences) + parser.name).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(("\n".join(sentences) + parser.name + PARSE_FORMAT).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"parses-{parser.name}-{digest}.json"
     if path.is_file():
         return [ParsedSentence.from_dict(d) for d in json.loads(path.read_text())]

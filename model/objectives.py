@@ -52,7 +52,7 @@ def fragment_loss(flat: FlatFragments, pos: torch.Tensor, mil: bool, balanced: b
 
 
 def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, margin: float,
-                top_k: int = 0) -> torch.Tensor:
+                top_k: int = 0, rank_images: bool = True) -> torch.Tensor:
     """Global ranking objective C_G on a batch score matrix.
 
     s: (K, L) S_kl; pos: (K, L) correspondence; pair_image: (L,) index of sentence l's image.
@@ -60,6 +60,9 @@ def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, ma
     and over sentences l' not of k of max(0, S_kl' - S_kl + margin) (rank sentences). Mean over pairs.
     With `top_k` > 0 only the k most violating negatives of each pair count in each direction
     (top_k = 1: the hardest negative only); 0 sums over all of them, as in the paper.
+    The same form over inner products is the DT-RNN's bidirectional ranking loss (Socher et al. Eq. 5);
+    with `rank_images` False only the sentences are ranked for each image: DeViSE's hinge rank loss
+    (the image the query, its sentences the labels).
     """
     n_sent = s.shape[1]
     true = s[pair_image, torch.arange(n_sent)]  # (L,)
@@ -67,11 +70,11 @@ def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, ma
     rows = s[pair_image]  # (L, L'): S_{k(l), l'}
     viol_sents = F.relu(rows - true[:, None] + margin).masked_fill(pos[pair_image], 0)  # (L, L')
     if top_k > 0:
-        rank_images = viol_images.topk(min(top_k, viol_images.shape[0]), dim=0).values.sum(0)
+        ranked_images = viol_images.topk(min(top_k, viol_images.shape[0]), dim=0).values.sum(0)
         rank_sents = viol_sents.topk(min(top_k, viol_sents.shape[1]), dim=1).values.sum(1)
     else:
-        rank_images, rank_sents = viol_images.sum(0), viol_sents.sum(1)
-    return (rank_images + rank_sents).mean()
+        ranked_images, rank_sents = viol_images.sum(0), viol_sents.sum(1)
+    return (rank_sents + ranked_images).mean() if rank_images else rank_sents.mean()
 
 
 def two_branch_loss(img: torch.Tensor, txt: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor,

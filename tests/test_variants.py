@@ -49,6 +49,22 @@ EXPECTED: dict[str, dict[str, dict[str, Any]]] = {
     "full": {**ROI, "image": {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8",
                               "proposal_resize": 112, "backbone_size": 224}},
 }
+# the global baselines over the served model's whole-image feature
+CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
+        "backbone_size": 224}
+RNN = {"model": {"kind": "dt-rnn", "h": 256}, "text": {"fragments": "tree"}, "image": CROP, "train": {"margin": 1.0}}
+DEVISE = {"model": {"kind": "devise", "h": 384}, "text": {"fragments": "tree"}, "image": CROP,
+          "train": {"margin": 0.1, "rank_images": False}}
+EXPECTED |= {
+    "dt-rnn": RNN,
+    "sdt-rnn": {**RNN, "model": {"kind": "sdt-rnn", "h": 256}},
+    "devise": DEVISE,
+    "devise-bidirectional": {**DEVISE, "train": {"margin": 0.1}},
+    "dt-rnn-contextual": {**RNN, "text": {"fragments": "tree", "word_vectors": "contextual"}},
+    "sdt-rnn-contextual": {**RNN, "model": {"kind": "sdt-rnn", "h": 256},
+                           "text": {"fragments": "tree", "word_vectors": "contextual"}},
+    "devise-contextual": {**DEVISE, "text": {"fragments": "tree", "word_vectors": "contextual"}},
+}
 
 
 def test_every_variant_is_a_file_and_every_file_a_known_row() -> None:
@@ -72,7 +88,8 @@ def test_variant_resolves_to_the_rows_settings(name: str) -> None:
 def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
                       "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "beta": 1.0,
-                      "margin": 0.05, "global_top_k": 0, "balanced": True, "h": 256, "calibrate": 0,
+                      "margin": 0.05, "global_top_k": 0, "rank_images": True, "balanced": True, "h": 256,
+                      "calibrate": 0,
                       "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,
                       "selection": "val", "val_images": 500, "val_seed": 0, "eval_every": 2, "seed": 0,
                       "device": "auto"}
