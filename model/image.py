@@ -75,12 +75,21 @@ class RegionExtractor:
         """Images → one ImageFragments each, F = cfg.n_fragments rows."""
         if not images:
             return []
-        rgb = [img if img.mode == "RGB" else img.convert("RGB") for img in images]
+        rgb = [_rgb(img) for img in images]
+        return self.extract_proposed(rgb, [image_proposals(img, self.cfg) for img in rgb])
+
+    @torch.inference_mode()
+    def extract_proposed(self, images: Sequence[Image.Image], proposals: Sequence[np.ndarray]) -> list[ImageFragments]:
+        """Images with their proposals (``image_proposals``: (P_k, 4) each) → one ImageFragments each.
+
+        The backbone half of ``extract_batch``: a pipeline that computes the proposals in other
+        processes (a CPU stage) gets the same fragments."""
+        if not images:
+            return []
+        rgb = [_rgb(img) for img in images]
         cfg = self.cfg
         if cfg.full_frame_only:
             return self._full_frame(rgb)
-        arrays = [np.asarray(img) for img in rgb]
-        proposals = [propose_boxes(a, cfg) for a in arrays]
         maps = self._maps(rgb, cfg.backbone_size)  # (B, 1280, h, w)
         side = cfg.backbone_size
         out: list[ImageFragments] = []
@@ -147,6 +156,18 @@ class RegionExtractor:
             out.append(ImageFragments(bx, pooled[start : start + len(bx)], img.size[0], img.size[1]))
             start += len(bx)
         return out
+
+
+def image_proposals(image: Image.Image, cfg: ImageConfig) -> np.ndarray:
+    """The selective-search proposals of one image (P, 4) float32, in its pixels: the CPU half of
+    ``RegionExtractor.extract_batch`` (none with ``cfg.full_frame_only``)."""
+    if cfg.full_frame_only:
+        return np.zeros((0, 4), np.float32)
+    return propose_boxes(np.asarray(_rgb(image)), cfg)
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def region_crops(image: Image.Image, boxes: np.ndarray, size: int) -> torch.Tensor:

@@ -1,0 +1,345 @@
+"""Bulk image extraction into fragment shards (``index/shards.py``), then optionally into an index.
+
+    python -m index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --workers 2
+    python -m index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --address HEAD:6379
+    python -m index.bulk --images DIR --shards artifacts/bulk/photos --engine local --workers 2
+    python -m index.bulk --shards artifacts/bulk/photos --index artifacts/index/photos   (load only)
+
+Two engines, one result:
+
+* ``local`` — the feature cache's ExtractionPool (``model/cache.py``): worker processes on this machine,
+  each running the whole RegionExtractor; the entries land in the feature cache, then in shards.
+* ``ray`` — Ray Data: the selective-search proposals as a CPU stage (``map_batches`` tasks), the
+  backbone half of the same RegionExtractor (``extract_proposed``) as a stage on an actor pool
+  (``--workers`` actors; one GPU each where the cluster has GPUs, else one CPU each). Without
+  ``--address`` Ray starts on this machine with one logical CPU more than the actors hold, so the
+  proposal stage always has one (a dataset whose actors hold every CPU can hang); with ``--address``
+  it joins that cluster, whose workers must see the image files and this code at the same paths.
+
+Resumable: images already in the shards are skipped, images already in the feature cache (``--cache``)
+are copied from it, and shards are written atomically as they fill (an interrupted run loses at most
+one unfinished shard). Image settings are the model's (``--model``) unless region flags are given;
+a shard folder holds one set of settings (its manifest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from index.images import ImageIndex, list_images
+from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shards, shard_settings, shard_summary
+from index.types import IndexSettings
+from model.backbone import onnx_graph, set_torch_threads
+from model.bundle import Bundle
+from model.cache import FeatureCache, content_key
+from model.config import ImageConfig, add_region_flags, default_artifacts_dir, with_region_flags
+from model.dataset import feature_cache
+from model.image import ImageFragments, RegionExtractor, image_proposals
+from model.imageio import ImageReadError, load_image
+from model.onnx import graph_dir
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("local", "ray")
+DEFAULT_BATCH = 8  # images per task / per actor call
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROPOSAL_TASK_MEMORY = 640 * 2**20  # bytes reserved by a proposal task: its worker (torch, OpenCV) peaked at ~500 MB
+RAY_ENV = ("FRAGSEARCH_ARTIFACTS", "FRAGSEARCH_DATA")  # settings the Ray workers must share with the driver
+
+
+@dataclass
+class BulkReport:
+    """What one bulk run did: images extracted by the engine, copied from the feature cache, found in
+    the shards already, skipped (unreadable), and the engine's wall-clock seconds."""
+
+    extracted: int = 0
+    from_cache: int = 0
+    present: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.extracted / self.seconds if self.seconds > 0 else 0.0
+
+
+# -- the Ray stages (module level: Ray pickles them by reference) -------------------------------------
+
+
+def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, np.ndarray]:
+    """CPU stage: image files → their bytes, content keys and proposals (flattened float32 bytes).
+
+    An unreadable file gets its reason in ``error`` and passes through, so the driver records it."""
+    set_torch_threads(1)
+    keys, datas, props, errors = [], [], [], []
+    for p in batch["path"]:
+        path = str(p)
+        data, key, boxes, error = b"", "", np.zeros((0, 4), np.float32), ""
+        try:
+            data = Path(path).read_bytes()
+            key = content_key(data)
+            boxes = image_proposals(load_image(data, name=path), cfg)
+        except OSError as e:
+            error = f"{path}: cannot open ({e.strerror or e})"
+        except ImageReadError as e:
+            error = str(e)
+        keys.append(key)
+        datas.append(data)
+        props.append(np.ascontiguousarray(boxes, dtype=np.float32).tobytes())
+        errors.append(error)
+    return {"path": np.asarray([str(p) for p in batch["path"]], dtype=object), "key": np.asarray(keys, dtype=object),
+            "data": np.asarray(datas, dtype=object), "proposals": np.asarray(props, dtype=object),
+            "error": np.asarray(errors, dtype=object)}
+
+
+class BackboneStage:
+    """Actor stage: images + proposals → fragments, with the one RegionExtractor (its backbone half)."""
+
+    def __init__(self, cfg: ImageConfig, device: str, runtime: str) -> None:
+        set_torch_threads(1)
+        self.cfg = cfg
+        self.extractor = RegionExtractor(cfg, device, runtime)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n, n_frag = len(batch["path"]), self.cfg.n_fragments
+        errors = [str(e) for e in batch["error"]]
+        good: list[int] = []
+        images, proposals = [], []
+        for k in range(n):
+            if errors[k]:
+                continue
+            try:
+                images.append(load_image(bytes(batch["data"][k]), name=str(batch["path"][k])))
+            except ImageReadError as e:
+                errors[k] = str(e)
+                continue
+            proposals.append(np.frombuffer(bytes(batch["proposals"][k]), dtype=np.float32).reshape(-1, 4))
+            good.append(k)
+        frags: dict[int, ImageFragments] = {}
+        try:
+            frags = dict(zip(good, self.extractor.extract_proposed(images, proposals), strict=True))
+        except Exception:  # isolate the image that breaks a batch
+            for k, img, props in zip(good, images, proposals, strict=True):
+                try:
+                    frags[k] = self.extractor.extract_proposed([img], [props])[0]
+                except Exception as e:
+                    errors[k] = f"feature extraction failed: {type(e).__name__}: {e}"
+        boxes = np.zeros((n, n_frag, 4), np.float32)
+        features = np.zeros((n, n_frag, frags[good[0]].features.shape[1] if frags else 1), np.float32)
+        sizes = np.zeros((n, 2), np.int64)
+        for k, f in frags.items():
+            boxes[k], features[k], sizes[k] = f.boxes, f.features, (f.width, f.height)
+        return {"path": batch["path"], "key": batch["key"], "sizes": sizes, "boxes": boxes, "features": features,
+                "error": np.asarray(errors, dtype=object)}
+
+
+# -- engines ------------------------------------------------------------------------------------------
+
+Sink = Callable[[str, str, ImageFragments | None, str], None]  # path, key, fragments or None, error
+
+
+def ray_runtime_env() -> dict[str, Any]:
+    """What the Ray workers need to import this code and find the graphs: the checkout on their
+    PYTHONPATH and the driver's FRAGSEARCH_* settings."""
+    env = {k: os.environ[k] for k in RAY_ENV if k in os.environ}
+    path = os.environ.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{path}" if path else str(REPO_ROOT)
+    return {"env_vars": env}
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, workers: int) -> Iterator[None]:
+    """Ray for one bulk run: joins the cluster at ``address``, else starts one on this machine with
+    ``workers + 1`` logical CPUs (the actors never hold every CPU); shut down afterwards."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    kwargs: dict[str, Any] = {"runtime_env": ray_runtime_env(), "include_dashboard": False,
+                              "log_to_driver": False, "configure_logging": False}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=workers + 1, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def extract_ray(paths: Sequence[str], cfg: ImageConfig, sink: Sink, workers: int = 1, batch: int = DEFAULT_BATCH,
+                runtime: str = "auto", progress: bool = True) -> None:
+    """Run the two Ray Data stages over ``paths`` on the Ray Ray is connected to; every image ends in
+    ``sink`` (fragments, or None and the reason it was skipped)."""
+    import ray
+    import ray.data
+
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    device = "cuda" if gpus >= 1 else "cpu"
+    onnx_graph(cfg.backbone_precision, graph_dir())  # made once here, not by every actor at once
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # the driver's tqdm bar below reports progress
+    blocks = max(1, -(-len(paths) // batch))
+    ds: ray.data.Dataset = ray.data.from_items([{"path": p} for p in paths], override_num_blocks=blocks)
+    # the proposal tasks reserve memory and the actors do not: remote arguments that differ keep Ray Data
+    # from fusing the proposals into the actors, so they stay a CPU stage of their own
+    ds = ds.map_batches(functools.partial(propose_stage, cfg=cfg), batch_size=batch, batch_format="numpy", num_cpus=1,
+                        memory=PROPOSAL_TASK_MEMORY)
+    ds = ds.map_batches(BackboneStage, fn_constructor_kwargs={"cfg": cfg, "device": device, "runtime": runtime},
+                        batch_size=batch, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
+                        num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0)
+    logger.info("extracting %d images on Ray: proposals on CPU tasks, the backbone on %d %s actor(s)", len(paths),
+                workers, device.upper())
+    with tqdm(total=len(paths), desc="extracting (ray)", unit="img", disable=not progress, smoothing=0.1) as bar:
+        for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            for k in range(len(out["path"])):
+                error = str(out["error"][k])
+                frags = None if error else ImageFragments(out["boxes"][k], out["features"][k],
+                                                          int(out["sizes"][k][0]), int(out["sizes"][k][1]))
+                sink(str(out["path"][k]), str(out["key"][k]), frags, error)
+            bar.update(len(out["path"]))
+
+
+def extract_local(paths: Sequence[str], cache: FeatureCache, sink: Sink, workers: int = 1,
+                  batch: int = DEFAULT_BATCH, progress: bool = True) -> None:
+    """The feature cache's ExtractionPool over ``paths`` (entries stored in ``cache``), then each
+    image to ``sink``."""
+    report = cache.ensure([Path(p) for p in paths], workers=workers, batch=batch, progress=progress)
+    failed = dict(report.failed)
+    for p in paths:
+        name = Path(p).name
+        if name in failed:
+            sink(p, "", None, failed[name])
+            continue
+        try:
+            sink(p, cache.key(p), cache.load([p])[0], "")
+        except (KeyError, OSError) as e:  # the file changed or vanished after extraction
+            sink(p, "", None, f"unreadable: {e}")
+
+
+# -- one bulk run -------------------------------------------------------------------------------------
+
+
+def bulk_extract(paths: Sequence[Path | str], shards: Path, cfg: ImageConfig, engine: str = "local",
+                 workers: int = 1, cache: FeatureCache | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+                 batch: int = DEFAULT_BATCH, runtime: str = "auto", progress: bool = True) -> BulkReport:
+    """Extract the images of ``paths`` that the shards at ``shards`` do not hold yet, into new shards.
+
+    With ``cache``, images already in that feature cache are copied from it. The ``ray`` engine runs
+    on the Ray this process is connected to (`ray_session`)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    cfg = shard_settings(cfg)
+    report = BulkReport()
+    with ShardWriter(shards, cfg, shard_size) as writer:
+        done = done_paths(shards)
+        wanted: dict[str, None] = {}
+        for p in paths:
+            wanted.setdefault(str(Path(p).resolve()), None)
+        todo = [p for p in wanted if p not in done]
+        report.present = len(wanted) - len(todo)
+        if cache is not None and engine != "local":  # the local engine reuses the cache as it extracts
+            left = []
+            for p in todo:
+                if cache.has(p):
+                    writer.add_cached(cache.key(p), Path(p).name, p, cache.path(p))
+                    report.from_cache += 1
+                else:
+                    left.append(p)
+            todo = left
+        logger.info("%d images to extract into %s (%d in its shards already, %d copied from the feature cache)",
+                    len(todo), shards, report.present, report.from_cache)
+
+        def sink(path: str, key: str, frags: ImageFragments | None, error: str) -> None:
+            if frags is None:
+                writer.fail(Path(path).name, error)
+                report.failed += 1
+            else:
+                writer.add(key, Path(path).name, path, frags)
+                report.extracted += 1
+
+        start = time.perf_counter()
+        if todo and engine == "ray":
+            extract_ray(todo, cfg, sink, workers, batch, runtime, progress)
+        elif todo:
+            with contextlib.ExitStack() as stack:
+                local = cache
+                if local is None:
+                    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fragsearch-bulk-")))
+                    local = FeatureCache(tmp, cfg, runtime=runtime)
+                extract_local(todo, local, sink, workers, batch, progress)
+        report.seconds = time.perf_counter() - start
+    logger.info("%s: %d extracted (%.2f images/s), %d from the cache, %d present, %d failed; %s", shards,
+                report.extracted, report.images_per_s, report.from_cache, report.present, report.failed,
+                shard_summary(shards))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=Path, help="folder of images (searched recursively) to extract")
+    ap.add_argument("--shards", type=Path, required=True, help="shard folder (written by extraction, read by --index)")
+    ap.add_argument("--engine", choices=ENGINES, default="local",
+                    help="local: worker processes on this machine; ray: Ray Data (this machine or --address)")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="local: extraction processes; ray: backbone actors")
+    ap.add_argument("--address", default=None, help="ray: the cluster to join (host:port of its head); "
+                    "default: start Ray on this machine")
+    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+                    help="the model whose image settings are used (and that embeds the fragments with --index)")
+    add_region_flags(ap, None)
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+                    help="feature cache: images in it are not extracted again (local: where entries are stored)")
+    ap.add_argument("--no-cache", action="store_true", help="neither read nor write the feature cache")
+    ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="images per shard")
+    ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="images per task / actor call")
+    ap.add_argument("--index", type=Path, default=None,
+                    help="then add the shards' images to this image index (created when missing)")
+    ap.add_argument("--kind", default=IndexSettings().kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
+                    help="kind of a new --index")
+    ap.add_argument("--collection-root", type=Path, default=None, help="as in index.build")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.images is None and args.index is None:
+        ap.error("give --images (extract) and/or --index (load)")
+    bundle = Bundle.load(args.model) if args.index is not None or args.model.is_file() else None
+    if bundle is None and not any(getattr(args, k) is not None for k in ("region_features", "backbone_precision")):
+        ap.error(f"{args.model} does not exist: give --model, or the region flags of the features wanted")
+    cfg = with_region_flags(bundle.image_cfg if bundle is not None else ImageConfig(), args)
+    if args.images is not None:
+        paths = list_images(args.images)
+        if not paths:
+            raise SystemExit(f"no images found in {args.images}")
+        cache = None if args.no_cache else feature_cache(args.cache, cfg)
+        with ray_session(args.address, args.workers) if args.engine == "ray" else contextlib.nullcontext():
+            bulk_extract(paths, args.shards, cfg, args.engine, args.workers, cache, args.shard_size, args.batch)
+    if args.index is not None:
+        assert bundle is not None
+        if (args.index / "index.sqlite").exists():
+            index = ImageIndex.load(args.index, bundle, collection_root=args.collection_root)
+        else:
+            index = ImageIndex.create(args.index, bundle, IndexSettings(kind=args.kind),
+                                      collection_root=args.collection_root)
+        try:
+            load_shards(index, args.shards)
+            logger.info("image index %s: %d images, %d fragments", args.index, len(index), index.n_fragments)
+        finally:
+            index.close()
+
+
+if __name__ == "__main__":
+    main()

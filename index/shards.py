@@ -1,0 +1,258 @@
+"""Fragment shards: extracted image fragments in files of up to ``shard_size`` images, the hand-off
+between bulk extraction (``index/bulk.py``, on worker processes or on Ray) and an index.
+
+A shard folder holds ``manifest.json`` (the feature settings, as the feature cache names them) and
+``shard-<n>.npz`` files, each written atomically (``model/atomic.py``) with
+
+    keys      (K,)          content keys of the image files (``model/cache.content_key``)
+    names     (K,)          file names
+    paths     (K,)          the files' absolute paths
+    sizes     (K, 2)        int64 width, height
+    boxes     (K, F, 4)     float32 [x0, y0, x1, y1] in each image's pixels, row 0 the whole image
+    features  (K, F, 1280)  float16 (as the feature cache stores them)
+
+and ``failed.json`` (file name → why it was skipped). A shard on disk is complete; an interrupted run
+loses only the images it had not yet written, and the next run extracts those (`done_paths`).
+`load_shards` adds shards to an image index through its ``add_extracted`` call only, so any
+candidate backend behind ``ImageIndex`` loads the same shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from index.images import ImageIndex
+from model.atomic import atomic_file
+from model.backbone import FEATURE_DIM
+from model.cache import config_key, config_payload, read_entry
+from model.config import ImageConfig
+from model.image import ImageFragments
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+FAILED_FILE = "failed.json"
+SHARD_PATTERN = re.compile(r"^shard-(\d+)\.npz$")
+DEFAULT_SHARD_SIZE = 256  # images per shard: ~13 MB of float16 features at 20 fragments
+LOAD_CHUNK = 64  # images embedded and inserted at a time when loading
+
+
+class ShardError(ValueError):
+    """A shard folder that does not fit the request (other feature settings, a broken shard)."""
+
+
+@dataclass
+class Shard:
+    """One shard's content; see the module docstring for the shapes."""
+
+    keys: list[str]
+    names: list[str]
+    paths: list[str]
+    sizes: np.ndarray
+    boxes: np.ndarray
+    features: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def fragments(self, k: int) -> ImageFragments:
+        """Image k of the shard as ImageFragments (features float32)."""
+        return ImageFragments(self.boxes[k], self.features[k].astype(np.float32), int(self.sizes[k, 0]),
+                              int(self.sizes[k, 1]))
+
+
+def shard_settings(cfg: ImageConfig) -> ImageConfig:
+    """The settings shards are made with: always the whole image + every region (a full-frame model
+    reads row 0), as in the shared feature cache."""
+    return dataclasses.replace(cfg, full_frame_only=False)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The complete shards in ``folder``, in order."""
+    if not Path(folder).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(folder).iterdir() if (m := SHARD_PATTERN.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def read_shard(path: Path) -> Shard:
+    """One shard file back (ShardError if it is not a shard)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            shard = Shard([str(v) for v in z["keys"]], [str(v) for v in z["names"]], [str(v) for v in z["paths"]],
+                          z["sizes"].astype(np.int64), z["boxes"].astype(np.float32), z["features"])
+    except (OSError, KeyError, ValueError) as e:
+        raise ShardError(f"{path}: not a fragment shard ({e})") from e
+    n = len(shard.keys)
+    if not (len(shard.names) == len(shard.paths) == len(shard.sizes) == len(shard.boxes) == len(shard.features) == n):
+        raise ShardError(f"{path}: its arrays disagree on the number of images")
+    return shard
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    f = Path(folder) / MANIFEST_FILE
+    return dict(json.loads(f.read_text())) if f.is_file() else None
+
+
+def done_paths(folder: Path) -> set[str]:
+    """Paths of the images held by the complete shards in ``folder``."""
+    done: set[str] = set()
+    for path in shard_files(folder):
+        with np.load(path, allow_pickle=False) as z:
+            done.update(str(v) for v in z["paths"])
+    return done
+
+
+def read_failed(folder: Path) -> dict[str, str]:
+    f = Path(folder) / FAILED_FILE
+    return dict(json.loads(f.read_text())) if f.is_file() else {}
+
+
+class ShardWriter:
+    """Collects extracted images and writes them ``shard_size`` at a time as new shards in ``folder``.
+
+    The folder's manifest pins the feature settings: opening it with other settings raises ShardError
+    (shards of two settings in one folder could not be told apart). Use as a context manager: leaving
+    the block writes the last, partial shard and ``failed.json``."""
+
+    def __init__(self, folder: Path, cfg: ImageConfig, shard_size: int = DEFAULT_SHARD_SIZE) -> None:
+        if shard_size < 1:
+            raise ValueError("shard_size must be at least 1")
+        self.folder = Path(folder)
+        self.cfg = shard_settings(cfg)
+        self.shard_size = shard_size
+        self.folder.mkdir(parents=True, exist_ok=True)
+        payload = {**config_payload(self.cfg), "key": config_key(self.cfg)}
+        manifest = read_manifest(self.folder)
+        if manifest is None:
+            with atomic_file(self.folder / MANIFEST_FILE) as fh:
+                fh.write(json.dumps(payload, indent=1, sort_keys=True).encode())
+        elif manifest.get("key") != payload["key"]:
+            raise ShardError(f"{self.folder} holds shards of other feature settings ({manifest.get('image')}); "
+                             "use another folder")
+        files = shard_files(self.folder)
+        self._next = int(SHARD_PATTERN.match(files[-1].name).group(1)) + 1 if files else 0  # type: ignore[union-attr]
+        self._failed = read_failed(self.folder)
+        self._failed_changed = False
+        self._rows: list[tuple[str, str, str, ImageFragments]] = []
+        self.written = 0  # images written by this writer
+        self.shards: list[Path] = []  # shards written by this writer
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, key: str, name: str, path: str, frags: ImageFragments) -> None:
+        """One extracted image; a shard is written once ``shard_size`` images are waiting."""
+        n_frag = self.cfg.n_fragments
+        if frags.features.shape != (n_frag, FEATURE_DIM) or frags.boxes.shape != (n_frag, 4):
+            raise ValueError(f"{name}: fragments {frags.features.shape} / boxes {frags.boxes.shape}, "
+                             f"expected {(n_frag, FEATURE_DIM)} / {(n_frag, 4)}")
+        self._rows.append((key, name, path, frags))
+        self._failed_changed |= self._failed.pop(name, None) is not None
+        if len(self._rows) >= self.shard_size:
+            self.flush()
+
+    def add_cached(self, key: str, name: str, path: str, entry: Path) -> None:
+        """An image whose fragments are in the feature cache at ``entry``."""
+        self.add(key, name, path, read_entry(entry))
+
+    def fail(self, name: str, reason: str) -> None:
+        """Record an image that was skipped (unreadable, or extraction failed)."""
+        self._failed[name] = reason
+        self._failed_changed = True
+
+    def flush(self) -> None:
+        """Write the images waiting as one shard (nothing when none wait)."""
+        if not self._rows:
+            return
+        path = self.folder / f"shard-{self._next:05d}.npz"
+        keys, names, paths, frags = zip(*self._rows, strict=True)
+        with atomic_file(path) as fh:
+            np.savez(
+                fh,
+                keys=np.asarray(keys, dtype=str),
+                names=np.asarray(names, dtype=str),
+                paths=np.asarray(paths, dtype=str),
+                sizes=np.asarray([[f.width, f.height] for f in frags], dtype=np.int64),
+                boxes=np.stack([f.boxes for f in frags]).astype(np.float32),
+                features=np.stack([f.features for f in frags]).astype(np.float16),
+            )
+        self.written += len(self._rows)
+        self.shards.append(path)
+        self._next += 1
+        self._rows = []
+
+    def close(self) -> None:
+        self.flush()
+        if self._failed_changed:
+            with atomic_file(self.folder / FAILED_FILE) as fh:
+                fh.write(json.dumps(self._failed, indent=1, sort_keys=True).encode())
+            self._failed_changed = False
+
+
+def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progress: bool = True) -> int:
+    """Add the images of the shards in ``folder`` that ``index`` does not hold yet (by path) → how many.
+
+    Goes through ``ImageIndex.add_extracted`` (the model embeds the features, the index's backend
+    stores them) and saves the index."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise ShardError(f"{folder} has no {MANIFEST_FILE}: not a shard folder")
+    want = config_key(shard_settings(index.bundle.image_cfg))
+    if manifest.get("key") != want:
+        raise ShardError(f"the shards in {folder} were extracted with other image settings than the model's "
+                         f"({manifest.get('image')})")
+    files = shard_files(folder)
+    total = 0
+    for path in files:
+        with np.load(path, allow_pickle=False) as z:
+            total += len(z["keys"])
+    # an untrained ivf / ivfpq index is trained once on a sample of everything (index.bulk), then saved;
+    # any other is saved after each shard, so an interrupted load resumes where it stopped
+    once = index.settings.trainable and not index.candidates.trained
+    added = 0
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress))
+        if once:
+            stack.enter_context(index.bulk())
+        for path in files:
+            shard = read_shard(path)
+            present = index.find_paths(shard.paths)
+            rows = [k for k, p in enumerate(shard.paths) if p not in present]
+            for start in range(0, len(rows), chunk):
+                part = rows[start : start + chunk]
+                index.add_extracted([shard.fragments(k) for k in part], [shard.names[k] for k in part],
+                                    [shard.paths[k] for k in part])
+                added += len(part)
+            if rows and not once:
+                index.save()
+            bar.update(len(shard))
+    if once and added:
+        index.save()
+    logger.info("loaded %d images from %d shards in %s into %s (%d there already)", added, len(files), folder,
+                index.root, total - added)
+    return added
+
+
+def shard_summary(folder: Path) -> dict[str, int]:
+    """Counts of a shard folder: shards, images, failed."""
+    files = shard_files(folder)
+    images = 0
+    for path in files:
+        with np.load(path, allow_pickle=False) as z:
+            images += len(z["keys"])
+    return {"shards": len(files), "images": images, "failed": len(read_failed(folder))}
