@@ -46,7 +46,7 @@ from index.candidates import BACKENDS, BackendOptions, FaissCandidates
 from index.query import encode_sentence
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
-from model.data import load_split
+from model.data import Split, load_split
 from model.dataset import feature_cache
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline, parse_cached
@@ -144,6 +144,17 @@ def sweep(index: ImageIndex | SentenceIndex, settings: Sequence[IndexSettings],
 
 
 # -- the dev images ----------------------------------------------------------------------------------------
+def dev_queries(bundle: Bundle, split: Split, n: int) -> list[torch.Tensor]:
+    """The fragments of the first caption of each of the first n dev images (captions without one left out)."""
+    queries = []
+    for caps in split.captions[:n]:
+        try:
+            queries.append(encode_sentence(bundle, caps[0])[0])
+        except ValueError:
+            continue
+    return queries
+
+
 def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row]:
     split = load_split(args.data, "dev")
     paths = [split.image_path(n) for n in split.images]
@@ -155,12 +166,7 @@ def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row
     index = ImageIndex.create(work, bundle, IndexSettings(), cache=cache)
     index.add_extracted(frags, list(split.images), paths)
     index.save()
-    queries = []
-    for caps in split.captions[: args.dev_queries]:
-        try:
-            queries.append(encode_sentence(bundle, caps[0])[0])
-        except ValueError:
-            continue
+    queries = dev_queries(bundle, split, args.dev_queries)
     logger.info("dev: %d images, %d queries, %.1f fragments per query on average", len(index), len(queries),
                 np.mean([len(q) for q in queries]))
     truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
@@ -193,12 +199,7 @@ def backend_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list
     cache = feature_cache(args.cache, bundle.image_cfg)
     cache.ensure(paths, workers=args.workers)
     frags = cache.load(paths)
-    queries = []
-    for caps in split.captions[: args.dev_queries]:
-        try:
-            queries.append(encode_sentence(bundle, caps[0])[0])
-        except ValueError:
-            continue
+    queries = dev_queries(bundle, split, args.dev_queries)
     base = IndexSettings(exact_below=0)
     settings = [base, dataclasses.replace(base, kind="hnsw", ef_search=128),
                 dataclasses.replace(base, kind="ivf", nlist=128, nprobe=16)]

@@ -24,7 +24,6 @@ committed, and the next run adopts images the index holds but the manifest does 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from index.candidates import BackendOptions
+from index.files import sha256_file
 from index.images import IMAGE_SUFFIXES, ImageIndex
 from index.types import IndexSettings
 from model.atomic import atomic_file
@@ -47,7 +47,6 @@ MANIFEST = "sync-manifest.json"
 UNSUPPORTED_SUFFIXES = (".heic", ".heif", ".avif", ".cr2", ".cr3", ".nef", ".arw", ".dng", ".raf", ".orf", ".rw2",
                         ".raw", ".srw", ".pef")
 SAVE_EVERY = 500
-HASH_CHUNK = 1 << 20
 
 
 @dataclass
@@ -74,14 +73,6 @@ class SyncReport:
         return (f"{len(self.added)} added, {len(self.changed)} changed, {len(self.renamed)} renamed, "
                 f"{len(self.removed)} removed, {self.unchanged} unchanged, {len(self.unreadable)} unreadable, "
                 f"{len(self.unsupported)} unsupported")
-
-
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_manifest(index_dir: Path) -> dict[str, Entry]:
@@ -131,7 +122,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
     for path, image_id in adopt.items():
         rel = Path(path).relative_to(folder).as_posix()
         st = on_disk[rel]
-        manifest[rel] = Entry(st.st_size, st.st_mtime_ns, file_hash(folder / rel), image_id)
+        manifest[rel] = Entry(st.st_size, st.st_mtime_ns, sha256_file(folder / rel), image_id)
 
     vanished = {rel: e for rel, e in manifest.items() if rel not in on_disk}
     by_hash = {e.sha256: rel for rel, e in vanished.items()}
@@ -142,7 +133,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         if old is not None and old.size == st.st_size and old.mtime_ns == st.st_mtime_ns:
             report.unchanged += 1
             continue
-        digest = file_hash(folder / rel)
+        digest = sha256_file(folder / rel)
         if old is not None and old.sha256 == digest:  # touched, not changed
             manifest[rel] = Entry(st.st_size, st.st_mtime_ns, digest, old.image_id)
             report.unchanged += 1
@@ -183,7 +174,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         for path, image_id in ids.items():
             rel = Path(path).relative_to(folder).as_posix()
             st = on_disk[rel]
-            manifest[rel] = Entry(st.st_size, st.st_mtime_ns, file_hash(folder / rel), image_id)
+            manifest[rel] = Entry(st.st_size, st.st_mtime_ns, sha256_file(folder / rel), image_id)
         write_manifest(index.root, folder, manifest)
         bar.update(len(part))
     bar.close()

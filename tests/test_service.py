@@ -322,14 +322,18 @@ def test_not_ready_until_loaded(service_env: ServiceEnv, tmp_path) -> None:
         assert s.status_code == 503
 
 
+def wait_ready(c: TestClient) -> None:
+    for _ in range(600):
+        r = c.get("/readyz")
+        if r.status_code == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not ready: {r.text}")
+
+
 def test_loads_from_disk_in_the_background(service_env: ServiceEnv) -> None:
     with TestClient(create_app(service_env.settings)) as c:
-        for _ in range(600):
-            r = c.get("/readyz")
-            if r.status_code == 200:
-                break
-            time.sleep(0.05)
-        assert r.status_code == 200, r.text
+        wait_ready(c)
         assert c.post("/search/images", json={"sentence": "a red circle", "k": 2}).status_code == 200
 
 
@@ -338,12 +342,7 @@ def test_loaded_objects_are_frozen_out_of_the_collector(service_env: ServiceEnv)
     settings = service_env.settings.model_copy(update={"freeze_heap": True})
     try:
         with TestClient(create_app(settings)) as c:
-            for _ in range(600):
-                r = c.get("/readyz")
-                if r.status_code == 200:
-                    break
-                time.sleep(0.05)
-            assert r.status_code == 200, r.text
+            wait_ready(c)
             engine = c.app.state.engine  # type: ignore[attr-defined]
             frozen = gc.get_freeze_count()
             assert frozen > 1000
