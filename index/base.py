@@ -574,18 +574,26 @@ class FragmentIndex(Generic[P]):
         Scored are the backend's candidates of `queries` (t, h), or every live item when `exhaustive`.
         Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
         """
+        return self._ranked(queries, score, k, exhaustive)[0]
+
+    def _ranked(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False
+                ) -> tuple[list[tuple[int, float, P, torch.Tensor]], int]:
+        """`_rank`, and how many items the exact score ranked (the candidates, or every live item)."""
         with self._rw.read():
             if exhaustive or self._small():
                 best: list[tuple[int, float]] = []
+                considered = 0
                 for part, vecs, mask in self._scan():
                     best = merge_top_k(best, part, score(vecs, mask).numpy(), k)
+                    considered += len(part)
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
                 vecs, mask = self._vectors(items)
             else:
-                return self._top_of(self._candidates(queries), score, k)
+                candidates = self._candidates(queries)
+                return self._top_of(candidates, score, k), len(candidates)
             payloads = self.payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
-                for row, (item, s) in enumerate(best)]
+                for row, (item, s) in enumerate(best)], considered
 
     def _small(self) -> bool:
         """At most `settings.exact_below` live fragments: the exact scan is the cheaper search."""

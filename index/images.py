@@ -23,7 +23,7 @@ from tqdm import tqdm
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.query import encode_phrase, encode_sentence, matches, row_triplets
-from index.types import AddReport, Explanation, ImageHit, ImageRecord, IndexSettings, PairShare, RegionHit
+from index.types import AddReport, Explanation, ImageHit, ImageRecord, IndexSettings, Page, PairShare, RegionHit
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.image import ImageFragments, RegionExtractor
@@ -245,15 +245,22 @@ class ImageIndex(FragmentIndex[StoredImage]):
     def search_vectors(self, sent: torch.Tensor, k: int = 10, triplets: Sequence[Triplet] | None = None,
                        exhaustive: bool = False) -> list[ImageHit]:
         """Top k images for sentence fragments sent (T, h) (their triplets name the alignment)."""
+        return self.search_page(sent, triplets, 0, k, exhaustive).hits
+
+    @torch.inference_mode()
+    def search_page(self, sent: torch.Tensor, triplets: Sequence[Triplet] | None, offset: int, limit: int,
+                    exhaustive: bool = False) -> Page[ImageHit]:
+        """Images ranked offset .. offset + limit - 1 for sentence fragments sent (T, h)."""
         sent = torch.as_tensor(sent, dtype=torch.float32)
         sent_mask = torch.ones(1, len(sent))
 
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
-        return [ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
-                         matches(frags, sent, triplets, p.boxes))
-                for item, s, p, frags in self._rank(sent.numpy(), score, k, exhaustive)]
+        ranked, considered = self._ranked(sent.numpy(), score, offset + limit, exhaustive)
+        return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
+                              matches(frags, sent, triplets, p.boxes))
+                     for item, s, p, frags in ranked[offset:]], offset, considered)
 
     @torch.inference_mode()
     def explain(self, image_id: int, sentence: str) -> Explanation | None:

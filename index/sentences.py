@@ -21,7 +21,7 @@ from tqdm import tqdm
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.query import embed_encoded, matches, text_lock
-from index.types import IndexSettings, SentenceHit, SentenceRecord
+from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
 from model.fragments import EncodedSentences
 from model.image import ImageFragments, RegionExtractor
@@ -127,14 +127,21 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
     def annotate_vectors(self, img: torch.Tensor, boxes: np.ndarray, k: int = 10,
                          exhaustive: bool = False) -> list[SentenceHit]:
         """Top k sentences for image fragments img (F, h) with boxes (F, 4)."""
+        return self.annotate_page(img, boxes, 0, k, exhaustive).hits
+
+    @torch.inference_mode()
+    def annotate_page(self, img: torch.Tensor, boxes: np.ndarray, offset: int, limit: int,
+                      exhaustive: bool = False) -> Page[SentenceHit]:
+        """Sentences ranked offset .. offset + limit - 1 for image fragments img (F, h) with boxes (F, 4)."""
         img = torch.as_tensor(img, dtype=torch.float32)
         img_mask = torch.ones(1, len(img))
 
         def score(sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img[None], img_mask, sent, mask)[0]
 
-        return [SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes))
-                for item, s, p, frags in self._rank(img.numpy(), score, k, exhaustive)]
+        ranked, considered = self._ranked(img.numpy(), score, offset + limit, exhaustive)
+        return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes))
+                     for item, s, p, frags in ranked[offset:]], offset, considered)
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Partial S_kl of candidate sentences: the sum over (|g_l| + n)."""

@@ -31,12 +31,15 @@ class Similar:
 
     described_by: list[SentenceHit]
     hits: list[ImageHit]
+    offset: int = 0
+    considered: int = 0  # images scored exactly (the query's own among them when it is indexed)
 
 
 def describe_and_search(images: ImageIndex, sentences: SentenceIndex, img: torch.Tensor, boxes: np.ndarray,
-                        k: int, descriptions: int = DESCRIPTIONS, exclude: int | None = None) -> Similar:
-    """The k images most like one given by its embedded fragments img (F, h) with boxes (F, 4);
-    `exclude` (the query's own id, when it is indexed) is left out of the results."""
+                        k: int, descriptions: int = DESCRIPTIONS, exclude: int | None = None,
+                        offset: int = 0) -> Similar:
+    """The images ranked offset + 1 .. offset + k as most like one given by its embedded fragments
+    img (F, h) with boxes (F, 4); `exclude` (the query's own id, when it is indexed) is left out."""
     described = sentences.annotate_vectors(img, boxes, descriptions)
     if not described:
         return Similar([], [])
@@ -48,5 +51,6 @@ def describe_and_search(images: ImageIndex, sentences: SentenceIndex, img: torch
         return Similar(described, [])
     sent = torch.cat([s for s, _ in parts])
     triplets: list[Triplet] = [t for _, ts in parts for t in ts]
-    hits = images.search_vectors(sent, k + (exclude is not None), triplets)
-    return Similar(described, [h for h in hits if h.image_id != exclude][:k])
+    page = images.search_page(sent, triplets, 0, offset + k + (exclude is not None))
+    hits = [h for h in page.hits if h.image_id != exclude]
+    return Similar(described, hits[offset : offset + k], offset, page.considered)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16")
@@ -175,6 +175,19 @@ class RegionHit:
     box: list[float]
     fragment: int
     score: float
+
+
+H = TypeVar("H")
+
+
+@dataclass
+class Page(Generic[H]):
+    """One page of a ranking: `hits` are ranked offset + 1, offset + 2, ...; `considered` items were
+    scored exactly (the candidates, or every item when the collection is scanned)."""
+
+    hits: list[H]
+    offset: int
+    considered: int
 
 
 @dataclass

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from index import Explanation, ImageHit, ImageIndex, ImageRecord, RegionHit, SentenceHit, SentenceIndex
+from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
+from index.query import encode_sentence
 from index.similar import Similar, describe_and_search
 from model.bundle import Bundle
 from model.device import is_gpu
@@ -134,11 +135,13 @@ class Engine:
         return seconds
 
     # -- reads -----------------------------------------------------------------------------------
-    def search_images(self, sentence: str, k: int) -> list[ImageHit]:
+    def search_images(self, sentence: str, k: int, offset: int = 0) -> Page[ImageHit]:
+        """Images ranked offset + 1 .. offset + k for a sentence."""
         try:
-            return self.images.search(sentence, k)
+            sent, triplets = encode_sentence(self.bundle, sentence)
         except ValueError as e:
             raise text_error(e, "sentence") from e
+        return self.images.search_page(sent, triplets, offset, k)
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         try:
@@ -146,7 +149,7 @@ class Engine:
         except ValueError as e:
             raise text_error(e, "sentence") from e
 
-    def similar_to_image(self, image_id: int, k: int) -> tuple[tuple[int, int], Similar] | None:
+    def similar_to_image(self, image_id: int, k: int, offset: int = 0) -> tuple[tuple[int, int], Similar] | None:
         """The size of an indexed image and the images like it (itself left out), or None when there is
         no such image."""
         if self.sentences is None:
@@ -155,19 +158,16 @@ class Engine:
         if rec is None or found is None:
             return None
         return (rec.width, rec.height), describe_and_search(self.images, self.sentences, *found, k=k,
-                                                            exclude=image_id)
+                                                            exclude=image_id, offset=offset)
 
-    def similar_to_upload(self, data: bytes, k: int) -> tuple[Decoded, Similar]:
+    def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Similar]:
         """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
         if self.sentences is None:
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
         with self._heavy:
             decoded = self.decode(data)
-            frags = self.sentences.extractor.extract(decoded.image)
-            with torch.inference_mode():
-                img = self.bundle.embed_images(frags.features[None])[0]
-            boxes = np.asarray(frags.boxes[: len(img)], dtype=np.float32)
-            return decoded, describe_and_search(self.images, self.sentences, img, boxes, k=k)
+            img, boxes = self._fragments_of(decoded, self.sentences)
+            return decoded, describe_and_search(self.images, self.sentences, img, boxes, k=k, offset=offset)
 
     def search_fragments(self, phrase: str, k: int) -> list[RegionHit]:
         try:
@@ -187,12 +187,21 @@ class Engine:
             raise image_error(e) from e
         return Decoded(img, img.size[0], img.size[1])
 
-    def annotate(self, data: bytes, k: int) -> tuple[Decoded, list[SentenceHit]]:
+    def annotate(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Page[SentenceHit]]:
+        """Sentences ranked offset + 1 .. offset + k for an uploaded image."""
         if self.sentences is None:
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
         with self._heavy:
             decoded = self.decode(data)
-            return decoded, self.sentences.annotate(decoded.image, k)
+            img, boxes = self._fragments_of(decoded, self.sentences)
+            return decoded, self.sentences.annotate_page(img, boxes, offset, k)
+
+    def _fragments_of(self, decoded: Decoded, sentences: SentenceIndex) -> tuple[torch.Tensor, np.ndarray]:
+        """An upload's embedded fragments (F, h) and their boxes (F, 4) in its pixels."""
+        frags = sentences.extractor.extract(decoded.image)
+        with torch.inference_mode():
+            img = self.bundle.embed_images(frags.features[None])[0]
+        return img, np.asarray(frags.boxes[: len(img)], dtype=np.float32)
 
     def thumbnail_file(self, image_id: int, size: int) -> Path | None:
         """The cached thumbnail of an indexed image (made when missing), or None when there is no such

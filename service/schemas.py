@@ -46,6 +46,8 @@ def _not_blank(value: str, what: str) -> str:
 class SearchImagesRequest(BaseModel):
     sentence: str = Field(description="a sentence describing the images wanted", examples=["a dog runs on the grass"])
     k: int = Field(default=10, ge=1, strict=True, description="number of images (at most the service's k limit)")
+    offset: int = Field(default=0, ge=0, strict=True, description="ranks skipped: the page starts at rank offset + 1 "
+                        "(offset + k at most the service's max_rank)")
 
     @field_validator("sentence")
     @classmethod
@@ -153,6 +155,10 @@ class SearchImagesResponse(BaseModel):
 
     sentence: str
     results: list[ImageResult]
+    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
+    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
+    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
+                            "or the whole collection when it is scanned")
     took_ms: float
 
 
@@ -169,6 +175,10 @@ class AnnotateResponse(BaseModel):
     width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
     height: int
     results: list[SentenceResult]
+    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
+    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
+    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
+                            "or the whole collection when it is scanned")
     took_ms: float
 
 
@@ -185,6 +195,10 @@ class SimilarResponse(BaseModel):
                                                "query image, aligned to its regions: together they are the query")
     results: list[ImageResult] = Field(description="images ranked by S_kl for those sentences' fragments, each "
                                        "with their alignment to its regions")
+    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
+    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
+    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
+                            "or the whole collection when it is scanned")
     took_ms: float
 
 

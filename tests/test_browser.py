@@ -151,13 +151,17 @@ def test_screenshot_of_the_flickr8k_page() -> None:
 
 
 def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: ServiceEnv) -> None:
-    """Interactions, driven over the DevTools protocol: hovering a triplet lights its region and a
+    """Interactions, driven over the DevTools protocol: "more results" adds the next page, hovering a
+    triplet lights its region and a
     region its triplets, "why?" opens the pair table, a dropped and a pasted image are described, and
     "more like this" finds images like the upload."""
     browser = Browser(CHROMIUM)
     try:
         browser.navigate(page_url(served, "a red circle beside a blue square", k="4"))
         browser.wait_for("document.body.dataset.state === 'done'")
+        browser.evaluate("document.getElementById('more').click()")  # the next page joins the grid
+        browser.wait_for("document.querySelectorAll('#results .card').length === 8")
+        assert browser.evaluate("document.querySelectorAll('#results .card figcaption strong')[7].textContent") == "#8 "
         lit = browser.evaluate("""(() => {
             const card = document.querySelector('#results .card');
             const item = card.querySelector('.legend li[data-fragment]');

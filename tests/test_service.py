@@ -257,6 +257,44 @@ def test_similar_images_through_the_sentences_that_describe_them(client: TestCli
     assert client.post("/search/similar", data={"image_id": "x"}).status_code == 422
 
 
+def test_pages_of_results(client: TestClient, service_env: ServiceEnv) -> None:
+    def search(k: int, offset: int) -> dict:
+        r = client.post("/search/images", json={"sentence": "a red circle beside a blue square", "k": k,
+                                                 "offset": offset})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    whole, first, second = search(6, 0), search(3, 0), search(3, 3)
+    assert [h["id"] for h in first["results"] + second["results"]] == [h["id"] for h in whole["results"]]
+    assert (first["offset"], first["next_offset"], second["offset"], second["next_offset"]) == (0, 3, 3, 6)
+    n = len(service_env.dev)
+    assert first["considered"] == n  # a small collection is scanned whole
+    last = search(3, n - 2)
+    assert len(last["results"]) == 2 and last["next_offset"] is None
+    assert search(3, n)["results"] == []
+    deep = client.post("/search/images", json={"sentence": "a red circle", "k": 5, "offset": 999})
+    assert deep.status_code == 422 and deep.json()["error"]["code"] == "bad_offset"
+    assert client.post("/search/images", json={"sentence": "a red circle", "offset": -1}).status_code == 422
+
+    upload = service_env.image_path(service_env.dev[0]).read_bytes()
+
+    def annotate(k: int, offset: int) -> list[int]:
+        r = client.post("/annotate", files={"file": ("q.jpg", upload, "image/jpeg")}, data={"k": k, "offset": offset})
+        assert r.status_code == 200, r.text
+        assert r.json()["offset"] == offset and r.json()["considered"] >= k
+        return [h["id"] for h in r.json()["results"]]
+
+    assert annotate(2, 0) + annotate(2, 2) == annotate(4, 0)
+    query = whole["results"][0]["id"]
+
+    def similar(k: int, offset: int) -> list[int]:
+        r = client.post("/search/similar", data={"image_id": query, "k": k, "offset": offset})
+        assert r.status_code == 200, r.text
+        return [h["id"] for h in r.json()["results"]]
+
+    assert similar(2, 0) + similar(2, 2) == similar(4, 0) and query not in similar(4, 0)
+
+
 def test_response_examples_are_valid_answers(client: TestClient) -> None:
     from service import schemas
 

@@ -10,7 +10,16 @@ from fastapi import APIRouter, File, Form, UploadFile
 from index.similar import Similar
 from service.deps import EngineDep, GatesDep, SettingsDep
 from service.errors import ApiError, responses
-from service.routes.convert import check_k, check_text, explain_out, image_result, region_result, sentence_result
+from service.routes.convert import (
+    check_k,
+    check_offset,
+    check_text,
+    explain_out,
+    image_result,
+    paging,
+    region_result,
+    sentence_result,
+)
 from service.routes.uploads import read_upload
 from service.schemas import (
     AnnotateResponse,
@@ -22,6 +31,8 @@ from service.schemas import (
     SearchImagesResponse,
     SimilarResponse,
 )
+
+OffsetForm = Annotated[int, Form(ge=0, description="ranks skipped: the page starts at rank offset + 1")]
 
 
 def _ms(t0: float) -> float:
@@ -37,9 +48,11 @@ def build_router() -> APIRouter:
         """Images ranked by S_kl for a sentence, each with its fragment alignment."""
         t0 = time.perf_counter()
         k = check_k(body.k, s)
+        offset = check_offset(body.offset, k, s)
         sentence = check_text(body.sentence, s, "sentence")
-        hits = await gates.search.run(engine.search_images, sentence, k)
-        return SearchImagesResponse(sentence=sentence, results=[image_result(h) for h in hits], took_ms=_ms(t0))
+        page = await gates.search.run(engine.search_images, sentence, k, offset)
+        return SearchImagesResponse(sentence=sentence, results=[image_result(h) for h in page.hits],
+                                    **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
 
     @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
     async def search_fragments(body: SearchFragmentsRequest, engine: EngineDep,
@@ -76,6 +89,7 @@ def build_router() -> APIRouter:
         file: Annotated[UploadFile | None, File(description="an image (JPEG, PNG, ...); or give image_id")] = None,
         image_id: Annotated[int | None, Form(ge=0, le=2**63 - 1, description="an indexed image's id")] = None,
         k: Annotated[int, Form(ge=1, description="number of images")] = 10,
+        offset: OffsetForm = 0,
     ) -> SimilarResponse:
         """More like this: images ranked for an indexed image (`image_id`, itself left out) or an upload
         (`file`), through the sentences that describe it best (see `described_by`): their fragments
@@ -83,34 +97,40 @@ def build_router() -> APIRouter:
         which of its regions."""
         t0 = time.perf_counter()
         k = check_k(k, s)
+        offset = check_offset(offset, k, s)
         if (file is None) == (image_id is None):
             raise ApiError(422, "one_query", "give exactly one of 'file' (an upload) or 'image_id'")
         result: Similar
         if image_id is not None:
-            found = await gates.search.run(engine.similar_to_image, image_id, k)
+            found = await gates.search.run(engine.similar_to_image, image_id, k, offset)
             if found is None:
                 raise ApiError(404, "not_found", f"no image with id {image_id}")
             (width, height), result = found
         else:
             assert file is not None
             data = await read_upload(file, s.max_upload_bytes)
-            decoded, result = await gates.heavy.run(engine.similar_to_upload, data, k)
+            decoded, result = await gates.heavy.run(engine.similar_to_upload, data, k, offset)
             width, height = decoded.width, decoded.height
         return SimilarResponse(image_id=image_id, width=width, height=height,
                                described_by=[sentence_result(h) for h in result.described_by],
-                               results=[image_result(h) for h in result.hits], took_ms=_ms(t0))
+                               results=[image_result(h) for h in result.hits],
+                               **paging(offset, k, len(result.hits), result.considered, s), took_ms=_ms(t0))
 
     @router.post("/annotate", response_model=AnnotateResponse, responses=responses(408, 413, 415, 422, 503, 504))
     async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],
                        engine: EngineDep, s: SettingsDep, gates: GatesDep,
-                       k: Annotated[int, Form(ge=1, description="number of sentences")] = 5) -> AnnotateResponse:
+                       k: Annotated[int, Form(ge=1, description="number of sentences")] = 5,
+                       offset: OffsetForm = 0,
+                       ) -> AnnotateResponse:
         """Sentences of the collection ranked by S_kl for an uploaded image, with their alignments
         to the upload's regions (boxes in the upload's pixels)."""
         t0 = time.perf_counter()
         k = check_k(k, s)
+        offset = check_offset(offset, k, s)
         data = await read_upload(file, s.max_upload_bytes)
-        decoded, hits = await gates.heavy.run(engine.annotate, data, k)
+        decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)
         return AnnotateResponse(width=decoded.width, height=decoded.height,
-                                results=[sentence_result(h) for h in hits], took_ms=_ms(t0))
+                                results=[sentence_result(h) for h in page.hits],
+                                **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
 
     return router

@@ -108,20 +108,41 @@ function legend(alignment) {
   return list;
 }
 
-async function searchImages(sentence, k) {
+async function searchImages(sentence, k, offset = 0) {
   const data = await api("/search/images", {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k }),
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k, offset }),
   });
-  showImages(data.results, data.sentence);
-  return `${data.results.length} images for “${data.sentence}” in ${data.took_ms.toFixed(0)} ms`;
+  showImages(data.results, data.sentence, offset);
+  moreButton(data.next_offset, async (next) => {
+    const status = $("search-status");
+    try {
+      status.textContent = await searchImages(sentence, k, next);
+    } catch (err) {
+      status.textContent = err.message;
+      status.classList.add("error");
+    }
+  });
+  const shown = offset + data.results.length;
+  return `${shown} images for “${data.sentence}” (of ${data.considered} ranked) in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// "more results" under the grid while the ranking has another page (next_offset), else nothing.
+function moreButton(nextOffset, load) {
+  const old = $("more");
+  if (old) old.remove();
+  if (nextOffset === null || nextOffset === undefined) return;
+  const button = el("button", { type: "button", id: "more" }, "more results");
+  button.addEventListener("click", () => { button.disabled = true; load(nextOffset); });
+  $("results").after(button);
 }
 
 // Result cards: the thumbnail with its alignment, and the "why?" (POST /explain, when there is a
 // sentence) and "more like this" (POST /search/similar) buttons.
-function showImages(hits, sentence) {
+function showImages(hits, sentence, offset = 0) {
   const results = $("results");
-  results.replaceChildren();
-  hits.forEach((hit, rank) => {
+  if (offset === 0) results.replaceChildren();
+  hits.forEach((hit, i) => {
+    const rank = offset + i;
     const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);  // boxes: original's pixels
     drawAlignment(overlay, hit.alignment, hit.width, hit.height);
     const why = el("button", { type: "button", class: "why" }, "why?");
@@ -181,6 +202,7 @@ async function runSimilar(form, name) {
   try {
     const data = await api("/search/similar", { method: "POST", body: form });
     showImages(data.results, null);
+    moreButton(null);
     const said = data.described_by.length ? ` (described as “${data.described_by[0].text}”)` : "";
     status.textContent = `${data.results.length} images like ${name}${said} in ${data.took_ms.toFixed(0)} ms`;
     document.body.dataset.state = "done";
@@ -197,6 +219,7 @@ async function searchRegions(phrase, k) {
   });
   const results = $("results");
   results.replaceChildren();
+  moreButton(null);
   data.results.forEach((hit, rank) => {
     const img = el("img", { class: "result-img", src: hit.url, alt: hit.name, loading: "lazy" });
     const overlay = el("div", { class: "overlay" });
