@@ -152,9 +152,8 @@ def test_screenshot_of_the_flickr8k_page() -> None:
 
 def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: ServiceEnv) -> None:
     """Interactions, driven over the DevTools protocol: "more results" adds the next page, hovering a
-    triplet lights its region and a
-    region its triplets, "why?" opens the pair table, a dropped and a pasted image are described, and
-    "more like this" finds images like the upload."""
+    triplet lights its region and a region its triplets, "why?" opens the pair table, a dropped and a
+    pasted image are described, and "more like this" finds images like the upload."""
     browser = Browser(CHROMIUM)
     try:
         browser.navigate(page_url(served, "a red circle beside a blue square", k="4"))
