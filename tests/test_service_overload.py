@@ -100,9 +100,9 @@ def test_past_the_deadline_the_client_gets_504_and_waiting_work_never_starts(ser
     calls: list[str] = []
     real = engine.annotate
 
-    def counted(data: bytes, k: int) -> object:
+    def counted(data: bytes, k: int, offset: int = 0) -> object:
         calls.append("started")
-        return real(data, k)
+        return real(data, k, offset)
 
     engine.annotate = counted  # type: ignore[method-assign]
 
@@ -168,4 +168,4 @@ def test_engine_methods_are_unchanged_by_the_gate(service_env: ServiceEnv) -> No
 
     r = run_app(app, scenario)
     assert isinstance(r, httpx.Response) and r.status_code == 200
-    assert [h["id"] for h in r.json()["results"]] == [h.image_id for h in engine.search_images(sentence, 5)]
+    assert [h["id"] for h in r.json()["results"]] == [h.image_id for h in engine.search_images(sentence, 5).hits]
