@@ -128,12 +128,13 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
     by_hash = {e.sha256: rel for rel, e in vanished.items()}
     to_add: list[str] = []
     to_remove: list[int] = []
+    digests: dict[str, str] = {}  # content hashes read while checking, reused for the manifest
     for rel, st in tqdm(on_disk.items(), desc="checking", unit="file", disable=len(on_disk) < 1000):
         old = manifest.get(rel)
         if old is not None and old.size == st.st_size and old.mtime_ns == st.st_mtime_ns:
             report.unchanged += 1
             continue
-        digest = sha256_file(folder / rel)
+        digest = digests[rel] = sha256_file(folder / rel)
         if old is not None and old.sha256 == digest:  # touched, not changed
             manifest[rel] = Entry(st.st_size, st.st_mtime_ns, digest, old.image_id)
             report.unchanged += 1
@@ -174,7 +175,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         for path, image_id in ids.items():
             rel = Path(path).relative_to(folder).as_posix()
             st = on_disk[rel]
-            manifest[rel] = Entry(st.st_size, st.st_mtime_ns, sha256_file(folder / rel), image_id)
+            manifest[rel] = Entry(st.st_size, st.st_mtime_ns, digests[rel], image_id)  # every added file was hashed
         write_manifest(index.root, folder, manifest)
         bar.update(len(part))
     bar.close()
