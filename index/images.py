@@ -308,26 +308,32 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
         return self._rank_many(score, len(sents), k)
 
-    @torch.inference_mode()
     def search_fragments(self, phrase: str, k: int = 10) -> list[RegionHit]:
-        """The k image regions that best match a phrase or a triplet "rel(w1, w2)" (paper Fig. 5).
+        """The k image regions that best match a phrase or a triplet "rel(w1, w2)" (paper Fig. 5)."""
+        return self.search_fragments_page(phrase, 0, k).hits
+
+    @torch.inference_mode()
+    def search_fragments_page(self, phrase: str, offset: int, limit: int) -> Page[RegionHit]:
+        """Regions ranked offset + 1 .. offset + limit for a phrase or a triplet "rel(w1, w2)".
 
         A region's score is the sum over the phrase's fragments of max(0, v_i . s_j); FAISS proposes
-        max(k', k) regions per phrase fragment and those are scored exactly.
+        max(k', offset + limit) regions per phrase fragment and those are scored exactly (regions
+        scoring 0 are not matches and end the ranking).
         """
         sent, _ = encode_phrase(self.bundle, phrase)
         with self.reading():
-            items, frags = self.candidate_fragments(sent.numpy(), max(self.settings.k_prime, k))
+            items, frags = self.candidate_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
             if len(items) == 0:
-                return []
+                return Page([], offset, 0)
             regions = self.fragment_vectors(items, frags)[:, None]
             scores = fragment_scores(torch.from_numpy(regions), sent[None])[:, 0, 0, :].clamp_min(0).sum(-1).numpy()
-            order = np.lexsort((frags, items, -scores))[:k]
+            order = np.lexsort((frags, items, -scores))[offset : offset + limit]
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())
-        return [RegionHit(int(items[o]), payloads[int(items[o])].name,
+        hits = [RegionHit(int(items[o]), payloads[int(items[o])].name,
                           [float(v) for v in payloads[int(items[o])].boxes[frags[o]]], int(frags[o]), float(scores[o]))
                 for o in order]
+        return Page(hits, offset, int(np.count_nonzero(scores > 0)))
 
     # -- SQLite rows ------------------------------------------------------------------------------
     def _row(self, payload: StoredImage) -> tuple[Any, ...]:

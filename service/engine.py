@@ -169,16 +169,17 @@ class Engine:
             img, boxes = self._fragments_of(decoded, self.sentences)
             return decoded, describe_and_search(self.images, self.sentences, img, boxes, k=k, offset=offset)
 
-    def search_fragments(self, phrase: str, k: int) -> list[RegionHit]:
+    def search_fragments(self, phrase: str, k: int, offset: int = 0) -> Page[RegionHit]:
+        """Regions ranked offset + 1 .. offset + k for a phrase."""
         try:
-            return self.images.search_fragments(phrase, k)
+            return self.images.search_fragments_page(phrase, offset, k)
         except ValueError as e:
             raise text_error(e, "phrase") from e
 
-    def search_triplet(self, relation: str, w1: str, w2: str, k: int) -> list[RegionHit]:
+    def search_triplet(self, relation: str, w1: str, w2: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions for one triplet: embedded as is when its relation is kept and its words are known,
         otherwise its words are read as a phrase."""
-        return self.search_fragments(f"{relation}({w1}, {w2})", k)
+        return self.search_fragments(f"{relation}({w1}, {w2})", k, offset)
 
     def decode(self, data: bytes) -> Decoded:
         try:

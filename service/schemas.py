@@ -43,11 +43,15 @@ def _not_blank(value: str, what: str) -> str:
     return text
 
 
+def _offset_field() -> Any:
+    return Field(default=0, ge=0, strict=True, description="ranks skipped: the page starts at rank offset + 1 "
+                 "(offset + k at most the service's max_rank)")
+
+
 class SearchImagesRequest(BaseModel):
     sentence: str = Field(description="a sentence describing the images wanted", examples=["a dog runs on the grass"])
     k: int = Field(default=10, ge=1, strict=True, description="number of images (at most the service's k limit)")
-    offset: int = Field(default=0, ge=0, strict=True, description="ranks skipped: the page starts at rank offset + 1 "
-                        "(offset + k at most the service's max_rank)")
+    offset: int = _offset_field()
 
     @field_validator("sentence")
     @classmethod
@@ -71,6 +75,7 @@ class SearchFragmentsRequest(BaseModel):
     phrase: str | None = Field(default=None, description="a short phrase, e.g. 'black dog'", examples=["black dog"])
     triplet: TripletIn | None = Field(default=None, description="a dependency triplet")
     k: int = Field(default=10, ge=1, strict=True, description="number of regions (at most the service's k limit)")
+    offset: int = _offset_field()
 
     @field_validator("phrase")
     @classmethod
@@ -150,15 +155,20 @@ class ExplainResponse(BaseModel):
     took_ms: float
 
 
-class SearchImagesResponse(BaseModel):
+class Paged(BaseModel):
+    """The paging fields of a ranked answer."""
+
+    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
+    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
+    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
+                            "or the whole collection when it is scanned (regions, for a fragment search)")
+
+
+class SearchImagesResponse(Paged):
     model_config = _example({"sentence": "a black dog runs", "results": [_IMAGE], "took_ms": 27.4})
 
     sentence: str
     results: list[ImageResult]
-    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
-    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
-    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
-                            "or the whole collection when it is scanned")
     took_ms: float
 
 
@@ -169,20 +179,16 @@ class SentenceResult(BaseModel):
     alignment: list[FragmentMatchOut]
 
 
-class AnnotateResponse(BaseModel):
+class AnnotateResponse(Paged):
     model_config = _example({"width": 500, "height": 375, "results": [_SENTENCE], "took_ms": 212.0})
 
     width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
     height: int
     results: list[SentenceResult]
-    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
-    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
-    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
-                            "or the whole collection when it is scanned")
     took_ms: float
 
 
-class SimilarResponse(BaseModel):
+class SimilarResponse(Paged):
     model_config = _example({
         "image_id": 17, "width": 500, "height": 375, "described_by": [_SENTENCE],
         "results": [{**_IMAGE, "id": 240, "url": "/images/240", "thumbnail": "/images/240/thumbnail?size=256"}],
@@ -195,10 +201,6 @@ class SimilarResponse(BaseModel):
                                                "query image, aligned to its regions: together they are the query")
     results: list[ImageResult] = Field(description="images ranked by S_kl for those sentences' fragments, each "
                                        "with their alignment to its regions")
-    offset: int = Field(default=0, description="the rank before the first result (the page starts at offset + 1)")
-    next_offset: int | None = Field(default=None, description="offset of the next page; null on the last page")
-    considered: int = Field(default=0, description="items the exact score ranked: the candidates the index recalled, "
-                            "or the whole collection when it is scanned")
     took_ms: float
 
 
@@ -211,7 +213,7 @@ class RegionResult(BaseModel):
     score: float = Field(description="fragment score v_i . s")
 
 
-class SearchFragmentsResponse(BaseModel):
+class SearchFragmentsResponse(Paged):
     model_config = _example({
         "query": "black dog", "took_ms": 18.2,
         "results": [{"image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",

@@ -294,6 +294,24 @@ def test_pages_of_results(client: TestClient, service_env: ServiceEnv) -> None:
 
     assert similar(2, 0) + similar(2, 2) == similar(4, 0) and query not in similar(4, 0)
 
+    def regions(k: int, offset: int, body: dict | None = None) -> dict:
+        r = client.post("/search/fragments", json={**(body or {"phrase": "red circle"}), "k": k, "offset": offset})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def keys(page: dict) -> list[tuple[int, int]]:
+        return [(h["image_id"], h["fragment"]) for h in page["results"]]
+
+    whole_r, first_r, second_r = regions(6, 0), regions(3, 0), regions(3, 3)
+    assert keys(first_r) + keys(second_r) == keys(whole_r) and len(keys(whole_r)) == 6
+    assert (first_r["next_offset"], second_r["offset"]) == (3, 3) and first_r["considered"] >= 6
+    triplet = {"triplet": {"relation": "amod", "w1": "circle", "w2": "red"}}
+    assert keys(regions(2, 0, triplet)) + keys(regions(2, 2, triplet)) == keys(regions(4, 0, triplet))
+    tail = regions(5, first_r["considered"] - 2)
+    assert len(tail["results"]) == 2 and tail["next_offset"] is None
+    deep = client.post("/search/fragments", json={"phrase": "red circle", "k": 5, "offset": 999})
+    assert deep.status_code == 422 and deep.json()["error"]["code"] == "bad_offset"
+
 
 def test_response_examples_are_valid_answers(client: TestClient) -> None:
     from service import schemas

@@ -60,16 +60,18 @@ def build_router() -> APIRouter:
         """Image regions that best match a phrase or one dependency triplet."""
         t0 = time.perf_counter()
         k = check_k(body.k, s)
+        offset = check_offset(body.offset, k, s)
         if body.triplet is not None:
             t = body.triplet
             query = f"{t.relation}({t.w1}, {t.w2})"
             check_text(f"{t.w1} {t.w2}", s, "triplet")
-            hits = await gates.search.run(engine.search_triplet, t.relation, t.w1, t.w2, k)
+            page = await gates.search.run(engine.search_triplet, t.relation, t.w1, t.w2, k, offset)
         else:
             assert body.phrase is not None
             query = check_text(body.phrase, s, "phrase")
-            hits = await gates.search.run(engine.search_fragments, query, k)
-        return SearchFragmentsResponse(query=query, results=[region_result(h) for h in hits], took_ms=_ms(t0))
+            page = await gates.search.run(engine.search_fragments, query, k, offset)
+        return SearchFragmentsResponse(query=query, results=[region_result(h) for h in page.hits],
+                                       **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
 
     @router.post("/explain", response_model=ExplainResponse, responses=responses(404, 413, 422, 503, 504))
     async def explain(body: ExplainRequest, engine: EngineDep, s: SettingsDep, gates: GatesDep) -> ExplainResponse:
