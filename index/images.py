@@ -23,7 +23,17 @@ from tqdm import tqdm
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.query import encode_phrase, encode_sentence, matches, row_triplets
-from index.types import AddReport, Explanation, ImageHit, ImageRecord, IndexSettings, Page, PairShare, RegionHit
+from index.types import (
+    AddReport,
+    ExplainScope,
+    Explanation,
+    ImageHit,
+    ImageRecord,
+    IndexSettings,
+    Page,
+    PairShare,
+    RegionHit,
+)
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.image import ImageFragments, RegionExtractor
@@ -265,18 +275,31 @@ class ImageIndex(FragmentIndex[StoredImage]):
     @torch.inference_mode()
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         """Why image `image_id` scores what it does for `sentence` (None when it is not indexed): its
-        S_kl, the rank the exact score gives it over the whole collection (what a search with enough
-        candidates returns), its alignment and every fragment pair's share of the score."""
+        S_kl, its rank as a search ranks it, its alignment and every fragment pair's share of the score.
+
+        A collection a search scans whole (`settings.exact_below`) is ranked whole; a larger one over
+        the candidates the index recalls for the sentence plus this image, so the cost stays that of
+        a search, and `recalled` tells whether a search could return the image at all."""
         sent, triplets = encode_sentence(self.bundle, sentence)
         sent_mask = torch.ones(1, len(sent))
+        item = np.asarray([image_id], dtype=np.int64)
         with self.reading():
             if not self.contains(image_id):
                 return None
             ids, scores = [], []
-            for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
-                ids.append(part)
+            scope: ExplainScope = "collection"
+            recalled = True
+            if self._small():
+                for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
+                    ids.append(part)
+                    scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
+            else:
+                candidates = self._candidates(sent.numpy())
+                scope, recalled = "candidates", bool(np.isin(image_id, candidates))
+                ranked = np.union1d(candidates, item)
+                vecs, mask = self._vectors(ranked)
+                ids.append(ranked)
                 scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
-            item = np.asarray([image_id], dtype=np.int64)
             vecs, mask = self._vectors(item)
             payload = self.payloads([image_id])[image_id]
         all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
@@ -291,7 +314,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
                            float(shares[i, j]))
                  for j in range(len(sent)) for i in range(len(frags))]
         return Explanation(image_id, payload.name, payload.width, payload.height, mine, rank, len(all_ids),
-                           len(frags), len(sent), matches(frags, sent, triplets, payload.boxes), pairs)
+                           len(frags), len(sent), matches(frags, sent, triplets, payload.boxes), pairs, scope,
+                           recalled)
 
     @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16")
@@ -205,10 +205,17 @@ class PairShare:
     contribution: float
 
 
+ExplainScope = Literal["collection", "candidates"]  # what an explained rank is taken over
+
+
 @dataclass
 class Explanation:
     """Why an image scores what it does for a sentence: S_kl, the rank the exact score gives it among
-    `images` live images (ties to the smaller id, as searches rank), its alignment and every pair."""
+    `images` ranked images (ties to the smaller id, as searches rank), its alignment and every pair.
+
+    `scope` is "collection" when every live image was ranked (a collection a search scans whole), or
+    "candidates" when only the images the index recalls for the sentence were, plus this one, as a
+    search ranks them; `recalled` says whether the index recalled it (a search can return it)."""
 
     image_id: int
     name: str
@@ -221,6 +228,8 @@ class Explanation:
     sentence_fragments: int
     alignment: list[FragmentMatch]
     pairs: list[PairShare]
+    scope: ExplainScope = "collection"
+    recalled: bool = True
 
 
 @dataclass

@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from index.types import ExplainScope
+
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
@@ -133,7 +135,8 @@ class ExplainResponse(BaseModel):
     model_config = _example({
         "image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
         "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "sentence": "a black dog runs",
-        "score": 0.0831, "rank": 1, "images": 1000, "image_fragments": 20, "sentence_fragments": 2,
+        "score": 0.0831, "rank": 1, "images": 1000, "scope": "collection", "recalled": True,
+        "image_fragments": 20, "sentence_fragments": 2,
         "alignment": [_MATCH], "pairs": [{**_MATCH, "cleared": True, "contribution": 0.00294}], "took_ms": 15.0})
 
     image_id: int
@@ -144,9 +147,15 @@ class ExplainResponse(BaseModel):
     height: int
     sentence: str
     score: float = Field(description="the image-sentence score S_kl, as searches compute it")
-    rank: int = Field(description="the image's place among all indexed images by the exact score (1 = first; "
+    rank: int = Field(description="the image's place by the exact score among the images ranked (1 = first; "
                       "ties to the smaller id)")
     images: int = Field(description="how many images were ranked")
+    scope: ExplainScope = Field(
+        description="'collection': every indexed image was ranked (a collection small enough to scan); "
+                    "'candidates': the images the index recalls for the sentence, plus this one, as a search "
+                    "ranks them")
+    recalled: bool = Field(description="whether a search for the sentence can return this image (always true "
+                           "when the whole collection is ranked)")
     image_fragments: int
     sentence_fragments: int
     alignment: list[FragmentMatchOut] = Field(description="each sentence fragment's best region, as in a search")

@@ -206,6 +206,34 @@ def test_small_collections_are_scanned_exactly(tmp_path: Path, bundle: Bundle, m
     small.close()
 
 
+def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_path: Path, bundle: Bundle,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.undo()  # the real policy: scanned whole under exact_below fragments
+    index = ImageIndex.create(tmp_path / "explain", bundle, IndexSettings(k_prime=1))
+    random_images(index, 60, seed=5)
+    query = QUERIES[0]
+    whole = index.search_exhaustive(query, 60)
+    for place, hit in enumerate(whole[:5], start=1):
+        e = index.explain(hit.image_id, query)
+        assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("collection", True, place, 60)
+    index.set_search(exact_below=0)  # a large collection: the rank is taken over the recalled candidates
+    sent, _ = encode_sentence(bundle, query)
+    recalled = set(index._candidates(sent.numpy()).tolist())
+    assert 0 < len(recalled) < 60
+    found = index.search(query, 60)
+    for place, hit in enumerate(found, start=1):  # a recalled image: the rank the search gave it
+        e = index.explain(hit.image_id, query)
+        assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("candidates", True, place, len(recalled))
+        assert e.score == pytest.approx(hit.score, abs=1e-6)
+    missed = next(h for h in whole if h.image_id not in recalled)
+    e = index.explain(missed.image_id, query)  # not recalled: ranked among the candidates as if it were
+    assert e is not None and (e.scope, e.recalled, e.images) == ("candidates", False, len(recalled) + 1)
+    assert e.rank == 1 + sum(h.score > missed.score or (h.score == missed.score and h.image_id < missed.image_id)
+                             for h in found)
+    assert e.score == pytest.approx(missed.score, abs=1e-6)
+    index.close()
+
+
 def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(faiss_index: ImageIndex,
                                                                                  bundle: Bundle):
     sent, _ = encode_sentence(bundle, QUERIES[0])

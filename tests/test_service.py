@@ -198,6 +198,7 @@ def test_explain_gives_the_score_rank_and_every_pairs_share(client: TestClient, 
         assert r.status_code == 200, r.text
         e = r.json()
         assert e["rank"] == place and e["images"] == len(service_env.dev)
+        assert e["scope"] == "collection" and e["recalled"]  # a small collection is ranked whole
         assert abs(e["score"] - hit["score"]) < 1e-5
         assert e["alignment"] == hit["alignment"]
         pairs = e["pairs"]

@@ -95,6 +95,7 @@ def explain_out(e: Explanation, sentence: str, took_ms: float) -> ExplainRespons
     return ExplainResponse(
         image_id=e.image_id, name=e.name, url=image_url(e.image_id), thumbnail=thumbnail_url(e.image_id),
         width=e.width, height=e.height, sentence=sentence, score=e.score, rank=e.rank, images=e.images,
+        scope=e.scope, recalled=e.recalled,
         image_fragments=e.image_fragments, sentence_fragments=e.sentence_fragments,
         alignment=[match_out(m) for m in e.alignment],
         pairs=[PairOut(triplet=p.triplet, relation=p.relation, words=list(p.words), fragment=p.fragment,

@@ -176,7 +176,9 @@ async function explain(card, imageId, sentence) {
       el("td", {}, p.triplet), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}`),
       el("td", {}, p.score.toFixed(3)), el("td", {}, p.contribution.toFixed(5))));
     box.replaceChildren(
-      el("p", {}, `S = ${e.score.toFixed(4)}, rank ${e.rank} of ${e.images}; `,
+      el("p", {}, `S = ${e.score.toFixed(4)}, rank ${e.rank} of ${e.images}`,
+        e.scope === "candidates" ? " images the index recalls for the sentence" : "",
+        e.recalled ? "; " : " (the index does not recall it: a search does not return it); ",
         `${e.pairs.filter((p) => p.cleared).length} of ${e.pairs.length} pairs clear the threshold (v·s > 0)`),
       el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "triplet"), el("th", {}, "region"),
         el("th", {}, "v·s"), el("th", {}, "share of S"))), el("tbody", {}, ...rows)));
