@@ -123,8 +123,9 @@ def row(collection: str, n_items: int, index: ImageIndex | SentenceIndex, found:
 
 def sweep(index: ImageIndex | SentenceIndex, settings: Sequence[IndexSettings],
           measure: Callable[[], Row], build_threads: int) -> list[Row]:
-    """Measure every setting; the candidate index is rebuilt (on `build_threads`) only when its
-    structure changes."""
+    """Measure every setting with the candidate stage on (exact_below=0: collections under the
+    default limit would otherwise be scanned exactly, and every row would measure the scan); the
+    candidate index is rebuilt (on `build_threads`) only when its structure changes."""
     rows = []
     for s in settings:
         structural = dataclasses.replace(s, nprobe=index.settings.nprobe, ef_search=index.settings.ef_search,
@@ -137,8 +138,7 @@ def sweep(index: ImageIndex | SentenceIndex, settings: Sequence[IndexSettings],
             index.rebuild(s)
             faiss.omp_set_num_threads(search_threads)
             logger.info("built %s in %.1f s", s.factory(), time.perf_counter() - t0)
-        index.set_search(nprobe=s.nprobe, ef_search=s.ef_search, k_prime=s.k_prime, rerank=s.rerank,
-                         exact_below=s.exact_below)
+        index.set_search(nprobe=s.nprobe, ef_search=s.ef_search, k_prime=s.k_prime, rerank=s.rerank, exact_below=0)
         rows.append(measure())
     return rows
 
