@@ -125,6 +125,7 @@ class TrainConfig:
     lr: float = 1e-3
     momentum: float = 0.9
     weight_decay: float = 1e-6  # alpha
+    grad_clip: float = 0.0  # > 0: the gradient's global norm is clipped to this before each step (0 = off)
     beta: float = 1.0  # weight of the global ranking objective
     margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)

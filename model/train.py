@@ -147,10 +147,13 @@ def _batch_images(pair_image: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, 
     return imgs, local_t, pos
 
 
-def _step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
-    """One optimiser step on `loss`; returns its value."""
+def _step(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float = 0.0) -> float:
+    """One optimiser step on `loss`, its gradient's global norm first clipped to `clip` when > 0;
+    returns the loss."""
     opt.zero_grad()
     loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], clip)
     opt.step()
     return float(loss.detach())
 
@@ -180,7 +183,7 @@ def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, da
             loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
         if use_glob:
             loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin, cfg.global_top_k)
-        total += _step(opt, loss)
+        total += _step(opt, loss, run.train.grad_clip)
         n += 1
         bar.set_postfix(loss=f"{total / n:.4f}")
     return total / max(n, 1)
@@ -209,7 +212,7 @@ def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data
         txt = model.embed_text(sent_vecs[torch.from_numpy(sents)].to(cfg.device))
         loss = two_branch_loss(img, txt, pos, pair_local, cfg.tb_margin, cfg.tb_top_k,
                                cfg.tb_lambda_img, cfg.tb_lambda_struct)
-        total += _step(opt, loss)
+        total += _step(opt, loss, run.train.grad_clip)
         n += 1
     return total / max(n, 1)
 
@@ -234,7 +237,7 @@ def train_global_epoch(model: TreeRNN | DeViSE, run: Run, feats: torch.Tensor, d
         scores = flatten(img[:, None], ones_i, sent[:, None], ones_s).scores  # (K, L) v . s
         loss = global_loss(scores, pos.to(cfg.device), local.to(cfg.device), cfg.margin, cfg.global_top_k,
                            rank_images=cfg.rank_images)
-        total += _step(opt, loss)
+        total += _step(opt, loss, run.train.grad_clip)
         n += 1
         bar.set_postfix(loss=f"{total / n:.4f}")
     return total / max(n, 1)

@@ -15,8 +15,8 @@ from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import build_model
 from model.evaluate import evaluate
 from model.text import make_parser
+from model.train import _step, split_for_selection
 from model.train import main as train_main
-from model.train import split_for_selection
 from tests.conftest import ShapesModel
 
 
@@ -86,3 +86,15 @@ def test_trainer_keeps_the_best_epoch_on_held_out_training_images(shapes_model: 
     summary = json.loads((tmp_path / "last" / "history.json").read_text())
     assert summary["selection"] == {"rule": "last", "epochs": 2, "epoch": 2} and summary["train_images"] == 60
     assert Bundle.load(tmp_path / "last" / "model.pt").meta["selection"]["epoch"] == 2
+
+
+def test_a_step_clips_the_gradient_norm_when_asked() -> None:
+    def moved(clip: float) -> float:
+        w = torch.nn.Parameter(torch.zeros(4))
+        opt = torch.optim.SGD([w], lr=1.0)
+        loss = (w * torch.tensor([30.0, 40.0, 0.0, 0.0])).sum()  # gradient norm 50
+        assert _step(opt, loss, clip) == 0.0
+        return float(w.detach().norm())
+
+    assert moved(0.0) == pytest.approx(50.0)  # off: the plain SGD step
+    assert moved(5.0) == pytest.approx(5.0)  # the step of lr 1 is the clipped gradient
