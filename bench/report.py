@@ -48,7 +48,6 @@ PAPER_ROWS = {
 ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+global", "fragment", "global", "fullframe",
          "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide",
          "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
-         "sdt-rnn-contextual-val",
          "devise", "devise (paper)", "devise-bidirectional", "devise-contextual"]
 
 

@@ -87,8 +87,8 @@ def test_variant_resolves_to_the_rows_settings(name: str) -> None:
 
 def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
-                      "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0, "beta": 1.0,
-                      "margin": 0.05, "global_top_k": 0, "rank_images": True, "balanced": True, "h": 256,
+                      "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0,
+                      "beta": 1.0, "margin": 0.05, "global_top_k": 0, "rank_images": True, "balanced": True, "h": 256,
                       "calibrate": 0,
                       "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,
                       "selection": "val", "val_images": 500, "val_seed": 0, "eval_every": 2, "seed": 0,
