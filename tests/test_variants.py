@@ -62,7 +62,8 @@ EXPECTED |= {
     "devise-bidirectional": {**DEVISE, "train": {"margin": 0.1}},
     "dt-rnn-contextual": {**RNN, "text": {"fragments": "tree", "word_vectors": "contextual"}},
     "sdt-rnn-contextual": {**RNN, "model": {"kind": "sdt-rnn", "h": 256},
-                           "text": {"fragments": "tree", "word_vectors": "contextual"}},
+                           "text": {"fragments": "tree", "word_vectors": "contextual"},
+                           "train": {"margin": 1.0, "grad_clip": 5.0}},
     "devise-contextual": {**DEVISE, "text": {"fragments": "tree", "word_vectors": "contextual"}},
 }
 
