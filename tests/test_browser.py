@@ -201,3 +201,20 @@ def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: Servi
         browser.wait_for("document.querySelectorAll('#annotation .sentences li').length > 0")
     finally:
         browser.close()
+
+
+def test_more_regions_from_the_page(served: str) -> None:
+    """Region search pages like image search: "more results" adds the next ranks to the grid."""
+    browser = Browser(CHROMIUM)
+    try:
+        browser.navigate(page_url(served, "red circle", mode="regions", k="3"))
+        browser.wait_for("document.body.dataset.state === 'done'")
+        assert browser.evaluate("document.querySelectorAll('#results .card').length") == 3
+        browser.evaluate("document.getElementById('more').click()")
+        browser.wait_for("document.querySelectorAll('#results .card').length === 6")
+        ranks = browser.evaluate("[...document.querySelectorAll('#results .card figcaption strong')]"
+                                 ".map(s => s.textContent)")
+        assert ranks == [f"#{r} " for r in range(1, 7)], ranks
+        assert browser.evaluate("document.getElementById('search-status').textContent").startswith("6 regions")
+    finally:
+        browser.close()

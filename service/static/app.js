@@ -215,14 +215,23 @@ async function runSimilar(form, name) {
   }
 }
 
-async function searchRegions(phrase, k) {
+async function searchRegions(phrase, k, offset = 0) {
   const data = await api("/search/fragments", {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ phrase, k }),
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ phrase, k, offset }),
   });
   const results = $("results");
-  results.replaceChildren();
-  moreButton(null);
-  data.results.forEach((hit, rank) => {
+  if (offset === 0) results.replaceChildren();
+  moreButton(data.next_offset, async (next) => {
+    const status = $("search-status");
+    try {
+      status.textContent = await searchRegions(phrase, k, next);
+    } catch (err) {
+      status.textContent = err.message;
+      status.classList.add("error");
+    }
+  });
+  data.results.forEach((hit, i) => {
+    const rank = offset + i;
     const img = el("img", { class: "result-img", src: hit.url, alt: hit.name, loading: "lazy" });
     const overlay = el("div", { class: "overlay" });
     const frame = el("div", { class: "frame" }, img, overlay);
@@ -233,7 +242,8 @@ async function searchRegions(phrase, k) {
     results.append(el("figure", { class: "card", "data-id": hit.image_id }, frame,
       el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · region ${hit.fragment}`)));
   });
-  return `${data.results.length} regions for “${data.query}” in ${data.took_ms.toFixed(0)} ms`;
+  const shown = offset + data.results.length;
+  return `${shown} regions for “${data.query}” (of ${data.considered} matching) in ${data.took_ms.toFixed(0)} ms`;
 }
 
 async function runSearch() {
