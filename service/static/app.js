@@ -113,26 +113,28 @@ async function searchImages(sentence, k, offset = 0) {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k, offset }),
   });
   showImages(data.results, data.sentence, offset);
-  moreButton(data.next_offset, async (next) => {
-    const status = $("search-status");
-    try {
-      status.textContent = await searchImages(sentence, k, next);
-    } catch (err) {
-      status.textContent = err.message;
-      status.classList.add("error");
-    }
-  });
+  moreButton(data.next_offset, (next) => searchImages(sentence, k, next));
   const shown = offset + data.results.length;
   return `${shown} images for “${data.sentence}” (of ${data.considered} ranked) in ${data.took_ms.toFixed(0)} ms`;
 }
 
-// "more results" under the grid while the ranking has another page (next_offset), else nothing.
+// "more results" under the grid while the ranking has another page (next_offset), else nothing;
+// load(next) fetches and shows that page and returns the status line.
 function moreButton(nextOffset, load) {
   const old = $("more");
   if (old) old.remove();
   if (nextOffset === null || nextOffset === undefined) return;
   const button = el("button", { type: "button", id: "more" }, "more results");
-  button.addEventListener("click", () => { button.disabled = true; load(nextOffset); });
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    const status = $("search-status");
+    try {
+      status.textContent = await load(nextOffset);
+    } catch (err) {
+      status.textContent = err.message;
+      status.classList.add("error");
+    }
+  });
   $("results").after(button);
 }
 
@@ -221,15 +223,7 @@ async function searchRegions(phrase, k, offset = 0) {
   });
   const results = $("results");
   if (offset === 0) results.replaceChildren();
-  moreButton(data.next_offset, async (next) => {
-    const status = $("search-status");
-    try {
-      status.textContent = await searchRegions(phrase, k, next);
-    } catch (err) {
-      status.textContent = err.message;
-      status.classList.add("error");
-    }
-  });
+  moreButton(data.next_offset, (next) => searchRegions(phrase, k, next));
   data.results.forEach((hit, i) => {
     const rank = offset + i;
     const img = el("img", { class: "result-img", src: hit.url, alt: hit.name, loading: "lazy" });
