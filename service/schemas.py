@@ -97,8 +97,8 @@ class FragmentMatchOut(BaseModel):
     triplet: str = Field(description="the fragment as text, e.g. 'amod(dog, black)'")
     relation: str
     words: list[str] = Field(description="[w1, w2]")
-    box: Box = Field(description="matched image region [x0, y0, x1, y1] in the image's pixels")
-    fragment: int = Field(description="index of the matched image fragment (0 = whole image)")
+    box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
+    fragment: int = Field(description="index of the image fragment (0 = whole image)")
     score: float = Field(description="fragment score v_i . s_j")
 
 
@@ -118,15 +118,9 @@ class ExplainRequest(BaseModel):
     sentence: str = Field(description="the sentence the image is explained for", examples=["a dog runs on the grass"])
 
 
-class PairOut(BaseModel):
-    """One sentence fragment with one image fragment."""
+class PairOut(FragmentMatchOut):
+    """One sentence fragment with one image fragment (not only its best)."""
 
-    triplet: str = Field(description="the sentence fragment as text, e.g. 'amod(dog, black)'")
-    relation: str
-    words: list[str] = Field(description="[w1, w2]")
-    fragment: int = Field(description="index of the image fragment (0 = whole image)")
-    box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
-    score: float = Field(description="fragment score v_i . s_j")
     cleared: bool = Field(description="v_i . s_j > 0: only such pairs count towards S_kl")
     contribution: float = Field(description="the pair's share of S_kl: max(0, v_i . s_j) / (|g_k| (|g_l| + n))")
 
