@@ -8,11 +8,14 @@ on faiss-gpu.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 
+from index import ImageIndex, SentenceIndex
 from index import ids as fid
 from index.ann import AnnIndex
 from index.types import IndexSettings
@@ -26,7 +29,10 @@ from model.device import (
     MODEL_DEVICE,
     placement,
 )
-from tests import gpu_stand_in
+from service.app import create_app, load_engine
+from service.engine import Engine
+from tests import gpu_stand_in, served
+from tests.conftest import ShapesModel
 
 # call, kind, ivfpq code bits, gpu (model on a GPU and faiss-gpu), k -> where it runs
 POLICY = [
@@ -188,3 +194,35 @@ def test_calls_on_the_gpu_copy_are_serialised(monkeypatch: pytest.MonkeyPatch) -
     assert stand_in.calls == 5
     assert not stand_in.overlapped
 
+
+# -- the served path ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def collection(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> served.Collection:
+    return served.prepare(shapes_model, tmp_path_factory.mktemp("served"))
+
+
+def test_served_answers_with_the_gpu_placements_match_the_cpus(collection: served.Collection,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """tests/test_gpu.py's served comparison with the model on the CPU and FAISS's GPU a stand-in: the
+    indexes loaded as on a GPU (use_gpu) and served over HTTP give every answer the CPU's, /annotate
+    (the sentence index's range search, what the warm-up does) included."""
+    settings = collection.settings(device="cpu")
+    with TestClient(create_app(settings, engine=load_engine(settings))) as c:
+        want = served.answers(c, collection)
+    stand_in = gpu_stand_in.install(monkeypatch)
+    bundle = collection.shapes.bundle
+    engine = Engine(settings, bundle,
+                    ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.collection_root,
+                                    use_gpu=True),
+                    SentenceIndex.load(settings.sentence_index_dir, bundle, use_gpu=True))
+    with caplog.at_level(logging.INFO, logger="service.engine"):
+        engine.log_device_policy()
+    assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact model-device (cpu), write faiss-cpu"
+            in caplog.text)
+    assert "sentence index (faiss flat): knn faiss-gpu, range matrix-cpu" in caplog.text
+    with TestClient(create_app(settings, engine=engine)) as c:
+        got = served.answers(c, collection)
+    served.assert_same_answers(got, want)
+    assert stand_in.calls >= len(collection.sentences) + len(collection.phrases)  # image searches on the "GPU"
+    assert not stand_in.overlapped
