@@ -1,4 +1,5 @@
-"""Every objective, encoder, scoring and training path on a device other than the CPU, without a GPU.
+"""Every objective, encoder, scoring, training and image-fragment path on a device other than the CPU,
+without a GPU.
 
 `tests.other_device` makes `cuda` a device whose tensors hold CPU data but are checked as CUDA checks
 them: a tensor made without `device=` and mixed with the model's, or a `.numpy()` of a device
@@ -9,6 +10,7 @@ answers must agree. (The same paths on a real GPU: tests/test_gpu.py.)
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageDraw
 
+import model.backbone
 import model.train
 from index import ImageIndex, IndexSettings, SentenceIndex
 from model.bundle import Bundle
@@ -26,6 +30,7 @@ from model.data import Split
 from model.dataset import SplitData
 from model.encoders import GLOBAL_KINDS, DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import TextPipeline
+from model.image import RegionExtractor
 from model.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_from_flat
 from model.text import RelationVocab, make_parser
@@ -351,3 +356,22 @@ def test_training_runs_on_another_device(variant: str, tiny_split: SplitData, tm
     assert state.keys() == cpu_state.keys()
     for name, weights in cpu_state.items():
         torch.testing.assert_close(state[name], weights, rtol=1e-4, atol=1e-6)
+
+
+# -- image fragments ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("features", ["roi_align", "crop", "full frame"])
+def test_image_extraction_runs_on_another_device(features: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proposals, the torch backbone, objectness and region features on the device: the CPU's regions
+    and features (the backbone's device check is told the device is there)."""
+    cfg = dataclasses.replace(IMAGE_CFG, region_features="crop" if features == "crop" else "roi_align",
+                              full_frame_only=features == "full frame")
+    image = Image.new("RGB", (160, 120), (240, 240, 240))
+    ImageDraw.Draw(image).ellipse((40, 30, 120, 90), fill=(200, 30, 30))
+    cpu = RegionExtractor(cfg, "cpu", runtime="torch").extract(image)
+    monkeypatch.setattr(model.backbone, "resolve_device", torch.device)
+    with other_device() as dev:
+        extractor = RegionExtractor(cfg, dev, runtime="torch")
+        assert extractor.backbone.runtime == "torch" and on_device(next(extractor.backbone.head.parameters()))
+        there = extractor.extract(image)
+    np.testing.assert_array_equal(there.boxes, cpu.boxes)
+    np.testing.assert_allclose(there.features, cpu.features, rtol=1e-5, atol=1e-5)
