@@ -3,7 +3,8 @@
 Ids are `index.ids` fragment ids. Trainable kinds (ivf, ivfpq, or hnsw behind a pre-transform)
 start as an exact flat index and are built for real by `AnnIndex.build` once enough vectors exist.
 hnsw cannot delete: its removed fragments stay in the graph and are filtered by the caller.
-With `use_gpu` and faiss-gpu with a GPU present, searches run on a GPU copy of the index.
+With `use_gpu` and faiss-gpu with a GPU present, each call runs where `model.device.placement` says:
+k-NN searches on a GPU copy of the index (index.gpu: one call at a time), range searches never there.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+from faiss.contrib.exhaustive_search import range_search_gpu
 from tqdm import tqdm
 
 from index import ids as fid
+from index.gpu import GpuCopy, faiss_gpu
 from index.types import IndexSettings
+from model.device import CALLS, FAISS_GPU, FAISS_GPU_MAX_K, GPU_KNN_CPU_RANGE, MATRIX_CPU, placement
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,8 @@ def _unwrap(index: faiss.Index) -> faiss.Index:
 
 
 def gpu_available() -> bool:
-    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    """faiss-gpu is installed and sees a GPU."""
+    return faiss_gpu() is not None
 
 
 class AnnIndex:
@@ -55,7 +60,7 @@ class AnnIndex:
             raise ValueError(f"FAISS index has dimension {index.d}, expected {dim}")
         self.index = index
         self.trained = trained  # True when `index` is of the target kind (not the flat stand-in)
-        self._gpu: faiss.Index | None = None
+        self._gpu: GpuCopy | None = None
         self._gpu_lock = threading.Lock()
         self._gpu_warned = False
         self._apply_search_params()
@@ -72,6 +77,15 @@ class AnnIndex:
     @property
     def supports_remove(self) -> bool:
         return self.active_kind != "hnsw"
+
+    def placement(self, call: str, k: int = 1) -> str:
+        """Where `call` runs for this index now (model.device.placement)."""
+        gpu = self.settings.use_gpu and gpu_available()
+        return placement(call, self.active_kind, gpu, self.settings.nbits, k)
+
+    def policy(self) -> dict[str, str]:
+        """Every call's placement, for the start-up log."""
+        return {call: self.placement(call) for call in CALLS}
 
     def needs_build(self, n_vectors: int) -> bool:
         """True when a trainable kind still runs as the flat stand-in and has enough vectors to train."""
@@ -123,22 +137,25 @@ class AnnIndex:
         """queries: (t, dim) float32 -> scores (t, k) and fragment ids (t, k) (-1 where fewer exist)."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         k = max(1, min(k, max(1, self.ntotal)))
-        index = self._search_index()
-        scores, ids = index.search(q, k)
+        copy = self._gpu_copy() if self.placement("knn", k) == FAISS_GPU else None
+        scores, ids = (copy or self.index).search(q, k)
         return scores, ids
 
     def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every fragment with a positive score for some query, with its positive scores: scores (N,)
         and fragment ids (N,), to be summed per fragment (a fragment may come once per query).
 
-        A flat index on the CPU gives each fragment once, with the sum over the queries of its
-        positive scores, from matrix products over its stored vectors (the same numbers as a range
-        search, without collecting every (query, fragment) pair); other kinds range-search (radius 0),
-        approximate ones returning the fragments they visit."""
+        A flat index gives each fragment once, with the sum over the queries of its positive scores,
+        from matrix products over its stored vectors on the CPU, with or without a GPU (the same
+        numbers as a range search, without collecting every (query, fragment) pair); other kinds
+        range-search (radius 0), approximate ones returning the fragments they visit: on the CPU, or
+        as k-NN on the GPU copy with the CPU index for the queries whose neighbours are all positive
+        (FAISS's GPU indexes have no range search)."""
         if self.ntotal == 0:
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
         q = np.ascontiguousarray(queries, dtype=np.float32)
-        stored = self._flat_vectors()
+        where = self.placement("range")
+        stored = self._flat_vectors() if where == MATRIX_CPU else None
         if stored is not None:
             vecs, ids = stored
             sums = np.empty(len(vecs), np.float32)
@@ -148,14 +165,16 @@ class AnnIndex:
                 sums[start : start + len(part)] = part.sum(axis=1)
             hit = sums > 0
             return sums[hit], ids[hit]
-        _, scores, ids = self._search_index().range_search(q, 0.0)
+        copy = self._gpu_copy() if where == GPU_KNN_CPU_RANGE else None
+        if copy is not None:
+            _, scores, ids = range_search_gpu(q, 0.0, copy, self.index, gpu_k=FAISS_GPU_MAX_K)
+        else:
+            _, scores, ids = self.index.range_search(q, 0.0)
         return scores, ids
 
     def _flat_vectors(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The stored vectors (N, dim) (a view, no copy) and their ids (N,) of an exact flat index on
-        the CPU; None for other kinds (read under the owner's read lock: a write may move them)."""
-        if self.settings.use_gpu and gpu_available():
-            return None
+        """The stored vectors (N, dim) (a view, no copy) and their ids (N,) of an exact flat index;
+        None for other kinds (read under the owner's read lock: a write may move them)."""
         outer = faiss.downcast_index(self.index)
         if not isinstance(outer, faiss.IndexIDMap | faiss.IndexIDMap2):
             return None
@@ -166,24 +185,20 @@ class AnnIndex:
         vecs = faiss.rev_swig_ptr(inner.get_xb(), n * self.dim).reshape(n, self.dim)
         return vecs, faiss.vector_to_array(outer.id_map)
 
-    def _search_index(self) -> faiss.Index:
-        if not self.settings.use_gpu:
-            return self.index
-        if not gpu_available():
-            if not self._gpu_warned:
-                logger.warning("use_gpu is set but faiss-gpu or a GPU is missing: searching on the CPU")
-                self._gpu_warned = True
-            return self.index
+    def _gpu_copy(self) -> GpuCopy | None:
+        """The index's GPU copy (made when missing), or None where it cannot be made."""
+        gpu = faiss_gpu()
+        if gpu is None:
+            return None
         with self._gpu_lock:
             if self._gpu is None:
                 try:
-                    res = faiss.StandardGpuResources()
-                    self._gpu = faiss.index_cpu_to_gpu(res, 0, self.index)
-                except RuntimeError as e:  # e.g. hnsw has no GPU version
+                    self._gpu = gpu.copy(self.index)
+                except RuntimeError as e:  # settings FAISS's GPU version refuses (e.g. its PQ sizes)
                     if not self._gpu_warned:
                         logger.warning("this index cannot move to the GPU (%s): searching on the CPU", e)
                         self._gpu_warned = True
-                    return self.index
+                    return None
             return self._gpu
 
     # -- building and files -----------------------------------------------------------------------

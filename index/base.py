@@ -65,6 +65,7 @@ from index.shared import SharedFragments
 from index.store import VectorStore
 from index.types import IndexFullError, IndexLoadError, IndexSettings
 from model.bundle import Bundle
+from model.device import MODEL_DEVICE
 from model.image import RegionExtractor
 
 logger = logging.getLogger(__name__)
@@ -378,6 +379,15 @@ class FragmentIndex(Generic[P]):
                 self._unindexed = []
             logger.info("%s index %s: candidate index rebuilt (%s %s, %d fragments)", self.KIND, self.root,
                         built.NAME, built.active_kind, built.ntotal)
+
+    def device_policy(self) -> str:
+        """Where each call of this index runs (model.device.placement), as one line for the log."""
+        with self._rw.read():
+            policy = self.candidates.policy()
+            kind = f"{self.candidates.NAME} {self.candidates.active_kind}"
+        return f"{self.KIND} index ({kind}): " + ", ".join(
+            f"{call} {where}" + (f" ({self.bundle.device})" if where == MODEL_DEVICE else "")
+            for call, where in policy.items())
 
     def set_search(self, **changes: Any) -> None:
         """Change search-time settings (nprobe, ef_search, k_prime, rerank, use_gpu) without a rebuild."""

@@ -25,6 +25,7 @@ import numpy as np
 from index.ann import AnnIndex, train_sample_size
 from index.files import atomic_path, sha256_file, unique_name
 from index.types import IndexLoadError, IndexSettings
+from model.device import MODEL_DEVICE
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,11 @@ class CandidateBackend(ABC):
     def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Fragments with a positive score for some query: scores (N,), fragment ids (N,), to be summed
         per fragment (a fragment may come once per query)."""
+
+    def policy(self) -> dict[str, str]:
+        """Where each call runs (model.device.CALLS -> a placement); a backend outside the process
+        searches and writes where it lives, the exact score runs on the model's device."""
+        return {"knn": self.NAME, "range": self.NAME, "exact": MODEL_DEVICE, "write": self.NAME}
 
     # -- persistence ------------------------------------------------------------------------------
     @abstractmethod
@@ -249,6 +255,9 @@ class FaissCandidates(CandidateBackend):
 
     def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.ann.search_positive(queries)
+
+    def policy(self) -> dict[str, str]:
+        return self.ann.policy()
 
     # -- persistence ------------------------------------------------------------------------------
     def persist(self, root: Path, generation: int, created: list[Path]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ a GPU that runs on the CPU would be an order of magnitude slower without saying 
 
 Everything that computes takes the resolved device: checkpoints load on the CPU and move to it
 (model/bundle.py), training and calibration put their batches on it, MiniLM and the image
-backbone run on it, and FAISS uses its GPU indexes when the device is a GPU and faiss has them.
+backbone run on it. Where each call of a fragment index runs is `placement`: the one policy.
 """
 
 from __future__ import annotations
@@ -16,6 +16,17 @@ import re
 import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+# Where a call of a fragment index runs (`placement`).
+FAISS_GPU = "faiss-gpu"  # the FAISS index's GPU copy, one call at a time (index/gpu.py)
+FAISS_CPU = "faiss-cpu"  # the FAISS index in host memory
+MATRIX_CPU = "matrix-cpu"  # NumPy products over the stored vectors of a flat FAISS index
+GPU_KNN_CPU_RANGE = "faiss-gpu-knn+cpu-range"  # FAISS contrib's range search: k-NN on the GPU copy, a CPU
+#                                                range search for the queries whose results fill the k-NN
+MODEL_DEVICE = "model-device"  # torch on the model's device (CPU or CUDA): model/score.py through the Bundle
+CALLS = ("knn", "range", "exact", "write")
+FAISS_GPU_KINDS = ("flat", "ivf", "ivfpq")  # kinds FAISS can copy to a GPU (ivfpq: with 8-bit codes only)
+FAISS_GPU_MAX_K = 2048  # FAISS's GPU k-selection limit: more neighbours per query are searched on the CPU
 _PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
@@ -56,3 +67,38 @@ def device_name(name: str | torch.device = "auto") -> str:
 
 def is_gpu(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def faiss_gpu_kind(kind: str, nbits: int = 8) -> bool:
+    """FAISS has a GPU version of this index kind: flat, ivf and ivfpq with 8-bit codes; not hnsw, nor
+    ivfpq's 4-bit fast-scan codes (index_cpu_to_gpu refuses both)."""
+    return kind in FAISS_GPU_KINDS and (kind != "ivfpq" or nbits == 8)
+
+
+def placement(call: str, kind: str, gpu: bool, nbits: int = 8, k: int = 1) -> str:
+    """Where one call of a fragment index runs: the device policy, in one place.
+
+    call: "knn" (the k nearest fragments: candidate recall, region candidates), "range" (every
+    fragment with a positive score: k' = 0), "exact" (the exact S_kl scan and re-rank) or "write"
+    (add, remove, train); kind: the FAISS kind searched now (`AnnIndex.active_kind`); gpu: the model is
+    on a GPU and faiss has one (`IndexSettings.use_gpu` and faiss-gpu); nbits: ivfpq's code bits;
+    k: neighbours per query of a knn call.
+
+    FAISS's GPU indexes have no range search, so a range search never runs on a GPU copy: a flat
+    index answers it exactly with matrix products on the CPU (each fragment once, its positive scores
+    summed), ivf / ivfpq through FAISS contrib's `range_search_gpu` (k-NN on the GPU, the CPU index
+    for the queries whose k-NN are all positive), other kinds on the CPU. Exact scores run in torch on
+    the model's device; writes change the CPU index, whose GPU copy is made again for the next call.
+    """
+    if call not in CALLS:
+        raise ValueError(f"call must be one of {', '.join(CALLS)}, got {call!r}")
+    on_gpu = gpu and faiss_gpu_kind(kind, nbits)
+    if call == "exact":
+        return MODEL_DEVICE
+    if call == "write":
+        return FAISS_CPU
+    if call == "range":
+        if kind == "flat":
+            return MATRIX_CPU
+        return GPU_KNN_CPU_RANGE if on_gpu else FAISS_CPU
+    return FAISS_GPU if on_gpu and k <= FAISS_GPU_MAX_K else FAISS_CPU

@@ -65,7 +65,7 @@ def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, ma
     (the image the query, its sentences the labels).
     """
     n_sent = s.shape[1]
-    true = s[pair_image, torch.arange(n_sent)]  # (L,)
+    true = s[pair_image, torch.arange(n_sent, device=s.device)]  # (L,)
     viol_images = F.relu(s - true[None, :] + margin).masked_fill(pos, 0)  # (K, L)
     rows = s[pair_image]  # (L, L'): S_{k(l), l'}
     viol_sents = F.relu(rows - true[:, None] + margin).masked_fill(pos[pair_image], 0)  # (L, L')
@@ -89,7 +89,7 @@ def two_branch_loss(img: torch.Tensor, txt: torch.Tensor, pos: torch.Tensor, pai
     """
     d = torch.cdist(txt, img)  # (L, K)
     n_sent = txt.shape[0]
-    ar = torch.arange(n_sent)
+    ar = torch.arange(n_sent, device=d.device)
     d_pos = d[ar, pair_image]  # (L,)
     neg_img = ~pos.T  # (L, K)
 
@@ -108,7 +108,7 @@ def two_branch_loss(img: torch.Tensor, txt: torch.Tensor, pos: torch.Tensor, pai
     # structure: sentences of the same image closer to each other than to other images' sentences
     dt = torch.cdist(txt, txt)
     same = pos[pair_image]  # (L, L) sentence l' belongs to sentence l's image
-    same_wo_self = same & ~torch.eye(n_sent, dtype=torch.bool)
+    same_wo_self = same & ~torch.eye(n_sent, dtype=torch.bool, device=same.device)
     if same_wo_self.any():
         far_pos = dt.masked_fill(~same_wo_self, float("-inf")).max(dim=1).values  # (L,)
         has = same_wo_self.any(dim=1)

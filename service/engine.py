@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
+from index.ann import gpu_available
 from index.query import encode_sentence
 from index.similar import Similar, describe_and_search
 from model.bundle import Bundle
@@ -106,7 +107,16 @@ class Engine:
         engine.load_seconds = time.perf_counter() - t0
         logger.info("loaded model and indexes in %.1fs: %d images, %d sentences", engine.load_seconds,
                     len(images), engine.sentence_count())
+        engine.log_device_policy()
         return engine
+
+    def log_device_policy(self) -> None:
+        """Where the model and each index call run (model.device.placement), once at start."""
+        indexes = [i for i in (self.images, self.sentences) if i is not None]
+        logger.info("device policy: model on %s; %s", self.bundle.device, "; ".join(i.device_policy() for i in indexes))
+        if is_gpu(self.bundle.device) and not gpu_available() and any(i.candidates.NAME == "faiss" for i in indexes):
+            logger.warning("the model is on %s but faiss has no GPU here (faiss-cpu, or no GPU it sees): FAISS "
+                           "searches on the CPU", self.bundle.device)
 
     @staticmethod
     def _sentence_index(settings: Settings, bundle: Bundle) -> SentenceIndex | None:

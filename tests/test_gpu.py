@@ -1,6 +1,10 @@
-"""The device path end to end on a GPU: train, calibrate, load, embed, index and search on CUDA.
+"""The device path end to end on a GPU: train, calibrate, load, embed, index and search on CUDA, and
+the served path on CUDA and faiss-gpu against the CPU's answers.
 
-Marked `gpu` and skipped where torch sees no GPU (the CPU side is tests/test_device.py).
+Marked `gpu` and skipped where torch sees no GPU (the served test also where faiss has no GPU):
+`./run test -m gpu tests/test_gpu.py` (README, "Tests"). The CPU side is tests/test_device.py, the
+same paths on a second device without a GPU tests/test_device_mixing.py, and the served comparison
+with a stand-in FAISS GPU tests/test_placement.py.
 """
 
 from __future__ import annotations
@@ -10,13 +14,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from index import ImageIndex, IndexSettings
 from index.ann import gpu_available
+from index.gpu import GpuCopy
 from model.bundle import Bundle
 from model.dataset import feature_cache, hold_out, load_split_data
+from model.device import FAISS_GPU, MATRIX_CPU
 from model.text import make_parser
 from model.train import make_run, train
+from service.app import create_app, load_engine
+from tests import served
 from tests.conftest import ShapesModel
 
 pytestmark = [pytest.mark.gpu,
@@ -57,3 +66,29 @@ def test_index_search_on_cuda(shapes_model: ShapesModel, tmp_path: Path) -> None
     index.add_paths(sorted((shapes_model.data / "images").glob("*.jpg"))[:20])
     hits = index.search("a red circle", 3)
     assert len(hits) == 3 and Path(hits[0].path).is_file()
+
+
+@pytest.mark.skipif(not gpu_available(), reason="needs faiss-gpu and a GPU it sees")
+def test_served_answers_on_cuda_and_faiss_gpu_are_the_cpus(shapes_model: ShapesModel, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection searched through FAISS (exact_below 0), loaded by the service's own loader on the
+    CPU and on CUDA, served over HTTP: /search/images, /annotate (k' = 0: the range search FAISS's GPU
+    indexes lack) and /search/fragments give the same ids in the same order, scores within a tolerance."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 on both sides: comparable scores
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    collection = served.prepare(shapes_model, tmp_path)
+    answers = {}
+    for device in ("cpu", "cuda"):
+        settings = collection.settings(device=device)
+        engine = load_engine(settings)
+        with TestClient(create_app(settings, engine=engine)) as c:
+            answers[device] = served.answers(c, collection)
+        assert engine.sentences is not None
+        if device == "cuda":
+            assert engine.bundle.device.type == "cuda"
+            assert engine.images.candidates.policy()["knn"] == FAISS_GPU
+            assert engine.sentences.candidates.policy()["range"] == MATRIX_CPU
+            assert isinstance(engine.images.candidates.ann._gpu, GpuCopy)  # type: ignore[attr-defined]
+        engine.images.close()
+        engine.sentences.close()
+    served.assert_same_answers(answers["cuda"], answers["cpu"])
