@@ -5,7 +5,8 @@
 #   VARIANT=gpu|cpu   gpu: PyPI's torch (CUDA build) and faiss-gpu; cpu: torch from TORCH_INDEX_URL
 #                     (PyTorch's CPU-only wheels by default: no CUDA libraries in the image) and faiss-cpu
 #   TORCH_INDEX_URL   extra index torch and torchvision come from ("" = the pip configuration's indexes)
-#   STANZA_MODELS     true: fetch stanza's English models (only the processors the stanza parser uses)
+#   STANZA_MODELS     true: fetch stanza's English models (the processors the stanza parser uses); the
+#                     default parser is spaCy, shipped in a package, so this is off by default
 #   UID / GID         owner of /artifacts inside the image (match the host user to bind-mount a folder)
 # Every Python package is pinned by requirements.lock, the lock the project's venv installs too.
 ARG BASE_IMAGE=debian:bookworm-slim
@@ -14,11 +15,12 @@ FROM ${BASE_IMAGE}
 ARG VARIANT=gpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG FAISS_GPU=faiss-gpu==1.15.1
-ARG STANZA_MODELS=true
+ARG STANZA_MODELS=false
 ARG UID=10001
 ARG GID=10001
 
-# TOKENIZERS_PARALLELISM is a switch, not a secret
+# TOKENIZERS_PARALLELISM is a switch, not a secret. The model hubs are switched offline further down,
+# after the one step that may fetch from one (stanza's models).
 # hadolint ignore=DL3064
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -27,8 +29,6 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
     STANZA_RESOURCES_DIR=/opt/stanza_resources \
     NVIDIA_VISIBLE_DEVICES=all \
@@ -59,10 +59,17 @@ RUN if [ "$VARIANT" = cpu ]; then \
         pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL" \
             "$(grep '^torch==' requirements.lock)" "$(grep '^torchvision==' requirements.lock)"; fi \
     && pip install --no-cache-dir -r /tmp/requirements-image.txt \
-    && rm /tmp/requirements-image.txt \
-    && if [ "$STANZA_MODELS" = true ]; then \
+    && rm /tmp/requirements-image.txt
+
+# Opt-in: stanza's English models (only the processors the stanza parser uses). stanza fetches them
+# through huggingface_hub, so this step runs before the hubs are switched offline.
+RUN if [ "$STANZA_MODELS" = true ]; then \
         python -c "import stanza; stanza.download('en', model_dir='$STANZA_RESOURCES_DIR', processors='tokenize,pos,lemma,depparse')" \
         && chmod -R a+rX "$STANZA_RESOURCES_DIR"; fi
+
+# From here on (and at run time) nothing is fetched from a model hub: MiniLM ships in a package.
+ENV HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1
 
 RUN groupadd --gid "$GID" fragsearch \
     && useradd --create-home --uid "$UID" --gid "$GID" fragsearch \

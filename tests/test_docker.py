@@ -16,6 +16,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.dockerfile import hub_fetch_under_offline_switch, run_environments
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -109,11 +111,56 @@ def test_dockerfile_passes_hadolint() -> None:
 def test_dockerfile_installs_the_lock_with_an_init_and_only_the_stanza_processors_used() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "COPY requirements.lock" in text and "-r /tmp/requirements-image.txt" in text
-    assert "requirements.txt" not in text.split("\n# Every Python package")[1]
+    assert "requirements.txt" not in text.split("\nARG BASE_IMAGE")[1]
     assert 'ENTRYPOINT ["tini", "--"]' in text
     used = re.search(r'processors="([^"]+)"', (ROOT / "model" / "text.py").read_text())
     fetched = re.search(r"processors='([^']+)'", text)
     assert used and fetched and used.group(1) == fetched.group(1)
+
+
+FETCH = "python -c \"import stanza; stanza.download('en')\""
+
+
+def test_no_model_hub_fetch_runs_while_the_hubs_are_switched_offline() -> None:
+    found = hub_fetch_under_offline_switch((ROOT / "Dockerfile").read_text())
+    assert not found, "\n".join(map(str, found))
+    env = {c: e for _, c, e in run_environments((ROOT / "Dockerfile").read_text())}
+    assert [c for c in env if "stanza.download(" in c], "the opt-in stanza step is gone"
+    # ...and the running image is offline: MiniLM ships in a package, nothing is fetched at run time
+    last = run_environments((ROOT / "Dockerfile").read_text() + "\nRUN true\n")[-1][2]
+    assert last["HF_HUB_OFFLINE"] == "1" and last["TRANSFORMERS_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize("text", [
+    # the switch set before the step (what the image did: the build stopped at stanza.download)
+    f"FROM d\nENV PATH=/x:$PATH \\\n    HF_HUB_OFFLINE=1 \\\n    X=2\nRUN pip install stanza \\\n    && {FETCH}\n",
+    f"FROM d\nENV TRANSFORMERS_OFFLINE 1\nRUN {FETCH}\n",  # the legacy ENV form
+    f"FROM d\nARG HF_HUB_OFFLINE=yes\nRUN {FETCH}\n",  # an ARG is in a RUN's environment too
+    f"FROM d\nARG OFF=1\nENV HF_HUB_OFFLINE=${{OFF}}\nRUN {FETCH}\n",  # a value from a variable
+    f"FROM d\nRUN HF_HUB_OFFLINE=1 {FETCH}\n",  # inline, for that command
+    f"FROM d\nRUN export HF_HUB_OFFLINE=1 && {FETCH}\n",  # exported for the rest of the RUN
+    f"FROM d\nRUN env TRANSFORMERS_OFFLINE=ON {FETCH}\n",
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN if [ \"$S\" = true ]; then \\\n  {FETCH} \\\n  && chmod -R a+rX /m; fi\n",
+    f"FROM d\nENV HF_HUB_OFFLINE=0\nRUN HF_HUB_OFFLINE=0 true; HF_HUB_OFFLINE=1; {FETCH}\n",  # reassigned
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN python -c \"from huggingface_hub import snapshot_download as s; "
+    f"s('x')\"\n",
+])
+def test_the_offline_check_catches_a_hub_fetch_under_a_switch(text: str) -> None:
+    found = hub_fetch_under_offline_switch(text)
+    assert len(found) == 1 and found[0].switches, text
+
+
+@pytest.mark.parametrize("text", [
+    f"FROM d\nRUN {FETCH}\nENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1\n",  # switched offline after it
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN HF_HUB_OFFLINE=0 {FETCH}\n",  # switched off for that command
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN env -u HF_HUB_OFFLINE {FETCH}\n",
+    f"FROM d\nRUN HF_HUB_OFFLINE=1 true && {FETCH}\n",  # the inline value was for `true` only
+    f"FROM d\nRUN HF_HUB_OFFLINE=1; {FETCH}\n",  # a shell variable, not exported
+    f"FROM a\nENV HF_HUB_OFFLINE=1\nFROM b\nRUN {FETCH}\n",  # another stage
+    f"FROM d\nENV HF_HUB_OFFLINE=1\n# RUN {FETCH}\nRUN echo stanza >&2\n",  # a comment; no fetch
+])
+def test_the_offline_check_passes_a_fetch_with_the_hubs_online(text: str) -> None:
+    assert hub_fetch_under_offline_switch(text) == [], text
 
 
 def _pins(name: str) -> dict[str, str]:
