@@ -163,6 +163,26 @@ def test_the_offline_check_passes_a_fetch_with_the_hubs_online(text: str) -> Non
     assert hub_fetch_under_offline_switch(text) == [], text
 
 
+def _build_args() -> dict[str, str]:
+    """The Dockerfile's ARG (and ENV) values as its last stage ends."""
+    return run_environments((ROOT / "Dockerfile").read_text() + "\nRUN true\n")[-1][2]
+
+
+def test_gpu_image_takes_a_torch_built_for_the_cuda_of_faiss_gpu() -> None:
+    """faiss-gpu 1.15.1 requires nvidia-cuda-runtime-cu12 >=12.6,<13 (its wheel's Requires-Dist, README
+    Docker); the lock's PyPI torch is a CUDA 13 build, so the GPU image takes torch from PyTorch's cu12x index
+    and checks the CUDA line it got while building."""
+    args, runtime = _build_args(), _pins("requirements.lock")
+    flavour = re.fullmatch(r"cu12(\d)", args["TORCH_CUDA"])
+    assert flavour and int(flavour.group(1)) >= 6, args["TORCH_CUDA"]
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
+    assert args["FAISS_GPU"] == f"faiss-gpu=={runtime['faiss-cpu']}"  # the release the lock pins for the CPU
+    text = (ROOT / "Dockerfile").read_text()
+    assert '"$torch_line+$flavour" "$vision_line+$flavour"' in text  # a +cu12x build, never PyPI's by accident
+    assert "pip check" in text and "cuda.startswith('12.')" in text
+    assert args["VARIANT"] == "gpu" and args["STANZA_MODELS"] == "false"
+
+
 def _pins(name: str) -> dict[str, str]:
     out = {}
     for line in (ROOT / name).read_text().splitlines():
