@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from index.candidates import BackendOptions
 from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
+from model.resources import default_workers
 
 API_KEY_HEADER = "X-API-Key"
 
@@ -55,7 +56,9 @@ class Settings(BaseSettings):
         default=None, description="Milvus server or cluster (http://host:19530), or a milvus-lite folder "
         "(path/file.db); default: milvus.db inside each index folder")
     milvus_token: SecretStr | None = Field(default=None, description="Milvus credentials (user:password or key)")
-    workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
+    workers: int | None = Field(default=None, ge=1, description="feature extraction processes while preparing; "
+                                "default: one per CPU this process may use, as many as fit in its memory "
+                                "(model/resources.py)")
     limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
                               "(train, dev, the indexed images and the caption collection): a small trial")
     progress_every: float = Field(default=30.0, gt=0, description="seconds between progress lines of "
@@ -104,7 +107,7 @@ class Settings(BaseSettings):
     max_pixels: int = Field(default=40_000_000, ge=1, description="largest image (width x height) decoded")
     max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
 
-    @field_validator("limit", mode="before")
+    @field_validator("limit", "workers", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value  # FRAGSEARCH_LIMIT= (compose)
@@ -141,6 +144,11 @@ class Settings(BaseSettings):
     def model_file(self) -> Path:
         assert self.model_path is not None
         return self.model_path
+
+    @property
+    def worker_count(self) -> int:
+        """Extraction processes: the setting, else one per usable CPU that fits in memory."""
+        return self.workers if self.workers is not None else default_workers()
 
     @property
     def collection_root(self) -> Path:
