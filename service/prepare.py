@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare(settings, progress)
     except DataError as e:
-        logger.error("cannot prepare: %s (set FRAGSEARCH_DATA to the Flickr8K folder)", e)
+        logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
         return 2
     finally:
         stop.set()

@@ -6,6 +6,7 @@ default needs no configuration at all.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -28,6 +29,9 @@ class Settings(BaseSettings):
 
     # where things are
     data: Path = Field(default_factory=default_data_dir, description="data folder (images/, captions.txt, splits)")
+    data_mounted_from: str | None = Field(
+        default=None, description="the host folder mounted as the data folder (docker-compose.yml sets it from "
+        "FRAGSEARCH_DATA_HOST), named when the data folder is unusable")
     artifacts: Path = Field(default_factory=default_artifacts_dir, description="weights, caches and indexes")
     model_path: Path | None = Field(
         default=None, description="checkpoint; default <artifacts>/models/<variant>/model.pt")
@@ -138,6 +142,16 @@ class Settings(BaseSettings):
         if self.k_default > self.k_max:
             raise ValueError(f"k_default ({self.k_default}) must not exceed k_max ({self.k_max})")
         return self
+
+    def data_hint(self) -> str:
+        """What to change when the data folder is missing or unusable: FRAGSEARCH_DATA_HOST on the host when
+        compose mounted it, else FRAGSEARCH_DATA."""
+        make = "./run data SRC DEST makes one from the Flickr8K download and checks it"
+        if self.data_mounted_from:
+            return (f"{self.data} is the host folder {self.data_mounted_from} that compose mounts: set "
+                    f"FRAGSEARCH_DATA_HOST to a Flickr8K folder in the project's layout (images/, captions.txt, "
+                    f"train.txt, dev.txt) readable by uid {os.getuid()}; {make}")
+        return f"set FRAGSEARCH_DATA to a Flickr8K folder in the project's layout; {make}"
 
     # typed accessors for the derived paths (always set after validation)
     @property

@@ -5,6 +5,7 @@ bench/container_smoke.sh (recorded in docs/results/container-smoke.json)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,6 +34,12 @@ def _tool(name: str) -> str:
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def _data_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose needs FRAGSEARCH_DATA_HOST (it refuses to start without a data folder)."""
+    monkeypatch.setenv("FRAGSEARCH_DATA_HOST", "/srv/flickr8k")
 
 
 def _config(*files: str, profile: str | None = None) -> dict[str, Any]:
@@ -80,6 +87,41 @@ def test_compose_cpu_override_is_valid_and_drops_the_gpu() -> None:
         assert services[name]["environment"]["FRAGSEARCH_DEVICE"] == "cpu"
         assert services[name]["build"]["args"]["VARIANT"] == "cpu"
         assert services[name]["image"] == "fragsearch:cpu"
+
+
+def test_compose_refuses_a_missing_data_folder_naming_FRAGSEARCH_DATA_HOST(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
+    r = _run(_tool("docker-compose"), "-f", "docker-compose.yml", "config", "-q")
+    assert r.returncode != 0 and "FRAGSEARCH_DATA_HOST" in r.stderr and "./run data" in r.stderr, r.stderr
+    monkeypatch.setenv("FRAGSEARCH_DATA_HOST", str(ROOT / "no-such-folder"))
+    for name, service in _config("docker-compose.yml")["services"].items():
+        (data,) = [v for v in service["volumes"] if v["target"] == "/data"]
+        assert data["source"] == str(ROOT / "no-such-folder"), name
+        assert data["bind"]["create_host_path"] is False, name  # never an empty folder made in its place
+        assert service["environment"]["FRAGSEARCH_DATA_MOUNTED_FROM"] == str(ROOT / "no-such-folder")
+        assert service["environment"]["FRAGSEARCH_WORKERS"] == ""  # one extraction process per usable CPU
+
+
+@pytest.mark.parametrize(("module", "mounted_from"), [("service.prepare", "/srv/photos/flickr8k"), ("service", None)])
+def test_an_unusable_data_folder_names_the_variable_to_set(module: str, mounted_from: str | None,
+                                                            tmp_path: Path) -> None:
+    """In a container compose started, the user sets FRAGSEARCH_DATA_HOST on the host, not FRAGSEARCH_DATA."""
+    (tmp_path / "data").mkdir()  # mounted, but not a Flickr8K folder
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FRAGSEARCH_")}
+    env.update(FRAGSEARCH_DEVICE="cpu", FRAGSEARCH_ARTIFACTS=str(tmp_path / "artifacts"),
+               FRAGSEARCH_DATA=str(tmp_path / "data"), PYTHONPATH=str(ROOT))
+    if mounted_from:
+        env["FRAGSEARCH_DATA_MOUNTED_FROM"] = mounted_from
+    r = subprocess.run([sys.executable, "-m", module], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    (error,) = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert "no images/ folder" in error and "./run data SRC DEST" in error
+    if mounted_from:
+        assert "set FRAGSEARCH_DATA_HOST to a Flickr8K folder" in error and mounted_from in error
+        assert f"readable by uid {os.getuid()}" in error
+    else:
+        assert "set FRAGSEARCH_DATA to a Flickr8K folder" in error and "FRAGSEARCH_DATA_HOST" not in error
 
 
 def test_milvus_profile_is_valid_pinned_and_off_by_default() -> None:
@@ -142,8 +184,8 @@ def test_no_model_hub_fetch_runs_while_the_hubs_are_switched_offline() -> None:
     f"FROM d\nRUN env TRANSFORMERS_OFFLINE=ON {FETCH}\n",
     f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN if [ \"$S\" = true ]; then \\\n  {FETCH} \\\n  && chmod -R a+rX /m; fi\n",
     f"FROM d\nENV HF_HUB_OFFLINE=0\nRUN HF_HUB_OFFLINE=0 true; HF_HUB_OFFLINE=1; {FETCH}\n",  # reassigned
-    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN python -c \"from huggingface_hub import snapshot_download as s; "
-    f"s('x')\"\n",
+    "FROM d\nENV HF_HUB_OFFLINE=1\nRUN python -c \"from huggingface_hub import snapshot_download as s; "
+    "s('x')\"\n",
 ])
 def test_the_offline_check_catches_a_hub_fetch_under_a_switch(text: str) -> None:
     found = hub_fetch_under_offline_switch(text)
