@@ -141,19 +141,19 @@ def read_csv_mirror(src: Path, splits_dir: Path | None) -> Source:
     return Source("csv", src / CSV_IMAGES, captions, _split_lists(splits_dir, "--splits"))
 
 
-def _place(source: Path, target: Path, copy: bool) -> bool:
-    """Hard-link (or copy) source to target; True if it was copied. An existing target of the same size stays."""
+def _place(source: Path, target: Path, copy: bool) -> str:
+    """Hard-link (or copy) source to target → "linked", "copied" or "kept" (a target of the same size stays)."""
     if target.is_file() and target.stat().st_size == source.stat().st_size:
-        return False
+        return "kept"
     target.unlink(missing_ok=True)
     if not copy:
         try:
             os.link(source, target)
-            return False
-        except OSError as e:  # another file system, or links not allowed: copy
+            return "linked"
+        except OSError as e:  # another file system (or mount), or links not allowed: copy
             logger.debug("%s: cannot link (%s), copying", source, e)
     shutil.copy2(source, target)
-    return True
+    return "copied"
 
 
 def _write_lines(path: Path, lines: Iterable[str]) -> None:
@@ -178,10 +178,11 @@ def convert(src: Path, dest: Path, splits_dir: Path | None = None, copy: bool = 
         logger.warning("%d captioned names have no file in %s, their captions are left out: %s", len(dropped),
                        source.images, _names(dropped))
     (dest / "images").mkdir(parents=True, exist_ok=True)
-    copied = sum(_place(source.images / n, dest / "images" / n, copy)
-                 for n in tqdm(keep, desc="images", unit="img", disable=len(keep) < 100))
-    how = "copied" if copy else (f"hard-linked, {copied} copied (no link possible)" if copied else "hard-linked")
-    logger.info("%s: %d images %s", dest / "images", len(keep), how)
+    placed = Counter(_place(source.images / n, dest / "images" / n, copy)
+                     for n in tqdm(keep, desc="images", unit="img", disable=len(keep) < 100))
+    logger.info("%s: %d images: %d hard-linked, %d copied%s, %d there already", dest / "images", len(keep),
+                placed["linked"], placed["copied"], "" if copy or not placed["copied"] else
+                " (no link possible: another file system or mount)", placed["kept"])
     _write_lines(dest / "captions.txt", (f"{n}#{k}\t{' '.join(c.split())}" for n in keep
                                          for k, c in enumerate(source.captions[n])))
     for split, names in source.splits.items():

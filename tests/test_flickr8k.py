@@ -55,10 +55,12 @@ def _tree_digest(root: Path) -> dict[str, tuple[str, int]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_the_official_download_becomes_the_project_layout(tmp_path: Path) -> None:
+def test_the_official_download_becomes_the_project_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _official(tmp_path / "download")
     before = _tree_digest(src)
-    dest = convert(src, tmp_path / "flickr8k")
+    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+        dest = convert(src, tmp_path / "flickr8k")
+    assert "6 images: 6 hard-linked, 0 copied, 0 there already" in caplog.text
     assert _tree_digest(src) == before  # the source is only read
     assert sorted(p.name for p in (dest / "images").iterdir()) == sorted(ALL)
     assert (dest / "images" / "a_1.jpg").stat().st_ino == (src / "Flicker8k_Dataset" / "a_1.jpg").stat().st_ino
@@ -71,6 +73,10 @@ def test_the_official_download_becomes_the_project_layout(tmp_path: Path) -> Non
     assert report.ok, report.errors
     assert (report.images, report.captions, dict(report.per_image)) == (6, 30, {5: 6})
     assert report.splits == {"train": 3, "dev": 2, "test": 1} and report.warnings == []
+    (dest / "images" / "b_2.jpg").unlink()  # an interrupted run: a second one completes it
+    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+        convert(src, dest)
+    assert "6 images: 1 hard-linked, 0 copied, 5 there already" in caplog.text
 
 
 def test_the_csv_mirror_needs_the_official_split_lists(tmp_path: Path) -> None:
