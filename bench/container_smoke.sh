@@ -8,13 +8,18 @@
 #
 # Needs a container engine with the Docker API (Docker, or `podman system service`, which this
 # script starts when DOCKER_HOST is unset and podman is there) and a Compose v2 client
-# (`docker compose`, or the `docker-compose` of the project's venv). Settings (environment):
+# (`docker compose`, or the `docker-compose` of the project's venv). First it tries the default build
+# (the Dockerfile's own arguments: VARIANT=gpu, torch +cu126 from PyTorch's index) and records the
+# step where it stopped, if it did; then it builds the CPU image it runs. Settings (environment):
 #   SMOKE_LIMIT=100          FRAGSEARCH_LIMIT of the run: images of each split prepared
 #   SMOKE_PORT=18000         where the service listens (loopback)
-#   SMOKE_DATA=../shared/data/flickr8k
-#   SMOKE_BUILD_ARGS=""      extra `build` arguments, e.g. for a machine without a registry:
-#                            "--build-arg BASE_IMAGE=localhost/debian:bookworm-slim --build-arg TORCH_INDEX_URL=
-#                             --build-arg STANZA_MODELS=false -v /etc/pip.conf:/etc/pip.conf:ro ..."
+#   SMOKE_DATA=../shared/data/flickr8k   the data folder (FRAGSEARCH_DATA_HOST of the run)
+#   SMOKE_BUILD_MOUNTS=""    what the builds need from this machine, not build arguments, e.g. where
+#                            only a registry mirror is reachable: "-v /etc/pip.conf:/etc/pip.conf:ro
+#                            -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro ..."
+#   SMOKE_BUILD_ARGS=""      extra arguments of the CPU build, e.g. "--build-arg TORCH_INDEX_URL="
+#                            (torch from the pip configuration's indexes when PyTorch's is unreachable)
+#   SMOKE_TRY_DEFAULT=1      0: skip the default-build attempt
 #   SMOKE_BUILDER=podman     podman (uses --format docker, --pull=never) or docker
 #   SMOKE_TIMEOUT=3600       seconds to wait for readiness
 set -euo pipefail
@@ -72,12 +77,28 @@ cleanup() {
 }
 trap cleanup EXIT
 
+default_rc=""
+if [ "${SMOKE_TRY_DEFAULT:-1}" = 1 ]; then
+  say "trying the default build (the Dockerfile's own build arguments) with $BUILDER"
+  t0=$(now)
+  # shellcheck disable=SC2086  # SMOKE_BUILD_MOUNTS is a list of arguments
+  if [ "$BUILDER" = podman ]; then
+    podman build --format docker --pull=never --network host ${SMOKE_BUILD_MOUNTS:-} -t fragsearch:gpu . \
+      >"$WORK/default-build.log" 2>&1 && default_rc=0 || default_rc=$?
+  else
+    docker build ${SMOKE_BUILD_MOUNTS:-} -t fragsearch:gpu . >"$WORK/default-build.log" 2>&1 \
+      && default_rc=0 || default_rc=$?
+  fi
+  default_s=$(echo "$(now) - $t0" | bc)
+  say "default build: exit $default_rc after ${default_s}s; $(grep -E '^(STEP|#[0-9]+ \[)' "$WORK/default-build.log" | tail -n1 | cut -c1-120)"
+fi
+
 say "building fragsearch:cpu with $BUILDER"
 t0=$(now)
-# shellcheck disable=SC2086  # SMOKE_BUILD_ARGS is a list of arguments
+# shellcheck disable=SC2086  # SMOKE_BUILD_MOUNTS and SMOKE_BUILD_ARGS are lists of arguments
 if [ "$BUILDER" = podman ]; then
-  podman build --format docker --pull=never --network host --build-arg VARIANT=cpu ${SMOKE_BUILD_ARGS:-} \
-    -t fragsearch:cpu . >"$WORK/build.log" 2>&1
+  podman build --format docker --pull=never --network host --build-arg VARIANT=cpu ${SMOKE_BUILD_MOUNTS:-} \
+    ${SMOKE_BUILD_ARGS:-} -t fragsearch:cpu . >"$WORK/build.log" 2>&1
   size=$(podman image inspect fragsearch:cpu --format '{{.Size}}')
 else
   docker build --build-arg VARIANT=cpu ${SMOKE_BUILD_ARGS:-} -t fragsearch:cpu . >"$WORK/build.log" 2>&1
@@ -129,19 +150,38 @@ if [ "$BUILDER" = podman ]; then
 fi
 
 python3 - "$OUT" "$WORK" <<EOF
-import json, platform, subprocess, sys
+import json, platform, re, subprocess, sys
 from pathlib import Path
 out, work = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def default_build():
+    """How far the default build got: its exit status, the step it stopped at and that step's last lines."""
+    if "$default_rc" == "":
+        return None
+    log = (work / "default-build.log").read_text(errors="replace").splitlines()
+    steps = [i for i, line in enumerate(log) if re.match(r"^(STEP \\d+/\\d+|#\\d+ \\[)", line)]
+    last = steps[-1] if steps else 0
+    record = {"build_args": "the Dockerfile's defaults", "exit": int("$default_rc"),
+              "seconds": round(float("${default_s:-0}"), 1)}
+    if int("$default_rc") != 0:
+        record["stopped_at"] = log[last][:300] if log else ""
+        record["last_lines"] = [line[:300] for line in log[last + 1:] if line.strip()][-8:]
+    return record
+
+
 search = json.loads((work / "search.json").read_text() or "null")
 annotate = json.loads((work / "annotate.json").read_text() or "null")
 progress = [l.strip() for l in (work / "prepare.log").read_text().splitlines() if "preparing" in l]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
 record = {
     "command": "bash bench/container_smoke.sh",
-    "settings": {"SMOKE_LIMIT": "$LIMIT", "SMOKE_BUILD_ARGS": """${SMOKE_BUILD_ARGS:-}""", "builder": "$BUILDER",
+    "settings": {"SMOKE_LIMIT": "$LIMIT", "SMOKE_BUILD_MOUNTS": """${SMOKE_BUILD_MOUNTS:-}""",
+                 "SMOKE_BUILD_ARGS": """${SMOKE_BUILD_ARGS:-}""", "builder": "$BUILDER",
                  "compose": "${compose_cmd[*]}", "data": "$DATA"},
     "machine": {"cpu": cpu, "cores": __import__("os").cpu_count(), "system": platform.platform()},
     "engine": subprocess.run(["$BUILDER", "--version"], capture_output=True, text=True).stdout.strip(),
+    "default_build": default_build(),
     "image": "fragsearch:cpu", "image_bytes": int("$size"), "build_seconds": round(float("$build_s"), 1),
     "prepare_seconds": round(float("${prepare_done_s:-0}"), 1), "ready_seconds_after_up": round(float("$ready_s"), 1),
     "readyz": json.loads((work / "readyz.json").read_text()),

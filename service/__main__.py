@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             load_split(settings.data, settings.image_split)
         except DataError as e:
-            logger.error("cannot prepare: %s (set FRAGSEARCH_DATA to the Flickr8K folder)", e)
+            logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
             return 2
     app = create_app(settings, started=started, prepare=settings.prepare)
     logger.info("serving on http://%s:%d on %s (ready when /readyz answers 200%s)", settings.host, settings.port,

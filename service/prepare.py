@@ -154,7 +154,7 @@ def ensure_model(settings: Settings) -> Path:
     n = settings.limit
     limits = [] if n is None else ["--train-limit", str(n)]
     train_main(["--data", str(settings.data), "--variant", settings.variant, "--out", str(path.parent),
-                "--cache", str(settings.cache_dir), "--workers", str(settings.workers),
+                "--cache", str(settings.cache_dir), "--workers", str(settings.worker_count),
                 "--device", device_name(settings.device), "--selection", "last", *limits])
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
@@ -172,7 +172,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
         index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings),
                            backend=settings.backend)
         try:
-            sync_folder(index, settings.collection, workers=settings.workers)
+            sync_folder(index, settings.collection, workers=settings.worker_count)
         finally:
             index.close()
         return target
@@ -187,7 +187,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     marker.touch()
     cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=str(bundle.device))
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
-                              _index_settings(settings), cache=cache, workers=settings.workers,
+                              _index_settings(settings), cache=cache, workers=settings.worker_count,
                               collection_root=settings.data, backend=settings.backend)
     marker.unlink()
     logger.info("image index: %d images in %.0fs", len(index), time.perf_counter() - t0)
@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         logs.configure("info", "text")
         logger.error("cannot start: %s", e)
         return 2
-    logger.info("preparing on %s: data %s, artifacts %s%s", device, settings.data, settings.artifacts,
+    logger.info("preparing on %s with %d extraction workers: data %s, artifacts %s%s", device,
+                settings.worker_count, settings.data, settings.artifacts,
                 "" if settings.limit is None else f", the first {settings.limit} images of each split")
     progress = Progress()
     stop = threading.Event()
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare(settings, progress)
     except DataError as e:
-        logger.error("cannot prepare: %s (set FRAGSEARCH_DATA to the Flickr8K folder)", e)
+        logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
         return 2
     finally:
         stop.set()

@@ -6,6 +6,7 @@ default needs no configuration at all.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from index.candidates import BackendOptions
 from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
+from model.resources import default_workers
 
 API_KEY_HEADER = "X-API-Key"
 
@@ -27,6 +29,9 @@ class Settings(BaseSettings):
 
     # where things are
     data: Path = Field(default_factory=default_data_dir, description="data folder (images/, captions.txt, splits)")
+    data_mounted_from: str | None = Field(
+        default=None, description="the host folder mounted as the data folder (docker-compose.yml sets it from "
+        "FRAGSEARCH_DATA_HOST), named when the data folder is unusable")
     artifacts: Path = Field(default_factory=default_artifacts_dir, description="weights, caches and indexes")
     model_path: Path | None = Field(
         default=None, description="checkpoint; default <artifacts>/models/<variant>/model.pt")
@@ -55,7 +60,9 @@ class Settings(BaseSettings):
         default=None, description="Milvus server or cluster (http://host:19530), or a milvus-lite folder "
         "(path/file.db); default: milvus.db inside each index folder")
     milvus_token: SecretStr | None = Field(default=None, description="Milvus credentials (user:password or key)")
-    workers: int = Field(default=2, ge=1, description="feature extraction processes while preparing")
+    workers: int | None = Field(default=None, ge=1, description="feature extraction processes while preparing; "
+                                "default: one per CPU this process may use, as many as fit in its memory "
+                                "(model/resources.py)")
     limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
                               "(train, dev, the indexed images and the caption collection): a small trial")
     progress_every: float = Field(default=30.0, gt=0, description="seconds between progress lines of "
@@ -104,7 +111,7 @@ class Settings(BaseSettings):
     max_pixels: int = Field(default=40_000_000, ge=1, description="largest image (width x height) decoded")
     max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
 
-    @field_validator("limit", mode="before")
+    @field_validator("limit", "workers", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value  # FRAGSEARCH_LIMIT= (compose)
@@ -136,11 +143,26 @@ class Settings(BaseSettings):
             raise ValueError(f"k_default ({self.k_default}) must not exceed k_max ({self.k_max})")
         return self
 
+    def data_hint(self) -> str:
+        """What to change when the data folder is missing or unusable: FRAGSEARCH_DATA_HOST on the host when
+        compose mounted it, else FRAGSEARCH_DATA."""
+        make = "./run data SRC DEST makes one from the Flickr8K download and checks it"
+        if self.data_mounted_from:
+            return (f"{self.data} is the host folder {self.data_mounted_from} that compose mounts: set "
+                    f"FRAGSEARCH_DATA_HOST to a Flickr8K folder in the project's layout (images/, captions.txt, "
+                    f"train.txt, dev.txt) readable by uid {os.getuid()}; {make}")
+        return f"set FRAGSEARCH_DATA to a Flickr8K folder in the project's layout; {make}"
+
     # typed accessors for the derived paths (always set after validation)
     @property
     def model_file(self) -> Path:
         assert self.model_path is not None
         return self.model_path
+
+    @property
+    def worker_count(self) -> int:
+        """Extraction processes: the setting, else one per usable CPU that fits in memory."""
+        return self.workers if self.workers is not None else default_workers()
 
     @property
     def collection_root(self) -> Path:

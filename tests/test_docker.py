@@ -5,6 +5,7 @@ bench/container_smoke.sh (recorded in docs/results/container-smoke.json)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.dockerfile import hub_fetch_under_offline_switch, run_environments
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +34,12 @@ def _tool(name: str) -> str:
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(autouse=True)
+def _data_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose needs FRAGSEARCH_DATA_HOST (it refuses to start without a data folder)."""
+    monkeypatch.setenv("FRAGSEARCH_DATA_HOST", "/srv/flickr8k")
 
 
 def _config(*files: str, profile: str | None = None) -> dict[str, Any]:
@@ -80,6 +89,41 @@ def test_compose_cpu_override_is_valid_and_drops_the_gpu() -> None:
         assert services[name]["image"] == "fragsearch:cpu"
 
 
+def test_compose_refuses_a_missing_data_folder_naming_FRAGSEARCH_DATA_HOST(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
+    r = _run(_tool("docker-compose"), "-f", "docker-compose.yml", "config", "-q")
+    assert r.returncode != 0 and "FRAGSEARCH_DATA_HOST" in r.stderr and "./run data" in r.stderr, r.stderr
+    monkeypatch.setenv("FRAGSEARCH_DATA_HOST", str(ROOT / "no-such-folder"))
+    for name, service in _config("docker-compose.yml")["services"].items():
+        (data,) = [v for v in service["volumes"] if v["target"] == "/data"]
+        assert data["source"] == str(ROOT / "no-such-folder"), name
+        assert data["bind"]["create_host_path"] is False, name  # never an empty folder made in its place
+        assert service["environment"]["FRAGSEARCH_DATA_MOUNTED_FROM"] == str(ROOT / "no-such-folder")
+        assert service["environment"]["FRAGSEARCH_WORKERS"] == ""  # one extraction process per usable CPU
+
+
+@pytest.mark.parametrize(("module", "mounted_from"), [("service.prepare", "/srv/photos/flickr8k"), ("service", None)])
+def test_an_unusable_data_folder_names_the_variable_to_set(module: str, mounted_from: str | None,
+                                                            tmp_path: Path) -> None:
+    """In a container compose started, the user sets FRAGSEARCH_DATA_HOST on the host, not FRAGSEARCH_DATA."""
+    (tmp_path / "data").mkdir()  # mounted, but not a Flickr8K folder
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FRAGSEARCH_")}
+    env.update(FRAGSEARCH_DEVICE="cpu", FRAGSEARCH_ARTIFACTS=str(tmp_path / "artifacts"),
+               FRAGSEARCH_DATA=str(tmp_path / "data"), PYTHONPATH=str(ROOT))
+    if mounted_from:
+        env["FRAGSEARCH_DATA_MOUNTED_FROM"] = mounted_from
+    r = subprocess.run([sys.executable, "-m", module], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    (error,) = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert "no images/ folder" in error and "./run data SRC DEST" in error
+    if mounted_from:
+        assert "set FRAGSEARCH_DATA_HOST to a Flickr8K folder" in error and mounted_from in error
+        assert f"readable by uid {os.getuid()}" in error
+    else:
+        assert "set FRAGSEARCH_DATA to a Flickr8K folder" in error and "FRAGSEARCH_DATA_HOST" not in error
+
+
 def test_milvus_profile_is_valid_pinned_and_off_by_default() -> None:
     default = _config("docker-compose.yml")["services"]
     assert set(default) == {"fragsearch", "prepare"}  # `docker compose up` is unchanged
@@ -109,11 +153,76 @@ def test_dockerfile_passes_hadolint() -> None:
 def test_dockerfile_installs_the_lock_with_an_init_and_only_the_stanza_processors_used() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert "COPY requirements.lock" in text and "-r /tmp/requirements-image.txt" in text
-    assert "requirements.txt" not in text.split("\n# Every Python package")[1]
+    assert "requirements.txt" not in text.split("\nARG BASE_IMAGE")[1]
     assert 'ENTRYPOINT ["tini", "--"]' in text
     used = re.search(r'processors="([^"]+)"', (ROOT / "model" / "text.py").read_text())
     fetched = re.search(r"processors='([^']+)'", text)
     assert used and fetched and used.group(1) == fetched.group(1)
+
+
+FETCH = "python -c \"import stanza; stanza.download('en')\""
+
+
+def test_no_model_hub_fetch_runs_while_the_hubs_are_switched_offline() -> None:
+    found = hub_fetch_under_offline_switch((ROOT / "Dockerfile").read_text())
+    assert not found, "\n".join(map(str, found))
+    env = {c: e for _, c, e in run_environments((ROOT / "Dockerfile").read_text())}
+    assert [c for c in env if "stanza.download(" in c], "the opt-in stanza step is gone"
+    # ...and the running image is offline: MiniLM ships in a package, nothing is fetched at run time
+    last = run_environments((ROOT / "Dockerfile").read_text() + "\nRUN true\n")[-1][2]
+    assert last["HF_HUB_OFFLINE"] == "1" and last["TRANSFORMERS_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize("text", [
+    # the switch set before the step (what the image did: the build stopped at stanza.download)
+    f"FROM d\nENV PATH=/x:$PATH \\\n    HF_HUB_OFFLINE=1 \\\n    X=2\nRUN pip install stanza \\\n    && {FETCH}\n",
+    f"FROM d\nENV TRANSFORMERS_OFFLINE 1\nRUN {FETCH}\n",  # the legacy ENV form
+    f"FROM d\nARG HF_HUB_OFFLINE=yes\nRUN {FETCH}\n",  # an ARG is in a RUN's environment too
+    f"FROM d\nARG OFF=1\nENV HF_HUB_OFFLINE=${{OFF}}\nRUN {FETCH}\n",  # a value from a variable
+    f"FROM d\nRUN HF_HUB_OFFLINE=1 {FETCH}\n",  # inline, for that command
+    f"FROM d\nRUN export HF_HUB_OFFLINE=1 && {FETCH}\n",  # exported for the rest of the RUN
+    f"FROM d\nRUN env TRANSFORMERS_OFFLINE=ON {FETCH}\n",
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN if [ \"$S\" = true ]; then \\\n  {FETCH} \\\n  && chmod -R a+rX /m; fi\n",
+    f"FROM d\nENV HF_HUB_OFFLINE=0\nRUN HF_HUB_OFFLINE=0 true; HF_HUB_OFFLINE=1; {FETCH}\n",  # reassigned
+    "FROM d\nENV HF_HUB_OFFLINE=1\nRUN python -c \"from huggingface_hub import snapshot_download as s; "
+    "s('x')\"\n",
+])
+def test_the_offline_check_catches_a_hub_fetch_under_a_switch(text: str) -> None:
+    found = hub_fetch_under_offline_switch(text)
+    assert len(found) == 1 and found[0].switches, text
+
+
+@pytest.mark.parametrize("text", [
+    f"FROM d\nRUN {FETCH}\nENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1\n",  # switched offline after it
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN HF_HUB_OFFLINE=0 {FETCH}\n",  # switched off for that command
+    f"FROM d\nENV HF_HUB_OFFLINE=1\nRUN env -u HF_HUB_OFFLINE {FETCH}\n",
+    f"FROM d\nRUN HF_HUB_OFFLINE=1 true && {FETCH}\n",  # the inline value was for `true` only
+    f"FROM d\nRUN HF_HUB_OFFLINE=1; {FETCH}\n",  # a shell variable, not exported
+    f"FROM a\nENV HF_HUB_OFFLINE=1\nFROM b\nRUN {FETCH}\n",  # another stage
+    f"FROM d\nENV HF_HUB_OFFLINE=1\n# RUN {FETCH}\nRUN echo stanza >&2\n",  # a comment; no fetch
+])
+def test_the_offline_check_passes_a_fetch_with_the_hubs_online(text: str) -> None:
+    assert hub_fetch_under_offline_switch(text) == [], text
+
+
+def _build_args() -> dict[str, str]:
+    """The Dockerfile's ARG (and ENV) values as its last stage ends."""
+    return run_environments((ROOT / "Dockerfile").read_text() + "\nRUN true\n")[-1][2]
+
+
+def test_gpu_image_takes_a_torch_built_for_the_cuda_of_faiss_gpu() -> None:
+    """faiss-gpu 1.15.1 requires nvidia-cuda-runtime-cu12 >=12.6,<13 (its wheel's Requires-Dist, README
+    Docker); the lock's PyPI torch is a CUDA 13 build, so the GPU image takes torch from PyTorch's cu12x index
+    and checks the CUDA line it got while building."""
+    args, runtime = _build_args(), _pins("requirements.lock")
+    flavour = re.fullmatch(r"cu12(\d)", args["TORCH_CUDA"])
+    assert flavour and int(flavour.group(1)) >= 6, args["TORCH_CUDA"]
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
+    assert args["FAISS_GPU"] == f"faiss-gpu=={runtime['faiss-cpu']}"  # the release the lock pins for the CPU
+    text = (ROOT / "Dockerfile").read_text()
+    assert '"$torch_line+$flavour" "$vision_line+$flavour"' in text  # a +cu12x build, never PyPI's by accident
+    assert "pip check" in text and "cuda.startswith('12.')" in text
+    assert args["VARIANT"] == "gpu" and args["STANZA_MODELS"] == "false"
 
 
 def _pins(name: str) -> dict[str, str]:
