@@ -16,7 +16,7 @@ import pytest
 
 from model.config import ImageConfig, TextConfig, TrainConfig
 from model.train import list_variants, make_run
-from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, variant_names
+from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, read_variant_file, variant_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,6 +151,25 @@ def test_base_chain_field_by_field_and_malformed_files(tmp_path: Path) -> None:
         load_variant("i", tmp_path)
     with pytest.raises(VariantError, match="unknown variant 'zz'"):
         load_variant("zz", tmp_path)
+
+
+def test_every_variant_reads_in_its_file_and_at_most_one_base() -> None:
+    """No variant extends one that extends another (at most one `base` between a variant and the defaults),
+    and the served full is one of those read in two files."""
+    extends = {name: read_variant_file(VARIANTS_DIR / f"{name}.toml")[0] for name in variant_names()}
+    deeper = {name: f"{base} -> {extends[base]}" for name, base in extends.items()
+              if base is not None and extends[base] is not None}
+    assert deeper == {}, deeper
+    assert extends["full"] == "full-crop" and extends["full-crop"] is None
+
+
+def test_a_base_that_extends_another_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text("[train]\nbeta = 2.0\n")
+    (tmp_path / "b.toml").write_text('base = "a"\n[train]\nepochs = 3\n')
+    (tmp_path / "c.toml").write_text('base = "b"\n[train]\nepochs = 5\n')
+    assert load_variant("b", tmp_path).train.beta == 2.0
+    with pytest.raises(VariantError, match="its base 'b' extends 'a'"):
+        load_variant("c", tmp_path)
 
 
 def test_every_field_is_documented() -> None:
