@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("not a folder: %s", args.folder)
         return 2
     if not args.model.is_file():
-        logger.error("no model at %s: train one (python -m model.train) or start the service once", args.model)
+        logger.error("no model at %s: train one (python -m training.train) or start the service once", args.model)
         return 2
     folder = args.folder.resolve()
     out = args.out or collection_index(a, folder)

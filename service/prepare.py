@@ -137,7 +137,7 @@ def _limited(split: Split, settings: Settings) -> Split:
 
 
 def ensure_model(settings: Settings) -> Path:
-    """The checkpoint; trained with model.train (variant settings.variant) if absent.
+    """The checkpoint; trained with training.train (variant settings.variant) if absent.
 
     The model is trained on every training image for the variant's fixed epoch count (`--selection
     last`), as the served `full` was; the trainer is imported only then."""
@@ -148,7 +148,7 @@ def ensure_model(settings: Settings) -> Path:
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
     load_variant(settings.variant)  # an unknown variant fails here, before any extraction
-    from model.train import main as train_main  # training code only when there is a model to train
+    from training.train import main as train_main  # training code only when there is a model to train
 
     t0 = time.perf_counter()
     n = settings.limit

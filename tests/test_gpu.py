@@ -16,8 +16,8 @@ from index.ann import gpu_available
 from model.bundle import Bundle
 from model.dataset import feature_cache, hold_out, load_split_data
 from model.text import make_parser
-from model.train import make_run, train
 from tests.conftest import ShapesModel
+from training.train import make_run, train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -13,11 +13,11 @@ from model.bundle import Bundle
 from model.config import ImageConfig, TrainConfig
 from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import build_model
-from model.evaluate import evaluate
 from model.text import make_parser
-from model.train import _step, split_for_selection
-from model.train import main as train_main
 from tests.conftest import ShapesModel
+from training.evaluate import evaluate
+from training.train import _step, split_for_selection
+from training.train import main as train_main
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from model.config import ImageConfig, TextConfig, TrainConfig
-from model.train import list_variants, make_run
 from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, read_variant_file, variant_names
+from training.train import list_variants, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,5 +193,5 @@ def test_list_names_every_variant_with_its_base_and_description() -> None:
 
 def test_serving_does_not_import_the_trainer() -> None:
     code = ("import sys, service.app, service.prepare, bench.report; "
-            "sys.exit(1 if 'model.train' in sys.modules else 0)")
+            "sys.exit(1 if 'training.train' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

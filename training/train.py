@@ -1,7 +1,7 @@
 """Train a fragment model (or a global baseline: two-branch, DT-RNN, SDT-RNN, DeViSE) on a data folder's train split.
 
-    python -m model.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
-    python -m model.train --list        (the variants: model/variants/*.toml, model/variants.py)
+    python -m training.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
+    python -m training.train --list        (the variants: model/variants/*.toml, model/variants.py)
 
 C = C_F + beta * C_G + alpha * ||theta||^2 with the paper's schedule: the first `dense_epochs`
 with the dense fragment objective C_0, then its MIL form C_F; learning rate x0.1 for the last
@@ -33,7 +33,6 @@ import torch
 from tqdm import tqdm
 
 from model.bundle import Bundle
-from model.calibrate import fit_calibration
 from model.config import (
     SELECTIONS,
     ImageConfig,
@@ -47,7 +46,6 @@ from model.config import (
 from model.dataset import SplitData, hold_out, load_split_data
 from model.device import device_name
 from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
-from model.evaluate import evaluate
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_rows
 from model.objectives import fragment_loss, global_loss, two_branch_loss
 from model.score import flatten, skl_from_flat
@@ -63,6 +61,8 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
+from training.calibrate import fit_calibration
+from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
                            args.train_limit, device)
     tr, val = split_for_selection(run.train, data)
     summary = train(run, tr, val, out, args.cache)
-    command = "python -m model.train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m training.train " + shlex.join(sys.argv[1:] if argv is None else argv)
     summary["command"] = command
     (out / "history.json").write_text(json.dumps(summary, indent=2))
     logger.info("kept epoch %d of %d (%s)", summary["selection"]["epoch"], run.train.epochs,
