@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ImageConfig, TextConfig, TrainConfig
+from model.encoders import ModelConfig
 
 VARIANTS_DIR = Path(__file__).resolve().parent / "variants"
 SECTIONS = ("model", "text", "image", "train")
@@ -75,6 +76,14 @@ class Variant:
         cfg = TrainConfig(**self.settings["train"])
         h = self.settings["model"].get("h")
         return cfg if h is None else dataclasses.replace(cfg, h=h)
+
+    def resolved(self) -> dict[str, dict[str, Any]]:
+        """Every field a variant may set, as this one resolves it (section -> field -> value): the model's
+        kind and shape options at ModelConfig's defaults unless set, its h the embedding size (train.h)."""
+        shape = ModelConfig()
+        model = {"kind": self.model_kind, "h": self.train.h, **{k: getattr(shape, k) for k in MODEL_SHAPE}}
+        return {"model": {**model, **self.model}, "text": dataclasses.asdict(self.text),
+                "image": dataclasses.asdict(self.image), "train": dataclasses.asdict(self.train)}
 
 
 def variant_names(folder: Path = VARIANTS_DIR) -> list[str]:

@@ -9,6 +9,7 @@ import io
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from model.config import ImageConfig, TextConfig, TrainConfig
 from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, read_variant_file, variant_names
-from training.train import list_variants, make_run
+from training.train import list_resolved, list_variants, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -189,6 +190,23 @@ def test_list_names_every_variant_with_its_base_and_description() -> None:
     full = lines[2 * variant_names().index("full")]
     assert "= full-crop + image.backbone_precision=int8" in full
     assert load_variant("full").description in lines[2 * variant_names().index("full") + 1]
+
+
+def test_list_resolved_prints_every_field_of_every_variant_as_toml() -> None:
+    out = io.StringIO()
+    list_resolved(out, variant_names())
+    printed = tomllib.loads(out.getvalue())
+    assert sorted(printed) == variant_names()
+    for name in variant_names():
+        v = load_variant(name)
+        assert (printed[name]["text"], printed[name]["image"], printed[name]["train"]) == (
+            dataclasses.asdict(v.text), dataclasses.asdict(v.image), dataclasses.asdict(v.train)), name
+        assert printed[name]["model"] == {**printed[name]["model"], **v.model, "kind": v.model_kind}, name
+        assert (printed[name]["description"], printed[name].get("base")) == (v.description, v.base), name
+    assert printed["paper"]["model"] == {"kind": "fragment", "h": 256, "image_hidden": 0, "global_hidden": 0,
+                                         "dropout": 0.5, "input_dropout": 0.0}
+    assert printed["full"]["model"]["input_dropout"] == 0.2 and printed["full"]["image"]["backbone_precision"] == "int8"
+    assert printed["fragment+global"]["train"]["objective"] == "fragment+global"
 
 
 def test_serving_does_not_import_the_trainer() -> None:

@@ -2,6 +2,7 @@
 
     python -m training.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
     python -m training.train --list        (the variants: model/variants/*.toml, model/variants.py)
+    python -m training.train --list --resolved [--variant full]    (every field as resolved, as TOML)
 
 C = C_F + beta * C_G + alpha * ||theta||^2 with the paper's schedule: the first `dense_epochs`
 with the dense fragment objective C_0, then its MIL form C_F; learning rate x0.1 for the last
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import resource
 import shlex
 import sys
@@ -98,6 +100,28 @@ def list_variants(out: TextIO) -> None:
         sets = ", ".join(f"{s}.{k}={val}" for s in SECTIONS for k, val in own[s].items())
         out.write(f"{name:18s} {('= ' + base + ' + ') if base else '= defaults + '}{sets or 'nothing'}\n"
                   f"{'':18s}   {v.description}\n")
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar setting as TOML (strings in JSON's escapes, which TOML's basic strings share)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def list_resolved(out: TextIO, names: list[str]) -> None:
+    """Every field of each variant in `names` as resolved (`Variant.resolved`), as TOML: a table per
+    variant (description, base) and one per settings group ([<name>.model], [<name>.text], ...)."""
+    for name in names:
+        v = load_variant(name)
+        key = name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+        out.write(f"[{key}]\ndescription = {json.dumps(v.description)}\n")
+        if v.base is not None:
+            out.write(f"base = {json.dumps(v.base)}\n")
+        for section, values in v.resolved().items():
+            out.write(f"\n[{key}.{section}]\n")
+            out.writelines(f"{field_name} = {_toml_value(value)}\n" for field_name, value in values.items())
+        out.write("\n")
 
 
 def _lr_at(cfg: TrainConfig, epoch: int) -> float:
@@ -370,9 +394,12 @@ def split_for_selection(cfg: TrainConfig, data: SplitData) -> tuple[SplitData, S
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
+    ap.add_argument("--resolved", action="store_true",
+                    help="print every field of every variant (of --variant when given) as resolved, as TOML, "
+                         "and exit (python -m training.train --list --resolved)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
-    ap.add_argument("--variant", default="full", help="a model/variants/<name>.toml (--list)")
+    ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: artifacts/models/<variant>")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
@@ -387,6 +414,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, typ in MODEL_OPTIONS.items():
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
     args = ap.parse_args(argv)
+    if args.resolved:
+        try:
+            list_resolved(sys.stdout, variant_names() if args.variant is None else [args.variant])
+        except VariantError as exc:
+            ap.error(str(exc))
+        return
     if args.list:
         list_variants(sys.stdout)
         return
@@ -401,11 +434,11 @@ def main(argv: list[str] | None = None) -> None:
         overrides["selection"] = "last"
     shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
     try:
-        run = make_run(args.variant, overrides, shape)
+        run = make_run(args.variant or "full", overrides, shape)
     except VariantError as exc:
         ap.error(str(exc))
     run.image = with_region_flags(run.image, args)
-    out = args.out or default_artifacts_dir() / "models" / args.variant
+    out = args.out or default_artifacts_dir() / "models" / run.variant
     parser = make_parser(run.text.parser)
     device = device_name(run.train.device)
     data = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,
