@@ -38,7 +38,6 @@ from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
-from model.variants import load_variant
 from service import logs
 from service.settings import Settings
 
@@ -137,28 +136,25 @@ def _limited(split: Split, settings: Settings) -> Split:
 
 
 def ensure_model(settings: Settings) -> Path:
-    """The checkpoint; trained with training.train (variant settings.variant) if absent.
+    """The checkpoint; trained by training.train.train_variant (variant settings.variant) if absent.
 
-    The model is trained on every training image for the variant's fixed epoch count (`--selection
-    last`), as the served `full` was; the trainer is imported only then."""
+    The model is trained on every training image for the variant's fixed epoch count (selection
+    "last"), as the served `full` was; the training package is imported only then."""
     path = settings.model_file
     if path.is_file():
         logger.info("model: reusing %s", path)
         return path
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
-    load_variant(settings.variant)  # an unknown variant fails here, before any extraction
-    from training.train import main as train_main  # training code only when there is a model to train
+    from training.train import train_variant  # training code only when there is a model to train
 
     t0 = time.perf_counter()
-    n = settings.limit
-    limits = [] if n is None else ["--train-limit", str(n)]
-    train_main(["--data", str(settings.data), "--variant", settings.variant, "--out", str(path.parent),
-                "--cache", str(settings.cache_dir), "--workers", str(settings.workers),
-                "--device", device_name(settings.device), "--selection", "last", *limits])
+    trained = train_variant(settings.variant, settings.data, path.parent, "last", cache=settings.cache_dir,
+                            workers=settings.workers, device=device_name(settings.device), limit=settings.limit)
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
-    logger.info("model: trained in %.0fs", time.perf_counter() - t0)
+    logger.info("model: trained in %.0fs (epoch %d of %d kept)", time.perf_counter() - t0, trained.epoch,
+                trained.epochs)
     return path
 
 

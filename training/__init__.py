@@ -3,5 +3,5 @@ calibration fitting, feature extraction), each a command (`python -m training.<j
 
 They build on model/ (fragments, encoders, S_kl, checkpoints); the service and the index never
 import this package, except the one door through which a first start trains a missing model
-(service/prepare.py).
+(`training.train.train_variant`, called by service/prepare.py).
 """

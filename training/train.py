@@ -391,6 +391,49 @@ def split_for_selection(cfg: TrainConfig, data: SplitData) -> tuple[SplitData, S
     return rest, val
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What a training run left in its folder: the checkpoint and the epoch kept (its history.json holds the
+    rest: every epoch's loss and validation metrics, the resolved settings, the command that reproduces it)."""
+
+    variant: str
+    checkpoint: Path  # <out>/model.pt
+    selection: str  # "val" or "last" (TrainConfig.selection)
+    epoch: int  # the epoch kept
+    epochs: int
+    seconds: float  # training, features excluded
+
+
+def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, split: str = "train",
+             workers: int = 2, limit: int | None = None) -> Trained:
+    """Train `run` on the `split` images of the data folder (the first `limit`; features extracted into
+    `cache` where missing), keep the epoch its selection rule picks as out/model.pt, and write
+    out/history.json with the command line `flags` of `python -m training.train` give."""
+    device = device_name(run.train.device)
+    images = load_split_data(data, split, run.image, cache, make_parser(run.text.parser), workers, limit, device)
+    tr, val = split_for_selection(run.train, images)
+    summary = train(run, tr, val, out, cache)
+    summary["command"] = "python -m training.train " + shlex.join(flags)
+    (out / "history.json").write_text(json.dumps(summary, indent=2))
+    kept = summary["selection"]
+    logger.info("kept epoch %d of %d (%s)", kept["epoch"], run.train.epochs, kept["rule"])
+    return Trained(run.variant, out / "model.pt", kept["rule"], kept["epoch"], run.train.epochs,
+                   summary["train_seconds"])
+
+
+def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache: Path, workers: int = 2,
+                  device: str = "auto", limit: int | None = None) -> Trained:
+    """Train the variant as its file gives it (model/variants/<variant>.toml) on the data folder's training
+    split, keeping the epoch `selection` ("val" or "last") picks: what a first start calls when its model
+    is missing (service/prepare.py). An unknown variant raises VariantError before any extraction."""
+    run = make_run(variant, {"selection": selection, "device": device})
+    flags = ["--data", str(data), "--variant", variant, "--out", str(out), "--cache", str(cache),
+             "--workers", str(workers), "--device", device, "--selection", selection]
+    if limit is not None:
+        flags += ["--train-limit", str(limit)]
+    return train_on(run, data, out, cache, flags, workers=workers, limit=limit)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
@@ -439,17 +482,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(exc))
     run.image = with_region_flags(run.image, args)
     out = args.out or default_artifacts_dir() / "models" / run.variant
-    parser = make_parser(run.text.parser)
-    device = device_name(run.train.device)
-    data = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,
-                           args.train_limit, device)
-    tr, val = split_for_selection(run.train, data)
-    summary = train(run, tr, val, out, args.cache)
-    command = "python -m training.train " + shlex.join(sys.argv[1:] if argv is None else argv)
-    summary["command"] = command
-    (out / "history.json").write_text(json.dumps(summary, indent=2))
-    logger.info("kept epoch %d of %d (%s)", summary["selection"]["epoch"], run.train.epochs,
-                summary["selection"]["rule"])
+    train_on(run, args.data, out, args.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
+             workers=args.workers, limit=args.train_limit)
 
 
 if __name__ == "__main__":
