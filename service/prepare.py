@@ -31,6 +31,7 @@ from tqdm import tqdm
 from index import IndexSettings
 from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
+from index.catalogue import is_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sync import open_index, sync_folder
@@ -43,20 +44,13 @@ from service.settings import Settings
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
 
-INDEX_DB = "index.sqlite"  # present once an index folder has been saved
-
-
-def index_exists(root: Path) -> bool:
-    return (root / INDEX_DB).is_file()
-
-
 def _partial_marker(root: Path) -> Path:
     """Present beside an image index while its build is unfinished (it is saved every few thousand images)."""
     return root.parent / (root.name + ".partial")
 
 
 def image_index_ready(root: Path) -> bool:
-    return index_exists(root) and not _partial_marker(root).exists()
+    return is_index(root) and not _partial_marker(root).exists()
 
 
 STAGES = ("model", "image index", "sentence index", "loading")
@@ -194,7 +188,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
 def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     """The sentence collection: the captions of the settings.sentence_split images."""
     target = settings.sentence_index_dir
-    if index_exists(target):
+    if is_index(target):
         logger.info("sentence index: reusing %s", target)
         return target
     split = _limited(load_split(settings.data, settings.sentence_split), settings)
