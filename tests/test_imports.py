@@ -76,6 +76,19 @@ def test_atomic_writes_go_through_the_one_helper() -> None:
     assert renames == ["model/atomic.py"]
 
 
+ATOMIC = {"atomic_file", "atomic_path", "fsync_dir", "stale_temps", "TMP_SUFFIX"}
+
+
+def test_atomic_writes_are_imported_through_one_door() -> None:
+    """Every module that names model/atomic.py's helpers takes them from model.atomic, none through another."""
+    files = [p for package in ("model", "index", "service", "training") for p in sorted((ROOT / package).rglob("*.py"))]
+    elsewhere = [f"{p.relative_to(ROOT)}: from {node.module}"
+                 for p in files for node in ast.walk(ast.parse(p.read_text(), str(p)))
+                 if isinstance(node, ast.ImportFrom) and node.module != "model.atomic"
+                 and ATOMIC & {a.name for a in node.names}]
+    assert elsewhere == []
+
+
 def imports_of(package: str, path: Path) -> list[tuple[str, str | None]]:
     """The modules of `package` that `path` imports anywhere in its body, each with the function whose
     body imports it (None: at module level)."""
