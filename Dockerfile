@@ -97,6 +97,7 @@ RUN groupadd --gid "$GID" fragsearch \
 COPY --chown=fragsearch:fragsearch model ./model
 COPY --chown=fragsearch:fragsearch index ./index
 COPY --chown=fragsearch:fragsearch service ./service
+COPY --chown=fragsearch:fragsearch training ./training
 
 USER ${UID}:${GID}
 EXPOSE 8000

@@ -42,7 +42,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
 
 def cpu_facts() -> tuple[float, str]:
     """(reported clock in MHz, the vector instruction sets announced) from /proc/cpuinfo."""
-    mhz, flags = float("nan"), set()
+    mhz, flags = float("nan"), set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

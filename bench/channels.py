@@ -28,9 +28,9 @@ import torch
 
 from bench import SplitDataByConfig, add_model_args, kept_rows
 from model.bundle import Bundle
-from model.evaluate import metrics_from_scores
 from model.fragments import SENTENCE_REL
 from model.score import skl
+from training.evaluate import metrics_from_scores
 
 logger = logging.getLogger(__name__)
 

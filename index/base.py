@@ -56,7 +56,7 @@ from index.candidates import (
 )
 from index.catalogue import DB_FILE, FORMAT, Catalogue, built_fingerprint, committed_generation
 from index.compaction import STORE_PREFIX, STORE_SUFFIX, compact
-from index.files import TMP_SUFFIX, fsync_dir, unique_name
+from index.files import unique_name
 from index.fingerprint import model_fingerprint
 from index.items import ItemTable
 from index.locks import ReadWriteLock
@@ -64,6 +64,7 @@ from index.ranking import merge_top_k, top_k
 from index.shared import SharedFragments
 from index.store import VectorStore
 from index.types import IndexFullError, IndexLoadError, IndexSettings
+from model.atomic import TMP_SUFFIX, fsync_dir
 from model.bundle import Bundle
 from model.device import MODEL_DEVICE
 from model.image import RegionExtractor

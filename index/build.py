@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from index.candidates import BACKENDS, BackendOptions
+from index.catalogue import is_index
 from index.images import ImageIndex, list_images
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sentences import SentenceIndex
@@ -93,7 +94,7 @@ def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings
     new index keeps its candidate vectors (an existing one keeps its own)."""
     out = Path(out)
     target = _fresh_target(out, rebuild)
-    if (target / "index.sqlite").exists():
+    if is_index(target):
         index = ImageIndex.load(target, bundle, cache=cache, collection_root=collection_root, backend=backend)
         if index.settings.kind != settings.kind:
             logger.warning("%s is a %s index; keeping it (use --rebuild for %s)", out, index.settings.kind,
@@ -131,7 +132,7 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     default sentence collection: their vectors are not computed twice).
     """
     out = Path(out)
-    if (out / "index.sqlite").exists() and not rebuild:
+    if is_index(out) and not rebuild:
         index = SentenceIndex.load(out, bundle, backend=backend)
         logger.info("sentence index %s exists (%d sentences); --rebuild makes it again", out, len(index))
         return index

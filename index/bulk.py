@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from index.catalogue import is_index
 from index.images import ImageIndex, list_images
 from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shards, shard_settings, shard_summary
 from index.types import IndexSettings
@@ -329,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             bulk_extract(paths, args.shards, cfg, args.engine, args.workers, cache, args.shard_size, args.batch)
     if args.index is not None:
         assert bundle is not None
-        if (args.index / "index.sqlite").exists():
+        if is_index(args.index):
             index = ImageIndex.load(args.index, bundle, collection_root=args.collection_root)
         else:
             index = ImageIndex.create(args.index, bundle, IndexSettings(kind=args.kind),

@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from index.ann import AnnIndex, train_sample_size
-from index.files import atomic_path, sha256_file, unique_name
+from index.files import sha256_file, unique_name
 from index.types import IndexLoadError, IndexSettings
+from model.atomic import atomic_path
 from model.device import MODEL_DEVICE
 
 logger = logging.getLogger(__name__)

@@ -33,11 +33,16 @@ def connect(path: Path) -> sqlite3.Connection:
     return db
 
 
+def is_index(root: Path) -> bool:
+    """Whether the folder holds a saved index (its catalogue database exists once the first save is made)."""
+    return (Path(root) / DB_FILE).is_file()
+
+
 def built_fingerprint(root: Path) -> str | None:
     """The model fingerprint an index folder was built with; None when it has no readable database."""
-    path = Path(root) / DB_FILE
-    if not path.is_file():
+    if not is_index(root):
         return None
+    path = Path(root) / DB_FILE
     try:
         # immutable: no lock and no -wal/-shm files; the fingerprint is written once, when the index is created
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as db:

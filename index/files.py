@@ -1,8 +1,6 @@
 """The index's file helpers: content hashes and fresh file names. Crash-safe writes (temp file in
-the same folder, fsync, rename, fsync the folder) are model/atomic.py's, re-exported here.
-
-A crash before the rename leaves the previous file untouched (and a stray temp file that the next
-save removes).
+the same folder, fsync, rename, fsync the folder) are model/atomic.py's, imported from there by
+every writer of model/, index/ and service/.
 """
 
 from __future__ import annotations
@@ -10,10 +8,6 @@ from __future__ import annotations
 import hashlib
 import secrets
 from pathlib import Path
-
-from model.atomic import TMP_SUFFIX, atomic_path, fsync_dir
-
-__all__ = ["HASH_CHUNK", "TMP_SUFFIX", "atomic_path", "fsync_dir", "sha256_file", "unique_name"]
 
 HASH_CHUNK = 1 << 22
 

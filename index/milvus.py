@@ -41,8 +41,8 @@ from tqdm import tqdm
 
 from index import ids as fid
 from index.candidates import BackendOptions, CandidateBackend, Sources
-from index.files import fsync_dir
 from index.types import IndexFullError, IndexLoadError, IndexSettings
+from model.atomic import fsync_dir
 
 logger = logging.getLogger(__name__)
 

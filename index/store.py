@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.files import atomic_path
+from model.atomic import atomic_path
 
 BLOCK_ROWS = 1 << 16  # rows per in-memory block of the live segment
 

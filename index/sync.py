@@ -33,6 +33,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from index.candidates import BackendOptions
+from index.catalogue import is_index
 from index.files import sha256_file
 from index.images import IMAGE_SUFFIXES, ImageIndex
 from index.types import IndexSettings
@@ -193,7 +194,7 @@ def open_index(out: Path, bundle: Bundle, folder: Path, cache_dir: Path, setting
     """The collection's index at `out` (made when missing), reading paths against `folder`; `backend`
     is where its candidate vectors live (FAISS in-process by default, or Milvus)."""
     cache = feature_cache(cache_dir, bundle.image_cfg)
-    if (out / "index.sqlite").is_file():
+    if is_index(out):
         return ImageIndex.load(out, bundle, cache=cache, collection_root=folder, backend=backend)
     return ImageIndex.create(out, bundle, settings, cache=cache, collection_root=folder, backend=backend)
 
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("not a folder: %s", args.folder)
         return 2
     if not args.model.is_file():
-        logger.error("no model at %s: train one (python -m model.train) or start the service once", args.model)
+        logger.error("no model at %s: train one (python -m training.train) or start the service once", args.model)
         return 2
     folder = args.folder.resolve()
     out = args.out or collection_index(a, folder)

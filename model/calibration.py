@@ -14,7 +14,7 @@ reference sets are drawn from the training split and stored, embedded, in the ch
 of a new image or sentence is computed from its own fragments when it is embedded. (In the
 retrieval literature: querybank normalisation, a remedy for hubness.)
 
-Fitting the references, timing them and the command line are model/calibrate.py's.
+Fitting the references, timing them and the command line are training/calibrate.py's.
 """
 
 from __future__ import annotations

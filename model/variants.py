@@ -3,9 +3,10 @@
 A variant file is the image of a dict {"model": {...}, "text": {...}, "image": {...}, "train": {...}}:
 one table per settings group, each holding only the fields it changes from their defaults
 (`ModelConfig` shapes, `TextConfig`, `ImageConfig`, `TrainConfig`), plus two optional top-level
-keys: `base`, the variant it extends (its resolved settings first, then this file's, field by
-field), and `description`, one line for `python -m model.train --list`. Every field is described
-in model/variants/README.md. A `model.h` sets the embedding size (`train.h` follows it).
+keys: `base`, the variant it extends (its settings first, then this file's, field by field; a base
+names no base of its own, so a variant reads whole in one file, or in its file and its base's), and
+`description`, one line for `python -m training.train --list`. Every field is described in
+model/variants/README.md. A `model.h` sets the embedding size (`train.h` follows it).
 
 The trainer, the service's preparation and the report read variants here; nothing in this module
 trains.
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ImageConfig, TextConfig, TrainConfig
+from model.encoders import ModelConfig
 
 VARIANTS_DIR = Path(__file__).resolve().parent / "variants"
 SECTIONS = ("model", "text", "image", "train")
@@ -75,6 +77,14 @@ class Variant:
         h = self.settings["model"].get("h")
         return cfg if h is None else dataclasses.replace(cfg, h=h)
 
+    def resolved(self) -> dict[str, dict[str, Any]]:
+        """Every field a variant may set, as this one resolves it (section -> field -> value): the model's
+        kind and shape options at ModelConfig's defaults unless set, its h the embedding size (train.h)."""
+        shape = ModelConfig()
+        model = {"kind": self.model_kind, "h": self.train.h, **{k: getattr(shape, k) for k in MODEL_SHAPE}}
+        return {"model": {**model, **self.model}, "text": dataclasses.asdict(self.text),
+                "image": dataclasses.asdict(self.image), "train": dataclasses.asdict(self.train)}
+
 
 def variant_names(folder: Path = VARIANTS_DIR) -> list[str]:
     """The variants in `folder`, sorted."""
@@ -116,26 +126,32 @@ def read_variant_file(path: Path) -> tuple[str | None, str, dict[str, dict[str, 
     return base, description, own
 
 
+def _read_named(name: str, folder: Path, extended_by: str | None) -> tuple[str | None, str, dict[str, dict[str, Any]]]:
+    """`read_variant_file` of the variant `name` (VariantError naming the variant that extends it when unknown)."""
+    path = folder / f"{name}.toml"
+    if not path.is_file():
+        where = "" if extended_by is None else f" (the base of {extended_by!r})"
+        raise VariantError(f"unknown variant {name!r}{where}: one of {', '.join(variant_names(folder))}")
+    return read_variant_file(path)
+
+
 def load_variant(name: str, folder: Path = VARIANTS_DIR) -> Variant:
-    """The variant `name` with its base chain resolved (VariantError when unknown or malformed)."""
-    chain: list[tuple[str, str | None, str, dict[str, dict[str, Any]]]] = []
-    current: str | None = name
-    while current is not None:
-        if current in [c[0] for c in chain]:
-            raise VariantError(f"variant {name!r}: base cycle {' -> '.join([c[0] for c in chain] + [current])}")
-        path = folder / f"{current}.toml"
-        if not path.is_file():
-            known = ", ".join(variant_names(folder))
-            where = f" (the base of {chain[-1][0]!r})" if chain else ""
-            raise VariantError(f"unknown variant {current!r}{where}: one of {known}")
-        base, description, own = read_variant_file(path)
-        chain.append((current, base, description, own))
-        current = base
+    """The variant `name`: its file's settings over its base's, when it names one (a base extends nothing,
+    so every variant reads whole in its file and at most one other); VariantError when unknown or malformed."""
+    base, description, own = _read_named(name, folder, None)
+    layers = [own]
+    if base is not None:
+        base_base, _, base_own = _read_named(base, folder, name)
+        if base_base is not None:
+            if base_base == name:
+                raise VariantError(f"variant {name!r}: base cycle {name} -> {base} -> {name}")
+            raise VariantError(f"variant {name!r}: its base {base!r} extends {base_base!r} (a base extends "
+                               "nothing: write the settings out in one of them)")
+        layers.insert(0, base_own)
     settings: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    for _, _, _, own in reversed(chain):
+    for layer in layers:
         for section in SECTIONS:
-            settings[section].update(own[section])
-    _, base, description, _ = chain[0]
+            settings[section].update(layer[section])
     return Variant(name, description, base, settings)
 
 

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from index import IndexSettings
 from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
+from index.catalogue import is_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sync import open_index, sync_folder
@@ -38,18 +39,10 @@ from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
-from model.variants import load_variant
 from service import logs
 from service.settings import Settings
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
-
-INDEX_DB = "index.sqlite"  # present once an index folder has been saved
-
-
-def index_exists(root: Path) -> bool:
-    return (root / INDEX_DB).is_file()
-
 
 def _partial_marker(root: Path) -> Path:
     """Present beside an image index while its build is unfinished (it is saved every few thousand images)."""
@@ -57,7 +50,7 @@ def _partial_marker(root: Path) -> Path:
 
 
 def image_index_ready(root: Path) -> bool:
-    return index_exists(root) and not _partial_marker(root).exists()
+    return is_index(root) and not _partial_marker(root).exists()
 
 
 STAGES = ("model", "image index", "sentence index", "loading")
@@ -137,28 +130,25 @@ def _limited(split: Split, settings: Settings) -> Split:
 
 
 def ensure_model(settings: Settings) -> Path:
-    """The checkpoint; trained with model.train (variant settings.variant) if absent.
+    """The checkpoint; trained by training.train.train_variant (variant settings.variant) if absent.
 
-    The model is trained on every training image for the variant's fixed epoch count (`--selection
-    last`), as the served `full` was; the trainer is imported only then."""
+    The model is trained on every training image for the variant's fixed epoch count (selection
+    "last"), as the served `full` was; the training package is imported only then."""
     path = settings.model_file
     if path.is_file():
         logger.info("model: reusing %s", path)
         return path
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
-    load_variant(settings.variant)  # an unknown variant fails here, before any extraction
-    from model.train import main as train_main  # training code only when there is a model to train
+    from training.train import train_variant  # training code only when there is a model to train
 
     t0 = time.perf_counter()
-    n = settings.limit
-    limits = [] if n is None else ["--train-limit", str(n)]
-    train_main(["--data", str(settings.data), "--variant", settings.variant, "--out", str(path.parent),
-                "--cache", str(settings.cache_dir), "--workers", str(settings.worker_count),
-                "--device", device_name(settings.device), "--selection", "last", *limits])
+    trained = train_variant(settings.variant, settings.data, path.parent, "last", cache=settings.cache_dir,
+                            workers=settings.worker_count, device=device_name(settings.device), limit=settings.limit)
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
-    logger.info("model: trained in %.0fs", time.perf_counter() - t0)
+    logger.info("model: trained in %.0fs (epoch %d of %d kept)", time.perf_counter() - t0, trained.epoch,
+                trained.epochs)
     return path
 
 
@@ -198,7 +188,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
 def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     """The sentence collection: the captions of the settings.sentence_split images."""
     target = settings.sentence_index_dir
-    if index_exists(target):
+    if is_index(target):
         logger.info("sentence index: reusing %s", target)
         return target
     split = _limited(load_split(settings.data, settings.sentence_split), settings)

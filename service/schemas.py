@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from index.types import ExplainScope
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
+DEFAULT_K = 10  # images or regions a search returns when it names no k (settings.k_max may not be smaller)
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
 _MATCH = {"triplet": "amod(dog, black)", "relation": "amod", "words": ["dog", "black"],
@@ -52,7 +53,7 @@ def _offset_field() -> Any:
 
 class SearchImagesRequest(BaseModel):
     sentence: str = Field(description="a sentence describing the images wanted", examples=["a dog runs on the grass"])
-    k: int = Field(default=10, ge=1, strict=True, description="number of images (at most the service's k limit)")
+    k: int = Field(default=DEFAULT_K, ge=1, strict=True, description="number of images (at most the service's k limit)")
     offset: int = _offset_field()
 
     @field_validator("sentence")
@@ -76,7 +77,8 @@ class SearchFragmentsRequest(BaseModel):
 
     phrase: str | None = Field(default=None, description="a short phrase, e.g. 'black dog'", examples=["black dog"])
     triplet: TripletIn | None = Field(default=None, description="a dependency triplet")
-    k: int = Field(default=10, ge=1, strict=True, description="number of regions (at most the service's k limit)")
+    k: int = Field(default=DEFAULT_K, ge=1, strict=True,
+                   description="number of regions (at most the service's k limit)")
     offset: int = _offset_field()
 
     @field_validator("phrase")

@@ -17,6 +17,7 @@ from index.candidates import BackendOptions
 from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
 from model.resources import default_workers
+from service.schemas import DEFAULT_K
 
 API_KEY_HEADER = "X-API-Key"
 
@@ -104,7 +105,6 @@ class Settings(BaseSettings):
 
     # limits
     max_sentence_chars: int = Field(default=300, ge=1, description="longest sentence or phrase accepted")
-    k_default: int = Field(default=10, ge=1)
     k_max: int = Field(default=100, ge=1, description="largest k accepted")
     max_rank: int = Field(default=1000, ge=1, description="deepest rank a page may reach (offset + k)")
     max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="largest image upload")
@@ -139,8 +139,8 @@ class Settings(BaseSettings):
             self.uploads = a / "uploads"
         if self.cache is None:
             self.cache = a / "cache"
-        if self.k_default > self.k_max:
-            raise ValueError(f"k_default ({self.k_default}) must not exceed k_max ({self.k_max})")
+        if self.k_max < DEFAULT_K:
+            raise ValueError(f"k_max ({self.k_max}) must be at least {DEFAULT_K}, the k of a search that names none")
         return self
 
     def data_hint(self) -> str:

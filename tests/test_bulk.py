@@ -34,7 +34,7 @@ from tests.netns import REPO, hosts, in_ns, ray_env, ray_temp, stop_ray
 from tests.test_index import IMAGE_CFG, WORDS, F, make_bundle, picture
 
 CFG = shard_settings(IMAGE_CFG)
-# the served model's image settings (model/train.py "full"), as index.bulk's region flags, for the Ray runs
+# the served model's image settings (model/variants/full.toml), as index.bulk's region flags, for the Ray runs
 RAY_CFG = ImageConfig(region_features="crop", backbone_precision="int8", proposal_resize=112, backbone_size=224,
                       min_box_frac=0.25)
 RAY_FLAGS = ["--region-features", "crop", "--backbone-precision", "int8", "--proposal-resize", "112",

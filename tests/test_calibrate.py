@@ -8,11 +8,11 @@ import numpy as np
 import torch
 
 from model.bundle import Bundle
-from model.calibrate import fit_calibration, per_item_ms
 from model.calibration import Calibration
-from model.evaluate import annotation_ranks, evaluate, score_split, search_ranks
 from model.score import align, skl
 from tests.conftest import ShapesModel
+from training.calibrate import fit_calibration, per_item_ms
+from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
 
 
 def _random_calibration(h: int = 6, seed: int = 0) -> Calibration:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 import model.backbone
-import model.train
+import training.train
 from index import ImageIndex, IndexSettings, SentenceIndex
 from model.bundle import Bundle
 from model.calibration import Calibration
@@ -34,10 +34,10 @@ from model.image import RegionExtractor
 from model.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_from_flat
 from model.text import RelationVocab, make_parser
-from model.train import make_run, train
 from model.trees import SentenceTree, TreeBatch
 from model.words import WORD_DIM, WordTable
 from tests.other_device import DeviceMixError, on_device, other_device
+from training.train import make_run, train
 
 H, IMG_DIM = 16, 24
 WORDS = ["a", "dog", "runs", "on", "the", "grass", "red", "ball", "man", "plays", "with", "cat", "sits", "water"]
@@ -349,7 +349,7 @@ def test_training_runs_on_another_device(variant: str, tiny_split: SplitData, tm
         return [e["loss"] for e in summary["history"]], state
 
     cpu_losses, cpu_state = run("cpu")
-    monkeypatch.setattr(model.train, "device_name", str)
+    monkeypatch.setattr(training.train, "device_name", str)
     with other_device():
         losses, state = run("cuda")
     assert losses == pytest.approx(cpu_losses, rel=1e-5)

@@ -15,8 +15,8 @@ from model.config import ImageConfig, TextConfig, add_region_flags, with_region_
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
 from model.text import RelationVocab
-from model.train import make_run
 from model.words import WordTable
+from training.train import make_run
 
 IMG_DIM, WORD_DIM, H = 12, 4, 8
 

@@ -11,10 +11,10 @@ import torch
 
 from model.bundle import Bundle
 from model.dataset import SplitData
-from model.evaluate import evaluate
 from model.score import align
 from tests.conftest import ShapesModel
 from tests.synthetic import points_at
+from training.evaluate import evaluate
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ from model.bundle import Bundle
 from model.dataset import feature_cache, hold_out, load_split_data
 from model.device import FAISS_GPU, MATRIX_CPU
 from model.text import make_parser
-from model.train import make_run, train
 from service.app import create_app, load_engine
 from tests import served
 from tests.conftest import ShapesModel
+from training.train import make_run, train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,4 +1,5 @@
-"""The import graph of model/: no module reaches back to one that imports it (function-local and
+"""The import graph: no module of model/ reaches back to one that imports it, and model/, index/ and
+service/ never import training/ but through the one door that trains a missing model (function-local and
 TYPE_CHECKING imports included)."""
 
 from __future__ import annotations
@@ -6,7 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-MODEL = Path(__file__).resolve().parent.parent / "model"
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "model"
 
 
 def model_imports(path: Path) -> set[str]:
@@ -62,13 +64,72 @@ def test_the_cycle_finder_finds_a_local_import_cycle(tmp_path: Path) -> None:
 
 def test_no_two_modules_of_model_import_each_other() -> None:
     graph = import_graph()
-    assert {"bundle", "calibrate", "calibration", "evaluate", "train"} <= set(graph)
+    assert {"bundle", "calibration", "score", "variants"} <= set(graph)
     assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
 
 
 def test_atomic_writes_go_through_the_one_helper() -> None:
     """A rename onto a target appears only in model/atomic.py (model, index and service)."""
-    root = MODEL.parent
+    root = ROOT
     renames = [str(p.relative_to(root)) for package in ("model", "index", "service")
                for p in sorted((root / package).rglob("*.py")) if "os.replace(" in p.read_text()]
     assert renames == ["model/atomic.py"]
+
+
+ATOMIC = {"atomic_file", "atomic_path", "fsync_dir", "stale_temps", "TMP_SUFFIX"}
+
+
+def test_atomic_writes_are_imported_through_one_door() -> None:
+    """Every module that names model/atomic.py's helpers takes them from model.atomic, none through another."""
+    files = [p for package in ("model", "index", "service", "training") for p in sorted((ROOT / package).rglob("*.py"))]
+    elsewhere = [f"{p.relative_to(ROOT)}: from {node.module}"
+                 for p in files for node in ast.walk(ast.parse(p.read_text(), str(p)))
+                 if isinstance(node, ast.ImportFrom) and node.module != "model.atomic"
+                 and ATOMIC & {a.name for a in node.names}]
+    assert elsewhere == []
+
+
+def imports_of(package: str, path: Path) -> list[tuple[str, str | None]]:
+    """The modules of `package` that `path` imports anywhere in its body, each with the function whose
+    body imports it (None: at module level)."""
+    found: list[tuple[str, str | None]] = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend((a.name, function) for a in child.names
+                             if a.name == package or a.name.startswith(package + "."))
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                if child.module == package:
+                    found.extend((f"{package}.{a.name}", function) for a in child.names)
+                elif child.module.startswith(package + "."):
+                    found.append((child.module, function))
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), None)
+    return found
+
+
+def training_imports(*packages: str) -> dict[str, list[tuple[str, str | None]]]:
+    """Per file of `packages` that imports training/: what it imports and where."""
+    found = {str(p.relative_to(ROOT)): imports_of("training", p)
+             for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
+    return {path: imports for path, imports in found.items() if imports}
+
+
+def test_the_training_import_finder_sees_every_form(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("import training.train\nfrom training import evaluate\n"
+                                   "def f():\n    from training.calibrate import fit_calibration\n"
+                                   "import trainingwheels\nfrom model.train import x\n")
+    assert imports_of("training", tmp_path / "a.py") == [
+        ("training.train", None), ("training.evaluate", None), ("training.calibrate", "f")]
+
+
+def test_model_and_index_never_import_training() -> None:
+    assert training_imports("model", "index") == {}
+
+
+def test_service_imports_training_only_to_train_a_missing_model() -> None:
+    """One door: service/prepare.py's ensure_model, inside the function (serving loads no training code)."""
+    assert training_imports("service") == {"service/prepare.py": [("training.train", "ensure_model")]}

@@ -22,6 +22,7 @@ from index import ids as fid
 from index.base import FragmentIndex
 from index.build import main as build_main
 from index.candidates import BackendOptions
+from index.catalogue import is_index
 from index.query import encode_sentence
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig
@@ -371,6 +372,16 @@ def test_save_load_round_trip_gives_equal_results(image_index: ImageIndex, bundl
     assert loaded.search_fragments("a man", 6) == regions
     assert loaded.get(41) == image_index.get(41)
     loaded.close()
+
+
+def test_a_folder_is_an_index_once_it_is_saved(tmp_path: Path, bundle: Bundle):
+    root = tmp_path / "images"
+    assert not is_index(root) and not is_index(tmp_path)
+    index = ImageIndex.create(root, bundle)
+    random_images(index, 3, seed=2)
+    index.save()
+    assert is_index(root) and not is_index(tmp_path)
+    index.close()
 
 
 def test_float16_store_and_many_saves_merge_segments(tmp_path: Path, bundle: Bundle):

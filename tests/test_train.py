@@ -13,11 +13,12 @@ from model.bundle import Bundle
 from model.config import ImageConfig, TrainConfig
 from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import build_model
-from model.evaluate import evaluate
 from model.text import make_parser
-from model.train import _step, split_for_selection
-from model.train import main as train_main
+from model.variants import VariantError
 from tests.conftest import ShapesModel
+from training.evaluate import evaluate
+from training.train import Trained, _step, split_for_selection, train_variant
+from training.train import main as train_main
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +99,20 @@ def test_a_step_clips_the_gradient_norm_when_asked() -> None:
 
     assert moved(0.0) == pytest.approx(50.0)  # off: the plain SGD step
     assert moved(5.0) == pytest.approx(5.0)  # the step of lr 1 is the clipped gradient
+
+
+def test_train_variant_trains_a_variant_as_its_file_gives_it(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """The typed entry a first start calls: the variant's own settings, the selection asked, the command
+    that reproduces the run in its history."""
+    out = tmp_path / "paper"
+    trained = train_variant("paper", shapes_model.data, out, "last", cache=shapes_model.cache, workers=1, limit=20)
+    assert trained == Trained("paper", out / "model.pt", "last", 10, 10, trained.seconds) and trained.seconds > 0
+    assert Bundle.load(trained.checkpoint).meta["variant"] == "paper"
+    summary = json.loads((out / "history.json").read_text())
+    assert summary["selection"] == {"rule": "last", "epochs": 10, "epoch": 10} and summary["train_images"] == 20
+    assert summary["command"] == (f"python -m training.train --data {shapes_model.data} --variant paper --out {out} "
+                                  f"--cache {shapes_model.cache} --workers 1 --device auto --selection last "
+                                  "--train-limit 20")
+    with pytest.raises(VariantError, match="unknown variant 'no-such'"):
+        train_variant("no-such", shapes_model.data, tmp_path / "none", "last", cache=shapes_model.cache)
+    assert not (tmp_path / "none").exists()

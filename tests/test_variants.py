@@ -9,14 +9,15 @@ import io
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from model.config import ImageConfig, TextConfig, TrainConfig
-from model.train import list_variants, make_run
-from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, variant_names
+from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, read_variant_file, variant_names
+from training.train import list_resolved, list_variants, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,6 +154,25 @@ def test_base_chain_field_by_field_and_malformed_files(tmp_path: Path) -> None:
         load_variant("zz", tmp_path)
 
 
+def test_every_variant_reads_in_its_file_and_at_most_one_base() -> None:
+    """No variant extends one that extends another (at most one `base` between a variant and the defaults),
+    and the served full is one of those read in two files."""
+    extends = {name: read_variant_file(VARIANTS_DIR / f"{name}.toml")[0] for name in variant_names()}
+    deeper = {name: f"{base} -> {extends[base]}" for name, base in extends.items()
+              if base is not None and extends[base] is not None}
+    assert deeper == {}, deeper
+    assert extends["full"] == "full-crop" and extends["full-crop"] is None
+
+
+def test_a_base_that_extends_another_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text("[train]\nbeta = 2.0\n")
+    (tmp_path / "b.toml").write_text('base = "a"\n[train]\nepochs = 3\n')
+    (tmp_path / "c.toml").write_text('base = "b"\n[train]\nepochs = 5\n')
+    assert load_variant("b", tmp_path).train.beta == 2.0
+    with pytest.raises(VariantError, match="its base 'b' extends 'a'"):
+        load_variant("c", tmp_path)
+
+
 def test_every_field_is_documented() -> None:
     """model/variants/README.md has one table row per field a variant may set, under its section."""
     text = (VARIANTS_DIR / "README.md").read_text()
@@ -172,7 +192,24 @@ def test_list_names_every_variant_with_its_base_and_description() -> None:
     assert load_variant("full").description in lines[2 * variant_names().index("full") + 1]
 
 
+def test_list_resolved_prints_every_field_of_every_variant_as_toml() -> None:
+    out = io.StringIO()
+    list_resolved(out, variant_names())
+    printed = tomllib.loads(out.getvalue())
+    assert sorted(printed) == variant_names()
+    for name in variant_names():
+        v = load_variant(name)
+        assert (printed[name]["text"], printed[name]["image"], printed[name]["train"]) == (
+            dataclasses.asdict(v.text), dataclasses.asdict(v.image), dataclasses.asdict(v.train)), name
+        assert printed[name]["model"] == {**printed[name]["model"], **v.model, "kind": v.model_kind}, name
+        assert (printed[name]["description"], printed[name].get("base")) == (v.description, v.base), name
+    assert printed["paper"]["model"] == {"kind": "fragment", "h": 256, "image_hidden": 0, "global_hidden": 0,
+                                         "dropout": 0.5, "input_dropout": 0.0}
+    assert printed["full"]["model"]["input_dropout"] == 0.2 and printed["full"]["image"]["backbone_precision"] == "int8"
+    assert printed["fragment+global"]["train"]["objective"] == "fragment+global"
+
+
 def test_serving_does_not_import_the_trainer() -> None:
     code = ("import sys, service.app, service.prepare, bench.report; "
-            "sys.exit(1 if 'model.train' in sys.modules else 0)")
+            "sys.exit(1 if 'training.train' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

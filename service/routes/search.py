@@ -22,6 +22,7 @@ from service.routes.convert import (
 )
 from service.routes.uploads import read_upload
 from service.schemas import (
+    DEFAULT_K,
     AnnotateResponse,
     ExplainRequest,
     ExplainResponse,
@@ -90,7 +91,7 @@ def build_router() -> APIRouter:
         engine: EngineDep, s: SettingsDep, gates: GatesDep,
         file: Annotated[UploadFile | None, File(description="an image (JPEG, PNG, ...); or give image_id")] = None,
         image_id: Annotated[int | None, Form(ge=0, le=2**63 - 1, description="an indexed image's id")] = None,
-        k: Annotated[int, Form(ge=1, description="number of images")] = 10,
+        k: Annotated[int, Form(ge=1, description="number of images")] = DEFAULT_K,
         offset: OffsetForm = 0,
     ) -> SimilarResponse:
         """More like this: images ranked for an indexed image (`image_id`, itself left out) or an upload

@@ -1,6 +1,6 @@
 """Extract (or resume extracting) the image fragments of a data folder into the feature cache.
 
-    python -m model.extract --data ../shared/data/flickr8k --splits train dev --workers 2
+    python -m training.extract --data ../shared/data/flickr8k --splits train dev --workers 2
 
 Entries are written one image at a time, atomically: an interrupted run resumes where it stopped.
 Unreadable files are skipped, counted and listed in the cache's failed.json.

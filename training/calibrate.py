@@ -4,7 +4,7 @@ timing it, and the command line that calibrates a trained checkpoint.
 The reference sets are drawn from the training split (`fit_calibration`), embedded by the
 uncalibrated model and stored in the checkpoint; `per_item_ms` measures what the scale costs a query.
 
-    python -m model.calibrate --model artifacts/models/full/model.pt --refs 1000
+    python -m training.calibrate --model artifacts/models/full/model.pt --refs 1000
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from model.bundle import Bundle
 from model.calibration import Calibration
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
-from model.evaluate import evaluate
 from model.text import make_parser
+from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Image search (sentence -> images): rank of its one image. Ties count against the
 (an item scoring equal to the correct one is ranked before it).
 Also the Hodosh (*) variant: only the first sentence of each image.
 
-    python -m model.evaluate --data DIR --split DIR/dev.txt --model artifacts/models/full/model.pt
+    python -m training.evaluate --data DIR --split DIR/dev.txt --model artifacts/models/full/model.pt
 """
 
 from __future__ import annotations

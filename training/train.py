@@ -1,7 +1,8 @@
 """Train a fragment model (or a global baseline: two-branch, DT-RNN, SDT-RNN, DeViSE) on a data folder's train split.
 
-    python -m model.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
-    python -m model.train --list        (the variants: model/variants/*.toml, model/variants.py)
+    python -m training.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
+    python -m training.train --list        (the variants: model/variants/*.toml, model/variants.py)
+    python -m training.train --list --resolved [--variant full]    (every field as resolved, as TOML)
 
 C = C_F + beta * C_G + alpha * ||theta||^2 with the paper's schedule: the first `dense_epochs`
 with the dense fragment objective C_0, then its MIL form C_F; learning rate x0.1 for the last
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import resource
 import shlex
 import sys
@@ -33,7 +35,6 @@ import torch
 from tqdm import tqdm
 
 from model.bundle import Bundle
-from model.calibrate import fit_calibration
 from model.config import (
     SELECTIONS,
     ImageConfig,
@@ -47,7 +48,6 @@ from model.config import (
 from model.dataset import SplitData, hold_out, load_split_data
 from model.device import device_name
 from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
-from model.evaluate import evaluate
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_rows
 from model.objectives import fragment_loss, global_loss, two_branch_loss
 from model.score import flatten, skl_from_flat
@@ -63,6 +63,8 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
+from training.calibrate import fit_calibration
+from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,28 @@ def list_variants(out: TextIO) -> None:
         sets = ", ".join(f"{s}.{k}={val}" for s in SECTIONS for k, val in own[s].items())
         out.write(f"{name:18s} {('= ' + base + ' + ') if base else '= defaults + '}{sets or 'nothing'}\n"
                   f"{'':18s}   {v.description}\n")
+
+
+def _toml_value(value: Any) -> str:
+    """A scalar setting as TOML (strings in JSON's escapes, which TOML's basic strings share)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def list_resolved(out: TextIO, names: list[str]) -> None:
+    """Every field of each variant in `names` as resolved (`Variant.resolved`), as TOML: a table per
+    variant (description, base) and one per settings group ([<name>.model], [<name>.text], ...)."""
+    for name in names:
+        v = load_variant(name)
+        key = name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+        out.write(f"[{key}]\ndescription = {json.dumps(v.description)}\n")
+        if v.base is not None:
+            out.write(f"base = {json.dumps(v.base)}\n")
+        for section, values in v.resolved().items():
+            out.write(f"\n[{key}.{section}]\n")
+            out.writelines(f"{field_name} = {_toml_value(value)}\n" for field_name, value in values.items())
+        out.write("\n")
 
 
 def _lr_at(cfg: TrainConfig, epoch: int) -> float:
@@ -367,12 +391,58 @@ def split_for_selection(cfg: TrainConfig, data: SplitData) -> tuple[SplitData, S
     return rest, val
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What a training run left in its folder: the checkpoint and the epoch kept (its history.json holds the
+    rest: every epoch's loss and validation metrics, the resolved settings, the command that reproduces it)."""
+
+    variant: str
+    checkpoint: Path  # <out>/model.pt
+    selection: str  # "val" or "last" (TrainConfig.selection)
+    epoch: int  # the epoch kept
+    epochs: int
+    seconds: float  # training, features excluded
+
+
+def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, split: str = "train",
+             workers: int = 2, limit: int | None = None) -> Trained:
+    """Train `run` on the `split` images of the data folder (the first `limit`; features extracted into
+    `cache` where missing), keep the epoch its selection rule picks as out/model.pt, and write
+    out/history.json with the command line `flags` of `python -m training.train` give."""
+    device = device_name(run.train.device)
+    images = load_split_data(data, split, run.image, cache, make_parser(run.text.parser), workers, limit, device)
+    tr, val = split_for_selection(run.train, images)
+    summary = train(run, tr, val, out, cache)
+    summary["command"] = "python -m training.train " + shlex.join(flags)
+    (out / "history.json").write_text(json.dumps(summary, indent=2))
+    kept = summary["selection"]
+    logger.info("kept epoch %d of %d (%s)", kept["epoch"], run.train.epochs, kept["rule"])
+    return Trained(run.variant, out / "model.pt", kept["rule"], kept["epoch"], run.train.epochs,
+                   summary["train_seconds"])
+
+
+def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache: Path, workers: int = 2,
+                  device: str = "auto", limit: int | None = None) -> Trained:
+    """Train the variant as its file gives it (model/variants/<variant>.toml) on the data folder's training
+    split, keeping the epoch `selection` ("val" or "last") picks: what a first start calls when its model
+    is missing (service/prepare.py). An unknown variant raises VariantError before any extraction."""
+    run = make_run(variant, {"selection": selection, "device": device})
+    flags = ["--data", str(data), "--variant", variant, "--out", str(out), "--cache", str(cache),
+             "--workers", str(workers), "--device", device, "--selection", selection]
+    if limit is not None:
+        flags += ["--train-limit", str(limit)]
+    return train_on(run, data, out, cache, flags, workers=workers, limit=limit)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
+    ap.add_argument("--resolved", action="store_true",
+                    help="print every field of every variant (of --variant when given) as resolved, as TOML, "
+                         "and exit (python -m training.train --list --resolved)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
-    ap.add_argument("--variant", default="full", help="a model/variants/<name>.toml (--list)")
+    ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: artifacts/models/<variant>")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
@@ -387,6 +457,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, typ in MODEL_OPTIONS.items():
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
     args = ap.parse_args(argv)
+    if args.resolved:
+        try:
+            list_resolved(sys.stdout, variant_names() if args.variant is None else [args.variant])
+        except VariantError as exc:
+            ap.error(str(exc))
+        return
     if args.list:
         list_variants(sys.stdout)
         return
@@ -401,22 +477,13 @@ def main(argv: list[str] | None = None) -> None:
         overrides["selection"] = "last"
     shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
     try:
-        run = make_run(args.variant, overrides, shape)
+        run = make_run(args.variant or "full", overrides, shape)
     except VariantError as exc:
         ap.error(str(exc))
     run.image = with_region_flags(run.image, args)
-    out = args.out or default_artifacts_dir() / "models" / args.variant
-    parser = make_parser(run.text.parser)
-    device = device_name(run.train.device)
-    data = load_split_data(args.data, args.train_split, run.image, args.cache, parser, args.workers,
-                           args.train_limit, device)
-    tr, val = split_for_selection(run.train, data)
-    summary = train(run, tr, val, out, args.cache)
-    command = "python -m model.train " + shlex.join(sys.argv[1:] if argv is None else argv)
-    summary["command"] = command
-    (out / "history.json").write_text(json.dumps(summary, indent=2))
-    logger.info("kept epoch %d of %d (%s)", summary["selection"]["epoch"], run.train.epochs,
-                summary["selection"]["rule"])
+    out = args.out or default_artifacts_dir() / "models" / run.variant
+    train_on(run, args.data, out, args.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
+             workers=args.workers, limit=args.train_limit)
 
 
 if __name__ == "__main__":
