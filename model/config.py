@@ -129,6 +129,10 @@ class TrainConfig:
     beta: float = 1.0  # weight of the global ranking objective
     margin: float = 0.05  # Delta of C_G (S_kl are averages, so it is on their small scale)
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
+    max_violation_from: int = 0  # > 0: from this epoch on (1-based) C_G counts only each pair's hardest negative
+    # in each direction (max violation), after global_top_k as a warm-up (0 = never)
+    fragment_drop: float = 0.0  # training only: each image and sentence fragment is left out of a batch with this
+    # probability (at least one kept per image and per sentence)
     rank_images: bool = True  # DT-RNN / DeViSE: the ranking loss also ranks images for a sentence (False: DeViSE's)
     balanced: bool = True  # average positive and negative fragment hinges separately
     h: int = 256  # embedding size (paper: ~1000)

@@ -17,7 +17,7 @@ from model.text import make_parser
 from model.variants import VariantError
 from tests.conftest import ShapesModel
 from training.evaluate import evaluate
-from training.train import Trained, _step, split_for_selection, train_variant
+from training.train import Trained, _step, drop_fragments, global_top_k_at, split_for_selection, train_variant
 from training.train import main as train_main
 
 
@@ -116,3 +116,27 @@ def test_train_variant_trains_a_variant_as_its_file_gives_it(shapes_model: Shape
     with pytest.raises(VariantError, match="unknown variant 'no-such'"):
         train_variant("no-such", shapes_model.data, tmp_path / "none", "last", cache=shapes_model.cache)
     assert not (tmp_path / "none").exists()
+
+
+def test_drop_fragments_keeps_no_padding_and_at_least_one_real_fragment_per_item() -> None:
+    mask = torch.zeros(400, 12)
+    lengths = np.random.default_rng(1).integers(1, 13, size=400)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    rng = np.random.default_rng(0)
+    kept = drop_fragments(mask, 0.2, rng)
+    assert kept.dtype == mask.dtype and kept.shape == mask.shape
+    assert bool((kept <= mask).all())  # padding never comes back
+    assert bool((kept.sum(1) >= 1).all())
+    share = float(kept.sum() / mask.sum())
+    assert 0.75 < share < 0.85  # about 1 - p of the real fragments (single-fragment items always keep theirs)
+    every = drop_fragments(mask, 1.0, rng)
+    assert bool((every.sum(1) == 1).all()) and bool((every <= mask).all())  # p = 1: one drawn per item
+    assert torch.equal(drop_fragments(mask, 0.0, rng), mask)
+
+
+def test_max_violation_takes_over_from_its_epoch() -> None:
+    warm = TrainConfig(global_top_k=5, max_violation_from=5)
+    assert [global_top_k_at(warm, e) for e in range(8)] == [5, 5, 5, 5, 1, 1, 1, 1]
+    assert [global_top_k_at(TrainConfig(global_top_k=5), e) for e in range(3)] == [5, 5, 5]
+    assert global_top_k_at(TrainConfig(global_top_k=0, max_violation_from=1), 0) == 1

@@ -50,6 +50,12 @@ EXPECTED: dict[str, dict[str, dict[str, Any]]] = {
     "full": {**ROI, "image": {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8",
                               "proposal_resize": 112, "backbone_size": 224}},
 }
+# the recipe rows: full with one training setting changed each
+EXPECTED |= {
+    "full-maxviol": {**EXPECTED["full"], "train": {**ROI["train"], "max_violation_from": 5}},
+    "full-fragdrop": {**EXPECTED["full"], "train": {**ROI["train"], "fragment_drop": 0.2}},
+    "full-long": {**EXPECTED["full"], "train": {**ROI["train"], "epochs": 20, "dense_epochs": 10, "anneal_epochs": 2}},
+}
 # the global baselines over the served model's whole-image feature
 CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
         "backbone_size": 224}
@@ -90,7 +96,8 @@ def test_variant_resolves_to_the_rows_settings(name: str) -> None:
 def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
                       "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0,
-                      "beta": 1.0, "margin": 0.05, "global_top_k": 0, "rank_images": True, "balanced": True, "h": 256,
+                      "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
+                      "rank_images": True, "balanced": True, "h": 256,
                       "calibrate": 0,
                       "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,
                       "selection": "val", "val_images": 500, "val_seed": 0, "eval_every": 2, "seed": 0,
@@ -156,12 +163,12 @@ def test_base_chain_field_by_field_and_malformed_files(tmp_path: Path) -> None:
 
 def test_every_variant_reads_in_its_file_and_at_most_one_base() -> None:
     """No variant extends one that extends another (at most one `base` between a variant and the defaults),
-    and the served full is one of those read in two files."""
+    and the served full reads whole in its own file."""
     extends = {name: read_variant_file(VARIANTS_DIR / f"{name}.toml")[0] for name in variant_names()}
     deeper = {name: f"{base} -> {extends[base]}" for name, base in extends.items()
               if base is not None and extends[base] is not None}
     assert deeper == {}, deeper
-    assert extends["full"] == "full-crop" and extends["full-crop"] is None
+    assert extends["full"] is None and extends["full-crop"] is None and extends["full-maxviol"] == "full"
 
 
 def test_a_base_that_extends_another_is_refused(tmp_path: Path) -> None:
@@ -188,7 +195,7 @@ def test_list_names_every_variant_with_its_base_and_description() -> None:
     lines = out.getvalue().splitlines()
     assert [ln.split()[0] for ln in lines[::2]] == variant_names()
     full = lines[2 * variant_names().index("full")]
-    assert "= full-crop + image.backbone_precision=int8" in full
+    assert "= defaults + " in full and "image.backbone_precision=int8" in full
     assert load_variant("full").description in lines[2 * variant_names().index("full") + 1]
 
 

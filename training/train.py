@@ -171,6 +171,25 @@ def _batch_images(pair_image: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, 
     return imgs, local_t, pos
 
 
+def global_top_k_at(cfg: TrainConfig, epoch: int) -> int:
+    """The negatives C_G counts in 0-based `epoch`: 1 (the hardest) from `max_violation_from` on, else
+    `global_top_k`."""
+    return 1 if 0 < cfg.max_violation_from <= epoch + 1 else cfg.global_top_k
+
+
+def drop_fragments(mask: torch.Tensor, p: float, rng: np.random.Generator) -> torch.Tensor:
+    """`mask` (items, fragments; 1 = real) with each real fragment left out with probability `p`; an item
+    whose every fragment would go keeps one of them, drawn at random."""
+    real = mask > 0
+    keep = torch.from_numpy(rng.random(tuple(mask.shape)) >= p).to(mask.device) & real
+    lost = real.any(dim=1) & ~keep.any(dim=1)
+    if bool(lost.any()):
+        draw = torch.from_numpy(rng.random(tuple(mask.shape))).to(mask.device).masked_fill(~real, -1.0)
+        rows = torch.nonzero(lost).flatten()
+        keep[rows, draw[rows].argmax(dim=1)] = True
+    return keep.to(mask.dtype)
+
+
 def _step(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float = 0.0) -> float:
     """One optimiser step on `loss`, its gradient's global norm first clipped to `clip` when > 0;
     returns the loss."""
@@ -192,6 +211,7 @@ def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, da
     mil = cfg.objective == "full" and epoch >= cfg.dense_epochs
     use_frag = cfg.objective in ("full", "fragment+global", "fragment")
     use_glob = cfg.objective in ("full", "fragment+global", "global")
+    top_k = global_top_k_at(cfg, epoch)
     bar = tqdm(range(0, len(order), cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False)
     for start in bar:
         idx = order[start : start + cfg.batch_size]
@@ -201,12 +221,15 @@ def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, da
         img_mask = torch.ones(img.shape[:2], device=img.device)
         rel, a, b, mask = batches.sentences(idx, rng)
         sent = model.embed_sentences(batches.pool, rel, a, b, mask)
+        if cfg.fragment_drop > 0:
+            img_mask = drop_fragments(img_mask, cfg.fragment_drop, rng)
+            mask = drop_fragments(mask, cfg.fragment_drop, rng)
         flat = flatten(img, img_mask, sent, mask)  # pairwise fragment scores, shared by both objectives
         loss = img.new_zeros(())
         if use_frag:
             loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
         if use_glob:
-            loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin, cfg.global_top_k)
+            loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin, top_k)
         total += _step(opt, loss, run.train.grad_clip)
         n += 1
         bar.set_postfix(loss=f"{total / n:.4f}")
