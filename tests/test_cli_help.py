@@ -13,7 +13,7 @@ COMMANDS = ["training.train", "training.extract", "model.flickr8k", "training.ca
             "index.build",
             "index.sync", "index.bulk", "service.__main__", "bench.index_bench", "bench.query_bench",
             "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report", "bench.channels",
-            "bench.similar_bench", "bench.alignment", "bench.bulk_bench"]
+            "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate"]
 
 
 class Captured(Exception):
