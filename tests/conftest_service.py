@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import io
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -66,6 +68,18 @@ class ServiceEnv:
     @staticmethod
     def png(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
         return png_bytes(width, height, colour)
+
+    @staticmethod
+    def prepared(c: TestClient, timeout: float = 600.0) -> dict[str, Any]:
+        """Wait until an app started with `prepare=True` is ready (every answer before says it is
+        preparing); returns the body of its GET /readyz."""
+        deadline = time.monotonic() + timeout
+        while (r := c.get("/readyz")).status_code != 200:
+            assert r.json()["status"] == "preparing", r.json()
+            assert time.monotonic() < deadline, "preparation did not finish"
+            time.sleep(0.05)
+        body: dict[str, Any] = r.json()
+        return body
 
     def settings_for(self, root: Path, **overrides: object) -> Settings:
         """The test settings with indexes and uploads under `root`."""

@@ -4,7 +4,6 @@ shapes collection as `python -m service` prepares it, and answering every ranked
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,12 +33,8 @@ def test_the_full_variant_is_trained_indexed_and_served(service_env: ServiceEnv,
                                         limit=LIMIT)
     assert settings.variant == Settings.model_fields["variant"].default == "full", "the served default"
     with TestClient(create_app(settings, prepare=True)) as c:
-        deadline = time.monotonic() + 600
-        while (r := c.get("/readyz")).status_code != 200:
-            assert r.json()["status"] == "preparing", r.json()
-            assert time.monotonic() < deadline, "preparation did not finish"
-            time.sleep(0.1)
-        assert r.json()["images"] == LIMIT and r.json()["sentences"] == 5 * LIMIT
+        ready = service_env.prepared(c)
+        assert ready["images"] == LIMIT and ready["sentences"] == 5 * LIMIT
         bundle = Bundle.load(settings.model_file)
         cfg, text = bundle.image_cfg, bundle.text.cfg
         assert bundle.meta["variant"] == "full" and not bundle.is_global
