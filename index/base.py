@@ -78,6 +78,7 @@ LOAD_ATTEMPTS = 5  # loads of an index that a writer keeps committing to meanwhi
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
 ADD_ITEMS = 512  # items whose fragments go into the candidate backend in one call while rebuilding
 SAMPLE_SEED = 0
+SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (FragmentIndex.searches)
 
 P = TypeVar("P")
 Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -113,6 +114,8 @@ class FragmentIndex(Generic[P]):
         self._extractor: RegionExtractor | None = None
         self._shared = SharedFragments() if self.SHARED_FRAGMENTS else None
         self._extractor_lock = threading.Lock()
+        self._searches = dict.fromkeys(SEARCH_PATHS, 0)
+        self._searches_lock = threading.Lock()
 
     # -- creation and loading -------------------------------------------------------------------------
     @classmethod
@@ -265,6 +268,18 @@ class FragmentIndex(Generic[P]):
     def generation(self) -> int:
         """Number of the last save (increases by one per save)."""
         return self._generation
+
+    @property
+    def searches(self) -> dict[str, int]:
+        """Searches answered since the index was opened, per path: "scan" (the exact score over every
+        live item: a collection under `settings.exact_below` fragments, or an exhaustive search) or
+        "candidates" (the backend's recall, then the exact re-rank of what it recalled)."""
+        with self._searches_lock:
+            return dict(self._searches)
+
+    def _searched(self, path: str) -> None:
+        with self._searches_lock:
+            self._searches[path] += 1
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -528,6 +543,7 @@ class FragmentIndex(Generic[P]):
         With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
         the sum of max(0, backend score) over their retrieved fragments) are kept for the exact re-rank.
         """
+        self._searched("candidates")
         if self.candidates.ntotal == 0:
             return np.zeros(0, np.int64)
         if self.settings.k_prime:
@@ -557,6 +573,7 @@ class FragmentIndex(Generic[P]):
 
     def candidate_fragments(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Unique live (item, fragment) pairs among each query's k nearest fragments (caller holds `reading`)."""
+        self._searched("candidates")
         if self.candidates.ntotal == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         _, found = self.candidates.search(queries, k)
@@ -572,6 +589,7 @@ class FragmentIndex(Generic[P]):
 
     def _scan(self, chunk: int = SCAN_ITEMS) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
         """Every live item in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
+        self._searched("scan")
         items = self.items.live()
         items = items[np.lexsort((self.items.off[items], self.items.seg[items]))]  # file order
         for start in range(0, len(items), chunk):

@@ -175,6 +175,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     metrics.track_index("images", lambda: size("images"))
     metrics.track_index("sentences", lambda: size("sentences"))
 
+    def searches() -> dict[str, dict[str, int]]:
+        eng = app.state.engine
+        if eng is None:
+            return {}
+        indexes = {"images": eng.images, "sentences": eng.sentences}
+        return {name: index.searches for name, index in indexes.items() if index is not None}
+
+    metrics.track_searches(searches)
+
     errors.install(app)
     app.include_router(search.build_router())
     app.include_router(images.build_router())

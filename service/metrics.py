@@ -1,4 +1,5 @@
-"""Prometheus metrics: request counts and latencies per route, index sizes, process memory, collections.
+"""Prometheus metrics: request counts and latencies per route, index sizes and search paths, process memory,
+collections.
 
 Each app has its own registry (several apps may live in one process, e.g. in tests).
 """
@@ -6,7 +7,7 @@ Each app has its own registry (several apps may live in one process, e.g. in tes
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,6 +18,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -46,8 +49,30 @@ class Metrics:
     def track_index(self, name: str, size: Callable[[], float]) -> None:
         self.index_size.labels(index=name).set_function(size)
 
+    def track_searches(self, searches: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        """`searches()`: index name -> path -> searches answered (index.base.FragmentIndex.searches)."""
+        self.registry.register(SearchPaths(searches))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SearchPaths(Collector):
+    """fragsearch_index_searches_total{index, path}: the searches each index answered by the exact scan
+    of every item ("scan": collections under `exact_below` fragments) or by candidate recall + the
+    exact re-rank ("candidates"), read from the indexes when /metrics is scraped."""
+
+    def __init__(self, searches: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
+        self.searches = searches
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("fragsearch_index_searches", "searches an index answered, by path: scan (the "
+                                     "exact score over every item) or candidates (recall, then the exact re-rank)",
+                                     labels=["index", "path"])
+        for index, paths in self.searches().items():
+            for path, count in paths.items():
+                family.add_metric([index, path], count)
+        yield family
 
 
 class MetricsMiddleware:

@@ -1,7 +1,15 @@
-"""Shared fixtures: a small coloured-shapes data set and a model trained on it for a few seconds."""
+"""Shared fixtures: a small coloured-shapes data set and a model trained on it for a few seconds; and
+the `required` marker: a test that needs something the machine may lack, which CI must run.
+
+    pytestmark = pytest.mark.required(CHROMIUM.is_file(), reason="chromium is absent")
+
+Where the condition is false the test is skipped, or, with CI=true in the environment (`.ci/run`
+sets it), fails: a CI run cannot pass without running it.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,3 +49,24 @@ def shapes_model(tmp_path_factory: pytest.TempPathFactory) -> ShapesModel:
     summary = train(run, tr, None, root / "model", cache)  # the last epoch: dev selects nothing
     path = root / "model" / "model.pt"
     return ShapesModel(root / "data", path, cache, Bundle.load(path), dev, objects, summary)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "required(available, reason): needs what the machine may lack; skipped "
+                            "where `available` is false, failed there under CI=true (tests/conftest.py)")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A `required` test whose dependency is missing: skipped, or failed under CI (before its fixtures)."""
+    for mark in item.iter_markers("required"):
+        available = mark.args[0] if mark.args else mark.kwargs["available"]
+        if not available:
+            reason = str(mark.kwargs.get("reason", "a dependency is missing"))
+            if in_ci():
+                pytest.fail(f"required test cannot run under CI: {reason}", pytrace=False)
+            pytest.skip(reason)

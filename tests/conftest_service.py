@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import io
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -33,6 +35,13 @@ MAX_PIXELS = 2_000_000
 K_MAX = 40
 MAX_CHARS = 200
 DEADLINE = 600.0
+# The suite's indexes search through their candidates, never by the exact scan that answers collections
+# this small by default (exact_below=0), and recall everything: k' beyond every fragment the image index
+# will hold, and every sentence fragment with a positive score without a re-rank limit. So every ranked
+# route goes through the backend (FAISS or Milvus) and the exact re-rank, and answers as the scan does
+# (test_service.py compares the two, and checks the path on /metrics).
+IMAGE_SETTINGS = IndexSettings(exact_below=0, k_prime=4096)
+SENTENCE_SETTINGS = IndexSettings(exact_below=0, k_prime=0, rerank=0)
 
 
 @dataclass
@@ -59,6 +68,18 @@ class ServiceEnv:
     @staticmethod
     def png(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
         return png_bytes(width, height, colour)
+
+    @staticmethod
+    def prepared(c: TestClient, timeout: float = 600.0) -> dict[str, Any]:
+        """Wait until an app started with `prepare=True` is ready (every answer before says it is
+        preparing); returns the body of its GET /readyz."""
+        deadline = time.monotonic() + timeout
+        while (r := c.get("/readyz")).status_code != 200:
+            assert r.json()["status"] == "preparing", r.json()
+            assert time.monotonic() < deadline, "preparation did not finish"
+            time.sleep(0.05)
+        body: dict[str, Any] = r.json()
+        return body
 
     def settings_for(self, root: Path, **overrides: object) -> Settings:
         """The test settings with indexes and uploads under `root`."""
@@ -96,17 +117,17 @@ def make_settings(shapes: ShapesModel, root: Path, **overrides: object) -> Setti
 def service_env(request: pytest.FixtureRequest, shapes_model: ShapesModel,
                 tmp_path_factory: pytest.TempPathFactory) -> ServiceEnv:
     """Indexes of the dev images and of the train + dev captions, with their candidates in FAISS or in
-    Milvus (milvus-lite in each index folder): every service test runs on both."""
+    Milvus (milvus-lite in each index folder): every service test runs on both, through the candidates."""
     backend = BackendOptions(request.param)
     root = tmp_path_factory.mktemp(f"service-{backend.backend}")
     bundle = shapes_model.bundle
     dev = load_split(shapes_model.data, "dev")
     train = load_split(shapes_model.data, "train")
     cache = feature_cache(shapes_model.cache, bundle.image_cfg)
-    images = ImageIndex.create(root / "images", bundle, IndexSettings(), cache=cache, backend=backend)
+    images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=cache, backend=backend)
     images.add_paths([dev.image_path(n) for n in dev.images])
     images.save()
-    sentences = SentenceIndex.create(root / "sentences", bundle, IndexSettings(), backend=backend)
+    sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS, backend=backend)
     texts, _ = train.sentences()
     dev_texts, _ = dev.sentences()
     sentences.add_sentences(texts + dev_texts)

@@ -3,7 +3,9 @@
 A writer process (tests/crash_writer.py: adds, removes, saves, builds of the candidate index) is
 killed with SIGKILL at random moments; after each kill the index must load and hold exactly the
 state of a completed commit: the live items and their names as journalled before that commit, one
-catalogue row per live item, every live fragment in FAISS and the store, and a search that works.
+catalogue row per live item, exactly the live fragments in the candidate backend (the FAISS file; a
+Milvus collection once the first write has reconciled it) and the store, and a search through the
+candidates that ranks every live item as the exact scan does. On FAISS and on milvus-lite.
 Also: two writer processes on one index, a crash between commit and clean-up, removals racing
 searches, uploads at the same time as each other and as a delete, and a save on a full disk.
 
@@ -26,16 +28,23 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import faiss
 import httpx
 import numpy as np
 import pytest
 
 from index import ImageIndex, IndexFullError, IndexSettings
+from index import ids as fid
+from index.candidates import BackendOptions, FaissCandidates
+from index.milvus import ID as MILVUS_ID
+from index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
+from index.milvus import MilvusCandidates
 from service.app import create_app
 from service.engine import Engine
-from tests.crash_writer import live_items, random_images
+from tests.crash_writer import journal_state, live_items, random_images
+from tests.test_index import ranking, recall_all
 
 if TYPE_CHECKING:
     from tests.conftest import ShapesModel
@@ -45,6 +54,7 @@ pytest_plugins = ["tests.conftest_service"]
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_KILLS = 5
+MILVUS_KILLS = 3
 SLOW_KILLS = 60
 KILL_WITHIN = 1.5  # seconds after "ready" within which the kill lands (uniformly)
 READY_TIMEOUT = 120.0
@@ -75,8 +85,26 @@ def journal(path: Path) -> list[tuple[int, dict[int, str]]]:
     return out
 
 
-def check_committed_state(root: Path, shapes: ShapesModel, entries: list[tuple[int, dict[int, str]]]) -> int:
-    """The index at root loads and holds exactly the journalled state of its generation; returns it."""
+def backend_ids(index: ImageIndex) -> list[int]:
+    """The fragment ids the candidate backend holds, sorted: the FAISS file's id map, or the rows of the
+    Milvus collection."""
+    cand = index.candidates
+    if isinstance(cand, MilvusCandidates):
+        rows = cand.client.query(cand.collection, filter=f"{MILVUS_ID} >= 0", output_fields=[MILVUS_ID],
+                                 limit=MILVUS_MAX_TOPK)
+        return sorted(int(r[MILVUS_ID]) for r in rows)
+    assert isinstance(cand, FaissCandidates)
+    flat: Any = faiss.downcast_index(cand.ann.index)
+    return sorted(faiss.vector_to_array(flat.id_map).tolist())
+
+
+def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
+    """The index at root loads and holds exactly the journalled state of its generation; returns it.
+
+    The candidate backend holds exactly the live fragments the catalogue names (a Milvus collection
+    once the first write after the crash has reconciled it), and a search through the candidates,
+    with k' beyond every fragment, ranks every live item as the exact score over all of them does."""
+    entries = journal(log)
     index = ImageIndex.load(root, shapes.bundle)
     try:
         gen = index.generation
@@ -92,32 +120,43 @@ def check_committed_state(root: Path, shapes: ShapesModel, entries: list[tuple[i
         for i in ids.tolist():
             rec = index.get(int(i))
             assert rec is not None and len(rec.boxes) == rows[i]
-        assert index.candidates.ntotal == index.n_fragments == sum(rows.values()), "FAISS and the store disagree"
-        # a search works, finds only live items, and ranks them as the exact score over every item does
-        if len(ids):
-            probe = int(ids[len(ids) // 2])
+        recall_all(index)
+        probes = [int(ids[len(ids) // 2]), int(ids[0]), int(ids[-1])] if len(ids) else []
+        if index.candidates.NAME == "milvus":
+            # before the first write, the collection may still hold what the killed writer did not commit:
+            # searches return committed items only
+            for probe in probes:
+                vecs, _ = index._vectors(np.asarray([probe]))
+                assert {h.image_id for h in index.search_vectors(vecs[0, :3].clone(), k=len(ids))} <= set(rows)
+            journal_state(log, gen + 1, expected)
+            index.save()  # the first write reconciles the collection with the committed state
+        fragments = sorted(np.concatenate([fid.item_fragments(i, n) for i, n in rows.items()]).tolist())
+        assert backend_ids(index) == fragments, f"{index.candidates.NAME} and the catalogue disagree"
+        assert index.candidates.ntotal == index.n_fragments == sum(rows.values()), "the backend and the store disagree"
+        # every live item is recalled and ranked by the exact score, as the scan over every item ranks it
+        for probe in probes:
             vecs, _ = index._vectors(np.asarray([probe]))
             query = vecs[0, :3].clone()
-            hits = index.search_vectors(query, k=5)
-            assert hits and {h.image_id for h in hits} <= set(ids.tolist())
-            exact = index.search_vectors(query, k=5, exhaustive=True)
-            assert [h.image_id for h in hits] == [h.image_id for h in exact]
+            hits = index.search_vectors(query, k=len(ids))
+            exact = index.search_vectors(query, k=len(ids), exhaustive=True)
+            assert ranking(hits) == ranking(exact), "the candidates missed a live item"
         return gen
     finally:
         index.close()
 
 
 @pytest.fixture
-def crash_index(shapes_model: ShapesModel, tmp_path: Path) -> tuple[Path, Path]:
-    """A flat image index with 8 random images, saved once, and the journal of its first state."""
+def crash_index(request: pytest.FixtureRequest, shapes_model: ShapesModel, tmp_path: Path) -> tuple[Path, Path]:
+    """A flat image index with 8 random images, saved once, and the journal of its first state; its
+    candidates in FAISS, or in Milvus (milvus-lite in the index folder) when parametrized so."""
     root = tmp_path / "index"
-    index = ImageIndex.create(root, shapes_model.bundle, IndexSettings())
+    backend = BackendOptions(getattr(request, "param", "faiss"))
+    index = ImageIndex.create(root, shapes_model.bundle, IndexSettings(), backend=backend)
     vecs, boxes, sizes = random_images(np.random.default_rng(99), shapes_model.bundle.dim, 8)
     index.add_vectors(vecs, boxes, sizes, [f"seed-{i}.jpg" for i in range(8)], [f"/x/{i}" for i in range(8)])
     index.save()
     log = tmp_path / "journal.jsonl"
-    log.write_text(json.dumps({"gen": index.generation, "items": {str(i): n for i, n in live_items(index).items()}})
-                   + "\n")
+    journal_state(log, index.generation, live_items(index))
     index.close()
     return root, log
 
@@ -132,14 +171,18 @@ def kill_trials(shapes: ShapesModel, root: Path, log: Path, trials: int, seed: i
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
-        gens.append(check_committed_state(root, shapes, journal(log)))
+        gens.append(check_committed_state(root, shapes, log))
     return gens
 
 
-def test_sigkill_during_writes_leaves_a_committed_state(shapes_model: ShapesModel,
-                                                        crash_index: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize(("crash_index", "kills"), [("faiss", QUICK_KILLS), ("milvus", MILVUS_KILLS)],
+                         indirect=["crash_index"])
+def test_sigkill_during_writes_leaves_a_committed_state(shapes_model: ShapesModel, crash_index: tuple[Path, Path],
+                                                        kills: int) -> None:
+    """A writer process killed while it adds, removes, saves and rebuilds; with Milvus, the process
+    killed is the one holding the milvus-lite folder (its server runs inside the writer)."""
     root, log = crash_index
-    gens = kill_trials(shapes_model, root, log, QUICK_KILLS, seed=1)
+    gens = kill_trials(shapes_model, root, log, kills, seed=1)
     assert gens[-1] > gens[0] or len(set(gens)) > 1, "the writers committed nothing before being killed"
 
 
@@ -158,8 +201,7 @@ def test_crash_between_commit_and_clean_up(shapes_model: ShapesModel, crash_inde
     wait_ready(proc)
     proc.wait(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    entries = journal(log)
-    assert check_committed_state(root, shapes_model, entries) == entries[-1][0], "the commit happened"
+    assert check_committed_state(root, shapes_model, log) == journal(log)[-1][0], "the commit happened"
     leftovers = {p.name for p in root.iterdir() if p.name.startswith(("faiss-", "store-"))}
     index = ImageIndex.load(root, shapes_model.bundle)
     index.remove(int(index.ids()[0]))
@@ -195,8 +237,7 @@ def test_two_writer_processes_one_wins(shapes_model: ShapesModel, crash_index: t
     loser = codes.index(3)
     assert "saved by another writer" in results[loser][1]
     winner = 1 - loser
-    entries = journal(logs[winner])
-    assert check_committed_state(root, shapes_model, entries) == entries[-1][0]
+    assert check_committed_state(root, shapes_model, logs[winner]) == journal(logs[winner])[-1][0]
 
 
 def test_removals_racing_searches(service_env: ServiceEnv, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import multiprocessing
 import os
 import struct
 import zlib
@@ -14,11 +15,13 @@ import pytest
 from PIL import Image, ImageDraw
 
 from model.backbone import FEATURE_DIM, set_torch_threads
-from model.cache import FeatureCache, config_key, content_key
+from model.cache import ExtractionPool, FeatureCache, config_key, content_key, read_entry
 from model.config import ImageConfig
 from model.image import RegionExtractor
 from model.imageio import ImageReadError, load_image
 from model.proposals import propose_boxes
+from model.variants import load_variant
+from service.settings import Settings
 
 SQUARE = (120.0, 110.0, 200.0, 190.0)
 
@@ -246,10 +249,28 @@ def test_cache_interrupted_write_is_not_cached(tmp_path: Path, picture_files: li
     assert cache.load(picture_files[:1])[0].features.shape == (1, FEATURE_DIM)
 
 
-@pytest.mark.slow
-def test_cache_with_two_worker_processes(tmp_path: Path, picture_files: list[Path]) -> None:
-    cache = FeatureCache(tmp_path / "cache", ImageConfig(full_frame_only=True))
-    report = cache.ensure(picture_files, workers=2, batch=1, progress=False)
-    assert (report.extracted, report.reused, len(report.failed)) == (2, 0, 1)
-    feats, boxes = cache.load_arrays(picture_files[:2])
-    assert feats.shape == (2, 1, FEATURE_DIM) and np.isfinite(feats).all()
+def test_the_extraction_pool_prepare_uses_agrees_with_in_process_extraction(tmp_path: Path,
+                                                                           picture_files: list[Path]) -> None:
+    """The pool of worker processes `python -m service` prepares with (two, as it starts on a 2-core
+    machine; the served variant's image settings) extracts what this process extracts, and reports an
+    unreadable file."""
+    workers = 2
+    cfg = load_variant(Settings.model_fields["variant"].default).image
+    small = []
+    for k, angle in enumerate((0, 90, 180)):  # a handful of small pictures
+        small.append(tmp_path / f"small{k}.png")
+        shapes_picture().rotate(angle).resize((96, 96)).save(small[-1])
+    paths = [*small, picture_files[2]]  # and the file that is not an image
+    (tmp_path / "pool").mkdir()
+    before = {p.pid for p in multiprocessing.active_children()}
+    with ExtractionPool(cfg, workers=workers) as pool:
+        done, failed = pool.run(paths, batch=1, out_dir=tmp_path / "pool", progress=False)  # one task per file
+        started = {p.pid for p in multiprocessing.active_children()} - before
+        assert len(started) == workers, "the pool extracts in its own worker processes"
+    assert done == len(small) and [name for name, _ in failed] == ["notes.jpg"]
+    here = RegionExtractor(cfg)
+    for path in small:
+        pooled = read_entry(tmp_path / "pool" / f"{content_key(path.read_bytes())}.npz")
+        direct = here.extract(load_image(path))
+        np.testing.assert_allclose(pooled.boxes, direct.boxes, atol=1e-3)
+        np.testing.assert_allclose(pooled.features, direct.features, rtol=2e-3, atol=2e-3)  # stored as float16

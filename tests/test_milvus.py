@@ -16,7 +16,7 @@ from index.candidates import BackendOptions
 from index.milvus import DIRTY_MARKER, LITE_FILE, MilvusCandidates, index_spec
 from model.bundle import Bundle
 from model.words import WordTable
-from tests.test_index import QUERIES, SENTENCES, WORDS, make_bundle, random_images, ranking
+from tests.test_index import QUERIES, SENTENCES, WORDS, make_bundle, random_images, ranking, recall_all
 
 MILVUS = BackendOptions("milvus")
 
@@ -24,11 +24,6 @@ MILVUS = BackendOptions("milvus")
 @pytest.fixture(scope="module")
 def bundle() -> Bundle:
     return make_bundle(WordTable.build(WORDS))
-
-
-def exact(index: ImageIndex) -> None:
-    """Candidates of every fragment (the candidate stage on, k' beyond the collection)."""
-    index.set_search(exact_below=0, k_prime=4 * len(index) + 8)
 
 
 def listening(port: int) -> list[str]:
@@ -63,7 +58,7 @@ def test_ivf_on_milvus_agrees_with_the_exact_ranking(tmp_path: Path, bundle: Bun
     index = ImageIndex.create(tmp_path / "ivf", bundle, IndexSettings(kind="ivf", nlist=4, nprobe=4), backend=MILVUS)
     random_images(index, 60, seed=8)
     index.save()
-    exact(index)
+    recall_all(index)
     for q in QUERIES:
         assert ranking(index.search(q, 10)) == ranking(index.search_exhaustive(q, 10)), q
     index.close()
@@ -84,7 +79,7 @@ def test_a_writer_that_died_before_its_commit_is_reconciled_at_the_next_write(tm
     index.close()
     loaded = ImageIndex.load(index.root, bundle)
     assert loaded.ids().tolist() == committed and loaded.candidates.ntotal != loaded.n_fragments
-    exact(loaded)
+    recall_all(loaded)
     # searches before any write: only committed items come back, as the exact ranking over them
     for q in QUERIES:
         assert {h.image_id for h in loaded.search(q, 40)} <= set(committed)
@@ -111,7 +106,7 @@ def test_a_rebuild_fills_a_new_collection_and_the_commit_drops_the_old_one(tmp_p
     index.close()
     loaded = ImageIndex.load(tmp_path / "rebuild", bundle)
     assert loaded.settings.kind == "hnsw" and loaded.candidates.ntotal == 25 * 5
-    exact(loaded)
+    recall_all(loaded)
     for q in QUERIES:
         assert ranking(loaded.search(q, 10)) == ranking(loaded.search_exhaustive(q, 10)), q
     loaded.close()

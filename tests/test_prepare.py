@@ -125,11 +125,7 @@ def test_serves_a_photo_collection_synced_at_every_start(service_env: ServiceEnv
 
     def serve() -> list[str]:
         with TestClient(create_app(settings, prepare=True)) as c:
-            deadline = time.monotonic() + 300
-            while (r := c.get("/readyz")).status_code != 200:
-                assert r.json()["status"] == "preparing", r.json()
-                assert time.monotonic() < deadline, "preparation did not finish"
-                time.sleep(0.05)
+            service_env.prepared(c, timeout=300)
             hits = c.post("/search/images", json={"sentence": "a red circle", "k": 10}).json()["results"]
             assert all(c.get(h["url"]).status_code == 200 for h in hits), "files are served from the folder"
             return sorted(h["name"] for h in hits)

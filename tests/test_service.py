@@ -7,15 +7,16 @@ import io
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from index import ImageIndex, IndexLoadError, SentenceIndex
+from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
 from model.bundle import Bundle
 from service.app import STATIC, create_app
 from service.engine import Engine
@@ -198,7 +199,7 @@ def test_explain_gives_the_score_rank_and_every_pairs_share(client: TestClient, 
         assert r.status_code == 200, r.text
         e = r.json()
         assert e["rank"] == place and e["images"] == len(service_env.dev)
-        assert e["scope"] == "collection" and e["recalled"]  # a small collection is ranked whole
+        assert e["scope"] == "candidates" and e["recalled"]  # ranked among the candidates: every image
         assert abs(e["score"] - hit["score"]) < 1e-5
         assert e["alignment"] == hit["alignment"]
         pairs = e["pairs"]
@@ -269,7 +270,7 @@ def test_pages_of_results(client: TestClient, service_env: ServiceEnv) -> None:
     assert [h["id"] for h in first["results"] + second["results"]] == [h["id"] for h in whole["results"]]
     assert (first["offset"], first["next_offset"], second["offset"], second["next_offset"]) == (0, 3, 3, 6)
     n = len(service_env.dev)
-    assert first["considered"] == n  # a small collection is scanned whole
+    assert first["considered"] == n  # the candidates: every image
     last = search(3, n - 2)
     assert len(last["results"]) == 2 and last["next_offset"] is None
     assert search(3, n)["results"] == []
@@ -312,6 +313,66 @@ def test_pages_of_results(client: TestClient, service_env: ServiceEnv) -> None:
     assert len(tail["results"]) == 2 and tail["next_offset"] is None
     deep = client.post("/search/fragments", json={"phrase": "red circle", "k": 5, "offset": 999})
     assert deep.status_code == 422 and deep.json()["error"]["code"] == "bad_offset"
+
+
+def searched(c: TestClient) -> dict[tuple[str, str], float]:
+    """fragsearch_index_searches_total of /metrics: (index, path) -> searches answered."""
+    text = c.get("/metrics").text
+    pattern = r'^fragsearch_index_searches_total\{index="(\w+)",path="(\w+)"\} (\S+)$'
+    return {(index, path): float(n) for index, path, n in re.findall(pattern, text, re.M)}
+
+
+@pytest.fixture
+def scan_client(service_env: ServiceEnv) -> Iterator[TestClient]:
+    """An app over the same index folders at the default `exact_below`, under which collections this
+    small are searched by the exact scan of every item."""
+    bundle = service_env.shapes.bundle
+    limit = IndexSettings().exact_below
+    images = ImageIndex.load(service_env.root / "images", bundle, exact_below=limit)
+    sentences = SentenceIndex.load(service_env.root / "sentences", bundle, exact_below=limit)
+    engine = Engine(service_env.settings, bundle, images, sentences)
+    with TestClient(create_app(service_env.settings, engine=engine)) as c:
+        yield c
+    images.close()
+    sentences.close()
+
+
+def test_every_ranked_route_answers_through_the_candidates_as_the_scan_does(
+        client: TestClient, scan_client: TestClient, service_env: ServiceEnv) -> None:
+    """The suite's app answers every ranked route from the candidate backend (FAISS or Milvus) and the
+    exact re-rank, never by the scan (/metrics counts the path that answered), and answers what an app
+    scanning the same collection answers (its k' recalls every item)."""
+    name = service_env.dev[0]
+    sentence = service_env.captions[name][0]
+    upload = {"file": ("q.jpg", service_env.jpeg(name), "image/jpeg")}
+    image_id = scan_client.post("/search/images", json={"sentence": sentence, "k": 3}).json()["results"][2]["id"]
+    requests: list[tuple[str, dict[str, Any], set[str]]] = [  # route, request, the indexes it searches
+        ("/search/images", {"json": {"sentence": sentence, "k": 10}}, {"images"}),
+        ("/annotate", {"files": upload, "data": {"k": "10"}}, {"sentences"}),
+        ("/explain", {"json": {"image_id": image_id, "sentence": sentence}}, {"images"}),
+        ("/search/similar", {"data": {"image_id": image_id, "k": "5"}}, {"images", "sentences"}),
+        ("/search/similar", {"files": upload, "data": {"k": "5"}}, {"images", "sentences"}),
+    ]
+    # what depends on how many items were scored exactly (the candidates, or every item), and the time
+    varies = ("took_ms", "considered", "next_offset", "scope", "images")
+    for route, request, indexes in requests:
+        before = searched(client), searched(scan_client)
+        got, want = client.post(route, **request), scan_client.post(route, **request)
+        after = searched(client), searched(scan_client)
+        assert got.status_code == want.status_code == 200, (route, got.text, want.text)
+        for index in ("images", "sentences"):
+            uses = int(index in indexes)
+            assert after[0][index, "scan"] == before[0][index, "scan"], f"{route}: the scan answered"
+            assert after[0][index, "candidates"] - before[0][index, "candidates"] == uses, (route, index)
+            assert after[1][index, "scan"] - before[1][index, "scan"] == uses, (route, index)
+        assert ({k: v for k, v in got.json().items() if k not in varies}
+                == {k: v for k, v in want.json().items() if k not in varies}), route
+    before = searched(client)
+    regions = client.post("/search/fragments", json={"phrase": "red circle", "k": 5})
+    assert regions.status_code == 200 and len(regions.json()["results"]) == 5
+    after = searched(client)
+    assert after["images", "candidates"] - before["images", "candidates"] == 1
+    assert after["images", "scan"] == before["images", "scan"]
 
 
 def test_response_examples_are_valid_answers(client: TestClient) -> None:

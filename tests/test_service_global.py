@@ -3,7 +3,6 @@ the same routes, its alignment the whole sentence to the whole image, its score 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,7 @@ def test_a_global_variant_is_trained_indexed_and_served(service_env: ServiceEnv,
                                         image_index=tmp_path / "index" / "images-dev",
                                         sentence_index=tmp_path / "index" / "sentences-train")
     with TestClient(create_app(settings, prepare=True)) as c:
-        deadline = time.monotonic() + 600
-        while (r := c.get("/readyz")).status_code != 200:
-            assert r.json()["status"] == "preparing", r.json()
-            assert time.monotonic() < deadline, "preparation did not finish"
-            time.sleep(0.1)
-        assert r.json()["images"] == 12
+        assert service_env.prepared(c)["images"] == 12
         bundle = Bundle.load(model_path)
         assert bundle.cfg.kind == variant and bundle.is_global and bundle.meta["variant"] == variant
 
