@@ -163,7 +163,8 @@ def test_stateful_sequences_follow_the_links(api_schema: schemathesis.BaseSchema
 @pytest.mark.slow
 def test_long_fuzz(api_schema: schemathesis.BaseSchema, service_env: ServiceEnv) -> None:
     """The same checks with LONG_EXAMPLES examples per operation and as many stateful sequences; with
-    FRAGSEARCH_FUZZ_REPORT set, what was sent and answered is written there as JSON."""
+    FRAGSEARCH_FUZZ_REPORT set, what was sent and answered is written as JSON beside that path, one file
+    per backend (<name>-faiss.json, <name>-milvus.json)."""
     t0 = time.perf_counter()
     answered = {f"{method} {path}": fuzz_operation(api_schema, service_env.api_key, method, path, LONG_EXAMPLES)
                 for method, path in OPERATIONS}
@@ -173,7 +174,10 @@ def test_long_fuzz(api_schema: schemathesis.BaseSchema, service_env: ServiceEnv)
     report = os.environ.get("FRAGSEARCH_FUZZ_REPORT")
     if report:
         statuses = sum(answered.values(), Counter())
-        Path(report).write_text(json.dumps({
+        backend = service_env.settings.index_backend
+        written = Path(report).with_name(f"{Path(report).stem}-{backend}{Path(report).suffix}")
+        written.write_text(json.dumps({
+            "backend": backend,
             "examples_per_operation": LONG_EXAMPLES,
             "calls": sum(statuses.values()) + stateful_calls,
             "stateful_calls": stateful_calls,
