@@ -48,7 +48,8 @@ PAPER_ROWS = {
 ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+global", "fragment", "global", "fullframe",
          "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide",
          "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
-         "devise", "devise (paper)", "devise-bidirectional", "devise-contextual"]
+         "devise", "devise (paper)", "devise-bidirectional", "devise-contextual",
+         "full-val", "full-maxviol", "full-fragdrop", "full-long"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
