@@ -3,7 +3,8 @@
     python -m bench.ensemble --members artifacts/models/full-val artifacts/models/full-maxviol
 
 Each member scores every image against every sentence with its own `Bundle.scores` (the one S_kl,
-calibrated where the checkpoint holds a calibration); the ensemble ranks by the sum. Evaluated on
+calibrated where the checkpoint holds a calibration); an ensemble of the first n members (n = 2 ..
+all, in the order given) ranks by the sum of their scores. Evaluated on
 the validation part of the training data (``--val-images`` images held out with ``--val-seed``,
 the same draw `--selection val` training holds out, so the members never trained on them) and on
 the reported split (dev), with every member alone beside it. Model choices are made on the
@@ -45,9 +46,10 @@ def member_scores(bundle: Bundle, data: SplitData) -> tuple[np.ndarray, float]:
 
 
 def rows_for(part: str, data: SplitData, bundles: dict[str, Bundle], command: str) -> list[dict[str, object]]:
-    """One row per member alone and one for the sum of all of them, on one part of the data."""
+    """One row per member alone and one for the sum of the first n members, n = 2 .. all, on one part of the
+    data."""
     scored = {name: member_scores(b, data) for name, b in bundles.items()}
-    combos = [[name] for name in bundles] + [list(bundles)]
+    combos = [[name] for name in bundles] + [list(bundles)[:n] for n in range(2, len(bundles) + 1)]
     rows: list[dict[str, object]] = []
     for combo in combos:
         total = np.sum([scored[n][0] for n in combo], axis=0)

@@ -29,3 +29,11 @@ def test_an_ensemble_of_different_models_is_not_either_member(shapes_model: Shap
     a, b, both = (np.asarray([r[k] for k in ("annot_r1", "search_r1", "rsum")], float) for r in rows)
     assert not np.array_equal(a, b)
     assert not (np.array_equal(both, a) and np.array_equal(both, b))
+
+
+def test_three_members_give_each_alone_then_the_first_two_then_all(shapes_model: ShapesModel) -> None:
+    members = {name: Bundle.load(shapes_model.model_path) for name in ("a", "b", "c")}
+    rows = rows_for("dev", shapes_model.dev, members, "cmd")
+    assert [r["members"] for r in rows] == ["a", "b", "c", "a+b", "a+b+c"]
+    assert [r["h_total"] for r in rows[3:]] == [2 * int(shapes_model.bundle.model.cfg.h),
+                                                3 * int(shapes_model.bundle.model.cfg.h)]
