@@ -21,6 +21,7 @@ from PIL import Image
 
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
 from index.ann import gpu_available
+from index.catalogue import is_index
 from index.query import encode_sentence
 from index.similar import Similar, describe_and_search
 from model.bundle import Bundle
@@ -120,7 +121,7 @@ class Engine:
 
     @staticmethod
     def _sentence_index(settings: Settings, bundle: Bundle) -> SentenceIndex | None:
-        if not (settings.sentence_index_dir / "index.sqlite").is_file():
+        if not is_index(settings.sentence_index_dir):
             return None
         return SentenceIndex.load(settings.sentence_index_dir, bundle, backend=settings.backend,
                                   use_gpu=is_gpu(bundle.device))
