@@ -37,13 +37,13 @@ from index.types import (
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.image import ImageFragments, RegionExtractor
+from model.imageio import IMAGE_SUFFIXES
 from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
 logger = logging.getLogger(__name__)
 
 ADD_CHUNK = 64  # images embedded and inserted at a time by add_paths
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 @dataclass
