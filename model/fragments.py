@@ -288,8 +288,10 @@ class TextPipeline:
 
 
 def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:
-    """Parses of a sentence list, stored once under cache_dir (keyed by parser and text)."""
-    digest = hashlib.sha1(("\n".join(sentences) + parser.name + PARSE_FORMAT).encode()).hexdigest()[:16]
+    """Parses of a sentence list, stored once under cache_dir (keyed by the text, the parser and its
+    version: another spaCy or parser model release parses anew)."""
+    key = "\n".join(sentences) + parser.name + PARSE_FORMAT + "\0" + parser.version
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"parses-{parser.name}-{digest}.json"
     if path.is_file():
         return [ParsedSentence.from_dict(d) for d in json.loads(path.read_text())]

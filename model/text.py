@@ -93,9 +93,15 @@ class ParsedSentence:
 
 
 class Parser(Protocol):
-    """Anything that turns captions into ``ParsedSentence`` objects, one per caption, in order."""
+    """Anything that turns captions into ``ParsedSentence`` objects, one per caption, in order.
+
+    ``version`` names what decides the parses besides the text: the library's and the parser model's
+    versions and the word cut-off (the parse cache is keyed by it)."""
 
     name: str
+
+    @property
+    def version(self) -> str: ...
 
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]: ...
 
@@ -216,6 +222,9 @@ class SpacyParser:
         self.batch_size = batch_size
         self.n_process = n_process
         self.nlp = spacy.load(SPACY_MODEL, exclude=["tagger", "attribute_ruler", "lemmatizer", "ner"])
+        meta = self.nlp.meta
+        self.version = (f"spacy-{spacy.__version__} {meta.get('lang', '')}_{meta.get('name', SPACY_MODEL)}-"
+                        f"{meta.get('version', '?')} max_words={max_words}")
 
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
         texts = _prepare(sentences, self.max_words)
@@ -301,6 +310,13 @@ class StanzaParser:
         self.max_words = max_words
         self.lang = lang
         self._nlp: Any = None
+
+    @property
+    def version(self) -> str:
+        """stanza's version (its models are the release's: stanza.download fetches that version's)."""
+        from importlib.metadata import version
+
+        return f"stanza-{version('stanza')} {self.lang} max_words={self.max_words}"
 
     def _pipeline(self) -> Any:
         if self._nlp is None:
