@@ -7,10 +7,8 @@ The read-only engine is shared by the session; tests that write get their own co
 
 from __future__ import annotations
 
-import contextlib
 import io
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -166,25 +163,3 @@ def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 
     Image.new("RGB", (width, height), colour).save(buf, "PNG")
     return buf.getvalue()
 
-
-@contextlib.contextmanager
-def uvicorn_server(app: FastAPI, start_timeout: float = 60.0) -> Iterator[str]:
-    """The app served by a real uvicorn on 127.0.0.1 and a free port, in a daemon thread, with its
-    lifespan; yields the base URL ("http://127.0.0.1:PORT") and stops the server on exit. A server whose
-    start fails (its lifespan raised, the thread ended) or takes longer than `start_timeout` is an error."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True, name="uvicorn-test-server")
-    thread.start()
-    try:
-        deadline = time.monotonic() + start_timeout
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("the test server did not start (its start-up failed)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the test server did not start in {start_timeout:.0f} s")
-            time.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)

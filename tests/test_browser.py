@@ -21,7 +21,7 @@ from model.config import default_artifacts_dir
 from service.app import create_app
 from service.settings import Settings
 from tests.cdp import Browser
-from tests.conftest_service import uvicorn_server
+from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

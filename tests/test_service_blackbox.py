@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from service.app import create_app
-from tests.conftest_service import uvicorn_server
+from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
