@@ -123,3 +123,19 @@ def test_the_environment_is_the_development_lock() -> None:
         except metadata.PackageNotFoundError:
             installed[package] = None
     assert {p: (v, installed[p]) for p, v in pins.items() if installed[p] != v} == {}
+
+
+def test_the_distribution_holds_every_module_and_file_the_service_reads() -> None:
+    """`pip install .` installs what the packages find: every folder of Python modules of the four packages
+    (a subpackage left out gave a service that failed on import), the page and the variants."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    setuptools_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(where=str(ROOT), **setuptools_cfg["packages"]["find"]))
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("model", "index", "service", "training")
+               for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
+    assert folders == found
+    data = setuptools_cfg["package-data"]
+    assert "static/*" in data["service"] and "variants/*.toml" in data["model"]
