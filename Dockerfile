@@ -10,19 +10,25 @@
 #                     for Blackwell (driver >= 570.26). Any cu12x matches faiss-gpu (nvidia-*-cu12 >= 12.6, < 13)
 #   TORCH_INDEX_URL   PyTorch's wheel index; the flavour's folder (/cu126, /cpu) is appended. "" (cpu only):
 #                     torch from the pip configuration's indexes, i.e. PyPI's build of the lock's version
-#   STANZA_MODELS     true: fetch stanza's English models (the processors the stanza parser uses); the
-#                     default parser is spaCy, shipped in a package, so this is off by default
+#   EXTRAS            the extras of pyproject.toml to add to the runtime, each from its own lock
+#                     (requirements-<extra>.lock): milvus (FRAGSEARCH_INDEX_BACKEND=milvus), bulk (ray:
+#                     python -m index.bulk --engine ray), stanza (the stanza parser), bench; "" by default:
+#                     the image holds the runtime lock only (the FAISS backend, the spaCy parser)
+#   STANZA_MODELS     true: fetch stanza's English models (the processors the stanza parser uses; needs
+#                     EXTRAS to name stanza); the default parser is spaCy, shipped in a package, so this is
+#                     off by default
 #   UID / GID         the user the image runs as and owner of /artifacts (10001 by default): the data folder
 #                     must be readable by it; match the host user to bind-mount a folder of your own
-# Every other Python package is pinned by requirements.lock, the lock the project's venv installs too; the
-# image swaps its torch lines (and faiss-cpu for faiss-gpu on the GPU variant): see README, Docker.
+# Every other Python package is pinned by the locks compiled from pyproject.toml (`./run lock`), the ones
+# the project's venv installs too; the image takes torch from PyTorch's index and, for gpu, faiss-gpu (the
+# `gpu` extra) for faiss-cpu: see README, Docker.
 ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 
 ARG VARIANT=gpu
 ARG TORCH_CUDA=cu126
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl
-ARG FAISS_GPU=faiss-gpu==1.15.1
+ARG EXTRAS=""
 ARG STANZA_MODELS=false
 ARG UID=10001
 ARG GID=10001
@@ -56,26 +62,35 @@ RUN apt-get update \
     && python3 -m venv "$VIRTUAL_ENV"
 
 WORKDIR /app
-COPY requirements.lock .
+COPY pyproject.toml requirements.lock requirements-milvus.lock requirements-bulk.lock requirements-stanza.lock \
+     requirements-bench.lock ./
 # torch and torchvision first, from PyTorch's index for the variant (a +cu126 / +cpu build of the lock's
-# version: the lock's `torch==` line is then already satisfied); the lock without PyPI torch's CUDA 13
-# libraries; gpu: faiss-gpu for faiss-cpu, its CUDA 12 runtime the one torch pins. `pip check` and the
-# CUDA line torch reports are verified before the layer is kept. (The torch pins come from the lock.)
+# version: the lock's `torch==` line is then already satisfied); then the runtime lock and the lock of each
+# extra in EXTRAS (one pin per package: the locks agree), without PyPI torch's CUDA 13 libraries; gpu:
+# the `gpu` extra's faiss-gpu for faiss-cpu, its CUDA 12 runtime the one torch pins. `pip check` and the
+# CUDA line torch reports are verified before the layer is kept.
 # hadolint ignore=DL3013
 RUN torch_line="$(grep '^torch==' requirements.lock)" && vision_line="$(grep '^torchvision==' requirements.lock)" \
     && if [ "$VARIANT" = gpu ]; then flavour="$TORCH_CUDA"; \
        elif [ "$VARIANT" = cpu ]; then flavour=cpu; \
        else echo "VARIANT must be gpu or cpu, not $VARIANT" >&2; exit 2; fi \
+    && locks=requirements.lock && for extra in $EXTRAS; do \
+        if [ ! -f "requirements-$extra.lock" ]; then \
+            echo "EXTRAS: no lock for '$extra' (milvus, bulk, stanza, bench)" >&2; exit 2; fi; \
+        locks="$locks requirements-$extra.lock"; done \
     && if [ -n "$TORCH_INDEX_URL" ]; then \
         pip install --no-cache-dir --extra-index-url "$TORCH_INDEX_URL/$flavour" \
             "$torch_line+$flavour" "$vision_line+$flavour"; \
        elif [ "$VARIANT" = gpu ]; then \
         echo "VARIANT=gpu needs torch built for CUDA 12 like faiss-gpu: TORCH_INDEX_URL must name PyTorch's index" >&2; \
         exit 2; fi \
-    && grep -vE '^(nvidia-|cuda-|triton==)' requirements.lock \
-        | if [ "$VARIANT" = gpu ]; then sed "s/^faiss-cpu==.*/$FAISS_GPU/"; else cat; fi > /tmp/requirements-image.txt \
-    && pip install --no-cache-dir -r /tmp/requirements-image.txt \
-    && rm /tmp/requirements-image.txt \
+    && if [ "$VARIANT" = gpu ]; then drop='^(nvidia-|cuda-|triton==|faiss-cpu==)'; \
+        python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu'], sep='\n')" \
+            > /tmp/requirements-gpu.txt; \
+       else drop='^(nvidia-|cuda-|triton==)'; : > /tmp/requirements-gpu.txt; fi \
+    && cat $locks | grep -E '^[A-Za-z0-9]' | grep -vE "$drop" | sort -u > /tmp/requirements-image.txt \
+    && pip install --no-cache-dir -r /tmp/requirements-image.txt -r /tmp/requirements-gpu.txt \
+    && rm /tmp/requirements-image.txt /tmp/requirements-gpu.txt \
     && pip check \
     && if [ "$VARIANT" = gpu ]; then \
         python -c "import sys, torch; cuda = torch.version.cuda or ''; print('torch', torch.__version__, 'CUDA', cuda); sys.exit(0 if cuda.startswith('12.') else 'torch is not a CUDA 12 build')"; fi
@@ -83,7 +98,8 @@ RUN torch_line="$(grep '^torch==' requirements.lock)" && vision_line="$(grep '^t
 # Opt-in: stanza's English models (only the processors the stanza parser uses). stanza fetches them
 # through huggingface_hub, so this step runs before the hubs are switched offline.
 RUN if [ "$STANZA_MODELS" = true ]; then \
-        python -c "import stanza; stanza.download('en', model_dir='$STANZA_RESOURCES_DIR', processors='tokenize,pos,lemma,depparse')" \
+        { python -c "import stanza" || { echo "STANZA_MODELS=true needs EXTRAS to name stanza" >&2; exit 2; }; } \
+        && python -c "import stanza; stanza.download('en', model_dir='$STANZA_RESOURCES_DIR', processors='tokenize,pos,lemma,depparse')" \
         && chmod -R a+rX "$STANZA_RESOURCES_DIR"; fi
 
 # From here on (and at run time) nothing is fetched from a model hub: MiniLM ships in a package.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 from pathlib import Path
+
+import psutil
 
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
@@ -15,16 +18,14 @@ from model.parsers import make_parser
 
 
 def machine() -> str:
-    """CPU model and logical core count, from /proc/cpuinfo."""
-    model, cores = "unknown CPU", 0
-    try:
+    """CPU model (from /proc/cpuinfo: psutil does not name it) and logical core count."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
-                cores += 1
-    except OSError:
-        pass
-    return f"{model} x {cores or os.cpu_count()} cores"
+                break
+    return f"{model} x {psutil.cpu_count(logical=True) or os.cpu_count()} cores"
 
 
 def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:

@@ -141,9 +141,16 @@ def pointing_rates(ok: np.ndarray, chosen: np.ndarray, largest: np.ndarray) -> d
             "any": float(ok.any(axis=1).mean())}
 
 
-def ci95(p: float, n: int) -> float:
-    """Half-width of the normal-approximation 95 % interval of a rate p over n trials."""
-    return 1.96 * math.sqrt(p * (1 - p) / n) if n else math.nan
+def wilson95(p: float, n: int) -> tuple[float, float]:
+    """Wilson's 95 % score interval (low, high) of a rate p observed over n trials. Unlike the normal
+    approximation (Wald: p ± 1.96·sqrt(p(1-p)/n)) it stays inside [0, 1] and does not shrink to nothing
+    at 0 % or 100 %, which the per-noun rates over a few trials reach."""
+    if not n:
+        return math.nan, math.nan
+    z2 = 1.96**2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = 1.96 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 # -- the classifier on the regions ------------------------------------------------------------------
@@ -217,7 +224,8 @@ def rates_row(trials: Sequence[Trial], top: np.ndarray, boxes: np.ndarray, nouns
     for k in KS:
         r = pointing_rates(verified(top, trials, nouns, k), chosen, largest)
         row[f"model_top{k}"] = round(100 * r["model"], 1)
-        row[f"model_top{k}_ci95"] = round(100 * ci95(r["model"], len(trials)), 1)
+        low, high = wilson95(r["model"], len(trials))
+        row[f"model_top{k}_low95"], row[f"model_top{k}_high95"] = round(100 * low, 1), round(100 * high, 1)
         for b in BASELINES:
             row[f"{b}_top{k}"] = round(100 * r[b], 1)
     row["on_whole"] = round(100 * float(np.mean(chosen == 0)), 1) if len(trials) else math.nan
@@ -225,10 +233,12 @@ def rates_row(trials: Sequence[Trial], top: np.ndarray, boxes: np.ndarray, nouns
 
 
 FIELDS = ["model", "region_features", "backbone_precision", "calibrated", "trials", "images",
-          *[f for k in KS for f in (f"model_top{k}", f"model_top{k}_ci95", *[f"{b}_top{k}" for b in BASELINES])],
+          *[f for k in KS for f in (f"model_top{k}", f"model_top{k}_low95", f"model_top{k}_high95",
+                                    *[f"{b}_top{k}" for b in BASELINES])],
           "on_whole", "sentence_on_whole", "command"]
-NOUN_FIELDS = ["model", "noun", "trials", "model_top5", "random_top5", "largest_top5", "whole_top5", "any_top5",
-               "model_top1", "random_top1", "largest_top1", "whole_top1", "any_top1"]
+NOUN_FIELDS = ["model", "noun", "trials", "model_top5", "model_top5_low95", "model_top5_high95", "random_top5",
+               "largest_top5", "whole_top5", "any_top5", "model_top1", "model_top1_low95", "model_top1_high95",
+               "random_top1", "largest_top1", "whole_top1", "any_top1"]
 
 
 def model_paths(specs: Sequence[str], models: Path) -> list[tuple[str, Path]]:
@@ -279,9 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m bench.alignment " + shlex.join(a for a in (argv if argv is not None else sys.argv[1:]))
     nouns = NounClasses.load(args.nouns)
     specs = model_paths(args.only, args.models)
-    rows: list[dict[str, Any]] = list(kept_rows(args.out, args.merge, [n for n, _ in specs]))
+    rows: list[dict[str, Any]] = [with_wilson(r) for r in kept_rows(args.out, args.merge, [n for n, _ in specs])]
     nouns_out = args.out.with_name(args.out.stem + "-nouns.csv")
-    noun_rows: list[dict[str, Any]] = list(kept_rows(nouns_out, args.merge, [n for n, _ in specs]))
+    noun_rows: list[dict[str, Any]] = [with_wilson(r) for r in kept_rows(nouns_out, args.merge, [n for n, _ in specs])]
     split_data = SplitDataByConfig(args.data, args.split, args.cache)
     for name, path in specs:
         bundle = Bundle.load(path)
@@ -311,6 +321,17 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(nouns_out, NOUN_FIELDS, noun_rows)
     plot(rows, args.out.with_suffix(".png"))
     logger.info("wrote %s", args.out)
+
+
+def with_wilson(row: dict[str, Any]) -> dict[str, Any]:
+    """A kept row written before the Wilson bounds: its Wald half-width dropped, the bounds computed from
+    its rate and trial count (the rate is rounded to 0.1 %, the bounds move by less than that)."""
+    out = {k: v for k, v in row.items() if not k.endswith("_ci95")}
+    for k in KS:
+        if out.get(f"model_top{k}") not in (None, "") and not out.get(f"model_top{k}_low95"):
+            low, high = wilson95(float(out[f"model_top{k}"]) / 100, int(out["trials"]))
+            out[f"model_top{k}_low95"], out[f"model_top{k}_high95"] = round(100 * low, 1), round(100 * high, 1)
+    return out
 
 
 def write_csv(path: Path, fields: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:

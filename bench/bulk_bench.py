@@ -15,6 +15,7 @@ not depend on what else shares the machine. Rows go to docs/results/bulk-extract
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import logging
 import os
@@ -25,6 +26,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import psutil
 
 from bench import machine
 from bench.extract_bench import image_paths
@@ -43,25 +46,12 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "bul
 
 def tree_cpu_seconds() -> float:
     """CPU seconds (user + system) used so far by this process, its reaped children and every live
-    descendant (Ray's daemons, tasks and actors; the local pool's workers), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    kids: dict[int, list[int]] = {}
-    cpu: dict[int, float] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            text = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()  # state, ppid, ... utime (11), stime (12)
-        kids.setdefault(int(fields[1]), []).append(int(d.name))
-        cpu[int(d.name)] = (int(fields[11]) + int(fields[12])) / tick
-    total, todo = 0.0, list(kids.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += kids.get(pid, [])
+    descendant (Ray's daemons, tasks and actors; the local pool's workers), through psutil."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):  # ended meanwhile
+            times = child.cpu_times()
+            total += times.user + times.system
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime

@@ -11,7 +11,7 @@ A client refused with 503/504 waits the `Retry-After` it was given (at most to t
 scenario) before its next request, as a well-behaved client backs off. A separate probe asks
 GET /healthz every `--probe-every` seconds on its own connection (its p50/p99 show whether the
 service stays responsive). The server's resident memory is sampled every `--rss-every` seconds
-(from /proc/<pid> with `--pid`, else from its /metrics) into `--samples-out`. Rows go to
+(of process <pid> with `--pid`, else from its /metrics) into `--samples-out`. Rows go to
 docs/results/service-load.csv (or --out).
 """
 
@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 from PIL import Image
 from spacy.lang.en.stop_words import STOP_WORDS
 
@@ -190,34 +191,24 @@ async def health_probe(url: str, every: float, stop: asyncio.Event, out: list[fl
 
 def loadavg() -> float:
     """The machine's 1-minute load average (other jobs share the cores: the results say how busy it was)."""
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return float("nan")
+    return float(psutil.getloadavg()[0])
 
 
 def proc_rss_mb(pid: int) -> float:
-    """Resident memory of process `pid` (VmRSS), NaN if unreadable."""
+    """Resident memory of process `pid`, NaN if unreadable."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+        return float(psutil.Process(pid).memory_info().rss) / 2**20
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return float("nan")
 
 
 def proc_counts(pid: int) -> dict[str, int]:
     """Open file descriptors and threads of process `pid` (-1 where unreadable)."""
-    out = {"fds": -1, "threads": -1}
     try:
-        out["fds"] = len(list(Path(f"/proc/{pid}/fd").iterdir()))
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Threads:"):
-                out["threads"] = int(line.split()[1])
-    except OSError:
-        pass
-    return out
+        proc = psutil.Process(pid)
+        return {"fds": proc.num_fds(), "threads": proc.num_threads()}
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return {"fds": -1, "threads": -1}
 
 
 async def rss_sampler(read: Callable[[], Any], every: float, stop: asyncio.Event, t0: float,
@@ -254,7 +245,7 @@ def tally_size(tally: Tally) -> Callable[[], int]:
 
 
 def rss_reader(client: httpx.AsyncClient, pid: int | None) -> Callable[[], Any]:
-    """An async function giving the server's RSS in MB: from /proc with its pid, else from /metrics."""
+    """An async function giving the server's RSS in MB: from the process with its pid, else from /metrics."""
     async def read() -> float:
         return proc_rss_mb(pid) if pid else await server_rss_mb(client)
     return read
@@ -329,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=10, help="results per query")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="queries: dev captions; upload: a dev image")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
-    ap.add_argument("--pid", type=int, help="the server's process id (RSS from /proc instead of /metrics)")
+    ap.add_argument("--pid", type=int, help="the server's process id (RSS from the process instead of /metrics)")
     ap.add_argument("--rss-every", type=float, default=5.0, help="seconds between two RSS samples")
     ap.add_argument("--probe-every", type=float, default=0.25, help="seconds between two /healthz probes")
     ap.add_argument("--samples-out", type=Path, help="CSV of the RSS samples (scenario, clients, t_s, rss_mb)")

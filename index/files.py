@@ -5,19 +5,11 @@ every writer of model/, index/ and service/.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
-from pathlib import Path
 
-HASH_CHUNK = 1 << 22
+from model.atomic import sha256_file
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+__all__ = ["sha256_file", "unique_name"]
 
 
 def unique_name(prefix: str, generation: int, suffix: str) -> str:

@@ -37,13 +37,13 @@ from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.embed import EmbeddedImage, embed_extracted, embed_image, embed_phrase, embed_sentence, row_triplets
 from model.image import ImageFragments
+from model.imageio import IMAGE_SUFFIXES
 from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
 logger = logging.getLogger(__name__)
 
 ADD_CHUNK = 64  # images embedded and inserted at a time by add_paths
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 @dataclass

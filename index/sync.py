@@ -13,8 +13,8 @@ time, content hash and image id), each run
 - follows renames and moves (a new path whose content is that of a vanished one: the features
   come back from the content-keyed feature cache, nothing is extracted again),
 - removes images whose file is gone,
-- reports files it cannot read (listed, not fatal) and formats Pillow cannot open (HEIC, RAW: listed
-  as unsupported).
+- reports files it cannot read (listed, not fatal) and formats it does not decode (camera RAW: listed
+  as unsupported); HEIC/HEIF and AVIF photos are indexed like JPEGs (model.imageio).
 
 Paths are stored relative to the folder, so the index still finds the photos when the folder is
 mounted elsewhere. Work is saved every `--save-every` images: an interrupted run keeps what it
@@ -45,8 +45,7 @@ from model.dataset import feature_cache
 logger = logging.getLogger(__name__)
 
 MANIFEST = "sync-manifest.json"
-UNSUPPORTED_SUFFIXES = (".heic", ".heif", ".avif", ".cr2", ".cr3", ".nef", ".arw", ".dng", ".raf", ".orf", ".rw2",
-                        ".raw", ".srw", ".pef")
+UNSUPPORTED_SUFFIXES = (".cr2", ".cr3", ".nef", ".arw", ".dng", ".raf", ".orf", ".rw2", ".raw", ".srw", ".pef")
 SAVE_EVERY = 500
 
 

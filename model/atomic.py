@@ -5,11 +5,14 @@ caches' one "key -> cached file, computed when missing" (`cached_file`).
 A reader never sees a half-written file, and a crash leaves the previous version (or nothing) in
 place plus at most a temp file named ``.<pid>.<target name>.<random>.tmp``, which `stale_temps`
 finds once its writer is gone (the index removes the ones in its folder at its next save).
+
+Beside them `sha256_file`, the content hash of a file the index and the checkpoints record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -19,6 +22,12 @@ from typing import BinaryIO, TypeVar
 TMP_SUFFIX = ".tmp"
 
 T = TypeVar("T")
+
+
+def sha256_file(path: Path | str) -> str:
+    """The sha256 of a file's content (hex)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fsync_dir(folder: Path) -> None:

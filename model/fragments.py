@@ -293,8 +293,10 @@ class TextPipeline:
 
 
 def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:
-    """Parses of a sentence list, stored once under cache_dir (keyed by parser and text)."""
-    digest = hashlib.sha1(("\n".join(sentences) + parser.name + PARSE_FORMAT).encode()).hexdigest()[:16]
+    """Parses of a sentence list, stored once under cache_dir (keyed by the text, the parser and its
+    version: another spaCy or parser model release parses anew)."""
+    key = "\n".join(sentences) + parser.name + PARSE_FORMAT + "\0" + parser.version
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
 
     def parse() -> list[ParsedSentence]:
         logger.info("parsing %d sentences with %s", len(sentences), parser.name)

@@ -1,6 +1,9 @@
 """Decoding image files and uploads into RGB PIL images, with clear errors for bad input.
 
-Only Pillow and NumPy: the service's upload path imports this, not the extractor (OpenCV, torch).
+Only Pillow (and pillow-heif, its HEIC/HEIF opener): the service's upload path imports this, not the
+extractor (OpenCV, torch). Every image the project reads goes through `load_image`: uploads, the folder
+sync and index builds (`IMAGE_SUFFIXES` are the file names they take), thumbnails, the feature cache.
+Phones write HEIC (pillow-heif's libheif + libde265 decode it); AVIF is Pillow's own plugin.
 """
 
 from __future__ import annotations
@@ -9,9 +12,17 @@ import io
 import logging
 from pathlib import Path
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+import pillow_heif
+from PIL import Image, ImageOps, UnidentifiedImageError, features
 
 logger = logging.getLogger(__name__)
+
+pillow_heif.register_heif_opener()  # Image.open reads HEIC/HEIF from here on
+if not features.check("avif"):  # pragma: no cover - the locked Pillow wheels carry libavif
+    raise ImportError("this Pillow was built without AVIF support; install the locked pillow")
+
+# The file name endings of the formats load_image decodes (lower case).
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".heic", ".heif", ".avif")
 
 DEFAULT_MAX_PIXELS = 50_000_000  # ~ 8660 x 5770; larger headers are refused before decoding
 

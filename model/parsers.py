@@ -142,6 +142,9 @@ class SpacyParser:
         self.batch_size = batch_size
         self.n_process = n_process
         self.nlp = spacy.load(SPACY_MODEL, exclude=["tagger", "attribute_ruler", "lemmatizer", "ner"])
+        meta = self.nlp.meta
+        self.version = (f"spacy-{spacy.__version__} {meta.get('lang', '')}_{meta.get('name', SPACY_MODEL)}-"
+                        f"{meta.get('version', '?')} max_words={max_words}")
 
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
         texts = _prepare(sentences, self.max_words)
@@ -227,6 +230,13 @@ class StanzaParser:
         self.max_words = max_words
         self.lang = lang
         self._nlp: Any = None
+
+    @property
+    def version(self) -> str:
+        """stanza's version (its models are the release's: stanza.download fetches that version's)."""
+        from importlib.metadata import version
+
+        return f"stanza-{version('stanza')} {self.lang} max_words={self.max_words}"
 
     def _pipeline(self) -> Any:
         if self._nlp is None:

@@ -78,9 +78,15 @@ class ParsedSentence:
 
 
 class Parser(Protocol):
-    """Anything that turns captions into ``ParsedSentence`` objects, one per caption, in order."""
+    """Anything that turns captions into ``ParsedSentence`` objects, one per caption, in order.
+
+    ``version`` names what decides the parses besides the text: the library's and the parser model's
+    versions and the word cut-off (the parse cache is keyed by it)."""
 
     name: str
+
+    @property
+    def version(self) -> str: ...
 
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]: ...
 

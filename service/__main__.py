@@ -4,15 +4,15 @@ GET /healthz answers from the first second; GET /readyz answers 503 with what is
 (stage, items done / total, estimated time left) until the model and both indexes are loaded, and
 searches are served as soon as the image index is.
 
-    python -m service [--host H] [--port P] [--no-prepare]
+    python -m service [--host H] [--port P] [--no-prepare] [--config FILE] [--SETTING VALUE ...]
 
-Settings come from FRAGSEARCH_* environment variables or `.env` (see service/settings.py);
-the flags override them.
+Every setting has a flag (`--help` lists them, docs/settings.md is their table); the flags override
+the FRAGSEARCH_* environment variables, `.env` and the settings file (./fragsearch.toml,
+FRAGSEARCH_CONFIG or --config): service/settings.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -25,7 +25,7 @@ from model.data import DataError, load_split
 from model.device import DeviceError, device_name
 from service import logs
 from service.app import create_app
-from service.settings import Settings
+from service.settings import settings_from, settings_parser
 from service.version import __version__
 
 logger = logging.getLogger("service")
@@ -44,17 +44,11 @@ def process_started() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", default=None, help="address to listen on (default: FRAGSEARCH_HOST, 127.0.0.1)")
-    ap.add_argument("--port", type=int, default=None, help="port to listen on (default: FRAGSEARCH_PORT, 8000)")
-    ap.add_argument("--no-prepare", action="store_true", help="serve what exists; do not train or index")
+    ap, cli = settings_parser("python -m service", __doc__)
     ap.add_argument("--version", action="version", version=f"fragsearch {__version__}")
     args = ap.parse_args(argv)
     started = process_started()
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if args.no_prepare:
-        overrides["prepare"] = False
-    settings = Settings(**overrides)
+    settings = settings_from(ap, cli, args)
     logs.configure(settings.log_level, settings.log_format)
     try:
         device = device_name(settings.device)

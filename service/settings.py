@@ -1,18 +1,35 @@
-"""Service settings: one object read from FRAGSEARCH_* environment variables and `.env`.
+"""Service settings: one object read from flags, FRAGSEARCH_* environment variables, `.env` and
+`fragsearch.toml`, in that order of precedence, over the defaults.
+
+    python -m service --port 8080 --heavy-slots 1   # a flag for every setting (python -m service --help)
+    FRAGSEARCH_PORT=8080 python -m service          # or an environment variable, or a line of .env
+    python -m service --config site.toml            # or a TOML file: port = 8080 (default ./fragsearch.toml,
+                                                    # FRAGSEARCH_CONFIG names another)
+    python -m service.settings --markdown           # the table of every setting (docs/settings.md)
 
 Paths left unset are derived from the artifacts folder (git-ignored), so that the embedded
-default needs no configuration at all.
+default needs no configuration at all. A key of the TOML file that names no setting is an error.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextvars
 import os
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_core import PydanticUseDefault
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from index.candidates import BackendOptions
 from model.config import collection_index, default_artifacts_dir, default_data_dir
@@ -21,6 +38,36 @@ from model.resources import default_workers
 from service.schemas import DEFAULT_K
 
 API_KEY_HEADER = "X-API-Key"
+CONFIG_FILE = "fragsearch.toml"  # read from the working folder unless FRAGSEARCH_CONFIG or --config names another
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("fragsearch_config", default=None)
+
+
+class SettingsFileError(ValueError):
+    """The settings file names a setting that does not exist, or cannot be read."""
+
+
+def config_file() -> Path:
+    """The TOML settings file in force: --config, else FRAGSEARCH_CONFIG, else ./fragsearch.toml."""
+    return _config_file.get() or Path(os.environ.get("FRAGSEARCH_CONFIG") or CONFIG_FILE)
+
+
+class CheckedTomlSource(TomlConfigSettingsSource):
+    """fragsearch.toml: top-level keys named like the settings; a key that names none is an error (a typo
+    would otherwise be ignored), and so is a file FRAGSEARCH_CONFIG or --config names that is missing."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        path = config_file()
+        named = _config_file.get() is not None or bool(os.environ.get("FRAGSEARCH_CONFIG"))
+        if named and not path.is_file():
+            raise SettingsFileError(f"settings file {path} not found")
+        try:
+            super().__init__(settings_cls, toml_file=path)
+        except ValueError as e:  # tomllib.TOMLDecodeError
+            raise SettingsFileError(f"{path}: not valid TOML ({e})") from e
+        unknown = sorted(set(self.toml_data) - set(settings_cls.model_fields))
+        if unknown:
+            verb = "is not a setting" if len(unknown) == 1 else "are not settings"
+            raise SettingsFileError(f"{path}: {', '.join(unknown)} {verb} (python -m service --help lists them)")
 
 
 
@@ -28,6 +75,15 @@ class Settings(BaseSettings):
     """Everything the service reads at start-up (environment variable = FRAGSEARCH_ + upper-case name)."""
 
     model_config = SettingsConfigDict(env_prefix="FRAGSEARCH_", env_file=".env", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Arguments (and flags: `from_args`) before the environment, .env and then fragsearch.toml."""
+        return init_settings, env_settings, dotenv_settings, CheckedTomlSource(settings_cls), file_secret_settings
 
     # where things are
     data: Path = Field(default_factory=default_data_dir, description="data folder (images/, captions.txt, splits)")
@@ -77,8 +133,8 @@ class Settings(BaseSettings):
                                   "python -m service.prepare")
 
     # serving
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     device: str = Field(default="auto", description="auto (cuda when available), cpu or cuda: model, "
                         "MiniLM, image backbone, training and FAISS (model/device.py)")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: torch's choice")
@@ -99,7 +155,7 @@ class Settings(BaseSettings):
     freeze_heap: bool = Field(default=True, description="once loaded, move the model's and indexes' objects out of "
                               "the garbage collector's reach (gc.freeze): a full collection over them pauses every "
                               "request for ~0.4 s")
-    log_level: str = "info"
+    log_level: str = Field(default="info", description="lowest level logged: debug, info, warning, error")
     log_format: Literal["text", "json"] = Field(default="text", description="log lines as text or as one JSON "
                                                 "object each (time, level, logger, message, exception)")
     cors_origins: list[str] = Field(default_factory=list, description="origins allowed to call the API from a "
@@ -183,3 +239,77 @@ class Settings(BaseSettings):
     def writes_open(self) -> bool:
         """Writes are possible: a key is configured, or auth was switched off explicitly."""
         return self.auth_disabled or self.api_key is not None
+
+
+def _parser(prog: str, description: str | None) -> tuple[argparse.ArgumentParser, CliSettingsSource[Any]]:
+    ap = argparse.ArgumentParser(prog=prog, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=None, metavar="FILE",
+                    help=f"TOML settings file (default: FRAGSEARCH_CONFIG, else ./{CONFIG_FILE} where it exists)")
+    cli: CliSettingsSource[Any] = CliSettingsSource(
+        Settings, root_parser=ap, cli_kebab_case=True, cli_implicit_flags=True, cli_avoid_json=True,
+        cli_hide_none_type=True, cli_prog_name=prog)
+    return ap, cli
+
+
+def settings_parser(prog: str = "python -m service", description: str | None = None
+                    ) -> tuple[argparse.ArgumentParser, CliSettingsSource[Any]]:
+    """An argument parser with a flag for every setting (--kebab-case; booleans as --x / --no-x) and --config;
+    the caller may add its own flags, parse, then call `settings_from`."""
+    return _parser(prog, description)
+
+
+def settings_from(ap: argparse.ArgumentParser, cli: CliSettingsSource[Any], args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags (over the environment, .env and the settings file); a bad value or
+    settings file exits like a bad flag (argparse's error, status 2)."""
+    token = _config_file.set(args.config)
+    try:
+        return Settings(_cli_settings_source=cli(parsed_args=args))  # type: ignore[call-arg]
+    except (SettingsFileError, ValueError) as e:
+        ap.error(str(e))
+    finally:
+        _config_file.reset(token)
+
+
+def _type_name(annotation: Any) -> str:
+    text = str(annotation).replace("typing.", "").replace("pathlib.", "").replace("pydantic.types.", "")
+    text = text.replace("<class '", "").replace("'>", "")
+    return text
+
+
+def settings_markdown() -> str:
+    """The settings table (docs/settings.md): every field with its flag, variable, type, default and meaning."""
+    lines = ["# Settings", "",
+             "Every setting of `python -m service`, generated by `python -m service.settings --markdown` from "
+             "`service/settings.py` (tests/test_settings.py fails when this table and the settings differ). Each "
+             f"is read from, first to last: its flag, its environment variable, `.env`, the TOML file "
+             f"(`./{CONFIG_FILE}`; `FRAGSEARCH_CONFIG` or `--config` names another; a key per setting, e.g. "
+             "`port = 8080`), its default. `python -m service.prepare` reads the same settings but the flags.", "",
+             "| setting | flag | environment | type | default | what |", "|---|---|---|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        if field.default_factory is not None:
+            default = "derived" if name in ("data", "artifacts") else "[]"
+        else:
+            default = "" if field.default is None else repr(field.default).replace("'", "")
+        flag = f"--{name.replace('_', '-')}"
+        if field.annotation is bool:
+            flag = f"{flag} / --no-{name.replace('_', '-')}"
+        what = (field.description or "").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        kind = _type_name(field.annotation).replace("|", "\\|")
+        lines.append(f"| `{name}` | `{flag}` | `FRAGSEARCH_{name.upper()}` | `{kind}` | "
+                     f"{'`' + default + '`' if default else '—'} | {what} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="the service's settings")
+    ap.add_argument("--markdown", action="store_true", help="print the table of every setting (docs/settings.md)")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(settings_markdown())
+    else:
+        ap.print_help()
+
+
+if __name__ == "__main__":
+    main()

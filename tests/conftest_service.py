@@ -162,3 +162,4 @@ def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 
     buf = io.BytesIO()
     Image.new("RGB", (width, height), colour).save(buf, "PNG")
     return buf.getvalue()
+

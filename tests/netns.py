@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -108,15 +109,10 @@ def stop_ray(procs: list[subprocess.Popen[bytes]], temps: list[str]) -> None:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-    for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
-            continue
-        try:
-            cmdline = (pid_dir / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if any(t in cmdline for t in temps):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_dir.name), signal.SIGKILL)
+    for running in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(running.info["cmdline"] or [])
+        if running.info["pid"] != os.getpid() and any(t in cmdline for t in temps):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                running.kill()
     for t in temps:
         shutil.rmtree(t, ignore_errors=True)

@@ -18,6 +18,8 @@ from bench.alignment import (
     pointing_rates,
     rates_row,
     verified,
+    wilson95,
+    with_wilson,
 )
 from model.image import region_crops
 from tests.conftest import ShapesModel
@@ -134,7 +136,26 @@ def test_pointing_rates_of_the_model_and_the_baselines_on_a_known_case() -> None
     row = rates_row(trials, top, boxes, nouns)  # the same at top-5 (only two predictions given)
     assert row["trials"] == 4 and row["model_top5"] == 50.0 and row["whole_top5"] == 25.0
     assert row["largest_top1"] == 0.0 and row["on_whole"] == 0.0
+    assert (row["model_top5_low95"], row["model_top5_high95"]) == (15.0, 85.0)  # Wilson's for 2 of 4
     assert math.isnan(pointing_rates(ok[:0], np.zeros(0, np.int64), np.zeros(0, np.int64))["model"])
+
+
+@pytest.mark.parametrize(("hits", "n", "low", "high"), [
+    (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0), (5, 10, 0.2366, 0.7634), (1, 20, 0.0089, 0.2361),
+    (4621, 6278, 0.7250, 0.7468),
+])
+def test_the_pointing_rate_interval_is_wilsons(hits: int, n: int, low: float, high: float) -> None:
+    """Wilson's score interval (published values); the normal approximation gives 0 % ± 0 for 0 of 10 and
+    goes below 0 for 1 of 20 (5 % ± 9.6)."""
+    assert wilson95(hits / n, n) == pytest.approx((low, high), abs=6e-5)
+    assert all(math.isnan(x) for x in wilson95(0.0, 0))
+
+
+def test_a_kept_row_with_the_old_half_width_gets_the_bounds() -> None:
+    old = {"model": "full", "trials": "6278", "model_top1": "52.9", "model_top1_ci95": "1.2",
+           "model_top5": "73.6", "model_top5_ci95": "1.1"}
+    row = with_wilson(old)
+    assert "model_top5_ci95" not in row and (row["model_top5_low95"], row["model_top5_high95"]) == (72.5, 74.7)
 
 
 def test_region_crops_show_the_box() -> None:

@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -17,13 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from model.config import default_artifacts_dir
 from service.app import create_app
 from service.settings import Settings
 from tests.cdp import Browser
+from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -38,28 +36,6 @@ SCREENSHOTS = default_artifacts_dir() / "screenshots"
 
 # skipped without Chromium, but failed under CI (.ci/run installs it): the page must be tested there
 pytestmark = pytest.mark.required(CHROMIUM.is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium)")
-
-
-class ServerThread:
-    """uvicorn on 127.0.0.1 and a free port, in a daemon thread."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def chromium(*args: str) -> str:
@@ -79,7 +55,7 @@ def page_url(base: str, query: str, **params: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(service_env: ServiceEnv) -> Iterator[str]:
-    with ServerThread(create_app(service_env.settings, engine=service_env.engine)) as base:
+    with uvicorn_server(create_app(service_env.settings, engine=service_env.engine)) as base:
         yield base
 
 
@@ -131,7 +107,7 @@ def test_screenshot_of_the_flickr8k_page() -> None:
     settings = Settings(_env_file=None, warmup=False)  # type: ignore[call-arg]
     if not (settings.model_path.is_file() and settings.image_index.exists()):
         pytest.skip("the embedded default's model and dev index are not built (python -m service)")
-    with ServerThread(create_app(settings)) as base:
+    with uvicorn_server(create_app(settings)) as base:
         import httpx
 
         deadline = time.monotonic() + 120

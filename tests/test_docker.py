@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.dockerfile import hub_fetch_under_offline_switch, run_environments
+from tests.dockerfile import hub_fetch_under_offline_switch, instructions, run_environments
+from tools import lock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -152,7 +154,7 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_dockerfile_installs_the_lock_with_an_init_and_only_the_stanza_processors_used() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert "COPY requirements.lock" in text and "-r /tmp/requirements-image.txt" in text
+    assert "COPY pyproject.toml requirements.lock" in text and "-r /tmp/requirements-image.txt" in text
     assert "requirements.txt" not in text.split("\nARG BASE_IMAGE")[1]
     assert 'ENTRYPOINT ["tini", "--"]' in text
     used = re.search(r'processors="([^"]+)"', (ROOT / "model" / "parsers.py").read_text())
@@ -218,7 +220,8 @@ def test_gpu_image_takes_a_torch_built_for_the_cuda_of_faiss_gpu() -> None:
     flavour = re.fullmatch(r"cu12(\d)", args["TORCH_CUDA"])
     assert flavour and int(flavour.group(1)) >= 6, args["TORCH_CUDA"]
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
-    assert args["FAISS_GPU"] == f"faiss-gpu=={runtime['faiss-cpu']}"  # the release the lock pins for the CPU
+    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert gpu == [f"faiss-gpu=={runtime['faiss-cpu']}"]  # the gpu extra: the release the lock pins for the CPU
     text = (ROOT / "Dockerfile").read_text()
     assert '"$torch_line+$flavour" "$vision_line+$flavour"' in text  # a +cu12x build, never PyPI's by accident
     assert "pip check" in text and "cuda.startswith('12.')" in text
@@ -228,7 +231,7 @@ def test_gpu_image_takes_a_torch_built_for_the_cuda_of_faiss_gpu() -> None:
 def _pins(name: str) -> dict[str, str]:
     out = {}
     for line in (ROOT / name).read_text().splitlines():
-        if line and not line.startswith(("#", "-r ")):
+        if line and line[0].isalnum():
             req = Requirement(line)
             (spec,) = req.specifier
             assert spec.operator == "==", line
@@ -236,22 +239,16 @@ def _pins(name: str) -> dict[str, str]:
     return out
 
 
-def test_the_lock_pins_everything_requirements_txt_asks_for() -> None:
-    runtime, dev = _pins("requirements.lock"), _pins("requirements-dev.lock")
-    assert not set(runtime) & set(dev)
-    assert "-r requirements.lock" in (ROOT / "requirements-dev.lock").read_text()
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            req = Requirement(line)
-            version = {**runtime, **dev}.get(canonicalize_name(req.name))
-            assert version is not None and req.specifier.contains(version), f"{line} is not pinned by the lock"
-    for name in ("faiss-cpu", "torch", "onnxruntime", "onnx", "uvicorn"):
-        assert name in runtime
-    for name in ("pytest", "ruff", "mypy"):
-        assert name in dev and name not in runtime
+def test_the_image_installs_the_runtime_lock_and_the_extras_named() -> None:
+    """Only the runtime lock by default; each extra of EXTRAS from its lock, every such lock in the image."""
+    args, text = _build_args(), (ROOT / "Dockerfile").read_text()
+    assert args["EXTRAS"] == '""' or args["EXTRAS"] == ""
+    (copy,) = [i.args for i in instructions(text) if i.keyword == "COPY" and "requirements.lock" in i.args]
+    assert set(copy.split()[:-1]) == {"pyproject.toml", *lock.locks()} - {"requirements-dev.lock"}
+    assert 'locks="$locks requirements-$extra.lock"' in text and "cat $locks" in text
 
 
 def test_run_installs_from_the_lock() -> None:
     text = (ROOT / "run").read_text()
-    assert "pip\" install -q -r requirements-dev.lock" in text
+    assert "pip\" install -q --no-deps --no-compile -r requirements-dev.lock" in text
     assert "cat requirements.lock requirements-dev.lock | sha256sum" in text

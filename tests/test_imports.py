@@ -90,6 +90,21 @@ def test_atomic_writes_are_imported_through_one_door() -> None:
     assert elsewhere == []
 
 
+def test_a_file_is_hashed_by_the_one_helper_without_a_read_loop() -> None:
+    """A file's content hash is model.atomic.sha256_file (hashlib.file_digest): no loop of read() calls
+    feeding a hash's update() in the code."""
+    loops = []
+    for package in ("model", "index", "service", "training", "bench", "tools"):
+        for p in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                if isinstance(node, ast.While | ast.For):
+                    calls = {c.func.attr for c in ast.walk(node)
+                             if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)}
+                    if {"read", "update"} <= calls:
+                        loops.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert loops == []
+
+
 def imports_of(package: str, path: Path) -> list[tuple[str, str | None]]:
     """The modules of `package` that `path` imports anywhere in its body, each with the function whose
     body imports it (None: at module level)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import uvicorn
 
 from service.app import create_app
+from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -106,20 +105,25 @@ def multipart(fields: dict[str, tuple[str | None, bytes]], boundary: str = "xyzz
 def server(service_env: ServiceEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp: Path = tmp_path_factory.mktemp("blackbox")
     settings, engine = service_env.writable(tmp, body_timeout=BODY_TIMEOUT)
-    app = create_app(settings, engine=engine)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    assert srv.started, "uvicorn did not start"
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    yield Server("127.0.0.1", port, service_env.api_key)
-    srv.should_exit = True
-    thread.join(timeout=30)
+    with uvicorn_server(create_app(settings, engine=engine)) as base:
+        yield Server("127.0.0.1", int(base.rsplit(":", 1)[1]), service_env.api_key)
+
+
+def test_the_test_server_reports_a_start_that_failed() -> None:
+    """The one uvicorn-in-a-thread helper: a failed lifespan start is an error at once, not a wait."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    @asynccontextmanager
+    async def broken(app: FastAPI) -> Iterator[None]:  # type: ignore[misc]
+        raise OSError("the index folder is gone")
+        yield
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="start-up failed"), uvicorn_server(FastAPI(lifespan=broken)):
+        pass
+    assert time.monotonic() - started < 20
 
 
 DIGITS = "9" * 5000

@@ -60,11 +60,13 @@ def test_sync_follows_the_folder(shapes_model: ShapesModel, tmp_path: Path) -> N
     shutil.move(photos / "trip/c.jpg", photos / "moved/c2.jpg")  # renamed
     (photos / "trip/same.jpg").unlink()                   # deleted
     (photos / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
-    (photos / "phone.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    (photos / "phone.heic").write_bytes(b"\x00\x00\x00\x18ftypheic")  # a HEIC header, no picture
+    (photos / "camera.cr2").write_bytes(b"II*\x00\x10\x00\x00\x00CR")  # camera RAW: not decoded
     third = sync_folder(index, photos)
     assert third.added == ["new/d.jpg"] and third.changed == ["b.jpg"]
     assert third.renamed == [("trip/c.jpg", "moved/c2.jpg")] and third.removed == ["trip/same.jpg"]
-    assert [rel for rel, _ in third.unreadable] == ["broken.jpg"] and third.unsupported == ["phone.heic"]
+    assert sorted(rel for rel, _ in third.unreadable) == ["broken.jpg", "phone.heic"]
+    assert third.unsupported == ["camera.cr2"]
     now = paths_of(index)
     assert sorted(now) == ["a.jpg", "b.jpg", "home/same.jpg", "moved/c2.jpg", "new/d.jpg"]
     assert now["a.jpg"] == ids["a.jpg"] and now["home/same.jpg"] == ids["home/same.jpg"], "untouched keep their id"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from model.fragments import parse_cached
 from model.parsers import SpacyParser, StanzaParser, make_parser, stanza_document_to_parsed
 from model.text import ParsedSentence, RelationVocab, Triplet, sentence_triplets
 
@@ -160,3 +163,32 @@ def test_relation_cutoff_at_its_boundary() -> None:
         below = [[Triplet("amod", "a", "b")] * at, [Triplet("det", "a", "b")] * (total - at + 1)]
         assert RelationVocab.fit(below, cutoff=0.01).kept == ("det",), total
         assert RelationVocab.fit(lists, cutoff=0.0100001).kept == ("det",), total
+
+
+class CountingParser:
+    """The spaCy parser under another version string, counting the sentences it parses."""
+
+    name = "spacy"
+
+    def __init__(self, inner: SpacyParser, version: str) -> None:
+        self.inner, self.version, self.parsed = inner, version, 0
+
+    def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
+        self.parsed += len(sentences)
+        return self.inner.parse(sentences)
+
+
+def test_the_parse_cache_is_keyed_by_the_parser_versions(spacy_parser: SpacyParser, tmp_path: Path) -> None:
+    """A new spaCy or parser-model release (spacy>=3.8,<3.9 floats) must parse anew, not reuse old parses."""
+    import spacy
+
+    assert f"spacy-{spacy.__version__} " in spacy_parser.version
+    assert f"_{spacy_parser.nlp.meta['name']}-{spacy_parser.nlp.meta['version']}" in spacy_parser.version
+    captions = ["a dog runs on the grass", "two children play in the water"]
+    old = CountingParser(spacy_parser, "spacy-3.8.0 en_core_web_sm-3.8.0")
+    first = parse_cached(old, captions, tmp_path)
+    assert parse_cached(old, captions, tmp_path) == first and old.parsed == 2  # the cache answers
+    new = CountingParser(spacy_parser, "spacy-3.8.9 en_core_web_sm-3.8.1")
+    assert parse_cached(new, captions, tmp_path) == first and new.parsed == 2  # parsed again
+    assert SpacyParser(max_words=5).version != spacy_parser.version  # the cut-off decides the parse too
+    assert "max_words=5" in StanzaParser(max_words=5).version

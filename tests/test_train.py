@@ -18,7 +18,7 @@ from model.variants import VariantError
 from tests.conftest import ShapesModel
 from training.epochs import _step, drop_fragments, global_top_k_at
 from training.evaluate import evaluate
-from training.train import Trained, split_for_selection, train_variant
+from training.train import Trained, bool_flag, split_for_selection, train_variant
 from training.train import main as train_main
 
 
@@ -66,6 +66,21 @@ def test_selection_settings(shapes_train: SplitData) -> None:
         split_for_selection(TrainConfig(val_images=30), shapes_train)
     with pytest.raises(SystemExit):
         train_main(["--dev-split", "dev"])  # dev never selects a model
+
+
+@pytest.mark.parametrize("word", ["ture", "fasle", "y", "", "2"])
+def test_a_misspelt_boolean_flag_is_refused(word: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--balanced ture` once trained with balanced = False without a word."""
+    with pytest.raises(SystemExit) as stop:
+        train_main(["--balanced", word, "--list"])
+    assert stop.value.code == 2
+    assert f"argument --balanced: {word!r} is not true or false" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("word", "value"), [("true", True), ("Yes", True), ("on", True), ("1", True),
+                                             ("false", False), ("NO", False), ("off", False), ("0", False)])
+def test_boolean_flag_words(word: str, value: bool) -> None:
+    assert bool_flag(word) is value
 
 
 def test_trainer_keeps_the_best_epoch_on_held_out_training_images(shapes_model: ShapesModel, tmp_path: Path) -> None:

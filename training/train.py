@@ -223,13 +223,26 @@ FLAG_HELP = {
 }
 
 
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def bool_flag(text: str) -> bool:
+    """A boolean flag's value: true/false (yes/no, on/off, 1/0); anything else is refused, never read as False."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false (also yes/no, on/off, 1/0)")
+
+
 def _add_config_flags(ap: argparse.ArgumentParser) -> None:
     meanings = field_meanings("train")
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         say = FLAG_HELP.get(f.name) or meanings.get(f.name)
         if f.type in ("bool", bool):
-            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=None,
+            ap.add_argument(flag, type=bool_flag, default=None,
                             help=f"{say} (true/false; default: the variant's)")
         else:
             typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)

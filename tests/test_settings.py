@@ -1,0 +1,101 @@
+"""Settings from flags, the environment, .env and fragsearch.toml (pydantic-settings), each over the next;
+a flag for every setting in `python -m service --help`; the settings table docs/settings.md generated
+from the model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from service.__main__ import main as service_main
+from service.settings import Settings, SettingsFileError, settings_from, settings_markdown, settings_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+USED = ("PORT", "HEAVY_SLOTS", "LOG_FORMAT", "CONFIG", "PREPARE", "CORS_ORIGINS")
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A working folder of the test's own (no .env, no fragsearch.toml) and none of the variables used."""
+    monkeypatch.chdir(tmp_path)
+    for name in USED:
+        monkeypatch.delenv(f"FRAGSEARCH_{name}", raising=False)
+
+
+def from_flags(*flags: str) -> Settings:
+    ap, cli = settings_parser()
+    return settings_from(ap, cli, ap.parse_args(list(flags)))
+
+
+def test_the_settings_table_is_generated_from_the_model() -> None:
+    table = (ROOT / "docs" / "settings.md").read_text()
+    assert table == settings_markdown(), "docs/settings.md is stale: python -m service.settings --markdown"
+    for name in Settings.model_fields:
+        assert f"| `{name}` | `--{name.replace('_', '-')}" in table, name
+
+
+def test_help_lists_a_flag_for_every_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        service_main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    missing = [name for name in Settings.model_fields if f"--{name.replace('_', '-')}" not in out]
+    assert missing == [] and "--config FILE" in out and "--no-prepare" in out
+
+
+def test_each_source_over_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "fragsearch.toml").write_text('port = 8101\nheavy_slots = 3\nlog_format = "json"\n'
+                                              'cors_origins = ["https://a.example"]\nprepare = false\n')
+    s = Settings()
+    assert (s.port, s.heavy_slots, s.log_format, s.cors_origins, s.prepare) == (
+        8101, 3, "json", ["https://a.example"], False)
+    (tmp_path / ".env").write_text("FRAGSEARCH_PORT=8102\n")
+    assert (Settings().port, Settings().heavy_slots) == (8102, 3)  # .env over the file
+    monkeypatch.setenv("FRAGSEARCH_PORT", "8103")
+    assert Settings().port == 8103  # the environment over .env
+    s = from_flags("--port", "8104", "--prepare", "--cors-origins", "https://b.example")
+    assert (s.port, s.heavy_slots, s.prepare, s.cors_origins) == (8104, 3, True, ["https://b.example"])
+    assert from_flags().port == 8103 and from_flags("--no-prepare").prepare is False
+
+
+def test_config_names_another_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site.toml"
+    site.write_text("port = 8201\n")
+    assert from_flags("--config", str(site)).port == 8201
+    monkeypatch.setenv("FRAGSEARCH_CONFIG", str(site))
+    assert Settings().port == 8201
+    monkeypatch.setenv("FRAGSEARCH_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(SettingsFileError, match="missing.toml not found"):
+        Settings()
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("prot = 8000\n", "prot is not a setting"),
+    ("port = 8000\nheavy_slot = 2\nwarm_up = false\n", "heavy_slot, warm_up are not settings"),
+    ("port = \n", "not valid TOML"),
+])
+def test_a_bad_settings_file_is_an_error_not_ignored(text: str, error: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "fragsearch.toml").write_text(text)
+    with pytest.raises(SettingsFileError, match=error):
+        Settings()
+    with pytest.raises(SystemExit) as stop:  # python -m service: argparse's one-line error, status 2
+        from_flags()
+    assert stop.value.code == 2 and error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--port", "70000"], ["--heavy-slots", "0"], ["--log-format", "xml"],
+                                   ["--port", "eighty"]])
+def test_a_bad_flag_value_exits_with_a_message(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        from_flags(*flags)
+    assert stop.value.code == 2 and flags[0].removeprefix("--").replace("-", "_") in capsys.readouterr().err
+
+
+def test_the_parser_takes_flags_of_its_caller() -> None:
+    ap, cli = settings_parser("python -m service")
+    ap.add_argument("--version", action="version", version="x")
+    assert isinstance(ap, argparse.ArgumentParser)
+    assert settings_from(ap, cli, ap.parse_args(["--host", "0.0.0.0"])).host == "0.0.0.0"
