@@ -28,7 +28,15 @@ from PIL import Image
 from tqdm import tqdm
 
 from model.atomic import atomic_file, stale_temps
-from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, FEATURE_DIM, QUANT_VERSION, onnx_graph, set_torch_threads
+from model.backbone import (
+    BACKBONE_NAME,
+    CALIBRATION_SEED,
+    FEATURE_DIM,
+    QUANT_VERSION,
+    onnx_graph,
+    set_torch_threads,
+    weights_digest,
+)
 from model.config import ImageConfig
 from model.image import ImageFragments, RegionExtractor
 from model.imageio import ImageReadError, load_image
@@ -42,10 +50,13 @@ CONFIG_FILE = "config.json"
 
 
 def config_payload(cfg: ImageConfig) -> dict[str, Any]:
-    """Everything that shapes the features: every ImageConfig field, the backbone, the version, and for
-    the int8 backbone its quantization recipe."""
-    payload: dict[str, Any] = {"image": dataclasses.asdict(cfg), "backbone": BACKBONE_NAME,
-                               "version": FEATURE_VERSION}
+    """Everything that shapes the features: every ImageConfig field, the backbone (for a fine-tuned one the
+    digest of its weights, not their path), the version, and for the int8 backbone its quantization recipe."""
+    image = dataclasses.asdict(cfg)
+    weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
+    payload: dict[str, Any] = {"image": image, "backbone": BACKBONE_NAME, "version": FEATURE_VERSION}
+    if weights:
+        payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":
         payload["quantization"] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
     return payload
@@ -221,7 +232,10 @@ class ExtractionPool:
     def _start(self, warm: Sequence[str] = ()) -> None:
         if self._procs:
             return
-        onnx_graph(self.cfg.backbone_precision, graph_dir())  # made once here, not by every worker at once
+        # made once here, not by every worker at once
+        onnx_graph(self.cfg.backbone_precision, graph_dir())
+        if self.cfg.backbone_weights:
+            onnx_graph(self.cfg.backbone_precision, graph_dir(), weights=self.cfg.backbone_weights)
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 import torch
@@ -201,12 +201,20 @@ def _step(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float = 0.0) -> 
     return float(loss.detach())
 
 
-def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, data: SplitData,
+class ImageFeatures(Protocol):
+    """What a training epoch reads image features from: (N, F, D) indexed by a tensor of image ids (a
+    tensor of cached features, or features computed with gradients, training/finetune.py)."""
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+
+def train_fragment_epoch(model: FragmentModel, run: Run, feats: ImageFeatures, data: SplitData,
                          batches: FragmentBatches, opt: torch.optim.Optimizer, epoch: int,
-                         rng: np.random.Generator) -> float:
+                         rng: np.random.Generator, order: np.ndarray | None = None) -> float:
+    """One pass over the sentences ``order`` (default: all, shuffled) in batches of ``batch_size``."""
     cfg = run.train
     model.train()
-    order = rng.permutation(len(data.sentences))
+    order = rng.permutation(len(data.sentences)) if order is None else order
     total, n = 0.0, 0
     mil = cfg.objective == "full" and epoch >= cfg.dense_epochs
     use_frag = cfg.objective in ("full", "fragment+global", "fragment")
