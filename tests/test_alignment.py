@@ -11,12 +11,14 @@ import pytest
 from PIL import Image
 
 from bench.alignment import (
+    Alignments,
     NounClasses,
     Trial,
     largest_region,
     model_alignments,
     pointing_rates,
     rates_row,
+    extra_rates,
     verified,
 )
 from model.image import region_crops
@@ -135,6 +137,17 @@ def test_pointing_rates_of_the_model_and_the_baselines_on_a_known_case() -> None
     assert row["trials"] == 4 and row["model_top5"] == 50.0 and row["whole_top5"] == 25.0
     assert row["largest_top1"] == 0.0 and row["on_whole"] == 0.0
     assert math.isnan(pointing_rates(ok[:0], np.zeros(0, np.int64), np.zeros(0, np.int64))["model"])
+
+
+def test_pointing_without_the_whole_image_and_without_dogs_on_a_known_case() -> None:
+    top, _, trials, nouns = _game()
+    al = Alignments(trials, 0, 0, region_trials=[Trial(0, 1, ("dog",)), Trial(1, 1, ("cat",))])
+    row = extra_rates(al, top, nouns)
+    # regions only, top-1: trial (0, 1, dog) is verified, (1, 1, cat) is not; a random region: 1/2 each
+    assert row["regions_trials"] == 2 and row["regions_model_top1"] == 50.0 and row["regions_random_top1"] == 50.0
+    # no dog: the one cat trial, aligned to its verified fragment 2 (top-1), 1 of its 3 fragments verified
+    assert row["nondog_trials"] == 1 and row["nondog_model_top1"] == 100.0 and row["nondog_random_top1"] == 33.3
+    assert row["nondog_regions_trials"] == 1 and row["nondog_regions_model_top1"] == 0.0
 
 
 def test_region_crops_show_the_box() -> None:

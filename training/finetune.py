@@ -40,7 +40,7 @@ from model.atomic import atomic_file
 from model.backbone import Top, efficientnet, onnx_graph, set_torch_threads
 from model.bundle import Bundle
 from model.config import TrainConfig, default_artifacts_dir, default_data_dir
-from model.dataset import SplitData, load_split_data
+from model.dataset import SplitData, load_split_data, select_images
 from model.encoders import FragmentModel
 from model.onnx import graph_dir
 from model.text import make_parser
@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--captions-per-image", type=int, default=1, help="captions of each image per epoch")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images (tests)")
+    ap.add_argument("--stored-only", action="store_true",
+                    help="train on the training images whose activations are stored (a store stopped early)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_torch_threads(args.threads)
@@ -211,10 +213,16 @@ def main(argv: list[str] | None = None) -> None:
     tr, val = split_for_selection(run.train, data)
     if val is None:
         raise SystemExit("fine-tuning chooses its epoch on the validation part: the init run needs --selection val")
-    summary = finetune(bundle, run, tr, val, CutStore.open(args.acts), args.out, args.cache, epochs=args.epochs,
+    store = CutStore.open(args.acts)
+    if args.stored_only:  # a store stopped early holds a seeded random part of the training images
+        stored = {n for n, ok in zip(store.names, store.done(), strict=True) if ok}
+        tr = select_images(tr, np.flatnonzero([n in stored for n in tr.names]))
+        logger.info("fine-tuning on the %d training images with stored activations", len(tr.names))
+    summary = finetune(bundle, run, tr, val, store, args.out, args.cache, epochs=args.epochs,
                        anneal_epochs=args.anneal_epochs, lr=args.lr, cnn_lr=args.cnn_lr,
                        captions_per_image=args.captions_per_image)
     summary.update({"variant": f"{variant} + fine-tuned CNN top", "init": str(args.init),
+                    "train_images": len(tr.names),
                     "command": "python -m training.finetune " + shlex.join(sys.argv[1:] if argv is None else argv)})
     (args.out / "history.json").write_text(json.dumps(summary, indent=2))
     logger.info("kept fine-tuning epoch %d (val R-sum %.2f)", summary["selection"]["epoch"], summary["best"]["rsum"])
