@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lite0_top1 = top1 if lite0_top1 is None else lite0_top1
             x = preprocess(photos[0], side)[None]
             fp32 = export(_Features(net), (x,), Path(tmp) / f"{name}-fp32.onnx", ["x"], ["features"],
-                          {"x": {0: "batch"}, "features": {0: "batch"}})
+                          {"x": {0: "batch", 2: "height", 3: "width"}, "features": {0: "batch", 2: "h", 3: "w"}})
             int8 = Path(tmp) / f"{name}-int8.onnx"
             _quantize(fp32, int8)
             feeds = {"x": x.numpy()}

@@ -49,7 +49,8 @@ ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+glo
          "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide",
          "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
          "devise", "devise (paper)", "devise-bidirectional", "devise-contextual",
-         "full-val", "full-maxviol", "full-fragdrop", "full-long"]
+         "full-val", "full-maxviol", "full-fragdrop", "full-long", "full-merge2", "full-merge3", "full-merge6",
+         "full-ft"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
@@ -78,6 +79,29 @@ def _style(i: int, name: str) -> dict[str, Any]:
     """A distinct colour per row (tab20), the served model and the reference drawn heavier."""
     return {"color": plt.get_cmap("tab20")(i % 20), "linewidth": 2.4 if name in ("full", "two-branch") else 1.2,
             "linestyle": "--" if name == "two-branch" else "-"}
+
+
+VAL_COLUMNS = ["model", "images", "rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10",
+               "epoch", "command"]
+
+
+def write_val_table(path: Path, models: Path, names: list[str], merge: bool, order: Any) -> None:
+    """The validation part's numbers each row was selected on (its history's best epoch: no evaluation
+    here), for the rows trained with --selection val; with `merge` the other rows already in the file stay."""
+    rows: list[dict[str, Any]] = list(kept_rows(path, merge, names))
+    for name in names:
+        hist_path = models / name / "history.json"
+        hist = json.loads(hist_path.read_text()) if hist_path.is_file() else {}
+        best, sel = hist.get("best"), hist.get("selection") or {}
+        if not best or sel.get("rule") != "val":
+            continue
+        rows.append({"model": name, "images": sel.get("images"), "epoch": int(best.get("epoch", 0)),
+                     **{c: round(float(best[c]), 1) for c in VAL_COLUMNS[2:9]}, "command": hist.get("command", "")})
+    rows.sort(key=lambda r: order(r["model"]))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=VAL_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         w.writerows(rows)
     json_path.write_text(json.dumps({n: details[n] for n in sorted(details, key=order) if n not in PAPER_ROWS},
                                     indent=2))
+    write_val_table(args.out / "flickr8k-val.csv", args.models, names, args.merge, order)
     curves = {n: curves[n] for n in sorted(curves, key=order)}
     histories = {n: histories[n] for n in sorted(histories, key=order)}
 
@@ -156,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, (name, hist) in enumerate(histories.items()):
-        ep = [h["epoch"] for h in hist]
-        axes[0].plot(ep, [h["loss"] for h in hist], label=name, **_style(i, name))
+        trained = [h for h in hist if "loss" in h]  # a fine-tuning run's epoch 0, a merge: evaluated only
+        axes[0].plot([h["epoch"] for h in trained], [h["loss"] for h in trained], label=name, **_style(i, name))
         ev = [(h["epoch"], h.get("val_rsum", h.get("rsum"))) for h in hist if "val_rsum" in h or "rsum" in h]
         if ev:
             axes[1].plot(*zip(*ev, strict=True), marker="o", label=name, **_style(i, name))
