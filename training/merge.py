@@ -115,10 +115,15 @@ def main(argv: list[str] | None = None) -> None:
                                "h": merged.model.cfg.h}
     if val is not None:
         rows = {}
-        for name, b in [*((str(m.name), bm) for m, bm in zip(args.members, bundles, strict=True)), ("merged", merged)]:
-            m = evaluate(b, val)
-            rows[name] = {k: m[k] for k in VAL_METRICS}
-            logger.info("%s on the validation part: R-sum %.2f", name, m["rsum"])
+        for folder in args.members:  # each member's own selection numbers, from its run
+            hist = folder / "history.json"
+            best = json.loads(hist.read_text()).get("best") if hist.is_file() else None
+            if best:
+                rows[folder.name] = {k: best[k] for k in VAL_METRICS if k in best}
+        m = evaluate(merged, val)
+        rows["merged"] = {k: m[k] for k in VAL_METRICS}
+        logger.info("merged on the validation part: R-sum %.2f (members: %s)", m["rsum"],
+                    ", ".join(f"{n} {r.get('rsum', float('nan')):.2f}" for n, r in rows.items() if n != "merged"))
         summary["val"] = rows
         summary["selection"] = {"rule": "val", "epochs": 0, "images": len(val.names), "seed": cfg.val_seed,
                                 "epoch": 0}
