@@ -19,6 +19,7 @@ import argparse
 import csv
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         data = split_data.get(bundle)
         m = evaluate(bundle, data)  # type: ignore[arg-type]
         enc = bundle.text.encode_parsed(data.parsed, data.sentences)  # type: ignore[attr-defined]
+        start = time.perf_counter()
         scores = score_split(bundle, data.feats, enc)  # type: ignore[attr-defined]
+        score_seconds = time.perf_counter() - start  # every image against every sentence, exact S_kl
         ks = np.arange(1, 51)
         a_r = annotation_ranks(scores, data.pair_image)  # type: ignore[attr-defined]
         s_r = search_ranks(scores, data.pair_image)  # type: ignore[attr-defined]
@@ -144,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
                          "epoch_seconds": [h.get("seconds") for h in hist.get("history", [])],
                          "config": hist.get("config"), "command": command,
                          "recall_at_k": {"annot": curves[name][0], "search": curves[name][1]},
-                         "history": histories[name]}
+                         "history": histories[name],
+                         "cost": {"h": int(bundle.cfg.h), "score_seconds": round(score_seconds, 1),
+                                  "pairs": int(scores.shape[0] * scores.shape[1])}}
         logger.info("%s: %s", name, json.dumps(rows[-1]))
 
     def order(name: str) -> tuple[int, str]:
