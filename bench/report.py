@@ -88,7 +88,8 @@ VAL_COLUMNS = ["model", "images", "rsum", "annot_r1", "annot_r5", "annot_r10", "
 
 def write_val_table(path: Path, models: Path, names: list[str], merge: bool, order: Any) -> None:
     """The validation part's numbers each row was selected on (its history's best epoch: no evaluation
-    here), for the rows trained with --selection val; with `merge` the other rows already in the file stay."""
+    here), for the rows of `names` trained with --selection val; with `merge` the other rows already in the
+    file stay."""
     rows: list[dict[str, Any]] = list(kept_rows(path, merge, names))
     for name in names:
         hist_path = models / name / "history.json"
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         w.writerows(rows)
     json_path.write_text(json.dumps({n: details[n] for n in sorted(details, key=order) if n not in PAPER_ROWS},
                                     indent=2))
-    write_val_table(args.out / "flickr8k-val.csv", args.models, names, args.merge, order)
+    every = [p.parent.name for p in sorted(args.models.glob("*/model.pt")) if p.parent.name in ORDER]
+    write_val_table(args.out / "flickr8k-val.csv", args.models, every, args.merge, order)
     curves = {n: curves[n] for n in sorted(curves, key=order)}
     histories = {n: histories[n] for n in sorted(histories, key=order)}
 
