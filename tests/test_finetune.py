@@ -138,7 +138,9 @@ def test_finetune_keeps_the_best_epoch_on_the_validation_part(tiny: dict[str, ob
     root = Path(str(tiny["root"]))
     bundle = Bundle.load(root / "init" / "model.pt")
     out = root / "ft"
-    summary = finetune(bundle, tiny["run"], tiny["tr"], tiny["val"], tiny["store"], out,  # type: ignore[arg-type]
+    run = tiny["run"]
+    run = dataclasses.replace(run, train=dataclasses.replace(run.train, device="auto"))  # type: ignore[attr-defined]
+    summary = finetune(bundle, run, tiny["tr"], tiny["val"], tiny["store"], out,  # type: ignore[arg-type]
                        Path(str(tiny["cache"])), epochs=2, lr=1e-3, cnn_lr=1e-3, graphs=("fp32",))
     assert [row["epoch"] for row in summary["history"]] == [0, 1, 2]
     assert all(np.isfinite(row["loss"]) for row in summary["history"][1:])

@@ -121,7 +121,7 @@ def finetune(bundle: Bundle, run: Run, tr: SplitData, val: SplitData, store: Cut
     model = bundle.model
     if not isinstance(model, FragmentModel):
         raise ValueError("fine-tuning needs a fragment model")
-    cfg = run.train
+    run.train = cfg = dataclasses.replace(run.train, device=device)  # the epochs run where the top runs
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     net, top = make_top(store.cut)
