@@ -14,11 +14,11 @@ from bench.alignment import (
     Alignments,
     NounClasses,
     Trial,
+    extra_rates,
     largest_region,
     model_alignments,
     pointing_rates,
     rates_row,
-    extra_rates,
     verified,
 )
 from model.image import region_crops
