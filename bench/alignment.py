@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import json
 import logging
@@ -190,6 +191,7 @@ class Alignments:
     trials: list[Trial]
     sentence_fragments: int  # shown whole-sentence fragments
     sentence_on_whole: int  # ... aligned to the whole-image fragment
+    region_trials: list[Trial] = dataclasses.field(default_factory=list)  # aligned among the 19 regions only
 
 
 def model_alignments(bundle: Bundle, data: SplitData, nouns: NounClasses, calibrated: bool,
@@ -213,7 +215,29 @@ def model_alignments(bundle: Bundle, data: SplitData, nouns: NounClasses, calibr
             found = nouns.nouns_in(m.words)
             if found:
                 out.trials.append(Trial(k, m.fragment, found))
+        for m in matches(img[k][1:], frags, triplets, data.boxes[k][1:]):  # the regions the page draws
+            found = nouns.nouns_in(m.words)
+            if found and m.relation != SENTENCE_REL:
+                out.region_trials.append(Trial(k, m.fragment + 1, found))
     return out
+
+
+def extra_rates(al: Alignments, top: np.ndarray, nouns: NounClasses, skip: str = "dog") -> dict[str, Any]:
+    """The model's pointing with the whole-image fragment excluded (aligned among the 19 regions only;
+    `random` = a region drawn uniformly), and on the trials naming none of `skip` (the dominant noun)."""
+    row: dict[str, Any] = {}
+    parts = {"regions": al.region_trials, "nondog": [t for t in al.trials if skip not in t.nouns],
+             "nondog_regions": [t for t in al.region_trials if skip not in t.nouns]}
+    for part, trials in parts.items():
+        row[f"{part}_trials"] = len(trials)
+        chosen = np.asarray([t.fragment for t in trials], dtype=np.int64)
+        for k in KS:
+            ok = verified(top, trials, nouns, k)
+            hit = float(ok[np.arange(len(ok)), chosen].mean()) if len(ok) else math.nan
+            row[f"{part}_model_top{k}"] = round(100 * hit, 1)
+            pool = ok[:, 1:] if part.endswith("regions") else ok
+            row[f"{part}_random_top{k}"] = round(100 * float(pool.mean()), 1) if len(ok) else math.nan
+    return row
 
 
 def rates_row(trials: Sequence[Trial], top: np.ndarray, boxes: np.ndarray, nouns: NounClasses) -> dict[str, Any]:
@@ -235,7 +259,10 @@ def rates_row(trials: Sequence[Trial], top: np.ndarray, boxes: np.ndarray, nouns
 FIELDS = ["model", "region_features", "backbone_precision", "calibrated", "trials", "images",
           *[f for k in KS for f in (f"model_top{k}", f"model_top{k}_low95", f"model_top{k}_high95",
                                     *[f"{b}_top{k}" for b in BASELINES])],
-          "on_whole", "sentence_on_whole", "command"]
+          "on_whole", "sentence_on_whole",
+          *[f"{part}_{f}" for part in ("regions", "nondog", "nondog_regions")
+            for f in ("trials", *[f"{w}_top{k}" for k in KS for w in ("model", "random")])],
+          "command"]
 NOUN_FIELDS = ["model", "noun", "trials", "model_top5", "model_top5_low95", "model_top5_high95", "random_top5",
                "largest_top5", "whole_top5", "any_top5", "model_top1", "model_top1_low95", "model_top1_high95",
                "random_top1", "largest_top1", "whole_top1", "any_top1"]
@@ -307,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                    "calibrated": "yes" if calibrated else "no", "images": len(data.names),
                    **rates_row(al.trials, top, data.boxes, nouns),
                    "sentence_on_whole": round(100 * al.sentence_on_whole / al.sentence_fragments, 1)
-                   if al.sentence_fragments else "", "command": command}
+                   if al.sentence_fragments else "", **extra_rates(al, top, nouns), "command": command}
             logger.info("%s: %s", name, {k: v for k, v in row.items() if k != "command"})
             rows.append(row)
             if calibrated == (bundle.calibration is not None):  # per noun: the model as served

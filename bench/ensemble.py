@@ -45,11 +45,13 @@ def member_scores(bundle: Bundle, data: SplitData) -> tuple[np.ndarray, float]:
     return score_split(bundle, data.feats, enc), time.perf_counter() - start
 
 
-def rows_for(part: str, data: SplitData, bundles: dict[str, Bundle], command: str) -> list[dict[str, object]]:
+def rows_for(part: str, data: SplitData, bundles: dict[str, Bundle], command: str,
+             alone: Sequence[str] = ()) -> list[dict[str, object]]:
     """One row per member alone and one for the sum of the first n members, n = 2 .. all, on one part of the
-    data."""
+    data (the bundles named in `alone` only alone)."""
     scored = {name: member_scores(b, data) for name, b in bundles.items()}
-    combos = [[name] for name in bundles] + [list(bundles)[:n] for n in range(2, len(bundles) + 1)]
+    members = [name for name in bundles if name not in alone]
+    combos = [[name] for name in bundles] + [members[:n] for n in range(2, len(members) + 1)]
     rows: list[dict[str, object]] = []
     for combo in combos:
         total = np.sum([scored[n][0] for n in combo], axis=0)
@@ -73,11 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--val-images", type=int, default=500, help="validation part: images held out of training")
     ap.add_argument("--val-seed", type=int, default=0, help="validation part: the draw's seed")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
+    ap.add_argument("--alone", type=Path, nargs="*", default=[],
+                    help="more model folders evaluated alone beside the members (e.g. a merge: training/merge.py)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if len(args.members) < 2:
         ap.error("an ensemble needs at least two --members")
-    bundles = {folder.name: Bundle.load(folder / "model.pt") for folder in args.members}
+    bundles = {folder.name: Bundle.load(folder / "model.pt") for folder in [*args.members, *args.alone]}
     configs = {repr(b.image_cfg) for b in bundles.values()}
     if len(configs) > 1:
         ap.error("the members must share their image settings (one feature cache, one extraction per image)")
@@ -88,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = SplitDataByConfig(args.data, split, args.cache).get(first)
         if part == "val":
             data = hold_out(data, args.val_images, args.val_seed)[1]
-        rows += rows_for(part, data, bundles, command)
+        rows += rows_for(part, data, bundles, command, [folder.name for folder in args.alone])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)

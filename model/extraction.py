@@ -134,7 +134,10 @@ class ExtractionPool:
     def _start(self, warm: Sequence[str] = ()) -> None:
         if self._procs:
             return
-        onnx_graph(self.cfg.backbone_precision, graph_dir())  # made once here, not by every worker at once
+        # made once here, not by every worker at once
+        onnx_graph(self.cfg.backbone_precision, graph_dir())
+        if self.cfg.backbone_weights:
+            onnx_graph(self.cfg.backbone_precision, graph_dir(), weights=self.cfg.backbone_weights)
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [

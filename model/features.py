@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from model.atomic import atomic_file
-from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, QUANT_VERSION
+from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, QUANT_VERSION, weights_digest
 from model.config import ImageConfig
 from model.image import ImageFragments
 
@@ -22,10 +22,13 @@ FEATURE_VERSION = 2  # bump when the extraction code changes its output for the 
 
 
 def config_payload(cfg: ImageConfig) -> dict[str, Any]:
-    """Everything that shapes the features: every ImageConfig field, the backbone, the version, and for
-    the int8 backbone its quantization recipe."""
-    payload: dict[str, Any] = {"image": dataclasses.asdict(cfg), "backbone": BACKBONE_NAME,
-                               "version": FEATURE_VERSION}
+    """Everything that shapes the features: every ImageConfig field, the backbone (for a fine-tuned one the
+    digest of its weights, not their path), the version, and for the int8 backbone its quantization recipe."""
+    image = dataclasses.asdict(cfg)
+    weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
+    payload: dict[str, Any] = {"image": image, "backbone": BACKBONE_NAME, "version": FEATURE_VERSION}
+    if weights:
+        payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":
         payload["quantization"] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
     return payload

@@ -63,8 +63,13 @@ class RegionExtractor:
             raise ValueError(f"region_features must be one of {REGION_FEATURES}, got {cfg.region_features!r}")
         if cfg.n_regions > N_GRID_BOXES:
             raise ValueError(f"n_regions must be at most {N_GRID_BOXES} (the fallback grid size)")
+        if cfg.backbone_weights and cfg.region_features != "crop" and not cfg.full_frame_only:
+            raise ValueError("a fine-tuned backbone (backbone_weights) needs region_features 'crop': "
+                             "its regions are ranked by the ImageNet backbone, its features are the crops'")
         self.cfg = cfg
-        self.backbone = Backbone(device, cfg.backbone_precision, runtime)
+        self.ranker = Backbone(device, cfg.backbone_precision, runtime)  # ImageNet: proposals and their ranking
+        self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights)
+                         if cfg.backbone_weights else self.ranker)  # the fragments' features
 
     def extract(self, image: Image.Image) -> ImageFragments:
         """One image → ImageFragments (boxes (F, 4), features (F, 1280))."""
@@ -114,9 +119,9 @@ class RegionExtractor:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _maps(self, images: Sequence[Image.Image], side: int) -> torch.Tensor:
+    def _maps(self, images: Sequence[Image.Image], side: int, backbone: Backbone | None = None) -> torch.Tensor:
         x = torch.stack([preprocess(img, side) for img in images])
-        return self.backbone.feature_map(x)
+        return (backbone or self.ranker).feature_map(x)
 
     def _roi_pool(
         self, fmap: torch.Tensor, boxes: np.ndarray, w: int, h: int, side: int, sampling: int = FEATURE_SAMPLING
@@ -135,13 +140,13 @@ class RegionExtractor:
 
     def _objectness(self, pooled: torch.Tensor) -> np.ndarray:
         """(N, 1280) → (N,) max ImageNet softmax probability."""
-        probs = F.softmax(self.backbone.classify(pooled).float(), dim=1)
+        probs = F.softmax(self.ranker.classify(pooled).float(), dim=1)
         return probs.max(dim=1).values.cpu().numpy()
 
     def _full_frame(self, images: Sequence[Image.Image]) -> list[ImageFragments]:
         cfg = self.cfg
         side = cfg.backbone_size if cfg.region_features == "roi_align" else cfg.crop_size
-        pooled = _numpy(self._maps(images, side).mean(dim=(2, 3)))
+        pooled = _numpy(self._maps(images, side, self.backbone).mean(dim=(2, 3)))
         return [
             ImageFragments(full_box(*img.size), pooled[k : k + 1], img.size[0], img.size[1])
             for k, img in enumerate(images)

@@ -11,8 +11,10 @@ import pytest
 from PIL import Image
 
 from bench.alignment import (
+    Alignments,
     NounClasses,
     Trial,
+    extra_rates,
     largest_region,
     model_alignments,
     pointing_rates,
@@ -156,6 +158,17 @@ def test_a_kept_row_with_the_old_half_width_gets_the_bounds() -> None:
            "model_top5": "73.6", "model_top5_ci95": "1.1"}
     row = with_wilson(old)
     assert "model_top5_ci95" not in row and (row["model_top5_low95"], row["model_top5_high95"]) == (72.5, 74.7)
+
+
+def test_pointing_without_the_whole_image_and_without_dogs_on_a_known_case() -> None:
+    top, _, trials, nouns = _game()
+    al = Alignments(trials, 0, 0, region_trials=[Trial(0, 1, ("dog",)), Trial(1, 1, ("cat",))])
+    row = extra_rates(al, top, nouns)
+    # regions only, top-1: trial (0, 1, dog) is verified, (1, 1, cat) is not; a random region: 1/2 each
+    assert row["regions_trials"] == 2 and row["regions_model_top1"] == 50.0 and row["regions_random_top1"] == 50.0
+    # no dog: the one cat trial, aligned to its verified fragment 2 (top-1), 1 of its 3 fragments verified
+    assert row["nondog_trials"] == 1 and row["nondog_model_top1"] == 100.0 and row["nondog_random_top1"] == 33.3
+    assert row["nondog_regions_trials"] == 1 and row["nondog_regions_model_top1"] == 0.0
 
 
 def test_region_crops_show_the_box() -> None:

@@ -30,12 +30,18 @@ logger = logging.getLogger(__name__)
 FLOOR = 0.01  # smallest scale, as a share of the reference items' median scale (an all-zero item)
 
 
+def reference_draw(n_images: int, n_sentences: int, refs: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The (sorted) indices of the reference images and sentences `fit_calibration` draws."""
+    rng = np.random.default_rng(seed)
+    img_idx = np.sort(rng.choice(n_images, min(refs, n_images), replace=False))
+    sent_idx = np.sort(rng.choice(n_sentences, min(refs, n_sentences), replace=False))
+    return img_idx, sent_idx
+
+
 def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -> Calibration:
     """Reference sets of `refs` images and `refs` sentences drawn from `data` (the training split),
     embedded by the bundle's model without calibration; floors from the references' own scales."""
-    rng = np.random.default_rng(seed)
-    img_idx = np.sort(rng.choice(len(data.names), min(refs, len(data.names)), replace=False))
-    sent_idx = np.sort(rng.choice(len(data.sentences), min(refs, len(data.sentences)), replace=False))
+    img_idx, sent_idx = reference_draw(len(data.names), len(data.sentences), refs, seed)
     enc = bundle.text.encode_parsed([data.parsed[i] for i in sent_idx], [data.sentences[i] for i in sent_idx])
     was_training = bundle.model.training
     bundle.model.eval()

@@ -4,6 +4,8 @@ the learning-rate schedule, the optimizer and fragment dropout (training/train.p
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -96,11 +98,19 @@ def _step(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float = 0.0) -> 
     return float(loss.detach())
 
 
-def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: torch.Tensor, data: SplitData,
+class ImageFeatures(Protocol):
+    """What a training epoch reads image features from: (N, F, D) indexed by a tensor of image ids (a
+    tensor of cached features, or features computed with gradients, training/finetune.py)."""
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor: ...
+
+
+def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFeatures, data: SplitData,
                          batches: FragmentBatches, opt: torch.optim.Optimizer, epoch: int,
-                         rng: np.random.Generator) -> float:
+                         rng: np.random.Generator, order: np.ndarray | None = None) -> float:
+    """One pass over the sentences ``order`` (default: all, shuffled) in batches of ``batch_size``."""
     model.train()
-    order = rng.permutation(len(data.sentences))
+    order = rng.permutation(len(data.sentences)) if order is None else order
     total, n = 0.0, 0
     mil = cfg.objective == "full" and epoch >= cfg.dense_epochs
     use_frag = cfg.objective in ("full", "fragment+global", "fragment")

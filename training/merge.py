@@ -1,0 +1,141 @@
+"""Merge fragment models trained on the same features and sentences into ONE fragment model: the
+concatenation of their embeddings, a servable ensemble.
+
+    python -m training.merge --members artifacts/models/full-val artifacts/models/full-val-seed1 \\
+        artifacts/models/full-val-seed2 --out artifacts/models/full-merge3
+
+Every encoder of a linear fragment model is linear in its weights' output rows (image: v = W x + b;
+a triplet: s = ReLU(W_R [w1; w2] + b_R), ReLU acting element by element), so stacking the members' rows
+gives a model of h = the sum of theirs whose fragments are the members' fragments side by side:
+v . s = sum over members of v_m . s_m. Its S_kl (the one in model/score.py) thresholds that sum per
+fragment pair (max(0, sum_m v_m . s_m)), where an ensemble of scores (bench/ensemble.py) sums each
+member's thresholded and calibrated S_kl: a different score, hence its own row. The merged model is
+calibrated anew (its own references, drawn as training draws them) and served as any checkpoint:
+one index of its fragments, at h = the sum of the members'. Members must share their text pipeline
+(relations, word table) and image settings: the same variant trained on the same data.
+
+The validation part (the members' own held-out training images) is evaluated and written to the
+history beside each member alone; dev is for bench/report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.bundle import Bundle
+from model.config import TrainConfig, default_artifacts_dir, default_data_dir
+from model.dataset import load_split_data
+from model.encoders import FragmentModel
+from model.parsers import make_parser
+from training.calibrate import fit_calibration
+from training.evaluate import evaluate
+from training.train import VAL_METRICS, split_for_selection
+
+logger = logging.getLogger(__name__)
+
+
+def merge_models(models: Sequence[FragmentModel]) -> FragmentModel:
+    """One fragment model whose fragments are the concatenation of the members' (see the module doc)."""
+    first = models[0].cfg
+    for m in models:
+        if not isinstance(m, FragmentModel):
+            raise ValueError("only fragment models can be merged")
+        if m.cfg.image_hidden > 0 or m.cfg.global_hidden > 0:
+            raise ValueError("only linear fragment models (image_hidden = global_hidden = 0) can be merged")
+        if dataclasses.replace(m.cfg, h=first.h, input_dropout=first.input_dropout) != first:
+            raise ValueError(f"members differ in shape: {m.cfg} vs {first}")
+    merged = FragmentModel(dataclasses.replace(first, h=sum(m.cfg.h for m in models)))
+    with torch.no_grad():
+        image = _linear(merged)
+        image.weight.copy_(torch.cat([_linear(m).weight for m in models]))
+        image.bias.copy_(torch.cat([_linear(m).bias for m in models]))
+        for r in range(first.n_relations):
+            merged.w_rel[r].copy_(torch.cat([m.w_rel[r] for m in models], dim=1))
+            merged.b_rel[r].copy_(torch.cat([m.b_rel[r] for m in models]))
+    return merged.eval()
+
+
+def _linear(model: FragmentModel) -> torch.nn.Linear:
+    if not isinstance(model.image, torch.nn.Linear):
+        raise ValueError("only linear image encoders can be merged")
+    return model.image
+
+
+def merge_bundles(bundles: Sequence[Bundle]) -> Bundle:
+    """The merged model with the first member's text pipeline and image settings (all must agree)."""
+    first = bundles[0]
+    for b in bundles[1:]:
+        if (b.text.relations.to_dict() != first.text.relations.to_dict() or b.text.words.words != first.text.words.words
+                or b.text.cfg != first.text.cfg):
+            raise ValueError("members differ in their text pipeline (relations, words or settings)")
+        if b.image_cfg != first.image_cfg:
+            raise ValueError("members differ in their image settings")
+    models = [b.model for b in bundles]
+    if not all(isinstance(m, FragmentModel) for m in models):
+        raise ValueError("only fragment models can be merged")
+    merged = merge_models([m for m in models if isinstance(m, FragmentModel)])
+    return Bundle(merged, first.text, first.image_cfg, meta={"variant": first.meta.get("variant"),
+                                                             "train": first.meta.get("train", {})})
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
+    ap.add_argument("--out", type=Path, required=True, help="the merged model's folder")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(args.members) < 2:
+        ap.error("a merge needs at least two --members")
+    start = time.perf_counter()
+    bundles = [Bundle.load(folder / "model.pt") for folder in args.members]
+    merged = merge_bundles(bundles)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in merged.meta["train"].items() if k in known})
+    data = load_split_data(args.data, "train", merged.image_cfg, args.cache, make_parser(merged.text.cfg.parser))
+    tr, val = split_for_selection(cfg, data)
+    for d in (tr, val):
+        if d is not None:
+            merged.text.warm(d.parsed, d.sentences, args.cache / "vectors")
+    if cfg.calibrate > 0:
+        merged.calibration = fit_calibration(merged, tr, cfg.calibrate, cfg.seed)
+    summary: dict[str, Any] = {"variant": f"merge of {len(bundles)}", "members": [str(m) for m in args.members],
+                               "h": merged.model.cfg.h}
+    if val is not None:
+        rows = {}
+        for folder in args.members:  # each member's own selection numbers, from its run
+            hist = folder / "history.json"
+            best = json.loads(hist.read_text()).get("best") if hist.is_file() else None
+            if best:
+                rows[folder.name] = {k: best[k] for k in VAL_METRICS if k in best}
+        m = evaluate(merged, val)
+        rows["merged"] = {k: m[k] for k in VAL_METRICS}
+        logger.info("merged on the validation part: R-sum %.2f (members: %s)", m["rsum"],
+                    ", ".join(f"{n} {r.get('rsum', float('nan')):.2f}" for n, r in rows.items() if n != "merged"))
+        summary["val"] = rows
+        summary["selection"] = {"rule": "val", "epochs": 0, "images": len(val.names), "seed": cfg.val_seed,
+                                "epoch": 0}
+        summary["best"] = {**rows["merged"], "epoch": 0}
+        summary["history"] = [{"epoch": 0, **{f"val_{k}": v for k, v in rows["merged"].items()}}]
+        merged.meta["selection"] = {**summary["selection"], "val": rows["merged"]}
+    merged.meta["merge"] = summary["members"]
+    merged.save(args.out / "model.pt")
+    summary["train_seconds"] = time.perf_counter() - start
+    summary["command"] = "python -m training.merge " + shlex.join(sys.argv[1:] if argv is None else argv)
+    (args.out / "history.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
