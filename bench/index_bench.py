@@ -56,7 +56,8 @@ from model.words import WordTable
 logger = logging.getLogger("bench.index_bench")
 
 COLUMNS = ["collection", "images", "backend", "index_type", "params", "agreement_at_10", "p50_ms", "p99_ms",
-           "exhaustive_p50_ms", "speedup", "bytes_per_fragment", "command"]
+           "exhaustive_p50_ms", "speedup", "bytes_per_fragment", "command", "peak_rss_mb", "disk_bytes_per_image",
+           "build_images_per_s", "load_avg"]  # the last four: filled by bench.million (blank in the other rows)
 K = 10
 N_FRAGMENTS = 20  # paper: the whole image + 19 regions
 
@@ -75,6 +76,10 @@ class Row:
     speedup: float
     bytes_per_fragment: float
     command: str
+    peak_rss_mb: float | str = ""  # the process's peak resident set (build, or measuring; see bench.million)
+    disk_bytes_per_image: float | str = ""  # the index folder's bytes per image
+    build_images_per_s: float | str = ""  # images loaded per second from shards
+    load_avg: str = ""  # 1-minute load average before / after the row's measurement
 
 
 # -- measuring -------------------------------------------------------------------------------------------
@@ -381,7 +386,8 @@ def read_row(r: dict[str, str]) -> Row:
     n = {c: float(r[c]) for c in COLUMNS[5:11]}
     return Row(r["collection"], int(r["images"]), r.get("backend") or "faiss", r["index_type"], r["params"],
                n["agreement_at_10"], n["p50_ms"], n["p99_ms"], n["exhaustive_p50_ms"], n["speedup"],
-               n["bytes_per_fragment"], r["command"])
+               n["bytes_per_fragment"], r["command"], r.get("peak_rss_mb") or "",
+               r.get("disk_bytes_per_image") or "", r.get("build_images_per_s") or "", r.get("load_avg") or "")
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:
