@@ -42,7 +42,8 @@ import torch
 from tqdm import tqdm
 
 from index import ImageIndex, IndexSettings, SentenceIndex
-from index.candidates import BACKENDS, BackendOptions, FaissCandidates
+from index.candidates import BACKENDS, BackendOptions
+from index.faiss_backend import FaissCandidates
 from index.query import encode_sentence
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir

@@ -25,7 +25,6 @@ from index.candidates import BackendOptions
 from index.query import encode_phrase, encode_sentence, matches, row_triplets
 from index.types import (
     AddReport,
-    ExplainScope,
     Explanation,
     ImageHit,
     ImageRecord,
@@ -140,14 +139,14 @@ class ImageIndex(FragmentIndex[StoredImage]):
         payloads = [StoredImage(str(name), self.stored_path(path), int(f.width), int(f.height),
                                 np.asarray(f.boxes[: len(v)], dtype=np.float32))
                     for f, v, name, path in zip(frags, vecs, names, paths, strict=True)]
-        return self._insert(vecs, payloads)
+        return self.insert(vecs, payloads)
 
     def add_vectors(self, vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: Sequence[str],
                     paths: Sequence[str]) -> list[int]:
         """Insert already embedded images: vectors (K, F, h), boxes (K, F, 4), sizes (K, 2) width, height."""
         payloads = [StoredImage(str(n), self.stored_path(p), int(s[0]), int(s[1]), np.asarray(b, dtype=np.float32))
                     for n, p, s, b in zip(names, paths, sizes, boxes, strict=True)]
-        return self._insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
+        return self.insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
 
     def add_paths(self, paths: Sequence[Path | str], workers: int = 1, skip_present: bool = True) -> AddReport:
         """Index image files. Unreadable files are skipped and listed; with `skip_present`, files whose
@@ -237,7 +236,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         with self.reading():
             if not self.contains(image_id):
                 return None
-            vecs, mask = self._vectors(np.asarray([image_id], dtype=np.int64))
+            vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             boxes = self.payloads([image_id])[image_id].boxes
         return vecs[0, : int(mask[0].sum())], boxes
 
@@ -267,7 +266,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
-        ranked, considered = self._ranked(sent.numpy(), score, offset + limit, exhaustive)
+        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, triplets, p.boxes))
                      for item, s, p, frags in ranked[offset:]], offset, considered)
@@ -282,30 +281,16 @@ class ImageIndex(FragmentIndex[StoredImage]):
         a search, and `recalled` tells whether a search could return the image at all."""
         sent, triplets = encode_sentence(self.bundle, sentence)
         sent_mask = torch.ones(1, len(sent))
-        item = np.asarray([image_id], dtype=np.int64)
+
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # as a search scores
+            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+
         with self.reading():
             if not self.contains(image_id):
                 return None
-            ids, scores = [], []
-            scope: ExplainScope = "collection"
-            recalled = True
-            if self._small():
-                for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
-                    ids.append(part)
-                    scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
-            else:
-                candidates = self._candidates(sent.numpy())
-                scope, recalled = "candidates", bool(np.isin(image_id, candidates))
-                ranked = np.union1d(candidates, item)
-                vecs, mask = self._vectors(ranked)
-                ids.append(ranked)
-                scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
-            vecs, mask = self._vectors(item)
+            placed = self.ranker.place(image_id, sent.numpy(), score)
+            vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             payload = self.payloads([image_id])[image_id]
-        all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
-        mine = float(all_scores[all_ids == image_id][0])
-        ahead = (all_scores > mine) | ((all_scores == mine) & (all_ids < image_id))
-        rank = 1 + int(np.count_nonzero(ahead))
         frags = vecs[0, : int(mask[0].sum())]
         dots, shares = pair_contributions(frags, sent)
         names = row_triplets(triplets, len(sent))
@@ -313,9 +298,9 @@ class ImageIndex(FragmentIndex[StoredImage]):
                            [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(dots[i, j] > 0),
                            float(shares[i, j]))
                  for j in range(len(sent)) for i in range(len(frags))]
-        return Explanation(image_id, payload.name, payload.width, payload.height, mine, rank, len(all_ids),
-                           len(frags), len(sent), matches(frags, sent, triplets, payload.boxes), pairs, scope,
-                           recalled)
+        return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
+                           placed.considered, len(frags), len(sent), matches(frags, sent, triplets, payload.boxes),
+                           pairs, placed.scope, placed.recalled)
 
     @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:
@@ -330,7 +315,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, queries, q_mask)
 
-        return self._rank_many(score, len(sents), k)
+        return self.ranker.rank_many(score, len(sents), k)
 
     def search_fragments(self, phrase: str, k: int = 10) -> list[RegionHit]:
         """The k image regions that best match a phrase or a triplet "rel(w1, w2)" (paper Fig. 5)."""
@@ -346,10 +331,10 @@ class ImageIndex(FragmentIndex[StoredImage]):
         """
         sent, _ = encode_phrase(self.bundle, phrase)
         with self.reading():
-            items, frags = self.candidate_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
+            items, frags = self.ranker.nearest_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
             if len(items) == 0:
                 return Page([], offset, 0)
-            regions = self.fragment_vectors(items, frags)[:, None]
+            regions = self.stored.fragment_vectors(items, frags)[:, None]
             scores = fragment_scores(torch.from_numpy(regions), sent[None])[:, 0, 0, :].clamp_min(0).sum(-1).numpy()
             order = np.lexsort((frags, items, -scores))[offset : offset + limit]
             order = order[scores[order] > 0]
@@ -360,11 +345,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
         return Page(hits, offset, int(np.count_nonzero(scores > 0)))
 
     # -- SQLite rows ------------------------------------------------------------------------------
-    def _row(self, payload: StoredImage) -> tuple[Any, ...]:
+    def row(self, payload: StoredImage) -> tuple[Any, ...]:
         boxes = np.ascontiguousarray(payload.boxes, dtype="<f4")
         return payload.name, payload.path, payload.width, payload.height, boxes.tobytes()
 
-    def _from_row(self, row: Sequence[Any]) -> StoredImage:
+    def from_row(self, row: Sequence[Any]) -> StoredImage:
         name, path, width, height, blob = row
         boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
         return StoredImage(str(name), str(path), int(width), int(height), boxes)

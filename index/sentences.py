@@ -47,6 +47,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
     KIND = "sentence"
     COLUMNS = (("text", "TEXT"), ("triplets", "TEXT"))
     SHARED_FRAGMENTS = True  # a triplet embeds to the same vector in every caption that has it
+    PRESCORE_SMOOTHING = SMOOTHING  # a candidate's partial S_kl: the sum over (|g_l| + n)
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
@@ -99,7 +100,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
                     continue
                 vecs.append(sent.numpy())
                 payloads.append(StoredSentence(text, triplets))
-            added += self._insert(vecs, payloads)
+            added += self.insert(vecs, payloads)
         if skipped:
             logger.warning("%d sentences without a usable fragment were skipped", skipped)
         return added
@@ -142,18 +143,14 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         def score(sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img[None], img_mask, sent, mask)[0]
 
-        ranked, considered = self._ranked(img.numpy(), score, offset + limit, exhaustive)
+        ranked, considered = self.ranker.rank(img.numpy(), score, offset + limit, exhaustive)
         return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes))
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
-    def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
-        """Partial S_kl of candidate sentences: the sum over (|g_l| + n)."""
-        return partial / (self.items.n[items] + SMOOTHING)
-
     # -- SQLite rows ------------------------------------------------------------------------------
-    def _row(self, payload: StoredSentence) -> tuple[Any, ...]:
+    def row(self, payload: StoredSentence) -> tuple[Any, ...]:
         return payload.text, json.dumps([t.to_list() for t in payload.triplets])
 
-    def _from_row(self, row: Sequence[Any]) -> StoredSentence:
+    def from_row(self, row: Sequence[Any]) -> StoredSentence:
         text, triplets = row
         return StoredSentence(str(text), [Triplet.from_list(t) for t in json.loads(triplets)])

@@ -138,7 +138,7 @@ def test_searches_beyond_the_limit_are_refused(service_env: ServiceEnv, tmp_path
         def search() -> Awaitable[httpx.Response]:
             return c.post("/search/images", json={"sentence": sentence, "k": 3})
 
-        with engine.images._rw.write():  # searches block on the index's read lock in their threads
+        with engine.images.rw.write():  # searches block on the index's read lock in their threads
             running = asyncio.create_task(search())
             await until(lambda: gate.running == 1)
             queued = asyncio.create_task(search())
