@@ -202,7 +202,7 @@ def int8_agreement(index: ImageIndex, queries: list[torch.Tensor], truth: list[l
     found = []
     for q in queries:
         with index.reading():
-            cand = index._candidates(q.numpy())
+            cand = index.ranker.candidates(q.numpy())
             vecs, mask = index.store.gather(index.items.seg[cand], index.items.off[cand], index.items.n[cand])
         flat = vecs.reshape(-1, index.dim)
         vecs = int8.decode(int8.encode(flat)).reshape(vecs.shape)

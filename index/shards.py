@@ -258,7 +258,6 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
         raise ValueError("commit_images must be at least 1")
     files = shard_files(folder)
     total = sum(len(read_shard_keys(path)) for path in files)
-    index.store.spill_into(index.root)
     added = 0
     remaining = iter(files)
     with tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress) as bar:

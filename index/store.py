@@ -3,7 +3,7 @@
 Vectors live in segments; an item's rows are contiguous inside one segment. Saved segments are
 `.npy` files opened memory-mapped (so a large collection is paged in on demand); rows added since
 the last save form the live segment (numbered after the saved ones): in-memory blocks, and, once
-they pass `SPILL_BYTES` in a store that has a folder (`spill_into`), a spill file there that the next
+they pass `SPILL_BYTES` in a store that has a folder (an index's store: its folder), a spill file there that the next
 save turns into the new segment without a copy (a hard link under the segment's fresh name). A
 bulk load of millions of fragments therefore holds at most `SPILL_BYTES` of them in memory. The spill
 file is a temp file (`model.atomic.temp_path`): no commit names it, so a crash leaves the last
@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
+import shutil
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,10 +105,6 @@ class VectorStore:
         self._spill: SpillFile | None = None
         self.live_rows = 0
 
-    def spill_into(self, folder: Path | None) -> None:
-        """Let live rows beyond SPILL_BYTES go to a spill file in `folder` (None: keep them in memory)."""
-        self.folder = Path(folder) if folder is not None else None
-
     # -- layout -----------------------------------------------------------------------------------
     @property
     def live_segment(self) -> int:
@@ -188,7 +185,10 @@ class VectorStore:
             self._spill_blocks()
             self._spill.finish()
             with atomic_path(path) as tmp:
-                os.link(self._spill.path, tmp)
+                try:
+                    os.link(self._spill.path, tmp)
+                except OSError:  # a file system without hard links: one copy
+                    shutil.copyfile(self._spill.path, tmp)
             return self.live_rows
         with atomic_path(path) as tmp:
             out = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self.live_rows, self.cols))

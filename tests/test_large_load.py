@@ -42,7 +42,7 @@ def write_shards(folder: Path, bundle: Bundle, fingerprint: str, shard_size: int
 def stored(ix: ImageIndex) -> dict[str, np.ndarray]:
     """path -> the item's stored rows (float32)."""
     found = ix.find_paths(images()[2])
-    return {p: np.asarray(ix._rows(i), np.float32) for p, i in found.items()}
+    return {p: np.asarray(ix.stored.rows(i), np.float32) for p, i in found.items()}
 
 
 def path_of(ix: ImageIndex, image_id: int) -> str:
@@ -151,7 +151,7 @@ def test_int8_store_keeps_the_exact_ranking_and_survives_a_reload(tmp_path: Path
         built[dtype] = ix
     int8 = built["int8"]
     assert int8.store.bytes_per_row == H + 4 and built["float16"].store.bytes_per_row == 2 * H
-    rows = np.stack([int8._rows(i) for i in range(200)])
+    rows = np.stack([int8.stored.rows(i) for i in range(200)])
     bound = np.abs(vecs).max(axis=2, keepdims=True) / 254 + 1e-6  # half a quantisation step
     assert (np.abs(rows - vecs) <= bound).all()
     overlap = []
@@ -162,7 +162,7 @@ def test_int8_store_keeps_the_exact_ranking_and_survives_a_reload(tmp_path: Path
     assert np.mean(overlap) >= 0.9
     int8.close()
     again = ImageIndex.load(tmp_path / "int8", bundle)
-    np.testing.assert_array_equal(np.stack([again._rows(i) for i in range(200)]), rows)
+    np.testing.assert_array_equal(np.stack([again.stored.rows(i) for i in range(200)]), rows)
     again.close()
     built["float16"].close()
 
