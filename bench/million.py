@@ -161,7 +161,8 @@ def build(args: argparse.Namespace, bundle: Bundle, gen: RealisticImages, settin
           ) -> dict[str, float]:
     """Shards part by part, each loaded and removed; returns the build's measurements."""
     index_dir, shards = args.work / "index", args.work / "shards"
-    shutil.rmtree(index_dir, ignore_errors=True)
+    if not args.resume:
+        shutil.rmtree(index_dir, ignore_errors=True)
     shutil.rmtree(shards, ignore_errors=True)
     cfg = shard_settings(bundle.image_cfg)
     boxes = np.tile(np.array([0, 0, 224, 224], np.float32), (gen.real.shape[1], 1))
@@ -169,8 +170,9 @@ def build(args: argparse.Namespace, bundle: Bundle, gen: RealisticImages, settin
     peak_disk = 0
     faiss.omp_set_num_threads(args.build_threads)
     with phase("build") as rss:
-        index = ImageIndex.create(index_dir, bundle, settings)
-        for start in tqdm(range(0, args.images, args.part), desc="parts", unit="part"):
+        index = ImageIndex.load(index_dir, bundle) if args.resume else ImageIndex.create(index_dir, bundle, settings)
+        first = len(index)  # images committed by an earlier, stopped build (--resume)
+        for start in tqdm(range(first, args.images, args.part), desc="parts", unit="part"):
             count = min(args.part, args.images - start)
             t0 = time.perf_counter()
             with ShardWriter(shards, cfg, SHARD_SIZE, embedded_by=index.fingerprint, dim=bundle.dim) as writer:
@@ -188,7 +190,8 @@ def build(args: argparse.Namespace, bundle: Bundle, gen: RealisticImages, settin
         index.close()
     disk = folder_bytes(index_dir)
     shutil.rmtree(shards, ignore_errors=True)
-    out = {"write_s": write_s, "load_s": load_s, "images_per_s": args.images / load_s, "disk": disk,
+    out = {"write_s": write_s, "load_s": load_s, "images_per_s": (args.images - first) / load_s, "disk": disk,
+           "resumed_at": first,
            "peak_disk": peak_disk, "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
            **{f"peak_{k}_mb": v for k, v in rss.peak.items()}}
     logger.info("build: %s", json.dumps({k: round(v, 1) for k, v in out.items()}))
@@ -229,7 +232,9 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
     label = f"synthetic-real-{args.images // 1000}k-h{bundle.dim}" if args.images < 1_000_000 else \
         f"synthetic-real-{args.images // 1_000_000}M-h{bundle.dim}"
     with phase("exhaustive ground truth") as rss:
+        torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
         truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+        torch.set_num_threads(args.threads)
         _, exhaustive_ms = timed(
             lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], args.exhaustive_timed)
     logger.info("exhaustive p50 %.0f ms over %d queries (peak %s)", np.median(exhaustive_ms), len(exhaustive_ms),
@@ -284,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--build-threads", type=int, default=2)
     ap.add_argument("--int8", action="store_true", help="also the int8 re-read of each setting's candidates")
     ap.add_argument("--skip-build", action="store_true", help="measure the index already in --work")
+    ap.add_argument("--resume", action="store_true", help="continue a stopped build of the index in --work "
+                    "(from the images its last commit holds)")
     ap.add_argument("--keep", action="store_true", help="keep the index (for the serving measurements)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
     args = ap.parse_args(argv)
@@ -297,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                 for p, k, r in (s.split(":") for s in args.sweep.split(","))]
     args.work.mkdir(parents=True, exist_ok=True)
     built_file = args.work / "build.json"
-    if args.skip_build:
+    if args.skip_build:  # the build's measurements as a build run wrote them (build.json)
         built = json.loads(built_file.read_text())
     else:
         built = build(args, bundle, RealisticImages(real, args.noise), base)
