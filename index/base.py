@@ -47,7 +47,6 @@ from index.stored import StoredFragments
 from index.types import IndexLoadError, IndexSettings
 from model.bundle import Bundle
 from model.device import MODEL_DEVICE
-from model.image import RegionExtractor
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +86,6 @@ class FragmentIndex(Generic[P]):
         self.shared = SharedFragments() if self.SHARED_FRAGMENTS else None
         self.stored = StoredFragments(self.items, self.store, self.shared)
         self.ranker: Ranker[P] = Ranker(self)
-        self._extractor: RegionExtractor | None = None
-        self._extractor_lock = threading.Lock()
 
     # -- creation and loading -------------------------------------------------------------------------
     @classmethod
@@ -132,14 +129,6 @@ class FragmentIndex(Generic[P]):
                 raise IndexLoadError(f"index at {opened.root}: FAISS file holds {candidates.ntotal} fragments, "
                                      f"the store {len(shared)} distinct ones")
         return index
-
-    @property
-    def extractor(self) -> RegionExtractor:
-        """The region extractor of the model's image settings (made on first use unless given)."""
-        with self._extractor_lock:
-            if self._extractor is None:
-                self._extractor = RegionExtractor(self.bundle.image_cfg, str(self.bundle.device))
-            return self._extractor
 
     # -- size and ids ---------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
-from index.query import encode_phrase, encode_sentence, matches, row_triplets
+from index.matches import matches
 from index.types import (
     AddReport,
     Explanation,
@@ -35,7 +35,8 @@ from index.types import (
 )
 from model.bundle import Bundle
 from model.cache import FeatureCache
-from model.image import ImageFragments, RegionExtractor
+from model.embed import EmbeddedImage, embed_extracted, embed_image, embed_phrase, embed_sentence, row_triplets
+from model.image import ImageFragments
 from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
@@ -68,8 +69,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
-               cache: FeatureCache | None = None, extractor: RegionExtractor | None = None,
-               collection_root: Path | None = None, backend: BackendOptions | None = None) -> ImageIndex:
+               cache: FeatureCache | None = None, collection_root: Path | None = None,
+               backend: BackendOptions | None = None) -> ImageIndex:
         """A new, empty index folder (FileExistsError if one is there already); `backend` chooses where
         the candidate search runs (default: in-process FAISS).
 
@@ -77,27 +78,25 @@ class ImageIndex(FragmentIndex[StoredImage]):
         still finds them where the collection is mounted elsewhere (host / container); others by
         their absolute path."""
         index: ImageIndex = cls._create(root, bundle, settings or IndexSettings(), backend)
-        return index._attach(cache, extractor, collection_root)
+        return index._attach(cache, collection_root)
 
     @classmethod
     def load(cls, root: Path, bundle: Bundle, cache: FeatureCache | None = None,
-             extractor: RegionExtractor | None = None, collection_root: Path | None = None,
-             backend: BackendOptions | None = None, **search: Any) -> ImageIndex:
+             collection_root: Path | None = None, backend: BackendOptions | None = None,
+             **search: Any) -> ImageIndex:
         """Open an index folder built for `bundle`; IndexLoadError when it is missing, corrupt, or was
         built for another model or dimension. Relative image paths are read against `collection_root`.
         `search` overrides search-time settings (nprobe, k_prime, use_gpu...); `backend` the Milvus URI
         (it must name the backend the index was built with)."""
         index: ImageIndex = cls._load(root, bundle, search, backend)
-        return index._attach(cache, extractor, collection_root)
+        return index._attach(cache, collection_root)
 
-    def _attach(self, cache: FeatureCache | None, extractor: RegionExtractor | None,
-                collection_root: Path | None) -> ImageIndex:
+    def _attach(self, cache: FeatureCache | None, collection_root: Path | None) -> ImageIndex:
         if cache is not None:
             want = dataclasses.replace(self.bundle.image_cfg, full_frame_only=False)
             if dataclasses.replace(cache.cfg, full_frame_only=False) != want:
                 raise ValueError("the feature cache was made with other image settings than the model's")
         self.cache = cache
-        self._extractor = extractor
         self.collection_root = None if collection_root is None else Path(collection_root).resolve()
         return self
 
@@ -120,26 +119,19 @@ class ImageIndex(FragmentIndex[StoredImage]):
     # -- adding -----------------------------------------------------------------------------------
     def add_image(self, image: Image.Image, name: str, path: Path | str) -> int:
         """Extract, embed and insert one image; returns its id."""
-        return self.add_fragments(self.extractor.extract(image), name, path)
-
-    def add_fragments(self, frags: ImageFragments, name: str, path: Path | str) -> int:
-        """Insert one image's extracted fragments (features (F, 1280), boxes (F, 4))."""
-        return self.add_extracted([frags], [name], [path])[0]
+        return self.add_embedded([embed_image(self.bundle, image)], [name], [path])[0]
 
     def add_extracted(self, frags: Sequence[ImageFragments], names: Sequence[str],
                       paths: Sequence[Path | str]) -> list[int]:
-        """Embed and insert extracted images; returns their ids."""
-        if not frags:
-            return []
-        with torch.inference_mode():
-            if len({len(f.features) for f in frags}) == 1:  # one batch
-                vecs = list(self.bundle.embed_images(np.stack([f.features for f in frags])).numpy())
-            else:
-                vecs = [self.bundle.embed_images(f.features[None])[0].numpy() for f in frags]
-        payloads = [StoredImage(str(name), self.stored_path(path), int(f.width), int(f.height),
-                                np.asarray(f.boxes[: len(v)], dtype=np.float32))
-                    for f, v, name, path in zip(frags, vecs, names, paths, strict=True)]
-        return self.insert(vecs, payloads)
+        """Embed and insert extracted images (features (F, 1280), boxes (F, 4)); returns their ids."""
+        return self.add_embedded(embed_extracted(self.bundle, frags), names, paths)
+
+    def add_embedded(self, images: Sequence[EmbeddedImage], names: Sequence[str],
+                     paths: Sequence[Path | str]) -> list[int]:
+        """Insert embedded images; returns their ids."""
+        payloads = [StoredImage(str(name), self.stored_path(path), e.width, e.height, e.boxes)
+                    for e, name, path in zip(images, names, paths, strict=True)]
+        return self.insert([e.vectors.numpy() for e in images], payloads)
 
     def add_vectors(self, vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: Sequence[str],
                     paths: Sequence[str]) -> list[int]:
@@ -183,7 +175,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 bar = tqdm(total=len(good), desc=f"indexing {self.root.name}", unit="img", disable=len(good) < 50)
                 for start in range(0, len(good), ADD_CHUNK):
                     chunk = good[start : start + ADD_CHUNK]
-                    frags = [self._checked(cache, p) for p in chunk]
+                    frags = [cached_fragments(cache, p) for p in chunk]
                     ok = [(p, f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, ImageFragments)]
                     report.skipped += [(str(p), f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, str)]
                     report.added += self.add_extracted([f for _, f in ok], [p.name for p, _ in ok],
@@ -203,14 +195,6 @@ class ImageIndex(FragmentIndex[StoredImage]):
             return
         with tempfile.TemporaryDirectory(prefix="fragsearch-features-") as tmp:
             yield FeatureCache(Path(tmp), self.bundle.image_cfg, str(self.bundle.device))
-
-    def _checked(self, cache: FeatureCache, path: Path) -> ImageFragments | str:
-        """The cached fragments of `path` (entries are keyed by the file's content); a reason string
-        when the file cannot be read or changed after it was extracted."""
-        try:
-            return cache.load([path])[0]
-        except KeyError as e:
-            return f"unreadable: {e.args[0] if e.args else e}"
 
     def find_paths(self, paths: Sequence[Path | str]) -> dict[str, int]:
         """Live images among `paths` (compared as given, resolve them first) -> their ids."""
@@ -242,23 +226,27 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images for a sentence: FAISS candidates, exact score, alignments."""
-        sent, triplets = encode_sentence(self.bundle, sentence)
-        return self.search_vectors(sent, k, triplets)
+        return self.search_page(sentence, 0, k).hits
 
     def search_exhaustive(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images by the exact score over the whole collection (no candidate stage)."""
-        sent, triplets = encode_sentence(self.bundle, sentence)
-        return self.search_vectors(sent, k, triplets, exhaustive=True)
+        return self.search_page(sentence, 0, k, exhaustive=True).hits
+
+    def search_page(self, sentence: str, offset: int, limit: int, exhaustive: bool = False) -> Page[ImageHit]:
+        """Images ranked offset + 1 .. offset + limit for a sentence (ValueError when it is empty,
+        model.fragments.NoFragmentsError when it has no usable fragment)."""
+        sent, triplets = embed_sentence(self.bundle, sentence)
+        return self.search_vectors_page(sent, triplets, offset, limit, exhaustive)
 
     @torch.inference_mode()
     def search_vectors(self, sent: torch.Tensor, k: int = 10, triplets: Sequence[Triplet] | None = None,
                        exhaustive: bool = False) -> list[ImageHit]:
         """Top k images for sentence fragments sent (T, h) (their triplets name the alignment)."""
-        return self.search_page(sent, triplets, 0, k, exhaustive).hits
+        return self.search_vectors_page(sent, triplets, 0, k, exhaustive).hits
 
     @torch.inference_mode()
-    def search_page(self, sent: torch.Tensor, triplets: Sequence[Triplet] | None, offset: int, limit: int,
-                    exhaustive: bool = False) -> Page[ImageHit]:
+    def search_vectors_page(self, sent: torch.Tensor, triplets: Sequence[Triplet] | None, offset: int, limit: int,
+                            exhaustive: bool = False) -> Page[ImageHit]:
         """Images ranked offset .. offset + limit - 1 for sentence fragments sent (T, h)."""
         sent = torch.as_tensor(sent, dtype=torch.float32)
         sent_mask = torch.ones(1, len(sent))
@@ -279,7 +267,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         A collection a search scans whole (`settings.exact_below`) is ranked whole; a larger one over
         the candidates the index recalls for the sentence plus this image, so the cost stays that of
         a search, and `recalled` tells whether a search could return the image at all."""
-        sent, triplets = encode_sentence(self.bundle, sentence)
+        sent, triplets = embed_sentence(self.bundle, sentence)
         sent_mask = torch.ones(1, len(sent))
 
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # as a search scores
@@ -329,7 +317,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         max(k', offset + limit) regions per phrase fragment and those are scored exactly (regions
         scoring 0 are not matches and end the ranking).
         """
-        sent, _ = encode_phrase(self.bundle, phrase)
+        sent, _ = embed_phrase(self.bundle, phrase)
         with self.reading():
             items, frags = self.ranker.nearest_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
             if len(items) == 0:
@@ -353,6 +341,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
         name, path, width, height, blob = row
         boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
         return StoredImage(str(name), str(path), int(width), int(height), boxes)
+
+
+def cached_fragments(cache: FeatureCache, path: Path) -> ImageFragments | str:
+    """The cached fragments of `path` (entries are keyed by the file's content); a reason string
+    when the file cannot be read or changed after it was extracted."""
+    try:
+        return cache.load([path])[0]
+    except KeyError as e:
+        return f"unreadable: {e.args[0] if e.args else e}"
 
 
 def list_images(folder: Path, recursive: bool = True) -> list[Path]:

@@ -20,11 +20,12 @@ from tqdm import tqdm
 
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
-from index.query import embed_encoded, matches, text_lock
+from index.matches import matches
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
+from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image, text_lock
 from model.fragments import EncodedSentences
-from model.image import ImageFragments, RegionExtractor
+from model.image import ImageFragments
 from model.score import SMOOTHING
 from model.text import ParsedSentence, Triplet
 
@@ -51,7 +52,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
-               extractor: RegionExtractor | None = None, backend: BackendOptions | None = None) -> SentenceIndex:
+               backend: BackendOptions | None = None) -> SentenceIndex:
         """A new, empty index folder (FileExistsError if one is there already). The default settings
         take every sentence fragment with a positive score (few distinct ones: captions share
         triplets) and score the `DEFAULT_RERANK` best candidates exactly."""
@@ -59,18 +60,13 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         if settings.store_dtype == "int8":  # shared fragments are told apart by their stored values
             raise ValueError("a sentence index keeps its store in float32 or float16, not int8")
         index: SentenceIndex = cls._create(root, bundle, settings, backend)
-        return index._attach(extractor)
+        return index
 
     @classmethod
-    def load(cls, root: Path, bundle: Bundle, extractor: RegionExtractor | None = None,
-             backend: BackendOptions | None = None, **search: Any) -> SentenceIndex:
+    def load(cls, root: Path, bundle: Bundle, backend: BackendOptions | None = None, **search: Any) -> SentenceIndex:
         """Open an index folder built for `bundle` (IndexLoadError when missing, corrupt or mismatched)."""
         index: SentenceIndex = cls._load(root, bundle, search, backend)
-        return index._attach(extractor)
-
-    def _attach(self, extractor: RegionExtractor | None) -> SentenceIndex:
-        self._extractor = extractor
-        return self
+        return index
 
     # -- adding -----------------------------------------------------------------------------------
     def add_sentences(self, texts: Sequence[str]) -> list[int]:
@@ -115,13 +111,20 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     def annotate(self, image: Image.Image, k: int = 10) -> list[SentenceHit]:
         """Top k sentences for an image; alignment boxes are in the image's own pixels."""
-        return self.annotate_fragments(self.extractor.extract(image), k)
+        return self.annotate_page(image, 0, k).hits
+
+    def annotate_page(self, image: Image.Image, offset: int, limit: int) -> Page[SentenceHit]:
+        """Sentences ranked offset + 1 .. offset + limit for an image (boxes in its own pixels)."""
+        return self.annotate_embedded(embed_image(self.bundle, image), offset, limit)
 
     def annotate_fragments(self, frags: ImageFragments, k: int = 10, exhaustive: bool = False) -> list[SentenceHit]:
         """Top k sentences for extracted image fragments (features (F, 1280), boxes (F, 4))."""
-        with torch.inference_mode():
-            img = self.bundle.embed_images(frags.features[None])[0]
-        return self.annotate_vectors(img, np.asarray(frags.boxes[: len(img)], dtype=np.float32), k, exhaustive)
+        return self.annotate_embedded(embed_extracted(self.bundle, [frags])[0], 0, k, exhaustive).hits
+
+    def annotate_embedded(self, image: EmbeddedImage, offset: int, limit: int,
+                          exhaustive: bool = False) -> Page[SentenceHit]:
+        """Sentences ranked offset + 1 .. offset + limit for an embedded image."""
+        return self.annotate_vectors_page(image.vectors, image.boxes, offset, limit, exhaustive)
 
     def annotate_exhaustive(self, frags: ImageFragments, k: int = 10) -> list[SentenceHit]:
         """Top k sentences by the exact score over the whole collection (no candidate stage)."""
@@ -131,11 +134,11 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
     def annotate_vectors(self, img: torch.Tensor, boxes: np.ndarray, k: int = 10,
                          exhaustive: bool = False) -> list[SentenceHit]:
         """Top k sentences for image fragments img (F, h) with boxes (F, 4)."""
-        return self.annotate_page(img, boxes, 0, k, exhaustive).hits
+        return self.annotate_vectors_page(img, boxes, 0, k, exhaustive).hits
 
     @torch.inference_mode()
-    def annotate_page(self, img: torch.Tensor, boxes: np.ndarray, offset: int, limit: int,
-                      exhaustive: bool = False) -> Page[SentenceHit]:
+    def annotate_vectors_page(self, img: torch.Tensor, boxes: np.ndarray, offset: int, limit: int,
+                              exhaustive: bool = False) -> Page[SentenceHit]:
         """Sentences ranked offset .. offset + limit - 1 for image fragments img (F, h) with boxes (F, 4)."""
         img = torch.as_tensor(img, dtype=torch.float32)
         img_mask = torch.ones(1, len(img))

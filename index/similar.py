@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 
 from index.images import ImageIndex
-from index.query import embed_encoded, text_lock
 from index.sentences import SentenceIndex
-from index.types import ImageHit, SentenceHit
+from index.types import ImageHit, ImageRecord, SentenceHit
+from model.embed import embed_image, embed_texts
 from model.text import Triplet
 
 DESCRIPTIONS = 5
@@ -43,14 +44,29 @@ def describe_and_search(images: ImageIndex, sentences: SentenceIndex, img: torch
     described = sentences.annotate_vectors(img, boxes, descriptions)
     if not described:
         return Similar([], [])
-    bundle = images.bundle
-    with text_lock(bundle):
-        enc = bundle.text.encode([h.text for h in described])
-    parts = [(s, t) for s, t in embed_encoded(bundle, enc) if len(s)]
+    parts = [(s, t) for s, t in embed_texts(images.bundle, [h.text for h in described]) if len(s)]
     if not parts:
         return Similar(described, [])
     sent = torch.cat([s for s, _ in parts])
     triplets: list[Triplet] = [t for _, ts in parts for t in ts]
-    page = images.search_page(sent, triplets, 0, offset + k + (exclude is not None))
+    page = images.search_vectors_page(sent, triplets, 0, offset + k + (exclude is not None))
     hits = [h for h in page.hits if h.image_id != exclude]
     return Similar(described, hits[offset : offset + k], offset, page.considered)
+
+
+def similar_to_indexed(images: ImageIndex, sentences: SentenceIndex, image_id: int, k: int,
+                       offset: int = 0) -> tuple[ImageRecord, Similar] | None:
+    """An indexed image's record and the images like it (itself left out), or None when there is no
+    such image."""
+    rec, found = images.get(image_id), images.fragments(image_id)
+    if rec is None or found is None:
+        return None
+    return rec, describe_and_search(images, sentences, *found, k=k, exclude=image_id, offset=offset)
+
+
+def similar_to_image(images: ImageIndex, sentences: SentenceIndex, image: Image.Image, k: int,
+                     offset: int = 0) -> Similar:
+    """The images like an image that is not indexed (an upload); the descriptions' alignments are in
+    its pixels."""
+    e = embed_image(images.bundle, image)
+    return describe_and_search(images, sentences, e.vectors, e.boxes, k=k, offset=offset)

@@ -23,10 +23,10 @@ from index.base import FragmentIndex
 from index.build import main as build_main
 from index.candidates import BackendOptions
 from index.catalogue import is_index
-from index.query import encode_sentence
 from index.ranker import Ranker
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig
+from model.embed import embed_sentence
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline
 from model.image import RegionExtractor
@@ -192,7 +192,7 @@ def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bun
         assert ranking(fast) == ranking(slow), q
         assert [m.triplet for m in fast[0].alignment] == [m.triplet for m in slow[0].alignment]
     # the exhaustive ranking is the model's own score over every image
-    sent, _ = encode_sentence(bundle, QUERIES[0])
+    sent, _ = embed_sentence(bundle, QUERIES[0])
     vecs, mask = index.stored.vectors(index.ids())
     scores = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0]
     order = torch.argsort(scores, descending=True)[:10]
@@ -226,7 +226,7 @@ def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_pat
         e = index.explain(hit.image_id, query)
         assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("collection", True, place, 60)
     index.set_search(exact_below=0)  # a large collection: the rank is taken over the recalled candidates
-    sent, _ = encode_sentence(bundle, query)
+    sent, _ = embed_sentence(bundle, query)
     recalled = set(index.ranker.candidates(sent.numpy()).tolist())
     assert 0 < len(recalled) < 60
     found = index.search(query, 60)
@@ -245,7 +245,7 @@ def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_pat
 
 def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(faiss_index: ImageIndex,
                                                                                  bundle: Bundle):
-    sent, _ = encode_sentence(bundle, QUERIES[0])
+    sent, _ = embed_sentence(bundle, QUERIES[0])
     faiss_index.set_search(k_prime=200)  # every fragment is a hit: the partial scores are complete
     every = faiss_index.ranker.candidates(sent.numpy())
     faiss_index.set_search(rerank=8)
@@ -272,7 +272,7 @@ def test_search_returns_alignment_with_triplets_and_boxes(image_index: ImageInde
 
 
 def test_added_image_is_found(image_index: ImageIndex, bundle: Bundle):
-    sent, _ = encode_sentence(bundle, QUERIES[1])
+    sent, _ = embed_sentence(bundle, QUERIES[1])
     target = (sent.sum(0) / sent.sum(0).norm()).numpy() * 100  # aligned with every fragment of the query
     vecs = np.repeat(target[None, None], F, axis=1)
     boxes = np.tile(np.array([0, 0, 50, 50], np.float32), (1, F, 1))
@@ -290,7 +290,7 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
     picture((30, 60, 220), "square", (200, 100)).save(photos / "sub" / "blue.png")
     picture((30, 170, 60), "circle").save(photos / "sub" / "red.jpg")  # same file name, another picture
     (photos / "broken.jpg").write_bytes(b"not an image")
-    index = ImageIndex.create(tmp_path / "idx", bundle, extractor=extractor)
+    index = ImageIndex.create(tmp_path / "idx", bundle)
     paths = list_images(photos)
     report = index.add_paths(paths)
     assert len(report.added) == 3 and [Path(p).name for p, _ in report.skipped] == ["broken.jpg"]
@@ -315,7 +315,7 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
 def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle: Bundle):
     hits = image_index.search_fragments("amod(dog, red)", 5)
     assert len(hits) == 5 and all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
-    sent, _ = encode_sentence(bundle, "red dog")  # the phrase parses to the same triplet
+    sent, _ = embed_sentence(bundle, "red dog")  # the phrase parses to the same triplet
     vecs, mask = image_index.stored.vectors(image_index.ids())
     dots = (vecs @ sent[0]).clamp_min(0) * mask
     flat = torch.argsort(dots.flatten(), descending=True)[:5]
@@ -586,7 +586,7 @@ def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bun
 
 # -- concurrency ------------------------------------------------------------------------------------------
 def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageIndex, bundle: Bundle):
-    sent, _ = encode_sentence(bundle, QUERIES[2])
+    sent, _ = embed_sentence(bundle, QUERIES[2])
     k = 5
     base = ranking(faiss_index.search_exhaustive(QUERIES[2], k))
     direction = (sent.sum(0) / sent.sum(0).norm()).numpy()
@@ -632,8 +632,7 @@ SENTENCES = ["a red dog runs on the grass", "a man plays with a ball in the stre
 def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: Path, bundle: Bundle,
                                                                       extractor: RegionExtractor,
                                                                       backend: BackendOptions):
-    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), extractor=extractor,
-                                 backend=backend)
+    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), backend=backend)
     ids = index.add_sentences(SENTENCES * 3)
     assert len(ids) == 27 and len(index) == 27  # the empty and the unknown-word sentences are skipped
     rec = index.get(ids[0])
@@ -650,7 +649,7 @@ def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: P
             assert m.box == [float(v) for v in frags.boxes[m.fragment]]
     index.remove(fast[0].sentence_id)
     index.save()
-    loaded = SentenceIndex.load(index.root, bundle, extractor=extractor)
+    loaded = SentenceIndex.load(index.root, bundle)
     assert ranking(loaded.annotate_fragments(frags, 5)) == ranking(fast[1:6])
     loaded.close()
     index.close()

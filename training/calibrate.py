@@ -22,7 +22,7 @@ from model.bundle import Bundle
 from model.calibration import Calibration
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
-from model.text import make_parser
+from model.parsers import make_parser
 from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TypedDict
 
 from index import Explanation, FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
-from service.errors import ApiError
 from service.schemas import (
     ExplainResponse,
     FragmentMatchOut,
@@ -26,20 +25,6 @@ def thumbnail_url(image_id: int, size: int = 256) -> str:
     return f"/images/{image_id}/thumbnail?size={size}"
 
 
-def check_k(k: int, settings: Settings) -> int:
-    if k < 1 or k > settings.k_max:
-        raise ApiError(422, "bad_k", f"k must be between 1 and {settings.k_max}, got {k}")
-    return k
-
-
-def check_offset(offset: int, k: int, settings: Settings) -> int:
-    """Pages reach down to rank settings.max_rank: offset + k beyond it is a 422."""
-    if offset < 0 or offset + k > settings.max_rank:
-        raise ApiError(422, "bad_offset", f"offset + k must be at most {settings.max_rank} (the deepest rank served), "
-                       f"got {offset} + {k}")
-    return offset
-
-
 class Paging(TypedDict):
     offset: int
     next_offset: int | None
@@ -50,16 +35,6 @@ def paging(offset: int, k: int, returned: int, considered: int, settings: Settin
     """A page's offset, the next page's offset (None on the last page) and the items considered."""
     more = returned == k and offset + k < considered and offset + k < settings.max_rank
     return {"offset": offset, "next_offset": offset + k if more else None, "considered": considered}
-
-
-def check_text(text: str, settings: Settings, what: str) -> str:
-    text = text.strip()
-    if not text:
-        raise ApiError(422, "empty_sentence", f"the {what} is empty")
-    if len(text) > settings.max_sentence_chars:
-        raise ApiError(422, "sentence_too_long",
-                       f"the {what} has {len(text)} characters; the limit is {settings.max_sentence_chars}")
-    return text
 
 
 def _box(box: list[float]) -> list[float]:
