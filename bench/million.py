@@ -47,13 +47,13 @@ from tqdm import tqdm
 
 from bench.index_bench import K, Row, agreement, ann_bytes_per_fragment, describe, read_row, timed, write_csv
 from index import ImageIndex, IndexSettings
-from index.query import encode_sentence
 from index.shards import ShardWriter, load_shards, shard_settings
 from index.store import VectorStore
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
+from model.embed import embed_sentence
 
 logger = logging.getLogger("bench.million")
 
@@ -224,7 +224,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
     queries = []
     for text in captions:
         try:
-            queries.append(encode_sentence(bundle, text)[0])
+            queries.append(embed_sentence(bundle, text)[0])
         except ValueError:
             continue
         if len(queries) == args.queries:
