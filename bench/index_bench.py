@@ -57,7 +57,8 @@ from model.words import WordTable
 logger = logging.getLogger("bench.index_bench")
 
 COLUMNS = ["collection", "images", "backend", "index_type", "params", "agreement_at_10", "p50_ms", "p99_ms",
-           "exhaustive_p50_ms", "speedup", "bytes_per_fragment", "command"]
+           "exhaustive_p50_ms", "speedup", "bytes_per_fragment", "command", "peak_rss_mb", "disk_bytes_per_image",
+           "build_images_per_s", "load_avg"]  # the last four: filled by bench.million (blank in the other rows)
 K = 10
 N_FRAGMENTS = 20  # paper: the whole image + 19 regions
 
@@ -76,6 +77,10 @@ class Row:
     speedup: float
     bytes_per_fragment: float
     command: str
+    peak_rss_mb: float | str = ""  # the process's peak resident set (build, or measuring; see bench.million)
+    disk_bytes_per_image: float | str = ""  # the index folder's bytes per image
+    build_images_per_s: float | str = ""  # images loaded per second from shards
+    load_avg: str = ""  # 1-minute load average before / after the row's measurement
 
 
 # -- measuring -------------------------------------------------------------------------------------------
@@ -374,15 +379,16 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow(dataclasses.asdict(r))
+            w.writerow({k: "" if isinstance(v, float) and np.isnan(v) else v for k, v in dataclasses.asdict(r).items()})
 
 
 def read_row(r: dict[str, str]) -> Row:
     """A CSV row; rows written before the backend column are FAISS rows."""
-    n = {c: float(r[c]) for c in COLUMNS[5:11]}
+    n = {c: float(r[c]) if r[c] != "" else float("nan") for c in COLUMNS[5:11]}  # blank: not timed
     return Row(r["collection"], int(r["images"]), r.get("backend") or "faiss", r["index_type"], r["params"],
                n["agreement_at_10"], n["p50_ms"], n["p99_ms"], n["exhaustive_p50_ms"], n["speedup"],
-               n["bytes_per_fragment"], r["command"])
+               n["bytes_per_fragment"], r["command"], r.get("peak_rss_mb") or "",
+               r.get("disk_bytes_per_image") or "", r.get("build_images_per_s") or "", r.get("load_avg") or "")
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:
@@ -394,7 +400,9 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5.5))
     markers = {"flat": "o", "hnsw": "^", "ivf": "s", "ivfpq": "D"}
     for i, collection in enumerate(dict.fromkeys(r.collection for r in rows)):
-        mine = [r for r in rows if r.collection == collection]
+        mine = [r for r in rows if r.collection == collection and not np.isnan(r.p50_ms)]
+        if not mine:
+            continue
         colour = f"C{i}"
         for r in mine:
             ax.scatter(r.p50_ms, r.agreement_at_10, color=colour, marker=markers.get(r.index_type, "x"), s=40)

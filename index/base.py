@@ -74,7 +74,7 @@ class FragmentIndex(Generic[P]):
         bundle.model.eval()
         self.catalogue = catalogue
         self.items: ItemTable[P] = ItemTable()
-        self.store = store or VectorStore(self.dim, settings.store_dtype)
+        self.store = store or VectorStore(self.dim, settings.store_dtype, self.root)  # spills into the folder
         self.candidates = candidates
         self.generation = generation  # number of the last save (increases by one per save)
         self.writer = threading.RLock()
@@ -145,6 +145,7 @@ class FragmentIndex(Generic[P]):
         with self.writer:
             self.catalogue.close()
             self.candidates.close()
+            self.store.close()
 
     def ids(self) -> np.ndarray:
         """Ids of the live items, ascending."""

@@ -28,7 +28,7 @@ from index.catalogue import is_index
 from index.images import ImageIndex, list_images
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sentences import SentenceIndex
-from index.types import IndexSettings
+from index.types import STORE_DTYPES, IndexSettings
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.config import default_artifacts_dir
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="HNSW search breadth")
     ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m, help="HNSW neighbours per node")
     ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
-    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=("float32", "float16"),
+    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=STORE_DTYPES,
                     help="precision of the re-rank store of fragment vectors")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
     ap.add_argument("--backend", default="faiss", choices=BACKENDS,

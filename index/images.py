@@ -136,7 +136,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
     def add_vectors(self, vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: Sequence[str],
                     paths: Sequence[str]) -> list[int]:
         """Insert already embedded images: vectors (K, F, h), boxes (K, F, 4), sizes (K, 2) width, height."""
-        payloads = [StoredImage(str(n), str(p), int(s[0]), int(s[1]), np.asarray(b, dtype=np.float32))
+        payloads = [StoredImage(str(n), self.stored_path(p), int(s[0]), int(s[1]), np.asarray(b, dtype=np.float32))
                     for n, p, s, b in zip(names, paths, sizes, boxes, strict=True)]
         return self.insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
 

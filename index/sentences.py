@@ -56,7 +56,10 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         """A new, empty index folder (FileExistsError if one is there already). The default settings
         take every sentence fragment with a positive score (few distinct ones: captions share
         triplets) and score the `DEFAULT_RERANK` best candidates exactly."""
-        index: SentenceIndex = cls._create(root, bundle, settings or DEFAULT_SETTINGS, backend)
+        settings = settings or DEFAULT_SETTINGS
+        if settings.store_dtype == "int8":  # shared fragments are told apart by their stored values
+            raise ValueError("a sentence index keeps its store in float32 or float16, not int8")
+        index: SentenceIndex = cls._create(root, bundle, settings, backend)
         return index
 
     @classmethod

@@ -11,10 +11,16 @@ A shard folder holds ``manifest.json`` (the feature settings, as the feature cac
     boxes     (K, F, 4)     float32 [x0, y0, x1, y1] in each image's pixels, row 0 the whole image
     features  (K, F, 1280)  float16 (as the feature cache stores them)
 
+or, in a folder of embedded shards (``ShardWriter(..., embedded_by=model fingerprint)``: the model ran
+where the shards were made, e.g. next to the extraction on a GPU), instead of ``features``
+
+    vectors   (K, F, h)     float16 image fragments of that model (``Bundle.embed_images``)
+
 and ``failed.json`` (file name → why it was skipped). A shard on disk is complete; an interrupted run
 loses only the images it had not yet written, and the next run extracts those (`done_paths`).
-`load_shards` adds shards to an image index through its ``add_extracted`` call only, so any
-candidate backend behind ``ImageIndex`` loads the same shards.
+`load_shards` adds shards to an image index through its ``add_extracted`` call (``add_vectors`` for
+embedded shards, whose model must be the index's) only, so any candidate backend behind
+``ImageIndex`` loads the same shards.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ FAILED_FILE = "failed.json"
 SHARD_PATTERN = re.compile(r"^shard-(\d+)\.npz$")
 DEFAULT_SHARD_SIZE = 256  # images per shard: ~13 MB of float16 features at 20 fragments
 LOAD_CHUNK = 64  # images embedded and inserted at a time when loading
+COMMIT_IMAGES = 65_536  # images loaded between two commits of a load
 
 
 class ShardError(ValueError):
@@ -60,7 +67,8 @@ class Shard:
     paths: list[str]
     sizes: np.ndarray
     boxes: np.ndarray
-    features: np.ndarray
+    features: np.ndarray  # (K, F, 1280) features, or (K, F, h) vectors of an embedded shard
+    embedded: bool = False
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -89,8 +97,10 @@ def read_shard(path: Path) -> Shard:
     """One shard file back (ShardError if it is not a shard)."""
     try:
         with np.load(path, allow_pickle=False) as z:
+            embedded = "vectors" in z.files
             shard = Shard([str(v) for v in z["keys"]], [str(v) for v in z["names"]], [str(v) for v in z["paths"]],
-                          z["sizes"].astype(np.int64), z["boxes"].astype(np.float32), z["features"])
+                          z["sizes"].astype(np.int64), z["boxes"].astype(np.float32),
+                          z["vectors" if embedded else "features"], embedded)
     except (OSError, KeyError, ValueError) as e:
         raise ShardError(f"{path}: not a fragment shard ({e})") from e
     n = len(shard.keys)
@@ -125,14 +135,20 @@ class ShardWriter:
     (shards of two settings in one folder could not be told apart). Use as a context manager: leaving
     the block writes the last, partial shard and ``failed.json``."""
 
-    def __init__(self, folder: Path, cfg: ImageConfig, shard_size: int = DEFAULT_SHARD_SIZE) -> None:
+    def __init__(self, folder: Path, cfg: ImageConfig, shard_size: int = DEFAULT_SHARD_SIZE,
+                 embedded_by: str | None = None, dim: int = 0) -> None:
         if shard_size < 1:
             raise ValueError("shard_size must be at least 1")
+        if embedded_by is not None and dim < 1:
+            raise ValueError("embedded shards need the model's dimension")
         self.folder = Path(folder)
         self.cfg = shard_settings(cfg)
         self.shard_size = shard_size
+        self.embedded_by, self.dim = embedded_by, dim
         self.folder.mkdir(parents=True, exist_ok=True)
-        payload = {**config_payload(self.cfg), "key": config_key(self.cfg)}
+        payload: dict[str, Any] = {**config_payload(self.cfg), "key": config_key(self.cfg)}
+        if embedded_by is not None:
+            payload.update(embedded_by=embedded_by, dim=dim, key=f"{payload['key']}-{embedded_by}")
         manifest = read_manifest(self.folder)
         if manifest is None:
             with atomic_file(self.folder / MANIFEST_FILE) as fh:
@@ -156,14 +172,21 @@ class ShardWriter:
 
     def add(self, key: str, name: str, path: str, frags: ImageFragments) -> None:
         """One extracted image; a shard is written once ``shard_size`` images are waiting."""
-        n_frag = self.cfg.n_fragments
-        if frags.features.shape != (n_frag, FEATURE_DIM) or frags.boxes.shape != (n_frag, 4):
+        n_frag, width = self.cfg.n_fragments, self.dim if self.embedded_by is not None else FEATURE_DIM
+        if frags.features.shape != (n_frag, width) or frags.boxes.shape != (n_frag, 4):
             raise ValueError(f"{name}: fragments {frags.features.shape} / boxes {frags.boxes.shape}, "
-                             f"expected {(n_frag, FEATURE_DIM)} / {(n_frag, 4)}")
+                             f"expected {(n_frag, width)} / {(n_frag, 4)}")
         self._rows.append((key, name, path, frags))
         self._failed_changed |= self._failed.pop(name, None) is not None
         if len(self._rows) >= self.shard_size:
             self.flush()
+
+    def add_vectors(self, key: str, name: str, path: str, vectors: np.ndarray, boxes: np.ndarray, width: int,
+                    height: int) -> None:
+        """One embedded image (a writer of embedded shards): vectors (F, h), boxes (F, 4)."""
+        if self.embedded_by is None:
+            raise ValueError("this shard folder holds features: add(), not add_vectors()")
+        self.add(key, name, path, ImageFragments(boxes, vectors, width, height))
 
     def add_cached(self, key: str, name: str, path: str, entry: Path) -> None:
         """An image whose fragments are in the feature cache at ``entry``."""
@@ -180,16 +203,17 @@ class ShardWriter:
             return
         path = self.folder / f"shard-{self._next:05d}.npz"
         keys, names, paths, frags = zip(*self._rows, strict=True)
+        arrays: dict[str, np.ndarray] = {
+            "keys": np.asarray(keys, dtype=str),
+            "names": np.asarray(names, dtype=str),
+            "paths": np.asarray(paths, dtype=str),
+            "sizes": np.asarray([[f.width, f.height] for f in frags], dtype=np.int64),
+            "boxes": np.stack([f.boxes for f in frags]).astype(np.float32),
+            "vectors" if self.embedded_by is not None else "features":
+                np.stack([f.features for f in frags]).astype(np.float16),
+        }
         with atomic_file(path) as fh:
-            np.savez(
-                fh,
-                keys=np.asarray(keys, dtype=str),
-                names=np.asarray(names, dtype=str),
-                paths=np.asarray(paths, dtype=str),
-                sizes=np.asarray([[f.width, f.height] for f in frags], dtype=np.int64),
-                boxes=np.stack([f.boxes for f in frags]).astype(np.float32),
-                features=np.stack([f.features for f in frags]).astype(np.float16),
-            )
+            np.savez(fh, **arrays)  # type: ignore[arg-type]  # (the stub reads a key as allow_pickle)
         self.written += len(self._rows)
         self.shards.append(path)
         self._next += 1
@@ -203,49 +227,85 @@ class ShardWriter:
             self._failed_changed = False
 
 
-def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progress: bool = True) -> int:
+def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progress: bool = True,
+                commit_images: int = COMMIT_IMAGES, remove_loaded: bool = False) -> int:
     """Add the images of the shards in ``folder`` that ``index`` does not hold yet (by path) → how many.
 
     Goes through ``ImageIndex.add_extracted`` (the model embeds the features, the index's backend
-    stores them) and saves the index."""
+    stores them; ``add_vectors`` for embedded shards), streamed: ``chunk`` images embedded at a time,
+    their vectors appended to the re-rank store (which spills to its folder past
+    ``index.store.SPILL_BYTES``) and to the candidate index. A commit (``index.save``) follows every
+    ``commit_images`` images and the last shard, so an interrupted load keeps what it committed and
+    resumes after it. An untrained ivf / ivfpq index
+    takes its first group inside ``index.bulk()``: trained once on a sample of that group, then
+    filled as the rest streams in. With ``remove_loaded``, each shard file is deleted once a commit
+    holds its images (a load that needs no second copy of the collection on disk)."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     if manifest is None:
         raise ShardError(f"{folder} has no {MANIFEST_FILE}: not a shard folder")
     want = config_key(shard_settings(index.bundle.image_cfg))
+    embedded_by = manifest.get("embedded_by")
+    if embedded_by is not None:
+        if embedded_by != index.fingerprint:
+            raise ShardError(f"the shards in {folder} hold vectors of another model ({embedded_by}, the index's "
+                             f"is {index.fingerprint})")
+        want = f"{want}-{embedded_by}"
     if manifest.get("key") != want:
         raise ShardError(f"the shards in {folder} were extracted with other image settings than the model's "
                          f"({manifest.get('image')})")
+    if commit_images < 1:
+        raise ValueError("commit_images must be at least 1")
     files = shard_files(folder)
-    total = 0
-    for path in files:
-        with np.load(path, allow_pickle=False) as z:
-            total += len(z["keys"])
-    # an untrained ivf / ivfpq index is trained once on a sample of everything (index.bulk), then saved;
-    # any other is saved after each shard, so an interrupted load resumes where it stopped
-    once = index.settings.trainable and not index.candidates.trained
+    total = sum(len(read_shard_keys(path)) for path in files)
     added = 0
-    with contextlib.ExitStack() as stack:
-        bar = stack.enter_context(tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress))
-        if once:
-            stack.enter_context(index.bulk())
-        for path in files:
-            shard = read_shard(path)
-            present = index.find_paths(shard.paths)
-            rows = [k for k, p in enumerate(shard.paths) if p not in present]
-            for start in range(0, len(rows), chunk):
-                part = rows[start : start + chunk]
-                index.add_extracted([shard.fragments(k) for k in part], [shard.names[k] for k in part],
-                                    [shard.paths[k] for k in part])
-                added += len(part)
-            if rows and not once:
+    remaining = iter(files)
+    with tqdm(total=total, desc=f"loading {folder.name}", unit="img", disable=not progress) as bar:
+        while True:
+            group: list[Path] = []
+            waiting = 0
+            train = index.settings.trainable and not index.candidates.trained
+            with index.bulk() if train else contextlib.nullcontext():
+                for path in remaining:
+                    group.append(path)
+                    shard = read_shard(path)
+                    waiting += _load_shard(index, shard, chunk)
+                    bar.update(len(shard))
+                    del shard
+                    if waiting >= commit_images:
+                        break
+            if not group:
+                break
+            if waiting:
                 index.save()
-            bar.update(len(shard))
-    if once and added:
-        index.save()
-    logger.info("loaded %d images from %d shards in %s into %s (%d there already)", added, len(files), folder,
-                index.root, total - added)
+            added += waiting
+            if remove_loaded:
+                for path in group:
+                    path.unlink(missing_ok=True)
+    logger.info("loaded %d images from %d shards in %s into %s (%d there already)%s", added, len(files), folder,
+                index.root, total - added, "; the loaded shards were removed" if remove_loaded else "")
     return added
+
+
+def _load_shard(index: ImageIndex, shard: Shard, chunk: int) -> int:
+    """Add the images of one shard the index does not hold yet, `chunk` at a time → how many."""
+    present = index.find_paths(shard.paths)
+    rows = [k for k, p in enumerate(shard.paths) if p not in present]
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        if shard.embedded:
+            index.add_vectors(shard.features[part].astype(np.float32), shard.boxes[part], shard.sizes[part],
+                              [shard.names[k] for k in part], [shard.paths[k] for k in part])
+            continue
+        index.add_extracted([shard.fragments(k) for k in part], [shard.names[k] for k in part],
+                            [shard.paths[k] for k in part])
+    return len(rows)
+
+
+def read_shard_keys(path: Path) -> list[str]:
+    """The content keys of one shard (its images, without reading their features)."""
+    with np.load(path, allow_pickle=False) as z:
+        return [str(v) for v in z["keys"]]
 
 
 def shard_summary(folder: Path) -> dict[str, int]:
@@ -253,6 +313,5 @@ def shard_summary(folder: Path) -> dict[str, int]:
     files = shard_files(folder)
     images = 0
     for path in files:
-        with np.load(path, allow_pickle=False) as z:
-            images += len(z["keys"])
+        images += len(read_shard_keys(path))
     return {"shards": len(files), "images": images, "failed": len(read_failed(folder))}

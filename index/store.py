@@ -1,34 +1,108 @@
-"""The re-rank store: every item's fragment vectors, read back exactly for S_kl.
+"""The re-rank store: every item's fragment vectors, read back for S_kl.
 
 Vectors live in segments; an item's rows are contiguous inside one segment. Saved segments are
 `.npy` files opened memory-mapped (so a large collection is paged in on demand); rows added since
-the last save sit in in-memory blocks (the live segment, numbered after the saved ones).
+the last save form the live segment (numbered after the saved ones): in-memory blocks, and, once
+they pass `SPILL_BYTES` in a store that has a folder (an index's store: its folder), a spill file there that the next
+save turns into the new segment without a copy (a hard link under the segment's fresh name). A
+bulk load of millions of fragments therefore holds at most `SPILL_BYTES` of them in memory. The spill
+file is a temp file (`model.atomic.temp_path`): no commit names it, so a crash leaves the last
+committed state and the next save removes it.
+
+Precisions (`IndexSettings.store_dtype`): float32, float16 (the default for large collections), and
+int8: each fragment scaled by its largest absolute coordinate / 127 and rounded, the scale kept
+as a float32 in the row's last 4 bytes (dim + 4 bytes a fragment; reads give q * scale).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
+import shutil
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from model.atomic import atomic_path
+from model.atomic import atomic_path, temp_path
 
 BLOCK_ROWS = 1 << 16  # rows per in-memory block of the live segment
+SPILL_BYTES = 256 << 20  # live rows held in memory before they go to the spill file (stores with a folder)
+HEADER_BYTES = 128  # .npy header of a spill file: fixed size, rewritten with the final shape at a save
+SCALE_BYTES = 4  # int8 rows: the float32 scale after the dim codes
+INT8_MAX = 127.0
+
+
+def row_columns(dim: int, dtype: np.dtype) -> int:
+    """Columns of a stored row: dim, or dim + the scale's 4 bytes for int8."""
+    return dim + SCALE_BYTES if np.dtype(dtype) == np.int8 else dim
+
+
+def npy_header(dtype: np.dtype, shape: tuple[int, int]) -> bytes:
+    """A version 1.0 .npy header of exactly HEADER_BYTES bytes (space-padded, as numpy pads)."""
+    text = repr({"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                 "shape": shape}).encode("latin1")
+    size = HEADER_BYTES - 10
+    if len(text) + 1 > size:
+        raise ValueError(f"shape {shape} does not fit a {HEADER_BYTES}-byte header")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", size) + text + b" " * (size - len(text) - 1) + b"\n"
+
+
+class SpillFile:
+    """Live rows on disk: an open temp file of raw rows after a fixed-size .npy header."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, cols: int) -> None:
+        self.path = temp_path(Path(folder) / "store-live.npy")
+        self.dtype, self.cols = np.dtype(dtype), cols
+        self.row_bytes = cols * self.dtype.itemsize
+        self.rows = 0
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.pwrite(self._fd, npy_header(self.dtype, (0, cols)), 0)
+
+    def write(self, raw: np.ndarray) -> None:
+        data = np.ascontiguousarray(raw, dtype=self.dtype).data
+        pos, done = HEADER_BYTES + self.rows * self.row_bytes, 0
+        view = memoryview(data).cast("B")
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], pos + done)
+        self.rows += len(raw)
+
+    def read(self, off: int, n: int) -> np.ndarray:
+        """(n, cols) raw rows from row `off` (read with pread: no mapping, no resident pages)."""
+        size = n * self.row_bytes
+        buf = os.pread(self._fd, size, HEADER_BYTES + off * self.row_bytes)
+        if len(buf) != size:
+            raise OSError(f"{self.path}: short read of spilled rows {off}..{off + n}")
+        return np.frombuffer(buf, dtype=self.dtype).reshape(n, self.cols)
+
+    def finish(self) -> None:
+        """Write the header of the current shape and make the file durable."""
+        os.pwrite(self._fd, npy_header(self.dtype, (self.rows, self.cols)), 0)
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
 
 class VectorStore:
-    """Fragment vectors (rows, dim) in `dtype` (float32 or float16)."""
+    """Fragment vectors (rows, dim) in `dtype` (float32, float16 or int8); see the module docstring."""
 
-    def __init__(self, dim: int, dtype: str) -> None:
+    def __init__(self, dim: int, dtype: str, folder: Path | None = None) -> None:
         self.dim = dim
         self.dtype = np.dtype(dtype)
+        self.cols = row_columns(dim, self.dtype)
+        self.folder = Path(folder) if folder is not None else None
         self.segments: list[np.ndarray] = []  # saved, read-only
         self.files: list[str] = []
         self._blocks: list[np.ndarray] = []
         self._starts: list[int] = []
         self._fill = 0  # rows used in the last block
+        self._spill: SpillFile | None = None
         self.live_rows = 0
 
     # -- layout -----------------------------------------------------------------------------------
@@ -42,7 +116,32 @@ class VectorStore:
 
     @property
     def bytes_per_row(self) -> int:
-        return self.dim * self.dtype.itemsize
+        return self.cols * self.dtype.itemsize
+
+    @property
+    def spilled_rows(self) -> int:
+        """Live rows in the spill file (the rest are in memory)."""
+        return self._spill.rows if self._spill is not None else 0
+
+    # -- precision --------------------------------------------------------------------------------
+    def encode(self, vecs: np.ndarray) -> np.ndarray:
+        """(n, dim) float -> (n, cols) stored rows."""
+        if self.dtype != np.int8:
+            return np.asarray(vecs, dtype=self.dtype)
+        x = np.asarray(vecs, dtype=np.float32)
+        scale = np.abs(x).max(axis=1, keepdims=True) / INT8_MAX
+        scale[scale == 0] = 1.0
+        out = np.empty((len(x), self.cols), np.int8)
+        out[:, : self.dim] = np.clip(np.rint(x / scale), -INT8_MAX, INT8_MAX)
+        out[:, self.dim :] = scale.astype(np.float32).view(np.int8)
+        return out
+
+    def decode(self, raw: np.ndarray) -> np.ndarray:
+        """(n, cols) stored rows -> (n, dim) float32 (a new array)."""
+        if self.dtype != np.int8:
+            return np.asarray(raw, dtype=np.float32).copy() if raw.dtype == np.float32 else raw.astype(np.float32)
+        scale = np.ascontiguousarray(raw[:, self.dim :]).view(np.float32)
+        return raw[:, : self.dim].astype(np.float32) * scale
 
     # -- writes -----------------------------------------------------------------------------------
     def append(self, vecs: np.ndarray) -> tuple[int, int]:
@@ -51,19 +150,48 @@ class VectorStore:
         if vecs.ndim != 2 or vecs.shape[1] != self.dim:
             raise ValueError(f"vectors of shape {vecs.shape}, expected (n, {self.dim})")
         if not self._blocks or self._fill + n > len(self._blocks[-1]):
-            self._blocks.append(np.empty((max(BLOCK_ROWS, n), self.dim), dtype=self.dtype))
+            if self.folder is not None and self._memory_rows() * self.bytes_per_row >= SPILL_BYTES:
+                self._spill_blocks()
+            self._blocks.append(np.empty((max(BLOCK_ROWS, n), self.cols), dtype=self.dtype))
             self._starts.append(self.live_rows)
             self._fill = 0
-        self._blocks[-1][self._fill : self._fill + n] = vecs
+        self._blocks[-1][self._fill : self._fill + n] = self.encode(vecs)
         off = self.live_rows
         self._fill += n
         self.live_rows += n
         return self.live_segment, off
 
+    def _memory_rows(self) -> int:
+        return self.live_rows - self.spilled_rows
+
+    def _spill_blocks(self) -> None:
+        """Move the in-memory live rows to the end of the spill file."""
+        if not self._blocks:
+            return
+        if self._spill is None:
+            assert self.folder is not None
+            self._spill = SpillFile(self.folder, self.dtype, self.cols)
+        ends = [*self._starts[1:], self.live_rows]
+        for block, start, end in zip(self._blocks, self._starts, ends, strict=True):
+            self._spill.write(block[: end - start])
+        self._blocks, self._starts, self._fill = [], [], 0
+
     def write_live(self, path: Path) -> int:
-        """Write the live rows to `path` (atomically) as one .npy file; returns the rows written."""
+        """Write the live rows to `path` (atomically) as one .npy file; returns the rows written.
+
+        Spilled rows are not copied: the rest joins the spill file, which gets its final header and
+        is linked under `path` (it stays the live rows' file until `commit`)."""
+        if self._spill is not None:
+            self._spill_blocks()
+            self._spill.finish()
+            with atomic_path(path) as tmp:
+                try:
+                    os.link(self._spill.path, tmp)
+                except OSError:  # a file system without hard links: one copy
+                    shutil.copyfile(self._spill.path, tmp)
+            return self.live_rows
         with atomic_path(path) as tmp:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self.live_rows, self.dim))
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self.live_rows, self.cols))
             ends = [*self._starts[1:], self.live_rows]
             for block, start, end in zip(self._blocks, self._starts, ends, strict=True):
                 out[start:end] = block[: end - start]
@@ -79,10 +207,10 @@ class VectorStore:
         total = sum(n for _, _, n in locs)
         offsets: list[int] = []
         with atomic_path(path) as tmp:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(total, self.dim))
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(total, self.cols))
             pos = 0
             for seg, off, n in locs:
-                out[pos : pos + n] = self.rows(seg, off, n)
+                out[pos : pos + n] = self.raw_rows(seg, off, n)
                 offsets.append(pos)
                 pos += n
             out.flush()
@@ -94,25 +222,43 @@ class VectorStore:
         self.files = list(files)
         self.segments = list(arrays)
         self._blocks, self._starts, self._fill, self.live_rows = [], [], 0, 0
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
+
+    def close(self) -> None:
+        """Drop the spill file (live rows not saved are lost)."""
+        if self._spill is not None:
+            self._spill.close()
+            self._spill = None
 
     @staticmethod
     def open_segment(path: Path, dim: int, dtype: np.dtype, rows: int) -> np.ndarray:
         """Memory-map a saved segment; ValueError when its shape or dtype is not the expected one."""
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        if arr.ndim != 2 or arr.shape != (rows, dim) or arr.dtype != dtype:
-            raise ValueError(f"{path.name}: {arr.dtype} {arr.shape}, expected {dtype} ({rows}, {dim})")
+        cols = row_columns(dim, dtype)
+        if arr.ndim != 2 or arr.shape != (rows, cols) or arr.dtype != dtype:
+            raise ValueError(f"{path.name}: {arr.dtype} {arr.shape}, expected {dtype} ({rows}, {cols})")
         return arr
 
     # -- reads ------------------------------------------------------------------------------------
-    def rows(self, seg: int, off: int, n: int) -> np.ndarray:
-        """(n, dim) rows of one item (a view, in the store dtype)."""
+    def raw_rows(self, seg: int, off: int, n: int) -> np.ndarray:
+        """(n, cols) stored rows of one item (a view where they are in memory or memory-mapped)."""
         if seg < len(self.segments):
             return self.segments[seg][off : off + n]
         if seg != self.live_segment or off + n > self.live_rows:
             raise IndexError(f"rows {off}..{off + n} of segment {seg} do not exist")
+        if off < self.spilled_rows:
+            assert self._spill is not None
+            return self._spill.read(off, n)
         b = bisect.bisect_right(self._starts, off) - 1
         local = off - self._starts[b]
         return self._blocks[b][local : local + n]
+
+    def rows(self, seg: int, off: int, n: int) -> np.ndarray:
+        """(n, dim) rows of one item: a view in the store dtype for float stores, float32 for int8."""
+        raw = self.raw_rows(seg, off, n)
+        return self.decode(raw) if self.dtype == np.int8 else raw
 
     def gather(self, seg: np.ndarray, off: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Items at (seg, off, n), each (C,) -> vectors (C, F_max, dim) float32 and mask (C, F_max)."""
@@ -124,17 +270,18 @@ class VectorStore:
             sel = np.flatnonzero(seg == s)
             if s >= len(self.segments):
                 for i in sel:
-                    out[i, : n[i]] = self.rows(int(s), int(off[i]), int(n[i]))
+                    out[i, : n[i]] = self.decode(self.raw_rows(int(s), int(off[i]), int(n[i])))
                 continue
             segment = self.segments[int(s)]
             first = int(off[sel[0]])
             if (n[sel] == f_max).all() and (np.diff(off[sel]) == f_max).all():  # one contiguous run
-                out[sel] = segment[first : first + len(sel) * f_max].reshape(len(sel), f_max, self.dim)
+                raw = segment[first : first + len(sel) * f_max]
+                out[sel] = self.decode(raw).reshape(len(sel), f_max, self.dim)
                 continue
             rows = (off[sel, None] + np.arange(f_max)[None, :])[mask[sel]]
             order = np.argsort(rows, kind="stable")  # read the memory map in file order
             values = np.empty((len(rows), self.dim), dtype=np.float32)
-            values[order] = segment[rows[order]]
+            values[order] = self.decode(segment[rows[order]])
             dest = out[sel]
             dest[mask[sel]] = values
             out[sel] = dest

@@ -82,7 +82,13 @@ class StoredFragments:
             return self.item_vectors(items)[1]
         per_item = max(1, int(np.ceil(size / max(1, len(items)))))
         chosen = np.sort(rng.choice(len(items), size=min(len(items), int(np.ceil(size / per_item))), replace=False))
-        vecs = self.item_vectors(items[chosen])[1]
-        if len(vecs) > size:
-            vecs = vecs[np.sort(rng.choice(len(vecs), size=size, replace=False))]
-        return vecs
+        picked = items[chosen]
+        counts = self.items.n[picked].astype(np.int64)
+        if counts.sum() <= size:
+            return self.item_vectors(picked)[1]
+        # the positions drawn in the chosen items' fragments laid end to end, read one by one: the
+        # sample costs its own size in memory, not the chosen items' every fragment
+        keep = np.sort(rng.choice(int(counts.sum()), size=size, replace=False))
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        owner = np.searchsorted(starts, keep, side="right") - 1
+        return self.fragment_vectors(picked[owner], keep - starts[owner])

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
-STORE_DTYPES = ("float32", "float16")
+STORE_DTYPES = ("float32", "float16", "int8")
 # Fields that shape the stored FAISS index; the others only change how it is searched.
 STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype")
 
@@ -36,7 +36,9 @@ class IndexSettings:
     positive score, by range search; meant with `rerank`, for collections that share fragments).
     `rerank` R > 0 keeps the R candidates with the best partial score (their retrieved fragments'
     positive FAISS scores, summed and normalised as S_kl is) for the exact re-rank: fetch many, score few.
-    `store_dtype`: precision of the re-rank store (the vectors the exact score reads).
+    `store_dtype`: precision of the re-rank store (the vectors the exact score reads): float32, float16
+    (half the bytes; the choice for large collections, `large_collection`), int8 (a quarter plus 4 bytes
+    a fragment: per-fragment scale, index.store; image indexes only).
     `exact_below`: a collection of at most this many live fragments is searched by the exact score over
     every item, without the candidate stage (at that size the scan costs less than the candidate
     search and agrees with the exact ranking by definition); 0 always uses the candidates.

@@ -1,0 +1,327 @@
+"""A large image collection through the product's own write path, in bounded memory.
+
+    python -m bench.million --images 1000000 --work artifacts/bench-1m --model artifacts/models/full-val/model.pt
+
+Build: synthetic images are written as embedded fragment shards (`index.shards.ShardWriter`, the
+shard format of `index.bulk`), `--part` images at a time; each part is loaded with
+`index.shards.load_shards` (the public load / commit path: streamed adds, the candidate index
+trained on a sample of the first group, the re-rank store spilled to disk and committed in groups)
+and its shards are removed once committed (`remove_loaded`), so the collection is never twice on disk.
+
+The vectors are realistic, not random: the dev images' cached crop features are embedded by the
+model (the real fragments, with their norms); a synthetic image takes a dev image's whole-image
+fragment and half of its regions, the other half from other dev images, each fragment moved by
+Gaussian noise (`--noise` of the fragments' per-dimension spread) and scaled back to its source's norm.
+Queries are the first `--queries` dev captions, encoded by the model as the service encodes them.
+
+Measured: the build's images per second from shards (loading only; the shards' writing is timed
+apart) and the process's peak RSS while building (sampled from /proc/self/status, anonymous and
+file-backed apart; ru_maxrss beside); the index folder's bytes per image; agreement@10 with the
+exhaustive exact S_kl and retrieval latency for each search setting; the exhaustive p50 on a few
+queries; with `--int8`, the same candidates re-ranked from an int8 copy of their stored vectors
+(`index.store`'s int8 encoding), to state the agreement an int8 store keeps at this size. Rows are
+appended to docs/results/index-bench.csv (collection `synthetic-real-<size>-h<h>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import resource
+import shlex
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import faiss
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench.index_bench import K, Row, agreement, ann_bytes_per_fragment, describe, read_row, timed, write_csv
+from index import ImageIndex, IndexSettings
+from index.shards import ShardWriter, load_shards, shard_settings
+from index.store import VectorStore
+from model.bundle import Bundle
+from model.config import default_artifacts_dir, default_data_dir
+from model.data import load_split
+from model.dataset import feature_cache
+from model.embed import embed_sentence
+
+logger = logging.getLogger("bench.million")
+
+SHARD_SIZE = 1024  # images per synthetic shard
+NOISE_BANK = 1 << 16  # noise rows drawn once and reused at random
+
+
+def load_average() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+class RssSampler:
+    """Peak VmRSS / RssAnon / RssFile of this process (MB), sampled every `every` seconds in a thread."""
+
+    FIELDS = ("VmRSS", "RssAnon", "RssFile")
+
+    def __init__(self, every: float = 0.2) -> None:
+        self.every = every
+        self.peak = dict.fromkeys(self.FIELDS, 0.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> dict[str, float]:
+        out = {}
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in RssSampler.FIELDS:
+                out[name] = int(value.split()[0]) / 1024
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for k, v in self.now().items():
+                self.peak[k] = max(self.peak[k], v)
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for k, v in self.now().items():
+            self.peak[k] = max(self.peak[k], v)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v:.0f} MB" for k, v in self.peak.items())
+
+
+class RealisticImages:
+    """Synthetic images around the model's real dev-image fragments (see the module docstring)."""
+
+    def __init__(self, real: np.ndarray, noise: float, seed: int = 0) -> None:
+        self.real = real.astype(np.float32)  # (n_images, F, h)
+        self.norms = np.linalg.norm(self.real, axis=2)
+        rng = np.random.default_rng(seed)
+        spread = self.real.reshape(-1, real.shape[2]).std(axis=0)
+        self.noise = (noise * rng.standard_normal((NOISE_BANK, real.shape[2])) * spread).astype(np.float32)
+        self.seed = seed
+
+    def images(self, start: int, count: int) -> np.ndarray:
+        """Images start .. start+count-1 (deterministic): (count, F, h) float32."""
+        n_real, n_frag, _ = self.real.shape
+        rng = np.random.default_rng((self.seed, start))
+        base = rng.integers(0, n_real, count)
+        src_img = np.repeat(base[:, None], n_frag, axis=1)
+        src_row = np.repeat(np.arange(n_frag)[None, :], count, axis=0)
+        swap = rng.random((count, n_frag)) < 0.5
+        swap[:, 0] = False  # the whole-image fragment stays the base image's
+        src_img[swap] = rng.integers(0, n_real, int(swap.sum()))
+        src_row[swap] = rng.integers(1, n_frag, int(swap.sum()))
+        out = self.real[src_img, src_row] + self.noise[rng.integers(0, NOISE_BANK, (count, n_frag))]
+        out *= (self.norms[src_img, src_row] / np.maximum(np.linalg.norm(out, axis=2), 1e-6))[..., None]
+        return out
+
+
+def real_fragments(bundle: Bundle, data: Path, cache_dir: Path) -> tuple[np.ndarray, list[str]]:
+    """The dev images' fragments as the model embeds them (n, F, h), and the dev captions."""
+    split = load_split(data, "dev")
+    paths = [split.image_path(n) for n in split.images]
+    cache = feature_cache(cache_dir, bundle.image_cfg)
+    feats = np.stack([f.features for f in cache.load(paths)])
+    with torch.inference_mode():
+        real = np.concatenate([bundle.embed_images(feats[i : i + 64]).numpy() for i in range(0, len(feats), 64)])
+    return real, [caps[0] for caps in split.captions]
+
+
+@contextmanager
+def phase(name: str) -> Iterator[RssSampler]:
+    logger.info("%s: start (load average %s)", name, load_average())
+    t0 = time.perf_counter()
+    with RssSampler() as rss:
+        yield rss
+    logger.info("%s: %.1f s, peak %s (load average %s)", name, time.perf_counter() - t0, rss.describe(),
+                load_average())
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def build(args: argparse.Namespace, bundle: Bundle, gen: RealisticImages, settings: IndexSettings
+          ) -> dict[str, float]:
+    """Shards part by part, each loaded and removed; returns the build's measurements."""
+    index_dir, shards = args.work / "index", args.work / "shards"
+    if not args.resume:
+        shutil.rmtree(index_dir, ignore_errors=True)
+    shutil.rmtree(shards, ignore_errors=True)
+    cfg = shard_settings(bundle.image_cfg)
+    boxes = np.tile(np.array([0, 0, 224, 224], np.float32), (gen.real.shape[1], 1))
+    write_s = load_s = 0.0
+    peak_disk = 0
+    faiss.omp_set_num_threads(args.build_threads)
+    with phase("build") as rss:
+        index = ImageIndex.load(index_dir, bundle) if args.resume else ImageIndex.create(index_dir, bundle, settings)
+        first = len(index)  # images committed by an earlier, stopped build (--resume)
+        for start in tqdm(range(first, args.images, args.part), desc="parts", unit="part"):
+            count = min(args.part, args.images - start)
+            t0 = time.perf_counter()
+            with ShardWriter(shards, cfg, SHARD_SIZE, embedded_by=index.fingerprint, dim=bundle.dim) as writer:
+                for s0 in range(start, start + count, SHARD_SIZE):
+                    vecs = gen.images(s0, min(SHARD_SIZE, start + count - s0))
+                    for i, v in enumerate(vecs):
+                        name = f"syn{s0 + i:08d}.jpg"
+                        writer.add_vectors(name, name, f"/synthetic/{name}", v, boxes, 224, 224)
+            write_s += time.perf_counter() - t0
+            peak_disk = max(peak_disk, folder_bytes(shards) + folder_bytes(index_dir))
+            t0 = time.perf_counter()
+            load_shards(index, shards, progress=False, commit_images=args.commit_images, remove_loaded=True)
+            load_s += time.perf_counter() - t0
+            logger.info("%d images loaded; RSS now %s; load average %s", len(index), RssSampler.now(), load_average())
+        index.close()
+    disk = folder_bytes(index_dir)
+    shutil.rmtree(shards, ignore_errors=True)
+    out = {"write_s": write_s, "load_s": load_s, "images_per_s": (args.images - first) / load_s, "disk": disk,
+           "resumed_at": first,
+           "peak_disk": peak_disk, "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+           **{f"peak_{k}_mb": v for k, v in rss.peak.items()}}
+    logger.info("build: %s", json.dumps({k: round(v, 1) for k, v in out.items()}))
+    return out
+
+
+def int8_agreement(index: ImageIndex, queries: list[torch.Tensor], truth: list[list[int]]) -> float:
+    """agreement@10 of the indexed search when the candidates' stored vectors are read back through
+    an int8 store's encoding (the same candidates: the candidate stage does not read the store)."""
+    int8 = VectorStore(index.dim, "int8")
+    found = []
+    for q in queries:
+        with index.reading():
+            cand = index.ranker.candidates(q.numpy())
+            vecs, mask = index.store.gather(index.items.seg[cand], index.items.off[cand], index.items.n[cand])
+        flat = vecs.reshape(-1, index.dim)
+        vecs = int8.decode(int8.encode(flat)).reshape(vecs.shape)
+        scores = index.bundle.scores(torch.from_numpy(vecs), torch.from_numpy(mask.astype(np.float32)),
+                                     q[None], torch.ones(1, len(q)))[:, 0].numpy()
+        order = np.lexsort((cand, -scores))[:K]
+        found.append(cand[order].tolist())
+    return agreement(found, truth)
+
+
+def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], settings: list[IndexSettings],
+            built: dict[str, float], command: str) -> list[Row]:
+    faiss.omp_set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    index = ImageIndex.load(args.work / "index", bundle)
+    queries = []
+    for text in captions:
+        try:
+            queries.append(embed_sentence(bundle, text)[0])
+        except ValueError:
+            continue
+        if len(queries) == args.queries:
+            break
+    label = f"synthetic-real-{args.images // 1000}k-h{bundle.dim}" if args.images < 1_000_000 else \
+        f"synthetic-real-{args.images // 1_000_000}M-h{bundle.dim}"
+    with phase("exhaustive ground truth") as rss:
+        torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
+        truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+        torch.set_num_threads(args.threads)
+        _, exhaustive_ms = timed(
+            lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], args.exhaustive_timed)
+    logger.info("exhaustive p50 %.0f ms over %d queries (peak %s)", np.median(exhaustive_ms), len(exhaustive_ms),
+                rss.describe())
+    rows = []
+    for s in settings:
+        index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, exact_below=0)
+        before = load_average()
+        with RssSampler() as rss:
+            timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], min(5, len(queries)))  # warm
+            found, ms = timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], len(queries))
+        p50, ex50 = float(np.percentile(ms, 50)), float(np.percentile(exhaustive_ms, 50))
+        row = Row(label, len(index), "faiss", index.candidates.active_kind, describe(index),
+                  round(agreement(found, truth), 4), round(p50, 2), round(float(np.percentile(ms, 99)), 2),
+                  round(ex50, 1), round(ex50 / p50, 1), round(ann_bytes_per_fragment(index), 1), command,
+                  round(max(built["peak_VmRSS_mb"], rss.peak["VmRSS"])), round(built["disk"] / args.images),
+                  round(built["images_per_s"], 1), f"{before}/{load_average()}")
+        logger.info("%s agree@10 %.3f p50 %.1f ms p99 %.1f ms (x%.0f) measuring RSS %s", row.params,
+                    row.agreement_at_10, row.p50_ms, row.p99_ms, row.speedup, rss.describe())
+        rows.append(row)
+        if args.int8:
+            before = load_average()
+            a8 = int8_agreement(index, queries, truth)
+            rows.append(dataclasses.replace(row, params=row.params.replace(
+                f"store={index.settings.store_dtype}-mmap({index.store.bytes_per_row}B/frag)",
+                f"store=int8 re-read of these candidates({index.dim + 4}B/frag)"), agreement_at_10=round(a8, 4),
+                p50_ms="", p99_ms="", speedup="", load_avg=f"{before}/{load_average()}"))  # type: ignore[arg-type]
+            logger.info("  int8 re-read of the same candidates: agree@10 %.3f", a8)
+    index.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    art = default_artifacts_dir()
+    ap.add_argument("--images", type=int, default=1_000_000)
+    ap.add_argument("--part", type=int, default=100_000, help="images written as shards, then loaded, at a time")
+    ap.add_argument("--commit-images", type=int, default=100_000, help="load_shards: images between two commits")
+    ap.add_argument("--work", type=Path, default=art / "bench-1m",
+                    help="index and shards (large; removed unless --keep)")
+    ap.add_argument("--model", type=Path, default=art / "models" / "full-val" / "model.pt")
+    ap.add_argument("--data", type=Path, default=default_data_dir())
+    ap.add_argument("--cache", type=Path, default=art / "cache")
+    ap.add_argument("--noise", type=float, default=0.5, help="noise as a share of the per-dimension spread")
+    ap.add_argument("--nlist", type=int, default=1024)
+    ap.add_argument("--store-dtype", default="float16")
+    ap.add_argument("--sweep", default="16:16384:1024,16:16384:2048,16:32768:2048,32:32768:2048,16:65536:2048",
+                    help="search settings measured, nprobe:k_prime:rerank comma-separated")
+    ap.add_argument("--queries", type=int, default=50)
+    ap.add_argument("--exhaustive-timed", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
+    ap.add_argument("--build-threads", type=int, default=2)
+    ap.add_argument("--int8", action="store_true", help="also the int8 re-read of each setting's candidates")
+    ap.add_argument("--skip-build", action="store_true", help="measure the index already in --work")
+    ap.add_argument("--resume", action="store_true", help="continue a stopped build of the index in --work "
+                    "(from the images its last commit holds)")
+    ap.add_argument("--keep", action="store_true", help="keep the index (for the serving measurements)")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = "python -m bench.million " + shlex.join(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(args.threads)
+    bundle = Bundle.load(args.model)
+    real, captions = real_fragments(bundle, args.data, args.cache)
+    base = IndexSettings(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)
+    settings = [dataclasses.replace(base, nprobe=int(p), k_prime=int(k), rerank=int(r))
+                for p, k, r in (s.split(":") for s in args.sweep.split(","))]
+    args.work.mkdir(parents=True, exist_ok=True)
+    built_file = args.work / "build.json"
+    if args.skip_build:  # the build's measurements as a build run wrote them (build.json)
+        built = json.loads(built_file.read_text())
+    else:
+        built = build(args, bundle, RealisticImages(real, args.noise), base)
+        built_file.write_text(json.dumps(built))
+    rows = measure(args, bundle, captions, settings, built, command)
+    old = []
+    if args.out.is_file():
+        import csv
+
+        with open(args.out, newline="") as f:
+            old = [read_row(r) for r in csv.DictReader(f)]
+    mine = {r.collection for r in rows}
+    write_csv([r for r in old if r.collection not in mine] + rows, args.out)
+    logger.info("wrote %d rows to %s", len(rows), args.out)
+    if not args.keep:
+        shutil.rmtree(args.work / "index", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""A large load in bounded memory (index/store.py's spill file, index/shards.py's grouped commits) and the
+int8 re-rank store, on small data: the streamed build equals the in-memory one, a crash mid-load keeps
+the last commit, an int8 store keeps the exact ranking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import index.store
+from index import ImageIndex, IndexSettings
+from index.shards import ShardError, ShardWriter, load_shards, shard_files, shard_settings
+from index.store import VectorStore
+from model.bundle import Bundle
+from model.words import WordTable
+from tests.test_index import IMAGE_CFG, QUERIES, WORDS, F, H, make_bundle, one_thread, ranking  # noqa: F401
+
+N = 60
+
+
+@pytest.fixture(scope="module")
+def bundle() -> Bundle:
+    return make_bundle(WordTable.build(WORDS))
+
+
+def images(n: int = N, seed: int = 3) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    rng = np.random.default_rng(seed)
+    vecs = rng.standard_normal((n, F, H)).astype(np.float32).astype(np.float16).astype(np.float32)
+    boxes = np.tile(np.array([0, 0, 100, 80], np.float32), (n, F, 1))
+    return vecs, boxes, [f"/photos/p{k:03d}.jpg" for k in range(n)]
+
+
+def write_shards(folder: Path, bundle: Bundle, fingerprint: str, shard_size: int = 7) -> None:
+    vecs, boxes, paths = images()
+    with ShardWriter(folder, shard_settings(IMAGE_CFG), shard_size, embedded_by=fingerprint, dim=H) as writer:
+        for v, b, p in zip(vecs, boxes, paths, strict=True):
+            writer.add_vectors(Path(p).name, Path(p).name, p, v, b, 100, 80)
+
+
+def stored(ix: ImageIndex) -> dict[str, np.ndarray]:
+    """path -> the item's stored rows (float32)."""
+    found = ix.find_paths(images()[2])
+    return {p: np.asarray(ix.stored.rows(i), np.float32) for p, i in found.items()}
+
+
+def path_of(ix: ImageIndex, image_id: int) -> str:
+    record = ix.get(image_id)
+    assert record is not None
+    return record.path
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_streamed_load_with_spill_equals_the_in_memory_index(tmp_path: Path, bundle: Bundle, kind: str,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    settings = IndexSettings(kind=kind, nlist=4, store_dtype="float16", exact_below=0)
+    vecs, boxes, paths = images()
+    memory = ImageIndex.create(tmp_path / "memory", bundle, settings)
+    with memory.bulk():
+        memory.add_vectors(vecs, boxes, np.tile([100, 80], (N, 1)), [Path(p).name for p in paths], paths)
+    memory.save()
+    monkeypatch.setattr(index.store, "SPILL_BYTES", 3 * F * H * 2)  # a spill every few images
+    monkeypatch.setattr(index.store, "BLOCK_ROWS", 2 * F)
+    spilled: list[int] = []
+    real_write = index.store.SpillFile.write
+
+    def write(self: index.store.SpillFile, raw: np.ndarray) -> None:
+        spilled.append(len(raw))
+        real_write(self, raw)
+
+    monkeypatch.setattr(index.store.SpillFile, "write", write)
+    shards = tmp_path / "shards"
+    streamed = ImageIndex.create(tmp_path / "streamed", bundle, settings)
+    write_shards(shards, bundle, streamed.fingerprint)
+    assert load_shards(streamed, shards, chunk=4, progress=False, commit_images=25, remove_loaded=True) == N
+    assert shard_files(shards) == []  # every shard was removed once a commit held its images
+    assert streamed.generation == 1 + 3  # created, then a commit per group of >= 25 images
+    assert streamed.candidates.active_kind == kind and streamed.candidates.ntotal == N * F
+    assert sum(spilled) == 2 * 28 * F  # the two groups of 28 images went through spill files (the last 4
+    # images stayed under the threshold), which became segments
+    assert not list(streamed.root.glob(".*.tmp"))
+    got, want = stored(streamed), stored(memory)
+    assert sorted(got) == sorted(want) == sorted(paths)
+    for p in paths:
+        np.testing.assert_array_equal(got[p], want[p])
+    streamed.close()
+    again = ImageIndex.load(tmp_path / "streamed", bundle)
+    for q in QUERIES:
+        assert [(path_of(again, i), s) for i, s in ranking(again.search_exhaustive(q, 10))] == \
+               [(path_of(memory, i), s) for i, s in ranking(memory.search_exhaustive(q, 10))]
+        if kind == "flat":
+            assert ranking(again.search(q, 10)) == ranking(again.search_exhaustive(q, 10))
+    again.close()
+    memory.close()
+
+
+def test_a_crash_mid_load_leaves_the_last_commit_and_the_next_load_resumes(tmp_path: Path, bundle: Bundle,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(index.store, "SPILL_BYTES", 2 * F * H * 4)
+    monkeypatch.setattr(index.store, "BLOCK_ROWS", F)
+    root, shards = tmp_path / "idx", tmp_path / "shards"
+    ix = ImageIndex.create(root, bundle, IndexSettings(exact_below=0))
+    write_shards(shards, bundle, ix.fingerprint)
+    real_add = ImageIndex.add_vectors
+    calls = 0
+
+    class Crash(BaseException):
+        pass
+
+    def crash_in_the_second_group(self: ImageIndex, *args: object, **kwargs: object) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if len(self) >= 50:  # the first group (35 images) is committed, 15 of the second added and spilled
+            raise Crash
+        return real_add(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ImageIndex, "add_vectors", crash_in_the_second_group)
+    with pytest.raises(Crash):
+        load_shards(ix, shards, chunk=5, progress=False, commit_images=30, remove_loaded=True)
+    assert list(root.glob(".*store-live*.tmp"))  # the uncommitted rows' spill file is left behind
+    monkeypatch.setattr(ImageIndex, "add_vectors", real_add)
+    after = ImageIndex.load(root, bundle)  # what a restart sees: the last commit
+    assert len(after) == 35 and len(shard_files(shards)) == 4  # the first group's 5 shards of 7 are gone
+    committed = len(after)
+    assert load_shards(after, shards, progress=False, remove_loaded=True) == N - committed
+    assert len(after) == N and shard_files(shards) == []
+    assert not list(root.glob(".*.tmp"))  # the crashed writer's spill file went with the next save
+    assert sorted(after.find_paths(images()[2])) == sorted(images()[2])
+    after.close()
+
+
+def test_embedded_shards_of_another_model_are_refused(tmp_path: Path, bundle: Bundle):
+    ix = ImageIndex.create(tmp_path / "idx", bundle)
+    write_shards(tmp_path / "s", bundle, "0" * 20)
+    with pytest.raises(ShardError, match="another model"):
+        load_shards(ix, tmp_path / "s", progress=False)
+    with pytest.raises(ValueError, match="holds features"):
+        ShardWriter(tmp_path / "f", shard_settings(IMAGE_CFG)).add_vectors("k", "n", "/p", np.zeros((F, H)),
+                                                                          np.zeros((F, 4)), 1, 1)
+    ix.close()
+
+
+def test_int8_store_keeps_the_exact_ranking_and_survives_a_reload(tmp_path: Path, bundle: Bundle):
+    vecs, boxes, paths = images(200, seed=5)
+    built = {}
+    for dtype in ("float16", "int8"):
+        ix = ImageIndex.create(tmp_path / dtype, bundle, IndexSettings(store_dtype=dtype, exact_below=0))
+        ix.add_vectors(vecs, boxes, np.tile([100, 80], (200, 1)), [Path(p).name for p in paths], paths)
+        ix.save()
+        built[dtype] = ix
+    int8 = built["int8"]
+    assert int8.store.bytes_per_row == H + 4 and built["float16"].store.bytes_per_row == 2 * H
+    rows = np.stack([int8.stored.rows(i) for i in range(200)])
+    bound = np.abs(vecs).max(axis=2, keepdims=True) / 254 + 1e-6  # half a quantisation step
+    assert (np.abs(rows - vecs) <= bound).all()
+    overlap = []
+    for q in QUERIES:
+        a = [i for i, _ in ranking(built["float16"].search_exhaustive(q, 10))]
+        b = [i for i, _ in ranking(int8.search_exhaustive(q, 10))]
+        overlap.append(len(set(a) & set(b)) / 10)
+    assert np.mean(overlap) >= 0.9
+    int8.close()
+    again = ImageIndex.load(tmp_path / "int8", bundle)
+    np.testing.assert_array_equal(np.stack([again.stored.rows(i) for i in range(200)]), rows)
+    again.close()
+    built["float16"].close()
+
+
+def test_int8_encoding_round_trips_and_rejects_nothing_it_can_hold():
+    store = VectorStore(8, "int8")
+    x = np.array([[0.0] * 8, [1, -2, 3, -4, 5, -6, 7, -127], [1e-8] * 8], np.float32)
+    y = store.decode(store.encode(x))
+    np.testing.assert_allclose(y, x, atol=np.abs(x).max(axis=1, keepdims=True).max() / 254)
+    assert (y[0] == 0).all() and y[1, 7] == -127
+    np.testing.assert_array_equal(store.decode(store.encode(y)), y)  # a second round is exact
+
+
+def test_a_sentence_index_refuses_an_int8_store(tmp_path: Path, bundle: Bundle):
+    from index import SentenceIndex
+
+    with pytest.raises(ValueError, match="not int8"):
+        SentenceIndex.create(tmp_path / "s", bundle, IndexSettings(store_dtype="int8"))
