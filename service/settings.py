@@ -29,11 +29,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FRAGSEARCH_", env_file=".env", extra="ignore")
 
     # where things are
-    data: Path = Field(default_factory=default_data_dir, description="data folder (images/, captions.txt, splits)")
+    data: Path = Field(default_factory=default_data_dir, description="data folder (images/, captions.txt, splits); "
+                       "default ../shared/data/flickr8k beside the checkout")
     data_mounted_from: str | None = Field(
         default=None, description="the host folder mounted as the data folder (docker-compose.yml sets it from "
         "FRAGSEARCH_DATA_HOST), named when the data folder is unusable")
-    artifacts: Path = Field(default_factory=default_artifacts_dir, description="weights, caches and indexes")
+    artifacts: Path = Field(default_factory=default_artifacts_dir, description="weights, caches and indexes; "
+                            "default artifacts/ in the checkout (git-ignored)")
     model_path: Path | None = Field(
         default=None, description="checkpoint; default <artifacts>/models/<variant>/model.pt")
     image_index: Path | None = Field(
@@ -70,8 +72,8 @@ class Settings(BaseSettings):
                                   "python -m service.prepare")
 
     # serving
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="address to listen on (python -m service --host overrides it)")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on (--port overrides it)")
     device: str = Field(default="auto", description="auto (cuda when available), cpu or cuda: model, "
                         "MiniLM, image backbone, training and FAISS (model/device.py)")
     torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: torch's choice")
@@ -92,7 +94,7 @@ class Settings(BaseSettings):
     freeze_heap: bool = Field(default=True, description="once loaded, move the model's and indexes' objects out of "
                               "the garbage collector's reach (gc.freeze): a full collection over them pauses every "
                               "request for ~0.4 s")
-    log_level: str = "info"
+    log_level: str = Field(default="info", description="lowest level logged: debug, info, warning, error, critical")
     log_format: Literal["text", "json"] = Field(default="text", description="log lines as text or as one JSON "
                                                 "object each (time, level, logger, message, exception)")
     cors_origins: list[str] = Field(default_factory=list, description="origins allowed to call the API from a "
@@ -203,3 +205,4 @@ class Settings(BaseSettings):
     def writes_open(self) -> bool:
         """Writes are possible: a key is configured, or auth was switched off explicitly."""
         return self.auth_disabled or self.api_key is not None
+
