@@ -1,6 +1,8 @@
 """The web page in headless Chromium: a search from ?q= draws result images with labelled boxes.
 
-Screenshots go to artifacts/screenshots/ (git-ignored: they show data-set images).
+Screenshots go to artifacts/screenshots/ (git-ignored: most show data-set images). The one of the
+synthetic shapes collection, service-shapes.png, is also the documentation's picture of the page:
+copy it to docs/screenshots/ to refresh that (it shows no Flickr8K pixels).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -17,13 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from model.config import default_artifacts_dir
 from service.app import create_app
 from service.settings import Settings
 from tests.cdp import Browser
+from tests.loopback import ServerThread
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -38,28 +38,6 @@ SCREENSHOTS = default_artifacts_dir() / "screenshots"
 
 # skipped without Chromium, but failed under CI (.ci/run installs it): the page must be tested there
 pytestmark = pytest.mark.required(CHROMIUM.is_file(), reason=f"{CHROMIUM} is absent (apt-get install chromium)")
-
-
-class ServerThread:
-    """uvicorn on 127.0.0.1 and a free port, in a daemon thread."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def chromium(*args: str) -> str:
