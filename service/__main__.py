@@ -6,7 +6,7 @@ searches are served as soon as the image index is.
 
     python -m service [--host H] [--port P] [--no-prepare] [--config FILE] [--SETTING VALUE ...]
 
-Every setting has a flag (`--help` lists them, docs/settings.md is their table); the flags override
+Every setting has a flag (`--help` lists them, docs/operations/settings.md is their table); the flags override
 the FRAGSEARCH_* environment variables, `.env` and the settings file (./fragsearch.toml,
 FRAGSEARCH_CONFIG or --config): service/settings.py.
 """

@@ -1,6 +1,8 @@
 """The web page in headless Chromium: a search from ?q= draws result images with labelled boxes.
 
-Screenshots go to artifacts/screenshots/ (git-ignored: they show data-set images).
+Screenshots go to artifacts/screenshots/ (git-ignored: most show data-set images). The one of the
+synthetic shapes collection, service-shapes.png, is also the documentation's picture of the page:
+copy it to docs/screenshots/ to refresh that (it shows no Flickr8K pixels).
 """
 
 from __future__ import annotations

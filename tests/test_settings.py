@@ -1,5 +1,5 @@
 """Settings from flags, the environment, .env and fragsearch.toml (pydantic-settings), each over the next;
-a flag for every setting in `python -m service --help`; the settings table docs/settings.md generated
+a flag for every setting in `python -m service --help`; the settings table docs/operations/settings.md generated
 from the model."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def from_flags(*flags: str) -> Settings:
 
 def test_the_settings_table_is_generated_from_the_model() -> None:
     table = (ROOT / "docs" / "settings.md").read_text()
-    assert table == settings_markdown(), "docs/settings.md is stale: python -m service.settings --markdown"
+    assert table == settings_markdown(), "docs/operations/settings.md is stale: python -m service.settings --markdown"
     for name in Settings.model_fields:
         assert f"| `{name}` | `--{name.replace('_', '-')}" in table, name
 
