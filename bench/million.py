@@ -15,7 +15,7 @@ Gaussian noise (`--noise` of the fragments' per-dimension spread) and scaled bac
 Queries are the first `--queries` dev captions, encoded by the model as the service encodes them.
 
 Measured: the build's images per second from shards (loading only; the shards' writing is timed
-apart) and the process's peak RSS while building (sampled from /proc/self/status, anonymous and
+apart) and the process's peak RSS while building (sampled with psutil, anonymous and
 file-backed apart; ru_maxrss beside); the index folder's bytes per image; agreement@10 with the
 exhaustive exact S_kl and retrieval latency for each search setting; the exhaustive p50 on a few
 queries; with `--int8`, the same candidates re-ranked from an int8 copy of their stored vectors
@@ -42,6 +42,7 @@ from pathlib import Path
 
 import faiss
 import numpy as np
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -78,12 +79,9 @@ class RssSampler:
 
     @staticmethod
     def now() -> dict[str, float]:
-        out = {}
-        for line in Path("/proc/self/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name in RssSampler.FIELDS:
-                out[name] = int(value.split()[0]) / 1024
-        return out
+        """Resident MB now: all, anonymous, file-backed (psutil's shared: file pages and shared memory)."""
+        mem = psutil.Process().memory_info()
+        return {"VmRSS": mem.rss / 2**20, "RssAnon": (mem.rss - mem.shared) / 2**20, "RssFile": mem.shared / 2**20}
 
     def _run(self) -> None:
         while not self._stop.is_set():

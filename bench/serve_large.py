@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench import machine
 from model.config import default_artifacts_dir
@@ -52,14 +53,11 @@ def evict(folder: Path) -> int:
 
 
 def memory(pid: int) -> dict[str, Any]:
-    """RSS (MB: total, anonymous, file-backed) and open file descriptors of process `pid`."""
-    out: dict[str, Any] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[f"{name}_mb"] = round(int(value.split()[0]) / 1024, 1)
-    out["open_files"] = len(list(Path(f"/proc/{pid}/fd").iterdir()))
-    return out
+    """RSS (MB: total, anonymous, file-backed: psutil's shared) and open file descriptors of process `pid`."""
+    proc = psutil.Process(pid)
+    mem = proc.memory_info()
+    return {"VmRSS_mb": round(mem.rss / 2**20, 1), "RssAnon_mb": round((mem.rss - mem.shared) / 2**20, 1),
+            "RssFile_mb": round(mem.shared / 2**20, 1), "open_files": proc.num_fds()}
 
 
 def load_average() -> float:
