@@ -30,7 +30,7 @@ def from_flags(*flags: str) -> Settings:
 
 
 def test_the_settings_table_is_generated_from_the_model() -> None:
-    table = (ROOT / "docs" / "settings.md").read_text()
+    table = (ROOT / "docs" / "operations" / "settings.md").read_text()
     assert table == settings_markdown(), "docs/operations/settings.md is stale: python -m service.settings --markdown"
     for name in Settings.model_fields:
         assert f"| `{name}` | `--{name.replace('_', '-')}" in table, name
