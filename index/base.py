@@ -76,6 +76,7 @@ __all__ = ["DB_FILE", "FragmentIndex", "built_fingerprint"]
 LOCK_FILE = ".writer.lock"
 LOAD_ATTEMPTS = 5  # loads of an index that a writer keeps committing to meanwhile
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
+FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed items exactly, without candidates
 ADD_ITEMS = 512  # items whose fragments go into the candidate backend in one call while rebuilding
 SAMPLE_SEED = 0
 SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (FragmentIndex.searches)
@@ -536,28 +537,33 @@ class FragmentIndex(Generic[P]):
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
     # -- reads (callers hold self._rw.read()) --------------------------------------------------------
-    def _candidates(self, queries: np.ndarray) -> np.ndarray:
+    def _candidates(self, queries: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
         """queries: (t, dim) -> ids of the live items with a fragment among a query's k' nearest
-        (k' = 0: every fragment with a positive score).
+        (k' = 0: every fragment with a positive score); with `allowed` (sorted ids), only those items:
+        a backend that filters while it searches (Milvus) is given them, the others' results are
+        filtered after.
 
         With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
         the sum of max(0, backend score) over their retrieved fragments) are kept for the exact re-rank.
         """
         self._searched("candidates")
-        if self.candidates.ntotal == 0:
+        if self.candidates.ntotal == 0 or (allowed is not None and not len(allowed)):
             return np.zeros(0, np.int64)
+        only = {} if allowed is None or self._shared is not None else {"items": allowed}
         if self.settings.k_prime:
             search = self.candidates.search if self._shared is not None else self.candidates.search_items
-            scores, found = search(queries, self.settings.k_prime)
+            scores, found = search(queries, self.settings.k_prime, **only)
             scores, found = scores[found >= 0], found[found >= 0]
         else:
-            scores, found = self.candidates.search_positive(queries)
+            scores, found = self.candidates.search_positive(queries, **only)
         if self._shared is not None:
             items, weights = self._shared.expand(found, scores)
         else:
             items, weights = fid.decode(found)[0], scores
         uniq, where = np.unique(items, return_inverse=True)
         live = self.items.live_among(uniq)
+        if allowed is not None:
+            live &= np.isin(uniq, allowed, assume_unique=True)
         limit = self.settings.rerank
         if not limit or live.sum() <= limit:
             return uniq[live]
@@ -587,10 +593,11 @@ class FragmentIndex(Generic[P]):
         vecs, mask = self.store.gather(self.items.seg[items], self.items.off[items], self.items.n[items])
         return torch.from_numpy(vecs), torch.from_numpy(mask.astype(np.float32))
 
-    def _scan(self, chunk: int = SCAN_ITEMS) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
-        """Every live item in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
+    def _scan(self, chunk: int = SCAN_ITEMS, items: np.ndarray | None = None
+              ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """Every live item (or the live `items` given) in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
         self._searched("scan")
-        items = self.items.live()
+        items = self.items.live() if items is None else items
         items = items[np.lexsort((self.items.off[items], self.items.seg[items]))]  # file order
         for start in range(0, len(items), chunk):
             part = items[start : start + chunk]
@@ -605,14 +612,21 @@ class FragmentIndex(Generic[P]):
         """
         return self._ranked(queries, score, k, exhaustive)[0]
 
-    def _ranked(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False
-                ) -> tuple[list[tuple[int, float, P, torch.Tensor]], int]:
-        """`_rank`, and how many items the exact score ranked (the candidates, or every live item)."""
+    def _ranked(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
+                allowed: np.ndarray | None = None) -> tuple[list[tuple[int, float, P, torch.Tensor]], int]:
+        """`_rank`, and how many items the exact score ranked (the candidates, or every live item).
+        `allowed` (sorted ids) limits the ranking to those items: all of them scored exactly when they
+        are at most `FILTERED_EXACT` (or the collection is scanned anyway), else their candidates."""
         with self._rw.read():
-            if exhaustive or self._small():
+            if allowed is not None:
+                allowed = allowed[self.items.live_among(allowed)] if len(allowed) else allowed
+            if allowed is not None and not (exhaustive or self._small() or len(allowed) <= FILTERED_EXACT):
+                candidates = self._candidates(queries, allowed)
+                return self._top_of(candidates, score, k), len(candidates)
+            if exhaustive or self._small() or allowed is not None:
                 best: list[tuple[int, float]] = []
                 considered = 0
-                for part, vecs, mask in self._scan():
+                for part, vecs, mask in self._scan(items=allowed):
                     best = merge_top_k(best, part, score(vecs, mask).numpy(), k)
                     considered += len(part)
                 items = np.asarray([i for i, _ in best], dtype=np.int64)

@@ -287,18 +287,21 @@ class MilvusCandidates(CandidateBackend):
 
     # -- search -----------------------------------------------------------------------------------
     def _search(self, queries: np.ndarray, limit: int, params: dict[str, Any],
-                group: bool = False) -> list[list[dict[str, Any]]]:
+                group: bool = False, items: np.ndarray | None = None) -> list[list[dict[str, Any]]]:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
+        if items is not None:  # the date / place filter, applied by Milvus while it searches
+            extra["filter"] = f"{ITEM} in [{', '.join(str(int(i)) for i in items)}]"
         return self.client.search(self.collection, data=list(q), limit=limit, anns_field=VECTOR,
                                   search_params={"metric_type": "IP", "params": params}, output_fields=[], **extra)
 
-    def _hits(self, queries: np.ndarray, k: int, group: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _hits(self, queries: np.ndarray, k: int, group: bool, items: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         k = max(1, min(k, MAX_TOPK, max(1, self._count)))
         params = dict(self._search_params)
         if "ef" in params:
             params["ef"] = max(int(params["ef"]), k)  # HNSW's beam must cover k
-        results = self._search(queries, k, params, group)
+        results = self._search(queries, k, params, group, items)
         scores = np.zeros((len(queries), k), np.float32)
         ids = np.full((len(queries), k), -1, np.int64)
         for row, hits in enumerate(results):
@@ -306,18 +309,19 @@ class MilvusCandidates(CandidateBackend):
                 scores[row, col], ids[row, col] = float(hit["distance"]), int(hit["id"])
         return scores, ids
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._hits(queries, k, group=False)
+    def search(self, queries: np.ndarray, k: int, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self._hits(queries, k, group=False, items=items)
 
-    def search_items(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_items(self, queries: np.ndarray, k: int, items: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """The k nearest items per query fragment (grouped by `item`, each by its best fragment)."""
-        return self._hits(queries, k, group=True)
+        return self._hits(queries, k, group=True, items=items)
 
-    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_positive(self, queries: np.ndarray, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         if self._count == 0:
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
         params = {**self._search_params, "radius": 0.0}
-        results = self._search(queries, min(MAX_TOPK, self._count), params)
+        results = self._search(queries, min(MAX_TOPK, self._count), params, items=items)
         scores = np.asarray([float(h["distance"]) for hits in results for h in hits], np.float32)
         ids = np.asarray([int(h["id"]) for hits in results for h in hits], np.int64)
         keep = scores > 0

@@ -185,6 +185,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         report.changed = [r for r in report.changed if r not in failed]
         report.renamed = [(a, b) for a, b in report.renamed if b not in failed]
     write_manifest(index.root, folder, manifest)
+    index.read_missing_places()  # images indexed before the date and place were kept
     logger.info("synced %s into %s: %s", folder, index.root, report.summary())
     return report
 

@@ -22,11 +22,16 @@ from PIL import Image
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
 from index.ann import gpu_available
 from index.catalogue import is_index
+from index.duplicates import Duplicate, duplicates_of
+from index.places import PlaceFilter
 from index.query import encode_sentence
-from index.similar import Similar, describe_and_search
+from index.similar import Similar, more_like_this
+from index.sync import SyncReport, sync_folder
 from model.bundle import Bundle
+from model.dataset import feature_cache
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
+from model.image import RegionExtractor
 from model.imageio import ImageReadError, load_image
 from service.errors import ApiError
 from service.settings import Settings
@@ -146,13 +151,14 @@ class Engine:
         return seconds
 
     # -- reads -----------------------------------------------------------------------------------
-    def search_images(self, sentence: str, k: int, offset: int = 0) -> Page[ImageHit]:
-        """Images ranked offset + 1 .. offset + k for a sentence."""
+    def search_images(self, sentence: str, k: int, offset: int = 0, where: PlaceFilter | None = None
+                      ) -> Page[ImageHit]:
+        """Images ranked offset + 1 .. offset + k for a sentence (among those that pass `where`)."""
         try:
             sent, triplets = encode_sentence(self.bundle, sentence)
         except ValueError as e:
             raise text_error(e, "sentence") from e
-        return self.images.search_page(sent, triplets, offset, k)
+        return self.images.search_page(sent, triplets, offset, k, where=where)
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         try:
@@ -163,22 +169,27 @@ class Engine:
     def similar_to_image(self, image_id: int, k: int, offset: int = 0) -> tuple[tuple[int, int], Similar] | None:
         """The size of an indexed image and the images like it (itself left out), or None when there is
         no such image."""
-        if self.sentences is None:
-            raise ApiError(503, "not_ready", "no sentence collection is loaded")
         rec, found = self.images.get(image_id), self.images.fragments(image_id)
         if rec is None or found is None:
             return None
-        return (rec.width, rec.height), describe_and_search(self.images, self.sentences, *found, k=k,
-                                                            exclude=image_id, offset=offset)
+        return (rec.width, rec.height), more_like_this(self.images, self.sentences, *found, k=k,
+                                                       exclude=image_id, offset=offset)
 
     def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Similar]:
         """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
-        if self.sentences is None:
-            raise ApiError(503, "not_ready", "no sentence collection is loaded")
         with self._heavy:
             decoded = self.decode(data)
-            img, boxes = self._fragments_of(decoded, self.sentences)
-            return decoded, describe_and_search(self.images, self.sentences, img, boxes, k=k, offset=offset)
+            extractor = (self.sentences if self.sentences is not None else self.images).extractor  # one backbone
+            img, boxes = self._fragments_of(decoded, extractor)
+            return decoded, more_like_this(self.images, self.sentences, img, boxes, k=k, offset=offset)
+
+    def duplicates(self, image_id: int, threshold: float) -> list[tuple[Duplicate, str]] | None:
+        """Near-duplicates of an indexed image with their names, or None when there is no such image."""
+        found = duplicates_of(self.images, image_id, threshold)
+        if found is None:
+            return None
+        named = [(d, self.images.get(d.image_id)) for d in found]
+        return [(d, rec.name) for d, rec in named if rec is not None]
 
     def search_fragments(self, phrase: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions ranked offset + 1 .. offset + k for a phrase."""
@@ -205,12 +216,12 @@ class Engine:
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
         with self._heavy:
             decoded = self.decode(data)
-            img, boxes = self._fragments_of(decoded, self.sentences)
+            img, boxes = self._fragments_of(decoded, self.sentences.extractor)
             return decoded, self.sentences.annotate_page(img, boxes, offset, k)
 
-    def _fragments_of(self, decoded: Decoded, sentences: SentenceIndex) -> tuple[torch.Tensor, np.ndarray]:
+    def _fragments_of(self, decoded: Decoded, extractor: RegionExtractor) -> tuple[torch.Tensor, np.ndarray]:
         """An upload's embedded fragments (F, h) and their boxes (F, 4) in its pixels."""
-        frags = sentences.extractor.extract(decoded.image)
+        frags = extractor.extract(decoded.image)
         with torch.inference_mode():
             img = self.bundle.embed_images(frags.features[None])[0]
         return img, np.asarray(frags.boxes[: len(img)], dtype=np.float32)
@@ -235,6 +246,16 @@ class Engine:
         return path if path.is_file() else None
 
     # -- writes (serialised) ---------------------------------------------------------------------
+    def sync_collection(self) -> SyncReport:
+        """Bring the image index in step with the collection folder (index/sync.py), as a write."""
+        folder = self.settings.collection
+        if folder is None:
+            raise ValueError("no collection folder is served")
+        if self.images.cache is None:  # renamed files come back from the content-keyed cache
+            self.images.cache = feature_cache(self.settings.cache_dir, self.bundle.image_cfg)
+        with self._write_lock:
+            return sync_folder(self.images, folder, workers=1)
+
     def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
         """Decode, store under the uploads folder, index and save; on failure nothing changes."""
         with self._heavy:

@@ -12,11 +12,14 @@ from service.deps import EngineDep, GatesDep, SettingsDep
 from service.errors import ApiError, responses
 from service.routes.convert import (
     check_k,
+    check_min_relevance,
     check_offset,
     check_text,
+    cut_off,
     explain_out,
     image_result,
     paging,
+    place_filter,
     region_result,
     sentence_result,
 )
@@ -34,6 +37,8 @@ from service.schemas import (
 )
 
 OffsetForm = Annotated[int, Form(ge=0, description="ranks skipped: the page starts at rank offset + 1")]
+MinRelevanceForm = Annotated[float | None, Form(ge=0.0, le=1.0, description=(
+    "leave out results whose relevance is below this (0 to 1); none left -> an empty list and a `reason`"))]
 
 
 def _ms(t0: float) -> float:
@@ -51,9 +56,16 @@ def build_router() -> APIRouter:
         k = check_k(body.k, s)
         offset = check_offset(body.offset, k, s)
         sentence = check_text(body.sentence, s, "sentence")
-        page = await gates.search.run(engine.search_images, sentence, k, offset)
-        return SearchImagesResponse(sentence=sentence, results=[image_result(h) for h in page.hits],
-                                    **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
+        rel = engine.bundle.relevance
+        min_relevance = check_min_relevance(body.min_relevance, rel)
+        where = place_filter(body)
+        page = await gates.search.run(engine.search_images, sentence, k, offset, where)
+        hits, cut = cut_off(page.hits, rel, min_relevance, "image")
+        if where and page.considered == 0:
+            cut["reason"] = "no photo passes the date and place filters (photos without an EXIF date or " \
+                            "position are left out by a filter on it)"
+        return SearchImagesResponse(sentence=sentence, results=[image_result(h, rel) for h in hits], **cut,
+                                    **paging(offset, k, len(hits), page.considered, s), took_ms=_ms(t0))
 
     @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
     async def search_fragments(body: SearchFragmentsRequest, engine: EngineDep,
@@ -95,9 +107,9 @@ def build_router() -> APIRouter:
         offset: OffsetForm = 0,
     ) -> SimilarResponse:
         """More like this: images ranked for an indexed image (`image_id`, itself left out) or an upload
-        (`file`), through the sentences that describe it best (see `described_by`): their fragments
-        together are the query, scored by S_kl, and each result shows which of their triplets matched
-        which of its regions."""
+        (`file`) by the cosine of their mean embedded fragments (`score`), each result explained by
+        the sentences that describe the query best (see `described_by`): which of their triplets it
+        matches, and where."""
         t0 = time.perf_counter()
         k = check_k(k, s)
         offset = check_offset(offset, k, s)
@@ -124,16 +136,20 @@ def build_router() -> APIRouter:
                        engine: EngineDep, s: SettingsDep, gates: GatesDep,
                        k: Annotated[int, Form(ge=1, description="number of sentences")] = 5,
                        offset: OffsetForm = 0,
+                       min_relevance: MinRelevanceForm = None,
                        ) -> AnnotateResponse:
         """Sentences of the collection ranked by S_kl for an uploaded image, with their alignments
         to the upload's regions (boxes in the upload's pixels)."""
         t0 = time.perf_counter()
         k = check_k(k, s)
         offset = check_offset(offset, k, s)
+        rel = engine.bundle.relevance
+        min_relevance = check_min_relevance(min_relevance, rel)
         data = await read_upload(file, s.max_upload_bytes)
         decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)
+        hits, cut = cut_off(page.hits, rel, min_relevance, "sentence")
         return AnnotateResponse(width=decoded.width, height=decoded.height,
-                                results=[sentence_result(h) for h in page.hits],
-                                **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
+                                results=[sentence_result(h, rel) for h in hits], **cut,
+                                **paging(offset, k, len(hits), page.considered, s), took_ms=_ms(t0))
 
     return router
