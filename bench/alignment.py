@@ -3,7 +3,7 @@
     python -m bench.alignment --only full full-roi=artifacts/alignment/models/full-roi/model.pt
 
 No model was tuned to this measure. For every dev caption and its own image, the alignment the
-service shows is computed by the service's code (`index.query.matches` → `model.score.align`: each
+service shows is computed by the service's code (`index.matches.matches` → `model.score.align`: each
 sentence fragment's best image fragment by v_i · s_j; fragments with no positive score are not shown
 and not counted). A **trial** is a shown triplet that names a noun of `bench/imagenet_nouns.json`
 (dog, horse, bicycle, ball, …: each noun's ImageNet-1k classes are the WordNet hyponyms of one sense,
@@ -51,11 +51,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench import SplitDataByConfig, add_model_args, kept_rows
-from index.query import embed_encoded, matches
+from index.matches import matches
 from model.backbone import Backbone, set_torch_threads
 from model.bundle import Bundle
 from model.config import default_artifacts_dir
 from model.dataset import SplitData
+from model.embed import embed_encoded
 from model.fragments import SENTENCE_REL
 from model.image import region_crops
 from model.imageio import load_image

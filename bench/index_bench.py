@@ -42,12 +42,13 @@ import torch
 from tqdm import tqdm
 
 from index import ImageIndex, IndexSettings, SentenceIndex
-from index.candidates import BACKENDS, BackendOptions, FaissCandidates
-from index.query import encode_sentence
+from index.candidates import BACKENDS, BackendOptions
+from index.faiss_backend import FaissCandidates
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
 from model.data import Split, load_split
 from model.dataset import feature_cache
+from model.embed import embed_sentence
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline, parse_cached
 from model.text import RelationVocab
@@ -149,7 +150,7 @@ def dev_queries(bundle: Bundle, split: Split, n: int) -> list[torch.Tensor]:
     queries = []
     for caps in split.captions[:n]:
         try:
-            queries.append(encode_sentence(bundle, caps[0])[0])
+            queries.append(embed_sentence(bundle, caps[0])[0])
         except ValueError:
             continue
     return queries

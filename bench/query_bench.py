@@ -27,10 +27,10 @@ import torch
 
 from bench import machine
 from index.images import ImageIndex
-from index.query import row_triplets
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
+from model.embed import row_triplets
 from service.routes.convert import image_result
 from service.schemas import SearchImagesResponse
 

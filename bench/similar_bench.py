@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         _, sent, triplets = describe(sentences, images, img, boxes, 5)
         if sent is None:
             return []
-        hits = images.search_page(sent, triplets, 0, K + 1).hits
+        hits = images.search_vectors_page(sent, triplets, 0, K + 1).hits
         return [position[h.image_id] for h in hits if h.image_id in position and h.image_id != ids[q]][:K]
 
     mean_frag = np.stack([f[0].mean(0).numpy() for f in frags if f is not None])

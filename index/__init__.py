@@ -1,7 +1,7 @@
 """The fragment indexes: FAISS candidate recall over fragment vectors, exact S_kl re-rank.
 
 `ImageIndex` (sentence -> images, phrase -> regions) and `SentenceIndex` (image -> sentences) share
-the storage machinery of `index.base`; `python -m index.build` builds both from folders.
+the parts of `index.base` (loading, saving, the ranker); `python -m index.build` builds both from folders.
 """
 
 from index.images import ImageIndex, list_images

@@ -1,7 +1,7 @@
 """The catalogue of an index folder: `index.sqlite`, one row per item and the `info` table.
 
 `info` names the files and the candidate backend of the committed state; one SQLite transaction
-(`Catalogue.commit`) is the commit point of every save (index.base). Items are written with their
+(`Catalogue.commit`) is the commit point of every save (index.saving). Items are written with their
 payload columns (the subclass's metadata) and their place in the re-rank store (segment, offset, n).
 """
 

@@ -22,11 +22,10 @@ from tqdm import tqdm
 
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
+from index.matches import matches
 from index.places import Place, PlaceFilter, read_place
-from index.query import encode_phrase, encode_sentence, matches, row_triplets
 from index.types import (
     AddReport,
-    ExplainScope,
     Explanation,
     ImageHit,
     ImageRecord,
@@ -37,7 +36,8 @@ from index.types import (
 )
 from model.bundle import Bundle
 from model.cache import FeatureCache
-from model.image import ImageFragments, RegionExtractor
+from model.embed import EmbeddedImage, embed_extracted, embed_image, embed_phrase, embed_sentence, row_triplets
+from model.image import ImageFragments
 from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
@@ -77,8 +77,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
-               cache: FeatureCache | None = None, extractor: RegionExtractor | None = None,
-               collection_root: Path | None = None, backend: BackendOptions | None = None) -> ImageIndex:
+               cache: FeatureCache | None = None, collection_root: Path | None = None,
+               backend: BackendOptions | None = None) -> ImageIndex:
         """A new, empty index folder (FileExistsError if one is there already); `backend` chooses where
         the candidate search runs (default: in-process FAISS).
 
@@ -86,27 +86,25 @@ class ImageIndex(FragmentIndex[StoredImage]):
         still finds them where the collection is mounted elsewhere (host / container); others by
         their absolute path."""
         index: ImageIndex = cls._create(root, bundle, settings or IndexSettings(), backend)
-        return index._attach(cache, extractor, collection_root)
+        return index._attach(cache, collection_root)
 
     @classmethod
     def load(cls, root: Path, bundle: Bundle, cache: FeatureCache | None = None,
-             extractor: RegionExtractor | None = None, collection_root: Path | None = None,
-             backend: BackendOptions | None = None, **search: Any) -> ImageIndex:
+             collection_root: Path | None = None, backend: BackendOptions | None = None,
+             **search: Any) -> ImageIndex:
         """Open an index folder built for `bundle`; IndexLoadError when it is missing, corrupt, or was
         built for another model or dimension. Relative image paths are read against `collection_root`.
         `search` overrides search-time settings (nprobe, k_prime, use_gpu...); `backend` the Milvus URI
         (it must name the backend the index was built with)."""
         index: ImageIndex = cls._load(root, bundle, search, backend)
-        return index._attach(cache, extractor, collection_root)
+        return index._attach(cache, collection_root)
 
-    def _attach(self, cache: FeatureCache | None, extractor: RegionExtractor | None,
-                collection_root: Path | None) -> ImageIndex:
+    def _attach(self, cache: FeatureCache | None, collection_root: Path | None) -> ImageIndex:
         if cache is not None:
             want = dataclasses.replace(self.bundle.image_cfg, full_frame_only=False)
             if dataclasses.replace(cache.cfg, full_frame_only=False) != want:
                 raise ValueError("the feature cache was made with other image settings than the model's")
         self.cache = cache
-        self._extractor = extractor
         self.collection_root = None if collection_root is None else Path(collection_root).resolve()
         return self
 
@@ -129,26 +127,19 @@ class ImageIndex(FragmentIndex[StoredImage]):
     # -- adding -----------------------------------------------------------------------------------
     def add_image(self, image: Image.Image, name: str, path: Path | str) -> int:
         """Extract, embed and insert one image; returns its id."""
-        return self.add_fragments(self.extractor.extract(image), name, path)
-
-    def add_fragments(self, frags: ImageFragments, name: str, path: Path | str) -> int:
-        """Insert one image's extracted fragments (features (F, 1280), boxes (F, 4))."""
-        return self.add_extracted([frags], [name], [path])[0]
+        return self.add_embedded([embed_image(self.bundle, image)], [name], [path])[0]
 
     def add_extracted(self, frags: Sequence[ImageFragments], names: Sequence[str],
                       paths: Sequence[Path | str]) -> list[int]:
-        """Embed and insert extracted images; returns their ids."""
-        if not frags:
-            return []
-        with torch.inference_mode():
-            if len({len(f.features) for f in frags}) == 1:  # one batch
-                vecs = list(self.bundle.embed_images(np.stack([f.features for f in frags])).numpy())
-            else:
-                vecs = [self.bundle.embed_images(f.features[None])[0].numpy() for f in frags]
-        payloads = [StoredImage(str(name), self.stored_path(path), int(f.width), int(f.height),
-                                np.asarray(f.boxes[: len(v)], dtype=np.float32), read_place(path))
-                    for f, v, name, path in zip(frags, vecs, names, paths, strict=True)]
-        return self._insert(vecs, payloads)
+        """Embed and insert extracted images (features (F, 1280), boxes (F, 4)); returns their ids."""
+        return self.add_embedded(embed_extracted(self.bundle, frags), names, paths)
+
+    def add_embedded(self, images: Sequence[EmbeddedImage], names: Sequence[str],
+                     paths: Sequence[Path | str]) -> list[int]:
+        """Insert embedded images; returns their ids. The date and place are read from each file's EXIF."""
+        payloads = [StoredImage(str(name), self.stored_path(path), e.width, e.height, e.boxes, read_place(path))
+                    for e, name, path in zip(images, names, paths, strict=True)]
+        return self.insert([e.vectors.numpy() for e in images], payloads)
 
     def add_vectors(self, vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: Sequence[str],
                     paths: Sequence[str]) -> list[int]:
@@ -156,7 +147,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         Their EXIF is not read here (the files may live on another machine): `read_missing_places` does."""
         payloads = [StoredImage(str(n), str(p), int(s[0]), int(s[1]), np.asarray(b, dtype=np.float32))
                     for n, p, s, b in zip(names, paths, sizes, boxes, strict=True)]
-        return self._insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
+        return self.insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
 
     def add_paths(self, paths: Sequence[Path | str], workers: int = 1, skip_present: bool = True) -> AddReport:
         """Index image files. Unreadable files are skipped and listed; with `skip_present`, files whose
@@ -193,7 +184,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 bar = tqdm(total=len(good), desc=f"indexing {self.root.name}", unit="img", disable=len(good) < 50)
                 for start in range(0, len(good), ADD_CHUNK):
                     chunk = good[start : start + ADD_CHUNK]
-                    frags = [self._checked(cache, p) for p in chunk]
+                    frags = [cached_fragments(cache, p) for p in chunk]
                     ok = [(p, f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, ImageFragments)]
                     report.skipped += [(str(p), f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, str)]
                     report.added += self.add_extracted([f for _, f in ok], [p.name for p, _ in ok],
@@ -213,14 +204,6 @@ class ImageIndex(FragmentIndex[StoredImage]):
             return
         with tempfile.TemporaryDirectory(prefix="fragsearch-features-") as tmp:
             yield FeatureCache(Path(tmp), self.bundle.image_cfg, str(self.bundle.device))
-
-    def _checked(self, cache: FeatureCache, path: Path) -> ImageFragments | str:
-        """The cached fragments of `path` (entries are keyed by the file's content); a reason string
-        when the file cannot be read or changed after it was extracted."""
-        try:
-            return cache.load([path])[0]
-        except KeyError as e:
-            return f"unreadable: {e.args[0] if e.args else e}"
 
     def find_paths(self, paths: Sequence[Path | str]) -> dict[str, int]:
         """Live images among `paths` (compared as given, resolve them first) -> their ids."""
@@ -246,29 +229,35 @@ class ImageIndex(FragmentIndex[StoredImage]):
         with self.reading():
             if not self.contains(image_id):
                 return None
-            vecs, mask = self._vectors(np.asarray([image_id], dtype=np.int64))
+            vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             boxes = self.payloads([image_id])[image_id].boxes
         return vecs[0, : int(mask[0].sum())], boxes
 
     def search(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images for a sentence: FAISS candidates, exact score, alignments."""
-        sent, triplets = encode_sentence(self.bundle, sentence)
-        return self.search_vectors(sent, k, triplets)
+        return self.search_page(sentence, 0, k).hits
 
     def search_exhaustive(self, sentence: str, k: int = 10) -> list[ImageHit]:
         """Top k images by the exact score over the whole collection (no candidate stage)."""
-        sent, triplets = encode_sentence(self.bundle, sentence)
-        return self.search_vectors(sent, k, triplets, exhaustive=True)
+        return self.search_page(sentence, 0, k, exhaustive=True).hits
+
+    def search_page(self, sentence: str, offset: int, limit: int, exhaustive: bool = False,
+                    where: PlaceFilter | None = None) -> Page[ImageHit]:
+        """Images ranked offset + 1 .. offset + limit for a sentence (ValueError when it is empty,
+        model.fragments.NoFragmentsError when it has no usable fragment); with `where`, among the
+        images that pass the date and place filter only."""
+        sent, triplets = embed_sentence(self.bundle, sentence)
+        return self.search_vectors_page(sent, triplets, offset, limit, exhaustive, where)
 
     @torch.inference_mode()
     def search_vectors(self, sent: torch.Tensor, k: int = 10, triplets: Sequence[Triplet] | None = None,
                        exhaustive: bool = False) -> list[ImageHit]:
         """Top k images for sentence fragments sent (T, h) (their triplets name the alignment)."""
-        return self.search_page(sent, triplets, 0, k, exhaustive).hits
+        return self.search_vectors_page(sent, triplets, 0, k, exhaustive).hits
 
     @torch.inference_mode()
-    def search_page(self, sent: torch.Tensor, triplets: Sequence[Triplet] | None, offset: int, limit: int,
-                    exhaustive: bool = False, where: PlaceFilter | None = None) -> Page[ImageHit]:
+    def search_vectors_page(self, sent: torch.Tensor, triplets: Sequence[Triplet] | None, offset: int, limit: int,
+                            exhaustive: bool = False, where: PlaceFilter | None = None) -> Page[ImageHit]:
         """Images ranked offset .. offset + limit - 1 for sentence fragments sent (T, h); with `where`,
         among the images that pass the date and place filter only (applied before the exact re-rank)."""
         sent = torch.as_tensor(sent, dtype=torch.float32)
@@ -278,7 +267,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
             return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
         allowed = self.allowed(where) if where else None
-        ranked, considered = self._ranked(sent.numpy(), score, offset + limit, exhaustive, allowed)
+        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, triplets, p.boxes), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
@@ -291,32 +280,18 @@ class ImageIndex(FragmentIndex[StoredImage]):
         A collection a search scans whole (`settings.exact_below`) is ranked whole; a larger one over
         the candidates the index recalls for the sentence plus this image, so the cost stays that of
         a search, and `recalled` tells whether a search could return the image at all."""
-        sent, triplets = encode_sentence(self.bundle, sentence)
+        sent, triplets = embed_sentence(self.bundle, sentence)
         sent_mask = torch.ones(1, len(sent))
-        item = np.asarray([image_id], dtype=np.int64)
+
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # as a search scores
+            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+
         with self.reading():
             if not self.contains(image_id):
                 return None
-            ids, scores = [], []
-            scope: ExplainScope = "collection"
-            recalled = True
-            if self._small():
-                for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
-                    ids.append(part)
-                    scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
-            else:
-                candidates = self._candidates(sent.numpy())
-                scope, recalled = "candidates", bool(np.isin(image_id, candidates))
-                ranked = np.union1d(candidates, item)
-                vecs, mask = self._vectors(ranked)
-                ids.append(ranked)
-                scores.append(self.bundle.scores(vecs, mask, sent[None], sent_mask)[:, 0].numpy())
-            vecs, mask = self._vectors(item)
+            placed = self.ranker.place(image_id, sent.numpy(), score)
+            vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             payload = self.payloads([image_id])[image_id]
-        all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
-        mine = float(all_scores[all_ids == image_id][0])
-        ahead = (all_scores > mine) | ((all_scores == mine) & (all_ids < image_id))
-        rank = 1 + int(np.count_nonzero(ahead))
         frags = vecs[0, : int(mask[0].sum())]
         dots, shares = pair_contributions(frags, sent)
         names = row_triplets(triplets, len(sent))
@@ -324,9 +299,9 @@ class ImageIndex(FragmentIndex[StoredImage]):
                            [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(dots[i, j] > 0),
                            float(shares[i, j]))
                  for j in range(len(sent)) for i in range(len(frags))]
-        return Explanation(image_id, payload.name, payload.width, payload.height, mine, rank, len(all_ids),
-                           len(frags), len(sent), matches(frags, sent, triplets, payload.boxes), pairs, scope,
-                           recalled)
+        return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
+                           placed.considered, len(frags), len(sent), matches(frags, sent, triplets, payload.boxes),
+                           pairs, placed.scope, placed.recalled)
 
     @torch.inference_mode()
     def rank_exhaustive(self, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:
@@ -341,7 +316,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, queries, q_mask)
 
-        return self._rank_many(score, len(sents), k)
+        return self.ranker.rank_many(score, len(sents), k)
 
     def search_fragments(self, phrase: str, k: int = 10) -> list[RegionHit]:
         """The k image regions that best match a phrase or a triplet "rel(w1, w2)" (paper Fig. 5)."""
@@ -355,12 +330,12 @@ class ImageIndex(FragmentIndex[StoredImage]):
         max(k', offset + limit) regions per phrase fragment and those are scored exactly (regions
         scoring 0 are not matches and end the ranking).
         """
-        sent, _ = encode_phrase(self.bundle, phrase)
+        sent, _ = embed_phrase(self.bundle, phrase)
         with self.reading():
-            items, frags = self.candidate_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
+            items, frags = self.ranker.nearest_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
             if len(items) == 0:
                 return Page([], offset, 0)
-            regions = self.fragment_vectors(items, frags)[:, None]
+            regions = self.stored.fragment_vectors(items, frags)[:, None]
             scores = fragment_scores(torch.from_numpy(regions), sent[None])[:, 0, 0, :].clamp_min(0).sum(-1).numpy()
             order = np.lexsort((frags, items, -scores))[offset : offset + limit]
             order = order[scores[order] > 0]
@@ -402,18 +377,27 @@ class ImageIndex(FragmentIndex[StoredImage]):
         return len(updates)
 
     # -- SQLite rows ------------------------------------------------------------------------------
-    def _row(self, payload: StoredImage) -> tuple[Any, ...]:
+    def row(self, payload: StoredImage) -> tuple[Any, ...]:
         boxes = np.ascontiguousarray(payload.boxes, dtype="<f4")
         pl = payload.place
         return (payload.name, payload.path, payload.width, payload.height, boxes.tobytes(),
                 None if pl is None else pl.taken, None if pl is None else pl.lat, None if pl is None else pl.lon,
                 None if pl is None else 1)
 
-    def _from_row(self, row: Sequence[Any]) -> StoredImage:
+    def from_row(self, row: Sequence[Any]) -> StoredImage:
         name, path, width, height, blob, taken, lat, lon, exif_read = row
         boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
         place = Place(taken, lat, lon) if exif_read else None
         return StoredImage(str(name), str(path), int(width), int(height), boxes, place)
+
+
+def cached_fragments(cache: FeatureCache, path: Path) -> ImageFragments | str:
+    """The cached fragments of `path` (entries are keyed by the file's content); a reason string
+    when the file cannot be read or changed after it was extracted."""
+    try:
+        return cache.load([path])[0]
+    except KeyError as e:
+        return f"unreadable: {e.args[0] if e.args else e}"
 
 
 def list_images(folder: Path, recursive: bool = True) -> list[Path]:

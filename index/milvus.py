@@ -5,7 +5,7 @@ id) and `vector` (FLOAT_VECTOR, inner product). The URI chooses the server: a Mi
 cluster ("http://host:19530"), or milvus-lite ("path/file.db": a gRPC server in this process,
 listening on 127.0.0.1 only; by default `milvus.db` inside the index folder). The same code runs
 against both. Candidates come from Milvus; the score stays the exact S_kl of model.score over the
-re-rank store (index.base), as with FAISS.
+re-rank store (index.ranker), as with FAISS.
 
 `IndexSettings.kind` maps onto Milvus index types: flat → FLAT, hnsw → HNSW (hnsw_m, ef_construction,
 ef_search), ivf → IVF_FLAT (nlist, nprobe), ivfpq → IVF_PQ (nlist, m, nbits, nprobe; a Milvus
@@ -90,6 +90,74 @@ def index_spec(settings: IndexSettings) -> tuple[str, dict[str, Any], dict[str, 
             {"nprobe": settings.nprobe})
 
 
+def _where(root: Path, uri: str | None) -> tuple[str, str]:
+    """(URI to connect to, URI to record in the catalogue): "" records the default lite folder."""
+    if not uri:
+        return str(Path(root).resolve() / LITE_FILE), ""
+    if is_lite(uri):
+        return str(Path(uri).resolve()), str(Path(uri).resolve())
+    return uri, uri
+
+
+class DirtyMarker:
+    """The marker file that says a collection may hold writes no commit names (the module docstring)."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root) / DIRTY_MARKER
+        self.marked = self.path.exists()
+
+    def mark(self) -> None:
+        """Before the first change after a commit."""
+        if not self.marked:
+            self.path.touch()
+            fsync_dir(self.path.parent)
+            self.marked = True
+
+    def clear(self) -> None:
+        """After a commit."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        fsync_dir(self.path.parent)
+        self.marked = False
+
+
+def make_collection(client: Any, name: str, dim: int, settings: IndexSettings) -> None:
+    """A new, loaded collection of fragment rows with the vector index `settings` map to."""
+    from pymilvus import DataType, MilvusClient
+
+    schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field(ID, DataType.INT64, is_primary=True)
+    schema.add_field(ITEM, DataType.INT64)
+    schema.add_field(VECTOR, DataType.FLOAT_VECTOR, dim=dim)
+    index_type, build, _ = index_spec(settings)
+    params = client.prepare_index_params()
+    # build parameters as one JSON "params" entry: what Milvus servers accept and milvus-lite reads
+    # (pymilvus would otherwise send each as its own key, which milvus-lite ignores)
+    params.add_index(field_name=VECTOR, index_type=index_type, metric_type="IP", params={"params": build})
+    client.create_collection(name, schema=schema, index_params=params, consistency_level="Strong")
+    client.load_collection(name)
+
+
+def stored_count(client: Any, name: str) -> int:
+    """Rows held by a collection (read back from the server)."""
+    rows = client.query(name, filter="", output_fields=["count(*)"])
+    return int(rows[0]["count(*)"]) if rows else 0
+
+
+def search_collection(client: Any, name: str, queries: np.ndarray, limit: int, params: dict[str, Any],
+                      group: bool = False, items: np.ndarray | None = None) -> list[list[dict[str, Any]]]:
+    """Inner-product hits per query (grouped by item: each item once, by its best fragment); with
+    `items`, among those items' fragments only (a filter expression Milvus applies while it searches)."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
+    if items is not None:
+        extra["filter"] = f"{ITEM} in [{', '.join(str(int(i)) for i in items)}]"
+    result: list[list[dict[str, Any]]] = client.search(
+        name, data=list(q), limit=limit, anns_field=VECTOR, search_params={"metric_type": "IP", "params": params},
+        output_fields=[], **extra)
+    return result
+
+
 class MilvusCandidates(CandidateBackend):
     """Fragment vectors in one Milvus collection."""
 
@@ -111,31 +179,22 @@ class MilvusCandidates(CandidateBackend):
                 _lite_users[uri] = _lite_users.get(uri, 0) + 1
         self.client = MilvusClient(uri=uri, token=token or "")
         self._count = 0
-        self._marked = False
+        self.marker = DirtyMarker(self.root)
         self._closed = False
         self._committed = ""
 
     # -- opening --------------------------------------------------------------------------------------
-    @staticmethod
-    def _where(root: Path, uri: str | None) -> tuple[str, str]:
-        """(URI to connect to, URI to record in the catalogue): "" records the default lite folder."""
-        if not uri:
-            return str(Path(root).resolve() / LITE_FILE), ""
-        if is_lite(uri):
-            return str(Path(uri).resolve()), str(Path(uri).resolve())
-        return uri, uri
-
     @classmethod
     def create(cls, root: Path, dim: int, settings: IndexSettings, options: BackendOptions,
                kind: str) -> MilvusCandidates:
         index_type, _, _ = index_spec(settings)
-        uri, stored = cls._where(root, options.uri)
+        uri, stored = _where(root, options.uri)
         if is_lite(uri) and index_type == "IVF_PQ":
             raise ValueError("milvus-lite has no IVF_PQ index: use --kind ivf or hnsw, or a Milvus server (--uri)")
         prefix = f"{COLLECTION_PREFIX}_{kind}_{secrets.token_hex(6)}"
         out = cls(root, uri, stored, prefix, f"{prefix}_0", dim, settings, options.token)
         try:
-            out._make_collection()
+            make_collection(out.client, out.collection, dim, settings)
         except BaseException:
             out.close()
             raise
@@ -145,7 +204,7 @@ class MilvusCandidates(CandidateBackend):
     def open(cls, root: Path, dim: int, settings: IndexSettings, info: dict[str, Any],
              options: BackendOptions | None) -> MilvusCandidates:
         stored = str(info.get("milvus_uri", ""))
-        uri, _ = cls._where(root, (options.uri if options else None) or stored or None)
+        uri, _ = _where(root, (options.uri if options else None) or stored or None)
         collection, prefix = str(info.get("milvus_collection", "")), str(info.get("milvus_prefix", ""))
         try:
             out = cls(root, uri, stored, prefix, collection, dim, settings, options.token if options else None)
@@ -156,34 +215,12 @@ class MilvusCandidates(CandidateBackend):
                 raise IndexLoadError(f"index at {root}: Milvus at {uri} has no collection {collection!r}: "
                                      "rebuild the index with python -m index.build --backend milvus")
             out.client.load_collection(collection)
-            out._count = out._stored_count()
+            out._count = stored_count(out.client, collection)
         except BaseException:
             out.close()
             raise
         out._committed = collection
-        out._marked = (out.root / DIRTY_MARKER).exists()
         return out
-
-    def _make_collection(self) -> None:
-        from pymilvus import DataType, MilvusClient
-
-        schema = MilvusClient.create_schema(auto_id=False, enable_dynamic_field=False)
-        schema.add_field(ID, DataType.INT64, is_primary=True)
-        schema.add_field(ITEM, DataType.INT64)
-        schema.add_field(VECTOR, DataType.FLOAT_VECTOR, dim=self.dim)
-        index_type, build, _ = index_spec(self.settings)
-        params = self.client.prepare_index_params()
-        # build parameters as one JSON "params" entry: what Milvus servers accept and milvus-lite reads
-        # (pymilvus would otherwise send each as its own key, which milvus-lite ignores)
-        params.add_index(field_name=VECTOR, index_type=index_type, metric_type="IP", params={"params": build})
-        self.client.create_collection(self.collection, schema=schema, index_params=params,
-                                      consistency_level="Strong")
-        self.client.load_collection(self.collection)
-        self._count = 0
-
-    def _stored_count(self) -> int:
-        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])
-        return int(rows[0]["count(*)"]) if rows else 0
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -207,18 +244,10 @@ class MilvusCandidates(CandidateBackend):
         self._index_type, _, self._search_params = index_spec(settings)
 
     # -- writes -----------------------------------------------------------------------------------
-    def _mark(self) -> None:
-        """Before the first change after a commit: the marker that says the collection may hold
-        uncommitted writes."""
-        if not self._marked:
-            (self.root / DIRTY_MARKER).touch()
-            fsync_dir(self.root)
-            self._marked = True
-
     def add(self, ids: np.ndarray, vecs: np.ndarray) -> None:
         if len(ids) == 0:
             return
-        self._mark()
+        self.marker.mark()
         items = fid.decode(ids)[0]
         vecs = np.asarray(vecs, dtype=np.float32)
         for start in range(0, len(ids), INSERT_ROWS):
@@ -230,13 +259,13 @@ class MilvusCandidates(CandidateBackend):
         self._count += len(ids)
 
     def remove_item(self, item: int) -> int:
-        self._mark()
+        self.marker.mark()
         return self._delete(f"{ITEM} == {int(item)}")
 
     def remove_ids(self, ids: np.ndarray) -> int:
         if not len(ids):
             return 0
-        self._mark()
+        self.marker.mark()
         return self._delete(ids=[int(i) for i in ids])
 
     def _delete(self, expr: str = "", ids: list[int] | None = None) -> int:
@@ -244,17 +273,17 @@ class MilvusCandidates(CandidateBackend):
         before = self._count
         with _space(self.root):
             self.client.delete(self.collection, filter=expr, ids=ids)
-        self._count = self._stored_count()
+        self._count = stored_count(self.client, self.collection)
         return before - self._count
 
     def rebuilt(self, settings: IndexSettings, sources: Sources) -> MilvusCandidates:
         """A new collection of `settings` filled from the store (the current one stays until the commit)."""
         out = MilvusCandidates(self.root, self.uri, self.stored_uri, self.prefix,
                                f"{self.prefix}_{secrets.token_hex(4)}", self.dim, settings, self.token)
-        out._marked = self._marked
+        out.marker.marked = self.marker.marked
         out._committed = self._committed
         try:
-            out._make_collection()
+            make_collection(out.client, out.collection, out.dim, settings)
             out._fill(sources)
         except BaseException:
             out.discard()
@@ -272,7 +301,7 @@ class MilvusCandidates(CandidateBackend):
     def reconcile(self, next_id: int, expected: int, sources: Sources) -> None:
         """See the module docstring: rows of uncommitted items go; a count that still differs (or
         shared fragments, whose representatives may have moved) refills the collection."""
-        if not self._marked:
+        if not self.marker.marked:
             return
         self._delete(f"{ITEM} >= {next_id}")
         shared = expected != sources.total  # the entries are representatives of shared vectors
@@ -282,26 +311,18 @@ class MilvusCandidates(CandidateBackend):
         logger.warning("Milvus collection %s holds %d fragments, the committed state %d: refilling it from the "
                        "re-rank store", self.collection, self._count, expected)
         self.client.drop_collection(self.collection)
-        self._make_collection()
+        make_collection(self.client, self.collection, self.dim, self.settings)
+        self._count = 0
         self._fill(sources)
 
     # -- search -----------------------------------------------------------------------------------
-    def _search(self, queries: np.ndarray, limit: int, params: dict[str, Any],
-                group: bool = False, items: np.ndarray | None = None) -> list[list[dict[str, Any]]]:
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
-        if items is not None:  # the date / place filter, applied by Milvus while it searches
-            extra["filter"] = f"{ITEM} in [{', '.join(str(int(i)) for i in items)}]"
-        return self.client.search(self.collection, data=list(q), limit=limit, anns_field=VECTOR,
-                                  search_params={"metric_type": "IP", "params": params}, output_fields=[], **extra)
-
     def _hits(self, queries: np.ndarray, k: int, group: bool, items: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
         k = max(1, min(k, MAX_TOPK, max(1, self._count)))
         params = dict(self._search_params)
         if "ef" in params:
             params["ef"] = max(int(params["ef"]), k)  # HNSW's beam must cover k
-        results = self._search(queries, k, params, group, items)
+        results = search_collection(self.client, self.collection, queries, k, params, group, items)
         scores = np.zeros((len(queries), k), np.float32)
         ids = np.full((len(queries), k), -1, np.int64)
         for row, hits in enumerate(results):
@@ -321,7 +342,8 @@ class MilvusCandidates(CandidateBackend):
         if self._count == 0:
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
         params = {**self._search_params, "radius": 0.0}
-        results = self._search(queries, min(MAX_TOPK, self._count), params, items=items)
+        results = search_collection(self.client, self.collection, queries, min(MAX_TOPK, self._count),
+                                    params, items=items)
         scores = np.asarray([float(h["distance"]) for hits in results for h in hits], np.float32)
         ids = np.asarray([int(h["id"]) for hits in results for h in hits], np.int64)
         keep = scores > 0
@@ -337,10 +359,7 @@ class MilvusCandidates(CandidateBackend):
 
     def committed(self, info: dict[str, Any]) -> None:
         self._committed = str(info["milvus_collection"])
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.root / DIRTY_MARKER)
-        fsync_dir(self.root)
-        self._marked = False
+        self.marker.clear()
 
     def keeps(self) -> set[str]:
         return set()

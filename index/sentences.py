@@ -20,11 +20,12 @@ from tqdm import tqdm
 
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
-from index.query import embed_encoded, matches, text_lock
+from index.matches import matches
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
+from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image, text_lock
 from model.fragments import EncodedSentences
-from model.image import ImageFragments, RegionExtractor
+from model.image import ImageFragments
 from model.score import SMOOTHING
 from model.text import ParsedSentence, Triplet
 
@@ -47,26 +48,22 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
     KIND = "sentence"
     COLUMNS = (("text", "TEXT"), ("triplets", "TEXT"))
     SHARED_FRAGMENTS = True  # a triplet embeds to the same vector in every caption that has it
+    PRESCORE_SMOOTHING = SMOOTHING  # a candidate's partial S_kl: the sum over (|g_l| + n)
 
     @classmethod
     def create(cls, root: Path, bundle: Bundle, settings: IndexSettings | None = None,
-               extractor: RegionExtractor | None = None, backend: BackendOptions | None = None) -> SentenceIndex:
+               backend: BackendOptions | None = None) -> SentenceIndex:
         """A new, empty index folder (FileExistsError if one is there already). The default settings
         take every sentence fragment with a positive score (few distinct ones: captions share
         triplets) and score the `DEFAULT_RERANK` best candidates exactly."""
         index: SentenceIndex = cls._create(root, bundle, settings or DEFAULT_SETTINGS, backend)
-        return index._attach(extractor)
+        return index
 
     @classmethod
-    def load(cls, root: Path, bundle: Bundle, extractor: RegionExtractor | None = None,
-             backend: BackendOptions | None = None, **search: Any) -> SentenceIndex:
+    def load(cls, root: Path, bundle: Bundle, backend: BackendOptions | None = None, **search: Any) -> SentenceIndex:
         """Open an index folder built for `bundle` (IndexLoadError when missing, corrupt or mismatched)."""
         index: SentenceIndex = cls._load(root, bundle, search, backend)
-        return index._attach(extractor)
-
-    def _attach(self, extractor: RegionExtractor | None) -> SentenceIndex:
-        self._extractor = extractor
-        return self
+        return index
 
     # -- adding -----------------------------------------------------------------------------------
     def add_sentences(self, texts: Sequence[str]) -> list[int]:
@@ -96,7 +93,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
                     continue
                 vecs.append(sent.numpy())
                 payloads.append(StoredSentence(text, triplets))
-            added += self._insert(vecs, payloads)
+            added += self.insert(vecs, payloads)
         if skipped:
             logger.warning("%d sentences without a usable fragment were skipped", skipped)
         return added
@@ -111,13 +108,20 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
 
     def annotate(self, image: Image.Image, k: int = 10) -> list[SentenceHit]:
         """Top k sentences for an image; alignment boxes are in the image's own pixels."""
-        return self.annotate_fragments(self.extractor.extract(image), k)
+        return self.annotate_page(image, 0, k).hits
+
+    def annotate_page(self, image: Image.Image, offset: int, limit: int) -> Page[SentenceHit]:
+        """Sentences ranked offset + 1 .. offset + limit for an image (boxes in its own pixels)."""
+        return self.annotate_embedded(embed_image(self.bundle, image), offset, limit)
 
     def annotate_fragments(self, frags: ImageFragments, k: int = 10, exhaustive: bool = False) -> list[SentenceHit]:
         """Top k sentences for extracted image fragments (features (F, 1280), boxes (F, 4))."""
-        with torch.inference_mode():
-            img = self.bundle.embed_images(frags.features[None])[0]
-        return self.annotate_vectors(img, np.asarray(frags.boxes[: len(img)], dtype=np.float32), k, exhaustive)
+        return self.annotate_embedded(embed_extracted(self.bundle, [frags])[0], 0, k, exhaustive).hits
+
+    def annotate_embedded(self, image: EmbeddedImage, offset: int, limit: int,
+                          exhaustive: bool = False) -> Page[SentenceHit]:
+        """Sentences ranked offset + 1 .. offset + limit for an embedded image."""
+        return self.annotate_vectors_page(image.vectors, image.boxes, offset, limit, exhaustive)
 
     def annotate_exhaustive(self, frags: ImageFragments, k: int = 10) -> list[SentenceHit]:
         """Top k sentences by the exact score over the whole collection (no candidate stage)."""
@@ -127,11 +131,11 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
     def annotate_vectors(self, img: torch.Tensor, boxes: np.ndarray, k: int = 10,
                          exhaustive: bool = False) -> list[SentenceHit]:
         """Top k sentences for image fragments img (F, h) with boxes (F, 4)."""
-        return self.annotate_page(img, boxes, 0, k, exhaustive).hits
+        return self.annotate_vectors_page(img, boxes, 0, k, exhaustive).hits
 
     @torch.inference_mode()
-    def annotate_page(self, img: torch.Tensor, boxes: np.ndarray, offset: int, limit: int,
-                      exhaustive: bool = False) -> Page[SentenceHit]:
+    def annotate_vectors_page(self, img: torch.Tensor, boxes: np.ndarray, offset: int, limit: int,
+                              exhaustive: bool = False) -> Page[SentenceHit]:
         """Sentences ranked offset .. offset + limit - 1 for image fragments img (F, h) with boxes (F, 4)."""
         img = torch.as_tensor(img, dtype=torch.float32)
         img_mask = torch.ones(1, len(img))
@@ -139,18 +143,14 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         def score(sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img[None], img_mask, sent, mask)[0]
 
-        ranked, considered = self._ranked(img.numpy(), score, offset + limit, exhaustive)
+        ranked, considered = self.ranker.rank(img.numpy(), score, offset + limit, exhaustive)
         return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes))
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
-    def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
-        """Partial S_kl of candidate sentences: the sum over (|g_l| + n)."""
-        return partial / (self.items.n[items] + SMOOTHING)
-
     # -- SQLite rows ------------------------------------------------------------------------------
-    def _row(self, payload: StoredSentence) -> tuple[Any, ...]:
+    def row(self, payload: StoredSentence) -> tuple[Any, ...]:
         return payload.text, json.dumps([t.to_list() for t in payload.triplets])
 
-    def _from_row(self, row: Sequence[Any]) -> StoredSentence:
+    def from_row(self, row: Sequence[Any]) -> StoredSentence:
         text, triplets = row
         return StoredSentence(str(text), [Triplet.from_list(t) for t in json.loads(triplets)])

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 
 from index.images import ImageIndex
-from index.query import embed_encoded, matches, text_lock
+from index.matches import matches
 from index.sentences import SentenceIndex
-from index.types import ImageHit, SentenceHit
+from index.types import ImageHit, ImageRecord, SentenceHit
+from model.embed import embed_image, embed_texts
 from model.text import Triplet
 
 DESCRIPTIONS = 5
@@ -64,7 +66,7 @@ class ImageVectors:
             missing = ids[[int(i) not in self._vecs for i in ids]] if len(ids) else ids
             for start in range(0, len(missing), CHUNK):
                 part = missing[start : start + CHUNK]
-                vec = self._reduce(*images._vectors(part))
+                vec = self._reduce(*images.stored.vectors(part))
                 unit = vec / vec.norm(dim=1, keepdim=True).clamp_min(1e-12)
                 self._vecs.update(zip(part.tolist(), unit.numpy().astype(np.float32), strict=True))
             live = set(ids.tolist())
@@ -115,10 +117,7 @@ def describe(sentences: SentenceIndex, images: ImageIndex, img: torch.Tensor, bo
     described = sentences.annotate_vectors(img, boxes, descriptions)
     if not described:
         return [], None, []
-    bundle = images.bundle
-    with text_lock(bundle):
-        enc = bundle.text.encode([h.text for h in described])
-    parts = [(s, t) for s, t in embed_encoded(bundle, enc) if len(s)]
+    parts = [(s, t) for s, t in embed_texts(images.bundle, [h.text for h in described]) if len(s)]
     if not parts:
         return described, None, []
     return described, torch.cat([s for s, _ in parts]), [t for _, ts in parts for t in ts]
@@ -142,3 +141,21 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: tor
         alignment = matches(frags, sent, triplets, frag_boxes) if sent is not None else []
         hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment))
     return Similar(described, hits, offset, len(ids))
+
+
+def similar_to_indexed(images: ImageIndex, sentences: SentenceIndex | None, image_id: int, k: int,
+                       offset: int = 0) -> tuple[ImageRecord, Similar] | None:
+    """An indexed image's record and the images like it (itself left out), or None when there is no
+    such image."""
+    rec, found = images.get(image_id), images.fragments(image_id)
+    if rec is None or found is None:
+        return None
+    return rec, more_like_this(images, sentences, *found, k=k, exclude=image_id, offset=offset)
+
+
+def similar_to_image(images: ImageIndex, sentences: SentenceIndex | None, image: Image.Image, k: int,
+                     offset: int = 0) -> Similar:
+    """The images like an image that is not indexed (an upload); the descriptions' alignments are in
+    its pixels."""
+    e = embed_image(images.bundle, image)
+    return more_like_this(images, sentences, e.vectors, e.boxes, k=k, offset=offset)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
 from model.encoders import DeViSE, FragmentModel, GlobalModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
+from model.image import RegionExtractor
 from model.score import skl
 from model.text import RelationVocab
 from model.trees import TreeBatch
@@ -52,6 +54,8 @@ class Bundle:
         self.image_cfg = image_cfg
         self.meta = dict(meta or {})
         self.calibration = calibration  # fragment models only: per-item score scales
+        self._extractor: RegionExtractor | None = None
+        self._extractor_lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
@@ -71,6 +75,14 @@ class Bundle:
     def relevance(self) -> Relevance | None:
         """The relevance scale of the calibrated score (None: an older checkpoint, or no calibration)."""
         return None if self._calibration is None else self._calibration.relevance
+
+    @property
+    def extractor(self) -> RegionExtractor:
+        """The region extractor of the model's image settings, on the model's device (made on first use)."""
+        with self._extractor_lock:
+            if self._extractor is None:
+                self._extractor = RegionExtractor(self.image_cfg, str(self.device))
+            return self._extractor
 
     @property
     def cfg(self) -> ModelConfig:

@@ -17,7 +17,16 @@ DEFAULT_MAX_PIXELS = 50_000_000  # ~ 8660 x 5770; larger headers are refused bef
 
 
 class ImageReadError(ValueError):
-    """The source is not a readable image (not an image, truncated, or too large)."""
+    """The source is not a readable image (not an image, truncated, or too large): the damaged kind
+    itself, or one of the kinds below."""
+
+
+class NotAnImageError(ImageReadError):
+    """The source is no image format Pillow knows."""
+
+
+class ImageTooLargeError(ImageReadError):
+    """The image has more pixels than allowed (refused before decoding) or is a decompression bomb."""
 
 
 def load_image(
@@ -26,7 +35,8 @@ def load_image(
     """Decode an image fully into RGB (EXIF orientation applied, alpha composited on white).
 
     The pixel count in the header is checked against ``max_pixels`` before any decoding.
-    Raises ImageReadError for a non-image, a truncated file or an oversized image; its message starts
+    Raises NotAnImageError for a non-image, ImageTooLargeError for an oversized image and
+    ImageReadError for a truncated or otherwise unreadable file; the message starts
     with ``name`` (default: the path, or the byte count).
     """
     label = name or (f"<{len(source)} bytes>" if isinstance(source, bytes) else str(source))
@@ -39,22 +49,22 @@ def load_image(
         try:
             img = Image.open(fp)
         except UnidentifiedImageError as e:
-            raise ImageReadError(f"{label}: not a recognised image format") from e
+            raise NotAnImageError(f"{label}: not a recognised image format") from e
         except Image.DecompressionBombError as e:
-            raise ImageReadError(f"{label}: image too large ({e})") from e
+            raise ImageTooLargeError(f"{label}: image too large ({e})") from e
         except (OSError, SyntaxError, ValueError, EOFError) as e:
             raise ImageReadError(f"{label}: unreadable image header ({e})") from e
         width, height = img.size
         if width < 1 or height < 1:
             raise ImageReadError(f"{label}: empty image ({width}x{height})")
         if width * height > max_pixels:
-            raise ImageReadError(
+            raise ImageTooLargeError(
                 f"{label}: image too large ({width}x{height} = {width * height} pixels > {max_pixels})"
             )
         try:
             img.load()
         except Image.DecompressionBombError as e:
-            raise ImageReadError(f"{label}: image too large ({e})") from e
+            raise ImageTooLargeError(f"{label}: image too large ({e})") from e
         except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
             raise ImageReadError(f"{label}: truncated or corrupt image data ({e})") from e
     try:

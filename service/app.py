@@ -26,7 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from service import errors
 from service.admission import Gate, Gates
 from service.engine import Engine
-from service.limits import MULTIPART_OVERHEAD, BodyLimitMiddleware
+from service.limits import BodyLimitMiddleware
 from service.metrics import Metrics, MetricsMiddleware
 from service.prepare import Progress, prepare
 from service.routes import health, images, search
@@ -208,7 +208,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.include_router(search.build_router())
     app.include_router(images.build_router())
     app.include_router(health.build_router())
-    upload_limit = settings.max_upload_bytes + MULTIPART_OVERHEAD
+    upload_limit = settings.max_upload_bytes  # the one body-size rule: each route's limit, while the body streams in
     app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit,
                                                            "/search/similar": upload_limit},
                        default=settings.max_json_bytes, timeout=settings.body_timeout)

@@ -1,4 +1,5 @@
-"""Dependencies shared by the routes: the loaded engine and the write key check."""
+"""Dependencies shared by the routes: the loaded engine, the write key check, and the request rules
+that depend on the settings (`Bounds`; the shape rules are the schemas', service/schemas.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,36 @@ def get_engine(request: Request) -> Engine:
     return engine
 
 
+class Bounds:
+    """The settings-dependent request rules, each checked here only: k at most `k_max` (422 `bad_k`),
+    offset + k at most `max_rank` (422 `bad_offset`), a text at most `max_sentence_chars` long (422
+    `sentence_too_long`). k >= 1, offset >= 0 and a text that is not blank are the schemas' rules."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def page(self, k: int, offset: int) -> tuple[int, int]:
+        """(k, offset) of a ranked page, within the limits."""
+        s = self.settings
+        if k > s.k_max:
+            raise ApiError(422, "bad_k", f"k must be between 1 and {s.k_max}, got {k}")
+        if offset + k > s.max_rank:
+            raise ApiError(422, "bad_offset", f"offset + k must be at most {s.max_rank} (the deepest rank served), "
+                           f"got {offset} + {k}")
+        return k, offset
+
+    def text(self, text: str, what: str) -> str:
+        """A sentence or phrase (stripped and not blank already), within the length limit."""
+        limit = self.settings.max_sentence_chars
+        if len(text) > limit:
+            raise ApiError(422, "sentence_too_long", f"the {what} has {len(text)} characters; the limit is {limit}")
+        return text
+
+
+def get_bounds(request: Request) -> Bounds:
+    return Bounds(get_settings(request))
+
+
 def get_gates(request: Request) -> Gates:
     gates = request.app.state.gates
     assert isinstance(gates, Gates)
@@ -57,4 +88,5 @@ def require_key(request: Request, key: Annotated[str | None, Security(api_key_he
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 EngineDep = Annotated[Engine, Depends(get_engine)]
 GatesDep = Annotated[Gates, Depends(get_gates)]
+BoundsDep = Annotated[Bounds, Depends(get_bounds)]
 WriteKey = Depends(require_key)

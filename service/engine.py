@@ -1,7 +1,10 @@
 """The loaded model and indexes behind the routes: reads are shared, writes are serialised.
 
-Every method here is blocking CPU work; the routes call them through a threadpool.
-Bad input becomes an ApiError with the status of the service's bad-input contract.
+Every method here is blocking CPU work; the routes call them through a threadpool, behind the
+service's gates (service/admission.py: the one bound on heavy work and on searches). A read makes one
+call into an index, which makes its query fragments itself (model/embed.py). What the model finds
+wrong with an input (an image it cannot decode, a query with no usable fragment) becomes an ApiError
+by its type; the request's shape and bounds were checked before (service/schemas.py, service/deps.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
 from PIL import Image
 
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
@@ -24,15 +25,13 @@ from index.ann import gpu_available
 from index.catalogue import is_index
 from index.duplicates import Duplicate, duplicates_of
 from index.places import PlaceFilter
-from index.query import encode_sentence
-from index.similar import Similar, more_like_this
+from index.similar import Similar, similar_to_image, similar_to_indexed
 from index.sync import SyncReport, sync_folder
 from model.bundle import Bundle
 from model.dataset import feature_cache
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
-from model.image import RegionExtractor
-from model.imageio import ImageReadError, load_image
+from model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, load_image
 from service.errors import ApiError
 from service.settings import Settings
 from service.thumbnails import thumbnail
@@ -47,19 +46,17 @@ WARMUP_SIDE = 224
 
 
 def image_error(exc: ImageReadError) -> ApiError:
-    """Map an unreadable upload to the contract: too large 413, not an image 415, damaged 422."""
-    text = str(exc)
-    if "too large" in text:
-        return ApiError(413, "image_too_large", f"the image is too large: {text}")
-    if "not a recognised image format" in text:
+    """Map an unreadable upload to the contract by its type: too large 413, not an image 415, damaged 422."""
+    if isinstance(exc, ImageTooLargeError):
+        return ApiError(413, "image_too_large", f"the image is too large: {exc}")
+    if isinstance(exc, NotAnImageError):
         return ApiError(415, "not_an_image", "the upload is not an image (JPEG, PNG, GIF, BMP, WebP, ...)")
-    return ApiError(422, "bad_image", f"the image cannot be decoded (truncated or corrupt): {text}")
+    return ApiError(422, "bad_image", f"the image cannot be decoded (truncated or corrupt): {exc}")
 
 
-def text_error(exc: ValueError, what: str) -> ApiError:
-    if isinstance(exc, NoFragmentsError):
-        return ApiError(422, "no_fragments", f"the {what} has no usable fragment: {exc}")
-    return ApiError(422, "empty_sentence", f"the {what} is empty or unusable: {exc}")
+def no_fragments(exc: NoFragmentsError, what: str) -> ApiError:
+    """A query the model finds nothing to match in (blank text never gets here: the schemas refuse it)."""
+    return ApiError(422, "no_fragments", f"the {what} has no usable fragment: {exc}")
 
 
 def storage_error(exc: OSError, what: str) -> ApiError | None:
@@ -94,7 +91,6 @@ class Engine:
         self.sentences = sentences
         self.load_seconds = load_seconds
         self._write_lock = threading.Lock()
-        self._heavy = threading.BoundedSemaphore(settings.heavy_slots)  # bounds CPU and memory of extractions
 
     @classmethod
     def load(cls, settings: Settings, with_sentences: bool = True) -> Engine:
@@ -155,33 +151,29 @@ class Engine:
                       ) -> Page[ImageHit]:
         """Images ranked offset + 1 .. offset + k for a sentence (among those that pass `where`)."""
         try:
-            sent, triplets = encode_sentence(self.bundle, sentence)
-        except ValueError as e:
-            raise text_error(e, "sentence") from e
-        return self.images.search_page(sent, triplets, offset, k, where=where)
+            return self.images.search_page(sentence, offset, k, where=where)
+        except NoFragmentsError as e:
+            raise no_fragments(e, "sentence") from e
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         try:
             return self.images.explain(image_id, sentence)
-        except ValueError as e:
-            raise text_error(e, "sentence") from e
+        except NoFragmentsError as e:
+            raise no_fragments(e, "sentence") from e
 
     def similar_to_image(self, image_id: int, k: int, offset: int = 0) -> tuple[tuple[int, int], Similar] | None:
         """The size of an indexed image and the images like it (itself left out), or None when there is
         no such image."""
-        rec, found = self.images.get(image_id), self.images.fragments(image_id)
-        if rec is None or found is None:
+        found = similar_to_indexed(self.images, self.sentences, image_id, k, offset)
+        if found is None:
             return None
-        return (rec.width, rec.height), more_like_this(self.images, self.sentences, *found, k=k,
-                                                       exclude=image_id, offset=offset)
+        rec, similar = found
+        return (rec.width, rec.height), similar
 
     def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Similar]:
         """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
-        with self._heavy:
-            decoded = self.decode(data)
-            extractor = (self.sentences if self.sentences is not None else self.images).extractor  # one backbone
-            img, boxes = self._fragments_of(decoded, extractor)
-            return decoded, more_like_this(self.images, self.sentences, img, boxes, k=k, offset=offset)
+        decoded = self.decode(data)
+        return decoded, similar_to_image(self.images, self.sentences, decoded.image, k, offset)
 
     def duplicates(self, image_id: int, threshold: float) -> list[tuple[Duplicate, str]] | None:
         """Near-duplicates of an indexed image with their names, or None when there is no such image."""
@@ -195,8 +187,8 @@ class Engine:
         """Regions ranked offset + 1 .. offset + k for a phrase."""
         try:
             return self.images.search_fragments_page(phrase, offset, k)
-        except ValueError as e:
-            raise text_error(e, "phrase") from e
+        except NoFragmentsError as e:
+            raise no_fragments(e, "phrase") from e
 
     def search_triplet(self, relation: str, w1: str, w2: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions for one triplet: embedded as is when its relation is kept and its words are known,
@@ -214,17 +206,8 @@ class Engine:
         """Sentences ranked offset + 1 .. offset + k for an uploaded image."""
         if self.sentences is None:
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
-        with self._heavy:
-            decoded = self.decode(data)
-            img, boxes = self._fragments_of(decoded, self.sentences.extractor)
-            return decoded, self.sentences.annotate_page(img, boxes, offset, k)
-
-    def _fragments_of(self, decoded: Decoded, extractor: RegionExtractor) -> tuple[torch.Tensor, np.ndarray]:
-        """An upload's embedded fragments (F, h) and their boxes (F, 4) in its pixels."""
-        frags = extractor.extract(decoded.image)
-        with torch.inference_mode():
-            img = self.bundle.embed_images(frags.features[None])[0]
-        return img, np.asarray(frags.boxes[: len(img)], dtype=np.float32)
+        decoded = self.decode(data)
+        return decoded, self.sentences.annotate_page(decoded.image, offset, k)
 
     def thumbnail_file(self, image_id: int, size: int) -> Path | None:
         """The cached thumbnail of an indexed image (made when missing), or None when there is no such
@@ -258,14 +241,13 @@ class Engine:
 
     def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
         """Decode, store under the uploads folder, index and save; on failure nothing changes."""
-        with self._heavy:
-            decoded = self.decode(data)
+        decoded = self.decode(data)
         uploads = self.settings.uploads_dir
         uploads.mkdir(parents=True, exist_ok=True)
         stem = uuid.uuid4().hex
         path = uploads / f"{stem}.jpg"
         name = safe_name(filename, f"{stem}.jpg")
-        with self._write_lock, self._heavy:  # write lock first, then a slot: one order, no deadlock
+        with self._write_lock:
             image_id: int | None = None
             try:
                 decoded.image.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from service.schemas import ErrorResponse
+from service.schemas import EMPTY_TEXT, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,16 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": descriptions.get(s, "error")} for s in statuses}
 
 
+# validation errors with a code of their own, by (error type, field); None: any field. Others: invalid_request
+VALIDATION_CODES = {(EMPTY_TEXT, None): "empty_sentence", ("missing", "sentence"): "empty_sentence"}
+
+
+def _code(err: dict[str, Any]) -> str | None:
+    loc = tuple(err.get("loc", ()))
+    kind = str(err.get("type", ""))
+    return VALIDATION_CODES.get((kind, None)) or VALIDATION_CODES.get((kind, str(loc[-1]) if loc else ""))
+
+
 def _field(loc: Sequence[Any]) -> str:
     parts = [str(p) for p in loc if p not in ("body",)]
     return ".".join(parts) or "body"
@@ -84,9 +94,7 @@ async def _validation_handler(request: Request, exc: Exception) -> JSONResponse:
         return error_response(404, "not_found", "no such resource")
     details = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
                for e in errors]
-    code = "invalid_request"
-    if any(e.get("loc", ())[-1:] == ("sentence",) for e in errors):
-        code = "empty_sentence" if any("empty" in _message(e) for e in errors) else code
+    code = next((c for c in map(_code, errors) if c is not None), "invalid_request")
     return error_response(422, code, "; ".join(_message(e) for e in errors) or "invalid request", details)
 
 

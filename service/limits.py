@@ -1,7 +1,8 @@
-"""Request body limits enforced while the body streams in: an oversized upload is refused with
-413 as soon as its declared length, or the bytes received so far, pass the limit (the rest is
-never read); a body that stops arriving (e.g. shorter than its Content-Length) is refused with 408
-once no part of it has come for `timeout` seconds."""
+"""Request body limits enforced while the body streams in, the service's one body-size rule (an
+upload's limit is `max_upload_bytes` for its whole body, a JSON body's `max_json_bytes`): an oversized
+body is refused with 413 `too_large` as soon as its declared length, or the bytes received so far,
+pass the limit (the rest is never read); a body that stops arriving (e.g. shorter than its
+Content-Length) is refused with 408 once no part of it has come for `timeout` seconds."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.errors import error_response
 
 BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
-MULTIPART_OVERHEAD = 64 * 1024  # boundaries, part headers and small fields around an uploaded file
 
 
 class BodyRefused(HTTPException):

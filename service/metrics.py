@@ -52,7 +52,7 @@ class Metrics:
         self.index_size.labels(index=name).set_function(size)
 
     def track_searches(self, searches: Callable[[], Mapping[str, Mapping[str, int]]]) -> None:
-        """`searches()`: index name -> path -> searches answered (index.base.FragmentIndex.searches)."""
+        """`searches()`: index name -> path -> searches answered (index.ranker.Ranker.searches)."""
         self.registry.register(SearchPaths(searches))
 
     def render(self) -> bytes:

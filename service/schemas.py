@@ -6,11 +6,13 @@ from datetime import UTC, date, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from index.types import ExplainScope
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
 DEFAULT_K = 10  # images or regions a search returns when it names no k (settings.k_max may not be smaller)
+EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or phrase (service/errors.py: its code)
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
 _MATCH = {"triplet": "amod(dog, black)", "relation": "amod", "words": ["dog", "black"],
@@ -45,9 +47,10 @@ class ErrorResponse(BaseModel):
 
 
 def _not_blank(value: str, what: str) -> str:
+    """The one check of a blank text: every sentence and phrase field of the API goes through it."""
     text = value.strip()
     if not text:
-        raise ValueError(f"the {what} is empty")
+        raise PydanticCustomError(EMPTY_TEXT, "the {what} is empty", {"what": what})
     return text
 
 
@@ -163,6 +166,11 @@ class ImageResult(BaseModel):
 class ExplainRequest(BaseModel):
     image_id: int = Field(ge=0, le=2**63 - 1, strict=True, description="an indexed image's id")
     sentence: str = Field(description="the sentence the image is explained for", examples=["a dog runs on the grass"])
+
+    @field_validator("sentence")
+    @classmethod
+    def _sentence(cls, v: str) -> str:
+        return _not_blank(v, "sentence")
 
 
 class PairOut(FragmentMatchOut):

@@ -115,7 +115,8 @@ class Settings(BaseSettings):
     max_sentence_chars: int = Field(default=300, ge=1, description="longest sentence or phrase accepted")
     k_max: int = Field(default=100, ge=1, description="largest k accepted")
     max_rank: int = Field(default=1000, ge=1, description="deepest rank a page may reach (offset + k)")
-    max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="largest image upload")
+    max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="largest upload request body "
+                                  "(the image file and its multipart framing)")
     max_pixels: int = Field(default=40_000_000, ge=1, description="largest image (width x height) decoded")
     max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
 

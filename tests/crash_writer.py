@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index import ImageIndex
+from index import ImageIndex, saving
 from model.bundle import Bundle
 
 REBUILD_EVERY = 7  # operations between two builds of the candidate index
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle = Bundle.load(args.model)
     index = ImageIndex.load(args.index, bundle)
     if args.die_after_commit:
-        index._remove_unreferenced = lambda keep: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+        saving.remove_unreferenced = lambda index, keep: os.kill(os.getpid(), signal.SIGKILL)
     rng = np.random.default_rng(args.seed)
     sys.stdout.write("ready\n")  # the protocol line the test waits for
     sys.stdout.flush()

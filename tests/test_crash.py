@@ -37,7 +37,8 @@ import pytest
 
 from index import ImageIndex, IndexFullError, IndexSettings
 from index import ids as fid
-from index.candidates import BackendOptions, FaissCandidates
+from index.candidates import BackendOptions
+from index.faiss_backend import FaissCandidates
 from index.milvus import ID as MILVUS_ID
 from index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
 from index.milvus import MilvusCandidates
@@ -126,7 +127,7 @@ def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
             # before the first write, the collection may still hold what the killed writer did not commit:
             # searches return committed items only
             for probe in probes:
-                vecs, _ = index._vectors(np.asarray([probe]))
+                vecs, _ = index.stored.vectors(np.asarray([probe]))
                 assert {h.image_id for h in index.search_vectors(vecs[0, :3].clone(), k=len(ids))} <= set(rows)
             journal_state(log, gen + 1, expected)
             index.save()  # the first write reconciles the collection with the committed state
@@ -135,7 +136,7 @@ def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
         assert index.candidates.ntotal == index.n_fragments == sum(rows.values()), "the backend and the store disagree"
         # every live item is recalled and ranked by the exact score, as the scan over every item ranks it
         for probe in probes:
-            vecs, _ = index._vectors(np.asarray([probe]))
+            vecs, _ = index.stored.vectors(np.asarray([probe]))
             query = vecs[0, :3].clone()
             hits = index.search_vectors(query, k=len(ids))
             exact = index.search_vectors(query, k=len(ids), exhaustive=True)

@@ -1,6 +1,7 @@
-"""The import graph: no module of model/ reaches back to one that imports it, and model/, index/ and
-service/ never import training/ but through the one door that trains a missing model (function-local and
-TYPE_CHECKING imports included)."""
+"""The import graph: no module of model/ reaches back to one that imports it; no circle anywhere in the
+product (model/, index/, service/, training/); the house direction service -> index -> model; and model/,
+index/ and service/ never import training/ but through the one door that trains a missing model
+(function-local and TYPE_CHECKING imports included)."""
 
 from __future__ import annotations
 
@@ -133,3 +134,57 @@ def test_model_and_index_never_import_training() -> None:
 def test_service_imports_training_only_to_train_a_missing_model() -> None:
     """One door: service/prepare.py's ensure_model, inside the function (serving loads no training code)."""
     assert training_imports("service") == {"service/prepare.py": [("training.train", "ensure_model")]}
+
+
+PRODUCT = ("model", "index", "service", "training")
+FLOOR = {"model": 1, "index": 2, "service": 3}  # the house: service -> index -> model, no arrow up
+
+
+def module_of(path: Path, root: Path) -> str:
+    """The dotted module name of a file under `root` ("index/base.py" -> "index.base")."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_graph(root: Path = ROOT, packages: tuple[str, ...] = PRODUCT) -> dict[str, set[str]]:
+    """Module -> the product modules it imports anywhere in its body (function-local and TYPE_CHECKING
+    imports included); `from package import name` is the submodule `name` when there is one."""
+    modules = {module_of(p, root) for package in packages for p in (root / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            found: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                                 for a in node.names)
+            name = module_of(path, root)
+            graph[name] = {m for m in found if m in modules} - {name}
+    return graph
+
+
+def test_the_product_graph_resolves_submodules_and_packages(tmp_path: Path) -> None:
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "__init__.py").write_text("from index.a import A\n")
+    (tmp_path / "index" / "a.py").write_text("from index import b\nclass A: ...\n")
+    (tmp_path / "index" / "b.py").write_text("def f():\n    from index import A\n")
+    graph = product_graph(tmp_path, ("index",))
+    assert graph == {"index": {"index.a"}, "index.a": {"index.b"}, "index.b": {"index"}}
+    assert cycle(graph) == ["index", "index.a", "index.b", "index"]
+
+
+def test_no_import_circles_in_the_product() -> None:
+    """No file of model/, index/, service/ or training/ reaches back to one that imports it."""
+    graph = product_graph()
+    assert {"index.base", "index.candidates", "index.milvus", "service.engine"} <= set(graph)
+    assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
+
+
+def test_the_house_direction_service_index_model() -> None:
+    """model/ imports neither index/ nor service/, and index/ never imports service/ (training/ apart)."""
+    up = sorted(f"{a} -> {b}" for a, targets in product_graph().items() for b in targets
+                if a.split(".")[0] in FLOOR and b.split(".")[0] in FLOOR
+                and FLOOR[b.split(".")[0]] > FLOOR[a.split(".")[0]])
+    assert up == []

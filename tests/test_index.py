@@ -17,15 +17,16 @@ from PIL import Image, ImageDraw
 
 import index.store
 import model.atomic
-from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images
+from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images, saving
 from index import ids as fid
 from index.base import FragmentIndex
 from index.build import main as build_main
 from index.candidates import BackendOptions
 from index.catalogue import is_index
-from index.query import encode_sentence
+from index.ranker import Ranker
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig
+from model.embed import embed_sentence
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline
 from model.image import RegionExtractor
@@ -51,7 +52,7 @@ QUERIES = ["a red dog runs on the grass", "a man plays with a ball", "the small 
 def candidate_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests of this module exercise the candidate stage on collections small enough for the exact
     scan (`IndexSettings.exact_below`): keep the candidates on. The scan has its own test."""
-    monkeypatch.setattr(FragmentIndex, "_small", lambda self: False)
+    monkeypatch.setattr(Ranker, "small", lambda self: False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,8 +192,8 @@ def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bun
         assert ranking(fast) == ranking(slow), q
         assert [m.triplet for m in fast[0].alignment] == [m.triplet for m in slow[0].alignment]
     # the exhaustive ranking is the model's own score over every image
-    sent, _ = encode_sentence(bundle, QUERIES[0])
-    vecs, mask = index._vectors(index.ids())
+    sent, _ = embed_sentence(bundle, QUERIES[0])
+    vecs, mask = index.stored.vectors(index.ids())
     scores = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0]
     order = torch.argsort(scores, descending=True)[:10]
     assert [h.image_id for h in index.search_exhaustive(QUERIES[0], 10)] == index.ids()[order.numpy()].tolist()
@@ -225,8 +226,8 @@ def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_pat
         e = index.explain(hit.image_id, query)
         assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("collection", True, place, 60)
     index.set_search(exact_below=0)  # a large collection: the rank is taken over the recalled candidates
-    sent, _ = encode_sentence(bundle, query)
-    recalled = set(index._candidates(sent.numpy()).tolist())
+    sent, _ = embed_sentence(bundle, query)
+    recalled = set(index.ranker.candidates(sent.numpy()).tolist())
     assert 0 < len(recalled) < 60
     found = index.search(query, 60)
     for place, hit in enumerate(found, start=1):  # a recalled image: the rank the search gave it
@@ -244,14 +245,14 @@ def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_pat
 
 def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(faiss_index: ImageIndex,
                                                                                  bundle: Bundle):
-    sent, _ = encode_sentence(bundle, QUERIES[0])
+    sent, _ = embed_sentence(bundle, QUERIES[0])
     faiss_index.set_search(k_prime=200)  # every fragment is a hit: the partial scores are complete
-    every = faiss_index._candidates(sent.numpy())
+    every = faiss_index.ranker.candidates(sent.numpy())
     faiss_index.set_search(rerank=8)
-    few = faiss_index._candidates(sent.numpy())
+    few = faiss_index.ranker.candidates(sent.numpy())
     assert len(few) == 8 < len(every) == 40
     # the 8 kept are those whose retrieved fragments add up to the most positive score
-    vecs, mask = faiss_index._vectors(every)
+    vecs, mask = faiss_index.stored.vectors(every)
     partial = ((vecs @ sent.T).clamp_min(0) * mask[..., None]).sum((1, 2)).numpy()
     assert set(few.tolist()) == set(every[np.argsort(-partial)[:8]].tolist())
     faiss_index.set_search(rerank=40)  # as many as there are images: the exhaustive ranking
@@ -271,7 +272,7 @@ def test_search_returns_alignment_with_triplets_and_boxes(image_index: ImageInde
 
 
 def test_added_image_is_found(image_index: ImageIndex, bundle: Bundle):
-    sent, _ = encode_sentence(bundle, QUERIES[1])
+    sent, _ = embed_sentence(bundle, QUERIES[1])
     target = (sent.sum(0) / sent.sum(0).norm()).numpy() * 100  # aligned with every fragment of the query
     vecs = np.repeat(target[None, None], F, axis=1)
     boxes = np.tile(np.array([0, 0, 50, 50], np.float32), (1, F, 1))
@@ -289,7 +290,7 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
     picture((30, 60, 220), "square", (200, 100)).save(photos / "sub" / "blue.png")
     picture((30, 170, 60), "circle").save(photos / "sub" / "red.jpg")  # same file name, another picture
     (photos / "broken.jpg").write_bytes(b"not an image")
-    index = ImageIndex.create(tmp_path / "idx", bundle, extractor=extractor)
+    index = ImageIndex.create(tmp_path / "idx", bundle)
     paths = list_images(photos)
     report = index.add_paths(paths)
     assert len(report.added) == 3 and [Path(p).name for p, _ in report.skipped] == ["broken.jpg"]
@@ -314,8 +315,8 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
 def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle: Bundle):
     hits = image_index.search_fragments("amod(dog, red)", 5)
     assert len(hits) == 5 and all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
-    sent, _ = encode_sentence(bundle, "red dog")  # the phrase parses to the same triplet
-    vecs, mask = image_index._vectors(image_index.ids())
+    sent, _ = embed_sentence(bundle, "red dog")  # the phrase parses to the same triplet
+    vecs, mask = image_index.stored.vectors(image_index.ids())
     dots = (vecs @ sent[0]).clamp_min(0) * mask
     flat = torch.argsort(dots.flatten(), descending=True)[:5]
     expected = [(int(image_index.ids()[i // vecs.shape[1]]), int(i % vecs.shape[1])) for i in flat]
@@ -422,11 +423,11 @@ def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle
            for i, v in enumerate(vecs)]
     for i, v in zip(ids, vecs, strict=True):
         assert np.array_equal(ix.store.rows(int(ix.items.seg[i]), int(ix.items.off[i]), len(v)), v)
-    gathered, mask = ix._vectors(np.array(ids))
+    gathered, mask = ix.stored.vectors(np.array(ids))
     assert mask.sum(1).tolist() == [len(v) for v in vecs]
     ix.save()
     loaded = ImageIndex.load(ix.root, bundle)
-    got, _ = loaded._vectors(np.array(ids))
+    got, _ = loaded.stored.vectors(np.array(ids))
     assert torch.equal(got, gathered)
     for i, v in zip(ids, vecs, strict=True):
         assert np.array_equal(loaded.store.rows(int(loaded.items.seg[i]), int(loaded.items.off[i]), len(v)), v)
@@ -479,7 +480,7 @@ def test_crash_after_rename_before_commit_leaves_the_old_state(faiss_index: Imag
         shutil.copytree(faiss_index.root, crashed)  # every new file is in place, the database not updated
         raise Crash
 
-    monkeypatch.setattr(FragmentIndex, "_commit", crash)
+    monkeypatch.setattr(saving, "commit", crash)
     with pytest.raises(Crash):
         faiss_index.save()
     old = ImageIndex.load(crashed, bundle)
@@ -585,7 +586,7 @@ def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bun
 
 # -- concurrency ------------------------------------------------------------------------------------------
 def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageIndex, bundle: Bundle):
-    sent, _ = encode_sentence(bundle, QUERIES[2])
+    sent, _ = embed_sentence(bundle, QUERIES[2])
     k = 5
     base = ranking(faiss_index.search_exhaustive(QUERIES[2], k))
     direction = (sent.sum(0) / sent.sum(0).norm()).numpy()
@@ -631,8 +632,7 @@ SENTENCES = ["a red dog runs on the grass", "a man plays with a ball in the stre
 def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: Path, bundle: Bundle,
                                                                       extractor: RegionExtractor,
                                                                       backend: BackendOptions):
-    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), extractor=extractor,
-                                 backend=backend)
+    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), backend=backend)
     ids = index.add_sentences(SENTENCES * 3)
     assert len(ids) == 27 and len(index) == 27  # the empty and the unknown-word sentences are skipped
     rec = index.get(ids[0])
@@ -649,7 +649,7 @@ def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: P
             assert m.box == [float(v) for v in frags.boxes[m.fragment]]
     index.remove(fast[0].sentence_id)
     index.save()
-    loaded = SentenceIndex.load(index.root, bundle, extractor=extractor)
+    loaded = SentenceIndex.load(index.root, bundle)
     assert ranking(loaded.annotate_fragments(frags, 5)) == ranking(fast[1:6])
     loaded.close()
     index.close()

@@ -17,7 +17,7 @@ def test_sweep_measures_the_candidate_stage_on_a_collection_searches_would_scan(
     boxes = np.tile(np.array([0, 0, 224, 224], np.float32), (n, N_FRAGMENTS, 1))
     names = [f"syn{i}" for i in range(n)]
     index.add_vectors(gen.images(0, n), boxes, np.full((n, 2), 224), names, names)
-    assert index._small()  # the service's policy: a search scans this collection exactly
+    assert index.ranker.small()  # the service's policy: a search scans this collection exactly
     queries = gen.queries(12)
     truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
 

@@ -192,5 +192,5 @@ def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_p
             r = c.post("/search/images", json={"sentence": "a red circle", **bad})
             assert r.status_code == 422, (bad, r.text)
             assert r.json()["error"]["message"]
-        assert images.searches()["candidates"] > 0 and images.searches().get("scan", 0) == 0
+        assert images.searches["candidates"] > 0 and images.searches["scan"] == 0
     images.close()

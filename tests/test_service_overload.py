@@ -66,8 +66,8 @@ def test_a_full_heavy_queue_is_refused_at_once(service_env: ServiceEnv, tmp_path
     gate = app.state.gates.heavy
 
     async def scenario(c: httpx.AsyncClient) -> tuple[list[httpx.Response], httpx.Response, str]:
-        assert engine._heavy.acquire(timeout=60)  # the running annotation blocks in its thread
-        try:
+        assert engine.sentences is not None
+        with engine.sentences.rw.write():  # the running annotation blocks in its thread (at the index's read lock)
             first = asyncio.create_task(annotate(c, service_env))
             await until(lambda: gate.running == 1)
             second = asyncio.create_task(annotate(c, service_env))
@@ -76,8 +76,6 @@ def test_a_full_heavy_queue_is_refused_at_once(service_env: ServiceEnv, tmp_path
             upload = await c.post("/images", files={"file": ("y.jpg", service_env.jpeg(), "image/jpeg")},
                                   headers={"X-API-Key": service_env.api_key})
             assert not first.done() and not second.done()
-        finally:
-            engine._heavy.release()
         done = list(await asyncio.gather(first, second))
         return [*done, upload], third, (await c.get("/metrics")).text
 
@@ -107,15 +105,13 @@ def test_past_the_deadline_the_client_gets_504_and_waiting_work_never_starts(ser
     engine.annotate = counted  # type: ignore[method-assign]
 
     async def scenario(c: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, str, int]:
-        assert engine._heavy.acquire(timeout=60)
-        try:
+        assert engine.sentences is not None
+        with engine.sentences.rw.write():  # the running annotation blocks in its thread
             first = asyncio.create_task(annotate(c, service_env))
             await until(lambda: gate.running == 1)
             second = await annotate(c, service_env)  # waits in the queue past its deadline
-            first_done = await first  # its work is stuck behind the held slot: answered at its deadline
+            first_done = await first  # its work is stuck behind the held lock: answered at its deadline
             started_while_held = len(calls)
-        finally:
-            engine._heavy.release()
         await until(lambda: gate.running == 0)  # the abandoned running work finishes and frees its slot
         return first_done, second, (await c.get("/metrics")).text, started_while_held
 
@@ -138,7 +134,7 @@ def test_searches_beyond_the_limit_are_refused(service_env: ServiceEnv, tmp_path
         def search() -> Awaitable[httpx.Response]:
             return c.post("/search/images", json={"sentence": sentence, "k": 3})
 
-        with engine.images._rw.write():  # searches block on the index's read lock in their threads
+        with engine.images.rw.write():  # searches block on the index's read lock in their threads
             running = asyncio.create_task(search())
             await until(lambda: gate.running == 1)
             queued = asyncio.create_task(search())

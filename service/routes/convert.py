@@ -31,20 +31,6 @@ def thumbnail_url(image_id: int, size: int = 256) -> str:
     return f"/images/{image_id}/thumbnail?size={size}"
 
 
-def check_k(k: int, settings: Settings) -> int:
-    if k < 1 or k > settings.k_max:
-        raise ApiError(422, "bad_k", f"k must be between 1 and {settings.k_max}, got {k}")
-    return k
-
-
-def check_offset(offset: int, k: int, settings: Settings) -> int:
-    """Pages reach down to rank settings.max_rank: offset + k beyond it is a 422."""
-    if offset < 0 or offset + k > settings.max_rank:
-        raise ApiError(422, "bad_offset", f"offset + k must be at most {settings.max_rank} (the deepest rank served), "
-                       f"got {offset} + {k}")
-    return offset
-
-
 class Paging(TypedDict):
     offset: int
     next_offset: int | None
@@ -90,16 +76,6 @@ def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | N
 
 def relevance_of(score: float, relevance: Relevance | None) -> float | None:
     return None if relevance is None else round(relevance.of(score), 4)
-
-
-def check_text(text: str, settings: Settings, what: str) -> str:
-    text = text.strip()
-    if not text:
-        raise ApiError(422, "empty_sentence", f"the {what} is empty")
-    if len(text) > settings.max_sentence_chars:
-        raise ApiError(422, "sentence_too_long",
-                       f"the {what} has {len(text)} characters; the limit is {settings.max_sentence_chars}")
-    return text
 
 
 def _box(box: list[float]) -> list[float]:

@@ -13,7 +13,7 @@ from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 
 from index.duplicates import THRESHOLD
-from service.deps import EngineDep, GatesDep, SettingsDep, require_key
+from service.deps import EngineDep, GatesDep, require_key
 from service.errors import ApiError, responses
 from service.routes.convert import image_out, image_url, thumbnail_url
 from service.routes.uploads import read_upload
@@ -102,9 +102,9 @@ def build_router() -> APIRouter:
                  dependencies=[Depends(require_key)],
                  responses={201: {"links": ADDED_LINKS}, **responses(401, 403, 408, 413, 415, 422, 503, 504, 507)})
     async def add_image(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],
-                        engine: EngineDep, s: SettingsDep, gates: GatesDep) -> ImageOut:
+                        engine: EngineDep, gates: GatesDep) -> ImageOut:
         """Index an uploaded image (needs the API key); it is stored in the service's uploads folder."""
-        data = await read_upload(file, s.max_upload_bytes)
+        data = await read_upload(file)
         rec = await gates.heavy.run(engine.add_image, data, file.filename)
         return image_out(rec)
 

@@ -1,4 +1,15 @@
-"""Queries as fragment vectors, and alignments as results: the glue between the model and the indexes."""
+"""Inputs as fragments: the one place where a sentence, a phrase or an image becomes embedded
+fragment vectors, for both indexes (what they add and what they are asked) and the service alike.
+
+    embed_sentence(bundle, text)      -> fragments (T, h) and their triplets
+    embed_phrase(bundle, phrase)      -> the same for a phrase, or one triplet "rel(w1, w2)"
+    embed_encoded(bundle, encoded)    -> the same for sentences encoded (parsed) already, per sentence
+    embed_image(bundle, image)        -> EmbeddedImage: fragments (F, h) and boxes (F, 4) in its pixels
+    embed_extracted(bundle, frags)    -> the same for images extracted already (the feature cache)
+
+Regions come from the bundle's region extractor (`Bundle.extractor`); the text side parses under
+one lock per model (`text_lock`: the parser is not made for threads).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +17,18 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from PIL import Image
 
-from index.types import FragmentMatch
 from model.bundle import Bundle
 from model.fragments import SENTENCE_REL, EncodedSentences
-from model.score import align
+from model.image import ImageFragments
 from model.text import Triplet
 
-# "rel(w1, w2)", the form FragmentMatch.triplet is written in
+# "rel(w1, w2)", the form a triplet is written in
 MODIFIERS_FIRST = ("amod", "det", "compound", "nn", "nummod", "num", "poss", "advmod", "nsubj", "aux")
 TRIPLET_RE = re.compile(r"^\s*([\w:<>-]+)\(\s*([^,()\s]+)\s*,\s*([^,()\s]+)\s*\)\s*$")
 
@@ -34,6 +46,7 @@ def text_lock(bundle: Bundle) -> threading.Lock:
         return lock
 
 
+# -- sentences --------------------------------------------------------------------------------------------
 def row_triplets(triplets: Sequence[Triplet], rows: int) -> list[Triplet]:
     """The triplets behind the `rows` embedded fragments of one sentence.
 
@@ -59,19 +72,26 @@ def embed_encoded(bundle: Bundle, enc: EncodedSentences, calibrated: bool = True
     return out
 
 
-def encode_sentence(bundle: Bundle, text: str) -> tuple[torch.Tensor, list[Triplet]]:
+def embed_texts(bundle: Bundle, texts: Sequence[str], strict: bool = True
+                ) -> list[tuple[torch.Tensor, list[Triplet]]]:
+    """Sentences parsed and embedded, per sentence as `embed_encoded` gives them (`strict`:
+    NoFragmentsError for one with nothing to match)."""
+    with text_lock(bundle):
+        enc = bundle.text.encode(list(texts), strict=strict)
+    return embed_encoded(bundle, enc)
+
+
+def embed_sentence(bundle: Bundle, text: str) -> tuple[torch.Tensor, list[Triplet]]:
     """A query sentence -> its fragments (T, h) and triplets.
 
     Raises ValueError for an empty sentence and model.fragments.NoFragmentsError when no fragment is usable.
     """
     if not text.strip():
         raise ValueError("the sentence is empty")
-    with text_lock(bundle):
-        enc = bundle.text.encode([text], strict=True)
-    return embed_encoded(bundle, enc)[0]
+    return embed_texts(bundle, [text], strict=True)[0]
 
 
-def encode_phrase(bundle: Bundle, phrase: str) -> tuple[torch.Tensor, list[Triplet]]:
+def embed_phrase(bundle: Bundle, phrase: str) -> tuple[torch.Tensor, list[Triplet]]:
     """A short phrase, or one triplet written "rel(w1, w2)" with a kept relation and known words
     (fragment models with static word vectors), -> fragments (T, h) and triplets."""
     m = TRIPLET_RE.match(phrase)
@@ -85,7 +105,7 @@ def encode_phrase(bundle: Bundle, phrase: str) -> tuple[torch.Tensor, list[Tripl
             return embed_encoded(bundle, enc)[0]
     if m:
         phrase = triplet_words(m.group(1), m.group(2), m.group(3))
-    return encode_sentence(bundle, phrase)
+    return embed_sentence(bundle, phrase)
 
 
 def triplet_words(rel: str, w1: str, w2: str) -> str:
@@ -97,20 +117,32 @@ def triplet_words(rel: str, w1: str, w2: str) -> str:
     return f"{w1} {w2}"
 
 
-def matches(img: torch.Tensor, sent: torch.Tensor, triplets: Sequence[Triplet] | None,
-            boxes: np.ndarray) -> list[FragmentMatch]:
-    """The alignment of one image-sentence pair as results, in sentence-fragment order.
+# -- images -----------------------------------------------------------------------------------------------
+@dataclass
+class EmbeddedImage:
+    """One image as embedded fragments: vectors (F, h) float32 and their boxes (F, 4) float32 in the
+    image's own pixels; the image's width and height."""
 
-    img: (F, h) image fragments with boxes (F, 4); sent: (T, h) sentence fragments with their
-    triplets. Sentence fragments without a positive match (no share in S_kl) are left out.
-    """
-    al = align(img, sent)
-    out = []
-    for j, (i, score, ok) in enumerate(zip(al.image_fragment, al.score, al.matched, strict=True)):
-        if not ok:
-            continue
-        t = triplets[j] if triplets else Triplet("", f"fragment {j}", f"fragment {j}")
-        out.append(FragmentMatch(triplet=t.text() if triplets else f"fragment {j}", relation=t.rel,
-                                 words=(t.w1, t.w2), box=[float(v) for v in boxes[i]], fragment=int(i),
-                                 score=float(score)))
-    return out
+    vectors: torch.Tensor
+    boxes: np.ndarray
+    width: int
+    height: int
+
+
+def embed_extracted(bundle: Bundle, frags: Sequence[ImageFragments]) -> list[EmbeddedImage]:
+    """Extracted images (features (F, 1280), boxes (F, 4)) embedded: one batch when they have as
+    many fragments each, else one at a time."""
+    if not frags:
+        return []
+    with torch.inference_mode():
+        if len({len(f.features) for f in frags}) == 1:
+            vecs = list(bundle.embed_images(np.stack([f.features for f in frags])))
+        else:
+            vecs = [bundle.embed_images(f.features[None])[0] for f in frags]
+    return [EmbeddedImage(v, np.asarray(f.boxes[: len(v)], dtype=np.float32), int(f.width), int(f.height))
+            for f, v in zip(frags, vecs, strict=True)]
+
+
+def embed_image(bundle: Bundle, image: Image.Image) -> EmbeddedImage:
+    """An image's regions (the bundle's region extractor) embedded."""
+    return embed_extracted(bundle, [bundle.extractor.extract(image)])[0]

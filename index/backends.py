@@ -1,0 +1,35 @@
+"""The candidate backend an index uses: a new one for a new folder, or the one its committed `info`
+names (index.faiss_backend, index.milvus; pymilvus is imported only by indexes that use Milvus)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from index.candidates import BackendOptions, CandidateBackend
+from index.faiss_backend import FaissCandidates
+from index.milvus import MilvusCandidates
+from index.types import IndexLoadError, IndexSettings
+
+
+def create_backend(root: Path, dim: int, settings: IndexSettings, options: BackendOptions,
+                   kind: str) -> CandidateBackend:
+    """An empty backend for a new index folder."""
+    if options.backend == "milvus":
+        return MilvusCandidates.create(root, dim, settings, options, kind)
+    return FaissCandidates.create(dim, settings)
+
+
+def open_backend(root: Path, dim: int, settings: IndexSettings, info: dict[str, Any],
+                 options: BackendOptions | None) -> CandidateBackend:
+    """The backend an index folder's committed `info` names (IndexLoadError when it cannot be opened,
+    or when `options` ask for another backend than the index was built with)."""
+    name = str(info.get("backend", "faiss"))
+    if options is not None and options.backend != name:
+        raise IndexLoadError(f"the index at {root} keeps its candidates in {name}, not {options.backend}: "
+                             f"build it anew with --backend {options.backend}")
+    if name == "milvus":
+        return MilvusCandidates.open(root, dim, settings, info, options)
+    if name != "faiss":
+        raise IndexLoadError(f"the index at {root} names an unknown candidate backend {name!r}")
+    return FaissCandidates.open(root, dim, settings, info)

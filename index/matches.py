@@ -1,0 +1,31 @@
+"""Alignments as results: which image region each sentence fragment matched, with its triplet and box."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from index.types import FragmentMatch
+from model.score import align
+from model.text import Triplet
+
+
+def matches(img: torch.Tensor, sent: torch.Tensor, triplets: Sequence[Triplet] | None,
+            boxes: np.ndarray) -> list[FragmentMatch]:
+    """The alignment of one image-sentence pair as results, in sentence-fragment order.
+
+    img: (F, h) image fragments with boxes (F, 4); sent: (T, h) sentence fragments with their
+    triplets. Sentence fragments without a positive match (no share in S_kl) are left out.
+    """
+    al = align(img, sent)
+    out = []
+    for j, (i, score, ok) in enumerate(zip(al.image_fragment, al.score, al.matched, strict=True)):
+        if not ok:
+            continue
+        t = triplets[j] if triplets else Triplet("", f"fragment {j}", f"fragment {j}")
+        out.append(FragmentMatch(triplet=t.text() if triplets else f"fragment {j}", relation=t.rel,
+                                 words=(t.w1, t.w2), box=[float(v) for v in boxes[i]], fragment=int(i),
+                                 score=float(score)))
+    return out

@@ -1,0 +1,243 @@
+"""The read side of an index: candidates -> prescore -> exact re-rank -> payloads.
+
+`Ranker.rank` scores a query's candidates (the backend's recall, optionally cut to the `rerank` best
+by a partial score) or every live item exactly (an exhaustive search, or a collection under
+`settings.exact_below` fragments), and returns the top k with their payloads and stored fragments;
+`rank_many` ranks many queries in one pass over the store; `place` is where one item stands for a
+query (index.images' explain). The score is the caller's (the model's S_kl, model.score), so the
+image and the sentence index rank through the same code.
+
+Callers of `rank` and `rank_many` need no lock; the other reads are made under the index's
+`reading()` lock, which the caller holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from index import ids as fid
+from index.candidates import CandidateBackend
+from index.items import ItemTable
+from index.ranking import merge_top_k, top_k
+from index.shared import SharedFragments
+from index.stored import StoredFragments
+from index.types import ExplainScope, IndexSettings
+
+SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
+FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed items exactly, without candidates
+SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranker.searches)
+
+P = TypeVar("P")
+Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Ranked = tuple[int, float, P, torch.Tensor]  # item, score, payload, its stored fragments (n, h)
+
+
+class RankedIndex(Protocol[P]):
+    """What the ranker reads of an index (index.base.FragmentIndex)."""
+
+    @property
+    def settings(self) -> IndexSettings: ...
+    @property
+    def candidates(self) -> CandidateBackend: ...
+    @property
+    def items(self) -> ItemTable[P]: ...
+    @property
+    def stored(self) -> StoredFragments: ...
+    @property
+    def shared(self) -> SharedFragments | None: ...
+    @property
+    def PRESCORE_SMOOTHING(self) -> float: ...  # noqa: N802 (a class constant of the index)
+    def reading(self) -> AbstractContextManager[None]: ...
+    def payloads(self, items: Sequence[int]) -> dict[int, P]: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one item stands for a query: its score, its rank among the `considered` items ranked
+    (1 = best, ties to the smaller id), over the whole `scope` or the candidates, and whether the
+    candidate recall finds it at all (always, for a collection ranked whole)."""
+
+    score: float
+    rank: int
+    considered: int
+    scope: ExplainScope
+    recalled: bool
+
+
+class Ranker(Generic[P]):
+    """Candidate recall and the exact re-rank over one index's items."""
+
+    def __init__(self, index: RankedIndex[P]) -> None:
+        self.index = index
+        self._searches = dict.fromkeys(SEARCH_PATHS, 0)
+        self._searches_lock = threading.Lock()
+
+    @property
+    def searches(self) -> dict[str, int]:
+        """Searches answered since the index was opened, per path: "scan" (the exact score over every
+        live item: a collection under `settings.exact_below` fragments, or an exhaustive search) or
+        "candidates" (the backend's recall, then the exact re-rank of what it recalled)."""
+        with self._searches_lock:
+            return dict(self._searches)
+
+    def _searched(self, path: str) -> None:
+        with self._searches_lock:
+            self._searches[path] += 1
+
+    # -- ranking -------------------------------------------------------------------------------------
+    def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
+             allowed: np.ndarray | None = None) -> tuple[list[Ranked[P]], int]:
+        """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C,)), and
+        how many items the exact score ranked (the candidates, or every live item).
+
+        Scored are the backend's candidates of `queries` (t, h), or every live item when `exhaustive`.
+        `allowed` (sorted ids: a date and place filter) limits the ranking to those items: all of them
+        scored exactly when they are at most FILTERED_EXACT (or the collection is scanned anyway),
+        else their candidates.
+        Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
+        """
+        index = self.index
+        with index.reading():
+            if allowed is not None and len(allowed):
+                allowed = allowed[index.items.live_among(allowed)]
+            if allowed is not None and not (exhaustive or self.small() or len(allowed) <= FILTERED_EXACT):
+                candidates = self.candidates(queries, allowed)
+                return self._top_of(candidates, score, k), len(candidates)
+            if exhaustive or self.small() or allowed is not None:
+                best: list[tuple[int, float]] = []
+                considered = 0
+                for part, vecs, mask in self._scan(items=allowed):
+                    best = merge_top_k(best, part, score(vecs, mask).numpy(), k)
+                    considered += len(part)
+                items = np.asarray([i for i, _ in best], dtype=np.int64)
+                vecs, mask = index.stored.vectors(items)
+            else:
+                candidates = self.candidates(queries)
+                return self._top_of(candidates, score, k), len(candidates)
+            payloads = index.payloads(items.tolist())
+        return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
+                for row, (item, s) in enumerate(best)], considered
+
+    def rank_many(self, score: Score, n_queries: int, k: int) -> list[list[tuple[int, float]]]:
+        """Exact top k (item, score) of n queries in one pass over the store; `score` maps stored
+        fragments ((C, F, h), mask (C, F)) to (C, n_queries) scores."""
+        best: list[list[tuple[int, float]]] = [[] for _ in range(n_queries)]
+        with self.index.reading():
+            for part, vecs, mask in self._scan():
+                scores = score(vecs, mask).numpy()
+                for q in range(n_queries):
+                    best[q] = merge_top_k(best[q], part, scores[:, q], k)
+        return best
+
+    def place(self, item: int, queries: np.ndarray, score: Score) -> Placement:
+        """Where live `item` stands for `queries` by `score`, ranked as a search ranks: a collection a
+        search scans whole is ranked whole; a larger one over the candidates the index recalls for
+        the queries plus this item, so the cost stays that of a search (caller holds `reading`)."""
+        ids, scores = [], []
+        scope: ExplainScope = "collection"
+        recalled = True
+        if self.small():
+            for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
+                ids.append(part)
+                scores.append(score(vecs, mask).numpy())
+        else:
+            candidates = self.candidates(queries)
+            scope, recalled = "candidates", bool(np.isin(item, candidates))
+            ranked = np.union1d(candidates, np.asarray([item], dtype=np.int64))
+            vecs, mask = self.index.stored.vectors(ranked)
+            ids.append(ranked)
+            scores.append(score(vecs, mask).numpy())
+        all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
+        mine = float(all_scores[all_ids == item][0])
+        ahead = (all_scores > mine) | ((all_scores == mine) & (all_ids < item))
+        return Placement(mine, 1 + int(np.count_nonzero(ahead)), len(all_ids), scope, recalled)
+
+    def small(self) -> bool:
+        """At most `settings.exact_below` live fragments: the exact scan is the cheaper search."""
+        limit = self.index.settings.exact_below
+        items = self.index.items
+        return bool(limit) and items.count <= limit and items.fragments() <= limit
+
+    # -- candidates ----------------------------------------------------------------------------------
+    def candidates(self, queries: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
+        """queries: (t, dim) -> ids of the live items with a fragment among a query's k' nearest
+        (k' = 0: every fragment with a positive score) (caller holds `reading`); with `allowed`
+        (sorted ids), only those items: a backend that filters while it searches (Milvus) is given
+        them, the others' results are filtered after.
+
+        With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
+        the sum of max(0, backend score) over their retrieved fragments) are kept for the exact re-rank.
+        """
+        self._searched("candidates")
+        index = self.index
+        backend, settings, shared = index.candidates, index.settings, index.shared
+        if backend.ntotal == 0 or (allowed is not None and not len(allowed)):
+            return np.zeros(0, np.int64)
+        only = None if shared is not None else allowed  # shared fragments: their representatives' items differ
+        if settings.k_prime:
+            search = backend.search if shared is not None else backend.search_items
+            scores, found = search(queries, settings.k_prime, only)
+            scores, found = scores[found >= 0], found[found >= 0]
+        else:
+            scores, found = backend.search_positive(queries, only)
+        if shared is not None:
+            items, weights = shared.expand(found, scores)
+        else:
+            items, weights = fid.decode(found)[0], scores
+        uniq, where = np.unique(items, return_inverse=True)
+        live = index.items.live_among(uniq)
+        if allowed is not None:
+            live &= np.isin(uniq, allowed, assume_unique=True)
+        limit = settings.rerank
+        if not limit or live.sum() <= limit:
+            return uniq[live]
+        partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)),
+                                 np.where(live, uniq, 0))
+        partial[~live] = -1.0
+        keep = np.lexsort((uniq, -partial))[:limit]  # ties to the smaller id, as the final ranking
+        return np.sort(uniq[keep])
+
+    def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Partial S_kl of candidates from their retrieved fragments: the sum over the item's fragment
+        count plus the index's smoothing (images: 1/|g_k|; sentences: 1/(|g_l| + n))."""
+        return partial / np.maximum(self.index.items.n[items] + self.index.PRESCORE_SMOOTHING, 1)
+
+    def nearest_fragments(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Unique live (item, fragment) pairs among each query's k nearest fragments (caller holds `reading`)."""
+        self._searched("candidates")
+        backend = self.index.candidates
+        if backend.ntotal == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        _, found = backend.search(queries, k)
+        uniq = np.unique(found[found >= 0])
+        items, frags = fid.decode(uniq)
+        keep = self.index.items.live_among(items)
+        return items[keep], frags[keep]
+
+    # -- the exact score -----------------------------------------------------------------------------
+    def _scan(self, chunk: int = SCAN_ITEMS, items: np.ndarray | None = None
+              ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """Every live item (or the live `items` given) in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
+        self._searched("scan")
+        table = self.index.items
+        items = table.live() if items is None else items
+        items = items[np.lexsort((table.off[items], table.seg[items]))]  # file order
+        for start in range(0, len(items), chunk):
+            part = items[start : start + chunk]
+            yield (part, *self.index.stored.vectors(part))
+
+    def _top_of(self, items: np.ndarray, score: Score, k: int) -> list[Ranked[P]]:
+        """The k best of candidate `items` by `score` (the exact re-rank), as `rank` returns them."""
+        vecs, mask = self.index.stored.vectors(items)
+        top = top_k(score(vecs, mask).numpy(), items, k)
+        keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
+        vecs, mask, items = vecs[keep], mask[keep], items[keep]
+        payloads = self.index.payloads(items.tolist())
+        return [(i, s, payloads[i], vecs[row, : int(mask[row].sum())]) for row, (_, i, s) in enumerate(top)]
