@@ -5,6 +5,7 @@ Screenshots go to artifacts/screenshots/ (git-ignored: they show data-set images
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -229,6 +230,23 @@ def test_more_regions_from_the_page(served: str) -> None:
         browser.close()
 
 
+@contextlib.contextmanager
+def opened(url: str) -> Iterator[Browser]:
+    """A browser on the page at `url`, once its first answer is shown (state "done")."""
+    browser = Browser(CHROMIUM)
+    try:
+        browser.navigate(url)
+        browser.wait_for("document.body.dataset.state === 'done'")
+        yield browser
+    finally:
+        browser.close()
+
+
+def show(browser: Browser, url: str) -> None:
+    browser.navigate(url)
+    browser.wait_for("document.body.dataset.state === 'done'")
+
+
 def _card_labels(browser: Browser) -> list[dict[str, object]]:
     """Per card: the labels drawn on boxes, the legend items shown, and whether it has a "show all"."""
     return browser.evaluate("""[...document.querySelectorAll('#results .card')].map(card => ({
@@ -241,10 +259,7 @@ def _card_labels(browser: Browser) -> list[dict[str, object]]:
 def test_cards_are_calm_top_content_triplets_and_show_all(served: str, service_env: ServiceEnv) -> None:
     """At most three content triplets label a card, function-word relations (det ...) are folded under
     "show all", a triplet several descriptions share is listed once."""
-    browser = Browser(CHROMIUM)
-    try:
-        browser.navigate(page_url(served, "a red circle beside a blue square", k="4"))
-        browser.wait_for("document.body.dataset.state === 'done'")
+    with opened(page_url(served, "a red circle beside a blue square", k="4")) as browser:
         cards = _card_labels(browser)
         assert len(cards) == 4
         for card in cards:
@@ -264,21 +279,15 @@ def test_cards_are_calm_top_content_triplets_and_show_all(served: str, service_e
         browser.screenshot(SCREENSHOTS / "page-show-all.png")
 
         query = service_env.engine.images.search("a red circle", 1)[0]
-        browser.navigate(f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 4}))
-        browser.wait_for("document.body.dataset.state === 'done'")
+        show(browser, f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 4}))
         for card in _card_labels(browser):  # 5 descriptions share triplets: each is listed once
             listed = [str(t).rsplit(" ", 1)[0] for t in card["listed"]]  # type: ignore[union-attr]
             assert len(listed) == len(set(listed)) and len(card["boxes"]) <= 3, card  # type: ignore[arg-type]
         browser.screenshot(SCREENSHOTS / "page-more-like-this.png")
-    finally:
-        browser.close()
 
 
 def test_relevance_bars_the_cut_off_and_no_good_match(served_calibrated: str) -> None:
-    browser = Browser(CHROMIUM)
-    try:
-        browser.navigate(page_url(served_calibrated, "a red circle", k="6", min_relevance="0"))
-        browser.wait_for("document.body.dataset.state === 'done'")
+    with opened(page_url(served_calibrated, "a red circle", k="6", min_relevance="0")) as browser:
         bars = browser.evaluate("[...document.querySelectorAll('#results .card .relevance')].map(b => "
                                 "[parseFloat(b.querySelector('.fill').style.width), "
                                 "parseFloat(b.querySelector('.value').textContent)])")
@@ -287,8 +296,7 @@ def test_relevance_bars_the_cut_off_and_no_good_match(served_calibrated: str) ->
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         browser.screenshot(SCREENSHOTS / "page-relevance.png")
 
-        browser.navigate(page_url(served_calibrated, "a red circle", k="6"))  # the default cut-off applies
-        browser.wait_for("document.body.dataset.state === 'done'")
+        show(browser, page_url(served_calibrated, "a red circle", k="6"))  # the default cut-off applies
         assert browser.evaluate("document.getElementById('min-relevance').value") == "0.5"
         shown = browser.evaluate("[...document.querySelectorAll('#results .card .relevance .value')]"
                                  ".map(v => parseFloat(v.textContent))")
@@ -301,24 +309,18 @@ def test_relevance_bars_the_cut_off_and_no_good_match(served_calibrated: str) ->
         if best > 0.998:
             pytest.fail(f"the best relevance {best} leaves no room above it for a cut-off")
         cut = f"{best + 0.001:.4f}"
-        browser.navigate(page_url(served_calibrated, "a red circle", k="6", min_relevance=cut))
-        browser.wait_for("document.body.dataset.state === 'done'")
+        show(browser, page_url(served_calibrated, "a red circle", k="6", min_relevance=cut))
         assert browser.evaluate("document.body.dataset.result") == "nomatch"
         assert browser.evaluate("document.querySelectorAll('#results .card').length") == 0
         text = browser.evaluate("document.querySelector('#results .no-match').textContent")
         assert text.startswith("no good match: no image reaches relevance"), text
         browser.screenshot(SCREENSHOTS / "page-no-good-match.png")
-    finally:
-        browser.close()
 
 
 def test_filters_on_the_page(served: str) -> None:
     """The date and place fields go into the search; photos without EXIF (the shapes) never pass them,
     and the page says so. A model without the relevance scale has the cut-off field disabled."""
-    browser = Browser(CHROMIUM)
-    try:
-        browser.navigate(page_url(served, "a red circle", k="4", taken_after="2024-06-01", near="48.85,2.29,5"))
-        browser.wait_for("document.body.dataset.state === 'done'")
+    with opened(page_url(served, "a red circle", k="4", taken_after="2024-06-01", near="48.85,2.29,5")) as browser:
         assert browser.evaluate("document.getElementById('filters').open") is True
         assert browser.evaluate("document.getElementById('near-km').value") == "5"
         assert browser.evaluate("document.getElementById('min-relevance').disabled") is True
@@ -332,5 +334,3 @@ def test_filters_on_the_page(served: str) -> None:
         browser.evaluate("document.querySelector('#search-form button[type=submit]').click()")
         browser.wait_for("document.querySelectorAll('#results .card').length === 4")
         assert "taken_after" not in browser.evaluate("location.search")
-    finally:
-        browser.close()
