@@ -11,7 +11,7 @@ from pathlib import Path
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
-from model.text import make_parser
+from model.parsers import make_parser
 
 
 def machine() -> str:

@@ -32,7 +32,7 @@ from model.bundle import Bundle
 from model.calibration import DEFAULT_CUTOFF
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import load_split_data
-from model.text import make_parser
+from model.parsers import make_parser
 from training.calibrate import true_and_random_pairs
 from training.evaluate import evaluate_scores
 

@@ -25,7 +25,6 @@ import torch
 from index import ids as fid
 from index.candidates import CandidateBackend
 from index.items import ItemTable
-from index.ranking import merge_top_k, top_k
 from index.shared import SharedFragments
 from index.stored import StoredFragments
 from index.types import ExplainScope, IndexSettings
@@ -37,6 +36,23 @@ SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranke
 P = TypeVar("P")
 Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Ranked = tuple[int, float, P, torch.Tensor]  # item, score, payload, its stored fragments (n, h)
+
+
+# -- top k: ties always go to the smaller item id, as in the final ranking ------------------------------
+def top_k(scores: np.ndarray, items: np.ndarray, k: int) -> list[tuple[int, int, float]]:
+    """The k best (position, item, score) by score, ties broken by the smaller item id."""
+    if len(items) == 0 or k <= 0:
+        return []
+    order = np.lexsort((items, -scores))[:k]
+    return [(int(p), int(items[p]), float(scores[p])) for p in order]
+
+
+def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.ndarray, k: int
+                ) -> list[tuple[int, float]]:
+    """Running top-k over chunks of an exhaustive scan: (item, score) pairs."""
+    merged = best + [(int(i), float(s)) for _, i, s in top_k(scores, items, k)]
+    merged.sort(key=lambda t: (-t[1], t[0]))
+    return merged[:k]
 
 
 class RankedIndex(Protocol[P]):

@@ -1,5 +1,6 @@
 """Atomic file writes, the one helper of model/ and index/: a temp file beside the target, fsynced,
-renamed onto it, then the folder fsynced (so the rename survives a power cut).
+renamed onto it, then the folder fsynced (so the rename survives a power cut). Beside it, the disk
+caches' one "key -> cached file, computed when missing" (`cached_file`).
 
 A reader never sees a half-written file, and a crash leaves the previous version (or nothing) in
 place plus at most a temp file named ``.<pid>.<target name>.<random>.tmp``, which `stale_temps`
@@ -11,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 TMP_SUFFIX = ".tmp"
+
+T = TypeVar("T")
 
 
 def fsync_dir(folder: Path) -> None:
@@ -60,6 +63,21 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     with atomic_path(path) as tmp, open(tmp, "xb") as fh:
         yield fh
         fh.flush()
+
+
+def cached_file(path: Path, make: Callable[[], T], write: Callable[[T, BinaryIO], object],
+                read: Callable[[Path], T]) -> T:
+    """The value cached at ``path`` (``read``), or ``make()``'s, written there atomically by ``write``
+    when the file is missing. Runs may share a cache: each writes its own temp file, a reader never
+    sees half a file, and two makers of one entry each leave a whole one."""
+    path = Path(path)
+    if path.is_file():
+        return read(path)
+    value = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as fh:
+        write(value, fh)
+    return value
 
 
 def stale_temps(folder: Path) -> Iterator[Path]:

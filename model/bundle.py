@@ -77,14 +77,6 @@ class Bundle:
         return None if self._calibration is None else self._calibration.relevance
 
     @property
-    def extractor(self) -> RegionExtractor:
-        """The region extractor of the model's image settings, on the model's device (made on first use)."""
-        with self._extractor_lock:
-            if self._extractor is None:
-                self._extractor = RegionExtractor(self.image_cfg, str(self.device))
-            return self._extractor
-
-    @property
     def cfg(self) -> ModelConfig:
         return self.model.cfg
 
@@ -97,6 +89,14 @@ class Bundle:
         """One vector per image and per sentence (two-branch, DT-RNN, SDT-RNN, DeViSE): the fragment
         model's special case of one fragment per side, the whole image and the whole sentence."""
         return not isinstance(self.model, FragmentModel)
+
+    @property
+    def extractor(self) -> RegionExtractor:
+        """The region extractor of the model's image settings, on the model's device (made on first use)."""
+        with self._extractor_lock:
+            if self._extractor is None:
+                self._extractor = RegionExtractor(self.image_cfg, str(self.device))
+            return self._extractor
 
     def embed_images(self, feats: np.ndarray | torch.Tensor, calibrated: bool = True) -> torch.Tensor:
         """feats: (K, F, img_dim) cached region features -> image fragments (K, F', h).

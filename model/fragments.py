@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from spacy.lang.en.stop_words import STOP_WORDS
 
-from model.atomic import atomic_file
+from model.atomic import cached_file
 from model.config import TextConfig
-from model.text import ParsedSentence, Parser, RelationVocab, Triplet, make_parser, sentence_triplets
+from model.parsers import make_parser
+from model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
 from model.trees import SentenceTree
 from model.words import WordTable, encode_sentences, encode_words_in_context
 
@@ -32,6 +33,8 @@ SENTENCE_REL = "<sentence>"  # the whole-sentence fragment, mirror of the whole-
 OTHER_REL = "<other>"  # tree encoders: the relations under the cut-off share one matrix
 PARSE_FORMAT = "tree-1"  # parse cache entries hold the tree (ParsedSentence.heads, labels)
 
+
+Vectors = tuple[np.ndarray, np.ndarray, np.ndarray]  # frozen vectors on disk: tokens, offsets, sentences
 
 class NoFragmentsError(ValueError):
     """A query has nothing to match: no content word the model was trained on."""
@@ -151,19 +154,21 @@ class TextPipeline:
         keys = [tuple(p.tokens) or ("",) for p in parsed]
         digest = hashlib.sha1(json.dumps([contextual, self.cfg.sentence_fragment, keys, list(sentences)]).encode())
         path = Path(cache_dir) / f"vectors-{digest.hexdigest()[:16]}.npz"
-        if path.is_file():
-            with np.load(path) as z:
-                tokens, offsets, sent = z["tokens"], z["offsets"], z["sentences"]
-            logger.info("frozen vectors of %d sentences from %s", len(sentences), path)
-        else:
+        def compute() -> Vectors:
             logger.info("computing frozen vectors of %d sentences", len(sentences))
             ctx = encode_words_in_context([list(k) for k in keys], device=self.device) if contextual else []
             tokens = np.concatenate(ctx) if ctx else np.zeros((0, self.words.dim), np.float32)
             offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
             sent = encode_sentences(list(sentences), device=self.device) if self.cfg.sentence_fragment else tokens[:0]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_file(path) as fh:  # runs may share a cache: each writes its own temp file
-                np.savez(fh, tokens=tokens, offsets=offsets, sentences=sent)
+            return tokens, offsets, sent
+
+        def read(file: Path) -> Vectors:
+            with np.load(file) as z:
+                logger.info("frozen vectors of %d sentences from %s", len(sentences), file)
+                return z["tokens"], z["offsets"], z["sentences"]
+
+        tokens, offsets, sent = cached_file(
+            path, compute, lambda v, fh: np.savez(fh, tokens=v[0], offsets=v[1], sentences=v[2]), read)
         if contextual:
             self._context_vecs.update(
                 (k, tokens[offsets[i] : offsets[i + 1]]) for i, k in enumerate(keys))
@@ -290,12 +295,11 @@ class TextPipeline:
 def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:
     """Parses of a sentence list, stored once under cache_dir (keyed by parser and text)."""
     digest = hashlib.sha1(("\n".join(sentences) + parser.name + PARSE_FORMAT).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"parses-{parser.name}-{digest}.json"
-    if path.is_file():
-        return [ParsedSentence.from_dict(d) for d in json.loads(path.read_text())]
-    logger.info("parsing %d sentences with %s", len(sentences), parser.name)
-    parsed = parser.parse(list(sentences))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as fh:  # runs may share a cache: each writes its own temp file
-        fh.write(json.dumps([p.to_dict() for p in parsed]).encode())
-    return parsed
+
+    def parse() -> list[ParsedSentence]:
+        logger.info("parsing %d sentences with %s", len(sentences), parser.name)
+        return parser.parse(list(sentences))
+
+    return cached_file(Path(cache_dir) / f"parses-{parser.name}-{digest}.json", parse,
+                       lambda parsed, fh: fh.write(json.dumps([p.to_dict() for p in parsed]).encode()),
+                       lambda path: [ParsedSentence.from_dict(d) for d in json.loads(path.read_text())])

@@ -99,12 +99,12 @@ class Engine:
         Image paths are read against the data folder (index/images.py); FAISS searches on the GPU when
         the model is on one. `with_sentences=False` leaves the sentence index for `attach_sentences`."""
         t0 = time.perf_counter()
-        bundle = Bundle.load(settings.model_file, device=settings.device)
-        images = ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.collection_root,
+        bundle = Bundle.load(settings.model_path, device=settings.device)
+        images = ImageIndex.load(settings.image_index, bundle, collection_root=settings.collection_root,
                                  backend=settings.backend, use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None
         if sentences is None and with_sentences:
-            logger.warning("no sentence index at %s: /annotate is unavailable", settings.sentence_index_dir)
+            logger.warning("no sentence index at %s: /annotate is unavailable", settings.sentence_index)
         engine = cls(settings, bundle, images, sentences)
         engine.load_seconds = time.perf_counter() - t0
         logger.info("loaded model and indexes in %.1fs: %d images, %d sentences", engine.load_seconds,
@@ -122,9 +122,9 @@ class Engine:
 
     @staticmethod
     def _sentence_index(settings: Settings, bundle: Bundle) -> SentenceIndex | None:
-        if not is_index(settings.sentence_index_dir):
+        if not is_index(settings.sentence_index):
             return None
-        return SentenceIndex.load(settings.sentence_index_dir, bundle, backend=settings.backend,
+        return SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend,
                                   use_gpu=is_gpu(bundle.device))
 
     def attach_sentences(self) -> bool:
@@ -235,14 +235,14 @@ class Engine:
         if folder is None:
             raise ValueError("no collection folder is served")
         if self.images.cache is None:  # renamed files come back from the content-keyed cache
-            self.images.cache = feature_cache(self.settings.cache_dir, self.bundle.image_cfg)
+            self.images.cache = feature_cache(self.settings.cache, self.bundle.image_cfg)
         with self._write_lock:
             return sync_folder(self.images, folder, workers=1)
 
     def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
         """Decode, store under the uploads folder, index and save; on failure nothing changes."""
         decoded = self.decode(data)
-        uploads = self.settings.uploads_dir
+        uploads = self.settings.uploads
         uploads.mkdir(parents=True, exist_ok=True)
         stem = uuid.uuid4().hex
         path = uploads / f"{stem}.jpg"
@@ -298,6 +298,6 @@ class Engine:
 
     def _owned(self, path: Path) -> bool:
         try:
-            return path.resolve().is_relative_to(self.settings.uploads_dir.resolve())
+            return path.resolve().is_relative_to(self.settings.uploads.resolve())
         except OSError:
             return False

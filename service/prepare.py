@@ -134,7 +134,7 @@ def ensure_model(settings: Settings) -> Path:
 
     The model is trained on every training image for the variant's fixed epoch count (selection
     "last"), as the served `full` was; the training package is imported only then."""
-    path = settings.model_file
+    path = settings.model_path
     if path.is_file():
         logger.info("model: reusing %s", path)
         return path
@@ -143,7 +143,7 @@ def ensure_model(settings: Settings) -> Path:
     from training.train import train_variant  # training code only when there is a model to train
 
     t0 = time.perf_counter()
-    trained = train_variant(settings.variant, settings.data, path.parent, "last", cache=settings.cache_dir,
+    trained = train_variant(settings.variant, settings.data, path.parent, "last", cache=settings.cache,
                             workers=settings.worker_count, device=device_name(settings.device), limit=settings.limit)
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
@@ -155,11 +155,11 @@ def ensure_model(settings: Settings) -> Path:
 def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     """The image index of the settings.image_split images (features from the shared cache), or of the
     settings.collection folder, synced with it at every start."""
-    target = settings.image_index_dir
+    target = settings.image_index
     if settings.collection is not None:
         if not settings.collection.is_dir():
             raise FileNotFoundError(f"the collection folder {settings.collection} does not exist")
-        index = open_index(target, bundle, settings.collection, settings.cache_dir, _index_settings(settings),
+        index = open_index(target, bundle, settings.collection, settings.cache, _index_settings(settings),
                            backend=settings.backend)
         try:
             sync_folder(index, settings.collection, workers=settings.worker_count)
@@ -175,7 +175,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     marker = _partial_marker(target)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    cache = feature_cache(settings.cache_dir, bundle.image_cfg, device=str(bundle.device))
+    cache = feature_cache(settings.cache, bundle.image_cfg, device=str(bundle.device))
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
                               _index_settings(settings), cache=cache, workers=settings.worker_count,
                               collection_root=settings.data, backend=settings.backend)
@@ -187,7 +187,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
 
 def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     """The sentence collection: the captions of the settings.sentence_split images."""
-    target = settings.sentence_index_dir
+    target = settings.sentence_index
     if is_index(target):
         logger.info("sentence index: reusing %s", target)
         return target
@@ -196,8 +196,8 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
     logger.info("sentence index: %d %s captions into %s", len(sentences), settings.sentence_split, target)
     t0 = time.perf_counter()
     index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
-                                 parse_dir=settings.cache_dir / "parses", rebuild=target.exists(),
-                                 vectors_dir=settings.cache_dir / "vectors", backend=settings.backend)
+                                 parse_dir=settings.cache / "parses", rebuild=target.exists(),
+                                 vectors_dir=settings.cache / "vectors", backend=settings.backend)
     logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
     return target
@@ -232,12 +232,12 @@ def prepare(settings: Settings, progress: Progress | None = None,
     progress = progress or Progress()
     t0 = time.perf_counter()
     progress.enter("model", "training it: features first, then the epochs"
-                   if not settings.model_file.is_file() else "reusing the checkpoint")
+                   if not settings.model_path.is_file() else "reusing the checkpoint")
     ensure_model(settings)
-    bundle = Bundle.load(settings.model_file, device=settings.device)
+    bundle = Bundle.load(settings.model_path, device=settings.device)
     fingerprint = model_fingerprint(bundle)
-    stale = [p for p in (_set_aside_if_stale(settings.image_index_dir, fingerprint),
-                         _set_aside_if_stale(settings.sentence_index_dir, fingerprint)) if p is not None]
+    stale = [p for p in (_set_aside_if_stale(settings.image_index, fingerprint),
+                         _set_aside_if_stale(settings.sentence_index, fingerprint)) if p is not None]
     progress.enter("image index")
     ensure_image_index(settings, bundle)
     if on_images is not None:

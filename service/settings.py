@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_core import PydanticUseDefault
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from index.candidates import BackendOptions
@@ -34,15 +35,6 @@ class Settings(BaseSettings):
         default=None, description="the host folder mounted as the data folder (docker-compose.yml sets it from "
         "FRAGSEARCH_DATA_HOST), named when the data folder is unusable")
     artifacts: Path = Field(default_factory=default_artifacts_dir, description="weights, caches and indexes")
-    model_path: Path | None = Field(
-        default=None, description="checkpoint; default <artifacts>/models/<variant>/model.pt")
-    image_index: Path | None = Field(
-        default=None, description="image index folder; default <artifacts>/index/images-<split>")
-    sentence_index: Path | None = Field(
-        default=None, description="sentence index folder; default <artifacts>/index/sentences-<split>")
-    uploads: Path | None = Field(
-        default=None, description="where POST /images stores files; default <artifacts>/uploads")
-    cache: Path | None = Field(default=None, description="feature/parse cache; default <artifacts>/cache")
 
     # what the embedded default prepares when it is missing
     prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
@@ -60,6 +52,21 @@ class Settings(BaseSettings):
     watch_polling: bool = Field(default=False, description="poll the folder instead of waiting for file-system "
                                 "events (network mounts without inotify)")
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
+
+    # where the parts are: each path has one name, derived from the settings above when left unset
+    model_path: Path = Field(default_factory=lambda v: v["artifacts"] / "models" / v["variant"] / "model.pt",
+                             description="checkpoint; default <artifacts>/models/<variant>/model.pt")
+    image_index: Path = Field(
+        default_factory=lambda v: (collection_index(v["artifacts"], v["collection"]) if v["collection"] is not None
+                                   else v["artifacts"] / "index" / f"images-{v['image_split']}"),
+        description="image index folder; default <artifacts>/index/images-<split>")
+    sentence_index: Path = Field(
+        default_factory=lambda v: v["artifacts"] / "index" / f"sentences-{v['sentence_split']}",
+        description="sentence index folder; default <artifacts>/index/sentences-<split>")
+    uploads: Path = Field(default_factory=lambda v: v["artifacts"] / "uploads",
+                          description="where POST /images stores files; default <artifacts>/uploads")
+    cache: Path = Field(default_factory=lambda v: v["artifacts"] / "cache",
+                        description="feature/parse cache; default <artifacts>/cache")
     index_kind: str = Field(default="flat", description="index kind of newly built indexes (flat, hnsw, ivf, "
                             "ivfpq: FAISS kinds, mapped onto Milvus index types with the milvus backend)")
     index_backend: Literal["faiss", "milvus"] = Field(
@@ -130,24 +137,22 @@ class Settings(BaseSettings):
     def _device_name(cls, value: str) -> str:
         return check_device_name(value)  # whether this machine has it is checked at start-up
 
+    @field_validator("model_path", "image_index", "sentence_index", "uploads", "cache", mode="before")
+    @classmethod
+    def _none_is_derived(cls, value: object) -> object:
+        if value is None:  # as if left unset: the default made from the settings above
+            raise PydanticUseDefault
+        return value
+
+    @field_validator("collection")
+    @classmethod
+    def _resolved(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser().resolve()
+
     @model_validator(mode="after")
-    def _derive_paths(self) -> Settings:
-        a = self.artifacts
+    def _checked(self) -> Settings:
         if self.api_key is not None and not self.api_key.get_secret_value().strip():
             self.api_key = None  # an empty FRAGSEARCH_API_KEY means no key
-        if self.model_path is None:
-            self.model_path = a / "models" / self.variant / "model.pt"
-        if self.collection is not None:
-            self.collection = self.collection.expanduser().resolve()
-        if self.image_index is None:
-            self.image_index = (collection_index(a, self.collection) if self.collection is not None
-                                else a / "index" / f"images-{self.image_split}")
-        if self.sentence_index is None:
-            self.sentence_index = a / "index" / f"sentences-{self.sentence_split}"
-        if self.uploads is None:
-            self.uploads = a / "uploads"
-        if self.cache is None:
-            self.cache = a / "cache"
         if self.k_max < DEFAULT_K:
             raise ValueError(f"k_max ({self.k_max}) must be at least {DEFAULT_K}, the k of a search that names none")
         return self
@@ -162,12 +167,6 @@ class Settings(BaseSettings):
                     f"train.txt, dev.txt) readable by uid {os.getuid()}; {make}")
         return f"set FRAGSEARCH_DATA to a Flickr8K folder in the project's layout; {make}"
 
-    # typed accessors for the derived paths (always set after validation)
-    @property
-    def model_file(self) -> Path:
-        assert self.model_path is not None
-        return self.model_path
-
     @property
     def worker_count(self) -> int:
         """Extraction processes: the setting, else one per usable CPU that fits in memory."""
@@ -179,28 +178,8 @@ class Settings(BaseSettings):
         return self.collection if self.collection is not None else self.data
 
     @property
-    def image_index_dir(self) -> Path:
-        assert self.image_index is not None
-        return self.image_index
-
-    @property
-    def sentence_index_dir(self) -> Path:
-        assert self.sentence_index is not None
-        return self.sentence_index
-
-    @property
-    def uploads_dir(self) -> Path:
-        assert self.uploads is not None
-        return self.uploads
-
-    @property
-    def cache_dir(self) -> Path:
-        assert self.cache is not None
-        return self.cache
-
-    @property
     def thumbnails_dir(self) -> Path:
-        return self.cache_dir / "thumbnails"
+        return self.cache / "thumbnails"
 
     @property
     def backend(self) -> BackendOptions:

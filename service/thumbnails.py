@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image
 
-from model.atomic import atomic_path
+from model.atomic import cached_file
 from model.imageio import load_image
 
 SIZES = (64, 128, 256, 512)
@@ -32,11 +33,15 @@ def thumbnail(source: Path, size: int, cache_dir: Path, max_pixels: int) -> Path
     st = source.stat()
     key = hashlib.sha256(f"{source.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{size}".encode()).hexdigest()[:32]
     out = cache_dir / f"{key}.jpg"
-    if out.is_file():
-        return out
-    img = load_image(source, max_pixels=max_pixels)
-    img.thumbnail((size, size), Image.Resampling.LANCZOS)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        img.save(tmp, "JPEG", quality=QUALITY)
+
+    def make() -> Image.Image | None:
+        img = load_image(source, max_pixels=max_pixels)
+        img.thumbnail((size, size), Image.Resampling.LANCZOS)
+        return img
+
+    def write(img: Image.Image | None, fh: BinaryIO) -> None:
+        assert img is not None
+        img.save(fh, "JPEG", quality=QUALITY)
+
+    cached_file(out, make, write, lambda _: None)
     return out

@@ -17,7 +17,7 @@ import pytest
 
 from model.bundle import Bundle
 from model.dataset import SplitData, load_split_data
-from model.text import make_parser
+from model.parsers import make_parser
 from tests.synthetic import make_dataset
 from training.train import make_run, train
 

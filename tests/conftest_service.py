@@ -183,7 +183,7 @@ def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPa
     """The shapes model calibrated on training images, its relevance scale fitted on 10 held-out ones
     (as training fits it on the validation part), over its own indexes."""
     from model.dataset import hold_out, load_split_data
-    from model.text import make_parser
+    from model.parsers import make_parser
     from training.calibrate import fit_calibration, fit_relevance
     from training.evaluate import evaluate_scores
 

@@ -138,7 +138,7 @@ def test_screenshot_of_the_flickr8k_page() -> None:
     """The page answering "a dog runs through the grass" on the embedded default's dev index (a model
     with the whole-sentence fragment: drawn as a frame label, not as a region)."""
     settings = Settings(_env_file=None, warmup=False)  # type: ignore[call-arg]
-    if not (settings.model_file.is_file() and settings.image_index_dir.exists()):
+    if not (settings.model_path.is_file() and settings.image_index.exists()):
         pytest.skip("the embedded default's model and dev index are not built (python -m service)")
     with ServerThread(create_app(settings)) as base:
         import httpx

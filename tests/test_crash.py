@@ -309,7 +309,7 @@ def test_uploads_at_once_and_an_upload_with_a_delete(service_env: ServiceEnv, tm
     assert gone.status_code == 204
     ids = {r.json()["id"] for r in (one, two, three)}
     assert len(ids) == 3
-    reloaded = ImageIndex.load(settings.image_index_dir, service_env.shapes.bundle)
+    reloaded = ImageIndex.load(settings.image_index, service_env.shapes.bundle)
     live = set(reloaded.ids().tolist())
     assert ids <= live and victim not in live
     for r in (one, two, three):

@@ -31,12 +31,13 @@ from model.dataset import SplitData
 from model.encoders import GLOBAL_KINDS, DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import TextPipeline
 from model.image import RegionExtractor
-from model.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
+from model.parsers import make_parser
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_from_flat
-from model.text import RelationVocab, make_parser
+from model.text import RelationVocab
 from model.trees import SentenceTree, TreeBatch
 from model.words import WORD_DIM, WordTable
 from tests.other_device import DeviceMixError, on_device, other_device
+from training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 from training.train import make_run, train
 
 H, IMG_DIM = 16, 24

@@ -155,7 +155,7 @@ def test_dockerfile_installs_the_lock_with_an_init_and_only_the_stanza_processor
     assert "COPY requirements.lock" in text and "-r /tmp/requirements-image.txt" in text
     assert "requirements.txt" not in text.split("\nARG BASE_IMAGE")[1]
     assert 'ENTRYPOINT ["tini", "--"]' in text
-    used = re.search(r'processors="([^"]+)"', (ROOT / "model" / "text.py").read_text())
+    used = re.search(r'processors="([^"]+)"', (ROOT / "model" / "parsers.py").read_text())
     fetched = re.search(r"processors='([^']+)'", text)
     assert used and fetched and used.group(1) == fetched.group(1)
 

@@ -22,7 +22,7 @@ from index.gpu import GpuCopy
 from model.bundle import Bundle
 from model.dataset import feature_cache, hold_out, load_split_data
 from model.device import FAISS_GPU, MATRIX_CPU
-from model.text import make_parser
+from model.parsers import make_parser
 from service.app import create_app, load_engine
 from tests import served
 from tests.conftest import ShapesModel

@@ -77,7 +77,7 @@ def test_atomic_writes_go_through_the_one_helper() -> None:
     assert renames == ["model/atomic.py"]
 
 
-ATOMIC = {"atomic_file", "atomic_path", "fsync_dir", "stale_temps", "TMP_SUFFIX"}
+ATOMIC = {"atomic_file", "atomic_path", "cached_file", "fsync_dir", "stale_temps", "TMP_SUFFIX"}
 
 
 def test_atomic_writes_are_imported_through_one_door() -> None:

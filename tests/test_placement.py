@@ -213,9 +213,9 @@ def test_served_answers_with_the_gpu_placements_match_the_cpus(collection: serve
     stand_in = gpu_stand_in.install(monkeypatch)
     bundle = collection.shapes.bundle
     engine = Engine(settings, bundle,
-                    ImageIndex.load(settings.image_index_dir, bundle, collection_root=settings.collection_root,
+                    ImageIndex.load(settings.image_index, bundle, collection_root=settings.collection_root,
                                     use_gpu=True),
-                    SentenceIndex.load(settings.sentence_index_dir, bundle, use_gpu=True))
+                    SentenceIndex.load(settings.sentence_index, bundle, use_gpu=True))
     with caplog.at_level(logging.INFO, logger="service.engine"):
         engine.log_device_policy()
     assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact model-device (cpu), write faiss-cpu"

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from model.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl
+from training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 
 
 def test_skl_matches_hand_computed_example():

@@ -129,7 +129,7 @@ def test_upload_then_search_then_delete(writable: tuple[TestClient, Engine], ser
     assert c.get("/readyz").json()["images"] == before + 1
     got = c.get(added["url"])
     assert got.status_code == 200 and got.headers["content-type"] == "image/jpeg"
-    stored = list(engine.settings.uploads_dir.iterdir())
+    stored = list(engine.settings.uploads.iterdir())
     assert len(stored) == 1 and stored[0].suffix == ".jpg", "the upload is stored under a name of the service's"
     caption = service_env.captions[service_env.dev[3]][0]
     names = [h["name"] for h in c.post("/search/images", json={"sentence": caption, "k": 5}).json()["results"]]
@@ -479,8 +479,8 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("FRAGSEARCH_API_KEY", "")
     s = Settings(_env_file=None)  # type: ignore[call-arg]
     assert s.k_max == 70 and s.api_key is None and not s.writes_open
-    assert s.model_file == tmp_path / "models" / "full" / "model.pt"
-    assert s.image_index_dir == tmp_path / "index" / "images-dev"
+    assert s.model_path == tmp_path / "models" / "full" / "model.pt"
+    assert s.image_index == tmp_path / "index" / "images-dev"
     assert (s.host, s.port) == ("127.0.0.1", 8000)
 
 
@@ -496,10 +496,10 @@ def test_page_is_self_contained(client: TestClient) -> None:
 
 def test_prepare_builds_what_is_missing_and_reuses_what_exists(service_env: ServiceEnv, tmp_path) -> None:
     settings = service_env.settings_for(tmp_path, image_index=None, sentence_index=None, workers=1)
-    assert settings.model_file.is_file(), "the checkpoint exists, so nothing is trained"
+    assert settings.model_path.is_file(), "the checkpoint exists, so nothing is trained"
     prepare(settings)
-    images = ImageIndex.load(settings.image_index_dir, service_env.shapes.bundle)
-    sentences = SentenceIndex.load(settings.sentence_index_dir, service_env.shapes.bundle)
+    images = ImageIndex.load(settings.image_index, service_env.shapes.bundle)
+    sentences = SentenceIndex.load(settings.sentence_index, service_env.shapes.bundle)
     assert len(images) == len(service_env.dev)
     assert len(sentences) == 5 * 60, "the captions of the train split"
     images.close()
@@ -521,10 +521,10 @@ def test_prepare_rebuilds_indexes_built_with_another_model(service_env: ServiceE
     retrained.save(model_path)
     new = Bundle.load(model_path)
     with pytest.raises(IndexLoadError):
-        ImageIndex.load(settings.image_index_dir, new)
+        ImageIndex.load(settings.image_index, new)
     prepare(settings)
-    images = ImageIndex.load(settings.image_index_dir, new)
-    sentences = SentenceIndex.load(settings.sentence_index_dir, new)
+    images = ImageIndex.load(settings.image_index, new)
+    sentences = SentenceIndex.load(settings.sentence_index, new)
     assert len(images) == len(service_env.dev) and len(sentences) == 5 * 60
     images.close()
     sentences.close()

@@ -64,7 +64,7 @@ def test_searches_stay_consistent_during_writes(service_env: ServiceEnv, tmp_pat
         scores = [h["score"] for h in r.json()["results"]]
         assert scores == sorted(scores, reverse=True)
     assert {h.image_id for h in engine.images.search("a red circle", 1000)} == original
-    assert not any(settings.uploads_dir.iterdir()), "the deleted upload's file is gone too"
+    assert not any(settings.uploads.iterdir()), "the deleted upload's file is gone too"
 
 
 def test_the_event_loop_stays_responsive_during_heavy_requests(service_env: ServiceEnv) -> None:

@@ -191,7 +191,7 @@ def test_writes_without_or_with_a_wrong_key_change_nothing(writable: tuple[TestC
     _error(c.delete(f"/images/{ids_before[0]}", headers=headers), status)
     assert len(engine.images) == n_before
     assert sorted(h.image_id for h in engine.images.search("a red circle", 100)) == ids_before
-    assert not engine.settings.uploads_dir.exists() or not any(engine.settings.uploads_dir.iterdir())
+    assert not engine.settings.uploads.exists() or not any(engine.settings.uploads.iterdir())
 
 
 def test_failed_write_with_the_key_changes_nothing(writable: tuple[TestClient, Engine],
@@ -203,7 +203,7 @@ def test_failed_write_with_the_key_changes_nothing(writable: tuple[TestClient, E
     _error(c.post("/images", files={"file": ("b.png", _png_header_only(10**5, 10**5), "image/png")}, headers=key),
            (413, 422))
     assert len(engine.images) == n_before
-    assert not engine.settings.uploads_dir.exists() or not any(engine.settings.uploads_dir.iterdir())
+    assert not engine.settings.uploads.exists() or not any(engine.settings.uploads.iterdir())
 
 
 # -- ids and paths ---------------------------------------------------------------------------------

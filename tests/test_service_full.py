@@ -35,7 +35,7 @@ def test_the_full_variant_is_trained_indexed_and_served(service_env: ServiceEnv,
     with TestClient(create_app(settings, prepare=True)) as c:
         ready = service_env.prepared(c)
         assert ready["images"] == LIMIT and ready["sentences"] == 5 * LIMIT
-        bundle = Bundle.load(settings.model_file)
+        bundle = Bundle.load(settings.model_path)
         cfg, text = bundle.image_cfg, bundle.text.cfg
         assert bundle.meta["variant"] == "full" and not bundle.is_global
         assert (cfg.region_features, cfg.backbone_precision, cfg.proposal_resize) == ("crop", "int8", 112)
@@ -49,7 +49,7 @@ def test_the_full_variant_is_trained_indexed_and_served(service_env: ServiceEnv,
         assert SENTENCE_REL in relations and "amod" in relations, "triplets and the whole sentence align"
         # the served score is S_kl of the calibrated fragments (each image's and the sentence's scale)
         dev = load_split(shapes.data, "dev")
-        feats, _ = feature_cache(settings.cache_dir, cfg).load_arrays([dev.image_path(hits[0]["name"])])
+        feats, _ = feature_cache(settings.cache, cfg).load_arrays([dev.image_path(hits[0]["name"])])
         enc = bundle.text.encode([sentence])
         with torch.inference_mode():
             img, sent = bundle.embed_images(feats), bundle.embed_sentences(enc)

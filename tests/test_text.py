@@ -7,16 +7,8 @@ from typing import Any
 
 import pytest
 
-from model.text import (
-    ParsedSentence,
-    RelationVocab,
-    SpacyParser,
-    StanzaParser,
-    Triplet,
-    make_parser,
-    sentence_triplets,
-    stanza_document_to_parsed,
-)
+from model.parsers import SpacyParser, StanzaParser, make_parser, stanza_document_to_parsed
+from model.text import ParsedSentence, RelationVocab, Triplet, sentence_triplets
 
 
 @pytest.fixture(scope="module")

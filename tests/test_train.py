@@ -13,11 +13,12 @@ from model.bundle import Bundle
 from model.config import ImageConfig, TrainConfig
 from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import build_model
-from model.text import make_parser
+from model.parsers import make_parser
 from model.variants import VariantError
 from tests.conftest import ShapesModel
+from training.epochs import _step, drop_fragments, global_top_k_at
 from training.evaluate import evaluate
-from training.train import Trained, _step, drop_fragments, global_top_k_at, split_for_selection, train_variant
+from training.train import Trained, split_for_selection, train_variant
 from training.train import main as train_main
 
 

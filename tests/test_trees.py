@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from model.encoders import DeViSE, ModelConfig, TreeRNN
-from model.objectives import global_loss
-from model.text import SpacyParser
+from model.parsers import SpacyParser
 from model.trees import SentenceTree, TreeBatch, position_ranges
+from training.objectives import global_loss
 
 D, H = 3, 2
 

@@ -48,7 +48,7 @@ def test_the_served_folder_is_followed_while_serving(shapes_model: ShapesModel, 
         picture(photos / f"p{n}.jpg", n)
     settings = make_settings(shapes_model, tmp_path, collection=photos, image_index=tmp_path / "index",
                              watch_debounce_ms=200, watch_rescan=3600.0)
-    index = open_index(settings.image_index_dir, shapes_model.bundle, photos, settings.cache_dir, IndexSettings())
+    index = open_index(settings.image_index, shapes_model.bundle, photos, settings.cache, IndexSettings())
     sync_folder(index, photos)  # what the start-up does
     engine = Engine(settings, shapes_model.bundle, index, None)
     with TestClient(create_app(settings, engine=engine)) as c:
@@ -72,4 +72,4 @@ def test_the_served_folder_is_followed_while_serving(shapes_model: ShapesModel, 
         assert ready["watch"]["watching"] is True and ready["watch"]["last_error"] is None
         assert "fragsearch_watch_backlog 0.0" in c.get("/metrics").text
     # the changes were saved: a restart finds them without syncing
-    assert len(type(index).load(settings.image_index_dir, shapes_model.bundle, collection_root=photos)) == 3
+    assert len(type(index).load(settings.image_index, shapes_model.bundle, collection_root=photos)) == 3

@@ -28,7 +28,7 @@ from model.bundle import Bundle
 from model.calibration import Calibration, Relevance
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, hold_out, load_split_data
-from model.text import make_parser
+from model.parsers import make_parser
 from training.evaluate import evaluate, evaluate_scores
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
 from model.fragments import EncodedSentences
-from model.text import make_parser
+from model.parsers import make_parser
 
 logger = logging.getLogger(__name__)
 

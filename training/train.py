@@ -32,7 +32,6 @@ from typing import Any, TextIO
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from model.bundle import Bundle
 from model.config import (
@@ -48,11 +47,9 @@ from model.config import (
 from model.dataset import SplitData, hold_out, load_split_data
 from model.device import device_name
 from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
-from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad_rows
-from model.objectives import fragment_loss, global_loss, two_branch_loss
-from model.score import flatten, skl_from_flat
-from model.text import make_parser
-from model.trees import TreeBatch, position_ranges
+from model.fragments import SENTENCE_REL, TextPipeline
+from model.parsers import make_parser
+from model.trees import position_ranges
 from model.variants import (
     MODEL_SHAPE,
     SECTIONS,
@@ -64,6 +61,14 @@ from model.variants import (
     variant_names,
 )
 from training.calibrate import fit_calibration, fit_relevance, store_relevance
+from training.epochs import (
+    FragmentBatches,
+    lr_at,
+    optimizer,
+    train_fragment_epoch,
+    train_global_epoch,
+    train_two_branch_epoch,
+)
 from training.evaluate import evaluate_scores
 
 logger = logging.getLogger(__name__)
@@ -124,172 +129,6 @@ def list_resolved(out: TextIO, names: list[str]) -> None:
         out.write("\n")
 
 
-def _lr_at(cfg: TrainConfig, epoch: int) -> float:
-    return cfg.lr * (0.1 if epoch >= cfg.epochs - cfg.anneal_epochs else 1.0)
-
-
-def _optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}: 'adam' or 'sgd'")
-
-
-class FragmentBatches:
-    """Training sentences as ids in one pool, with their unigram form for the fallback's share."""
-
-    def __init__(self, text: TextPipeline, data: SplitData, unigram_prob: float, device: str) -> None:
-        enc = text.encode_parsed(data.parsed, data.sentences)
-        self.enc = enc
-        self.uni: EncodedSentences | None = None
-        extras = [enc.extra]
-        if unigram_prob > 0:
-            uni = text.encode_parsed(data.parsed, data.sentences, unigram=True)
-            base, shift = len(text.words), len(enc.extra)
-            uni.a = [np.where(x >= base, x + shift, x) for x in uni.a]
-            uni.b = [np.where(x >= base, x + shift, x) for x in uni.b]
-            self.uni = uni
-            extras.append(uni.extra)
-        self.pool = torch.from_numpy(np.concatenate([text.words.vectors, *extras])).float().to(device)
-        self.unigram_prob = unigram_prob
-        self.device = device
-
-    def sentences(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[torch.Tensor, ...]:
-        use_uni = rng.random(len(idx)) < self.unigram_prob if self.uni is not None else np.zeros(len(idx), bool)
-        srcs = [self.uni if u and self.uni is not None else self.enc for u in use_uni]
-        return pad_rows([s.rel[i] for s, i in zip(srcs, idx, strict=True)],
-                        [s.a[i] for s, i in zip(srcs, idx, strict=True)],
-                        [s.b[i] for s, i in zip(srcs, idx, strict=True)], self.device)
-
-
-def _batch_images(pair_image: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-    """Unique images of a batch, the local image index of each sentence, and pos (K, L)."""
-    imgs, local = np.unique(pair_image[idx], return_inverse=True)
-    local_t = torch.from_numpy(local.astype(np.int64))
-    pos = local_t[None, :] == torch.arange(len(imgs))[:, None]
-    return imgs, local_t, pos
-
-
-def global_top_k_at(cfg: TrainConfig, epoch: int) -> int:
-    """The negatives C_G counts in 0-based `epoch`: 1 (the hardest) from `max_violation_from` on, else
-    `global_top_k`."""
-    return 1 if 0 < cfg.max_violation_from <= epoch + 1 else cfg.global_top_k
-
-
-def drop_fragments(mask: torch.Tensor, p: float, rng: np.random.Generator) -> torch.Tensor:
-    """`mask` (items, fragments; 1 = real) with each real fragment left out with probability `p`; an item
-    whose every fragment would go keeps one of them, drawn at random."""
-    real = mask > 0
-    keep = torch.from_numpy(rng.random(tuple(mask.shape)) >= p).to(mask.device) & real
-    lost = real.any(dim=1) & ~keep.any(dim=1)
-    if bool(lost.any()):
-        draw = torch.from_numpy(rng.random(tuple(mask.shape))).to(mask.device).masked_fill(~real, -1.0)
-        rows = torch.nonzero(lost).flatten()
-        keep[rows, draw[rows].argmax(dim=1)] = True
-    return keep.to(mask.dtype)
-
-
-def _step(opt: torch.optim.Optimizer, loss: torch.Tensor, clip: float = 0.0) -> float:
-    """One optimiser step on `loss`, its gradient's global norm first clipped to `clip` when > 0;
-    returns the loss."""
-    opt.zero_grad()
-    loss.backward()
-    if clip > 0:
-        torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], clip)
-    opt.step()
-    return float(loss.detach())
-
-
-def train_fragment_epoch(model: FragmentModel, run: Run, feats: torch.Tensor, data: SplitData,
-                         batches: FragmentBatches, opt: torch.optim.Optimizer, epoch: int,
-                         rng: np.random.Generator) -> float:
-    cfg = run.train
-    model.train()
-    order = rng.permutation(len(data.sentences))
-    total, n = 0.0, 0
-    mil = cfg.objective == "full" and epoch >= cfg.dense_epochs
-    use_frag = cfg.objective in ("full", "fragment+global", "fragment")
-    use_glob = cfg.objective in ("full", "fragment+global", "global")
-    top_k = global_top_k_at(cfg, epoch)
-    bar = tqdm(range(0, len(order), cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False)
-    for start in bar:
-        idx = order[start : start + cfg.batch_size]
-        imgs, local, pos = _batch_images(data.pair_image, idx)
-        local, pos = local.to(cfg.device), pos.to(cfg.device)
-        img = model.embed_images(feats[torch.from_numpy(imgs)].to(cfg.device))
-        img_mask = torch.ones(img.shape[:2], device=img.device)
-        rel, a, b, mask = batches.sentences(idx, rng)
-        sent = model.embed_sentences(batches.pool, rel, a, b, mask)
-        if cfg.fragment_drop > 0:
-            img_mask = drop_fragments(img_mask, cfg.fragment_drop, rng)
-            mask = drop_fragments(mask, cfg.fragment_drop, rng)
-        flat = flatten(img, img_mask, sent, mask)  # pairwise fragment scores, shared by both objectives
-        loss = img.new_zeros(())
-        if use_frag:
-            loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
-        if use_glob:
-            loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin, top_k)
-        total += _step(opt, loss, run.train.grad_clip)
-        n += 1
-        bar.set_postfix(loss=f"{total / n:.4f}")
-    return total / max(n, 1)
-
-
-def train_two_branch_epoch(model: TwoBranch, run: Run, feats: torch.Tensor, data: SplitData,
-                           sent_vecs: torch.Tensor, opt: torch.optim.Optimizer, epoch: int,
-                           rng: np.random.Generator) -> float:
-    """Batches of images, each with two of its sentences (so structure triplets exist)."""
-    cfg = run.train
-    model.train()
-    n_img = feats.shape[0]
-    by_image = [np.flatnonzero(data.pair_image == k) for k in range(n_img)]
-    order = rng.permutation(n_img)
-    total, n = 0.0, 0
-    for start in tqdm(range(0, n_img, cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False):
-        imgs = order[start : start + cfg.batch_size]
-        if len(imgs) < 2:
-            continue
-        sents = np.concatenate([rng.choice(by_image[k], size=min(2, len(by_image[k])), replace=False)
-                                for k in imgs])
-        pair_local = torch.from_numpy(np.searchsorted(np.sort(imgs), data.pair_image[sents])).to(cfg.device)
-        sorted_imgs = np.sort(imgs)
-        pos = pair_local[None, :] == torch.arange(len(imgs), device=cfg.device)[:, None]
-        img = model.embed_images(feats[torch.from_numpy(sorted_imgs), 0].to(cfg.device))
-        txt = model.embed_text(sent_vecs[torch.from_numpy(sents)].to(cfg.device))
-        loss = two_branch_loss(img, txt, pos, pair_local, cfg.tb_margin, cfg.tb_top_k,
-                               cfg.tb_lambda_img, cfg.tb_lambda_struct)
-        total += _step(opt, loss, run.train.grad_clip)
-        n += 1
-    return total / max(n, 1)
-
-
-def train_global_epoch(model: TreeRNN | DeViSE, run: Run, feats: torch.Tensor, data: SplitData,
-                       enc: EncodedSentences, pool: torch.Tensor, opt: torch.optim.Optimizer, epoch: int,
-                       rng: np.random.Generator) -> float:
-    """One epoch of a tree RNN (bidirectional ranking, Socher et al. Eq. 5) or DeViSE (its hinge rank loss:
-    `rank_images` False) over the inner products v . s of a batch's whole images and sentences."""
-    cfg = run.train
-    model.train()
-    assert enc.trees is not None
-    order = rng.permutation(len(data.sentences))
-    total, n = 0.0, 0
-    bar = tqdm(range(0, len(order), cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False)
-    for start in bar:
-        idx = order[start : start + cfg.batch_size]
-        imgs, local, pos = _batch_images(data.pair_image, idx)
-        img = model.embed_images(feats[torch.from_numpy(imgs), 0].to(cfg.device))  # (K, h)
-        sent = model.embed_sentences(pool, TreeBatch.of([enc.trees[i] for i in idx], cfg.device))  # (L, h)
-        ones_i, ones_s = img.new_ones(len(img), 1), sent.new_ones(len(sent), 1)
-        scores = flatten(img[:, None], ones_i, sent[:, None], ones_s).scores  # (K, L) v . s
-        loss = global_loss(scores, pos.to(cfg.device), local.to(cfg.device), cfg.margin, cfg.global_top_k,
-                           rank_images=cfg.rank_images)
-        total += _step(opt, loss, run.train.grad_clip)
-        n += 1
-        bar.set_postfix(loss=f"{total / n:.4f}")
-    return total / max(n, 1)
-
-
 def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path,
           cache_root: Path) -> dict[str, Any]:
     """Train; with `val_data` (a part held out of the training images, never dev: `hold_out`) evaluate
@@ -317,21 +156,21 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     feats = torch.from_numpy(train_data.feats)
     if run.image.full_frame_only:
         feats = feats[:, :1].contiguous()
-    opt = _optimizer(cfg, list(model.parameters()))
+    opt = optimizer(cfg, list(model.parameters()))
     t0 = time.perf_counter()
     if isinstance(model, TwoBranch):
         enc = text.encode_parsed(train_data.parsed, train_data.sentences)
         sent_vecs = torch.from_numpy(enc.extra).float()  # one sentence fragment each, in order
-        step = lambda e: train_two_branch_epoch(model, run, feats, train_data, sent_vecs, opt, e, rng)  # noqa: E731
+        step = lambda e: train_two_branch_epoch(model, cfg, feats, train_data, sent_vecs, opt, e, rng)  # noqa: E731
     elif isinstance(model, TreeRNN | DeViSE):
         if trees is None:
             raise ValueError(f"a {run.model_kind} model composes sentences from their trees: text fragments 'tree'")
         pool = torch.from_numpy(np.concatenate([text.words.vectors, trees.extra])).float().to(cfg.device)
         global_model = model
-        step = lambda e: train_global_epoch(global_model, run, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
+        step = lambda e: train_global_epoch(global_model, cfg, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
     else:
         batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device)
-        step = lambda e: train_fragment_epoch(model, run, feats, train_data, batches, opt, e, rng)  # noqa: E731
+        step = lambda e: train_fragment_epoch(model, cfg, feats, train_data, batches, opt, e, rng)  # noqa: E731
     logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
                 cfg.device, len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
                 time.perf_counter() - t0)
@@ -343,7 +182,7 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     out.mkdir(parents=True, exist_ok=True)
     for epoch in range(cfg.epochs):
         for g in opt.param_groups:
-            g["lr"] = _lr_at(cfg, epoch)
+            g["lr"] = lr_at(cfg, epoch)
         t_ep = time.perf_counter()
         loss = step(epoch)
         row: dict[str, float] = {"epoch": epoch + 1, "loss": loss, "seconds": time.perf_counter() - t_ep}

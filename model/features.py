@@ -1,0 +1,67 @@
+"""An image's cached features on disk: the key of the settings that shaped them (the cache folder),
+the key of the image's content (the entry's name) and the entry format (one ``.npz``: boxes, float16
+features, the image's size), written atomically. Read by the feature cache (model/cache.py), the
+extraction workers (model/extraction.py) and the index's fragment shards (index/shards.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from model.atomic import atomic_file
+from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, QUANT_VERSION
+from model.config import ImageConfig
+from model.image import ImageFragments
+
+FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
+
+
+def config_payload(cfg: ImageConfig) -> dict[str, Any]:
+    """Everything that shapes the features: every ImageConfig field, the backbone, the version, and for
+    the int8 backbone its quantization recipe."""
+    payload: dict[str, Any] = {"image": dataclasses.asdict(cfg), "backbone": BACKBONE_NAME,
+                               "version": FEATURE_VERSION}
+    if cfg.backbone_precision == "int8":
+        payload["quantization"] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
+    return payload
+
+
+def config_key(cfg: ImageConfig) -> str:
+    """Short hash of `config_payload`: the name of the cache folder for these settings."""
+    return hashlib.sha256(json.dumps(config_payload(cfg), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def content_key(data: bytes) -> str:
+    """The name of an image's entry: a hash of its file's bytes."""
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def entry_name(item: str | Path) -> str:
+    """How an image is named in reports and ``failed.json``: its file name."""
+    name = Path(item).name
+    if name in ("", ".", ".."):
+        raise ValueError(f"not a usable image name: {item!r}")
+    return name
+
+
+def write_entry(path: Path, frag: ImageFragments) -> None:
+    """Store one image's fragments (features as float16) atomically."""
+    with atomic_file(path) as fh:
+        np.savez(
+            fh,
+            boxes=frag.boxes.astype(np.float32),
+            features=frag.features.astype(np.float16),
+            size=np.asarray([frag.width, frag.height], dtype=np.int64),
+        )
+
+
+def read_entry(path: Path) -> ImageFragments:
+    """One cached entry back as ImageFragments (features float32)."""
+    with np.load(path) as z:
+        width, height = (int(v) for v in z["size"])
+        return ImageFragments(z["boxes"].astype(np.float32), z["features"].astype(np.float32), width, height)
