@@ -151,13 +151,13 @@ def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_p
     filter expression, FAISS's candidates are filtered after; both rank what the exact scan ranks."""
     from fastapi.testclient import TestClient
 
-    import index.base
+    import index.ranker
     from index.candidates import BackendOptions
     from service.app import create_app
     from service.engine import Engine
     from tests.conftest_service import make_settings
 
-    monkeypatch.setattr(index.base, "FILTERED_EXACT", 0)
+    monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
     cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
     images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings(exact_below=0, k_prime=4096),
                                cache=cache, collection_root=tmp_path / "album", backend=BackendOptions(backend))
