@@ -123,6 +123,8 @@ class Ranker(Generic[P]):
         with index.reading():
             if allowed is not None and len(allowed):
                 allowed = allowed[index.items.live_among(allowed)]
+            if allowed is not None and not len(allowed):  # nothing passes the filter: nothing to rank
+                return [], 0
             if allowed is not None and not (exhaustive or self.small() or len(allowed) <= FILTERED_EXACT):
                 candidates = self.candidates(queries, allowed)
                 return self._top_of(candidates, score, k), len(candidates)

@@ -46,8 +46,9 @@ class PhotoFilter(DefaultFilter):
             return False
         if any(part.startswith(".") for part in parts):
             return False
-        # a removed folder comes as one event for the folder: let it through (it has no suffix)
-        return p.suffix.lower() in IMAGE_SUFFIXES or (change == Change.deleted and not p.suffix)
+        # a folder (no suffix) passes: a removed folder comes as one event for the folder, and a new
+        # folder's first files may land before the watcher follows it (the sync walks it whole)
+        return p.suffix.lower() in IMAGE_SUFFIXES or not p.suffix
 
 
 @dataclass
