@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import logging
 import os
+import shlex
+import sys
 from pathlib import Path
 
 from model.bundle import Bundle
@@ -25,6 +28,13 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model} x {cores or os.cpu_count()} cores"
+
+
+def parse_run(ap: argparse.ArgumentParser, argv: list[str] | None, module: str) -> tuple[argparse.Namespace, str]:
+    """Parse a benchmark's flags, set up logging, and the command line written beside its results."""
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args, f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:

@@ -20,8 +20,6 @@ import csv
 import dataclasses
 import io
 import logging
-import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from bench import machine
+from bench import machine, parse_run
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
@@ -72,9 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--images", type=int, default=400, help="the first N dev images")
     ap.add_argument("--out", type=Path, default=Path("docs/results/duplicates-dev.csv"), help="the CSV written")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    command = "python -m bench.duplicates_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args, command = parse_run(ap, argv, "bench.duplicates_bench")
     bundle = Bundle.load(args.model)
     extractor = RegionExtractor(dataclasses.replace(bundle.image_cfg, full_frame_only=True))  # the whole frame only
     split = load_split(args.data, "dev")

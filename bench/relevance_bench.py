@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-import shlex
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from bench import machine
+from bench import machine, parse_run
 from model.bundle import Bundle
 from model.calibration import DEFAULT_CUTOFF
 from model.config import default_artifacts_dir, default_data_dir
@@ -71,9 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature, parse and vector cache")
     ap.add_argument("--seed", type=int, default=1, help="seed of the random pairs")
     ap.add_argument("--out", type=Path, default=Path("docs/results/relevance-dev.csv"), help="the table written")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    command = "python -m bench.relevance_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args, command = parse_run(ap, argv, "bench.relevance_bench")
     bundle = Bundle.load(args.model)
     rel = bundle.relevance
     if rel is None:
