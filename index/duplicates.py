@@ -31,6 +31,7 @@ BLOCK = 2048  # images compared at a time in the collection-wide report
 @dataclass(frozen=True)
 class Duplicate:
     image_id: int
+    name: str
     similarity: float
 
 
@@ -43,7 +44,8 @@ def duplicates_of(images: ImageIndex, image_id: int, threshold: float = THRESHOL
     sims = mat @ mat[where]
     keep = np.flatnonzero((sims >= threshold) & (ids != image_id))
     order = keep[np.lexsort((ids[keep], -sims[keep]))]
-    return [Duplicate(int(ids[i]), float(sims[i])) for i in order]
+    names = {i: rec.name for i in ids[order].tolist() if (rec := images.get(i)) is not None}
+    return [Duplicate(int(ids[i]), names[int(ids[i])], float(sims[i])) for i in order if int(ids[i]) in names]
 
 
 def duplicate_groups(images: ImageIndex, threshold: float = THRESHOLD) -> list[list[int]]:

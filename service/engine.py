@@ -175,13 +175,9 @@ class Engine:
         decoded = self.decode(data)
         return decoded, similar_to_image(self.images, self.sentences, decoded.image, k, offset)
 
-    def duplicates(self, image_id: int, threshold: float) -> list[tuple[Duplicate, str]] | None:
-        """Near-duplicates of an indexed image with their names, or None when there is no such image."""
-        found = duplicates_of(self.images, image_id, threshold)
-        if found is None:
-            return None
-        named = [(d, self.images.get(d.image_id)) for d in found]
-        return [(d, rec.name) for d, rec in named if rec is not None]
+    def duplicates(self, image_id: int, threshold: float) -> list[Duplicate] | None:
+        """Near-duplicates of an indexed image, or None when there is no such image."""
+        return duplicates_of(self.images, image_id, threshold)
 
     def search_fragments(self, phrase: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions ranked offset + 1 .. offset + k for a phrase."""

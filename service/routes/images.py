@@ -94,8 +94,8 @@ def build_router() -> APIRouter:
         if found is None:
             raise _not_found(image_id)
         return DuplicatesResponse(image_id=image_id, threshold=threshold, duplicates=[
-            DuplicateOut(id=d.image_id, name=name, url=image_url(d.image_id), thumbnail=thumbnail_url(d.image_id),
-                         similarity=round(d.similarity, 4)) for d, name in found],
+            DuplicateOut(id=d.image_id, name=d.name, url=image_url(d.image_id), thumbnail=thumbnail_url(d.image_id),
+                         similarity=round(d.similarity, 4)) for d in found],
             took_ms=round((time.perf_counter() - t0) * 1000, 2))
 
     @router.post("/images", operation_id="add_image", status_code=201, response_model=ImageOut,
