@@ -6,7 +6,10 @@ import argparse
 import contextlib
 import csv
 import json
+import logging
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import psutil
@@ -26,6 +29,13 @@ def machine() -> str:
                 model = line.split(":", 1)[1].strip()
                 break
     return f"{model} x {psutil.cpu_count(logical=True) or os.cpu_count()} cores"
+
+
+def parse_run(ap: argparse.ArgumentParser, argv: list[str] | None, module: str) -> tuple[argparse.Namespace, str]:
+    """Parse a benchmark's flags, set up logging, and the command line written beside its results."""
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args, f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:

@@ -4,7 +4,8 @@
 the parts of `index.base` (loading, saving, the ranker); `python -m index.build` builds both from folders.
 """
 
-from index.images import ImageIndex, list_images
+from index.files import list_images
+from index.images import ImageIndex
 from index.sentences import SentenceIndex
 from index.types import (
     AddReport,

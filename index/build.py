@@ -25,7 +25,8 @@ from pathlib import Path
 
 from index.candidates import BACKENDS, BackendOptions
 from index.catalogue import is_index
-from index.images import ImageIndex, list_images
+from index.files import list_images
+from index.images import ImageIndex
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sentences import SentenceIndex
 from index.types import STORE_DTYPES, IndexSettings

@@ -40,7 +40,8 @@ import numpy as np
 from tqdm import tqdm
 
 from index.catalogue import is_index
-from index.images import ImageIndex, list_images
+from index.files import list_images
+from index.images import ImageIndex
 from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shards, shard_settings, shard_summary
 from index.types import STORE_DTYPES, IndexSettings
 from model.backbone import onnx_graph, set_torch_threads

@@ -117,18 +117,21 @@ class CandidateBackend(ABC):
         outside the index folder may hold writes of a process that died before its commit)."""
 
     # -- search -----------------------------------------------------------------------------------
+    # `items` (sorted ids): only fragments of these items are wanted. A backend that can filter while it
+    # searches (Milvus: a filter expression) does; the others ignore it and the caller filters after.
     @abstractmethod
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, k: int, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """queries (t, dim) float32 -> scores (t, k), fragment ids (t, k) of the k nearest fragments
         (-1 where fewer exist)."""
 
-    def search_items(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_items(self, queries: np.ndarray, k: int, items: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """Candidate recall: (t, k) scores and fragment ids of fragments near each query, at most k per
         query; a backend may return one fragment per item (its best) to reach k distinct items."""
-        return self.search(queries, k)
+        return self.search(queries, k, items)
 
     @abstractmethod
-    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_positive(self, queries: np.ndarray, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Fragments with a positive score for some query: scores (N,), fragment ids (N,), to be summed
         per fragment (a fragment may come once per query)."""
 

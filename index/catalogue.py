@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 from index.types import IndexLoadError
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "fragsearch-index-1"
 DB_FILE = "index.sqlite"
@@ -63,6 +66,30 @@ def committed_generation(root: Path) -> Any:
         return None if row is None else json.loads(row[0])
     except (sqlite3.Error, json.JSONDecodeError):
         return None
+
+
+def upgrade(db: sqlite3.Connection, columns: Sequence[tuple[str, str]]) -> None:
+    """Add the payload columns a database made by an older version lacks, in one transaction (all or
+    none; a concurrent opener that added them first is seen inside it). Added columns are NULL for the
+    rows already there, so they must be nullable."""
+    def lacking() -> list[tuple[str, str]]:
+        have = {row[1] for row in db.execute("PRAGMA table_info(items)")}
+        return [(name, kind) for name, kind in columns if name not in have]
+
+    if not lacking():  # nothing to do: no write lock taken (a read-only folder opens as before)
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        missing = lacking()
+        for name, kind in missing:
+            db.execute(f"ALTER TABLE items ADD COLUMN {name} {kind}")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    if missing:
+        logger.info("upgraded the catalogue: added column(s) %s", ", ".join(name for name, _ in missing))
 
 
 class StaleWriterError(RuntimeError):
@@ -113,6 +140,7 @@ class Catalogue:
             check = db.execute("PRAGMA quick_check").fetchone()
             if not check or check[0] != "ok":
                 raise IndexLoadError(f"{path} is corrupt (SQLite integrity check: {check})")
+            upgrade(db, columns)
             db.execute("BEGIN")  # one snapshot for every table read below: a writer may commit meanwhile
             info = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM info")}
         except (sqlite3.DatabaseError, json.JSONDecodeError) as e:
@@ -191,6 +219,34 @@ class Catalogue:
                     f"SELECT id, {column} FROM items WHERE deleted = 0 AND {column} IN ({marks})", part).fetchall()
             out += [(int(i), v) for i, v in rows]
         return out
+
+    def select(self, columns: Sequence[str], where: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """(id, *columns) of the saved, not deleted items meeting the SQL condition `where` (on payload
+        columns, with `?` placeholders for `params`)."""
+        known = {name for name, _ in self.columns}
+        if not set(columns) <= known:
+            raise ValueError(f"no payload column among {sorted(set(columns) - known)}")
+        names = "".join(f", {c}" for c in columns)
+        with self._reader_lock:
+            return self._reader.execute(f"SELECT id{names} FROM items WHERE deleted = 0 AND ({where})",
+                                        list(params)).fetchall()
+
+    def update_columns(self, columns: Sequence[str], rows: Iterable[tuple[Any, ...]]) -> None:
+        """Set payload `columns` of saved items in one transaction: rows are (*values, id). For metadata
+        that no search structure depends on (the commit point of the index's structure stays `commit`)."""
+        known = {name for name, _ in self.columns}
+        if not set(columns) <= known:
+            raise ValueError(f"no payload column among {sorted(set(columns) - known)}")
+        sets = ", ".join(f"{c} = ?" for c in columns)
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany(f"UPDATE items SET {sets} WHERE id = ?", rows)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._db.close()

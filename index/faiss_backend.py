@@ -104,10 +104,10 @@ class FaissCandidates(CandidateBackend):
         return FaissCandidates(ann)
 
     # -- search -----------------------------------------------------------------------------------
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.ann.search(queries, k)
+    def search(self, queries: np.ndarray, k: int, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self.ann.search(queries, k)  # `items` is filtered by the caller
 
-    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_positive(self, queries: np.ndarray, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         return self.ann.search_positive(queries)
 
     def policy(self) -> dict[str, str]:

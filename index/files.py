@@ -6,12 +6,22 @@ every writer of model/, index/ and service/.
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 from model.atomic import sha256_file
+from model.imageio import IMAGE_SUFFIXES
 
-__all__ = ["sha256_file", "unique_name"]
+__all__ = ["list_images", "sha256_file", "unique_name"]
 
 
 def unique_name(prefix: str, generation: int, suffix: str) -> str:
     """A file name no earlier or concurrent save can have used."""
     return f"{prefix}-{generation:06d}-{secrets.token_hex(4)}{suffix}"
+
+
+def list_images(folder: Path, recursive: bool = True) -> list[Path]:
+    """Image files under `folder` (by suffix), sorted; hidden files and folders are left out."""
+    folder = Path(folder)
+    pattern = folder.rglob("*") if recursive else folder.glob("*")
+    return sorted(p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.matches import matches
+from index.places import Place, PlaceFilter, read_place
 from index.types import (
     AddReport,
     Explanation,
@@ -37,7 +38,6 @@ from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.embed import EmbeddedImage, embed_extracted, embed_image, embed_phrase, embed_sentence, row_triplets
 from model.image import ImageFragments
-from model.imageio import IMAGE_SUFFIXES
 from model.score import fragment_scores, pair_contributions
 from model.text import Triplet
 
@@ -55,13 +55,20 @@ class StoredImage:
     width: int
     height: int
     boxes: np.ndarray
+    place: Place | None = None  # from the file's EXIF; None: not read (an image indexed before it was)
+
+
+PLACE_COLUMNS = ("taken", "lat", "lon", "exif_read")
 
 
 class ImageIndex(FragmentIndex[StoredImage]):
     """Images of a collection as fragment vectors (see index.base for storage and concurrency)."""
 
     KIND = "image"
-    COLUMNS = (("name", "TEXT"), ("path", "TEXT"), ("width", "INTEGER"), ("height", "INTEGER"), ("boxes", "BLOB"))
+    # taken / lat / lon: when and where (EXIF), NULL when unknown; exif_read: 1 once the file's EXIF was
+    # read (NULL in rows of a catalogue made before these columns: `read_missing_places` fills them)
+    COLUMNS = (("name", "TEXT"), ("path", "TEXT"), ("width", "INTEGER"), ("height", "INTEGER"), ("boxes", "BLOB"),
+               ("taken", "REAL"), ("lat", "REAL"), ("lon", "REAL"), ("exif_read", "INTEGER"))
 
     cache: FeatureCache | None
 
@@ -128,14 +135,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     def add_embedded(self, images: Sequence[EmbeddedImage], names: Sequence[str],
                      paths: Sequence[Path | str]) -> list[int]:
-        """Insert embedded images; returns their ids."""
-        payloads = [StoredImage(str(name), self.stored_path(path), e.width, e.height, e.boxes)
+        """Insert embedded images; returns their ids. The date and place are read from each file's EXIF."""
+        payloads = [StoredImage(str(name), self.stored_path(path), e.width, e.height, e.boxes, read_place(path))
                     for e, name, path in zip(images, names, paths, strict=True)]
         return self.insert([e.vectors.numpy() for e in images], payloads)
 
     def add_vectors(self, vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: Sequence[str],
                     paths: Sequence[str]) -> list[int]:
-        """Insert already embedded images: vectors (K, F, h), boxes (K, F, 4), sizes (K, 2) width, height."""
+        """Insert already embedded images: vectors (K, F, h), boxes (K, F, 4), sizes (K, 2) width, height.
+        Their EXIF is not read here (the files may live on another machine): `read_missing_places` does."""
         payloads = [StoredImage(str(n), self.stored_path(p), int(s[0]), int(s[1]), np.asarray(b, dtype=np.float32))
                     for n, p, s, b in zip(names, paths, sizes, boxes, strict=True)]
         return self.insert(list(np.asarray(vectors, dtype=np.float32)), payloads)
@@ -232,11 +240,13 @@ class ImageIndex(FragmentIndex[StoredImage]):
         """Top k images by the exact score over the whole collection (no candidate stage)."""
         return self.search_page(sentence, 0, k, exhaustive=True).hits
 
-    def search_page(self, sentence: str, offset: int, limit: int, exhaustive: bool = False) -> Page[ImageHit]:
+    def search_page(self, sentence: str, offset: int, limit: int, exhaustive: bool = False,
+                    where: PlaceFilter | None = None) -> Page[ImageHit]:
         """Images ranked offset + 1 .. offset + limit for a sentence (ValueError when it is empty,
-        model.fragments.NoFragmentsError when it has no usable fragment)."""
+        model.fragments.NoFragmentsError when it has no usable fragment); with `where`, among the
+        images that pass the date and place filter only."""
         sent, triplets = embed_sentence(self.bundle, sentence)
-        return self.search_vectors_page(sent, triplets, offset, limit, exhaustive)
+        return self.search_vectors_page(sent, triplets, offset, limit, exhaustive, where)
 
     @torch.inference_mode()
     def search_vectors(self, sent: torch.Tensor, k: int = 10, triplets: Sequence[Triplet] | None = None,
@@ -246,17 +256,19 @@ class ImageIndex(FragmentIndex[StoredImage]):
 
     @torch.inference_mode()
     def search_vectors_page(self, sent: torch.Tensor, triplets: Sequence[Triplet] | None, offset: int, limit: int,
-                            exhaustive: bool = False) -> Page[ImageHit]:
-        """Images ranked offset .. offset + limit - 1 for sentence fragments sent (T, h)."""
+                            exhaustive: bool = False, where: PlaceFilter | None = None) -> Page[ImageHit]:
+        """Images ranked offset .. offset + limit - 1 for sentence fragments sent (T, h); with `where`,
+        among the images that pass the date and place filter only (applied before the exact re-rank)."""
         sent = torch.as_tensor(sent, dtype=torch.float32)
         sent_mask = torch.ones(1, len(sent))
 
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
-        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive)
+        allowed = self.allowed(where) if where else None
+        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
-                              matches(frags, sent, triplets, p.boxes))
+                              matches(frags, sent, triplets, p.boxes), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
     @torch.inference_mode()
@@ -332,15 +344,50 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 for o in order]
         return Page(hits, offset, int(np.count_nonzero(scores > 0)))
 
+    # -- date and place -------------------------------------------------------------------------
+    def allowed(self, where: PlaceFilter) -> np.ndarray:
+        """Ids of the live images that pass the date and place filter, sorted (caller may hold `reading`)."""
+        cond, params = where.sql()
+        with self.reading():
+            rows = self.catalogue.select(["taken", "lat", "lon"], cond, params)
+            pending = [(i, p.place or Place()) for i, p in self.items.pending.items() if self.contains(i)]
+            rows += [(i, pl.taken, pl.lat, pl.lon) for i, pl in pending]
+            if not rows:
+                return np.zeros(0, np.int64)
+            table = np.asarray([[np.nan if v is None else float(v) for v in r[1:]] for r in rows], dtype=np.float64)
+            ids = np.asarray([int(r[0]) for r in rows], dtype=np.int64)
+            keep = where.keeps(table[:, 0], table[:, 1], table[:, 2])
+            ids = ids[keep]
+            ids = ids[self.items.live_among(ids)] if len(ids) else ids
+        return np.unique(ids)
+
+    def read_missing_places(self) -> int:
+        """Read the EXIF date and place of saved images indexed before they were kept (their
+        `exif_read` is NULL) and store them; how many were read."""
+        rows = self.catalogue.select(["path"], "exif_read IS NULL", [])
+        if not rows:
+            return 0
+        updates = []
+        for image_id, path in tqdm(rows, desc="reading EXIF", unit="img", disable=len(rows) < 200):
+            pl = read_place(self.real_path(str(path)))
+            updates.append((pl.taken, pl.lat, pl.lon, 1, int(image_id)))
+        self.catalogue.update_columns(PLACE_COLUMNS, updates)
+        logger.info("read the EXIF date and place of %d images indexed before they were kept", len(updates))
+        return len(updates)
+
     # -- SQLite rows ------------------------------------------------------------------------------
     def row(self, payload: StoredImage) -> tuple[Any, ...]:
         boxes = np.ascontiguousarray(payload.boxes, dtype="<f4")
-        return payload.name, payload.path, payload.width, payload.height, boxes.tobytes()
+        pl = payload.place
+        return (payload.name, payload.path, payload.width, payload.height, boxes.tobytes(),
+                None if pl is None else pl.taken, None if pl is None else pl.lat, None if pl is None else pl.lon,
+                None if pl is None else 1)
 
     def from_row(self, row: Sequence[Any]) -> StoredImage:
-        name, path, width, height, blob = row
+        name, path, width, height, blob, taken, lat, lon, exif_read = row
         boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
-        return StoredImage(str(name), str(path), int(width), int(height), boxes)
+        place = Place(taken, lat, lon) if exif_read else None
+        return StoredImage(str(name), str(path), int(width), int(height), boxes, place)
 
 
 def cached_fragments(cache: FeatureCache, path: Path) -> ImageFragments | str:
@@ -351,10 +398,3 @@ def cached_fragments(cache: FeatureCache, path: Path) -> ImageFragments | str:
     except KeyError as e:
         return f"unreadable: {e.args[0] if e.args else e}"
 
-
-def list_images(folder: Path, recursive: bool = True) -> list[Path]:
-    """Image files under `folder` (by suffix), sorted; hidden files and folders are left out."""
-    folder = Path(folder)
-    pattern = folder.rglob("*") if recursive else folder.glob("*")
-    return sorted(p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))

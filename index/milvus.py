@@ -145,10 +145,13 @@ def stored_count(client: Any, name: str) -> int:
 
 
 def search_collection(client: Any, name: str, queries: np.ndarray, limit: int, params: dict[str, Any],
-                      group: bool = False) -> list[list[dict[str, Any]]]:
-    """Inner-product hits per query (grouped by item: each item once, by its best fragment)."""
+                      group: bool = False, items: np.ndarray | None = None) -> list[list[dict[str, Any]]]:
+    """Inner-product hits per query (grouped by item: each item once, by its best fragment); with
+    `items`, among those items' fragments only (a filter expression Milvus applies while it searches)."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
+    if items is not None:
+        extra["filter"] = f"{ITEM} in [{', '.join(str(int(i)) for i in items)}]"
     result: list[list[dict[str, Any]]] = client.search(
         name, data=list(q), limit=limit, anns_field=VECTOR, search_params={"metric_type": "IP", "params": params},
         output_fields=[], **extra)
@@ -313,12 +316,13 @@ class MilvusCandidates(CandidateBackend):
         self._fill(sources)
 
     # -- search -----------------------------------------------------------------------------------
-    def _hits(self, queries: np.ndarray, k: int, group: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _hits(self, queries: np.ndarray, k: int, group: bool, items: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
         k = max(1, min(k, MAX_TOPK, max(1, self._count)))
         params = dict(self._search_params)
         if "ef" in params:
             params["ef"] = max(int(params["ef"]), k)  # HNSW's beam must cover k
-        results = search_collection(self.client, self.collection, queries, k, params, group)
+        results = search_collection(self.client, self.collection, queries, k, params, group, items)
         scores = np.zeros((len(queries), k), np.float32)
         ids = np.full((len(queries), k), -1, np.int64)
         for row, hits in enumerate(results):
@@ -326,19 +330,20 @@ class MilvusCandidates(CandidateBackend):
                 scores[row, col], ids[row, col] = float(hit["distance"]), int(hit["id"])
         return scores, ids
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._hits(queries, k, group=False)
+    def search(self, queries: np.ndarray, k: int, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self._hits(queries, k, group=False, items=items)
 
-    def search_items(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search_items(self, queries: np.ndarray, k: int, items: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """The k nearest items per query fragment (grouped by `item`, each by its best fragment)."""
-        return self._hits(queries, k, group=True)
+        return self._hits(queries, k, group=True, items=items)
 
-    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_positive(self, queries: np.ndarray, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         if self._count == 0:
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
         params = {**self._search_params, "radius": 0.0}
         results = search_collection(self.client, self.collection, queries, min(MAX_TOPK, self._count),
-                                    params)
+                                    params, items=items)
         scores = np.asarray([float(h["distance"]) for hits in results for h in hits], np.float32)
         ids = np.asarray([int(h["id"]) for hits in results for h in hits], np.int64)
         keep = scores > 0

@@ -30,6 +30,7 @@ from index.stored import StoredFragments
 from index.types import ExplainScope, IndexSettings
 
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
+FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed items exactly, without candidates
 SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranker.searches)
 
 P = TypeVar("P")
@@ -107,20 +108,30 @@ class Ranker(Generic[P]):
             self._searches[path] += 1
 
     # -- ranking -------------------------------------------------------------------------------------
-    def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False
-             ) -> tuple[list[Ranked[P]], int]:
+    def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
+             allowed: np.ndarray | None = None) -> tuple[list[Ranked[P]], int]:
         """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C,)), and
         how many items the exact score ranked (the candidates, or every live item).
 
         Scored are the backend's candidates of `queries` (t, h), or every live item when `exhaustive`.
+        `allowed` (sorted ids: a date and place filter) limits the ranking to those items: all of them
+        scored exactly when they are at most FILTERED_EXACT (or the collection is scanned anyway),
+        else their candidates.
         Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
         """
         index = self.index
         with index.reading():
-            if exhaustive or self.small():
+            if allowed is not None and len(allowed):
+                allowed = allowed[index.items.live_among(allowed)]
+            if allowed is not None and not len(allowed):  # nothing passes the filter: nothing to rank
+                return [], 0
+            if allowed is not None and not (exhaustive or self.small() or len(allowed) <= FILTERED_EXACT):
+                candidates = self.candidates(queries, allowed)
+                return self._top_of(candidates, score, k), len(candidates)
+            if exhaustive or self.small() or allowed is not None:
                 best: list[tuple[int, float]] = []
                 considered = 0
-                for part, vecs, mask in self._scan():
+                for part, vecs, mask in self._scan(items=allowed):
                     best = merge_top_k(best, part, score(vecs, mask).numpy(), k)
                     considered += len(part)
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
@@ -173,9 +184,11 @@ class Ranker(Generic[P]):
         return bool(limit) and items.count <= limit and items.fragments() <= limit
 
     # -- candidates ----------------------------------------------------------------------------------
-    def candidates(self, queries: np.ndarray) -> np.ndarray:
+    def candidates(self, queries: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
         """queries: (t, dim) -> ids of the live items with a fragment among a query's k' nearest
-        (k' = 0: every fragment with a positive score) (caller holds `reading`).
+        (k' = 0: every fragment with a positive score) (caller holds `reading`); with `allowed`
+        (sorted ids), only those items: a backend that filters while it searches (Milvus) is given
+        them, the others' results are filtered after.
 
         With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
         the sum of max(0, backend score) over their retrieved fragments) are kept for the exact re-rank.
@@ -183,20 +196,23 @@ class Ranker(Generic[P]):
         self._searched("candidates")
         index = self.index
         backend, settings, shared = index.candidates, index.settings, index.shared
-        if backend.ntotal == 0:
+        if backend.ntotal == 0 or (allowed is not None and not len(allowed)):
             return np.zeros(0, np.int64)
+        only = None if shared is not None else allowed  # shared fragments: their representatives' items differ
         if settings.k_prime:
             search = backend.search if shared is not None else backend.search_items
-            scores, found = search(queries, settings.k_prime)
+            scores, found = search(queries, settings.k_prime, only)
             scores, found = scores[found >= 0], found[found >= 0]
         else:
-            scores, found = backend.search_positive(queries)
+            scores, found = backend.search_positive(queries, only)
         if shared is not None:
             items, weights = shared.expand(found, scores)
         else:
             items, weights = fid.decode(found)[0], scores
         uniq, where = np.unique(items, return_inverse=True)
         live = index.items.live_among(uniq)
+        if allowed is not None:
+            live &= np.isin(uniq, allowed, assume_unique=True)
         limit = settings.rerank
         if not limit or live.sum() <= limit:
             return uniq[live]
@@ -224,11 +240,12 @@ class Ranker(Generic[P]):
         return items[keep], frags[keep]
 
     # -- the exact score -----------------------------------------------------------------------------
-    def _scan(self, chunk: int = SCAN_ITEMS) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
-        """Every live item in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
+    def _scan(self, chunk: int = SCAN_ITEMS, items: np.ndarray | None = None
+              ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """Every live item (or the live `items` given) in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
         self._searched("scan")
         table = self.index.items
-        items = table.live()
+        items = table.live() if items is None else items
         items = items[np.lexsort((table.off[items], table.seg[items]))]  # file order
         for start in range(0, len(items), chunk):
             part = items[start : start + chunk]

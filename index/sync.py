@@ -35,12 +35,13 @@ from tqdm import tqdm
 from index.candidates import BackendOptions
 from index.catalogue import is_index
 from index.files import sha256_file
-from index.images import IMAGE_SUFFIXES, ImageIndex
+from index.images import ImageIndex
 from index.types import IndexSettings
 from model.atomic import atomic_file
 from model.bundle import Bundle
 from model.config import collection_index, default_artifacts_dir
 from model.dataset import feature_cache
+from model.imageio import IMAGE_SUFFIXES
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         report.changed = [r for r in report.changed if r not in failed]
         report.renamed = [(a, b) for a, b in report.renamed if b not in failed]
     write_manifest(index.root, folder, manifest)
+    index.read_missing_places()  # images indexed before the date and place were kept
     logger.info("synced %s into %s: %s", folder, index.root, report.summary())
     return report
 

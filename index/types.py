@@ -7,6 +7,8 @@ import errno
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+from index.places import Place
+
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
 # Fields that shape the stored FAISS index; the others only change how it is searched.
@@ -158,6 +160,7 @@ class ImageHit:
     height: int
     score: float
     alignment: list[FragmentMatch] = field(default_factory=list)
+    place: Place | None = None  # when and where it was taken (EXIF), None when not read
 
 
 @dataclass

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_file, sha256_file
-from model.calibration import Calibration
+from model.calibration import Calibration, Relevance
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
 from model.encoders import DeViSE, FragmentModel, GlobalModel, ModelConfig, TreeRNN, TwoBranch, build_model
@@ -155,6 +155,11 @@ class Bundle:
     def calibration(self, cal: Calibration | None) -> None:
         """Kept on the model's device (its references are scored against every new item)."""
         self._calibration = None if cal is None else cal.to(self.device)
+
+    @property
+    def relevance(self) -> Relevance | None:
+        """The relevance scale of the calibrated score (None: an older checkpoint, or no calibration)."""
+        return None if self._calibration is None else self._calibration.relevance
 
     @property
     def cfg(self) -> ModelConfig:

@@ -14,7 +14,13 @@ reference sets are drawn from the training split and stored, embedded, in the ch
 of a new image or sentence is computed from its own fragments when it is embedded. (In the
 retrieval literature: querybank normalisation, a remedy for hubness.)
 
-Fitting the references, timing them and the command line are training/calibrate.py's.
+The relevance scale (`Relevance`) maps a calibrated S_kl to a number a person can read: the
+probability that the image and the sentence are a true pair (a caption written for that image) rather
+than a random one, with as many of each. It is a logistic curve in S_kl fitted on the validation part
+of the training data (never dev) and stored beside the reference sets; a checkpoint without it (made
+before it existed, or an uncalibrated model) serves scores without a relevance.
+
+Fitting the references and the relevance, timing them and the command line are training/calibrate.py's.
 """
 
 from __future__ import annotations
@@ -22,11 +28,43 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from model.score import skl
 
 BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
+
+
+DEFAULT_CUTOFF = 0.5  # relevance at which a true pair and a random one are equally likely
+
+
+@dataclass(frozen=True)
+class Relevance:
+    """relevance(S) = 1 / (1 + exp(-(slope * S + intercept))): the probability that a pair with the
+    calibrated score S is a true pair (equal numbers of true and random pairs); slope > 0, so it
+    ranks as S does."""
+
+    slope: float
+    intercept: float
+
+    def __call__(self, score: float | np.ndarray) -> np.ndarray:
+        z = self.slope * np.asarray(score, dtype=np.float64) + self.intercept
+        return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))))
+
+    def of(self, score: float) -> float:
+        return float(self(score))
+
+    def score_at(self, relevance: float) -> float:
+        """The score whose relevance is `relevance` (0 < relevance < 1): the cut-off in S_kl."""
+        return float((np.log(relevance / (1.0 - relevance)) - self.intercept) / self.slope)
+
+    def to_state(self) -> dict[str, float]:
+        return {"slope": self.slope, "intercept": self.intercept}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> Relevance | None:
+        return None if not state else cls(float(state["slope"]), float(state["intercept"]))
 
 
 @dataclass
@@ -42,6 +80,7 @@ class Calibration:
     ref_sentence_mask: torch.Tensor
     floor_image: float = 0.0
     floor_sentence: float = 0.0
+    relevance: Relevance | None = None  # fitted on the validation part; None in older checkpoints
 
     def image_scales(self, img: torch.Tensor) -> torch.Tensor:
         """img: (K, F, h) uncalibrated image fragments -> (K,) sigma_k."""
@@ -66,15 +105,17 @@ class Calibration:
         if self.ref_images.device == dev:
             return self
         return Calibration(self.ref_images.to(dev), self.ref_sentences.to(dev), self.ref_sentence_mask.to(dev),
-                           self.floor_image, self.floor_sentence)
+                           self.floor_image, self.floor_sentence, self.relevance)
 
     def to_state(self) -> dict[str, Any]:
         """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty)."""
         return {"ref_images": self.ref_images.half().cpu(), "ref_sentences": self.ref_sentences.half().cpu(),
                 "ref_sentence_mask": self.ref_sentence_mask.bool().cpu(), "floor_image": self.floor_image,
-                "floor_sentence": self.floor_sentence}
+                "floor_sentence": self.floor_sentence,
+                "relevance": None if self.relevance is None else self.relevance.to_state()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Calibration:
         return cls(state["ref_images"].float(), state["ref_sentences"].float(),
-                   state["ref_sentence_mask"].float(), float(state["floor_image"]), float(state["floor_sentence"]))
+                   state["ref_sentence_mask"].float(), float(state["floor_image"]), float(state["floor_sentence"]),
+                   Relevance.from_state(state.get("relevance")))

@@ -32,6 +32,7 @@ from service.prepare import Progress, prepare
 from service.routes import health, images, search
 from service.settings import API_KEY_HEADER, Settings
 from service.version import __version__
+from service.watch import FolderWatcher
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,9 +127,21 @@ async def _load_in_background(app: FastAPI, settings: Settings, started: float, 
     app.state.engine = engine
     if progress is not None:
         progress.finish()
+    start_watching(app, settings, engine)
     app.state.ready = True
     app.state.metrics.ready.set(1)
     logger.info("ready in %.1fs after start-up", time.perf_counter() - started)
+
+
+def start_watching(app: FastAPI, settings: Settings, engine: Engine) -> None:
+    """With a collection folder (and FRAGSEARCH_WATCH on): follow it while serving (service/watch.py)."""
+    if settings.collection is None or not settings.watch or app.state.watcher is not None:
+        return
+    watcher = FolderWatcher(settings.collection, engine.sync_collection, settings.watch_debounce_ms,
+                            settings.watch_rescan, settings.watch_polling)
+    app.state.watcher = watcher
+    watcher.start()
+    logger.info("watching %s for added, changed, moved and deleted photos", settings.collection)
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
@@ -147,9 +160,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         if app.state.engine is None:
             t0 = started if started is not None else time.perf_counter()
             task = asyncio.create_task(_load_in_background(app, settings, t0, progress))
+        else:
+            start_watching(app, settings, app.state.engine)
         yield
         if task is not None and not task.done():
             task.cancel()
+        if app.state.watcher is not None:
+            await asyncio.to_thread(app.state.watcher.stop)
+            app.state.watcher = None
 
     app = FastAPI(title="fragsearch", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
@@ -158,6 +176,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.load_error = None
     app.state.progress = progress
     app.state.ready = engine is not None
+    app.state.watcher = None
+    metrics.watch_backlog.set_function(lambda: float(app.state.watcher.backlog()) if app.state.watcher else 0.0)
     if engine is not None:
         metrics.ready.set(1)
     app.state.gates = Gates(

@@ -23,8 +23,12 @@ from PIL import Image
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
 from index.ann import gpu_available
 from index.catalogue import is_index
+from index.duplicates import Duplicate, duplicates_of
+from index.places import PlaceFilter
 from index.similar import Similar, similar_to_image, similar_to_indexed
+from index.sync import SyncReport, sync_folder
 from model.bundle import Bundle
+from model.dataset import feature_cache
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
 from model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, load_image
@@ -143,10 +147,11 @@ class Engine:
         return seconds
 
     # -- reads -----------------------------------------------------------------------------------
-    def search_images(self, sentence: str, k: int, offset: int = 0) -> Page[ImageHit]:
-        """Images ranked offset + 1 .. offset + k for a sentence."""
+    def search_images(self, sentence: str, k: int, offset: int = 0, where: PlaceFilter | None = None
+                      ) -> Page[ImageHit]:
+        """Images ranked offset + 1 .. offset + k for a sentence (among those that pass `where`)."""
         try:
-            return self.images.search_page(sentence, offset, k)
+            return self.images.search_page(sentence, offset, k, where=where)
         except NoFragmentsError as e:
             raise no_fragments(e, "sentence") from e
 
@@ -159,8 +164,6 @@ class Engine:
     def similar_to_image(self, image_id: int, k: int, offset: int = 0) -> tuple[tuple[int, int], Similar] | None:
         """The size of an indexed image and the images like it (itself left out), or None when there is
         no such image."""
-        if self.sentences is None:
-            raise ApiError(503, "not_ready", "no sentence collection is loaded")
         found = similar_to_indexed(self.images, self.sentences, image_id, k, offset)
         if found is None:
             return None
@@ -169,10 +172,12 @@ class Engine:
 
     def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Similar]:
         """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
-        if self.sentences is None:
-            raise ApiError(503, "not_ready", "no sentence collection is loaded")
         decoded = self.decode(data)
         return decoded, similar_to_image(self.images, self.sentences, decoded.image, k, offset)
+
+    def duplicates(self, image_id: int, threshold: float) -> list[Duplicate] | None:
+        """Near-duplicates of an indexed image, or None when there is no such image."""
+        return duplicates_of(self.images, image_id, threshold)
 
     def search_fragments(self, phrase: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions ranked offset + 1 .. offset + k for a phrase."""
@@ -220,6 +225,16 @@ class Engine:
         return path if path.is_file() else None
 
     # -- writes (serialised) ---------------------------------------------------------------------
+    def sync_collection(self) -> SyncReport:
+        """Bring the image index in step with the collection folder (index/sync.py), as a write."""
+        folder = self.settings.collection
+        if folder is None:
+            raise ValueError("no collection folder is served")
+        if self.images.cache is None:  # renamed files come back from the content-keyed cache
+            self.images.cache = feature_cache(self.settings.cache, self.bundle.image_cfg)
+        with self._write_lock:
+            return sync_folder(self.images, folder, workers=1)
+
     def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
         """Decode, store under the uploads folder, index and save; on failure nothing changes."""
         decoded = self.decode(data)

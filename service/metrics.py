@@ -45,6 +45,8 @@ class Metrics:
                                   ["gate"], registry=self.registry)
         self.gate_waiting = Gauge("fragsearch_gate_waiting", "requests of a gate waiting for a slot", ["gate"],
                                   registry=self.registry)
+        self.watch_backlog = Gauge("fragsearch_watch_backlog", "files of the watched collection folder changed "
+                                   "and not yet applied to the index", registry=self.registry)
 
     def track_index(self, name: str, size: Callable[[], float]) -> None:
         self.index_size.labels(index=name).set_function(size)

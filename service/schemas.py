@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, date, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -18,8 +19,12 @@ _MATCH = {"triplet": "amod(dog, black)", "relation": "amod", "words": ["dog", "b
           "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412}
 _IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
           "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "score": 0.0831,
-          "alignment": [_MATCH]}
-_SENTENCE = {"id": 2051, "text": "A black dog runs through the grass .", "score": 0.0794, "alignment": [_MATCH]}
+          "relevance": 0.83, "alignment": [_MATCH]}
+_SENTENCE = {"id": 2051, "text": "A black dog runs through the grass .", "score": 0.0794, "relevance": 0.79,
+             "alignment": [_MATCH]}
+RELEVANCE_TEXT = ("how likely the pair is a true match, 0 to 1: the probability that a caption written for the "
+                  "image scores this high rather than a random one (the model's relevance scale, fitted on its "
+                  "validation data); null when the model has none (a checkpoint made before the scale existed)")
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -49,20 +54,55 @@ def _not_blank(value: str, what: str) -> str:
     return text
 
 
+def _min_relevance_field() -> Any:
+    return Field(default=None, ge=0.0, le=1.0, description="leave out results whose relevance is below this "
+                 "(0 to 1; 0.5 = as likely a true match as not); no result left -> an empty list and a `reason`")
+
+
 def _offset_field() -> Any:
     return Field(default=0, ge=0, strict=True, description="ranks skipped: the page starts at rank offset + 1 "
                  "(offset + k at most the service's max_rank)")
+
+
+class NearIn(BaseModel):
+    lat: float = Field(ge=-90.0, le=90.0, description="latitude in degrees", examples=[48.8584])
+    lon: float = Field(ge=-180.0, le=180.0, description="longitude in degrees", examples=[2.2945])
+    km: float = Field(gt=0.0, le=20_016.0, description="radius in km (great-circle distance)", examples=[5.0])
+
+
+def clock_seconds(when: date | datetime) -> float:
+    """A date or time as the EXIF clock is stored: its wall-clock reading as if UTC (a time zone given is
+    ignored: cameras write local time without one); a date is its midnight."""
+    if not isinstance(when, datetime):
+        when = datetime(when.year, when.month, when.day)
+    return when.replace(tzinfo=UTC).timestamp()
 
 
 class SearchImagesRequest(BaseModel):
     sentence: str = Field(description="a sentence describing the images wanted", examples=["a dog runs on the grass"])
     k: int = Field(default=DEFAULT_K, ge=1, strict=True, description="number of images (at most the service's k limit)")
     offset: int = _offset_field()
+    min_relevance: float | None = _min_relevance_field()
+    taken_after: datetime | date | None = Field(
+        default=None, description="only photos taken at or after this date or time (EXIF date taken, the camera's "
+        "clock; photos without one are left out)", examples=["2024-06-01"])
+    taken_before: datetime | date | None = Field(
+        default=None, description="only photos taken before this date or time (a date: before its midnight)",
+        examples=["2024-09-01"])
+    near: NearIn | None = Field(default=None, description="only photos whose EXIF GPS position is within `km` of "
+                                "(`lat`, `lon`); photos without one are left out")
 
     @field_validator("sentence")
     @classmethod
     def _sentence(cls, v: str) -> str:
         return _not_blank(v, "sentence")
+
+    @model_validator(mode="after")
+    def _dates_in_order(self) -> SearchImagesRequest:
+        if self.taken_after is not None and self.taken_before is not None and \
+                clock_seconds(self.taken_after) >= clock_seconds(self.taken_before):
+            raise ValueError("taken_after must be earlier than taken_before")
+        return self
 
 
 WORD_PATTERN = r"^[^\s,()]{1,64}$"  # one token: no blanks, commas or brackets
@@ -115,6 +155,11 @@ class ImageResult(BaseModel):
     width: int
     height: int
     score: float = Field(description="image-sentence score S_kl")
+    relevance: float | None = Field(default=None, description=RELEVANCE_TEXT)
+    taken: str | None = Field(default=None, description="date taken (EXIF, the camera's clock, ISO 8601 without a "
+                              "time zone); null when the photo has none")
+    lat: float | None = Field(default=None, description="EXIF GPS latitude; null when the photo has none")
+    lon: float | None = Field(default=None, description="EXIF GPS longitude")
     alignment: list[FragmentMatchOut]
 
 
@@ -177,7 +222,15 @@ class Paged(BaseModel):
                             "or the whole collection when it is scanned (regions, for a fragment search)")
 
 
-class SearchImagesResponse(Paged):
+class CutOff(BaseModel):
+    """The relevance cut-off of a ranked answer."""
+
+    min_relevance: float | None = Field(default=None, description="the cut-off applied (null: none)")
+    reason: str | None = Field(default=None, description="why the list is empty when it is (no result reaches "
+                               "the cut-off, or nothing passes the filters); null otherwise")
+
+
+class SearchImagesResponse(Paged, CutOff):
     model_config = _example({"sentence": "a black dog runs", "results": [_IMAGE], "took_ms": 27.4})
 
     sentence: str
@@ -189,10 +242,11 @@ class SentenceResult(BaseModel):
     id: int
     text: str
     score: float = Field(description="image-sentence score S_kl")
+    relevance: float | None = Field(default=None, description=RELEVANCE_TEXT)
     alignment: list[FragmentMatchOut]
 
 
-class AnnotateResponse(Paged):
+class AnnotateResponse(Paged, CutOff):
     model_config = _example({"width": 500, "height": 375, "results": [_SENTENCE], "took_ms": 212.0})
 
     width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
@@ -211,9 +265,31 @@ class SimilarResponse(Paged):
     width: int = Field(description="the query image's width (the descriptions' boxes are in its pixels)")
     height: int
     described_by: list[SentenceResult] = Field(description="the collection's sentences with the best S_kl for the "
-                                               "query image, aligned to its regions: together they are the query")
-    results: list[ImageResult] = Field(description="images ranked by S_kl for those sentences' fragments, each "
-                                       "with their alignment to its regions")
+                                               "query image, aligned to its regions: what explains the results "
+                                               "(empty without a sentence collection)")
+    results: list[ImageResult] = Field(description="images ranked by the cosine of their mean embedded fragment "
+                                       "with the query's (`score`; `relevance` is null), each with the alignment "
+                                       "of the descriptions' triplets to its regions")
+    took_ms: float
+
+
+class DuplicateOut(BaseModel):
+    id: int
+    name: str
+    url: str
+    thumbnail: str
+    similarity: float = Field(description="cosine of the two images' whole-frame fragments (1 = the same)")
+
+
+class DuplicatesResponse(BaseModel):
+    model_config = _example({"image_id": 17, "threshold": 0.95, "took_ms": 3.1, "duplicates": [
+        {"id": 240, "name": "beach-small.jpg", "url": "/images/240", "thumbnail": "/images/240/thumbnail?size=256",
+         "similarity": 0.987}]})
+
+    image_id: int
+    threshold: float = Field(description="the cosine at or above which an image is listed")
+    duplicates: list[DuplicateOut] = Field(description="near-duplicates (resized, re-encoded, slightly cropped "
+                                           "copies), most alike first; empty when there are none")
     took_ms: float
 
 
@@ -251,11 +327,27 @@ class Health(BaseModel):
     status: str
 
 
+class WatchOut(BaseModel):
+    """The watched collection folder (service/watch.py)."""
+
+    folder: str
+    watching: bool = Field(description="file-system events are followed (false: only the periodic rescan)")
+    backlog: int = Field(description="files changed and not yet applied to the index")
+    syncs: int = Field(description="syncs applied since the start")
+    last_sync: float | None = Field(description="when the last sync finished (seconds since 1970)")
+    last_report: str = Field(description="what it did: added, changed, renamed, removed ...")
+    last_error: str | None = Field(description="why the last sync failed, when it did (it is tried again)")
+
+
 class Ready(BaseModel):
     status: str
     images: int = Field(description="images in the index")
     sentences: int = Field(description="sentences in the collection")
     load_seconds: float
+    relevance: bool = Field(default=False, description="whether results carry a relevance (the model has the "
+                            "scale) and `min_relevance` is accepted")
+    default_min_relevance: float = Field(default=0.5, description="the cut-off the page starts with")
+    watch: WatchOut | None = Field(default=None, description="the watched collection folder, when one is served")
 
 
 class PrepareProgress(BaseModel):

@@ -101,6 +101,14 @@ class Settings(BaseSettings):
     collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
                                     "image split: indexed on the first start and synced (new, changed, renamed, "
                                     "deleted files) at every start (index/sync.py)")
+    watch: bool = Field(default=True, description="with a collection: follow the folder while serving (added, "
+                        "changed, moved, deleted photos reach the index without a restart; service/watch.py)")
+    watch_debounce_ms: int = Field(default=1000, ge=50, le=60_000, description="how long the folder must be quiet "
+                                   "after a change before the changes are applied (ms)")
+    watch_rescan: float = Field(default=300.0, gt=0, description="seconds between two syncs of the watched folder "
+                                "when no change was noticed (the fallback for changes a watcher cannot see)")
+    watch_polling: bool = Field(default=False, description="poll the folder instead of waiting for file-system "
+                                "events (network mounts without inotify)")
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
 
     # where the parts are: each path has one name, derived from the settings above when left unset

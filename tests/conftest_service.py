@@ -22,6 +22,7 @@ from PIL import Image
 
 from index import ImageIndex, IndexSettings, SentenceIndex
 from index.candidates import BackendOptions
+from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import feature_cache
 from service.app import create_app
@@ -163,3 +164,33 @@ def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 
     Image.new("RGB", (width, height), colour).save(buf, "PNG")
     return buf.getvalue()
 
+
+def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path) -> Engine:
+    """An engine of `bundle` over indexes of the shapes dev images and training captions (FAISS)."""
+    dev = load_split(shapes.data, "dev")
+    images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=feature_cache(shapes.cache,
+                                                                                             bundle.image_cfg))
+    images.add_paths([dev.image_path(n) for n in dev.images])
+    images.save()
+    sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS)
+    sentences.add_sentences(load_split(shapes.data, "train").sentences()[0])
+    sentences.save()
+    return Engine(make_settings(shapes, root), bundle, images, sentences)
+
+
+@pytest.fixture(scope="session")
+def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """The shapes model calibrated on training images, its relevance scale fitted on 10 held-out ones
+    (as training fits it on the validation part), over its own indexes."""
+    from model.dataset import hold_out, load_split_data
+    from model.parsers import make_parser
+    from training.calibrate import fit_calibration, fit_relevance
+    from training.evaluate import evaluate_scores
+
+    bundle = Bundle.load(shapes_model.model_path)
+    train = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
+    rest, val = hold_out(train, 10, 0)
+    bundle.calibration = fit_calibration(bundle, rest, refs=20, seed=0)
+    _, scores = evaluate_scores(bundle, val)
+    bundle.calibration.relevance = fit_relevance(scores, val.pair_image)
+    return engine_over_dev(shapes_model, bundle, tmp_path_factory.mktemp("calibrated"))

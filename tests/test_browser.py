@@ -7,6 +7,7 @@ copy it to docs/screenshots/ to refresh that (it shows no Flickr8K pixels).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from tests.cdp import Browser
 from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
+    from service.engine import Engine
     from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]
@@ -58,6 +60,13 @@ def page_url(base: str, query: str, **params: str) -> str:
 @pytest.fixture(scope="module")
 def served(service_env: ServiceEnv) -> Iterator[str]:
     with uvicorn_server(create_app(service_env.settings, engine=service_env.engine)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def served_calibrated(calibrated_engine: Engine) -> Iterator[str]:
+    """A model with the relevance scale: its results carry a relevance and the page a cut-off."""
+    with uvicorn_server(create_app(calibrated_engine.settings, engine=calibrated_engine)) as base:
         yield base
 
 
@@ -142,7 +151,7 @@ def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: Servi
         assert browser.evaluate("document.querySelectorAll('#results .card figcaption strong')[7].textContent") == "#8 "
         lit = browser.evaluate("""(() => {
             const card = document.querySelector('#results .card');
-            const item = card.querySelector('.legend li[data-fragment]');
+            const item = card.querySelector('.legend li[data-fragment]:not(.folded):not(.dup)');
             const f = item.dataset.fragment;
             item.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));
             const on = card.querySelectorAll(`.box.hot[data-fragment="${f}"]`).length;
@@ -197,3 +206,109 @@ def test_more_regions_from_the_page(served: str) -> None:
         assert browser.evaluate("document.getElementById('search-status').textContent").startswith("6 regions")
     finally:
         browser.close()
+
+
+@contextlib.contextmanager
+def opened(url: str) -> Iterator[Browser]:
+    """A browser on the page at `url`, once its first answer is shown (state "done")."""
+    browser = Browser(CHROMIUM)
+    try:
+        browser.navigate(url)
+        browser.wait_for("document.body.dataset.state === 'done'")
+        yield browser
+    finally:
+        browser.close()
+
+
+def show(browser: Browser, url: str) -> None:
+    browser.navigate(url)
+    browser.wait_for("document.body.dataset.state === 'done'")
+
+
+def _card_labels(browser: Browser) -> list[dict[str, object]]:
+    """Per card: the labels drawn on boxes, the legend items shown, and whether it has a "show all"."""
+    return browser.evaluate("""[...document.querySelectorAll('#results .card')].map(card => ({
+        boxes: [...card.querySelectorAll('.box .label')].map(l => l.textContent),
+        listed: [...card.querySelectorAll('.legend li')].filter(li => getComputedStyle(li).display !== 'none')
+                 .map(li => li.textContent),
+        toggle: !!card.querySelector('.show-all')}))""")
+
+
+def test_cards_are_calm_top_content_triplets_and_show_all(served: str, service_env: ServiceEnv) -> None:
+    """At most three content triplets label a card, function-word relations (det ...) are folded under
+    "show all", a triplet several descriptions share is listed once."""
+    with opened(page_url(served, "a red circle beside a blue square", k="4")) as browser:
+        cards = _card_labels(browser)
+        assert len(cards) == 4
+        for card in cards:
+            boxes, listed = card["boxes"], card["listed"]
+            assert isinstance(boxes, list) and isinstance(listed, list)
+            assert 1 <= len(boxes) <= 3 and len(listed) <= 3, card
+            assert not any(str(t).startswith(("det(", "cc(", "aux(")) for t in boxes + listed), card
+        assert any(c["toggle"] for c in cards), "the determiner triplets are folded, not dropped"
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        browser.screenshot(SCREENSHOTS / "page-calm-cards.png")
+        browser.evaluate("document.querySelector('#results .card .show-all').click()")
+        card = browser.evaluate("""(() => { const card = document.querySelector('#results .card.all');
+            return {boxes: card.querySelectorAll('.box .label').length,
+                    det: [...card.querySelectorAll('.legend li')].some(li => getComputedStyle(li).display !== 'none'
+                          && li.textContent.startsWith('det('))}; })()""")
+        assert card["boxes"] > 3 or card["det"], card
+        browser.screenshot(SCREENSHOTS / "page-show-all.png")
+
+        query = service_env.engine.images.search("a red circle", 1)[0]
+        show(browser, f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 4}))
+        for card in _card_labels(browser):  # 5 descriptions share triplets: each is listed once
+            listed = [str(t).rsplit(" ", 1)[0] for t in card["listed"]]  # type: ignore[union-attr]
+            assert len(listed) == len(set(listed)) and len(card["boxes"]) <= 3, card  # type: ignore[arg-type]
+        browser.screenshot(SCREENSHOTS / "page-more-like-this.png")
+
+
+def test_relevance_bars_the_cut_off_and_no_good_match(served_calibrated: str) -> None:
+    with opened(page_url(served_calibrated, "a red circle", k="6", min_relevance="0")) as browser:
+        bars = browser.evaluate("[...document.querySelectorAll('#results .card .relevance')].map(b => "
+                                "[parseFloat(b.querySelector('.fill').style.width), "
+                                "parseFloat(b.querySelector('.value').textContent)])")
+        assert len(bars) == 6 and all(0 <= w <= 100 and abs(w - 100 * v) < 0.6 for w, v in bars), bars
+        assert [v for _, v in bars] == sorted((v for _, v in bars), reverse=True)
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        browser.screenshot(SCREENSHOTS / "page-relevance.png")
+
+        show(browser, page_url(served_calibrated, "a red circle", k="6"))  # the default cut-off applies
+        assert browser.evaluate("document.getElementById('min-relevance').value") == "0.5"
+        shown = browser.evaluate("[...document.querySelectorAll('#results .card .relevance .value')]"
+                                 ".map(v => parseFloat(v.textContent))")
+        assert all(v >= 0.5 for v in shown), shown
+
+        import httpx
+
+        best = httpx.post(f"{served_calibrated}/search/images",
+                          json={"sentence": "a red circle", "k": 1}).json()["results"][0]["relevance"]
+        if best > 0.998:
+            pytest.fail(f"the best relevance {best} leaves no room above it for a cut-off")
+        cut = f"{best + 0.001:.4f}"
+        show(browser, page_url(served_calibrated, "a red circle", k="6", min_relevance=cut))
+        assert browser.evaluate("document.body.dataset.result") == "nomatch"
+        assert browser.evaluate("document.querySelectorAll('#results .card').length") == 0
+        text = browser.evaluate("document.querySelector('#results .no-match').textContent")
+        assert text.startswith("no good match: no image reaches relevance"), text
+        browser.screenshot(SCREENSHOTS / "page-no-good-match.png")
+
+
+def test_filters_on_the_page(served: str) -> None:
+    """The date and place fields go into the search; photos without EXIF (the shapes) never pass them,
+    and the page says so. A model without the relevance scale has the cut-off field disabled."""
+    with opened(page_url(served, "a red circle", k="4", taken_after="2024-06-01", near="48.85,2.29,5")) as browser:
+        assert browser.evaluate("document.getElementById('filters').open") is True
+        assert browser.evaluate("document.getElementById('near-km').value") == "5"
+        assert browser.evaluate("document.getElementById('min-relevance').disabled") is True
+        assert browser.evaluate("document.body.dataset.result") == "nomatch"
+        assert "no photo passes the date and place filters" in browser.evaluate(
+            "document.querySelector('#results .no-match').textContent")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        browser.screenshot(SCREENSHOTS / "page-filters.png")
+        browser.evaluate("document.getElementById('taken-after').value = ''")
+        browser.evaluate("['near-lat', 'near-lon', 'near-km'].forEach(id => document.getElementById(id).value = '')")
+        browser.evaluate("document.querySelector('#search-form button[type=submit]').click()")
+        browser.wait_for("document.querySelectorAll('#results .card').length === 4")
+        assert "taken_after" not in browser.evaluate("location.search")

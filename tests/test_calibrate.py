@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from model.bundle import Bundle
-from model.calibration import Calibration
+from model.calibration import Calibration, Relevance
 from model.score import align, skl
 from tests.conftest import ShapesModel
-from training.calibrate import fit_calibration, per_item_ms
+from training.calibrate import fit_calibration, fit_relevance, per_item_ms, true_and_random_pairs
 from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
 
 
@@ -94,3 +95,40 @@ def test_per_item_cost_is_measured_for_both_sides_with_and_without_scales(shapes
     cost = per_item_ms(bundle, shapes_model.dev, n=5)
     assert set(cost) == {"image", "image_calibrated", "sentence", "sentence_calibrated"}
     assert all(v > 0 for v in cost.values())
+
+
+def test_relevance_fit_recovers_the_probability_of_a_true_pair() -> None:
+    """True pairs' scores ~ N(2, 1), random pairs' ~ N(0, 1): with equal numbers of each, the probability
+    that a pair is true given its score is exactly the logistic curve with slope 2 and intercept -2."""
+    rng = np.random.default_rng(0)
+    n_img, per = 800, 5
+    scores = rng.normal(0.0, 1.0, size=(n_img, n_img * per))
+    pair = np.repeat(np.arange(n_img), per)
+    scores[pair, np.arange(len(pair))] = rng.normal(2.0, 1.0, size=len(pair))
+    true, rand = true_and_random_pairs(scores, pair, seed=3)
+    assert np.allclose(true, scores[pair, np.arange(len(pair))])
+    rel = fit_relevance(scores, pair)
+    assert abs(rel.slope - 2.0) < 0.15 and abs(rel.intercept + 2.0) < 0.15
+    assert abs(rel.score_at(0.5) - 1.0) < 0.05  # halfway between the two means
+    grid = np.linspace(-3, 5, 50)
+    assert np.all(np.diff(rel(grid)) > 0) and 0 < rel.of(-3) < rel.of(5) < 1
+    with pytest.raises(ValueError, match="does not separate"):  # a score that says the opposite
+        fit_relevance(-scores, pair)
+
+
+def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_without_it(
+        shapes_model: ShapesModel, tmp_path: Path) -> None:
+    cal = _random_calibration()
+    cal.relevance = Relevance(3.0, -1.5)
+    again = Calibration.from_state(cal.to_state())
+    assert again.relevance == Relevance(3.0, -1.5)
+    older = cal.to_state()
+    del older["relevance"]  # a checkpoint from before the scale
+    assert Calibration.from_state(older).relevance is None
+    bundle = Bundle.load(shapes_model.model_path)
+    assert bundle.relevance is None  # uncalibrated: no scale
+    bundle.calibration = fit_calibration(bundle, shapes_model.dev, refs=10, seed=0)
+    assert bundle.relevance is None
+    bundle.calibration.relevance = Relevance(3.0, -1.5)
+    bundle.save(tmp_path / "m.pt")
+    assert Bundle.load(tmp_path / "m.pt").relevance == Relevance(3.0, -1.5)

@@ -101,7 +101,7 @@ def test_the_tracer_sees_a_climb_back_to_the_service(service_env: ServiceEnv) ->
 
 
 @pytest.mark.parametrize("read", ["search_images", "explain", "search_fragments", "search_triplet", "annotate",
-                                  "similar_to_upload", "similar_to_image"])
+                                  "similar_to_upload", "similar_to_image", "duplicates"])
 def test_a_read_request_makes_one_index_call_and_never_returns_to_the_service(service_env: ServiceEnv,
                                                                              read: str) -> None:
     engine = service_env.engine
@@ -110,7 +110,8 @@ def test_a_read_request_makes_one_index_call_and_never_returns_to_the_service(se
     args: dict[str, tuple[Any, ...]] = {
         "search_images": (sentence, 5), "explain": (image_id, sentence), "search_fragments": ("red circle", 5),
         "search_triplet": ("amod", "circle", "red", 5), "annotate": (service_env.jpeg(), 5),
-        "similar_to_upload": (service_env.jpeg(), 5), "similar_to_image": (image_id, 5)}
+        "similar_to_upload": (service_env.jpeg(), 5), "similar_to_image": (image_id, 5),
+        "duplicates": (image_id, 0.9)}
     call = trace(getattr(engine, read), *args[read])
     index, model = engine_steps(call)
     assert len(index) == 1, [f"{c.file}:{c.name}" for c in index]

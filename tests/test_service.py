@@ -223,7 +223,7 @@ def _pairs(captions: list[str]) -> set[str]:
             if a in ("red", "blue", "green", "yellow") and b in ("circle", "square", "triangle")}
 
 
-def test_similar_images_through_the_sentences_that_describe_them(client: TestClient,
+def test_similar_images_ranked_by_mean_fragments_and_explained_by_descriptions(client: TestClient,
                                                                  service_env: ServiceEnv) -> None:
     ids = {h["name"]: h["id"] for h in client.post("/search/images", json={
         "sentence": "a red circle", "k": len(service_env.dev)}).json()["results"]}
@@ -350,8 +350,9 @@ def test_every_ranked_route_answers_through_the_candidates_as_the_scan_does(
         ("/search/images", {"json": {"sentence": sentence, "k": 10}}, {"images"}),
         ("/annotate", {"files": upload, "data": {"k": "10"}}, {"sentences"}),
         ("/explain", {"json": {"image_id": image_id, "sentence": sentence}}, {"images"}),
-        ("/search/similar", {"data": {"image_id": image_id, "k": "5"}}, {"images", "sentences"}),
-        ("/search/similar", {"files": upload, "data": {"k": "5"}}, {"images", "sentences"}),
+        # more like this ranks by mean-fragment cosines; only its explanation searches (the sentences)
+        ("/search/similar", {"data": {"image_id": image_id, "k": "5"}}, {"sentences"}),
+        ("/search/similar", {"files": upload, "data": {"k": "5"}}, {"sentences"}),
     ]
     # what depends on how many items were scored exactly (the candidates, or every item), and the time
     varies = ("took_ms", "considered", "next_offset", "scope", "images")
@@ -411,6 +412,7 @@ def test_openapi_lists_every_error_response(client: TestClient) -> None:
         ("/images", "post"): {"401", "403", "413", "415", "422", "503"},
         ("/images/{image_id}", "get"): {"404", "503"},
         ("/images/{image_id}/thumbnail", "get"): {"404", "422", "503"},
+        ("/images/{image_id}/duplicates", "get"): {"404", "422", "503"},
         ("/explain", "post"): {"404", "422", "503"},
         ("/search/similar", "post"): {"404", "413", "415", "422", "503"},
         ("/images/{image_id}", "delete"): {"401", "403", "404", "503"},

@@ -45,6 +45,7 @@ OPERATIONS = [
     ("POST", "/annotate"),
     ("GET", "/images/{image_id}"),
     ("GET", "/images/{image_id}/thumbnail"),
+    ("GET", "/images/{image_id}/duplicates"),
     ("POST", "/images"),
     ("DELETE", "/images/{image_id}"),
     ("GET", "/healthz"),

@@ -87,7 +87,8 @@ def test_trainer_keeps_the_best_epoch_on_held_out_training_images(shapes_model: 
     common = ["--data", str(shapes_model.data), "--cache", str(shapes_model.cache), "--variant", "paper",
               "--workers", "1", "--h", "16", "--batch-size", "20", "--dense-epochs", "1", "--anneal-epochs", "1",
               "--lr", "3e-3"]
-    train_main([*common, "--out", str(tmp_path / "val"), "--epochs", "4", "--eval-every", "1", "--val-images", "10"])
+    train_main([*common, "--out", str(tmp_path / "val"), "--epochs", "4", "--eval-every", "1", "--val-images", "10",
+                "--calibrate", "10"])
     summary = json.loads((tmp_path / "val" / "history.json").read_text())
     assert summary["selection"]["rule"] == "val" and summary["selection"]["images"] == 10
     assert (summary["train_images"], summary["train_sentences"]) == (50, 250)  # the 10 are not trained on
@@ -98,6 +99,10 @@ def test_trainer_keeps_the_best_epoch_on_held_out_training_images(shapes_model: 
     meta = Bundle.load(tmp_path / "val" / "model.pt").meta
     assert meta["selection"]["epoch"] == kept and meta["selection"]["val"]["rsum"] == max(rsums)
     assert meta["selection"]["val"]["images"] == 10 and "dev" not in meta
+    # the relevance scale of the kept epoch's calibrated score, fitted on the same held-out images
+    kept_bundle = Bundle.load(tmp_path / "val" / "model.pt")
+    assert kept_bundle.relevance is not None and kept_bundle.relevance.slope > 0
+    assert meta["calibration"]["relevance"]["images"] == 10
     # the old spelling of a fixed epoch count: every training image, the last epoch
     train_main([*common, "--out", str(tmp_path / "last"), "--epochs", "2", "--dev-split", ""])
     summary = json.loads((tmp_path / "last" / "history.json").read_text())

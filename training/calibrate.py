@@ -1,10 +1,16 @@
-"""Score calibration: fitting the reference sets (model/calibration.py holds the data and its maths),
-timing it, and the command line that calibrates a trained checkpoint.
+"""Score calibration: fitting the reference sets and the relevance scale (model/calibration.py holds
+the data and its maths), timing it, and the command line that calibrates a trained checkpoint.
 
 The reference sets are drawn from the training split (`fit_calibration`), embedded by the
 uncalibrated model and stored in the checkpoint; `per_item_ms` measures what the scale costs a query.
+The relevance scale (`fit_relevance`) is a logistic curve of the calibrated S_kl fitted on the
+validation part of the training data (the images --selection val held out, never dev): training
+fits it at every evaluated epoch, this command refits it for a checkpoint (`--relevance-only` keeps
+the reference sets, e.g. to add the scale to a checkpoint made before it existed).
 
     python -m training.calibrate --model artifacts/models/full/model.pt --refs 1000
+    python -m training.calibrate --model artifacts/models/full-val/model.pt --relevance-only \
+        --out artifacts/models/full-val-relevance/model.pt
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ import numpy as np
 import torch
 
 from model.bundle import Bundle
-from model.calibration import Calibration
+from model.calibration import Calibration, Relevance
 from model.config import default_artifacts_dir, default_data_dir
-from model.dataset import SplitData, load_split_data
+from model.dataset import SplitData, hold_out, load_split_data
 from model.parsers import make_parser
-from training.evaluate import evaluate
+from training.evaluate import evaluate, evaluate_scores
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,50 @@ def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -
     return cal
 
 
+RIDGE = 1e-3  # L2 penalty of the logistic fit (keeps it finite when the two kinds of pairs separate)
+
+
+def true_and_random_pairs(scores: np.ndarray, pair_image: np.ndarray, seed: int = 0
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Scores of every sentence with its own image, and with one other image drawn at random:
+    scores (N_images, L), pair_image (L,) -> (true (L,), random (L,))."""
+    n, n_sent = scores.shape
+    cols = np.arange(n_sent)
+    rng = np.random.default_rng(seed)
+    other = (pair_image + rng.integers(1, n, size=n_sent)) % n  # never the sentence's own image
+    return scores[pair_image, cols], scores[other, cols]
+
+
+def fit_relevance(scores: np.ndarray, pair_image: np.ndarray, seed: int = 0, steps: int = 50) -> Relevance:
+    """The logistic curve P(true pair | S) fitted by Newton's method on the true pairs and as many
+    random ones of a score matrix (the validation part's): equal numbers, so 0.5 is even odds."""
+    true, rand = true_and_random_pairs(scores, pair_image, seed)
+    x = np.concatenate([true, rand]).astype(np.float64)
+    y = np.concatenate([np.ones(len(true)), np.zeros(len(rand))])
+    design = np.stack([x, np.ones_like(x)], axis=1)
+    w = np.zeros(2)
+    for _ in range(steps):
+        p = 1.0 / (1.0 + np.exp(-np.clip(design @ w, -60, 60)))
+        grad = design.T @ (p - y) + RIDGE * w
+        hess = (design * (p * (1 - p))[:, None]).T @ design + RIDGE * np.eye(2)
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    if w[0] <= 0:
+        raise ValueError("the score does not separate true pairs from random ones: no relevance scale")
+    return Relevance(float(w[0]), float(w[1]))
+
+
+def validation_part(bundle: Bundle, data: SplitData) -> SplitData:
+    """The training images the checkpoint's --selection val held out (model selection's part)."""
+    train = bundle.meta.get("train", {})
+    if train.get("selection") != "val":
+        raise ValueError("the checkpoint was not trained with --selection val: it has no validation part to fit "
+                         "the relevance scale on (retrain with --selection val)")
+    return hold_out(data, int(train["val_images"]), int(train["val_seed"]))[1]
+
+
 def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float]:
     """Milliseconds to embed one image / one sentence at a time (as a query is), with and without
     the calibration scale, measured interleaved on the first `n` items of `data`."""
@@ -76,6 +126,9 @@ def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="checkpoint to calibrate (rewritten in place)")
+    ap.add_argument("--out", type=Path, default=None, help="write the calibrated checkpoint here instead")
+    ap.add_argument("--relevance-only", action="store_true",
+                    help="keep the reference sets and refit only the relevance scale (on the validation part)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--split", default="train", help="where the reference items are drawn from")
@@ -98,13 +151,26 @@ def main(argv: list[str] | None = None) -> None:
                            device=device) if args.dev_split else None)
     if dev is not None:
         bundle.text.warm(dev.parsed, dev.sentences, args.cache / "vectors")
+    train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers,
+                            device=device) if args.refs > 0 or args.relevance_only else None
+    out = args.out or args.model
+    if args.relevance_only:
+        if bundle.calibration is None or train is None:
+            raise SystemExit(f"{args.model} is not calibrated: calibrate it first (without --relevance-only)")
+        fit_relevance_on_validation(bundle, train, args.cache)
+        bundle.save(out)
+        logger.info("wrote %s", out)
+        return
     bundle.calibration = None
     before = evaluate(bundle, dev) if dev is not None else None
-    if args.refs > 0:
-        train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers,
-                                device=device)
+    if args.refs > 0 and train is not None:
         bundle.calibration = fit_calibration(bundle, train, args.refs, args.seed)
         bundle.meta["calibration"] = {"refs": args.refs, "split": args.split, "seed": args.seed}
+        if bundle.meta.get("train", {}).get("selection") == "val":
+            fit_relevance_on_validation(bundle, train, args.cache)
+        else:
+            logger.warning("no validation part in %s (not trained with --selection val): no relevance scale",
+                           args.model)
     else:
         bundle.meta.pop("calibration", None)
     bundle.meta.pop("dev", None)  # measured with the previous scales
@@ -119,8 +185,26 @@ def main(argv: list[str] | None = None) -> None:
             bundle.meta["calibration"]["ms_per_item"] = cost
             logger.info("median ms to embed one item (dev, torch threads: %d): %s", torch.get_num_threads(),
                         json.dumps(cost))
-    bundle.save(args.model)
-    logger.info("wrote %s", args.model)
+    bundle.save(out)
+    logger.info("wrote %s", out)
+
+
+def fit_relevance_on_validation(bundle: Bundle, train: SplitData, cache: Path) -> None:
+    """Fit the relevance scale on the validation part of `train` and store it with the calibration."""
+    val = validation_part(bundle, train)
+    bundle.text.warm(val.parsed, val.sentences, cache / "vectors")
+    _, scores = evaluate_scores(bundle, val)
+    store_relevance(bundle, fit_relevance(scores, val.pair_image), len(val.names))
+
+
+def store_relevance(bundle: Bundle, rel: Relevance, images: int) -> None:
+    """Put the relevance scale beside the calibration's reference sets (and its numbers in the meta)."""
+    assert bundle.calibration is not None
+    bundle.calibration.relevance = rel
+    bundle.meta["calibration"] = {**bundle.meta.get("calibration", {}), "relevance": {
+        **rel.to_state(), "images": images, "split": "validation part"}}
+    logger.info("relevance scale on %d validation images: slope %.4f, intercept %.4f (S at 0.5: %.4f)",
+                images, rel.slope, rel.intercept, rel.score_at(0.5))
 
 
 if __name__ == "__main__":

@@ -98,11 +98,17 @@ def split_metrics(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float
 
 def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
     """Metrics on a split (all 5 sentences per image) plus the Hodosh (*) first-sentence variant."""
+    return evaluate_scores(bundle, data)[0]
+
+
+def evaluate_scores(bundle: Bundle, data: SplitData) -> tuple[dict[str, float], np.ndarray]:
+    """`evaluate`'s metrics and the (N_images, L) score matrix they were computed from."""
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
-    metrics = split_metrics(score_split(bundle, data.feats, enc), data.pair_image)
+    scores = score_split(bundle, data.feats, enc)
+    metrics = split_metrics(scores, data.pair_image)
     metrics["images"] = float(len(data.names))
     metrics["sentences"] = float(len(data.sentences))
-    return metrics
+    return metrics, scores
 
 
 def main(argv: list[str] | None = None) -> None:

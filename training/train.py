@@ -60,7 +60,7 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
-from training.calibrate import fit_calibration
+from training.calibrate import fit_calibration, fit_relevance, store_relevance
 from training.epochs import (
     FragmentBatches,
     lr_at,
@@ -69,7 +69,7 @@ from training.epochs import (
     train_global_epoch,
     train_two_branch_epoch,
 )
-from training.evaluate import evaluate
+from training.evaluate import evaluate_scores
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,9 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             bundle.calibration = fit_calibration(bundle, train_data, cfg.calibrate, cfg.seed)
             bundle.meta["calibration"] = {"refs": cfg.calibrate, "split": "train", "seed": cfg.seed}
         if evaluated and val_data is not None:
-            m = evaluate(bundle, val_data)
+            m, val_scores = evaluate_scores(bundle, val_data)
+            if bundle.calibration is not None:  # the relevance scale of this epoch's calibrated score
+                store_relevance(bundle, fit_relevance(val_scores, val_data.pair_image), len(val_data.names))
             row.update({f"val_{k}": m[k] for k in VAL_METRICS})
             if best is None or m["rsum"] > best["rsum"]:
                 best = {**m, "epoch": float(epoch + 1)}

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TypedDict
+from datetime import UTC, datetime
+from typing import TypedDict, TypeVar
 
 from index import Explanation, FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
+from index.places import Near, Place, PlaceFilter
+from model.calibration import Relevance
+from service.errors import ApiError
 from service.schemas import (
     ExplainResponse,
     FragmentMatchOut,
@@ -12,7 +16,9 @@ from service.schemas import (
     ImageResult,
     PairOut,
     RegionResult,
+    SearchImagesRequest,
     SentenceResult,
+    clock_seconds,
 )
 from service.settings import Settings
 
@@ -37,6 +43,41 @@ def paging(offset: int, k: int, returned: int, considered: int, settings: Settin
     return {"offset": offset, "next_offset": offset + k if more else None, "considered": considered}
 
 
+H = TypeVar("H", ImageHit, SentenceHit)
+
+
+def check_min_relevance(value: float | None, relevance: Relevance | None) -> float | None:
+    """A cut-off needs the model's relevance scale: without one (an older checkpoint) it is a 422."""
+    if value is not None and relevance is None:
+        raise ApiError(422, "no_relevance_scale", "this model has no relevance scale (a checkpoint made before "
+                       "it existed: refit it with python -m training.calibrate --relevance-only), so "
+                       "min_relevance cannot be applied")
+    return value
+
+
+class CutOff(TypedDict):
+    min_relevance: float | None
+    reason: str | None
+
+
+def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | None, what: str
+            ) -> tuple[list[H], CutOff]:
+    """The hits whose relevance reaches `min_relevance` (the ranking is by score and the scale is
+    increasing in it, so this keeps a prefix), and why the list is empty when the cut-off empties it."""
+    if min_relevance is None or relevance is None:
+        return hits, {"min_relevance": None, "reason": None}
+    kept = [h for h in hits if relevance.of(h.score) >= min_relevance]
+    reason = None
+    if hits and not kept:
+        best = relevance.of(max(h.score for h in hits))
+        reason = f"no good match: no {what} reaches relevance {min_relevance:.2f} (the best has {best:.2f})"
+    return kept, {"min_relevance": min_relevance, "reason": reason}
+
+
+def relevance_of(score: float, relevance: Relevance | None) -> float | None:
+    return None if relevance is None else round(relevance.of(score), 4)
+
+
 def _box(box: list[float]) -> list[float]:
     return [round(float(v), 2) for v in box]
 
@@ -46,15 +87,25 @@ def match_out(m: FragmentMatch) -> FragmentMatchOut:
                             fragment=int(m.fragment), score=float(m.score))
 
 
-def image_result(hit: ImageHit) -> ImageResult:
+def image_result(hit: ImageHit, relevance: Relevance | None = None) -> ImageResult:
+    pl = hit.place or Place()
+    taken = None if pl.taken is None else datetime.fromtimestamp(pl.taken, UTC).replace(tzinfo=None).isoformat()
     return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id),
                        thumbnail=thumbnail_url(hit.image_id), width=hit.width,
-                       height=hit.height, score=float(hit.score), alignment=[match_out(m) for m in hit.alignment])
+                       height=hit.height, score=float(hit.score), relevance=relevance_of(hit.score, relevance),
+                       taken=taken, lat=pl.lat, lon=pl.lon, alignment=[match_out(m) for m in hit.alignment])
 
 
-def sentence_result(hit: SentenceHit) -> SentenceResult:
+def place_filter(body: SearchImagesRequest) -> PlaceFilter:
+    """The request's date and place filters (already validated by the request model)."""
+    near = None if body.near is None else Near(body.near.lat, body.near.lon, body.near.km)
+    return PlaceFilter(None if body.taken_after is None else clock_seconds(body.taken_after),
+                       None if body.taken_before is None else clock_seconds(body.taken_before), near)
+
+
+def sentence_result(hit: SentenceHit, relevance: Relevance | None = None) -> SentenceResult:
     return SentenceResult(id=hit.sentence_id, text=hit.text, score=float(hit.score),
-                          alignment=[match_out(m) for m in hit.alignment])
+                          relevance=relevance_of(hit.score, relevance), alignment=[match_out(m) for m in hit.alignment])
 
 
 def region_result(hit: RegionHit) -> RegionResult:

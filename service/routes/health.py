@@ -6,11 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from model.calibration import DEFAULT_CUTOFF
 from service.engine import Engine
 from service.errors import responses
 from service.metrics import Metrics
 from service.prepare import Progress
-from service.schemas import ErrorBody, Health, NotReady, PrepareProgress, Ready
+from service.schemas import ErrorBody, Health, NotReady, PrepareProgress, Ready, WatchOut
 
 
 def build_router() -> APIRouter:
@@ -31,7 +32,9 @@ def build_router() -> APIRouter:
         engine = state.engine
         if state.ready and isinstance(engine, Engine):
             return Ready(status="ready", images=len(engine.images), sentences=engine.sentence_count(),
-                         load_seconds=round(engine.load_seconds, 3))
+                         load_seconds=round(engine.load_seconds, 3), relevance=engine.bundle.relevance is not None,
+                         default_min_relevance=DEFAULT_CUTOFF,
+                         watch=None if state.watcher is None else WatchOut(**state.watcher.snapshot()))
         error = state.load_error
         progress = state.progress
         snap = progress.snapshot() if isinstance(progress, Progress) else None

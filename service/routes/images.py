@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mimetypes
 import re
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, File, Path, Query, Response, UploadFile
@@ -11,11 +12,12 @@ from fastapi.responses import FileResponse
 from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 
+from index.duplicates import THRESHOLD
 from service.deps import EngineDep, GatesDep, require_key
 from service.errors import ApiError, responses
-from service.routes.convert import image_out
+from service.routes.convert import image_out, image_url, thumbnail_url
 from service.routes.uploads import read_upload
-from service.schemas import ImageOut
+from service.schemas import DuplicateOut, DuplicatesResponse, ImageOut
 from service.thumbnails import SIZES, snap
 
 MAX_ID = 2**63 - 1  # ids are int64 in FAISS and SQLite
@@ -77,6 +79,24 @@ def build_router() -> APIRouter:
         if path is None:
             raise _not_found(image_id)
         return FileResponse(path, media_type="image/jpeg", headers={"Cache-Control": "public, max-age=3600"})
+
+    @router.get("/images/{image_id}/duplicates", operation_id="get_duplicates", response_model=DuplicatesResponse,
+                responses=responses(404, 422, 503, 504))
+    async def get_duplicates(image_id: ImageId, engine: EngineDep, gates: GatesDep,
+                             threshold: Annotated[float, Query(ge=0.5, le=1.0, description=(
+                                 "cosine of the whole-frame fragments at or above which an image is a near-"
+                                 f"duplicate; default {THRESHOLD}, measured on altered copies of Flickr8K dev "
+                                 "photos (docs/results/duplicates-dev.csv)"))] = THRESHOLD,
+                             ) -> DuplicatesResponse:
+        """Near-duplicates of an indexed image: the same photo resized, re-encoded or cropped a little."""
+        t0 = time.perf_counter()
+        found = await gates.search.run(engine.duplicates, image_id, threshold)
+        if found is None:
+            raise _not_found(image_id)
+        return DuplicatesResponse(image_id=image_id, threshold=threshold, duplicates=[
+            DuplicateOut(id=d.image_id, name=d.name, url=image_url(d.image_id), thumbnail=thumbnail_url(d.image_id),
+                         similarity=round(d.similarity, 4)) for d in found],
+            took_ms=round((time.perf_counter() - t0) * 1000, 2))
 
     @router.post("/images", operation_id="add_image", status_code=201, response_model=ImageOut,
                  dependencies=[Depends(require_key)],

@@ -10,7 +10,16 @@ from fastapi import APIRouter, File, Form, UploadFile
 from index.similar import Similar
 from service.deps import BoundsDep, EngineDep, GatesDep, SettingsDep
 from service.errors import ApiError, responses
-from service.routes.convert import explain_out, image_result, paging, region_result, sentence_result
+from service.routes.convert import (
+    check_min_relevance,
+    cut_off,
+    explain_out,
+    image_result,
+    paging,
+    place_filter,
+    region_result,
+    sentence_result,
+)
 from service.routes.uploads import read_upload
 from service.schemas import (
     DEFAULT_K,
@@ -25,6 +34,8 @@ from service.schemas import (
 )
 
 OffsetForm = Annotated[int, Form(ge=0, description="ranks skipped: the page starts at rank offset + 1")]
+MinRelevanceForm = Annotated[float | None, Form(ge=0.0, le=1.0, description=(
+    "leave out results whose relevance is below this (0 to 1); none left -> an empty list and a `reason`"))]
 
 
 def _ms(t0: float) -> float:
@@ -41,9 +52,16 @@ def build_router() -> APIRouter:
         t0 = time.perf_counter()
         k, offset = bounds.page(body.k, body.offset)
         sentence = bounds.text(body.sentence, "sentence")
-        page = await gates.search.run(engine.search_images, sentence, k, offset)
-        return SearchImagesResponse(sentence=sentence, results=[image_result(h) for h in page.hits],
-                                    **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
+        rel = engine.bundle.relevance
+        min_relevance = check_min_relevance(body.min_relevance, rel)
+        where = place_filter(body)
+        page = await gates.search.run(engine.search_images, sentence, k, offset, where)
+        hits, cut = cut_off(page.hits, rel, min_relevance, "image")
+        if where and page.considered == 0:
+            cut["reason"] = "no photo passes the date and place filters (photos without an EXIF date or " \
+                            "position are left out by a filter on it)"
+        return SearchImagesResponse(sentence=sentence, results=[image_result(h, rel) for h in hits], **cut,
+                                    **paging(offset, k, len(hits), page.considered, s), took_ms=_ms(t0))
 
     @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
     async def search_fragments(body: SearchFragmentsRequest, engine: EngineDep,
@@ -84,9 +102,9 @@ def build_router() -> APIRouter:
         offset: OffsetForm = 0,
     ) -> SimilarResponse:
         """More like this: images ranked for an indexed image (`image_id`, itself left out) or an upload
-        (`file`), through the sentences that describe it best (see `described_by`): their fragments
-        together are the query, scored by S_kl, and each result shows which of their triplets matched
-        which of its regions."""
+        (`file`) by the cosine of their mean embedded fragments (`score`), each result explained by
+        the sentences that describe the query best (see `described_by`): which of their triplets it
+        matches, and where."""
         t0 = time.perf_counter()
         k, offset = bounds.page(k, offset)
         if (file is None) == (image_id is None):
@@ -103,7 +121,7 @@ def build_router() -> APIRouter:
             decoded, result = await gates.heavy.run(engine.similar_to_upload, data, k, offset)
             width, height = decoded.width, decoded.height
         return SimilarResponse(image_id=image_id, width=width, height=height,
-                               described_by=[sentence_result(h) for h in result.described_by],
+                               described_by=[sentence_result(h, engine.bundle.relevance) for h in result.described_by],
                                results=[image_result(h) for h in result.hits],
                                **paging(offset, k, len(result.hits), result.considered, s), took_ms=_ms(t0))
 
@@ -112,15 +130,19 @@ def build_router() -> APIRouter:
                        engine: EngineDep, s: SettingsDep, gates: GatesDep, bounds: BoundsDep,
                        k: Annotated[int, Form(ge=1, description="number of sentences")] = 5,
                        offset: OffsetForm = 0,
+                       min_relevance: MinRelevanceForm = None,
                        ) -> AnnotateResponse:
         """Sentences of the collection ranked by S_kl for an uploaded image, with their alignments
         to the upload's regions (boxes in the upload's pixels)."""
         t0 = time.perf_counter()
         k, offset = bounds.page(k, offset)
+        rel = engine.bundle.relevance
+        min_relevance = check_min_relevance(min_relevance, rel)
         data = await read_upload(file)
         decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)
+        hits, cut = cut_off(page.hits, rel, min_relevance, "sentence")
         return AnnotateResponse(width=decoded.width, height=decoded.height,
-                                results=[sentence_result(h) for h in page.hits],
-                                **paging(offset, k, len(page.hits), page.considered, s), took_ms=_ms(t0))
+                                results=[sentence_result(h, rel) for h in hits], **cut,
+                                **paging(offset, k, len(hits), page.considered, s), took_ms=_ms(t0))
 
     return router

@@ -60,14 +60,39 @@ function fragmentText(m) {
   return m.relation === SENTENCE_REL ? "whole sentence" : m.triplet;
 }
 
+// Relations of function words (determiners, auxiliaries, conjunctions, possessives ...): their
+// triplets (det(dog, a)) say little about a picture, so a card folds them under "show all".
+const FUNCTION_RELATIONS = new Set(["det", "predet", "aux", "auxpass", "cop", "cc", "punct", "mark", "case",
+  "expl", "poss"]);
+const TOP_LABELS = 3;  // content triplets labelled on a card before "show all"
+
+// The alignment of a card, calmed: each triplet once (its best match: the same triplet of several
+// descriptions is merged), best first; `top`: the first TOP_LABELS content triplets (and the
+// whole-sentence fragment, a frame label), `folded`: the others. Items keep their index j (colour).
+function calm(alignment) {
+  const best = new Map();
+  alignment.forEach((m, j) => {
+    if (!(m.score > 0)) return;
+    const seen = best.get(m.triplet);
+    if (!seen || m.score > seen.m.score) best.set(m.triplet, { m, j });
+  });
+  const merged = [...best.values()].sort((a, b) => b.m.score - a.m.score);
+  const content = merged.filter(({ m }) => m.relation !== SENTENCE_REL && !FUNCTION_RELATIONS.has(m.relation));
+  const top = new Set([...content.slice(0, TOP_LABELS), ...merged.filter(({ m }) => m.relation === SENTENCE_REL)]);
+  return { top: merged.filter((x) => top.has(x)), folded: merged.filter((x) => !top.has(x)) };
+}
+
+function items(alignment) {
+  return alignment.map((m, j) => ({ m, j })).filter(({ m }) => m.score > 0);
+}
+
 // Matched fragments grouped by image fragment: one box per region, one label per triplet; the
-// whole-sentence fragment as a frame label.
-function drawAlignment(overlay, alignment, width, height) {
+// whole-sentence fragment as a frame label. `shown`: [{m, j}] (j: the fragment's colour).
+function drawAlignment(overlay, shown, width, height) {
   overlay.replaceChildren();
   const groups = new Map();
   const frameLabels = [];
-  alignment.forEach((m, j) => {
-    if (!(m.score > 0)) return;
+  shown.forEach(({ m, j }) => {
     const label = { text: `${fragmentText(m)} ${m.score.toFixed(2)}`, colour: PALETTE[j % PALETTE.length] };
     if (m.relation === SENTENCE_REL) {
       frameLabels.push(label);
@@ -96,11 +121,21 @@ function figure(url, alt, width, height) {
   return { frame, img, overlay };
 }
 
-function legend(alignment) {
+// The fragments of a result with their scores; with `calmed` ({top, folded} of `calm`) the top ones
+// are listed, the folded ones (and the unmatched) only under "show all", merged duplicates never.
+function legend(alignment, calmed = null) {
   const list = el("ul", { class: "legend" });
+  const top = new Set(calmed ? calmed.top.map(({ j }) => j) : []);
+  const folded = new Set(calmed ? calmed.folded.map(({ j }) => j) : []);
+  const kind = (m, j) => {
+    if (!calmed) return m.score > 0 ? "" : "unmatched";
+    if (top.has(j)) return "";
+    if (folded.has(j)) return "folded";
+    return m.score > 0 ? "dup" : "folded unmatched";
+  };
   alignment.forEach((m, j) => {
     const matched = m.score > 0;
-    list.append(el("li", { class: matched ? "" : "unmatched", tabindex: "0",
+    list.append(el("li", { class: kind(m, j), tabindex: "0",
       ...(matched && m.relation !== SENTENCE_REL ? { "data-fragment": String(m.fragment) } : {}) },
       el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
       `${fragmentText(m)}  ${m.score.toFixed(3)}`));
@@ -108,14 +143,60 @@ function legend(alignment) {
   return list;
 }
 
+// What the service says of itself once ready (GET /readyz): whether results carry a relevance, and
+// the cut-off the page starts with.
+let serviceInfo = null;
+async function info() {
+  if (serviceInfo) return serviceInfo;
+  try {
+    const response = await fetch("/readyz");
+    if (response.ok) serviceInfo = await response.json();
+  } catch (err) { /* not ready: no relevance yet */ }
+  return serviceInfo || { relevance: false };
+}
+
+// The filters of the form as request fields (only those set).
+async function filters() {
+  const out = {};
+  const ready = await info();
+  const cut = Number($("min-relevance").value);
+  if (ready.relevance && cut > 0) out.min_relevance = cut;
+  if ($("taken-after").value) out.taken_after = $("taken-after").value;
+  if ($("taken-before").value) out.taken_before = $("taken-before").value;
+  const [lat, lon, km] = ["near-lat", "near-lon", "near-km"].map((id) => $(id).value);
+  if (lat !== "" || lon !== "" || km !== "") out.near = { lat: Number(lat), lon: Number(lon), km: Number(km) };
+  return out;
+}
+
 async function searchImages(sentence, k, offset = 0) {
   const data = await api("/search/images", {
-    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ sentence, k, offset }),
+    method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ sentence, k, offset, ...(await filters()) }),
   });
   showImages(data.results, data.sentence, offset);
   moreButton(data.next_offset, (next) => searchImages(sentence, k, next));
+  if (!data.results.length && offset === 0) {
+    noMatch(data.reason || `nothing found for “${data.sentence}”`);
+    return data.reason || "no results";
+  }
   const shown = offset + data.results.length;
-  return `${shown} images for “${data.sentence}” (of ${data.considered} ranked) in ${data.took_ms.toFixed(0)} ms`;
+  const cut = data.min_relevance !== null && data.min_relevance !== undefined
+    ? `, relevance ≥ ${data.min_relevance}` : "";
+  return `${shown} images for “${data.sentence}” (of ${data.considered} ranked${cut}) in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// The "no good match" answer: an empty list and why, instead of a grid.
+function noMatch(reason) {
+  $("results").replaceChildren(el("p", { class: "no-match", role: "status" }, reason,
+    el("br"), "Lower the relevance cut-off or widen the filters to see weaker matches."));
+  document.body.dataset.result = "nomatch";
+}
+
+function relevanceBar(relevance) {
+  const value = Math.max(0, Math.min(1, relevance));
+  return el("div", { class: "relevance", title: "how likely this is a true match (0 to 1)" },
+    el("div", { class: "track" }, el("div", { class: "fill", style: { width: `${(100 * value).toFixed(1)}%` } })),
+    el("span", { class: "value" }, value.toFixed(2)));
 }
 
 // "more results" under the grid while the ranking has another page (next_offset), else nothing;
@@ -146,12 +227,25 @@ function showImages(hits, sentence, offset = 0) {
   hits.forEach((hit, i) => {
     const rank = offset + i;
     const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);  // boxes: original's pixels
-    drawAlignment(overlay, hit.alignment, hit.width, hit.height);
+    const { top, folded } = calm(hit.alignment);
+    drawAlignment(overlay, top, hit.width, hit.height);
     const why = el("button", { type: "button", class: "why" }, "why?");
     const like = el("button", { type: "button", class: "like" }, "more like this");
-    const card = el("figure", { class: "card", "data-id": hit.id }, frame,
-      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · S = ${hit.score.toFixed(4)}`),
-      legend(hit.alignment), el("div", { class: "actions" }, why, like));
+    const caption = el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · `,
+      sentence ? `S = ${hit.score.toFixed(4)}` : `cosine ${hit.score.toFixed(3)}`,
+      hit.taken ? ` · ${hit.taken.slice(0, 10)}` : "");
+    const card = el("figure", { class: "card", "data-id": hit.id }, frame, caption,
+      ...(hit.relevance !== null && hit.relevance !== undefined ? [relevanceBar(hit.relevance)] : []),
+      legend(hit.alignment, { top, folded }), el("div", { class: "actions" }, why, like));
+    if (folded.length) {
+      const toggle = el("button", { type: "button", class: "show-all" }, `show all (${folded.length} more)`);
+      toggle.addEventListener("click", () => {
+        const all = card.classList.toggle("all");
+        drawAlignment(overlay, all ? [...top, ...folded] : top, hit.width, hit.height);
+        toggle.textContent = all ? "show fewer" : `show all (${folded.length} more)`;
+      });
+      card.querySelector(".legend").after(toggle);
+    }
     if (sentence) why.addEventListener("click", () => explain(card, hit.id, sentence));
     else why.hidden = true;
     like.addEventListener("click", () => {
@@ -246,6 +340,7 @@ async function runSearch() {
   const status = $("search-status");
   if (!query) return;
   document.body.dataset.state = "searching";
+  delete document.body.dataset.result;
   status.textContent = "searching…";
   status.classList.remove("error");
   try {
@@ -273,7 +368,7 @@ async function runAnnotate(file, k) {
     const { frame, overlay } = figure(url, file.name, data.width, data.height);
     const list = el("ol", { class: "sentences" });
     const select = (i) => {
-      drawAlignment(overlay, data.results[i].alignment, data.width, data.height);
+      drawAlignment(overlay, items(data.results[i].alignment), data.width, data.height);
       list.querySelectorAll("li").forEach((li, j) => li.classList.toggle("selected", i === j));
     };
     data.results.forEach((hit, i) => {
@@ -293,9 +388,15 @@ async function runAnnotate(file, k) {
   }
 }
 
+// The form's filters <-> the address: ?min_relevance=, taken_after=, taken_before=, near=lat,lon,km
+const FILTER_PARAMS = [["min_relevance", "min-relevance"], ["taken_after", "taken-after"], ["taken_before", "taken-before"]];
+
 $("search-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const params = new URLSearchParams({ q: $("q").value, mode: $("mode").value, k: $("k").value });
+  for (const [param, id] of FILTER_PARAMS) if ($(id).value) params.set(param, $(id).value);
+  const near = ["near-lat", "near-lon", "near-km"].map((id) => $(id).value);
+  if (near.some((v) => v !== "")) params.set("near", near.join(","));
   history.replaceState(null, "", `?${params}`);
   runSearch();
 });
@@ -307,10 +408,19 @@ $("annotate-form").addEventListener("submit", (e) => {
 });
 
 // ?q=... runs the search on load, ?like=<image id> "more like this" (links and headless checks use them).
-(function fromQuery() {
+(async function fromQuery() {
   const params = new URLSearchParams(location.search);
   if (params.get("mode") === "regions") $("mode").value = "regions";
   if (params.get("k")) $("k").value = params.get("k");
+  const ready = await info();
+  const cut = $("min-relevance");
+  cut.disabled = !ready.relevance;
+  if (!ready.relevance) cut.title = "this model has no relevance scale";
+  else cut.value = String(ready.default_min_relevance);
+  for (const [param, id] of FILTER_PARAMS) if (params.get(param) !== null) $(id).value = params.get(param);
+  const near = (params.get("near") || "").split(",");
+  if (near.length === 3) ["near-lat", "near-lon", "near-km"].forEach((id, i) => { $(id).value = near[i]; });
+  if ([...FILTER_PARAMS.slice(1).map(([p]) => p), "near"].some((p) => params.get(p))) $("filters").open = true;
   if (params.get("q")) {
     $("q").value = params.get("q");
     runSearch();

@@ -1,0 +1,105 @@
+"""Near-duplicates: the same photo resized, re-encoded or cropped a little, found by the cosine of the
+images' whole-frame fragment (row 0 of the stored fragments: the model's embedding of the whole-image
+CNN feature). A pair is a near-duplicate at cosine >= THRESHOLD, measured by bench/duplicates_bench.py
+on altered copies of Flickr8K dev images against distinct photos (docs/results/duplicates-dev.csv).
+
+    python -m index.duplicates artifacts/index/collection-...    # the collection-wide report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from index.images import ImageIndex
+from index.similar import image_vectors
+from model.bundle import Bundle
+from model.config import default_artifacts_dir
+
+logger = logging.getLogger(__name__)
+
+THRESHOLD = 0.825  # docs/results/duplicates-dev.csv: chosen on the first 80 dev images, reported on the next 80
+BLOCK = 2048  # images compared at a time in the collection-wide report
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    image_id: int
+    name: str
+    similarity: float
+
+
+def duplicates_of(images: ImageIndex, image_id: int, threshold: float = THRESHOLD) -> list[Duplicate] | None:
+    """The near-duplicates of an indexed image (itself left out), most alike first; None when unknown."""
+    ids, mat = image_vectors(images, "whole").matrix(images)
+    where = np.searchsorted(ids, image_id)
+    if where >= len(ids) or ids[where] != image_id:
+        return None
+    sims = mat @ mat[where]
+    keep = np.flatnonzero((sims >= threshold) & (ids != image_id))
+    order = keep[np.lexsort((ids[keep], -sims[keep]))]
+    names = {i: rec.name for i in ids[order].tolist() if (rec := images.get(i)) is not None}
+    return [Duplicate(int(ids[i]), names[int(ids[i])], float(sims[i])) for i in order if int(ids[i]) in names]
+
+
+def duplicate_groups(images: ImageIndex, threshold: float = THRESHOLD) -> list[list[int]]:
+    """Groups of near-duplicates across the collection (connected by pairs at or above `threshold`),
+    largest first, each by id; images without one are not listed."""
+    ids, mat = image_vectors(images, "whole").matrix(images)
+    parent = np.arange(len(ids))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = int(parent[i])
+        return i
+
+    for start in range(0, len(ids), BLOCK):
+        sims = mat[start : start + BLOCK] @ mat.T
+        rows, cols = np.nonzero(sims >= threshold)
+        for r, c in zip(rows + start, cols, strict=True):
+            if r < c:
+                a, b = root(int(r)), root(int(c))
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(ids)):
+        groups.setdefault(root(i), []).append(int(ids[i]))
+    return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: (-len(g), g[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = default_artifacts_dir()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("index", type=Path, help="an image index folder (e.g. the one ./run index made)")
+    ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt", help="its checkpoint")
+    ap.add_argument("--collection-root", type=Path, default=None, help="the folder its relative paths are under")
+    ap.add_argument("--threshold", type=float, default=THRESHOLD, help="cosine at or above which two are duplicates")
+    ap.add_argument("--json", type=Path, default=None, help="also write the groups (paths) as JSON here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    images = ImageIndex.load(args.index, Bundle.load(args.model), collection_root=args.collection_root)
+    try:
+        total = len(images)
+        groups = duplicate_groups(images, args.threshold)
+        named = [[images.get(i).path for i in g] for g in groups]  # type: ignore[union-attr]
+    finally:
+        images.close()
+    out = "".join(f"group {n} ({len(paths)} images):\n" + "".join(f"  {p}\n" for p in paths)
+                  for n, paths in enumerate(named, 1))
+    sys.stdout.write(out)
+    logger.info("%d groups of near-duplicates (%d images) among %d images at cosine >= %.3f", len(groups),
+                sum(map(len, groups)), total, args.threshold)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"threshold": args.threshold, "groups": named}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The relevance scale on the API: every ranked image and sentence carries it, `min_relevance` cuts the
+list, an empty list says why; a model without the scale serves without it and refuses a cut-off."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from model.data import load_split
+from service.app import create_app
+from service.engine import Engine
+from tests.conftest import ShapesModel
+from tests.conftest_service import engine_over_dev
+
+pytest_plugins = ["tests.conftest_service"]
+
+SENTENCE = "a red circle"
+
+
+@pytest.fixture(scope="module")
+def calibrated(calibrated_engine: Engine) -> Iterator[TestClient]:
+    with TestClient(create_app(calibrated_engine.settings, engine=calibrated_engine)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def uncalibrated(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    engine = engine_over_dev(shapes_model, shapes_model.bundle, tmp_path_factory.mktemp("no-relevance"))
+    with TestClient(create_app(engine.settings, engine=engine)) as c:
+        yield c
+
+
+def test_every_result_carries_its_relevance_in_rank_order(calibrated: TestClient) -> None:
+    body = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 20}).json()
+    rel = [r["relevance"] for r in body["results"]]
+    assert len(rel) == 20 and all(0.0 <= v <= 1.0 for v in rel)
+    assert rel == sorted(rel, reverse=True)  # the scale increases with S_kl
+    assert rel[0] > rel[-1]
+    assert body["min_relevance"] is None and body["reason"] is None
+    assert calibrated.get("/readyz").json()["relevance"] is True
+
+
+def test_min_relevance_keeps_the_results_that_reach_it(calibrated: TestClient) -> None:
+    full = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 20}).json()["results"]
+    cut = (full[2]["relevance"] + full[-1]["relevance"]) / 2
+    body = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 20, "min_relevance": cut}).json()
+    expect = [r["id"] for r in full if r["relevance"] >= cut]
+    assert [r["id"] for r in body["results"]] == expect and 3 <= len(expect) < 20
+    assert body["min_relevance"] == cut and body["reason"] is None and body["next_offset"] is None
+
+
+def test_no_good_match_is_an_empty_list_with_a_reason(calibrated: TestClient) -> None:
+    best = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 1}).json()["results"][0]["relevance"]
+    if best >= 0.9999:
+        pytest.fail(f"the best result's relevance {best} leaves no room above it for the test")
+    r = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 5, "min_relevance": min(1.0, best + 1e-4)})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["results"] == [] and body["next_offset"] is None
+    assert body["reason"].startswith("no good match: no image reaches relevance")
+
+
+def test_annotate_takes_the_cut_off_too(calibrated: TestClient, shapes_model: ShapesModel) -> None:
+    name = load_split(shapes_model.data, "dev").images[0]
+    data = (shapes_model.data / "images" / name).read_bytes()
+    full = calibrated.post("/annotate", files={"file": ("a.jpg", data)}, data={"k": "10"}).json()["results"]
+    assert all(0.0 <= s["relevance"] <= 1.0 for s in full)
+    cut = full[4]["relevance"]
+    body = calibrated.post("/annotate", files={"file": ("a.jpg", data)},
+                           data={"k": "10", "min_relevance": str(cut)}).json()
+    assert [s["id"] for s in body["results"]] == [s["id"] for s in full if s["relevance"] >= cut]
+
+
+def test_a_model_without_the_scale_serves_without_it_and_refuses_a_cut_off(uncalibrated: TestClient) -> None:
+    body = uncalibrated.post("/search/images", json={"sentence": SENTENCE, "k": 3}).json()
+    assert [r["relevance"] for r in body["results"]] == [None, None, None]
+    assert uncalibrated.get("/readyz").json()["relevance"] is False
+    r = uncalibrated.post("/search/images", json={"sentence": SENTENCE, "min_relevance": 0.5})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "no_relevance_scale"
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, "high"])
+def test_a_bad_cut_off_is_a_422(calibrated: TestClient, value: object) -> None:
+    r = calibrated.post("/search/images", json={"sentence": SENTENCE, "min_relevance": value})
+    assert r.status_code == 422 and "min_relevance" in r.text
