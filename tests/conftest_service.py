@@ -86,12 +86,13 @@ class ServiceEnv:
         """The test settings with indexes and uploads under `root`."""
         return make_settings(self.shapes, root, **{"index_backend": self.settings.index_backend, **overrides})
 
-    def writable(self, tmp: Path, **overrides: object) -> tuple[Settings, Engine]:
-        """Settings and an engine over a private copy of the indexes (and its own uploads folder)."""
+    def writable(self, tmp: Path, bundle: Bundle | None = None, **overrides: object) -> tuple[Settings, Engine]:
+        """Settings and an engine over a private copy of the indexes (and its own uploads folder); `bundle`:
+        the same model with another calibration (the indexes do not depend on it), else the shapes model."""
         shutil.copytree(self.root / "images", tmp / "images")
         shutil.copytree(self.root / "sentences", tmp / "sentences")
         settings = self.settings_for(tmp, **overrides)
-        bundle = self.shapes.bundle
+        bundle = bundle or self.shapes.bundle
         engine = Engine(settings, bundle, ImageIndex.load(tmp / "images", bundle),
                         SentenceIndex.load(tmp / "sentences", bundle))
         return settings, engine

@@ -27,6 +27,7 @@ from service.app import create_app
 from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
+    from service.engine import Engine
     from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]
@@ -96,8 +97,10 @@ def test_the_shape_check_tells_a_renamed_field() -> None:
 
 
 @pytest.mark.parametrize("service_env", ["faiss"], indirect=True)
-def test_the_readme_curl_examples_answer_as_shown(service_env: ServiceEnv, tmp_path: Path) -> None:
-    settings, engine = service_env.writable(tmp_path)
+def test_the_readme_curl_examples_answer_as_shown(service_env: ServiceEnv, calibrated_engine: Engine,
+                                                 tmp_path: Path) -> None:
+    # the shapes model with its relevance scale, as the README's model has: results carry a relevance
+    settings, engine = service_env.writable(tmp_path, bundle=calibrated_engine.bundle)
     work = tmp_path / "cwd"
     work.mkdir()
     examples = readme_examples()
