@@ -194,7 +194,10 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         if evaluated and val_data is not None:
             m, val_scores = evaluate_scores(bundle, val_data)
             if bundle.calibration is not None:  # the relevance scale of this epoch's calibrated score
-                store_relevance(bundle, fit_relevance(val_scores, val_data.pair_image), len(val_data.names))
+                try:
+                    store_relevance(bundle, fit_relevance(val_scores, val_data.pair_image), len(val_data.names))
+                except ValueError as e:  # a score that does not separate yet: this epoch has no scale
+                    logger.warning("epoch %d: %s", epoch + 1, e)
             row.update({f"val_{k}": m[k] for k in VAL_METRICS})
             if best is None or m["rsum"] > best["rsum"]:
                 best = {**m, "epoch": float(epoch + 1)}
