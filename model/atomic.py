@@ -6,7 +6,8 @@ A reader never sees a half-written file, and a crash leaves the previous version
 place plus at most a temp file named ``.<pid>.<target name>.<random>.tmp``, which `stale_temps`
 finds once its writer is gone (the index removes the ones in its folder at its next save).
 
-Beside them `sha256_file`, the content hash of a file the index and the checkpoints record.
+Beside them `sha256_file`, the content hash of a file the index and the checkpoints record (`sha256_file_once`:
+once per process for a file unchanged since).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ def sha256_file(path: Path | str) -> str:
     """The sha256 of a file's content (hex)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}  # (file, size, mtime_ns) -> sha256
+
+
+def sha256_file_once(path: Path | str) -> str:
+    """`sha256_file`, computed once per process for a file of one size and modification time (weight
+    files checked at every load)."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
 
 
 def fsync_dir(folder: Path) -> None:

@@ -16,7 +16,6 @@ set is needed and every machine makes the same graph) and kept in the graph fold
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import tempfile
 import threading
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from model.atomic import atomic_path
+from model.atomic import atomic_path, sha256_file_once
 from model.config import BACKBONE_PRECISIONS, default_artifacts_dir
 from model.device import resolve_device
 from model.onnx import OPSET, export, graph_dir, session
@@ -82,20 +81,12 @@ def weights_path(weights: str) -> Path:
     return path
 
 
-_digests: dict[tuple[str, int, int], str] = {}
-
-
 def weights_digest(weights: str) -> str:
     """A short hash of a fine-tuned backbone file's bytes ("" for the ImageNet weights, which the pinned
     package fixes): what the feature cache key and the graph names carry."""
     if not weights:
         return ""
-    path = weights_path(weights)
-    st = path.stat()
-    memo = (str(path), st.st_size, st.st_mtime_ns)
-    if memo not in _digests:
-        _digests[memo] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    return _digests[memo]
+    return sha256_file_once(weights_path(weights))[:16]
 
 
 def _efficientnet(weights: str = "") -> torch.nn.Module:

