@@ -11,7 +11,11 @@ way (feature extraction, training epochs, indexing), the items done, the total a
 time left. The service reports it on GET /readyz while it prepares; `python -m service.prepare`
 (the one-shot preparation a container runs before the service) writes it to the log.
 
-    python -m service.prepare      (settings from FRAGSEARCH_* like the service)
+    python -m service.prepare [--config FILE] [--SETTING VALUE ...]
+
+The settings are the service's, read the same way: a flag for every setting (`--help` lists them,
+docs/operations/settings.md is their table) over the FRAGSEARCH_* environment variables, `.env` and
+the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): service/settings.py.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
 from service import logs
-from service.settings import Settings
+from service.settings import Settings, settings_from, settings_parser
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
 
@@ -258,10 +262,11 @@ def log_progress(progress: Progress, every: float, stop: threading.Event) -> Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be."""
-    del argv
+    """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be
+    (a bad flag or setting: argparse's message, status 2)."""
+    ap, cli = settings_parser("python -m service.prepare", __doc__)
+    settings = settings_from(ap, cli, ap.parse_args(argv))
     try:
-        settings = Settings()
         logs.configure(settings.log_level, settings.log_format)
         device = device_name(settings.device)
     except DeviceError as e:

@@ -294,7 +294,7 @@ def settings_markdown() -> str:
              "`service/settings.py` (tests/test_settings.py fails when this table and the settings differ). Each "
              f"is read from, first to last: its flag, its environment variable, `.env`, the TOML file "
              f"(`./{CONFIG_FILE}`; `FRAGSEARCH_CONFIG` or `--config` names another; a key per setting, e.g. "
-             "`port = 8080`), its default. `python -m service.prepare` reads the same settings but the flags.", "",
+             "`port = 8080`), its default. `python -m service.prepare` reads the same settings, flags included.", "",
              "| setting | flag | environment | type | default | what |", "|---|---|---|---|---|---|"]
     for name, field in Settings.model_fields.items():
         if field.default_factory is not None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 COMMANDS = ["training.train", "training.extract", "model.flickr8k", "training.calibrate", "training.evaluate",
-            "index.build", "service.settings",
+            "index.build", "service.settings", "service.prepare",
             "index.sync", "index.bulk", "service.__main__", "bench.index_bench", "bench.query_bench",
             "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report", "bench.channels",
             "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate",

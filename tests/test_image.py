@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import multiprocessing
 import os
+import signal
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -274,3 +277,35 @@ def test_the_extraction_pool_prepare_uses_agrees_with_in_process_extraction(tmp_
         direct = here.extract(load_image(path))
         np.testing.assert_allclose(pooled.boxes, direct.boxes, atol=1e-3)
         np.testing.assert_allclose(pooled.features, direct.features, rtol=2e-3, atol=2e-3)  # stored as float16
+
+
+def test_a_killed_pool_worker_fails_the_run_instead_of_hanging(tmp_path: Path) -> None:
+    """A pool worker killed during a run (SIGKILL, as the out-of-memory killer does): the run raises with
+    the worker's exit code instead of waiting for ever for the task it took, and the pool still closes.
+    The tasks are named pipes no one writes, so that no task can finish before the kill."""
+    cfg = load_variant(Settings.model_fields["variant"].default).image
+    pipes = [tmp_path / f"pipe{k}.jpg" for k in range(2)]
+    for pipe in pipes:
+        os.mkfifo(pipe)
+    outcome: list[object] = []
+    with ExtractionPool(cfg, workers=2) as pool:
+        pool.warm_up([])  # both workers started and ready
+        victim, survivor = pool._procs
+
+        def run() -> None:
+            try:
+                outcome.append(pool.run(pipes, batch=1, progress=False))  # one task per pipe
+            except RuntimeError as e:
+                outcome.append(e)
+
+        runner = threading.Thread(target=run, daemon=True)
+        runner.start()
+        os.kill(victim.pid, signal.SIGKILL)
+        runner.join(timeout=60)
+        assert not runner.is_alive(), "the run waits for a dead worker"
+        for pipe in pipes:  # let the survivor finish the task it blocks on (an empty file), so it can stop
+            with contextlib.suppress(OSError):
+                os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert str(outcome[0]) == f"an extraction worker exited with code {-signal.SIGKILL}"
+    assert not victim.is_alive() and not survivor.is_alive()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.__main__ import main as service_main
+from service.prepare import main as prepare_main
 from service.settings import Settings, SettingsFileError, settings_from, settings_markdown, settings_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +100,35 @@ def test_the_parser_takes_flags_of_its_caller() -> None:
     ap.add_argument("--version", action="version", version="x")
     assert isinstance(ap, argparse.ArgumentParser)
     assert settings_from(ap, cli, ap.parse_args(["--host", "0.0.0.0"])).host == "0.0.0.0"
+
+
+def test_prepare_takes_the_same_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """python -m service.prepare: --help lists a flag for every setting; a flag wins over the environment
+    and the settings file and reaches the preparation; a bad value exits with argparse's message."""
+    with pytest.raises(SystemExit) as stop:
+        prepare_main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m service.prepare")
+    missing = [name for name in Settings.model_fields if f"--{name.replace('_', '-')}" not in out]
+    assert missing == [] and "--config FILE" in out
+
+    (tmp_path / "fragsearch.toml").write_text(f'data = "{tmp_path / "from-file"}"\n')
+    monkeypatch.setenv("FRAGSEARCH_DATA", str(tmp_path / "from-env"))
+    flagged = tmp_path / "from-flag"
+    flagged.mkdir()  # no images/ in it: the preparation stops there, before any work
+    caplog.set_level("INFO", logger="service.prepare")
+    code = prepare_main(["--data", str(flagged), "--artifacts", str(tmp_path / "artifacts"), "--device", "cpu",
+                         "--limit", "3", "--workers", "1"])
+    assert code == 2
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preparing on")]
+    assert started == [f"preparing on cpu with 1 extraction workers: data {flagged}, artifacts "
+                       f"{tmp_path / 'artifacts'}, the first 3 images of each split"], started
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "cannot prepare" in errors[0] and str(flagged) in errors[0], errors
+    assert not (tmp_path / "artifacts" / "models").exists()  # nothing was prepared
+
+    with pytest.raises(SystemExit) as stop:
+        prepare_main(["--limit", "0"])
+    assert stop.value.code == 2 and "limit" in capsys.readouterr().err
