@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 
 from model.config import default_artifacts_dir
 from service.app import create_app
@@ -43,7 +43,7 @@ pytest_plugins = ["tests.conftest_service"]
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ("--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
         "--disable-component-update", "--disable-sync")
-VIEWPORT = {"width": 1280, "height": 1000}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 1000}
 SCREENSHOTS = default_artifacts_dir() / "screenshots"
 
 # skipped without Chromium, but failed under CI (.ci/run installs it): the page must be tested there
@@ -64,7 +64,7 @@ def browser() -> Iterator[Browser]:
 @pytest.fixture
 def page(browser: Browser) -> Iterator[Page]:
     """A fresh context (no cookies, storage, clipboard permission) and its page, 1280x1000."""
-    context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
+    context = browser.new_context(viewport=VIEWPORT)
     context.set_default_timeout(60_000)
     try:
         yield context.new_page()
@@ -198,10 +198,9 @@ def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: Servi
     triplets; a folded triplet is invisible until "show all"; "why?" opens the pair table; an image file
     dropped on the page and one pasted with Control+V are described, and "more like this" finds the
     indexed image the upload is a copy of."""
-    origin = served
-    context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
+    context = browser.new_context(viewport=VIEWPORT)
     context.set_default_timeout(60_000)
-    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=origin)
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=served)
     page = context.new_page()
     try:
         show(page, page_url(served, "a red circle beside a blue square", k="4"))
