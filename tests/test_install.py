@@ -133,13 +133,13 @@ def test_pip_install_serves_on_faiss_and_with_the_milvus_extra_on_milvus(shapes_
         assert not names & {"pymilvus", "milvus-lite", "pytest", "ray"}, "only the runtime is installed"
 
         faiss = serve(venv, shapes_model, tmp_path / "faiss", "faiss")
-        assert faiss["ready"]["images"] == len(shapes_model.dev.images) and len(faiss["results"]) == 3
+        assert faiss["ready"]["images"] == len(shapes_model.dev.names) and len(faiss["results"]) == 3
         assert all(r["alignment"] for r in faiss["results"])
         assert not list((tmp_path / "faiss").rglob("milvus.db"))
 
         extra_seconds = pip_install(venv, "-c", str(ROOT / "requirements-milvus.lock"), f"{source}[milvus]")
         milvus = serve(venv, shapes_model, tmp_path / "milvus", "milvus")
-        assert milvus["ready"]["images"] == len(shapes_model.dev.images) and len(milvus["results"]) == 3
+        assert milvus["ready"]["images"] == len(shapes_model.dev.names) and len(milvus["results"]) == 3
         assert [r["name"] for r in milvus["results"]] == [r["name"] for r in faiss["results"]]
         assert list((tmp_path / "milvus").rglob("milvus.db")), "the candidates are in milvus-lite"
         logger.info("pip install .: %.0f s; pip install .[milvus] after it: %.0f s", seconds, extra_seconds)
