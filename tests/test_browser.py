@@ -186,7 +186,10 @@ def drop_file(page: Page, path: Path, x: float, y: float) -> None:
 
 
 def centre(page: Page, selector: str) -> tuple[float, float]:
-    box = page.locator(selector).first.bounding_box()
+    """The centre of the first element `selector` finds, scrolled into view, in viewport coordinates."""
+    element = page.locator(selector).first
+    element.scroll_into_view_if_needed()
+    box = element.bounding_box()
     assert box is not None, f"{selector} is not laid out"
     return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
 

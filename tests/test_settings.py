@@ -5,6 +5,8 @@ from the model."""
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -103,7 +105,7 @@ def test_the_parser_takes_flags_of_its_caller() -> None:
 
 
 def test_prepare_takes_the_same_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+                                      capsys: pytest.CaptureFixture[str]) -> None:
     """python -m service.prepare: --help lists a flag for every setting; a flag wins over the environment
     and the settings file and reaches the preparation; a bad value exits with argparse's message."""
     with pytest.raises(SystemExit) as stop:
@@ -118,14 +120,20 @@ def test_prepare_takes_the_same_flags(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("FRAGSEARCH_DATA", str(tmp_path / "from-env"))
     flagged = tmp_path / "from-flag"
     flagged.mkdir()  # no images/ in it: the preparation stops there, before any work
-    caplog.set_level("INFO", logger="service.prepare")
-    code = prepare_main(["--data", str(flagged), "--artifacts", str(tmp_path / "artifacts"), "--device", "cpu",
-                         "--limit", "3", "--workers", "1"])
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:  # main configures the root logger (to this test's captured standard error): put it back after
+        code = prepare_main(["--data", str(flagged), "--artifacts", str(tmp_path / "artifacts"), "--device", "cpu",
+                             "--limit", "3", "--workers", "1", "--log-format", "json"])
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     assert code == 2
-    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preparing on")]
-    assert started == [f"preparing on cpu with 1 extraction workers: data {flagged}, artifacts "
-                       f"{tmp_path / 'artifacts'}, the first 3 images of each split"], started
-    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    messages = [(line["level"], line["message"]) for line in lines if line["logger"] == "service.prepare"]
+    assert messages[0] == ("INFO", f"preparing on cpu with 1 extraction workers: data {flagged}, artifacts "
+                                   f"{tmp_path / 'artifacts'}, the first 3 images of each split"), messages
+    errors = [m for lv, m in messages if lv == "ERROR"]
     assert len(errors) == 1 and "cannot prepare" in errors[0] and str(flagged) in errors[0], errors
     assert not (tmp_path / "artifacts" / "models").exists()  # nothing was prepared
 
