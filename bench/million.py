@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--resume", action="store_true", help="continue a stopped build of the index in --work "
                     "(from the images its last commit holds)")
     ap.add_argument("--keep", action="store_true", help="keep the index (for the serving measurements)")
+    ap.add_argument("--build-only", action="store_true", help="build the index and write build.json, measure nothing")
     ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         built = build(args, bundle, RealisticImages(real, args.noise), base)
         built_file.write_text(json.dumps(built))
+        if args.build_only:
+            return
     rows = measure(args, bundle, captions, settings, built, command)
     old = []
     if args.out.is_file():
