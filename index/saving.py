@@ -128,7 +128,8 @@ def committed_codes(index: SavedIndex, info: CodesInfo | None, rows: list[int]) 
     old = index.codes
     if old is not None and old.info.projection == info.projection:
         opened = dict(zip(old.info.files, old.store.segments, strict=True))
-        arrays = [opened[f] if f in opened else VectorStore.open_segment(index.root / f, info.dim, np.dtype(np.int8), r)
+        arrays = [opened[f] if f in opened
+                  else VectorStore.open_segment(index.root / f, info.dim, np.dtype(np.int8), r, in_memory=True)
                   for f, r in zip(info.files, rows, strict=True)]
         return PrescoreCodes(info, old.projection, arrays)
     return PrescoreCodes.open(index.root, info, index.dim, rows)
