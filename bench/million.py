@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--sweep", default="16:16384:1024,16:16384:2048,16:32768:2048,32:32768:2048,16:65536:2048",
                     help="search settings measured, nprobe:k_prime:rerank[:prescore] comma-separated")
+    ap.add_argument("--save-setting", default="",
+                    help="nprobe:k_prime:rerank[:prescore] saved into the kept index after measuring (what the "
+                         "service then searches with)")
     ap.add_argument("--codes", type=int, default=0,
                     help="prescore codes of this dimension (index.codes), added to the index before measuring")
     ap.add_argument("--queries", type=int, default=50)
@@ -346,6 +349,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.build_only:
             return
     rows = measure(args, bundle, captions, settings, built, command)
+    if args.save_setting:
+        nprobe, k_prime, rerank, *pre = (int(v) for v in args.save_setting.split(":"))
+        index = ImageIndex.load(args.work / "index", bundle)
+        index.set_search(nprobe=nprobe, k_prime=k_prime, rerank=rerank, prescore=pre[0] if pre else 0, exact_below=0)
+        index.save()
+        index.close()
     old = []
     if args.out.is_file():
         import csv
