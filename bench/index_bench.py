@@ -111,7 +111,10 @@ def ann_bytes_per_fragment(index: ImageIndex | SentenceIndex) -> float:
 
 def describe(index: ImageIndex | SentenceIndex) -> str:
     store = f"store={index.settings.store_dtype}-mmap({index.store.bytes_per_row}B/frag)"
-    return index.settings.describe().replace(f"store={index.settings.store_dtype}", store)
+    text = index.settings.describe().replace(f"store={index.settings.store_dtype}", store)
+    if index.codes is not None:
+        text = text.replace(f"codes={index.codes.dim}", f"codes={index.codes.dim}-int8({index.codes.dim + 4}B/frag)")
+    return text
 
 
 def row(collection: str, n_items: int, index: ImageIndex | SentenceIndex, found: list[list[int]],

@@ -214,11 +214,50 @@ def int8_agreement(index: ImageIndex, queries: list[torch.Tensor], truth: list[l
     return agreement(found, truth)
 
 
+def add_codes(args: argparse.Namespace, index: ImageIndex, built: dict[str, float]) -> None:
+    """Give the index `--codes`-dimensional prescore codes (the save's derivation over every stored
+    segment, index.codes), timed; the folder's size after it becomes the build's `disk`."""
+    faiss.omp_set_num_threads(args.build_threads)
+    torch.set_num_threads(args.build_threads)
+    with phase(f"add {args.codes}-d prescore codes") as rss:
+        t0 = time.perf_counter()
+        index.add_codes(args.codes)
+        seconds = time.perf_counter() - t0
+    built.update(codes_s=seconds, codes_peak_VmRSS_mb=rss.peak["VmRSS"], disk=folder_bytes(args.work / "index"),
+                 peak_VmRSS_mb=max(built["peak_VmRSS_mb"], rss.peak["VmRSS"]))
+    (args.work / "build.json").write_text(json.dumps(built))
+    logger.info("codes added in %.0f s (%.0f fragments/s); folder %.0f B/image", seconds,
+                index.n_fragments / seconds, built["disk"] / len(index))
+
+
+def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torch.Tensor]
+                 ) -> tuple[list[list[int]], np.ndarray]:
+    """The exhaustive exact top K of every query (one pass over the store) and the exhaustive search's
+    milliseconds on a few queries; kept in --work (truth-<queries>.json) for later runs on the index."""
+    cached = args.work / f"truth-{len(queries)}.json"
+    if cached.is_file():
+        data = json.loads(cached.read_text())
+        if data["images"] == len(index):
+            return data["truth"], np.asarray(data["exhaustive_ms"])
+    with phase("exhaustive ground truth") as rss:
+        torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
+        truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+        torch.set_num_threads(args.threads)
+        _, exhaustive_ms = timed(
+            lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], args.exhaustive_timed)
+    logger.info("exhaustive p50 %.0f ms over %d queries (peak %s)", np.median(exhaustive_ms), len(exhaustive_ms),
+                rss.describe())
+    cached.write_text(json.dumps({"images": len(index), "truth": truth, "exhaustive_ms": exhaustive_ms.tolist()}))
+    return truth, exhaustive_ms
+
+
 def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], settings: list[IndexSettings],
             built: dict[str, float], command: str) -> list[Row]:
+    index = ImageIndex.load(args.work / "index", bundle)
+    if args.codes and index.settings.codes != args.codes:
+        add_codes(args, index, built)
     faiss.omp_set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
-    index = ImageIndex.load(args.work / "index", bundle)
     queries = []
     for text in captions:
         try:
@@ -229,17 +268,10 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             break
     label = f"synthetic-real-{args.images // 1000}k-h{bundle.dim}" if args.images < 1_000_000 else \
         f"synthetic-real-{args.images // 1_000_000}M-h{bundle.dim}"
-    with phase("exhaustive ground truth") as rss:
-        torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
-        truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
-        torch.set_num_threads(args.threads)
-        _, exhaustive_ms = timed(
-            lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], args.exhaustive_timed)
-    logger.info("exhaustive p50 %.0f ms over %d queries (peak %s)", np.median(exhaustive_ms), len(exhaustive_ms),
-                rss.describe())
+    truth, exhaustive_ms = ground_truth(args, index, queries)
     rows = []
     for s in settings:
-        index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, exact_below=0)
+        index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, prescore=s.prescore, exact_below=0)
         before = load_average()
         with RssSampler() as rss:
             timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], min(5, len(queries)))  # warm
@@ -280,7 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nlist", type=int, default=1024)
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--sweep", default="16:16384:1024,16:16384:2048,16:32768:2048,32:32768:2048,16:65536:2048",
-                    help="search settings measured, nprobe:k_prime:rerank comma-separated")
+                    help="search settings measured, nprobe:k_prime:rerank[:prescore] comma-separated")
+    ap.add_argument("--save-setting", default="",
+                    help="nprobe:k_prime:rerank[:prescore] saved into the kept index after measuring (what the "
+                         "service then searches with)")
+    ap.add_argument("--codes", type=int, default=0,
+                    help="prescore codes of this dimension (index.codes), added to the index before measuring")
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--exhaustive-timed", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
@@ -290,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--resume", action="store_true", help="continue a stopped build of the index in --work "
                     "(from the images its last commit holds)")
     ap.add_argument("--keep", action="store_true", help="keep the index (for the serving measurements)")
+    ap.add_argument("--build-only", action="store_true", help="build the index and write build.json, measure nothing")
     ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -298,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     bundle = Bundle.load(args.model)
     real, captions = real_fragments(bundle, args.data, args.cache)
     base = IndexSettings(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)
-    settings = [dataclasses.replace(base, nprobe=int(p), k_prime=int(k), rerank=int(r))
-                for p, k, r in (s.split(":") for s in args.sweep.split(","))]
+    settings = [dataclasses.replace(base, nprobe=int(p), k_prime=int(k), rerank=int(r),
+                                    prescore=int(pre[0]) if pre else 0)
+                for p, k, r, *pre in (s.split(":") for s in args.sweep.split(","))]
     args.work.mkdir(parents=True, exist_ok=True)
     built_file = args.work / "build.json"
     if args.skip_build:  # the build's measurements as a build run wrote them (build.json)
@@ -307,15 +346,23 @@ def main(argv: list[str] | None = None) -> None:
     else:
         built = build(args, bundle, RealisticImages(real, args.noise), base)
         built_file.write_text(json.dumps(built))
+        if args.build_only:
+            return
     rows = measure(args, bundle, captions, settings, built, command)
+    if args.save_setting:
+        nprobe, k_prime, rerank, *pre = (int(v) for v in args.save_setting.split(":"))
+        index = ImageIndex.load(args.work / "index", bundle)
+        index.set_search(nprobe=nprobe, k_prime=k_prime, rerank=rerank, prescore=pre[0] if pre else 0, exact_below=0)
+        index.save()
+        index.close()
     old = []
     if args.out.is_file():
         import csv
 
         with open(args.out, newline="") as f:
             old = [read_row(r) for r in csv.DictReader(f)]
-    mine = {r.collection for r in rows}
-    write_csv([r for r in old if r.collection not in mine] + rows, args.out)
+    mine = {(r.collection, r.params) for r in rows}  # a setting measured again replaces its row
+    write_csv([r for r in old if (r.collection, r.params) not in mine] + rows, args.out)
     logger.info("wrote %d rows to %s", len(rows), args.out)
     if not args.keep:
         shutil.rmtree(args.work / "index", ignore_errors=True)

@@ -270,12 +270,18 @@ def fit_projection(index: faiss.Index, sample: np.ndarray) -> None:
     lt = faiss.downcast_VectorTransform(pre.chain.at(0))  # type: ignore[attr-defined]
     if not isinstance(lt, faiss.LinearTransform) or isinstance(lt, faiss.PCAMatrix | faiss.OPQMatrix):
         return
-    x = np.asarray(sample, dtype=np.float64)
-    _, vecs = np.linalg.eigh(x.T @ x / max(1, len(x)))
-    top = vecs[:, ::-1][:, : lt.d_out].T.astype(np.float32)  # (d_out, dim), largest first
+    top = uncentred_pca(sample, lt.d_out)
     faiss.copy_array_to_vector(np.ascontiguousarray(top).ravel(), lt.A)
     lt.is_trained = True
     lt.set_is_orthonormal()
+
+
+def uncentred_pca(sample: np.ndarray, d: int) -> np.ndarray:
+    """The top-d eigenvectors (d, dim) float32, largest first, of the uncentred second moment E[x x^T]
+    of sample (n, dim): the orthonormal projection that keeps inner products best on d directions."""
+    x = np.asarray(sample, dtype=np.float64)
+    _, vecs = np.linalg.eigh(x.T @ x / max(1, len(x)))
+    return np.ascontiguousarray(vecs[:, ::-1][:, :d].T.astype(np.float32))
 
 
 def train_sample_size(settings: IndexSettings) -> int:

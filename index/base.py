@@ -11,6 +11,7 @@
     index.catalogue   index.sqlite: item rows + the `info` table that names the committed state
     index.items       the item table in memory (store location, fragment count, alive)
     index.store       the re-rank store: fragment vectors read back exactly for S_kl
+    index.codes       the prescore codes of the stored fragments (approximate scores of many candidates)
     index.shared      identical fragment vectors held once in the backend (the sentence side)
 
 Here are the writes (insert, remove, bulk, rebuild) and the state the parts share. Writes change the
@@ -24,6 +25,7 @@ blocking searches and take the exclusive side only to mutate in-memory state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -37,6 +39,7 @@ from index import loading, saving
 from index.backends import create_backend
 from index.candidates import BackendOptions, CandidateBackend
 from index.catalogue import Catalogue, built_fingerprint
+from index.codes import PrescoreCodes
 from index.fingerprint import model_fingerprint
 from index.items import ItemTable
 from index.locks import ReadWriteLock
@@ -65,7 +68,8 @@ class FragmentIndex(Generic[P]):
     PRESCORE_SMOOTHING: ClassVar[float] = 0.0  # the n of a candidate's partial S_kl (index.ranker)
 
     def __init__(self, root: Path, bundle: Bundle, settings: IndexSettings, catalogue: Catalogue,
-                 candidates: CandidateBackend, store: VectorStore | None = None, generation: int = 0) -> None:
+                 candidates: CandidateBackend, store: VectorStore | None = None, generation: int = 0,
+                 codes: PrescoreCodes | None = None) -> None:
         self.root = Path(root)
         self.bundle = bundle
         self.dim = bundle.dim
@@ -76,6 +80,7 @@ class FragmentIndex(Generic[P]):
         self.items: ItemTable[P] = ItemTable()
         self.store = store or VectorStore(self.dim, settings.store_dtype, self.root)  # spills into the folder
         self.candidates = candidates
+        self.codes = codes  # the committed prescore codes (index.codes), None without `settings.codes`
         self.generation = generation  # number of the last save (increases by one per save)
         self.writer = threading.RLock()
         self.rw = ReadWriteLock()
@@ -119,7 +124,7 @@ class FragmentIndex(Generic[P]):
     @classmethod
     def _from_opened(cls, bundle: Bundle, opened: loading.Opened) -> Any:
         index = cls(opened.root, bundle, opened.settings, opened.catalogue, opened.candidates, opened.store,
-                    opened.generation)
+                    opened.generation, opened.codes)
         index.items.load(opened.rows, opened.next_id)
         candidates, shared = index.candidates, index.shared
         if shared is not None:
@@ -297,6 +302,16 @@ class FragmentIndex(Generic[P]):
     def save(self) -> None:
         """Make the current state durable, atomically (index.saving)."""
         saving.save(self)
+
+    def add_codes(self, dim: int) -> None:
+        """Keep `dim`-dimensional prescore codes of the stored fragments (index.codes; 0: none), and
+        save: the save derives the codes of every stored segment, in the commit (a crash keeps the
+        last committed state). A load of an index with codes derives those of new rows at each save."""
+        with self.writer:
+            settings = dataclasses.replace(self.settings, codes=dim)
+            with self.rw.write():
+                self.settings = settings
+            self.save()
 
     def payloads(self, items: Sequence[int]) -> dict[int, P]:
         """Metadata of items (pending ones from memory, saved ones from the catalogue)."""

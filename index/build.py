@@ -158,7 +158,8 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
 def settings_from_args(args: argparse.Namespace) -> IndexSettings:
     return IndexSettings(kind=args.kind, nlist=args.nlist, m=args.m, nbits=args.nbits, nprobe=args.nprobe,
                          k_prime=args.k_prime, rerank=args.rerank, ef_search=args.ef_search, hnsw_m=args.hnsw_m,
-                         pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu)
+                         pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu,
+                         codes=args.codes, prescore=args.prescore)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
     ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=STORE_DTYPES,
                     help="precision of the re-rank store of fragment vectors")
+    ap.add_argument("--codes", type=int, default=defaults.codes,
+                    help="dimensions of the prescore codes of every stored fragment (0: none; large collections: 64)")
+    ap.add_argument("--prescore", type=int, default=defaults.prescore,
+                    help="with --codes and --rerank: candidates (by partial score) whose codes are scored (0: all)")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
     ap.add_argument("--backend", default="faiss", choices=BACKENDS,
                     help="where candidate vectors are searched: in-process FAISS, or Milvus")

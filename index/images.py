@@ -262,11 +262,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
         sent = torch.as_tensor(sent, dtype=torch.float32)
         sent_mask = torch.ones(1, len(sent))
 
-        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+        def score(img: torch.Tensor, mask: torch.Tensor, query: torch.Tensor = sent) -> torch.Tensor:
+            return self.bundle.scores(img, mask, query[None], sent_mask)[:, 0]
 
         allowed = self.allowed(where) if where else None
-        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed)
+        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed, score)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, triplets, p.boxes), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
@@ -282,13 +282,13 @@ class ImageIndex(FragmentIndex[StoredImage]):
         sent, triplets = embed_sentence(self.bundle, sentence)
         sent_mask = torch.ones(1, len(sent))
 
-        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # as a search scores
-            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+        def score(img: torch.Tensor, mask: torch.Tensor, query: torch.Tensor = sent) -> torch.Tensor:  # as a search
+            return self.bundle.scores(img, mask, query[None], sent_mask)[:, 0]
 
         with self.reading():
             if not self.contains(image_id):
                 return None
-            placed = self.ranker.place(image_id, sent.numpy(), score)
+            placed = self.ranker.place(image_id, sent.numpy(), score, score)
             vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             payload = self.payloads([image_id])[image_id]
         frags = vecs[0, : int(mask[0].sum())]

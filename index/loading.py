@@ -20,6 +20,7 @@ import numpy as np
 from index.backends import open_backend
 from index.candidates import BackendOptions, CandidateBackend
 from index.catalogue import FORMAT, Catalogue, committed_generation
+from index.codes import CodesInfo, PrescoreCodes
 from index.fingerprint import model_fingerprint
 from index.store import VectorStore
 from index.types import IndexLoadError, IndexSettings
@@ -48,6 +49,7 @@ class Opened:
     next_id: int
     generation: int
     candidates: CandidateBackend
+    codes: PrescoreCodes | None
 
 
 def load(root: Path, bundle: Bundle, kind: str, columns: tuple[tuple[str, str], ...],
@@ -125,5 +127,13 @@ def open_state(root: Path, bundle: Bundle, kind: str, catalogue: Catalogue, info
             raise IndexLoadError(f"{where}: item rows point outside the store: inconsistent metadata")
         if (rows[rows[:, 4] == 0, 1] < 0).any():
             raise IndexLoadError(f"{where}: a live item has no stored vectors: inconsistent metadata")
+    codes = None
+    if info.get("codes"):
+        try:
+            codes = PrescoreCodes.open(root, CodesInfo.from_dict(info["codes"]), bundle.dim, store.segment_rows())
+        except FileNotFoundError as e:
+            raise IndexLoadError(f"{where}: prescore code file {e.filename} is missing") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise IndexLoadError(f"{where}: prescore codes are corrupt: {e}") from e
     candidates = open_backend(root, bundle.dim, settings, info, backend)
-    return Opened(root, catalogue, settings, store, rows, next_id, int(info["generation"]), candidates)
+    return Opened(root, catalogue, settings, store, rows, next_id, int(info["generation"]), candidates, codes)

@@ -1,11 +1,12 @@
 """The read side of an index: candidates -> prescore -> exact re-rank -> payloads.
 
 `Ranker.rank` scores a query's candidates (the backend's recall, optionally cut to the `rerank` best
-by a partial score) or every live item exactly (an exhaustive search, or a collection under
-`settings.exact_below` fragments), and returns the top k with their payloads and stored fragments;
-`rank_many` ranks many queries in one pass over the store; `place` is where one item stands for a
-query (index.images' explain). The score is the caller's (the model's S_kl, model.score), so the
-image and the sentence index rank through the same code.
+by a prescore: the partial score of their retrieved fragments, or, with prescore codes (index.codes)
+and an approximate score from the caller, the score of their codes) or every live item exactly (an
+exhaustive search, or a collection under `settings.exact_below` fragments), and returns the top k
+with their payloads and stored fragments; `rank_many` ranks many queries in one pass over the store;
+`place` is where one item stands for a query (index.images' explain). The score is the caller's
+(the model's S_kl, model.score), so the image and the sentence index rank through the same code.
 
 Callers of `rank` and `rank_many` need no lock; the other reads are made under the index's
 `reading()` lock, which the caller holds.
@@ -24,6 +25,7 @@ import torch
 
 from index import ids as fid
 from index.candidates import CandidateBackend
+from index.codes import ApproxScore, PrescoreCodes
 from index.items import ItemTable
 from index.shared import SharedFragments
 from index.stored import StoredFragments
@@ -69,6 +71,8 @@ class RankedIndex(Protocol[P]):
     @property
     def shared(self) -> SharedFragments | None: ...
     @property
+    def codes(self) -> PrescoreCodes | None: ...
+    @property
     def PRESCORE_SMOOTHING(self) -> float: ...  # noqa: N802 (a class constant of the index)
     def reading(self) -> AbstractContextManager[None]: ...
     def payloads(self, items: Sequence[int]) -> dict[int, P]: ...
@@ -109,14 +113,15 @@ class Ranker(Generic[P]):
 
     # -- ranking -------------------------------------------------------------------------------------
     def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
-             allowed: np.ndarray | None = None) -> tuple[list[Ranked[P]], int]:
+             allowed: np.ndarray | None = None, approx: ApproxScore | None = None) -> tuple[list[Ranked[P]], int]:
         """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C,)), and
         how many items the exact score ranked (the candidates, or every live item).
 
         Scored are the backend's candidates of `queries` (t, h), or every live item when `exhaustive`.
         `allowed` (sorted ids: a date and place filter) limits the ranking to those items: all of them
         scored exactly when they are at most FILTERED_EXACT (or the collection is scanned anyway),
-        else their candidates.
+        else their candidates. `approx` is the same score against other query fragments
+        ((C, F, d), mask, queries (t, d) -> (C,)): given, the candidates are prescored on their codes.
         Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
         """
         index = self.index
@@ -126,7 +131,7 @@ class Ranker(Generic[P]):
             if allowed is not None and not len(allowed):  # nothing passes the filter: nothing to rank
                 return [], 0
             if allowed is not None and not (exhaustive or self.small() or len(allowed) <= FILTERED_EXACT):
-                candidates = self.candidates(queries, allowed)
+                candidates = self.candidates(queries, allowed, approx)
                 return self._top_of(candidates, score, k), len(candidates)
             if exhaustive or self.small() or allowed is not None:
                 best: list[tuple[int, float]] = []
@@ -137,7 +142,7 @@ class Ranker(Generic[P]):
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
                 vecs, mask = index.stored.vectors(items)
             else:
-                candidates = self.candidates(queries)
+                candidates = self.candidates(queries, approx=approx)
                 return self._top_of(candidates, score, k), len(candidates)
             payloads = index.payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
@@ -154,7 +159,7 @@ class Ranker(Generic[P]):
                     best[q] = merge_top_k(best[q], part, scores[:, q], k)
         return best
 
-    def place(self, item: int, queries: np.ndarray, score: Score) -> Placement:
+    def place(self, item: int, queries: np.ndarray, score: Score, approx: ApproxScore | None = None) -> Placement:
         """Where live `item` stands for `queries` by `score`, ranked as a search ranks: a collection a
         search scans whole is ranked whole; a larger one over the candidates the index recalls for
         the queries plus this item, so the cost stays that of a search (caller holds `reading`)."""
@@ -166,7 +171,7 @@ class Ranker(Generic[P]):
                 ids.append(part)
                 scores.append(score(vecs, mask).numpy())
         else:
-            candidates = self.candidates(queries)
+            candidates = self.candidates(queries, approx=approx)
             scope, recalled = "candidates", bool(np.isin(item, candidates))
             ranked = np.union1d(candidates, np.asarray([item], dtype=np.int64))
             vecs, mask = self.index.stored.vectors(ranked)
@@ -184,14 +189,18 @@ class Ranker(Generic[P]):
         return bool(limit) and items.count <= limit and items.fragments() <= limit
 
     # -- candidates ----------------------------------------------------------------------------------
-    def candidates(self, queries: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
+    def candidates(self, queries: np.ndarray, allowed: np.ndarray | None = None,
+                   approx: ApproxScore | None = None) -> np.ndarray:
         """queries: (t, dim) -> ids of the live items with a fragment among a query's k' nearest
         (k' = 0: every fragment with a positive score) (caller holds `reading`); with `allowed`
         (sorted ids), only those items: a backend that filters while it searches (Milvus) is given
         them, the others' results are filtered after.
 
-        With `settings.rerank` = R > 0, only the R items with the best partial score (`_prescore` of
-        the sum of max(0, backend score) over their retrieved fragments) are kept for the exact re-rank.
+        With `settings.rerank` = R > 0, only the R items with the best prescore are kept for the exact
+        re-rank: the partial score (`_prescore` of the sum of max(0, backend score) over their retrieved
+        fragments), or, when the index has prescore codes and `approx` is given, `approx` of their codes
+        against the projected queries (of the `settings.prescore` best by partial score, 0: of all);
+        candidates without codes yet (added since the last save) are all kept.
         """
         self._searched("candidates")
         index = self.index
@@ -216,11 +225,24 @@ class Ranker(Generic[P]):
         limit = settings.rerank
         if not limit or live.sum() <= limit:
             return uniq[live]
-        partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)),
-                                 np.where(live, uniq, 0))
-        partial[~live] = -1.0
-        keep = np.lexsort((uniq, -partial))[:limit]  # ties to the smaller id, as the final ranking
-        return np.sort(uniq[keep])
+        codes = index.codes if approx is not None else None
+        first = limit if codes is None else settings.prescore or len(uniq)
+        if live.sum() > first:
+            partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)),
+                                     np.where(live, uniq, 0))
+            partial[~live] = -1.0
+            keep = np.sort(np.lexsort((uniq, -partial))[:first])  # ties to the smaller id, as the final ranking
+        else:
+            keep = np.flatnonzero(live)
+        kept = uniq[keep]
+        if codes is None or approx is None:
+            return kept
+        coded = codes.covered(index.items, kept)
+        found = kept[coded]
+        if len(found) > limit:
+            best = np.lexsort((found, -codes.scores(index.items, found, queries, approx)))[:limit]
+            found = found[best]
+        return np.sort(np.concatenate([found, kept[~coded]]))
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Partial S_kl of candidates from their retrieved fragments: the sum over the item's fragment

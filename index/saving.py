@@ -6,6 +6,8 @@ An index folder holds
                           store segments and candidate state: the commit point of every save
     faiss-*.index         the FAISS candidate index (ids: index.ids), with the FAISS backend
     store-*.npy           fragment vectors for the exact re-rank (memory-mapped)
+    codes-*.npy           the prescore codes of the store's rows and their projection (index.codes),
+                          with `IndexSettings.codes`; derived at the save for every segment they lack
 
 `save()` writes new files under fresh names (temp file, fsync, rename), makes the candidate state
 durable (a new FAISS file; or a Milvus flush), then commits one SQLite transaction that points
@@ -35,12 +37,14 @@ import numpy as np
 
 from index.candidates import CandidateBackend
 from index.catalogue import Catalogue
+from index.codes import CODES_PREFIX, CodesInfo, PrescoreCodes, derive
 from index.compaction import STORE_PREFIX, STORE_SUFFIX, compact
 from index.faiss_backend import FAISS_PREFIX
 from index.files import unique_name
 from index.items import ItemTable
 from index.locks import ReadWriteLock
 from index.store import VectorStore
+from index.stored import StoredFragments
 from index.types import IndexFullError, IndexSettings
 from model.atomic import TMP_SUFFIX, fsync_dir
 
@@ -57,6 +61,8 @@ class SavedIndex(Protocol):
     catalogue: Catalogue
     store: VectorStore
     items: ItemTable[Any]
+    stored: StoredFragments
+    codes: PrescoreCodes | None
     candidates: CandidateBackend
     generation: int
     bulk_depth: int
@@ -86,8 +92,10 @@ def save(index: SavedIndex) -> None:
                 rows.append(store.write_live(index.root / name))
                 files.append(name)
             files, rows = compact(index.root, store, items, gen, files, rows, seg, off, created)
+            codes_info = derive(index.root, store, files, rows, index.settings.codes, index.codes,
+                                lambda size: index.stored.sample(items.live(), size), gen, created)
             backend_info = index.candidates.persist(index.root, gen, created)
-            commit(index, gen, files, rows, seg, off, backend_info)
+            commit(index, gen, files, rows, seg, off, {**backend_info, "codes": codes_info and codes_info.to_dict()})
         except BaseException as e:
             for path in created:
                 with contextlib.suppress(OSError):
@@ -98,14 +106,33 @@ def save(index: SavedIndex) -> None:
         arrays = [store.segments[store.files.index(f)] if f in store.files
                   else VectorStore.open_segment(index.root / f, index.dim, store.dtype, r)
                   for f, r in zip(files, rows, strict=True)]
+        codes = committed_codes(index, codes_info, rows)
         with index.rw.write():
             store.commit(files, arrays)
+            index.codes = codes
             items.seg[: len(seg)], items.off[: len(off)] = seg, off
             items.saved()
             index.generation = gen
             index.candidates.committed(backend_info)
-        remove_unreferenced(index, set(files) | index.candidates.keeps())
+        keep = set(files) | index.candidates.keeps()
+        if codes_info is not None:
+            keep |= {codes_info.projection, *codes_info.files}
+        remove_unreferenced(index, keep)
         index.catalogue.checkpoint()
+
+
+def committed_codes(index: SavedIndex, info: CodesInfo | None, rows: list[int]) -> PrescoreCodes | None:
+    """The codes a commit named, the files already open kept open."""
+    if info is None:
+        return None
+    old = index.codes
+    if old is not None and old.info.projection == info.projection:
+        opened = dict(zip(old.info.files, old.store.segments, strict=True))
+        arrays = [opened[f] if f in opened
+                  else VectorStore.open_segment(index.root / f, info.dim, np.dtype(np.int8), r, in_memory=True)
+                  for f, r in zip(info.files, rows, strict=True)]
+        return PrescoreCodes(info, old.projection, arrays)
+    return PrescoreCodes.open(index.root, info, index.dim, rows)
 
 
 def commit(index: SavedIndex, gen: int, files: list[str], rows: list[int], seg: np.ndarray, off: np.ndarray,
@@ -126,7 +153,7 @@ def remove_unreferenced(index: SavedIndex, keep: set[str]) -> None:
     backends a rebuild replaced."""
     for path in index.root.iterdir():
         name = path.name
-        ours = (name.startswith((STORE_PREFIX + "-", FAISS_PREFIX + "-"))
+        ours = (name.startswith((STORE_PREFIX + "-", FAISS_PREFIX + "-", CODES_PREFIX + "-"))
                 or (name.startswith(".") and name.endswith(TMP_SUFFIX)))
         if ours and name not in keep:
             with contextlib.suppress(OSError):

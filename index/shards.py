@@ -54,6 +54,13 @@ LOAD_CHUNK = 64  # images embedded and inserted at a time when loading
 COMMIT_IMAGES = 65_536  # images loaded between two commits of a load
 
 
+def commit_interval(size: int, least: int) -> int:
+    """Images to add before the next commit of an index of `size` images: at least `least`, a quarter
+    of the size beyond that, at most COMMIT_IMAGES. A commit rewrites the candidate index (and a
+    sync's manifest), so an interval that grows with the collection keeps a large load linear."""
+    return max(least, min(COMMIT_IMAGES, size // 4))
+
+
 class ShardError(ValueError):
     """A shard folder that does not fit the request (other feature settings, a broken shard)."""
 

@@ -136,12 +136,15 @@ class VectorStore:
         out[:, self.dim :] = scale.astype(np.float32).view(np.int8)
         return out
 
-    def decode(self, raw: np.ndarray) -> np.ndarray:
-        """(n, cols) stored rows -> (n, dim) float32 (a new array)."""
+    def decode(self, raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """(n, cols) stored rows -> (n, dim) float32 (a new array, or written into `out`)."""
+        if out is None:
+            out = np.empty((len(raw), self.dim), np.float32)
         if self.dtype != np.int8:
-            return np.asarray(raw, dtype=np.float32).copy() if raw.dtype == np.float32 else raw.astype(np.float32)
+            np.copyto(out, raw)
+            return out
         scale = np.ascontiguousarray(raw[:, self.dim :]).view(np.float32)
-        return raw[:, : self.dim].astype(np.float32) * scale
+        return np.multiply(raw[:, : self.dim], scale, out=out)  # one pass: int8 times the float32 scale
 
     # -- writes -----------------------------------------------------------------------------------
     def append(self, vecs: np.ndarray) -> tuple[int, int]:
@@ -233,9 +236,10 @@ class VectorStore:
             self._spill = None
 
     @staticmethod
-    def open_segment(path: Path, dim: int, dtype: np.dtype, rows: int) -> np.ndarray:
-        """Memory-map a saved segment; ValueError when its shape or dtype is not the expected one."""
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    def open_segment(path: Path, dim: int, dtype: np.dtype, rows: int, in_memory: bool = False) -> np.ndarray:
+        """Memory-map (or read, `in_memory`) a saved segment; ValueError when its shape or dtype is not the
+        expected one."""
+        arr = np.load(path, mmap_mode=None if in_memory else "r", allow_pickle=False)
         cols = row_columns(dim, dtype)
         if arr.ndim != 2 or arr.shape != (rows, cols) or arr.dtype != dtype:
             raise ValueError(f"{path.name}: {arr.dtype} {arr.shape}, expected {dtype} ({rows}, {cols})")
@@ -273,16 +277,23 @@ class VectorStore:
                     out[i, : n[i]] = self.decode(self.raw_rows(int(s), int(off[i]), int(n[i])))
                 continue
             segment = self.segments[int(s)]
+            sel = sel[np.argsort(off[sel], kind="stable")]  # read the memory map in file order
             first = int(off[sel[0]])
             if (n[sel] == f_max).all() and (np.diff(off[sel]) == f_max).all():  # one contiguous run
                 raw = segment[first : first + len(sel) * f_max]
                 out[sel] = self.decode(raw).reshape(len(sel), f_max, self.dim)
                 continue
-            rows = (off[sel, None] + np.arange(f_max)[None, :])[mask[sel]]
-            order = np.argsort(rows, kind="stable")  # read the memory map in file order
-            values = np.empty((len(rows), self.dim), dtype=np.float32)
-            values[order] = self.decode(segment[rows[order]])
-            dest = out[sel]
-            dest[mask[sel]] = values
-            out[sel] = dest
+            real = mask[sel]
+            rows = off[sel, None] + np.arange(f_max)[None, :]
+            full = bool(real.all())
+            if not full:
+                rows = np.where(real, rows, off[sel, None])  # padding reads the item's first row, zeroed below
+            raw = np.asarray(segment)[rows.ravel()]
+            if full and sel[-1] - sel[0] + 1 == len(sel) and (np.diff(sel) == 1).all():  # a block of `out`: no copy
+                self.decode(raw, out[sel[0] : sel[-1] + 1].reshape(-1, self.dim))
+                continue
+            values = self.decode(raw).reshape(len(sel), f_max, self.dim)
+            if not full:
+                values[~real] = 0.0
+            out[sel] = values
         return out, mask

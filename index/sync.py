@@ -17,8 +17,11 @@ time, content hash and image id), each run
   as unsupported); HEIC/HEIF and AVIF photos are indexed like JPEGs (model.imageio).
 
 Paths are stored relative to the folder, so the index still finds the photos when the folder is
-mounted elsewhere. Work is saved every `--save-every` images: an interrupted run keeps what it
-committed, and the next run adopts images the index holds but the manifest does not know yet.
+mounted elsewhere. Work is saved every `--save-every` images, or, once the index is larger, every
+quarter of its size up to `index.shards.COMMIT_IMAGES` (`commit_interval`: each save rewrites the
+candidate index and the manifest, so a fixed interval would make a large first run quadratic): an
+interrupted run keeps what it committed, and the next run adopts images the index holds but the
+manifest does not know yet.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from index.candidates import BackendOptions
 from index.catalogue import is_index
 from index.files import sha256_file
 from index.images import ImageIndex
+from index.shards import commit_interval
 from index.types import IndexSettings
 from model.atomic import atomic_file
 from model.bundle import Bundle
@@ -164,8 +168,10 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         write_manifest(index.root, folder, manifest)
     bar = tqdm(total=len(to_add), desc=f"indexing {folder.name}", unit="img", disable=not to_add)
     failed: set[str] = set()
-    for start in range(0, len(to_add), save_every):
-        part = to_add[start : start + save_every]
+    start = 0
+    while start < len(to_add):
+        part = to_add[start : start + commit_interval(len(index), save_every)]
+        start += len(part)
         added = index.add_paths([folder / rel for rel in part], workers=workers)
         for path, reason in added.skipped:
             rel = Path(path).relative_to(folder).as_posix() if Path(path).is_relative_to(folder) else path
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt", help="the checkpoint")
     ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature cache (keyed by image content)")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    ap.add_argument("--save-every", type=int, default=SAVE_EVERY, help="images added between two commits")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
+                    help="images added between two commits (at least; a quarter of a larger index's size)")
     ap.add_argument("--index-kind", default="flat", help="FAISS index kind of a new index (flat, hnsw, ivf, ivfpq)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -12,7 +12,7 @@ from index.places import Place
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
 # Fields that shape the stored FAISS index; the others only change how it is searched.
-STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype")
+STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype", "codes")
 
 
 class IndexLoadError(ValueError):
@@ -41,6 +41,11 @@ class IndexSettings:
     `store_dtype`: precision of the re-rank store (the vectors the exact score reads): float32, float16
     (half the bytes; the choice for large collections, `large_collection`), int8 (a quarter plus 4 bytes
     a fragment: per-fragment scale, index.store; image indexes only).
+    `codes` d > 0 keeps a d-dimensional int8 prescore code of every stored fragment (d + 4 bytes,
+    index.codes; `FragmentIndex.add_codes` gives an index built without them its codes). With codes
+    and `rerank` R, a search scores its candidates approximately on their codes (the exact score of
+    the decoded codes against the projected queries) and reads the full vectors of the R best only;
+    `prescore` P > 0 first keeps the P candidates with the best partial score for that (0: all of them).
     `exact_below`: a collection of at most this many live fragments is searched by the exact score over
     every item, without the candidate stage (at that size the scan costs less than the candidate
     search and agrees with the exact ranking by definition); 0 always uses the candidates.
@@ -61,6 +66,8 @@ class IndexSettings:
     train_size: int = 0  # vectors needed before ivf / ivfpq is trained; 0: 39 per list (and 39 * 2^nbits)
     use_gpu: bool = False  # search on a GPU copy where faiss-gpu and a GPU are present
     exact_below: int = 50_000  # live fragments under which a search scans every item exactly
+    codes: int = 0  # dimensions of the prescore codes (0: none)
+    prescore: int = 0  # candidates (by partial score) whose codes are scored, with codes and rerank (0: all)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -78,6 +85,10 @@ class IndexSettings:
             raise ValueError(f"train_size must be >= 0, got {self.train_size}")
         if self.exact_below < 0:
             raise ValueError(f"exact_below must be >= 0, got {self.exact_below}")
+        if self.codes < 0:
+            raise ValueError(f"codes must be >= 0 (0: no prescore codes), got {self.codes}")
+        if self.prescore < 0:
+            raise ValueError(f"prescore must be >= 0 (0: every candidate), got {self.prescore}")
 
     @property
     def trainable(self) -> bool:
@@ -110,6 +121,8 @@ class IndexSettings:
         parts = [f"k_prime={self.k_prime or 'positive'}", f"store={self.store_dtype}"]
         if self.rerank:
             parts.insert(1, f"rerank={self.rerank}")
+        if self.codes:
+            parts.insert(1, f"codes={self.codes}" + (f";prescore={self.prescore}" if self.prescore else ""))
         if self.pretransform:
             parts.insert(0, f"pre={self.pretransform}")
         if self.kind in ("ivf", "ivfpq"):
@@ -129,7 +142,8 @@ class IndexSettings:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def with_search(self, **changes: Any) -> IndexSettings:
-        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, use_gpu, exact_below)."""
+        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, prescore, use_gpu,
+        exact_below)."""
         bad = sorted(set(changes) & set(STRUCTURAL))
         if bad:
             raise ValueError(f"{', '.join(bad)} shape the stored index: rebuild it to change them")

@@ -93,3 +93,24 @@ def test_the_command_indexes_a_folder(shapes_model: ShapesModel, tmp_path: Path)
     assert len(index) == 3 and index.search("a red circle", 1)
     index.close()
     assert main([str(tmp_path / "missing"), "--out", str(out), "--model", str(shapes_model.model_path)]) == 2
+
+
+def test_commits_grow_with_the_index(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    from index.shards import COMMIT_IMAGES, commit_interval
+    from model.dataset import feature_cache
+
+    assert [commit_interval(n, 500) for n in (0, 2_000, 4_000, 100_000, 10**6)] == [500, 500, 1_000, 25_000,
+                                                                                    COMMIT_IMAGES]
+    photos = tmp_path / "photos"
+    for n in range(12):
+        picture(photos / f"p{n:02d}.jpg", 100 + n)
+    index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(),
+                              cache=feature_cache(shapes_model.cache / "sync-features", shapes_model.bundle.image_cfg),
+                              collection_root=photos)
+    created = index.generation
+    report = sync_folder(index, photos, save_every=1)
+    assert len(report.added) == 12 and len(index) == 12
+    # one image a commit up to 8 held, then a quarter of the size: 8 commits of 1, then 2 of 2
+    assert index.generation - created == 10
+    assert len(read_manifest(index.root)) == 12
+    index.close()

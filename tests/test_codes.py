@@ -1,0 +1,172 @@
+"""Prescore codes (index/codes.py): candidates scored on compact codes before the exact re-rank of
+the best few. On a small collection with the candidate stage on (exact_below=0): the codes keep the
+exact ranking, are derived for an index built without them (`add_codes`) and at every save (new
+rows, merged segments), survive a reload, and a crash while they are written keeps the last commit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import index.codes
+import index.store
+from index import ImageIndex, IndexLoadError, IndexSettings
+from model.bundle import Bundle
+from model.embed import embed_sentence
+from model.words import WordTable
+from tests.test_index import QUERIES, WORDS, F, H, make_bundle, one_thread, ranking  # noqa: F401
+
+N = 240
+CODES = 16  # of H = 32 dimensions
+RERANK = 20
+
+
+@pytest.fixture(scope="module")
+def bundle() -> Bundle:
+    return make_bundle(WordTable.build(WORDS))
+
+
+def images(n: int = N, seed: int = 11) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str]]:
+    """Fragments with the structure of real ones: most of their energy on a few directions (a rank-10
+    part plus smaller noise), stored as float16."""
+    rng = np.random.default_rng(seed)
+    basis = rng.standard_normal((10, H))
+    vecs = rng.standard_normal((n, F, 10)) @ basis + 0.3 * rng.standard_normal((n, F, H))
+    vecs = vecs.astype(np.float16).astype(np.float32)
+    boxes = np.tile(np.array([0, 0, 100, 80], np.float32), (n, F, 1))
+    paths = [f"/photos/c{seed}-{k:04d}.jpg" for k in range(n)]
+    return vecs, boxes, np.tile([100, 80], (n, 1)), [Path(p).name for p in paths], paths
+
+
+def candidates_on(ix: ImageIndex, rerank: int = RERANK) -> None:
+    """The candidate stage with every fragment recalled, the exact re-rank limited to `rerank` items."""
+    ix.set_search(exact_below=0, k_prime=ix.candidates.ntotal + 1, rerank=rerank)
+
+
+def agreement(ix: ImageIndex) -> float:
+    shared = []
+    for q in QUERIES:
+        exact = [i for i, _ in ranking(ix.search_exhaustive(q, 10))]
+        found = [i for i, _ in ranking(ix.search(q, 10))]
+        shared.append(len(set(exact) & set(found)) / 10)
+    return float(np.mean(shared))
+
+
+def code_files(root: Path) -> list[Path]:
+    return sorted(root.glob("codes-*.npy"))
+
+
+def test_codes_prescore_keeps_the_exact_ranking_reading_only_the_rerank_items(tmp_path: Path, bundle: Bundle):
+    ix = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings(store_dtype="float16", codes=CODES))
+    ix.add_vectors(*images())
+    ix.save()
+    assert ix.codes is not None and ix.codes.dim == CODES and ix.codes.segments == len(ix.store.segments)
+    assert ix.codes.store.bytes_per_row == CODES + 4
+    candidates_on(ix)
+    page = ix.search_page(QUERIES[0], 0, 10)
+    assert page.considered == RERANK  # every item was a candidate; only the RERANK best by codes were read
+    with_codes = agreement(ix)
+    assert with_codes >= 0.9
+    # the codes' approximate score is S_kl of the projected vectors: close to the exact one
+    sent = embed_sentence(bundle, QUERIES[1])[0]
+    items = ix.ids()
+    approx = ix.codes.scores(ix.items, items, sent.numpy(),
+                             lambda v, m, q: bundle.scores(v, m, q[None], torch.ones(1, len(q)))[:, 0])
+    vecs, mask = ix.stored.vectors(items)
+    exact = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0].numpy()
+    assert np.corrcoef(approx, exact)[0, 1] > 0.95
+    # without codes the same re-rank limit keeps the candidates by their partial score instead
+    plain = ImageIndex.create(tmp_path / "plain", bundle, IndexSettings(store_dtype="float16"))
+    plain.add_vectors(*images())
+    plain.save()
+    candidates_on(plain)
+    assert plain.codes is None and plain.search_page(QUERIES[0], 0, 10).considered == RERANK
+    assert with_codes >= agreement(plain)
+    ix.close()
+    plain.close()
+
+
+def test_add_codes_derives_them_for_an_index_built_without_and_every_save_keeps_them(tmp_path: Path,
+                                                                                      bundle: Bundle):
+    root = tmp_path / "idx"
+    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16"))
+    for part in range(3):  # three saved segments
+        vecs, boxes, sizes, names, paths = images(80, seed=part)
+        ix.add_vectors(vecs, boxes, sizes, names, paths)
+        ix.save()
+    assert ix.codes is None and not code_files(root)
+    candidates_on(ix, rerank=0)
+    before = [ranking(ix.search(q, 10)) for q in QUERIES]
+    ix.add_codes(CODES)
+    assert ix.codes is not None and ix.codes.segments == 3 and len(code_files(root)) == 4  # + the projection
+    ix.close()
+    again = ImageIndex.load(root, bundle)
+    assert again.settings.codes == CODES and again.codes is not None and again.codes.segments == 3
+    candidates_on(again, rerank=0)
+    assert [ranking(again.search(q, 10)) for q in QUERIES] == before  # codes change no exact score
+    candidates_on(again, rerank=40)
+    assert agreement(again) >= 0.9
+    # rows added since the last save have no codes yet: they are scored exactly, so they are found
+    vecs, boxes, sizes, names, paths = images(1, seed=99)
+    target = embed_sentence(bundle, QUERIES[2])[0].numpy()
+    vecs[0] = np.resize(target, (F, H)) * 1000  # an image made of the query's fragments: the best match
+    new = again.add_vectors(vecs, boxes, sizes, names, paths)[0]
+    assert again.search(QUERIES[2], 1)[0].image_id == new
+    again.save()  # the new segment gets its codes; the projection and the older codes are kept
+    assert again.codes is not None and again.codes.segments == len(again.store.segments) == 4
+    assert again.search(QUERIES[2], 1)[0].image_id == new
+    for i in range(20):  # enough saves to merge segments (index.compaction): the merged one is coded anew
+        again.add_vectors(*images(2, seed=200 + i))
+        again.save()
+    assert again.codes.segments == len(again.store.segments) <= 17
+    assert len(code_files(root)) == again.codes.segments + 1  # no code file of a dropped segment is left
+    assert agreement(again) >= 0.9
+    again.close()
+
+
+def test_a_crash_while_codes_are_written_keeps_the_last_commit(tmp_path: Path, bundle: Bundle,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    root = tmp_path / "idx"
+    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16"))
+    ix.add_vectors(*images())
+    ix.save()
+
+    class Crash(BaseException):
+        pass
+
+    monkeypatch.setattr(index.codes, "ENCODE_ROWS", 64)
+    real_encode = index.store.VectorStore.encode
+    calls = 0
+
+    def crash_midway(self: index.store.VectorStore, vecs: np.ndarray) -> np.ndarray:
+        nonlocal calls
+        if self.dim == CODES:
+            calls += 1
+            if calls == 3:  # two chunks of codes written, then the process dies
+                raise Crash
+        return real_encode(self, vecs)
+
+    monkeypatch.setattr(index.store.VectorStore, "encode", crash_midway)
+    with pytest.raises(Crash):
+        ix.add_codes(CODES)
+    after = ImageIndex.load(root, bundle)  # what a restart sees: the last commit, without codes
+    assert after.codes is None and after.settings.codes == 0 and len(after) == N
+    assert not code_files(root)  # the codes being written were temp files, removed when the write failed
+    after.add_codes(CODES)
+    assert after.codes is not None and len(code_files(root)) == 2
+    after.close()
+
+
+def test_a_missing_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
+    root = tmp_path / "idx"
+    ix = ImageIndex.create(root, bundle, IndexSettings(codes=CODES))
+    ix.add_vectors(*images(60))
+    ix.save()
+    ix.close()
+    segment = [p for p in code_files(root) if "projection" not in p.name][0]
+    segment.unlink()
+    with pytest.raises(IndexLoadError, match="prescore code file"):
+        ImageIndex.load(root, bundle)
