@@ -161,6 +161,12 @@ class Bundle:
         return self.model.cfg.h
 
     @property
+    def blocks(self) -> int:
+        """Slices of h thresholded apart in S_kl (model/score.py): a merged model's members
+        (training/merge.py), else 1."""
+        return self.model.cfg.blocks
+
+    @property
     def is_global(self) -> bool:
         """One vector per image and per sentence (two-branch, DT-RNN, SDT-RNN, DeViSE): the fragment
         model's special case of one fragment per side, the whole image and the whole sentence."""
@@ -188,7 +194,7 @@ class Bundle:
             return self.model.embed_images(x[:, 0])[:, None, :].cpu()
         img = self.model.embed_images(x)
         if calibrated and self.calibration is not None:
-            img = img / self.calibration.image_scales(img)[:, None, None]
+            img = self.calibration.calibrate_images(img, self.blocks)
         return img.cpu()
 
     def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None, calibrated: bool = True
@@ -215,7 +221,7 @@ class Bundle:
             return self.model.embed_text(pool[rows])[:, None, :].cpu(), torch.ones(a.shape[0], 1)
         sent, m = self.model.embed_sentences(pool, rel, a, b, mask), mask.float()
         if calibrated and self.calibration is not None:
-            sent = sent / self.calibration.sentence_scales(sent, m)[:, None, None]
+            sent = self.calibration.calibrate_sentences(sent, m, self.blocks)
         return sent.cpu(), m.cpu()
 
     def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
@@ -226,7 +232,7 @@ class Bundle:
         Computed on the model's device, returned on the CPU."""
         dev = self.device
         img, img_mask, sent, sent_mask = (t.to(dev) for t in (img, img_mask, sent, sent_mask))
-        return skl(img, img_mask, sent, sent_mask, chunk=chunk).cpu()
+        return skl(img, img_mask, sent, sent_mask, chunk=chunk, blocks=self.blocks).cpu()
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
