@@ -56,6 +56,9 @@ EXPECTED |= {
     "full-fragdrop": {**EXPECTED["full"], "train": {**ROI["train"], "fragment_drop": 0.2}},
     "full-long": {**EXPECTED["full"], "train": {**ROI["train"], "epochs": 20, "dense_epochs": 10, "anneal_epochs": 2}},
 }
+# the backbone row: full's crops through EfficientNet-Lite2 at its native side
+EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
+                                                        "crop_size": 260}}
 # the global baselines over the served model's whole-image feature
 CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
         "backbone_size": 224}
