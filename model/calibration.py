@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.score import skl
+from model.score import block_slices, skl
 
 BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
 
@@ -82,22 +82,40 @@ class Calibration:
     floor_sentence: float = 0.0
     relevance: Relevance | None = None  # fitted on the validation part; None in older checkpoints
 
-    def image_scales(self, img: torch.Tensor) -> torch.Tensor:
-        """img: (K, F, h) uncalibrated image fragments -> (K,) sigma_k."""
+    def image_scales(self, img: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """img: (K, F, h') uncalibrated image fragments -> (K,) sigma_k; with `part`, img holds that slice of
+        h only (one block of a merged model) and is scored against the references' same slice."""
+        ref = self.ref_sentences[..., part]
         with torch.no_grad():
             out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2], device=img.device),
-                       self.ref_sentences,
-                       self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
+                       ref, self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
                    for k in range(0, img.shape[0], BLOCK)]
         return (torch.cat(out) if out else img.new_zeros(0)).clamp_min(self.floor_image)
 
-    def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """sent: (L, T, h) uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l."""
-        ones = torch.ones(self.ref_images.shape[:2], device=self.ref_images.device)
+    def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """sent: (L, T, h') uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l (`part`: as in
+        `image_scales`)."""
+        ref = self.ref_images[..., part]
+        ones = torch.ones(ref.shape[:2], device=ref.device)
         with torch.no_grad():
-            out = [skl(self.ref_images, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)
+            out = [skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)
                    for s in range(0, sent.shape[0], BLOCK)]
         return (torch.cat(out) if out else sent.new_zeros(0)).clamp_min(self.floor_sentence)
+
+    def calibrate_images(self, img: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+        """img (K, F, h) divided by sigma_k; for a merged model (`blocks` > 1) each block by its own sigma_k^b,
+        so the S_kl of model/score.py becomes the sum of the members' calibrated S_kl."""
+        if blocks == 1:
+            return img / self.image_scales(img)[:, None, None]
+        return torch.cat([img[..., p] / self.image_scales(img[..., p], p)[:, None, None]
+                          for p in block_slices(img.shape[-1], blocks)], dim=-1)
+
+    def calibrate_sentences(self, sent: torch.Tensor, mask: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+        """sent (L, T, h) divided by tau_l, block by block for a merged model (as `calibrate_images`)."""
+        if blocks == 1:
+            return sent / self.sentence_scales(sent, mask)[:, None, None]
+        return torch.cat([sent[..., p] / self.sentence_scales(sent[..., p], mask, p)[:, None, None]
+                          for p in block_slices(sent.shape[-1], blocks)], dim=-1)
 
     def to(self, device: torch.device | str) -> Calibration:
         """The same references on `device` (self when they are there already)."""

@@ -57,6 +57,11 @@ class ImageConfig:
     # artifacts folder, or absolute); "" = the ImageNet weights. The feature cache key carries the digest
     # of the file's bytes, so features of two weights never mix. Proposals are still ranked by ImageNet.
     backbone_weights: str = ""
+    # the fragments' features: "efficientnet-lite0" (the served default), or the larger "efficientnet-lite1" /
+    # "efficientnet-lite2" (their weight packages installed beside the environment, model/backbone.py), run at
+    # crop_size (their native sides: 240 / 260). Crop features only; proposals stay ranked by Lite0. In the
+    # feature cache key.
+    backbone: str = "efficientnet-lite0"
 
     @property
     def n_fragments(self) -> int:
@@ -66,12 +71,13 @@ class ImageConfig:
 REGION_FEATURES = ("roi_align", "crop")
 PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
 BACKBONE_PRECISIONS = ("fp32", "int8")
+BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2")
 
 
 def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
     """The image-fragment flags (--region-features, --crop-size, --min-box-frac, --backbone-size,
-    --backbone-precision, --proposal-mode, --proposal-resize); with `defaults` None each is None unless given
-    (the run's own settings are kept, see `with_region_flags`)."""
+    --backbone-precision, --backbone, --proposal-mode, --proposal-resize); with `defaults` None each is None
+    unless given (the run's own settings are kept, see `with_region_flags`)."""
     ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
                     help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
     ap.add_argument("--crop-size", type=int, default=defaults and defaults.crop_size,
@@ -83,6 +89,8 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
     ap.add_argument("--backbone-precision", choices=BACKBONE_PRECISIONS,
                     default=defaults and defaults.backbone_precision,
                     help="fp32, or int8: the quantized backbone graph")
+    ap.add_argument("--backbone", choices=BACKBONE_NAMES, default=defaults and defaults.backbone,
+                    help="the fragments' CNN (crop features; --crop-size its native side: 240 / 260)")
     ap.add_argument("--proposal-mode", choices=PROPOSAL_MODES,
                     default=defaults and defaults.proposal_mode, help="selective search strategy set")
     ap.add_argument("--proposal-resize", type=int, default=defaults and defaults.proposal_resize,
@@ -90,7 +98,7 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
 
 
 REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
-                "proposal_mode", "proposal_resize")
+                "backbone", "proposal_mode", "proposal_resize")
 
 
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:

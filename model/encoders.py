@@ -50,6 +50,8 @@ class ModelConfig:
     input_dropout: float = 0.0  # fragment model: dropout on CNN features and word vectors while training
     tree_left: int = 0  # DT-RNN: left-child position matrices (the most left children a training node has)
     tree_right: int = 0  # DT-RNN: right-child position matrices
+    blocks: int = 1  # fragment model merged from this many members (training/merge.py): h is their equal slices,
+    # thresholded apart in S_kl (model/score.py); 1 = one model, the paper's S_kl
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -14,7 +14,7 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
-from model.backbone import onnx_graph, set_torch_threads
+from model.backbone import BACKBONE_NAME, onnx_graph, set_torch_threads
 from model.config import ImageConfig
 from model.features import content_key, entry_name, write_entry
 from model.image import ImageFragments, RegionExtractor
@@ -136,8 +136,9 @@ class ExtractionPool:
             return
         # made once here, not by every worker at once
         onnx_graph(self.cfg.backbone_precision, graph_dir())
-        if self.cfg.backbone_weights:
-            onnx_graph(self.cfg.backbone_precision, graph_dir(), weights=self.cfg.backbone_weights)
+        if self.cfg.backbone_weights or self.cfg.backbone != BACKBONE_NAME:
+            onnx_graph(self.cfg.backbone_precision, graph_dir(), weights=self.cfg.backbone_weights,
+                       backbone=self.cfg.backbone)
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from model.atomic import atomic_file
-from model.backbone import BACKBONE_NAME, CALIBRATION_SEED, QUANT_VERSION, weights_digest
+from model.backbone import CALIBRATION_SEED, QUANT_VERSION, weights_digest
 from model.config import ImageConfig
 from model.image import ImageFragments
 
@@ -26,7 +26,8 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     digest of its weights, not their path), the version, and for the int8 backbone its quantization recipe."""
     image = dataclasses.asdict(cfg)
     weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
-    payload: dict[str, Any] = {"image": image, "backbone": BACKBONE_NAME, "version": FEATURE_VERSION}
+    backbone = image.pop("backbone")  # beside the image settings, as before it was one: Lite0's keys stay
+    payload: dict[str, Any] = {"image": image, "backbone": backbone, "version": FEATURE_VERSION}
     if weights:
         payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":

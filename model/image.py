@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.ops import roi_align
 
-from model.backbone import Backbone, preprocess, to_tensor
+from model.backbone import BACKBONE_NAME, Backbone, preprocess, to_tensor
 from model.config import REGION_FEATURES, ImageConfig
 from model.proposals import N_GRID_BOXES, full_box, propose_boxes, select_regions
 
@@ -63,13 +63,15 @@ class RegionExtractor:
             raise ValueError(f"region_features must be one of {REGION_FEATURES}, got {cfg.region_features!r}")
         if cfg.n_regions > N_GRID_BOXES:
             raise ValueError(f"n_regions must be at most {N_GRID_BOXES} (the fallback grid size)")
-        if cfg.backbone_weights and cfg.region_features != "crop" and not cfg.full_frame_only:
-            raise ValueError("a fine-tuned backbone (backbone_weights) needs region_features 'crop': "
-                             "its regions are ranked by the ImageNet backbone, its features are the crops'")
+        own = bool(cfg.backbone_weights) or cfg.backbone != BACKBONE_NAME  # features by another net than the ranker
+        if own and cfg.region_features != "crop" and not cfg.full_frame_only:
+            raise ValueError("a fine-tuned or larger backbone (backbone_weights, backbone) needs region_features "
+                             "'crop': its regions are ranked by the ImageNet Lite0, its features are the crops'")
         self.cfg = cfg
-        self.ranker = Backbone(device, cfg.backbone_precision, runtime)  # ImageNet: proposals and their ranking
-        self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights)
-                         if cfg.backbone_weights else self.ranker)  # the fragments' features
+        self.ranker = Backbone(device, cfg.backbone_precision, runtime)  # ImageNet Lite0: proposals and their ranking
+        self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights,
+                                  name=cfg.backbone)
+                         if own else self.ranker)  # the fragments' features
 
     def extract(self, image: Image.Image) -> ImageFragments:
         """One image → ImageFragments (boxes (F, 4), features (F, 1280))."""

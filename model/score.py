@@ -3,6 +3,14 @@
 Training, evaluation, the index's re-rank and the service all call these functions.
 
     S_kl = 1 / (|g_k| (|g_l| + n)) * sum_{i in g_k} sum_{j in g_l} max(0, v_i . s_j)
+
+A merged model (training/merge.py) is B members' embeddings side by side: h = B equal slices
+(``ModelConfig.blocks``). Its fragment pair scores are thresholded slice by slice,
+
+    sum_b max(0, v_i^b . s_j^b)    in place of    max(0, v_i . s_j),
+
+so its S_kl is the sum of the members' S_kl (with per-slice calibration, of their calibrated S_kl).
+One block (every trained model) is the formula above, computed exactly as before.
 """
 
 from __future__ import annotations
@@ -25,12 +33,37 @@ def fragment_scores(img_frags: torch.Tensor, sent_frags: torch.Tensor) -> torch.
     return flat.reshape(k, f, n_sent, t)
 
 
+def block_slices(h: int, blocks: int) -> list[slice]:
+    """The `blocks` equal slices of an h-dimensional embedding (ValueError if h does not split evenly)."""
+    if blocks < 1 or h % blocks:
+        raise ValueError(f"h = {h} does not split into {blocks} equal blocks")
+    w = h // blocks
+    return [slice(b * w, (b + 1) * w) for b in range(blocks)]
+
+
+def block_dots(v: torch.Tensor, s: torch.Tensor, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """v: (I, h), s: (J, h) -> (v . s (I, J), sum_b max(0, v^b . s^b) (I, J)) over `blocks` equal slices of h:
+    the raw inner products and the thresholded pair scores S_kl sums."""
+    parts = block_slices(v.shape[-1], blocks)
+    if blocks == 1:
+        dots = v @ s.T
+        return dots, dots.clamp_min(0)
+    dots = v.new_zeros(v.shape[0], s.shape[0])
+    pos = v.new_zeros(v.shape[0], s.shape[0])
+    for sl in parts:
+        part = v[:, sl] @ s[:, sl].T
+        dots += part
+        pos += part.clamp_min(0)
+    return dots, pos
+
+
 @dataclass(frozen=True)
 class FlatFragments:
     """Real fragments of a batch, flattened: pairwise scores (I, J) and which item each row/column is of.
 
     img_of: (I,) image index of each image fragment; sent_of: (J,) sentence index of each sentence
-    fragment; n_images / n_sentences: how many items the batch has.
+    fragment; n_images / n_sentences: how many items the batch has. `positive` (I, J): the thresholded
+    pair scores of a model of several blocks (None for one block: ``scores.clamp_min(0)``).
     """
 
     scores: torch.Tensor
@@ -38,11 +71,13 @@ class FlatFragments:
     sent_of: torch.Tensor
     n_images: int
     n_sentences: int
+    positive: torch.Tensor | None = None
 
 
 def flatten(img_frags: torch.Tensor, img_mask: torch.Tensor, sent_frags: torch.Tensor,
-            sent_mask: torch.Tensor) -> FlatFragments:
-    """Pairwise scores v_i . s_j of the real fragments only (padding never enters a product)."""
+            sent_mask: torch.Tensor, blocks: int = 1) -> FlatFragments:
+    """Pairwise scores v_i . s_j of the real fragments only (padding never enters a product); with
+    `blocks` > 1 also their slice-wise thresholded sums (`block_dots`)."""
     k, f, h = img_frags.shape
     n_sent, t, _ = sent_frags.shape
     img_real = img_mask.reshape(-1).bool()
@@ -55,12 +90,15 @@ def flatten(img_frags: torch.Tensor, img_mask: torch.Tensor, sent_frags: torch.T
         v, img_of = v[img_real], img_of[img_real]
     if not bool(sent_real.all()):
         s, sent_of = s[sent_real], sent_of[sent_real]
-    return FlatFragments(v @ s.T, img_of, sent_of, k, n_sent)
+    if blocks == 1:  # the training path: the thresholding is skl_from_flat's
+        return FlatFragments(v @ s.T, img_of, sent_of, k, n_sent)
+    dots, pos = block_dots(v, s, blocks)
+    return FlatFragments(dots, img_of, sent_of, k, n_sent, pos)
 
 
 def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING) -> torch.Tensor:
     """S_kl (K, L) from the pairwise scores of real fragments: the thresholded sum, normalised."""
-    pos = flat.scores.clamp_min(0)  # (I, J)
+    pos = flat.scores.clamp_min(0) if flat.positive is None else flat.positive  # (I, J)
     per_image = pos.new_zeros(flat.n_images, pos.shape[1]).index_add(0, flat.img_of, pos)  # (K, J)
     total = pos.new_zeros(flat.n_images, flat.n_sentences).index_add(1, flat.sent_of, per_image)  # (K, L)
     n_img = torch.bincount(flat.img_of, minlength=flat.n_images).to(pos.dtype).clamp_min(1)
@@ -75,32 +113,34 @@ def skl(
     sent_mask: torch.Tensor,
     smoothing: float = SMOOTHING,
     chunk: int | None = None,
+    blocks: int = 1,
 ) -> torch.Tensor:
     """Image–sentence scores S_kl for every image k and sentence l.
 
     img_frags: (K, F, h) with img_mask: (K, F) (1 = real fragment, 0 = padding);
     sent_frags: (L, T, h) with sent_mask: (L, T). Returns (K, L). Differentiable.
-    `chunk` bounds memory by scoring at most that many sentences at a time.
+    `chunk` bounds memory by scoring at most that many sentences at a time; `blocks`: the model's
+    (``ModelConfig.blocks``, see the module doc).
     """
     if chunk is not None and sent_frags.shape[0] > chunk:
         parts = [
-            skl(img_frags, img_mask, sent_frags[s : s + chunk], sent_mask[s : s + chunk], smoothing)
+            skl(img_frags, img_mask, sent_frags[s : s + chunk], sent_mask[s : s + chunk], smoothing, blocks=blocks)
             for s in range(0, sent_frags.shape[0], chunk)
         ]
         return torch.cat(parts, dim=1)
-    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask), smoothing)
+    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks), smoothing)
 
 
 def pair_contributions(img_frags: torch.Tensor, sent_frags: torch.Tensor,
-                       smoothing: float = SMOOTHING) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each fragment pair's share of one pair's S_kl: (v_i . s_j (F, T), max(0, v_i . s_j) / (F (T + n))).
+                       smoothing: float = SMOOTHING, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each fragment pair's share of one pair's S_kl: (v_i . s_j (F, T), max(0, v_i . s_j) / (F (T + n)))
+    (for several blocks the share is sum_b max(0, v_i^b . s_j^b) / (F (T + n))).
 
     img_frags: (F, h), sent_frags: (T, h), real fragments only; the shares sum to `skl` of the pair.
     """
-    flat = flatten(img_frags[None], img_frags.new_ones(1, len(img_frags)), sent_frags[None],
-                   sent_frags.new_ones(1, len(sent_frags)))
+    dots, pos = block_dots(img_frags, sent_frags, blocks)
     norm = len(img_frags) * (len(sent_frags) + smoothing)
-    return flat.scores, flat.scores.clamp_min(0) / norm
+    return dots, pos / norm
 
 
 @dataclass(frozen=True)
@@ -116,10 +156,13 @@ class Alignment:
     matched: list[bool]
 
 
-def align(img_frags: torch.Tensor, sent_frags: torch.Tensor) -> Alignment:
-    """Alignment of one pair. img_frags: (F, h), sent_frags: (T, h) (real fragments only)."""
-    scores = fragment_scores(img_frags[None], sent_frags[None])[0, :, 0, :]  # (F, T)
-    best, idx = scores.max(dim=0)
+def align(img_frags: torch.Tensor, sent_frags: torch.Tensor, blocks: int = 1) -> Alignment:
+    """Alignment of one pair. img_frags: (F, h), sent_frags: (T, h) (real fragments only).
+
+    One block: the best v_i . s_j; several: the best thresholded pair score sum_b max(0, v_i^b . s_j^b),
+    the pair's share in S_kl (the same choice wherever one block's best score is positive)."""
+    dots, pos = block_dots(img_frags, sent_frags, blocks)  # (F, T)
+    best, idx = (dots if blocks == 1 else pos).max(dim=0)
     return Alignment(
         image_fragment=[int(i) for i in idx],
         score=[float(s) for s in best],

