@@ -262,11 +262,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
         sent = torch.as_tensor(sent, dtype=torch.float32)
         sent_mask = torch.ones(1, len(sent))
 
-        def score(img: torch.Tensor, mask: torch.Tensor, query: torch.Tensor = sent) -> torch.Tensor:
-            return self.bundle.scores(img, mask, query[None], sent_mask)[:, 0]
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
+
+        def approx(codes: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+            # the codes' projection mixes a merged model's member slices: one block
+            return self.bundle.scores(codes, mask, query[None], sent_mask, blocks=1)[:, 0]
 
         allowed = self.allowed(where) if where else None
-        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed, score)
+        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed, approx)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, triplets, p.boxes, self.bundle.blocks), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)

@@ -231,14 +231,16 @@ class Bundle:
         return sent.cpu(), m.cpu()
 
     def scores(self, img: torch.Tensor, img_mask: torch.Tensor, sent: torch.Tensor, sent_mask: torch.Tensor,
-               chunk: int | None = None) -> torch.Tensor:
+               chunk: int | None = None, blocks: int | None = None) -> torch.Tensor:
         """(K, L) image–sentence scores S_kl (model/score.py); for a global model, one fragment per side,
         S_kl = max(0, v . s) / (1 + n): its inner product wherever that is positive.
 
+        `blocks` overrides the model's (`self.blocks`) for vectors that no longer keep the members'
+        slices apart (index.codes' projections mix them: their approximate score is one block).
         Computed on the model's device, returned on the CPU."""
         dev = self.device
         img, img_mask, sent, sent_mask = (t.to(dev) for t in (img, img_mask, sent, sent_mask))
-        return skl(img, img_mask, sent, sent_mask, chunk=chunk, blocks=self.blocks).cpu()
+        return skl(img, img_mask, sent, sent_mask, chunk=chunk, blocks=self.blocks if blocks is None else blocks).cpu()
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:

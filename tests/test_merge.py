@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from index import ImageIndex, IndexSettings
 from model.bundle import Bundle
 from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import FragmentModel, ModelConfig
@@ -164,3 +166,32 @@ def test_an_index_of_a_merged_model_answers_searches_through_the_service(
         assert hits[0]["score"] == pytest.approx(float(scores[top, li]), rel=1e-3, abs=1e-6)
         in_top5 += dev.names[int(dev.pair_image[li])] in [h["name"] for h in hits]
     assert in_top5 >= 0.6 * len(range(0, len(dev.sentences), 5))
+
+
+def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score(
+        members: tuple[Bundle, Bundle, SplitData], shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """The prescore codes (index.codes) project all members' slices together, so their approximate
+    score is one block, whatever the model's blocks; the exact re-rank is the model's block S_kl. A
+    code dimension that does not split into the members' blocks is accepted (candidates on)."""
+    first, second, _ = members
+    merged = merge_bundles([first, second])
+    dev = shapes_model.dev
+    vecs = merged.embed_images(dev.feats).detach().numpy()
+    n = len(vecs)
+    ix = ImageIndex.create(tmp_path / "idx", merged, IndexSettings(store_dtype="float16", codes=25))
+    ix.add_vectors(vecs, np.tile(np.array([0, 0, 64, 64], np.float32), (n, vecs.shape[1], 1)),
+                   np.tile([64, 64], (n, 1)), dev.names, [f"/shapes/{name}" for name in dev.names])
+    ix.save()
+    assert ix.codes is not None and ix.codes.dim == 25
+    ix.set_search(exact_below=0, k_prime=ix.candidates.ntotal + 1, rerank=n // 2)
+    scores = _dev_scores(merged, shapes_model)
+    for li in range(0, len(dev.sentences), 7):
+        page = ix.search_page(dev.sentences[li], 0, 5)
+        assert page.considered == n // 2  # the re-rank read only the codes' best half
+        exact = [dev.names[i] for i in torch.argsort(scores[:, li], descending=True, stable=True)[:5].tolist()]
+        hit_scores = [h.score for h in page.hits]
+        assert hit_scores == sorted(hit_scores, reverse=True)
+        top = dev.names.index(page.hits[0].name)
+        assert page.hits[0].score == pytest.approx(float(scores[top, li]), rel=1e-2, abs=1e-5)
+        assert page.hits[0].name == exact[0]
+    ix.close()
