@@ -19,7 +19,11 @@ apart) and the process's peak RSS while building (sampled with psutil, anonymous
 file-backed apart; ru_maxrss beside); the index folder's bytes per image; agreement@10 with the
 exhaustive exact S_kl and retrieval latency for each search setting; the exhaustive p50 on a few
 queries; with `--int8`, the same candidates re-ranked from an int8 copy of their stored vectors
-(`index.store`'s int8 encoding), to state the agreement an int8 store keeps at this size. Rows are
+(`index.store`'s int8 encoding), to state the agreement an int8 store keeps at this size. With
+`--reads both`, each setting is measured with the store's read-ahead (a gather asks the kernel for
+all its rows at once) and without it, side by side; with `--cold`, each setting on the index opened
+afresh after dropping the page cache, with no warm-up: the re-rank store read from disk as after a
+restart. Rows are
 appended to docs/results/index-bench.csv (collection `synthetic-real-<size>-h<h>`).
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -38,6 +43,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import faiss
@@ -270,14 +276,25 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
         f"synthetic-real-{args.images // 1_000_000}M-h{bundle.dim}"
     truth, exhaustive_ms = ground_truth(args, index, queries)
     rows = []
-    for s in settings:
+    reads = [True, False] if args.reads == "both" else [args.reads == "prefetch"]
+    for s, read_ahead in ((s, r) for s in settings for r in reads):
+        if args.cold:  # as after a restart: the store's pages neither mapped by this process nor cached
+            index.close()
+            del index  # its memory maps go with it: pages still mapped are not dropped
+            gc.collect()
+            drop_page_cache()
+            index = ImageIndex.load(args.work / "index", bundle)
         index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, prescore=s.prescore, exact_below=0)
+        index.store.read_ahead = read_ahead
         before = load_average()
         with RssSampler() as rss:
-            timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], min(5, len(queries)))  # warm
-            found, ms = timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], len(queries))
+            if not args.cold:
+                timed(partial(top_ids, index, queries), min(5, len(queries)))  # warm
+            found, ms = timed(partial(top_ids, index, queries), len(queries))
         p50, ex50 = float(np.percentile(ms, 50)), float(np.percentile(exhaustive_ms, 50))
-        row = Row(label, len(index), "faiss", index.candidates.active_kind, describe(index),
+        params = describe(index) + (";reads=" + ("prefetch" if read_ahead else "one-by-one")) * (args.reads == "both")
+        params += ";cold" * args.cold
+        row = Row(label, len(index), "faiss", index.candidates.active_kind, params,
                   round(agreement(found, truth), 4), round(p50, 2), round(float(np.percentile(ms, 99)), 2),
                   round(ex50, 1), round(ex50 / p50, 1), round(ann_bytes_per_fragment(index), 1), command,
                   round(max(built["peak_VmRSS_mb"], rss.peak["VmRSS"])), round(built["disk"] / args.images),
@@ -295,6 +312,17 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             logger.info("  int8 re-read of the same candidates: agree@10 %.3f", a8)
     index.close()
     return rows
+
+
+def top_ids(index: ImageIndex, queries: list[torch.Tensor], q: int) -> list[int]:
+    """The ids of the top K images for query q (what a measured search returns)."""
+    return [h.image_id for h in index.search_vectors(queries[q], K)]
+
+
+def drop_page_cache() -> None:
+    """Empty the kernel's page cache (root only): the store is read from disk as after a restart."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -322,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--exhaustive-timed", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
     ap.add_argument("--build-threads", type=int, default=2)
+    ap.add_argument("--reads", choices=("prefetch", "one-by-one", "both"), default="prefetch",
+                    help="the store's gathers ask the kernel for all their rows at once (VectorStore.prefetch), "
+                         "read them one page fault after another, or each setting measured both ways")
+    ap.add_argument("--cold", action="store_true",
+                    help="each setting on the index opened afresh after dropping the page cache (root), with no "
+                         "warm-up: the store read from disk as after a restart")
     ap.add_argument("--int8", action="store_true", help="also the int8 re-read of each setting's candidates")
     ap.add_argument("--skip-build", action="store_true", help="measure the index already in --work")
     ap.add_argument("--resume", action="store_true", help="continue a stopped build of the index in --work "

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +14,15 @@ import torch
 from model.bundle import Bundle
 
 _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
+
+# settings added after indexes were built: left out at their default, so that a model which does not
+# use them keeps the fingerprint its indexes were built with (a merged model's blocks, the crops' CNN)
+LATER = {"model": ("blocks",), "image": ("backbone",)}
+
+
+def _settings(part: str, cfg: Any) -> dict[str, object]:
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in LATER[part]}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if not (k in defaults and v == defaults[k])}
 
 
 def model_fingerprint(bundle: Bundle) -> str:
@@ -22,8 +32,8 @@ def model_fingerprint(bundle: Bundle) -> str:
         return cached
     h = hashlib.sha256()
     settings = {
-        "model": bundle.model.cfg.to_dict(),
-        "image": dataclasses.asdict(bundle.image_cfg),
+        "model": _settings("model", bundle.model.cfg),
+        "image": _settings("image", bundle.image_cfg),
         "text": dataclasses.asdict(bundle.text.cfg),
         "relations": list(bundle.text.relations.kept),
         "words": len(bundle.text.words),

@@ -134,7 +134,10 @@ def test_more_like_this_from_the_page(served: str, service_env: ServiceEnv, page
 
 
 def test_region_search_from_the_page(served: str, page: Page) -> None:
-    html = dom(page, page_url(served, "red circle", mode="regions", k="3"))
+    show(page, page_url(served, "red circle", mode="regions", k="3"))
+    # a region's box is drawn once its image has loaded (its natural size places the box)
+    page.locator(".card .overlay .box").first.wait_for(state="attached")
+    html = page.content()
     assert len(re.findall(r'<figure class="card"', html)) == 3
     assert re.search(r'<div class="box( whole)?"', html)
 

@@ -4,6 +4,7 @@ the last commit, an int8 store keeps the exact ranking."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +182,47 @@ def test_a_sentence_index_refuses_an_int8_store(tmp_path: Path, bundle: Bundle):
 
     with pytest.raises(ValueError, match="not int8"):
         SentenceIndex.create(tmp_path / "s", bundle, IndexSettings(store_dtype="int8"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_gather_of_scattered_items_asks_the_kernel_for_their_rows_and_reads_them_back(
+        tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch):
+    """`VectorStore.gather` prefetches the memory-mapped rows of every item it reads (madvise
+    WILLNEED on their pages, the last item's up to the file's end) and returns the same vectors."""
+    rng = np.random.default_rng(3)
+    dim, sizes = 40, rng.integers(1, 9, 700)
+    store = VectorStore(dim, dtype)
+    locs = [store.append(rng.standard_normal((int(k), dim)).astype(np.float32)) for k in sizes]
+    store.write_live(tmp_path / "seg.npy")
+    live = [store.rows(seg, off, int(k)).astype(np.float32) for (seg, off), k in zip(locs, sizes, strict=True)]
+    rows = int(sizes.sum())
+    store.commit(["seg.npy"], [VectorStore.open_segment(tmp_path / "seg.npy", dim, store.dtype, rows)])
+    handle = store.segments[0]._mmap  # type: ignore[attr-defined]
+    advised: list[tuple[int, int]] = []
+
+    class Recorder:
+        def __getattr__(self, name: str) -> object:
+            return getattr(handle, name)
+
+        def __len__(self) -> int:
+            return len(handle)
+
+        def madvise(self, option: int, start: int, length: int) -> None:
+            assert option == mmap.MADV_WILLNEED and start % mmap.PAGESIZE == 0 and start + length <= len(handle)
+            advised.append((start, start + length))
+            handle.madvise(option, start, length)
+
+    pick = np.r_[rng.choice(len(sizes) - 1, 60, replace=False), len(sizes) - 1]  # and the file's last item
+    seg = np.zeros(len(pick), np.int64)
+    off = np.asarray([locs[i][1] for i in pick], np.int64)
+    n = sizes[pick].astype(np.int64)
+    monkeypatch.setattr(store.segments[0], "_mmap", Recorder())
+    vecs, mask = store.gather(seg, off, n)
+    assert len(advised) == len(pick)
+    width = store.cols * store.dtype.itemsize
+    header = store.segments[0].offset  # type: ignore[attr-defined]
+    for (a, b), o, k in zip(advised, off, n, strict=True):  # each advice covers the item's bytes
+        assert a <= header + o * width and header + (o + k) * width <= b
+    for row, i in enumerate(pick):
+        np.testing.assert_array_equal(vecs[row, : sizes[i]], live[i])
+        assert mask[row].sum() == sizes[i]

@@ -1,0 +1,29 @@
+"""A model's fingerprint (index/fingerprint.py) names the weights and settings behind an index's
+vectors: a setting added to the model or image configuration later must leave the fingerprint of a
+model that keeps its default unchanged, or every index built before it would be refused at load."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from index.fingerprint import model_fingerprint
+from model.bundle import Bundle
+from model.words import WordTable
+from tests.test_index import WORDS, make_bundle
+
+# make_bundle(WordTable.build(WORDS))'s fingerprint before merged models (blocks) and the crops' CNN
+# (backbone) were settings: the value the indexes built then carry
+BEFORE_BLOCKS_AND_BACKBONE = "7a248c7d72ed8840941a"
+
+
+def test_a_model_at_the_later_settings_defaults_keeps_its_earlier_fingerprint() -> None:
+    assert model_fingerprint(make_bundle(WordTable.build(WORDS))) == BEFORE_BLOCKS_AND_BACKBONE
+
+
+def test_the_later_settings_change_the_fingerprint_when_used() -> None:
+    base = make_bundle(WordTable.build(WORDS))
+    blocks = make_bundle(WordTable.build(WORDS))
+    blocks.model.cfg = dataclasses.replace(blocks.model.cfg, blocks=2)
+    lite2 = Bundle(base.model, base.text, dataclasses.replace(base.image_cfg, backbone="efficientnet-lite2"))
+    seen = {model_fingerprint(b) for b in (base, blocks, lite2)}
+    assert len(seen) == 3
