@@ -3,6 +3,7 @@ names (index.faiss_backend, index.milvus; pymilvus is imported only by indexes t
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,19 @@ from index.milvus import MilvusCandidates
 from index.types import IndexLoadError, IndexSettings
 
 
+def require_milvus(where: str) -> None:
+    """ImportError naming the extra to install when pymilvus is not installed (`pip install .` alone)."""
+    if importlib.util.find_spec("pymilvus") is None:
+        raise ImportError(f"{where} needs the Milvus client, which this installation lacks: install the "
+                          "project with its milvus extra (pip install 'fragsearch[milvus]', or '.[milvus]' "
+                          "from a checkout)")
+
+
 def create_backend(root: Path, dim: int, settings: IndexSettings, options: BackendOptions,
                    kind: str) -> CandidateBackend:
     """An empty backend for a new index folder."""
     if options.backend == "milvus":
+        require_milvus(f"the index at {root} (backend milvus)")
         return MilvusCandidates.create(root, dim, settings, options, kind)
     return FaissCandidates.create(dim, settings)
 
@@ -29,6 +39,7 @@ def open_backend(root: Path, dim: int, settings: IndexSettings, info: dict[str, 
         raise IndexLoadError(f"the index at {root} keeps its candidates in {name}, not {options.backend}: "
                              f"build it anew with --backend {options.backend}")
     if name == "milvus":
+        require_milvus(f"the index at {root}, whose candidates are in Milvus,")
         return MilvusCandidates.open(root, dim, settings, info, options)
     if name != "faiss":
         raise IndexLoadError(f"the index at {root} names an unknown candidate backend {name!r}")

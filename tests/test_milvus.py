@@ -134,3 +134,20 @@ def test_milvus_lite_listens_on_loopback_only_and_stops_with_its_last_index(tmp_
     again.close()
     assert listening(port) == []
     np.testing.assert_equal(images.root.is_dir(), True)
+
+
+def test_an_installation_without_the_milvus_extra_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`pip install .` alone has no pymilvus: asking for the Milvus backend, or opening an index kept
+    in Milvus, says which extra to install instead of failing on a bare import inside the backend."""
+    import importlib.util
+
+    import index.backends
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(index.backends.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "pymilvus" else real(name, *a))
+    with pytest.raises(ImportError, match=r"milvus extra \(pip install 'fragsearch\[milvus\]'"):
+        index.backends.create_backend(tmp_path, 8, IndexSettings(), BackendOptions("milvus"), "images")
+    with pytest.raises(ImportError, match="milvus extra"):
+        index.backends.open_backend(tmp_path, 8, IndexSettings(), {"backend": "milvus"}, None)
+    assert not list(tmp_path.iterdir())  # nothing was written
