@@ -183,7 +183,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 bar = tqdm(total=len(good), desc=f"indexing {self.root.name}", unit="img", disable=len(good) < 50)
                 for start in range(0, len(good), ADD_CHUNK):
                     chunk = good[start : start + ADD_CHUNK]
-                    frags = [cached_fragments(cache, p) for p in chunk]
+                    frags = [cache.load_or_reason(p) for p in chunk]
                     ok = [(p, f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, ImageFragments)]
                     report.skipped += [(str(p), f) for p, f in zip(chunk, frags, strict=True) if isinstance(f, str)]
                     report.added += self.add_extracted([f for _, f in ok], [p.name for p, _ in ok],
@@ -265,15 +265,17 @@ class ImageIndex(FragmentIndex[StoredImage]):
         def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
-        def approx(codes: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-            # the codes' projection mixes a merged model's member slices: one block
-            return self.bundle.scores(codes, mask, query[None], sent_mask, blocks=1)[:, 0]
-
         allowed = self.allowed(where) if where else None
-        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed, approx)
+        ranked, considered = self.ranker.rank(sent.numpy(), score, offset + limit, exhaustive, allowed,
+                                              self._code_score)
         return Page([ImageHit(item, p.name, self.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, triplets, p.boxes, self.bundle.blocks), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
+
+    def _code_score(self, codes: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """S_kl of candidates' prescore codes (C, F, d) against the projected query (t, d) (index.codes):
+        one block, as the projection mixes a merged model's member slices."""
+        return self.bundle.scores(codes, mask, query[None], torch.ones(1, len(query)), blocks=1)[:, 0]
 
     @torch.inference_mode()
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
@@ -286,13 +288,13 @@ class ImageIndex(FragmentIndex[StoredImage]):
         sent, triplets = embed_sentence(self.bundle, sentence)
         sent_mask = torch.ones(1, len(sent))
 
-        def score(img: torch.Tensor, mask: torch.Tensor, query: torch.Tensor = sent) -> torch.Tensor:  # as a search
-            return self.bundle.scores(img, mask, query[None], sent_mask)[:, 0]
+        def score(img: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # as a search scores
+            return self.bundle.scores(img, mask, sent[None], sent_mask)[:, 0]
 
         with self.reading():
             if not self.contains(image_id):
                 return None
-            placed = self.ranker.place(image_id, sent.numpy(), score, score)
+            placed = self.ranker.place(image_id, sent.numpy(), score, self._code_score)
             vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             payload = self.payloads([image_id])[image_id]
         frags = vecs[0, : int(mask[0].sum())]
@@ -394,13 +396,3 @@ class ImageIndex(FragmentIndex[StoredImage]):
         boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
         place = Place(taken, lat, lon) if exif_read else None
         return StoredImage(str(name), str(path), int(width), int(height), boxes, place)
-
-
-def cached_fragments(cache: FeatureCache, path: Path) -> ImageFragments | str:
-    """The cached fragments of `path` (entries are keyed by the file's content); a reason string
-    when the file cannot be read or changed after it was extracted."""
-    try:
-        return cache.load([path])[0]
-    except KeyError as e:
-        return f"unreadable: {e.args[0] if e.args else e}"
-

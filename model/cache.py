@@ -137,6 +137,14 @@ class FeatureCache:
         """Cached fragments of each image file (features float32); KeyError if one is missing."""
         return [read_entry(self._existing(n)) for n in images]
 
+    def load_or_reason(self, image: str | Path) -> ImageFragments | str:
+        """The cached fragments of one image file (entries are keyed by the file's content); a reason
+        string when the file cannot be read or changed after it was extracted."""
+        try:
+            return self.load([image])[0]
+        except KeyError as e:
+            return f"unreadable: {e.args[0] if e.args else e}"
+
     def load_arrays(self, images: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray]:
         """→ features (N, F, 1280) float32, boxes (N, F, 4) float32, in the order of ``images``."""
         n_frag = self.cfg.n_fragments

@@ -105,15 +105,11 @@ class Calibration:
     def calibrate_images(self, img: torch.Tensor, blocks: int = 1) -> torch.Tensor:
         """img (K, F, h) divided by sigma_k; for a merged model (`blocks` > 1) each block by its own sigma_k^b,
         so the S_kl of model/score.py becomes the sum of the members' calibrated S_kl."""
-        if blocks == 1:
-            return img / self.image_scales(img)[:, None, None]
         return torch.cat([img[..., p] / self.image_scales(img[..., p], p)[:, None, None]
                           for p in block_slices(img.shape[-1], blocks)], dim=-1)
 
     def calibrate_sentences(self, sent: torch.Tensor, mask: torch.Tensor, blocks: int = 1) -> torch.Tensor:
         """sent (L, T, h) divided by tau_l, block by block for a merged model (as `calibrate_images`)."""
-        if blocks == 1:
-            return sent / self.sentence_scales(sent, mask)[:, None, None]
         return torch.cat([sent[..., p] / self.sentence_scales(sent[..., p], mask, p)[:, None, None]
                           for p in block_slices(sent.shape[-1], blocks)], dim=-1)
 

@@ -194,4 +194,7 @@ def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score
         top = dev.names.index(page.hits[0].name)
         assert page.hits[0].score == pytest.approx(float(scores[top, li]), rel=1e-2, abs=1e-5)
         assert page.hits[0].name == exact[0]
+        why = ix.explain(page.hits[0].image_id, dev.sentences[li])  # ranked over the same candidates
+        assert why is not None and why.rank == 1 and why.scope == "candidates"
+        assert why.score == pytest.approx(page.hits[0].score, rel=1e-5)
     ix.close()
