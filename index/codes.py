@@ -46,8 +46,9 @@ PROJECTION_SAMPLE = 65_536  # stored fragments the projection is fitted on
 ENCODE_ROWS = 1 << 16  # store rows encoded at a time
 SCORE_ITEMS = 4096  # candidates whose codes are decoded and scored at a time
 
-# the exact score (model.score) of fragments (C, F, d) with mask (C, F) against queries (t, d) -> (C,)
-ApproxScore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# the exact score (model.score.skl_of_items) of C candidates from the inner products (N, t) of their
+# fragments' codes with the projected queries and the candidate of each row (N,): (dots, owner, C) -> (C,)
+ApproxScore = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -107,15 +108,18 @@ class PrescoreCodes:
 
     def scores(self, items: ItemTable[Any], cand: np.ndarray, queries: np.ndarray, approx: ApproxScore
                ) -> np.ndarray:
-        """The approximate score (C,) of covered candidate items for queries (t, dim)."""
+        """The approximate score (C,) of covered candidate items for queries (t, dim): their codes'
+        rows gathered without padding, their products with the projected queries, S_kl of those."""
         q = torch.from_numpy(self.project(queries))
         out = np.empty(len(cand), np.float32)
         order = np.lexsort((items.off[cand], items.seg[cand]))  # file order: each segment's rows read in one pass
         for start in range(0, len(cand), SCORE_ITEMS):
             at = order[start : start + SCORE_ITEMS]
             part = cand[at]
-            vecs, mask = self.store.gather(items.seg[part], items.off[part], items.n[part])
-            out[at] = approx(torch.from_numpy(vecs), torch.from_numpy(mask.astype(np.float32)), q).numpy()
+            n = items.n[part]
+            dots = self.store.dots(self.store.gather_rows(items.seg[part], items.off[part], n), q)
+            owner = torch.from_numpy(np.repeat(np.arange(len(part)), n))
+            out[at] = approx(dots, owner, len(part)).numpy()
         return out
 
 

@@ -38,7 +38,7 @@ from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.embed import EmbeddedImage, embed_extracted, embed_image, embed_phrase, embed_sentence, row_triplets
 from model.image import ImageFragments
-from model.score import block_dots, pair_contributions
+from model.score import block_dots, pair_contributions, skl_of_items
 from model.text import Triplet
 
 logger = logging.getLogger(__name__)
@@ -272,10 +272,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
                               matches(frags, sent, triplets, p.boxes, self.bundle.blocks), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
-    def _code_score(self, codes: torch.Tensor, mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """S_kl of candidates' prescore codes (C, F, d) against the projected query (t, d) (index.codes):
-        one block, as the projection mixes a merged model's member slices."""
-        return self.bundle.scores(codes, mask, query[None], torch.ones(1, len(query)), blocks=1)[:, 0]
+    def _code_score(self, dots: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tensor:
+        """S_kl of `count` candidates from the products (N, t) of their prescore codes with the projected
+        query and each row's candidate (index.codes): one block, as the projection mixes a merged
+        model's member slices."""
+        return skl_of_items(dots, owner, count)
 
     @torch.inference_mode()
     def explain(self, image_id: int, sentence: str) -> Explanation | None:

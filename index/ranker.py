@@ -49,6 +49,32 @@ def top_k(scores: np.ndarray, items: np.ndarray, k: int) -> list[tuple[int, int,
     return [(int(p), int(items[p]), float(scores[p])) for p in order]
 
 
+def best_positions(scores: np.ndarray, items: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k best by score, ties broken by the smaller item id (the same k as `top_k`),
+    in ascending position order: a partial selection, not a sort of every score."""
+    if k >= len(scores):
+        return np.arange(len(scores))
+    if k <= 0:
+        return np.zeros(0, np.int64)
+    cut = np.partition(scores, len(scores) - k)[len(scores) - k]  # the k-th best score
+    above = np.flatnonzero(scores > cut)
+    tied = np.flatnonzero(scores == cut)
+    tied = tied[np.argsort(items[tied], kind="stable")[: k - len(above)]]
+    return np.sort(np.concatenate([above, tied]))
+
+
+def group_items(items: np.ndarray, weights: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ids among `items` (ascending; each in [0, bound)) and the sum of their `weights`:
+    counted over the id range when it is not much larger than the list (no sort), else sorted."""
+    if len(items) and bound <= 8 * len(items):
+        present = np.zeros(bound, bool)
+        present[items] = True
+        uniq = np.flatnonzero(present)
+        return uniq, np.bincount(items, weights=weights, minlength=bound)[uniq]
+    uniq, where = np.unique(items, return_inverse=True)
+    return uniq, np.bincount(where, weights=weights, minlength=len(uniq))
+
+
 def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.ndarray, k: int
                 ) -> list[tuple[int, float]]:
     """Running top-k over chunks of an exhaustive scan: (item, score) pairs."""
@@ -218,7 +244,9 @@ class Ranker(Generic[P]):
             items, weights = shared.expand(found, scores)
         else:
             items, weights = fid.decode(found)[0], scores
-        uniq, where = np.unique(items, return_inverse=True)
+        items, weights = items[items >= 0], weights[items >= 0]
+        bound = max(len(index.items.alive), int(items.max()) + 1 if len(items) else 0)
+        uniq, summed = group_items(items, np.maximum(weights, 0), bound)
         live = index.items.live_among(uniq)
         if allowed is not None:
             live &= np.isin(uniq, allowed, assume_unique=True)
@@ -228,10 +256,9 @@ class Ranker(Generic[P]):
         codes = index.codes if approx is not None else None
         first = limit if codes is None else settings.prescore or len(uniq)
         if live.sum() > first:
-            partial = self._prescore(np.bincount(where, weights=np.maximum(weights, 0), minlength=len(uniq)),
-                                     np.where(live, uniq, 0))
+            partial = self._prescore(summed, np.where(live, uniq, 0))
             partial[~live] = -1.0
-            keep = np.sort(np.lexsort((uniq, -partial))[:first])  # ties to the smaller id, as the final ranking
+            keep = best_positions(partial, uniq, first)  # ties to the smaller id, as the final ranking
         else:
             keep = np.flatnonzero(live)
         kept = uniq[keep]
@@ -240,8 +267,7 @@ class Ranker(Generic[P]):
         coded = codes.covered(index.items, kept)
         found = kept[coded]
         if len(found) > limit:
-            best = np.lexsort((found, -codes.scores(index.items, found, queries, approx)))[:limit]
-            found = found[best]
+            found = found[best_positions(codes.scores(index.items, found, queries, approx), found, limit)]
         return np.sort(np.concatenate([found, kept[~coded]]))
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from model.atomic import atomic_path, temp_path
 
@@ -34,6 +35,7 @@ SPILL_BYTES = 256 << 20  # live rows held in memory before they go to the spill 
 HEADER_BYTES = 128  # .npy header of a spill file: fixed size, rewritten with the final shape at a save
 SCALE_BYTES = 4  # int8 rows: the float32 scale after the dim codes
 INT8_MAX = 127.0
+DOT_ROWS = 4096  # rows decoded at a time by `dots`
 
 
 def row_columns(dim: int, dtype: np.dtype) -> int:
@@ -285,38 +287,58 @@ class VectorStore:
             for a, b in zip(first.tolist(), (start + n[sel].astype(np.int64) * width).tolist(), strict=True):
                 handle.madvise(mmap.MADV_WILLNEED, a, min(b, len(handle)) - a)
 
-    def gather(self, seg: np.ndarray, off: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Items at (seg, off, n), each (C,) -> vectors (C, F_max, dim) float32 and mask (C, F_max)."""
-        count = len(seg)
-        f_max = int(n.max()) if count else 1
-        if count > 1:
+    def gather_rows(self, seg: np.ndarray, off: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Items at (seg, off, n), each (C,) -> their stored rows one item after another, in the items'
+        order: (sum(n), cols) raw, no padding. Each saved segment is read in one vectorised take, in
+        file order where the items come sorted by (seg, off)."""
+        n = np.asarray(n, dtype=np.int64)
+        off = np.asarray(off, dtype=np.int64)
+        starts = np.cumsum(n) - n  # each item's first row in the output
+        out = np.empty((int(n.sum()), self.cols), self.dtype)
+        if len(seg) > 1:
             self.prefetch(seg, off, n)
-        out = np.zeros((count, f_max, self.dim), dtype=np.float32)
-        mask = np.arange(f_max)[None, :] < n[:, None]
         for s in np.unique(seg):
             sel = np.flatnonzero(seg == s)
             if s >= len(self.segments):
                 for i in sel:
-                    out[i, : n[i]] = self.decode(self.raw_rows(int(s), int(off[i]), int(n[i])))
+                    out[starts[i] : starts[i] + n[i]] = self.raw_rows(int(s), int(off[i]), int(n[i]))
                 continue
+            lens = n[sel]
+            within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            src = np.repeat(off[sel], lens) + within
             segment = self.segments[int(s)]
-            sel = sel[np.argsort(off[sel], kind="stable")]  # read the memory map in file order
-            first = int(off[sel[0]])
-            if (n[sel] == f_max).all() and (np.diff(off[sel]) == f_max).all():  # one contiguous run
-                raw = segment[first : first + len(sel) * f_max]
-                out[sel] = self.decode(raw).reshape(len(sel), f_max, self.dim)
-                continue
-            real = mask[sel]
-            rows = off[sel, None] + np.arange(f_max)[None, :]
-            full = bool(real.all())
-            if not full:
-                rows = np.where(real, rows, off[sel, None])  # padding reads the item's first row, zeroed below
-            raw = np.asarray(segment)[rows.ravel()]
-            if full and sel[-1] - sel[0] + 1 == len(sel) and (np.diff(sel) == 1).all():  # a block of `out`: no copy
-                self.decode(raw, out[sel[0] : sel[-1] + 1].reshape(-1, self.dim))
-                continue
-            values = self.decode(raw).reshape(len(sel), f_max, self.dim)
-            if not full:
-                values[~real] = 0.0
-            out[sel] = values
+            if len(src) and (int(src.min()) < 0 or int(src.max()) >= len(segment)):
+                raise IndexError(f"rows beyond the {len(segment)} of segment {s}")
+            # bounds checked above: "clip" lets take write straight into `out` (its "raise" mode buffers)
+            if sel[-1] - sel[0] + 1 == len(sel):  # consecutive items: one block of the output, no copy
+                first = int(starts[sel[0]])
+                np.take(segment, src, axis=0, out=out[first : first + len(src)], mode="clip")
+            else:
+                out[np.repeat(starts[sel], lens) + within] = np.take(segment, src, axis=0, mode="clip")
+        return out
+
+    def gather(self, seg: np.ndarray, off: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Items at (seg, off, n), each (C,) -> vectors (C, F_max, dim) float32 and mask (C, F_max)."""
+        count = len(seg)
+        f_max = int(n.max()) if count else 1
+        mask = np.arange(f_max)[None, :] < n[:, None]
+        out = np.zeros((count, f_max, self.dim), dtype=np.float32)
+        raw = self.gather_rows(seg, off, n)
+        if mask.all():  # every item has f_max rows: the output is the rows one after another
+            self.decode(raw, out.reshape(-1, self.dim))
+        else:
+            out[mask] = self.decode(raw)
         return out, mask
+
+    def dots(self, raw: np.ndarray, queries: torch.Tensor) -> torch.Tensor:
+        """Inner products (N, t) of stored rows `raw` (N, cols), decoded, with queries (t, dim) float32;
+        int8 rows: the codes' products times each row's scale (the decode folded into the product).
+        Decoded DOT_ROWS rows at a time, so the float copy stays in the cache."""
+        out = torch.empty(len(raw), len(queries), dtype=torch.float32)
+        qt = queries.T
+        for start in range(0, len(raw), DOT_ROWS):
+            part = torch.from_numpy(np.asarray(raw[start : start + DOT_ROWS, : self.dim]))
+            torch.matmul(part.float(), qt, out=out[start : start + len(part)])
+        if self.dtype == np.int8:
+            out.mul_(torch.from_numpy(np.ascontiguousarray(raw[:, self.dim :]).view(np.float32)))
+        return out

@@ -24,7 +24,8 @@ MATRIX_CPU = "matrix-cpu"  # NumPy products over the stored vectors of a flat FA
 GPU_KNN_CPU_RANGE = "faiss-gpu-knn+cpu-range"  # FAISS contrib's range search: k-NN on the GPU copy, a CPU
 #                                                range search for the queries whose results fill the k-NN
 MODEL_DEVICE = "model-device"  # torch on the model's device (CPU or CUDA): model/score.py through the Bundle
-CALLS = ("knn", "range", "exact", "write")
+CODES_CPU = "codes-cpu"  # torch on the CPU, beside the prescore codes held in host memory (index.codes)
+CALLS = ("knn", "range", "exact", "prescore", "write")
 FAISS_GPU_KINDS = ("flat", "ivf", "ivfpq")  # kinds FAISS can copy to a GPU (ivfpq: with 8-bit codes only)
 FAISS_GPU_MAX_K = 2048  # FAISS's GPU k-selection limit: more neighbours per query are searched on the CPU
 _PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -79,7 +80,8 @@ def placement(call: str, kind: str, gpu: bool, nbits: int = 8, k: int = 1) -> st
     """Where one call of a fragment index runs: the device policy, in one place.
 
     call: "knn" (the k nearest fragments: candidate recall, region candidates), "range" (every
-    fragment with a positive score: k' = 0), "exact" (the exact S_kl scan and re-rank) or "write"
+    fragment with a positive score: k' = 0), "exact" (the exact S_kl scan and re-rank), "prescore"
+    (S_kl of many candidates' prescore codes, index.codes) or "write"
     (add, remove, train); kind: the FAISS kind searched now (`AnnIndex.active_kind`); gpu: the model is
     on a GPU and faiss has one (`IndexSettings.use_gpu` and faiss-gpu); nbits: ivfpq's code bits;
     k: neighbours per query of a knn call.
@@ -88,13 +90,17 @@ def placement(call: str, kind: str, gpu: bool, nbits: int = 8, k: int = 1) -> st
     index answers it exactly with matrix products on the CPU (each fragment once, its positive scores
     summed), ivf / ivfpq through FAISS contrib's `range_search_gpu` (k-NN on the GPU, the CPU index
     for the queries whose k-NN are all positive), other kinds on the CPU. Exact scores run in torch on
-    the model's device; writes change the CPU index, whose GPU copy is made again for the next call.
+    the model's device; the prescore on the CPU, where the codes are kept (moving thousands of
+    candidates' codes to a GPU for a few products each costs more than the products); writes change
+    the CPU index, whose GPU copy is made again for the next call.
     """
     if call not in CALLS:
         raise ValueError(f"call must be one of {', '.join(CALLS)}, got {call!r}")
     on_gpu = gpu and faiss_gpu_kind(kind, nbits)
     if call == "exact":
         return MODEL_DEVICE
+    if call == "prescore":
+        return CODES_CPU
     if call == "write":
         return FAISS_CPU
     if call == "range":

@@ -106,6 +106,16 @@ def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING) -> torch.Te
     return total / (n_img[:, None] * (n_sent[None, :] + smoothing))
 
 
+def skl_of_items(dots: torch.Tensor, owner: torch.Tensor, n_items: int, smoothing: float = SMOOTHING
+                 ) -> torch.Tensor:
+    """S_kl (n_items,) of items against one sentence from the inner products of the items' real
+    fragments with the sentence's T fragments: dots (N, T), owner (N,) the item (0 .. n_items - 1) of
+    each row, every item with at least one row (one block). The form a search scores many candidates
+    in without padding them (index.codes)."""
+    sent_of = torch.zeros(dots.shape[1], dtype=torch.long, device=dots.device)
+    return skl_from_flat(FlatFragments(dots, owner, sent_of, n_items, 1), smoothing)[:, 0]
+
+
 def skl(
     img_frags: torch.Tensor,
     img_mask: torch.Tensor,

@@ -16,6 +16,7 @@ import index.store
 from index import ImageIndex, IndexLoadError, IndexSettings
 from model.bundle import Bundle
 from model.embed import embed_sentence
+from model.score import skl_of_items
 from model.words import WordTable
 from tests.test_index import QUERIES, WORDS, F, H, make_bundle, one_thread, ranking  # noqa: F401
 
@@ -73,8 +74,7 @@ def test_codes_prescore_keeps_the_exact_ranking_reading_only_the_rerank_items(tm
     # the codes' approximate score is S_kl of the projected vectors: close to the exact one
     sent = embed_sentence(bundle, QUERIES[1])[0]
     items = ix.ids()
-    approx = ix.codes.scores(ix.items, items, sent.numpy(),
-                             lambda v, m, q: bundle.scores(v, m, q[None], torch.ones(1, len(q)))[:, 0])
+    approx = ix.codes.scores(ix.items, items, sent.numpy(), skl_of_items)
     vecs, mask = ix.stored.vectors(items)
     exact = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0].numpy()
     assert np.corrcoef(approx, exact)[0, 1] > 0.95
@@ -170,3 +170,24 @@ def test_a_missing_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
     segment.unlink()
     with pytest.raises(IndexLoadError, match="prescore code file"):
         ImageIndex.load(root, bundle)
+
+
+def test_the_partial_selection_keeps_the_sorted_top_k_with_ties_to_the_smaller_id():
+    """`best_positions` (the prescore's cut) and `group_items` (its per-item sums) give what a full sort
+    and np.unique give, ties and both of group_items' paths included."""
+    from index.ranker import best_positions, group_items, top_k
+
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        n = int(rng.integers(1, 300))
+        scores = rng.integers(0, 6, n).astype(np.float64)  # many ties
+        items = rng.permutation(10 * n)[:n]
+        for k in (1, 5, n // 2, n, n + 3):
+            want = sorted(p for p, _, _ in top_k(scores, items, k))
+            assert best_positions(scores, items, k).tolist() == want, (trial, k)
+        ids = rng.integers(0, 50 if trial % 2 else 100_000, 400)
+        weights = rng.random(400)
+        uniq, where = np.unique(ids, return_inverse=True)
+        got_ids, got_sums = group_items(ids, weights, int(ids.max()) + 1)
+        np.testing.assert_array_equal(got_ids, uniq)
+        np.testing.assert_allclose(got_sums, np.bincount(where, weights=weights))

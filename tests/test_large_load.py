@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import index.store
 from index import ImageIndex, IndexSettings
@@ -226,3 +227,39 @@ def test_a_gather_of_scattered_items_asks_the_kernel_for_their_rows_and_reads_th
     for row, i in enumerate(pick):
         np.testing.assert_array_equal(vecs[row, : sizes[i]], live[i])
         assert mask[row].sum() == sizes[i]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_gather_rows_returns_each_items_rows_in_the_given_order_across_segments_and_live_rows(
+        tmp_path: Path, dtype: str):
+    """`VectorStore.gather_rows` (the unpadded read of the prescore codes) gives, for items in any order
+    from two saved segments and the live rows, the rows `rows` reads one item at a time, and
+    `dots` their products with queries as the decoded rows' products; `gather` pads the same rows."""
+    rng = np.random.default_rng(5)
+    dim = 12
+    store = VectorStore(dim, dtype)
+    locs, sizes = [], []
+    for part in range(3):
+        for _ in range(40):
+            k = int(rng.integers(1, 7))
+            locs.append(store.append(rng.standard_normal((k, dim)).astype(np.float32)))
+            sizes.append(k)
+        if part < 2:
+            rows = store.write_live(tmp_path / f"seg{part}.npy")
+            store.commit([*store.files, f"seg{part}.npy"], [*store.segments, VectorStore.open_segment(
+                tmp_path / f"seg{part}.npy", dim, store.dtype, rows)])
+    expected = [store.rows(seg, off, k).astype(np.float32) for (seg, off), k in zip(locs, sizes, strict=True)]
+    for pick in (rng.permutation(len(locs))[:70], np.arange(len(locs)), np.asarray([3])):
+        seg = np.asarray([locs[i][0] for i in pick], np.int64)
+        off = np.asarray([locs[i][1] for i in pick], np.int64)
+        n = np.asarray([sizes[i] for i in pick], np.int64)
+        raw = store.gather_rows(seg, off, n)
+        want = np.concatenate([expected[i] for i in pick])
+        np.testing.assert_array_equal(store.decode(raw), want)
+        queries = torch.from_numpy(rng.standard_normal((3, dim)).astype(np.float32))
+        np.testing.assert_allclose(store.dots(raw, queries).numpy(), want @ queries.numpy().T, rtol=1e-5, atol=1e-5)
+        vecs, mask = store.gather(seg, off, n)
+        np.testing.assert_array_equal(vecs[mask], want)
+        assert (vecs[~mask] == 0).all() and (mask.sum(axis=1) == n).all()
+    with pytest.raises(IndexError):
+        store.gather_rows(np.zeros(1, np.int64), np.asarray([10_000]), np.asarray([2]))

@@ -21,6 +21,7 @@ from index.ann import AnnIndex
 from index.types import IndexSettings
 from model.device import (
     CALLS,
+    CODES_CPU,
     FAISS_CPU,
     FAISS_GPU,
     FAISS_GPU_MAX_K,
@@ -49,6 +50,7 @@ POLICY = [
     ("range", "hnsw", 8, True, 1, FAISS_CPU),
     ("exact", "flat", 8, True, 1, MODEL_DEVICE),
     ("exact", "ivfpq", 8, True, 1, MODEL_DEVICE),
+    ("prescore", "ivfpq", 8, True, 1, CODES_CPU),  # beside the codes, in host memory
     ("write", "flat", 8, True, 1, FAISS_CPU),
     ("write", "ivf", 8, True, 1, FAISS_CPU),
     ("knn", "flat", 8, False, 128, FAISS_CPU),
@@ -60,6 +62,7 @@ POLICY = [
     ("range", "ivfpq", 8, False, 1, FAISS_CPU),
     ("range", "hnsw", 8, False, 1, FAISS_CPU),
     ("exact", "flat", 8, False, 1, MODEL_DEVICE),
+    ("prescore", "ivfpq", 4, False, 1, CODES_CPU),
     ("write", "flat", 8, False, 1, FAISS_CPU),
 ]
 
@@ -117,7 +120,8 @@ def test_a_flat_index_on_the_gpu_searches_its_copy_and_range_searches_on_the_cpu
     queries = np.random.default_rng(1).standard_normal((3, DIM)).astype(np.float32)
     stand_in = gpu_stand_in.install(monkeypatch)
     gpu, _ = _ann(IndexSettings(use_gpu=True), n)
-    assert gpu.policy() == {"knn": FAISS_GPU, "range": MATRIX_CPU, "exact": MODEL_DEVICE, "write": FAISS_CPU}
+    assert gpu.policy() == {"knn": FAISS_GPU, "range": MATRIX_CPU, "exact": MODEL_DEVICE, "prescore": CODES_CPU,
+                            "write": FAISS_CPU}
     for a, b in zip(gpu.search(queries, 10), cpu.search(queries, 10), strict=True):
         np.testing.assert_array_equal(a, b)
     assert stand_in.calls == 1
@@ -171,7 +175,7 @@ def test_without_use_gpu_nothing_goes_to_the_gpu(monkeypatch: pytest.MonkeyPatch
     ann, vecs = _ann(IndexSettings(kind="ivf", nlist=4, train_size=100))
     ann.search(vecs[:2], 5)
     ann.search_positive(vecs[:2])
-    assert stand_in.copies == [] and set(ann.policy().values()) == {FAISS_CPU, MODEL_DEVICE}
+    assert stand_in.copies == [] and set(ann.policy().values()) == {FAISS_CPU, MODEL_DEVICE, CODES_CPU}
 
 
 def test_calls_on_the_gpu_copy_are_serialised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,7 +222,8 @@ def test_served_answers_with_the_gpu_placements_match_the_cpus(collection: serve
                     SentenceIndex.load(settings.sentence_index, bundle, use_gpu=True))
     with caplog.at_level(logging.INFO, logger="service.engine"):
         engine.log_device_policy()
-    assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact model-device (cpu), write faiss-cpu"
+    assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact model-device (cpu), prescore codes-cpu, "
+            "write faiss-cpu"
             in caplog.text)
     assert "sentence index (faiss flat): knn faiss-gpu, range matrix-cpu" in caplog.text
     with TestClient(create_app(settings, engine=engine)) as c:

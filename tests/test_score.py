@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl
+from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_of_items
 from training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 
 
@@ -242,3 +242,19 @@ def test_one_block_is_the_papers_score_exactly() -> None:
     best, idx = (img[0] @ sent[0].T).max(dim=0)
     al = align(img[0], sent[0])
     assert al.image_fragment == idx.tolist() and al.score == best.tolist()  # the raw best, negative or not
+
+
+def test_skl_of_items_from_unpadded_products_is_the_padded_skl() -> None:
+    """The form the prescore scores candidates in (index.codes): each item's real fragments one after
+    another, their products with one sentence, the item of each row."""
+    torch.manual_seed(3)
+    sizes = [4, 1, 3, 4, 2]
+    img = torch.randn(len(sizes), 4, 6)
+    mask = torch.zeros(len(sizes), 4)
+    for k, n in enumerate(sizes):
+        mask[k, :n] = 1
+    sent = torch.randn(1, 5, 6)
+    real = torch.cat([img[k, :n] for k, n in enumerate(sizes)])
+    owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    got = skl_of_items(real @ sent[0].T, owner, len(sizes))
+    assert torch.allclose(got, skl(img, mask, sent, torch.ones(1, 5))[:, 0], atol=1e-6)
