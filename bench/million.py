@@ -293,7 +293,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             found, ms = timed(partial(top_ids, index, queries), len(queries))
         p50, ex50 = float(np.percentile(ms, 50)), float(np.percentile(exhaustive_ms, 50))
         params = describe(index) + (";reads=" + ("prefetch" if read_ahead else "one-by-one")) * (args.reads == "both")
-        params += ";cold" * args.cold
+        params += ";cold" * args.cold + f";threads={args.threads}" * (args.threads != 1)
         row = Row(label, len(index), "faiss", index.candidates.active_kind, params,
                   round(agreement(found, truth), 4), round(p50, 2), round(float(np.percentile(ms, 99)), 2),
                   round(ex50, 1), round(ex50 / p50, 1), round(ann_bytes_per_fragment(index), 1), command,

@@ -144,11 +144,19 @@ class VectorStore:
         """(n, cols) stored rows -> (n, dim) float32 (a new array, or written into `out`)."""
         if out is None:
             out = np.empty((len(raw), self.dim), np.float32)
+        if self.dtype == np.float16 and raw.flags.writeable:  # torch converts float16 vectorised, numpy by element
+            torch.from_numpy(out).copy_(torch.from_numpy(raw))
+            return out
         if self.dtype != np.int8:
             np.copyto(out, raw)
             return out
-        scale = np.ascontiguousarray(raw[:, self.dim :]).view(np.float32)
-        return np.multiply(raw[:, : self.dim], scale, out=out)  # one pass: int8 times the float32 scale
+        return np.multiply(raw[:, : self.dim], self.scales(raw), out=out)  # one pass: int8 times the float32 scale
+
+    def scales(self, raw: np.ndarray) -> np.ndarray:
+        """The float32 scales (N, 1) of int8 rows (N, cols)."""
+        if raw.flags.c_contiguous and self.cols % SCALE_BYTES == 0 and raw.ctypes.data % SCALE_BYTES == 0:
+            return raw.view(np.float32)[:, -1:]  # the rows read as floats: the last is the scale (no byte copy)
+        return np.ascontiguousarray(raw[:, self.dim :]).view(np.float32)
 
     # -- writes -----------------------------------------------------------------------------------
     def append(self, vecs: np.ndarray) -> tuple[int, int]:
@@ -272,7 +280,8 @@ class VectorStore:
         """Ask the kernel to read the memory-mapped rows of items (seg, off, n) ahead, all at once
         (madvise WILLNEED): a gather of scattered items then waits for their reads side by side
         instead of one page fault after another. Rows in memory, or a platform without it: nothing."""
-        if not self.read_ahead or not hasattr(mmap, "MADV_WILLNEED"):
+        if not self.read_ahead or not hasattr(mmap, "MADV_WILLNEED") or not any(
+                isinstance(s, np.memmap) for s in self.segments):  # in memory (the prescore codes): nothing to ask
             return
         for s in np.unique(seg):
             segment = self.segments[int(s)] if s < len(self.segments) else None
@@ -340,5 +349,5 @@ class VectorStore:
             part = torch.from_numpy(np.asarray(raw[start : start + DOT_ROWS, : self.dim]))
             torch.matmul(part.float(), qt, out=out[start : start + len(part)])
         if self.dtype == np.int8:
-            out.mul_(torch.from_numpy(np.ascontiguousarray(raw[:, self.dim :]).view(np.float32)))
+            out.mul_(torch.from_numpy(np.ascontiguousarray(self.scales(raw))))
         return out

@@ -99,8 +99,11 @@ def flatten(img_frags: torch.Tensor, img_mask: torch.Tensor, sent_frags: torch.T
 def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING) -> torch.Tensor:
     """S_kl (K, L) from the pairwise scores of real fragments: the thresholded sum, normalised."""
     pos = flat.scores.clamp_min(0) if flat.positive is None else flat.positive  # (I, J)
-    per_image = pos.new_zeros(flat.n_images, pos.shape[1]).index_add(0, flat.img_of, pos)  # (K, J)
-    total = pos.new_zeros(flat.n_images, flat.n_sentences).index_add(1, flat.sent_of, per_image)  # (K, L)
+    if flat.n_sentences == 1:  # one sentence (a search): its fragments summed first, one add per image fragment
+        total = pos.new_zeros(flat.n_images).index_add(0, flat.img_of, pos.sum(1))[:, None]  # (K, 1)
+    else:
+        per_image = pos.new_zeros(flat.n_images, pos.shape[1]).index_add(0, flat.img_of, pos)  # (K, J)
+        total = pos.new_zeros(flat.n_images, flat.n_sentences).index_add(1, flat.sent_of, per_image)  # (K, L)
     n_img = torch.bincount(flat.img_of, minlength=flat.n_images).to(pos.dtype).clamp_min(1)
     n_sent = torch.bincount(flat.sent_of, minlength=flat.n_sentences).to(pos.dtype)
     return total / (n_img[:, None] * (n_sent[None, :] + smoothing))
