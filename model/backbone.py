@@ -51,6 +51,32 @@ QUANT_VERSION = 1  # bump when the quantization recipe changes (it changes the i
 _quant_lock = threading.Lock()
 
 
+def saturating_int8() -> bool:
+    """An x86-64 CPU without VNNI (avx512_vnni / avx_vnni): ONNX Runtime's uint8 x int8 products there
+    (vpmaddubsw) add pairs of products into int16 with saturation, which clips the int8 backbone's
+    activations (its features drift from the float ones: cosine down to ~0.89 on a crop). The weights
+    are then quantized to 7 bits (`reduce_range`), which cannot saturate; the graph and the feature
+    cache key name it, so such a machine never shares int8 graphs or features with a VNNI one."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "vnni" not in flags
+
+
+def quant_recipe() -> dict[str, Any]:
+    """What shapes the int8 graph on this machine (in the feature cache key): the recipe's version,
+    the calibration seed and, on a saturating CPU, the 7-bit weights."""
+    recipe: dict[str, Any] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
+    if saturating_int8():
+        recipe["reduce_range"] = True
+    return recipe
+
+
 def set_torch_threads(n: int) -> None:
     """Limit torch and OpenCV to ``n`` threads (one per worker process when several share the CPU)."""
     torch.set_num_threads(max(1, n))
@@ -259,12 +285,14 @@ def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None,
                    "features": {0: "batch", 2: "map_height", 3: "map_width"}})
     if precision == "fp32":
         return fp32
-    int8 = folder / f"{name}-int8-q{QUANT_VERSION}-seed{CALIBRATION_SEED}.onnx"
+    reduce = bool(quant_recipe().get("reduce_range"))
+    int8 = folder / f"{name}-int8-q{QUANT_VERSION}{'r7' if reduce else ''}-seed{CALIBRATION_SEED}.onnx"
     with _quant_lock:
         if not int8.is_file():
-            logger.info("quantizing %s to int8 (%d calibration images)", name, CALIBRATION_IMAGES)
+            logger.info("quantizing %s to int8 (%d calibration images%s)", name, CALIBRATION_IMAGES,
+                        ", 7-bit weights: this CPU's int8 products saturate" if reduce else "")
             with atomic_path(int8) as tmp:
-                _quantize(fp32, tmp)
+                _quantize(fp32, tmp, reduce)
     return int8
 
 
@@ -281,7 +309,7 @@ def calibration_images(n: int = CALIBRATION_IMAGES, seed: int = CALIBRATION_SEED
     return out
 
 
-def _quantize(fp32: Path, out: Path) -> None:
+def _quantize(fp32: Path, out: Path, reduce_range: bool = False) -> None:
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -303,5 +331,5 @@ def _quantize(fp32: Path, out: Path) -> None:
         # most of the drift for little of the time
         quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        nodes_to_exclude=[convs[0], convs[-1]],
+                        nodes_to_exclude=[convs[0], convs[-1]], reduce_range=reduce_range,
                         extra_options={"CalibTensorRangeSymmetric": False})

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from model.atomic import atomic_file
-from model.backbone import CALIBRATION_SEED, QUANT_VERSION, weights_digest
+from model.backbone import quant_recipe, weights_digest
 from model.config import ImageConfig
 from model.image import ImageFragments
 
@@ -31,7 +31,7 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     if weights:
         payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":
-        payload["quantization"] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
+        payload["quantization"] = quant_recipe()
     return payload
 
 

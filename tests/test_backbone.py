@@ -128,3 +128,19 @@ def test_lite2_crops_are_1280_d_features_of_their_own_graph(tmp_path: Path) -> N
     assert [p.name for p in tmp_path.glob("*.onnx")] == ["efficientnet-lite2-fp32-opset17.onnx"]
     ref = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path).pooled(preprocess(picture(), 224)[None])
     assert not torch.allclose(feats, ref)  # another network's features
+
+
+def test_a_cpu_whose_int8_products_saturate_gets_7_bit_weights_in_the_graph_and_the_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an x86-64 CPU without VNNI the int8 graph is quantized with 7-bit weights; the recipe is in
+    the feature cache key there only, so a VNNI machine keeps the keys it had."""
+    import model.backbone
+    from model.features import config_key, config_payload
+
+    cfg = ImageConfig(region_features="crop", backbone_precision="int8")
+    monkeypatch.setattr(model.backbone, "saturating_int8", lambda: False)
+    plain = config_key(cfg)
+    assert config_payload(cfg)["quantization"] == {"version": 1, "calibration_seed": 0}
+    monkeypatch.setattr(model.backbone, "saturating_int8", lambda: True)
+    assert config_payload(cfg)["quantization"]["reduce_range"] is True and config_key(cfg) != plain
+    assert "quantization" not in config_payload(ImageConfig(region_features="crop"))  # float: no recipe

@@ -22,8 +22,9 @@ from tests.conftest import ShapesModel
 from tests.conftest_service import engine_over_dev
 from training.calibrate import fit_calibration
 from training.evaluate import score_split
+from training.merge import main as merge_main
 from training.merge import merge_bundles, merge_models
-from training.train import make_run, train
+from training.train import make_run, split_for_selection, train
 
 
 def _member(seed: int, h: int) -> FragmentModel:
@@ -198,3 +199,25 @@ def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score
         assert why is not None and why.rank == 1 and why.scope == "candidates"
         assert why.score == pytest.approx(page.hits[0].score, rel=1e-5)
     ix.close()
+
+
+def test_a_merge_of_members_selected_on_validation_fits_its_relevance_scale(shapes_model: ShapesModel,
+                                                                             tmp_path: Path) -> None:
+    """`python -m training.merge` fits the merged score's relevance scale on the members' validation part
+    (as training fits a member's), so the merged checkpoint answers `min_relevance` without a separate
+    calibration run."""
+    folders = []
+    for seed in (0, 1):
+        run = make_run("paper", {"epochs": 30, "dense_epochs": 10, "anneal_epochs": 3, "batch_size": 20, "h": 32,
+                                 "lr": 3e-3, "eval_every": 10, "seed": seed, "selection": "val", "val_images": 12,
+                                 "calibrate": 20})
+        data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+        tr, val = split_for_selection(run.train, data)
+        train(run, tr, val, tmp_path / f"member{seed}", shapes_model.cache)
+        folders.append(str(tmp_path / f"member{seed}"))
+    merge_main(["--members", *folders, "--out", str(tmp_path / "merged"), "--data", str(shapes_model.data),
+                "--cache", str(shapes_model.cache)])
+    merged = Bundle.load(tmp_path / "merged" / "model.pt")
+    assert merged.blocks == 2 and merged.calibration is not None
+    assert merged.calibration.relevance is not None and "relevance" in merged.meta["calibration"]
+    assert merged.meta["calibration"]["relevance"]["images"] == 12

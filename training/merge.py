@@ -18,7 +18,8 @@ members'. Members must share their text pipeline (relations, word table), image 
 same variant trained on the same data.
 
 The validation part (the members' own held-out training images) is evaluated and written to the
-history beside each member alone; dev is for bench/report.py.
+history beside each member alone, and the merged score's relevance scale is fitted on it (as training
+fits a member's: what `min_relevance` and each result's `relevance` read); dev is for bench/report.py.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from model.config import TrainConfig, default_artifacts_dir, default_data_dir
 from model.dataset import load_split_data
 from model.encoders import FragmentModel
 from model.parsers import make_parser
-from training.calibrate import fit_calibration
-from training.evaluate import evaluate
+from training.calibrate import fit_calibration, fit_relevance, store_relevance
+from training.evaluate import evaluate_scores
 from training.train import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,13 @@ def main(argv: list[str] | None = None) -> None:
             best = json.loads(hist.read_text()).get("best") if hist.is_file() else None
             if best:
                 rows[folder.name] = {k: best[k] for k in VAL_METRICS if k in best}
-        m = evaluate(merged, val)
+        m, scores = evaluate_scores(merged, val)
         rows["merged"] = {k: m[k] for k in VAL_METRICS}
+        if merged.calibration is not None:  # the merged score's relevance scale, as training fits a member's
+            try:
+                store_relevance(merged, fit_relevance(scores, val.pair_image), len(val.names))
+            except ValueError as e:
+                logger.warning("no relevance scale for the merged model: %s", e)
         logger.info("merged on the validation part: R-sum %.2f (members: %s)", m["rsum"],
                     ", ".join(f"{n} {r.get('rsum', float('nan')):.2f}" for n, r in rows.items() if n != "merged"))
         summary["val"] = rows
