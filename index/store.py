@@ -36,6 +36,7 @@ HEADER_BYTES = 128  # .npy header of a spill file: fixed size, rewritten with th
 SCALE_BYTES = 4  # int8 rows: the float32 scale after the dim codes
 INT8_MAX = 127.0
 DOT_ROWS = 4096  # rows decoded at a time by `dots`
+WRITE_BYTES = 64 << 20  # rows buffered between two writes of `write_items`
 
 
 def row_columns(dim: int, dtype: np.dtype) -> int:
@@ -217,20 +218,51 @@ class VectorStore:
     def write_items(self, path: Path, locs: Sequence[tuple[int, int, int]]) -> list[int]:
         """Write the rows of items at (segment, offset, n) one after another into a new .npy file.
 
-        Returns each item's row offset in the new file.
+        Returns each item's row offset in the new file. Written through a buffer of WRITE_BYTES (not a
+        writable map), and the memory-mapped rows read are dropped from this process's mapping as the
+        buffer is written (`release`): merging segments of many GB keeps its resident set bounded.
         """
         total = sum(n for _, _, n in locs)
         offsets: list[int] = []
-        with atomic_path(path) as tmp:
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(total, self.cols))
-            pos = 0
+        row_bytes = self.cols * self.dtype.itemsize
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            fh.write(npy_header(self.dtype, (total, self.cols)))
+            pos, held = 0, 0
+            parts: list[np.ndarray] = []
+            read: dict[int, tuple[int, int]] = {}  # each segment's rows read since the last write
             for seg, off, n in locs:
-                out[pos : pos + n] = self.raw_rows(seg, off, n)
+                parts.append(np.ascontiguousarray(self.raw_rows(seg, off, n)))
+                lo, hi = read.get(seg, (off, off + n))
+                read[seg] = (min(lo, off), max(hi, off + n))
                 offsets.append(pos)
                 pos += n
-            out.flush()
-            del out
+                held += n * row_bytes
+                if held >= WRITE_BYTES:
+                    fh.write(b"".join(p.data for p in parts))
+                    parts, held = [], 0
+                    for s, (lo, hi) in read.items():
+                        self.release(s, lo, hi)
+                    read.clear()
+            fh.write(b"".join(p.data for p in parts))
+            for s, (lo, hi) in read.items():
+                self.release(s, lo, hi)
+            fh.flush()
+            os.fsync(fh.fileno())
         return offsets
+
+    def release(self, seg: int, lo: int, hi: int) -> None:
+        """Drop rows lo .. hi - 1 of a memory-mapped saved segment from this process's mapping
+        (madvise DONTNEED: the pages stay in the kernel's cache, a later read maps them again)."""
+        segment = self.segments[seg] if 0 <= seg < len(self.segments) else None
+        handle = getattr(segment, "_mmap", None)
+        if not isinstance(segment, np.memmap) or handle is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        width = segment.shape[1] * segment.dtype.itemsize
+        start = segment.offset % mmap.ALLOCATIONGRANULARITY + lo * width
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(start + (hi - lo) * width, len(handle))
+        if end > first:
+            handle.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def commit(self, files: list[str], arrays: list[np.ndarray]) -> None:
         """Adopt a new list of saved segments (after a save); the live rows are dropped."""

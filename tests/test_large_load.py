@@ -263,3 +263,44 @@ def test_gather_rows_returns_each_items_rows_in_the_given_order_across_segments_
         assert (vecs[~mask] == 0).all() and (mask.sum(axis=1) == n).all()
     with pytest.raises(IndexError):
         store.gather_rows(np.zeros(1, np.int64), np.asarray([10_000]), np.asarray([2]))
+
+
+def test_a_merge_writes_through_a_buffer_and_drops_the_rows_it_read_from_its_mapping(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`VectorStore.write_items` (the saves' compaction) gives a file with the items' rows one after
+    another, and releases (madvise DONTNEED) every mapped page it read as it goes, so merging segments
+    of many GB does not keep them in the resident set."""
+    rng = np.random.default_rng(7)
+    dim = 16
+    store = VectorStore(dim, "float16")
+    sizes = rng.integers(1, 9, 500)
+    locs = [store.append(rng.standard_normal((int(k), dim)).astype(np.float32)) for k in sizes]
+    rows = store.write_live(tmp_path / "seg.npy")
+    store.commit(["seg.npy"], [VectorStore.open_segment(tmp_path / "seg.npy", dim, store.dtype, rows)])
+    handle = store.segments[0]._mmap  # type: ignore[attr-defined]
+    released: list[tuple[int, int]] = []
+
+    class Recorder:
+        def __getattr__(self, name: str) -> object:
+            return getattr(handle, name)
+
+        def __len__(self) -> int:
+            return len(handle)
+
+        def madvise(self, option: int, start: int, length: int) -> None:
+            if option == mmap.MADV_DONTNEED:
+                released.append((start, start + length))
+            handle.madvise(option, start, length)
+
+    monkeypatch.setattr(store.segments[0], "_mmap", Recorder())
+    monkeypatch.setattr(index.store, "WRITE_BYTES", 4096)  # many writes
+    keep = [(0, off, int(k)) for (_, off), k in zip(locs, sizes, strict=True)][::2]
+    offsets = store.write_items(tmp_path / "merged.npy", keep)
+    merged = np.load(tmp_path / "merged.npy")
+    for (_, off, n), new in zip(keep, offsets, strict=True):
+        np.testing.assert_array_equal(merged[new : new + n], store.segments[0][off : off + n])
+    assert len(released) > 5
+    width = store.cols * 2
+    header = store.segments[0].offset  # type: ignore[attr-defined]
+    for _, off, n in keep:  # every row read lies in a released range
+        assert any(a <= header + off * width and header + (off + n) * width <= b for a, b in released)
