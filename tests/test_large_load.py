@@ -169,6 +169,26 @@ def test_int8_store_keeps_the_exact_ranking_and_survives_a_reload(tmp_path: Path
     built["float16"].close()
 
 
+class MadviseRecorder:
+    """A segment's mmap that records each madvise (byte ranges by option; page-aligned, inside the map)
+    and passes it on."""
+
+    def __init__(self, handle: mmap.mmap) -> None:
+        self.handle = handle
+        self.calls: dict[int, list[tuple[int, int]]] = {mmap.MADV_WILLNEED: [], mmap.MADV_DONTNEED: []}
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.handle, name)
+
+    def __len__(self) -> int:
+        return len(self.handle)
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        assert start % mmap.PAGESIZE == 0 and start + length <= len(self.handle)
+        self.calls[option].append((start, start + length))
+        self.handle.madvise(option, start, length)
+
+
 def test_int8_encoding_round_trips_and_rejects_nothing_it_can_hold():
     store = VectorStore(8, "int8")
     x = np.array([[0.0] * 8, [1, -2, 3, -4, 5, -6, 7, -127], [1e-8] * 8], np.float32)
@@ -199,26 +219,16 @@ def test_a_gather_of_scattered_items_asks_the_kernel_for_their_rows_and_reads_th
     rows = int(sizes.sum())
     store.commit(["seg.npy"], [VectorStore.open_segment(tmp_path / "seg.npy", dim, store.dtype, rows)])
     handle = store.segments[0]._mmap  # type: ignore[attr-defined]
-    advised: list[tuple[int, int]] = []
-
-    class Recorder:
-        def __getattr__(self, name: str) -> object:
-            return getattr(handle, name)
-
-        def __len__(self) -> int:
-            return len(handle)
-
-        def madvise(self, option: int, start: int, length: int) -> None:
-            assert option == mmap.MADV_WILLNEED and start % mmap.PAGESIZE == 0 and start + length <= len(handle)
-            advised.append((start, start + length))
-            handle.madvise(option, start, length)
+    recorder = MadviseRecorder(handle)
+    advised = recorder.calls[mmap.MADV_WILLNEED]
 
     pick = np.r_[rng.choice(len(sizes) - 1, 60, replace=False), len(sizes) - 1]  # and the file's last item
     seg = np.zeros(len(pick), np.int64)
     off = np.asarray([locs[i][1] for i in pick], np.int64)
     n = sizes[pick].astype(np.int64)
-    monkeypatch.setattr(store.segments[0], "_mmap", Recorder())
+    monkeypatch.setattr(store.segments[0], "_mmap", recorder)
     vecs, mask = store.gather(seg, off, n)
+    assert not recorder.calls[mmap.MADV_DONTNEED]
     assert len(advised) == len(pick)
     width = store.cols * store.dtype.itemsize
     header = store.segments[0].offset  # type: ignore[attr-defined]
@@ -277,22 +287,9 @@ def test_a_merge_writes_through_a_buffer_and_drops_the_rows_it_read_from_its_map
     locs = [store.append(rng.standard_normal((int(k), dim)).astype(np.float32)) for k in sizes]
     rows = store.write_live(tmp_path / "seg.npy")
     store.commit(["seg.npy"], [VectorStore.open_segment(tmp_path / "seg.npy", dim, store.dtype, rows)])
-    handle = store.segments[0]._mmap  # type: ignore[attr-defined]
-    released: list[tuple[int, int]] = []
-
-    class Recorder:
-        def __getattr__(self, name: str) -> object:
-            return getattr(handle, name)
-
-        def __len__(self) -> int:
-            return len(handle)
-
-        def madvise(self, option: int, start: int, length: int) -> None:
-            if option == mmap.MADV_DONTNEED:
-                released.append((start, start + length))
-            handle.madvise(option, start, length)
-
-    monkeypatch.setattr(store.segments[0], "_mmap", Recorder())
+    recorder = MadviseRecorder(store.segments[0]._mmap)  # type: ignore[attr-defined]
+    released = recorder.calls[mmap.MADV_DONTNEED]
+    monkeypatch.setattr(store.segments[0], "_mmap", recorder)
     monkeypatch.setattr(index.store, "WRITE_BYTES", 4096)  # many writes
     keep = [(0, off, int(k)) for (_, off), k in zip(locs, sizes, strict=True)][::2]
     offsets = store.write_items(tmp_path / "merged.npy", keep)
