@@ -63,10 +63,12 @@ class CutOff(TypedDict):
 def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | None, what: str
             ) -> tuple[list[H], CutOff]:
     """The hits whose relevance reaches `min_relevance` (the ranking is by score and the scale is
-    increasing in it, so this keeps a prefix), and why the list is empty when the cut-off empties it."""
+    increasing in it, so this keeps a prefix), and why the list is empty when the cut-off empties it.
+    Compared is the relevance a result shows, rounded as `relevance_of` rounds it."""
     if min_relevance is None or relevance is None:
         return hits, {"min_relevance": None, "reason": None}
-    kept = [h for h in hits if relevance.of(h.score) >= min_relevance]
+    # the relevance each result shows (rounded): a shown value given back as the cut-off keeps its results
+    kept = [h for h in hits if (relevance_of(h.score, relevance) or 0.0) >= min_relevance]
     reason = None
     if hits and not kept:
         best = relevance.of(max(h.score for h in hits))
