@@ -18,6 +18,7 @@ set is needed and every machine makes the same graph) and kept in the graph fold
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import tempfile
@@ -51,6 +52,7 @@ QUANT_VERSION = 1  # bump when the quantization recipe changes (it changes the i
 _quant_lock = threading.Lock()
 
 
+@functools.cache  # the CPU does not change while the process runs: /proc/cpuinfo read once
 def saturating_int8() -> bool:
     """An x86-64 CPU without VNNI (avx512_vnni / avx_vnni): ONNX Runtime's uint8 x int8 products there
     (vpmaddubsw) add pairs of products into int16 with saturation, which clips the int8 backbone's
