@@ -229,8 +229,8 @@ def add_codes(args: argparse.Namespace, index: ImageIndex, built: dict[str, floa
         t0 = time.perf_counter()
         index.add_codes(args.codes)
         seconds = time.perf_counter() - t0
-    built.update(codes_s=seconds, codes_peak_VmRSS_mb=rss.peak["VmRSS"], disk=folder_bytes(args.work / "index"),
-                 peak_VmRSS_mb=max(built["peak_VmRSS_mb"], rss.peak["VmRSS"]))
+    built.update(codes_s=seconds, **{f"codes_peak_{k}_mb": v for k, v in rss.peak.items()},
+                 disk=folder_bytes(args.work / "index"), peak_VmRSS_mb=max(built["peak_VmRSS_mb"], rss.peak["VmRSS"]))
     (args.work / "build.json").write_text(json.dumps(built))
     logger.info("codes added in %.0f s (%.0f fragments/s); folder %.0f B/image", seconds,
                 index.n_fragments / seconds, built["disk"] / len(index))
@@ -260,6 +260,8 @@ def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torc
 def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], settings: list[IndexSettings],
             built: dict[str, float], command: str) -> list[Row]:
     index = ImageIndex.load(args.work / "index", bundle)
+    if args.recode and index.settings.codes:
+        index.add_codes(0)  # dropped, so that they are derived anew below
     if args.codes and index.settings.codes != args.codes:
         add_codes(args, index, built)
     faiss.omp_set_num_threads(args.threads)
@@ -346,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
                          "service then searches with)")
     ap.add_argument("--codes", type=int, default=0,
                     help="prescore codes of this dimension (index.codes), added to the index before measuring")
+    ap.add_argument("--recode", action="store_true",
+                    help="with --codes: drop the index's prescore codes first, so that their derivation is measured "
+                         "again (its time and peak RSS go into build.json)")
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--exhaustive-timed", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from index.ann import uncentred_pca
 from index.files import unique_name
 from index.items import ItemTable
-from index.store import VectorStore
+from index.store import VectorStore, release_rows
 from model.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ def derive(root: Path, store: VectorStore, files: list[str], rows: list[int], di
         have = dict(zip(store.files[: current.segments], current.info.files, strict=True))
     else:
         projection = uncentred_pca(sample(PROJECTION_SAMPLE), dim)
+        store.release_all()  # the sample's reads touched pages all over the store
         projection_file = unique_name(f"{CODES_PREFIX}-projection", gen, CODES_SUFFIX)
         with atomic_path(root / projection_file) as tmp, open(tmp, "wb") as fh:
             np.save(fh, projection)
@@ -156,6 +157,7 @@ def derive(root: Path, store: VectorStore, files: list[str], rows: list[int], di
                 for start in range(0, n_rows, ENCODE_ROWS):
                     vecs = store.decode(np.asarray(source[start : start + ENCODE_ROWS]))
                     out[start : start + len(vecs)] = encoder.encode(vecs @ projection.T)
+                    release_rows(source, start, start + len(vecs))  # resident memory stays one block's
                     bar.update(len(vecs))
                 out.flush()
                 del out

@@ -54,6 +54,21 @@ def npy_header(dtype: np.dtype, shape: tuple[int, int]) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", size) + text + b" " * (size - len(text) - 1) + b"\n"
 
 
+def release_rows(segment: np.ndarray, lo: int, hi: int) -> None:
+    """Drop rows lo .. hi - 1 of a memory-mapped array from this process's mapping (madvise
+    DONTNEED: the pages stay in the kernel's cache, a later read maps them again); nothing for an
+    array held in memory. A pass over many GB of mapped rows keeps its resident set bounded."""
+    handle = getattr(segment, "_mmap", None)
+    if not isinstance(segment, np.memmap) or handle is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    width = segment.shape[1] * segment.dtype.itemsize
+    start = segment.offset % mmap.ALLOCATIONGRANULARITY + lo * width
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(start + (hi - lo) * width, len(handle))
+    if end > first:
+        handle.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
 class SpillFile:
     """Live rows on disk: an open temp file of raw rows after a fixed-size .npy header."""
 
@@ -252,17 +267,15 @@ class VectorStore:
 
     def release(self, seg: int, lo: int, hi: int) -> None:
         """Drop rows lo .. hi - 1 of a memory-mapped saved segment from this process's mapping
-        (madvise DONTNEED: the pages stay in the kernel's cache, a later read maps them again)."""
-        segment = self.segments[seg] if 0 <= seg < len(self.segments) else None
-        handle = getattr(segment, "_mmap", None)
-        if not isinstance(segment, np.memmap) or handle is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        width = segment.shape[1] * segment.dtype.itemsize
-        start = segment.offset % mmap.ALLOCATIONGRANULARITY + lo * width
-        first = start // mmap.PAGESIZE * mmap.PAGESIZE
-        end = min(start + (hi - lo) * width, len(handle))
-        if end > first:
-            handle.madvise(mmap.MADV_DONTNEED, first, end - first)
+        (`release_rows`)."""
+        if 0 <= seg < len(self.segments):
+            release_rows(self.segments[seg], lo, hi)
+
+    def release_all(self) -> None:
+        """Drop every memory-mapped saved segment's rows from this process's mapping (after a read
+        that touched rows all over the store, such as a sample)."""
+        for segment in self.segments:
+            release_rows(segment, 0, len(segment))
 
     def commit(self, files: list[str], arrays: list[np.ndarray]) -> None:
         """Adopt a new list of saved segments (after a save); the live rows are dropped."""

@@ -301,3 +301,47 @@ def test_a_merge_writes_through_a_buffer_and_drops_the_rows_it_read_from_its_map
     header = store.segments[0].offset  # type: ignore[attr-defined]
     for _, off, n in keep:  # every row read lies in a released range
         assert any(a <= header + off * width and header + (off + n) * width <= b for a, b in released)
+
+
+def test_deriving_codes_drops_each_encoded_block_and_the_sample_from_the_mappings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`index.codes.derive` reads a store segment through its own map block by block and drops each
+    block from the mapping once encoded (every row's bytes lie in a released range), and drops the
+    store's maps after drawing the projection's sample; the codes are the encoded projections."""
+    from index import codes
+
+    rng = np.random.default_rng(11)
+    dim, d = 16, 6
+    store = VectorStore(dim, "float16")
+    for k in rng.integers(1, 9, 150):
+        store.append(rng.standard_normal((int(k), dim)).astype(np.float32))
+    rows = store.write_live(tmp_path / "seg.npy")
+    store.commit(["seg.npy"], [VectorStore.open_segment(tmp_path / "seg.npy", dim, store.dtype, rows)])
+    mapped = MadviseRecorder(store.segments[0]._mmap)  # type: ignore[attr-defined]
+    monkeypatch.setattr(store.segments[0], "_mmap", mapped)
+    opened: list[MadviseRecorder] = []
+    open_segment = VectorStore.open_segment
+
+    def recording_open(path: Path, dim: int, dtype: np.dtype, rows: int, in_memory: bool = False) -> np.ndarray:
+        arr = open_segment(path, dim, dtype, rows, in_memory)
+        if isinstance(arr, np.memmap):
+            opened.append(MadviseRecorder(arr._mmap))  # type: ignore[attr-defined]
+            arr._mmap = opened[-1]  # type: ignore[attr-defined]
+        return arr
+
+    monkeypatch.setattr(VectorStore, "open_segment", staticmethod(recording_open))
+    monkeypatch.setattr(codes, "ENCODE_ROWS", 64)
+    created: list[Path] = []
+    info = codes.derive(tmp_path, store, ["seg.npy"], [rows], d, None,
+                        lambda size: store.decode(np.asarray(store.segments[0][:size])), 1, created)
+    assert info is not None and len(opened) == 1
+    assert mapped.calls[mmap.MADV_DONTNEED], "the store's maps are kept after the sample"
+    released = opened[0].calls[mmap.MADV_DONTNEED]
+    assert len(released) == -(-rows // 64)
+    width = store.cols * store.dtype.itemsize
+    header = store.segments[0].offset  # type: ignore[attr-defined]
+    for r in range(rows):
+        assert any(a <= header + r * width and header + (r + 1) * width <= b for a, b in released)
+    projection = np.load(tmp_path / info.projection)
+    expected = VectorStore(d, "int8").encode(store.decode(np.asarray(store.segments[0])) @ projection.T)
+    np.testing.assert_array_equal(np.load(tmp_path / info.files[0]), expected)
