@@ -62,6 +62,10 @@ class ImageConfig:
     # crop_size (their native sides: 240 / 260). Crop features only; proposals stay ranked by Lite0. In the
     # feature cache key.
     backbone: str = "efficientnet-lite0"
+    # a training view (TrainConfig.mirror_views): every crop, and the whole image, mirrored left to right before
+    # the backbone; the boxes are those of the image as it is (the same proposals and ranking). Crop features
+    # only; in the feature cache key when set. Never a served model's setting.
+    mirror: bool = False
 
     @property
     def n_fragments(self) -> int:
@@ -143,6 +147,8 @@ class TrainConfig:
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
     max_violation_from: int = 0  # > 0: from this epoch on (1-based) C_G counts only each pair's hardest negative
     # in each direction (max violation), after global_top_k as a warm-up (0 = never)
+    mirror_views: float = 0.0  # training only: each training image of a batch is shown as its mirrored view
+    # (ImageConfig.mirror: its crops flipped left to right, extracted once into their own cache) with this probability
     fragment_drop: float = 0.0  # training only: each image and sentence fragment is left out of a batch with this
     # probability (at least one kept per image and per sentence)
     rank_images: bool = True  # DT-RNN / DeViSE: the ranking loss also ranks images for a sentence (False: DeViSE's)

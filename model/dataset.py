@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SplitData:
-    """feats: (N, F, img_dim) region features, boxes: (N, F, 4); sentence l describes image pair_image[l]."""
+    """feats: (N, F, img_dim) region features, boxes: (N, F, 4); sentence l describes image pair_image[l];
+    mirrored: the same images' mirrored training view (ImageConfig.mirror), when it was loaded."""
 
     split: Split
     feats: np.ndarray
@@ -28,6 +29,7 @@ class SplitData:
     sentences: list[str]
     pair_image: np.ndarray
     parsed: list[ParsedSentence]
+    mirrored: np.ndarray | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -42,7 +44,8 @@ def select_images(data: SplitData, keep: np.ndarray) -> SplitData:
     rows = np.flatnonzero(new_id[data.pair_image] >= 0)
     sp = Split(data.split.root, tuple(data.names[k] for k in keep), tuple(data.split.captions[k] for k in keep))
     return SplitData(sp, data.feats[keep], data.boxes[keep], [data.sentences[i] for i in rows],
-                     new_id[data.pair_image[rows]], [data.parsed[i] for i in rows])
+                     new_id[data.pair_image[rows]], [data.parsed[i] for i in rows],
+                     None if data.mirrored is None else data.mirrored[keep])
 
 
 def held_out_indices(n_images: int, n: int, seed: int) -> np.ndarray:
@@ -85,3 +88,18 @@ def load_split_data(root: Path, split: str | Path, image_cfg: ImageConfig, cache
     sentences, pair = sp.sentences()
     parsed = parse_cached(parser, sentences, Path(cache_root) / "parses")
     return SplitData(sp, feats, boxes, sentences, np.asarray(pair, dtype=np.int64), parsed)
+
+
+def with_mirrored(data: SplitData, image_cfg: ImageConfig, cache_root: Path, workers: int = 1,
+                  device: str = "cpu") -> SplitData:
+    """`data` with its images' mirrored view (`image_cfg` with mirror: every crop flipped left to right,
+    the same boxes), extracted into its own cache folder where missing."""
+    cache = feature_cache(cache_root, dataclasses.replace(image_cfg, mirror=True), device)
+    paths = [data.split.image_path(n) for n in data.names]
+    report = cache.ensure(paths, workers=workers)
+    if report.failed:
+        raise ValueError(f"{len(report.failed)} images have no mirrored view: {report.failed[:3]}")
+    mirrored, boxes = cache.load_arrays(paths)
+    if mirrored.shape != data.feats.shape or not np.allclose(boxes, data.boxes):
+        raise ValueError("the mirrored view's boxes are not the images' boxes: extracted with other settings")
+    return dataclasses.replace(data, mirrored=mirrored)

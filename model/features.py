@@ -23,11 +23,15 @@ FEATURE_VERSION = 2  # bump when the extraction code changes its output for the 
 
 def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     """Everything that shapes the features: every ImageConfig field, the backbone (for a fine-tuned one the
-    digest of its weights, not their path), the version, and for the int8 backbone its quantization recipe."""
+    digest of its weights, not their path), the version, for the int8 backbone its quantization recipe, and
+    the mirrored training view when it is one."""
     image = dataclasses.asdict(cfg)
     weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
     backbone = image.pop("backbone")  # beside the image settings, as before it was one: Lite0's keys stay
+    mirror = image.pop("mirror")  # in the payload only for the mirrored view: the other keys stay
     payload: dict[str, Any] = {"image": image, "backbone": backbone, "version": FEATURE_VERSION}
+    if mirror:
+        payload["mirror"] = True
     if weights:
         payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":

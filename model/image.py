@@ -53,7 +53,9 @@ class RegionExtractor:
     * ``"crop"`` (R-CNN style): regions are chosen with the same one-pass roi scoring, then each kept
       region is cropped from the image, warped to ``cfg.crop_size``² and run through the backbone on
       its own, global-average-pooled; the whole image row is the image at crop_size. The crops are
-      scored at ``cfg.backbone_size`` (224 is enough to rank regions with sides >= 25 %).
+      scored at ``cfg.backbone_size`` (224 is enough to rank regions with sides >= 25 %). With
+      ``cfg.mirror`` (a training view) every crop is flipped left to right before its pass: the
+      features of the mirrored image's mirrored boxes.
 
     ``cfg.backbone_precision`` picks the float or the int8 backbone graph (``model/backbone.py``).
     """
@@ -67,6 +69,8 @@ class RegionExtractor:
         if own and cfg.region_features != "crop" and not cfg.full_frame_only:
             raise ValueError("a fine-tuned or larger backbone (backbone_weights, backbone) needs region_features "
                              "'crop': its regions are ranked by the ImageNet Lite0, its features are the crops'")
+        if cfg.mirror and cfg.region_features != "crop":
+            raise ValueError("the mirrored view (mirror) needs region_features 'crop': its crops are flipped")
         self.cfg = cfg
         self.ranker = Backbone(device, cfg.backbone_precision, runtime)  # ImageNet Lite0: proposals and their ranking
         self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights,
@@ -121,9 +125,10 @@ class RegionExtractor:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _maps(self, images: Sequence[Image.Image], side: int, backbone: Backbone | None = None) -> torch.Tensor:
+    def _maps(self, images: Sequence[Image.Image], side: int, backbone: Backbone | None = None,
+              mirror: bool = False) -> torch.Tensor:
         x = torch.stack([preprocess(img, side) for img in images])
-        return (backbone or self.ranker).feature_map(x)
+        return (backbone or self.ranker).feature_map(x.flip(-1) if mirror else x)
 
     def _roi_pool(
         self, fmap: torch.Tensor, boxes: np.ndarray, w: int, h: int, side: int, sampling: int = FEATURE_SAMPLING
@@ -148,7 +153,7 @@ class RegionExtractor:
     def _full_frame(self, images: Sequence[Image.Image]) -> list[ImageFragments]:
         cfg = self.cfg
         side = cfg.backbone_size if cfg.region_features == "roi_align" else cfg.crop_size
-        pooled = _numpy(self._maps(images, side, self.backbone).mean(dim=(2, 3)))
+        pooled = _numpy(self._maps(images, side, self.backbone, mirror=cfg.mirror).mean(dim=(2, 3)))
         return [
             ImageFragments(full_box(*img.size), pooled[k : k + 1], img.size[0], img.size[1])
             for k, img in enumerate(images)
@@ -157,6 +162,8 @@ class RegionExtractor:
     def _crop_features(self, images: Sequence[Image.Image], boxes: Sequence[np.ndarray]) -> list[ImageFragments]:
         """Warp every box of every image to crop_size² and pool the backbone on each crop."""
         crops = torch.cat([region_crops(img, bx, self.cfg.crop_size) for img, bx in zip(images, boxes, strict=True)])
+        if self.cfg.mirror:
+            crops = crops.flip(-1)
         pooled = _numpy(self.backbone.pooled(crops))
         out, start = [], 0
         for img, bx in zip(images, boxes, strict=True):

@@ -107,6 +107,10 @@ def test_the_backbone_is_in_the_feature_cache_key_and_lite0_keeps_its_key() -> N
     lite2 = ImageConfig(region_features="crop", backbone="efficientnet-lite2", crop_size=260)
     assert config_payload(lite2)["backbone"] == "efficientnet-lite2"
     assert config_key(lite2) != config_key(ImageConfig(region_features="crop", crop_size=260))
+    # the mirrored training view has a folder of its own; the other keys do not name it
+    assert "mirror" not in payload and "mirror" not in payload["image"]
+    mirrored = ImageConfig(region_features="crop", mirror=True)
+    assert config_payload(mirrored)["mirror"] is True and config_key(mirrored) != config_key(lite0)
 
 
 def test_a_larger_backbone_needs_crop_features_and_a_known_name() -> None:

@@ -145,6 +145,28 @@ def test_crop_fragments() -> None:
     assert max(iou(b, SQUARE) for b in fr.boxes[1:]) > 0.5
 
 
+def test_the_mirrored_view_is_the_mirrored_images_crops_of_the_same_boxes() -> None:
+    """ImageConfig.mirror (a training view): the boxes of the image as it is, each crop's features
+    those of the mirrored image's mirrored box; only crop features can be mirrored."""
+    from model.image import region_crops
+
+    cfg = ImageConfig(region_features="crop")
+    img = shapes_picture().resize((260, 200))
+    plain = RegionExtractor(cfg).extract(img)
+    mirrored = RegionExtractor(dataclasses.replace(cfg, mirror=True)).extract(img)
+    np.testing.assert_array_equal(mirrored.boxes, plain.boxes)
+    boxes = plain.boxes.copy()
+    boxes[:, [0, 2]] = img.size[0] - plain.boxes[:, [2, 0]]
+    flipped = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    expected = RegionExtractor(cfg).backbone.pooled(region_crops(flipped, boxes, cfg.crop_size)).numpy()
+    cosine = (mirrored.features * expected).sum(1) / (
+        np.linalg.norm(mirrored.features, axis=1) * np.linalg.norm(expected, axis=1))
+    assert cosine.min() > 0.99, cosine.min()
+    assert not np.allclose(mirrored.features, plain.features, atol=1e-2)  # the shapes are not symmetric
+    with pytest.raises(ValueError, match="mirror"):
+        RegionExtractor(ImageConfig(mirror=True))
+
+
 def test_non_square_image_and_batch(roi_extractor: RegionExtractor) -> None:
     wide = shapes_picture().resize((300, 150))
     frs = roi_extractor.extract_batch([wide, shapes_picture()])

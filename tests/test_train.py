@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -161,3 +162,41 @@ def test_max_violation_takes_over_from_its_epoch() -> None:
     assert [global_top_k_at(warm, e) for e in range(8)] == [5, 5, 5, 5, 1, 1, 1, 1]
     assert [global_top_k_at(TrainConfig(global_top_k=5), e) for e in range(3)] == [5, 5, 5]
     assert global_top_k_at(TrainConfig(global_top_k=0, max_violation_from=1), 0) == 1
+
+
+def test_mirrored_views_show_each_image_as_one_view_or_the_other() -> None:
+    from training.epochs import MirroredViews
+
+    feats, mirrored = torch.zeros(50, 3, 4), torch.ones(50, 3, 4)
+    idx = torch.arange(50)
+    assert torch.equal(MirroredViews(feats, mirrored, 0.0, np.random.default_rng(0))[idx], feats)
+    assert torch.equal(MirroredViews(feats, mirrored, 1.0, np.random.default_rng(0))[idx], mirrored)
+    views = MirroredViews(feats, mirrored, 0.5, np.random.default_rng(0))
+    shown = torch.stack([views[idx] for _ in range(20)])  # (draws, images, F, D)
+    per_image = shown.mean(dim=(2, 3))
+    assert bool(((per_image == 0) | (per_image == 1)).all())  # every fragment of an image from one view
+    assert 0.4 < float(per_image.mean()) < 0.6 and bool((per_image.std(dim=0) > 0).all())  # drawn anew each read
+    with pytest.raises(ValueError, match="mirrored view"):
+        MirroredViews(feats, torch.ones(50, 2, 4), 0.5, np.random.default_rng(0))
+
+
+def test_training_on_mirrored_views_extracts_them_for_the_trained_images_only(shapes_model: ShapesModel,
+                                                                              tmp_path: Path) -> None:
+    """--mirror-views: the images trained on get their mirrored view in a cache folder of its own (the
+    validation part is not mirrored), and the checkpoint's image settings stay those it serves with."""
+    from model.dataset import feature_cache
+
+    cache = tmp_path / "cache"
+    out = tmp_path / "mirror"
+    train_main(["--data", str(shapes_model.data), "--cache", str(cache), "--variant", "paper", "--workers", "1",
+                "--region-features", "crop", "--h", "16", "--batch-size", "20", "--epochs", "2", "--dense-epochs",
+                "1", "--anneal-epochs", "1", "--train-limit", "24", "--val-images", "4", "--eval-every", "1",
+                "--mirror-views", "0.5", "--out", str(out)])
+    summary = json.loads((out / "history.json").read_text())
+    assert summary["config"]["train"]["mirror_views"] == 0.5 and summary["train_images"] == 20
+    bundle = Bundle.load(out / "model.pt")
+    assert bundle.image_cfg.mirror is False
+    plain = feature_cache(cache, bundle.image_cfg)
+    mirrored = feature_cache(cache, dataclasses.replace(bundle.image_cfg, mirror=True))
+    assert plain.dir != mirrored.dir
+    assert len(list(plain.dir.glob("*.npz"))) == 24 and len(list(mirrored.dir.glob("*.npz"))) == 20

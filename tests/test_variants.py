@@ -55,6 +55,7 @@ EXPECTED |= {
     "full-maxviol": {**EXPECTED["full"], "train": {**ROI["train"], "max_violation_from": 5}},
     "full-fragdrop": {**EXPECTED["full"], "train": {**ROI["train"], "fragment_drop": 0.2}},
     "full-long": {**EXPECTED["full"], "train": {**ROI["train"], "epochs": 20, "dense_epochs": 10, "anneal_epochs": 2}},
+    "full-mirror": {**EXPECTED["full"], "train": {**ROI["train"], "mirror_views": 0.5}},
 }
 # the backbone row: full's crops through EfficientNet-Lite2 at its native side
 EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
@@ -100,6 +101,7 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
                       "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0,
                       "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
+                      "mirror_views": 0.0,
                       "rank_images": True, "balanced": True, "h": 256,
                       "calibrate": 0,
                       "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,
@@ -110,7 +112,7 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_image = {"n_regions": 19, "region_features": "roi_align", "backbone_size": 448, "crop_size": 224,
                       "backbone_precision": "fp32", "proposal_mode": "balanced", "proposal_resize": 224,
                       "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False,
-                      "backbone_weights": "", "backbone": "efficientnet-lite0"}
+                      "backbone_weights": "", "backbone": "efficientnet-lite0", "mirror": False}
     full = load_variant("full")
     assert dataclasses.asdict(full.train) == {**defaults_train, "h": 512, "global_top_k": 5, "beta": 2.0,
                                               "calibrate": 1000}

@@ -105,6 +105,20 @@ class ImageFeatures(Protocol):
     def __getitem__(self, idx: torch.Tensor) -> torch.Tensor: ...
 
 
+class MirroredViews:
+    """Image features where each image of a batch is its mirrored view (ImageConfig.mirror) with
+    probability `p`, drawn anew at every read: `ImageFeatures` over two (N, F, D) tensors of one shape."""
+
+    def __init__(self, feats: torch.Tensor, mirrored: torch.Tensor, p: float, rng: np.random.Generator) -> None:
+        if feats.shape != mirrored.shape:
+            raise ValueError(f"mirrored view {tuple(mirrored.shape)} for features {tuple(feats.shape)}")
+        self.feats, self.mirrored, self.p, self.rng = feats, mirrored, p, rng
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        flip = torch.from_numpy(self.rng.random(len(idx)) < self.p)
+        return torch.where(flip[:, None, None], self.mirrored[idx], self.feats[idx])
+
+
 def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFeatures, data: SplitData,
                          batches: FragmentBatches, opt: torch.optim.Optimizer, epoch: int,
                          rng: np.random.Generator, order: np.ndarray | None = None) -> float:

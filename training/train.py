@@ -44,7 +44,7 @@ from model.config import (
     default_data_dir,
     with_region_flags,
 )
-from model.dataset import SplitData, hold_out, load_split_data
+from model.dataset import SplitData, hold_out, load_split_data, with_mirrored
 from model.device import device_name
 from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, TextPipeline
@@ -63,6 +63,8 @@ from model.variants import (
 from training.calibrate import fit_calibration, fit_relevance, store_relevance
 from training.epochs import (
     FragmentBatches,
+    ImageFeatures,
+    MirroredViews,
     lr_at,
     optimizer,
     train_fragment_epoch,
@@ -170,7 +172,12 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         step = lambda e: train_global_epoch(global_model, cfg, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
     else:
         batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device)
-        step = lambda e: train_fragment_epoch(model, cfg, feats, train_data, batches, opt, e, rng)  # noqa: E731
+        views: ImageFeatures = feats
+        if cfg.mirror_views > 0:
+            if train_data.mirrored is None:
+                raise ValueError("mirror_views: the training images' mirrored view was not loaded (with_mirrored)")
+            views = MirroredViews(feats, torch.from_numpy(train_data.mirrored), cfg.mirror_views, rng)
+        step = lambda e: train_fragment_epoch(model, cfg, views, train_data, batches, opt, e, rng)  # noqa: E731
     logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
                 cfg.device, len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
                 time.perf_counter() - t0)
@@ -292,6 +299,8 @@ def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, 
     device = device_name(run.train.device)
     images = load_split_data(data, split, run.image, cache, make_parser(run.text.parser), workers, limit, device)
     tr, val = split_for_selection(run.train, images)
+    if run.train.mirror_views > 0:  # the images trained on only: the validation part is never mirrored
+        tr = with_mirrored(tr, run.image, cache, workers, device)
     summary = train(run, tr, val, out, cache)
     summary["command"] = "python -m training.train " + shlex.join(flags)
     (out / "history.json").write_text(json.dumps(summary, indent=2))
