@@ -16,8 +16,9 @@ from model.bundle import Bundle
 _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
 
 # settings added after indexes were built: left out at their default, so that a model which does not
-# use them keeps the fingerprint its indexes were built with (a merged model's blocks, the crops' CNN)
-LATER = {"model": ("blocks",), "image": ("backbone",)}
+# use them keeps the fingerprint its indexes were built with (a merged model's blocks, the crops' CNN, the
+# mirrored training view)
+LATER = {"model": ("blocks",), "image": ("backbone", "mirror")}
 
 
 def _settings(part: str, cfg: Any) -> dict[str, object]:
