@@ -236,6 +236,32 @@ def add_codes(args: argparse.Namespace, index: ImageIndex, built: dict[str, floa
                 index.n_fragments / seconds, built["disk"] / len(index))
 
 
+def merge_probe(args: argparse.Namespace, bundle: Bundle, built: dict[str, float]) -> None:
+    """The compaction's write at this size: the live rows of the smaller half of the store's segments
+    (what a save merges when they pass index.compaction.MAX_SEGMENTS) written one after another through
+    `VectorStore.write_items` into a scratch file beside the index (removed after), timed, with the
+    process's peak RSS; into build.json as merge_*."""
+    index = ImageIndex.load(args.work / "index", bundle)
+    store, items = index.store, index.items
+    rows = [len(s) for s in store.segments]
+    merge = np.sort(np.argsort(rows, kind="stable")[: len(rows) // 2])
+    live = items.live()
+    moving = live[np.isin(items.seg[live], merge)]
+    moving = moving[np.lexsort((items.off[moving], items.seg[moving]))]
+    locs = [(int(items.seg[i]), int(items.off[i]), int(items.n[i])) for i in moving]
+    scratch = args.work / "merge-probe.npy"
+    with phase(f"merge {len(merge)} of {len(rows)} store segments ({sum(n for _, _, n in locs)} rows)") as rss:
+        t0 = time.perf_counter()
+        store.write_items(scratch, locs)
+        seconds = time.perf_counter() - t0
+    merged = scratch.stat().st_size
+    scratch.unlink()
+    index.close()
+    built.update(merge_s=seconds, merge_bytes=merged, **{f"merge_peak_{k}_mb": v for k, v in rss.peak.items()})
+    (args.work / "build.json").write_text(json.dumps(built))
+    logger.info("merged %.1f GB in %.0f s", merged / 1e9, seconds)
+
+
 def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torch.Tensor]
                  ) -> tuple[list[list[int]], np.ndarray]:
     """The exhaustive exact top K of every query (one pass over the store) and the exhaustive search's
@@ -351,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recode", action="store_true",
                     help="with --codes: drop the index's prescore codes first, so that their derivation is measured "
                          "again (its time and peak RSS go into build.json)")
+    ap.add_argument("--merge-probe", action="store_true",
+                    help="with --skip-build: time the compaction's write of the smaller half of the store's segments "
+                         "(into a scratch file, removed after) with its peak RSS, then stop")
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--exhaustive-timed", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
@@ -382,6 +411,9 @@ def main(argv: list[str] | None = None) -> None:
     built_file = args.work / "build.json"
     if args.skip_build:  # the build's measurements as a build run wrote them (build.json)
         built = json.loads(built_file.read_text())
+        if args.merge_probe:
+            merge_probe(args, bundle, built)
+            return
     else:
         built = build(args, bundle, RealisticImages(real, args.noise), base)
         built_file.write_text(json.dumps(built))
