@@ -51,7 +51,8 @@ ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+glo
          "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
          "devise", "devise (paper)", "devise-bidirectional", "devise-contextual",
          "full-val", "full-maxviol", "full-fragdrop", "full-long", "full-merge2", "full-merge3", "full-merge6",
-         "full-ft", "full-merge3-blocks", "full-merge6-blocks", "full-lite2"]
+         "full-ft", "full-merge3-blocks", "full-merge6-blocks", "full-lite2", "full-val-q7", "full-mirror",
+         "full-mirror-merge2"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
