@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 from bench.index_bench import K, Row, agreement, ann_bytes_per_fragment, describe, read_row, timed, write_csv
 from index import ImageIndex, IndexSettings
+from index.compaction import merged_rows, smaller_half
 from index.shards import ShardWriter, load_shards, shard_settings
 from index.store import VectorStore
 from model.bundle import Bundle
@@ -244,11 +245,9 @@ def merge_probe(args: argparse.Namespace, bundle: Bundle, built: dict[str, float
     index = ImageIndex.load(args.work / "index", bundle)
     store, items = index.store, index.items
     rows = [len(s) for s in store.segments]
-    merge = np.sort(np.argsort(rows, kind="stable")[: len(rows) // 2])
+    merge = smaller_half(rows)
     live = items.live()
-    moving = live[np.isin(items.seg[live], merge)]
-    moving = moving[np.lexsort((items.off[moving], items.seg[moving]))]
-    locs = [(int(items.seg[i]), int(items.off[i]), int(items.n[i])) for i in moving]
+    _, locs = merged_rows(live[np.isin(items.seg[live], merge)], items.seg, items.off, items.n)
     scratch = args.work / "merge-probe.npy"
     with phase(f"merge {len(merge)} of {len(rows)} store segments ({sum(n for _, _, n in locs)} rows)") as rss:
         t0 = time.perf_counter()

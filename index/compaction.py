@@ -24,6 +24,18 @@ MAX_SEGMENTS = 16  # more saved segments than this: the smaller half is merged a
 DEAD_SHARE = 0.5  # share of store rows belonging to removed items that triggers a full rewrite
 
 
+def smaller_half(rows: list[int]) -> list[int]:
+    """The segments a save merges when there are too many: the smaller half by rows (ascending numbers)."""
+    return sorted(np.argsort(rows, kind="stable")[: len(rows) // 2].tolist())
+
+
+def merged_rows(moving: np.ndarray, seg: np.ndarray, off: np.ndarray, n: np.ndarray
+                ) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Items to merge in file order, and their (segment, offset, n) as `VectorStore.write_items` takes them."""
+    moving = moving[np.lexsort((off[moving], seg[moving]))]
+    return moving, [(int(seg[i]), int(off[i]), int(n[i])) for i in moving]
+
+
 def compact(root: Path, store: VectorStore, items: ItemTable[Any], gen: int, files: list[str], rows: list[int],
             seg: np.ndarray, off: np.ndarray, created: list[Path]) -> tuple[list[str], list[int]]:
     """The segments (files, rows) after merging; updates `seg` / `off` (copies of the item table's) in place."""
@@ -35,16 +47,14 @@ def compact(root: Path, store: VectorStore, items: ItemTable[Any], gen: int, fil
     if total and dead_rows > DEAD_SHARE * total:
         merge = list(range(len(files)))
     elif len(files) > MAX_SEGMENTS:
-        merge = sorted(np.argsort(rows, kind="stable")[: len(files) // 2].tolist())
+        merge = smaller_half(rows)
     else:
         return files, rows
     in_merge = np.isin(seg[:n_items], merge)
-    moving = np.flatnonzero(in_merge & alive)
-    moving = moving[np.lexsort((off[moving], seg[moving]))]
+    moving, locs = merged_rows(np.flatnonzero(in_merge & alive), seg, off, items.n)
     name = unique_name(STORE_PREFIX, gen, STORE_SUFFIX)
     created.append(Path(root) / name)
     # rows of the segment just written from the live rows are read from memory (store.rows)
-    locs = [(int(seg[i]), int(off[i]), int(items.n[i])) for i in moving]
     new_offsets = store.write_items(Path(root) / name, locs)
     keep = [s for s in range(len(files)) if s not in merge]
     renumber = np.full(len(files), -1, np.int64)
