@@ -226,9 +226,10 @@ def add_codes(args: argparse.Namespace, index: ImageIndex, built: dict[str, floa
     segment, index.codes), timed; the folder's size after it becomes the build's `disk`."""
     faiss.omp_set_num_threads(args.build_threads)
     torch.set_num_threads(args.build_threads)
-    with phase(f"add {args.codes}-d prescore codes") as rss:
+    with phase(f"add {args.codes}-d prescore codes" + f" and {args.refine_codes}-d refining codes" * bool(
+            args.refine_codes)) as rss:
         t0 = time.perf_counter()
-        index.add_codes(args.codes)
+        index.add_codes(args.codes, args.refine_codes)
         seconds = time.perf_counter() - t0
     built.update(codes_s=seconds, **{f"codes_peak_{k}_mb": v for k, v in rss.peak.items()},
                  disk=folder_bytes(args.work / "index"), peak_VmRSS_mb=max(built["peak_VmRSS_mb"], rss.peak["VmRSS"]))
@@ -287,7 +288,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
     index = ImageIndex.load(args.work / "index", bundle)
     if args.recode and index.settings.codes:
         index.add_codes(0)  # dropped, so that they are derived anew below
-    if args.codes and index.settings.codes != args.codes:
+    if args.codes and (index.settings.codes, index.settings.refine_codes) != (args.codes, args.refine_codes):
         add_codes(args, index, built)
     faiss.omp_set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
@@ -311,7 +312,8 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             gc.collect()
             drop_page_cache()
             index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, prescore=s.prescore, exact_below=0)
+        index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, prescore=s.prescore, refine=s.refine,
+                         exact_below=0)
         index.store.read_ahead = read_ahead
         before = load_average()
         with RssSampler() as rss:
@@ -321,6 +323,8 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
         p50, ex50 = float(np.percentile(ms, 50)), float(np.percentile(exhaustive_ms, 50))
         params = describe(index) + (";reads=" + ("prefetch" if read_ahead else "one-by-one")) * (args.reads == "both")
         params += ";cold" * args.cold + f";threads={args.threads}" * (args.threads != 1)
+        if os.environ.get("OMP_WAIT_POLICY"):  # the service sets PASSIVE (service/__init__.py)
+            params += f";OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
         row = Row(label, len(index), "faiss", index.candidates.active_kind, params,
                   round(agreement(found, truth), 4), round(p50, 2), round(float(np.percentile(ms, 99)), 2),
                   round(ex50, 1), round(ex50 / p50, 1), round(ann_bytes_per_fragment(index), 1), command,
@@ -367,12 +371,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nlist", type=int, default=1024)
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--sweep", default="16:16384:1024,16:16384:2048,16:32768:2048,32:32768:2048,16:65536:2048",
-                    help="search settings measured, nprobe:k_prime:rerank[:prescore] comma-separated")
+                    help="search settings measured, nprobe:k_prime:rerank[:prescore[:refine]] comma-separated")
     ap.add_argument("--save-setting", default="",
-                    help="nprobe:k_prime:rerank[:prescore] saved into the kept index after measuring (what the "
-                         "service then searches with)")
+                    help="nprobe:k_prime:rerank[:prescore[:refine]] saved into the kept index after measuring "
+                         "(what the service then searches with)")
     ap.add_argument("--codes", type=int, default=0,
                     help="prescore codes of this dimension (index.codes), added to the index before measuring")
+    ap.add_argument("--refine-codes", type=int, default=0,
+                    help="with --codes: refining codes of this dimension (index.codes), added with them")
     ap.add_argument("--recode", action="store_true",
                     help="with --codes: drop the index's prescore codes first, so that their derivation is measured "
                          "again (its time and peak RSS go into build.json)")
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     real, captions = real_fragments(bundle, args.data, args.cache)
     base = IndexSettings(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)
     settings = [dataclasses.replace(base, nprobe=int(p), k_prime=int(k), rerank=int(r),
-                                    prescore=int(pre[0]) if pre else 0)
+                                    prescore=int(pre[0]) if pre else 0, refine=int(pre[1]) if len(pre) > 1 else 0)
                 for p, k, r, *pre in (s.split(":") for s in args.sweep.split(","))]
     args.work.mkdir(parents=True, exist_ok=True)
     built_file = args.work / "build.json"
@@ -422,7 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_setting:
         nprobe, k_prime, rerank, *pre = (int(v) for v in args.save_setting.split(":"))
         index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(nprobe=nprobe, k_prime=k_prime, rerank=rerank, prescore=pre[0] if pre else 0, exact_below=0)
+        index.set_search(nprobe=nprobe, k_prime=k_prime, rerank=rerank, prescore=pre[0] if pre else 0,
+                         refine=pre[1] if len(pre) > 1 else 0, exact_below=0)
         index.save()
         index.close()
     old = []

@@ -303,12 +303,13 @@ class FragmentIndex(Generic[P]):
         """Make the current state durable, atomically (index.saving)."""
         saving.save(self)
 
-    def add_codes(self, dim: int) -> None:
-        """Keep `dim`-dimensional prescore codes of the stored fragments (index.codes; 0: none), and
-        save: the save derives the codes of every stored segment, in the commit (a crash keeps the
-        last committed state). A load of an index with codes derives those of new rows at each save."""
+    def add_codes(self, dim: int, refine: int = 0) -> None:
+        """Keep `dim`-dimensional prescore codes of the stored fragments (index.codes; 0: none) and
+        `refine`-dimensional refining codes (0: none), and save: the save derives the codes of every
+        stored segment, in the commit (a crash keeps the last committed state). A load of an index
+        with codes derives those of new rows at each save."""
         with self.writer:
-            settings = dataclasses.replace(self.settings, codes=dim)
+            settings = dataclasses.replace(self.settings, codes=dim, refine_codes=refine if dim else 0)
             with self.rw.write():
                 self.settings = settings
             self.save()

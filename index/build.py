@@ -159,7 +159,8 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
     return IndexSettings(kind=args.kind, nlist=args.nlist, m=args.m, nbits=args.nbits, nprobe=args.nprobe,
                          k_prime=args.k_prime, rerank=args.rerank, ef_search=args.ef_search, hnsw_m=args.hnsw_m,
                          pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu,
-                         codes=args.codes, prescore=args.prescore)
+                         codes=args.codes, prescore=args.prescore, refine_codes=args.refine_codes,
+                         refine=args.refine)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -204,6 +205,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="dimensions of the prescore codes of every stored fragment (0: none; large collections: 64)")
     ap.add_argument("--prescore", type=int, default=defaults.prescore,
                     help="with --codes and --rerank: candidates (by partial score) whose codes are scored (0: all)")
+    ap.add_argument("--refine-codes", type=int, default=defaults.refine_codes,
+                    help="with --codes: dimensions of a second, refining code of every fragment (0: none)")
+    ap.add_argument("--refine", type=int, default=defaults.refine,
+                    help="with --refine-codes: candidates (by the first code's score) scored on both codes (0: none)")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
     ap.add_argument("--backend", default="faiss", choices=BACKENDS,
                     help="where candidate vectors are searched: in-process FAISS, or Milvus")

@@ -19,6 +19,13 @@ segment the committed codes do not cover yet (the segment written from the live 
 compaction merged, or every segment of an index that had no codes) is read back and encoded into a
 new file under a fresh name; the commit names them, so a crash keeps the last committed state. Rows
 added since the last save have no codes yet: a search scores those candidates exactly.
+
+Refining codes (`IndexSettings.refine_codes`): a second code of every fragment, its projection on the
+leading directions of what the first code's projection leaves out (the residual's uncentred second
+moment, orthogonal to the first directions), read into memory as the first code is. A search
+scores its many candidates on the first code, keeps the `IndexSettings.refine` best, and scores those
+on both codes (v . s replaced by the products on all the first and second directions): a closer
+score, so the exact re-rank can read the full vectors of fewer items.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from model.atomic import atomic_path
 logger = logging.getLogger(__name__)
 
 CODES_PREFIX, CODES_SUFFIX = "codes", ".npy"
+REFINE_PREFIX = "codes-refine"
 PROJECTION_SAMPLE = 65_536  # stored fragments the projection is fitted on
 ENCODE_ROWS = 1 << 16  # store rows encoded at a time
 SCORE_ITEMS = 4096  # candidates whose codes are decoded and scored at a time
@@ -54,30 +62,41 @@ ApproxScore = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 @dataclass(frozen=True)
 class CodesInfo:
     """What a commit names of the codes: their dimension, the projection file, one code file per
-    store segment (in the store's order)."""
+    store segment (in the store's order), and the refining codes' own (None: no refining codes)."""
 
     dim: int
     projection: str
     files: list[str]
+    refine: CodesInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dim": self.dim, "projection": self.projection, "files": list(self.files)}
+        out: dict[str, Any] = {"dim": self.dim, "projection": self.projection, "files": list(self.files)}
+        if self.refine is not None:
+            out["refine"] = self.refine.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CodesInfo:
-        return cls(int(data["dim"]), str(data["projection"]), [str(f) for f in data["files"]])
+        refine = cls.from_dict(data["refine"]) if data.get("refine") else None
+        return cls(int(data["dim"]), str(data["projection"]), [str(f) for f in data["files"]], refine)
+
+    def names(self) -> set[str]:
+        """Every file the codes consist of."""
+        return {self.projection, *self.files} | (self.refine.names() if self.refine is not None else set())
 
 
 class PrescoreCodes:
     """The committed codes of an index: the projection (d, dim) and the code segments, parallel to
-    the re-rank store's saved segments."""
+    the re-rank store's saved segments; `refined`: the refining codes (the same, of the residual)."""
 
-    def __init__(self, info: CodesInfo, projection: np.ndarray, arrays: list[np.ndarray]) -> None:
+    def __init__(self, info: CodesInfo, projection: np.ndarray, arrays: list[np.ndarray],
+                 refined: PrescoreCodes | None = None) -> None:
         self.info = info
         self.projection = projection
         self.dim = info.dim
         self.store = VectorStore(info.dim, "int8")
         self.store.commit(info.files, arrays)
+        self.refined = refined
 
     @property
     def segments(self) -> int:
@@ -85,17 +104,26 @@ class PrescoreCodes:
         return len(self.store.segments)
 
     @classmethod
-    def open(cls, root: Path, info: CodesInfo, store_dim: int, rows: list[int]) -> PrescoreCodes:
-        """The codes a commit names; ValueError / OSError when a file is missing or of another shape."""
-        projection = np.load(Path(root) / info.projection, allow_pickle=False)
-        if projection.shape != (info.dim, store_dim) or projection.dtype != np.float32:
-            raise ValueError(f"{info.projection}: {projection.dtype} {projection.shape}, expected float32 "
-                             f"({info.dim}, {store_dim})")
+    def open(cls, root: Path, info: CodesInfo, store_dim: int, rows: list[int],
+             opened: PrescoreCodes | None = None) -> PrescoreCodes:
+        """The codes a commit names, read into memory, those `opened` (the codes before the commit)
+        already holds kept; ValueError / OSError when a file is missing or of another shape."""
+        if opened is not None and opened.info.projection == info.projection:
+            projection = opened.projection
+            have = dict(zip(opened.info.files, opened.store.segments, strict=True))
+        else:
+            projection, have = np.load(Path(root) / info.projection, allow_pickle=False), {}
+            if projection.shape != (info.dim, store_dim) or projection.dtype != np.float32:
+                raise ValueError(f"{info.projection}: {projection.dtype} {projection.shape}, expected float32 "
+                                 f"({info.dim}, {store_dim})")
         if len(info.files) != len(rows):
             raise ValueError(f"{len(info.files)} code files for {len(rows)} store segments")
-        arrays = [VectorStore.open_segment(Path(root) / f, info.dim, np.dtype(np.int8), r, in_memory=True)
+        arrays = [have[f] if f in have
+                  else VectorStore.open_segment(Path(root) / f, info.dim, np.dtype(np.int8), r, in_memory=True)
                   for f, r in zip(info.files, rows, strict=True)]
-        return cls(info, projection, arrays)
+        refined = None if info.refine is None else cls.open(
+            root, info.refine, store_dim, rows, opened=opened.refined if opened else None)
+        return cls(info, projection, arrays, refined)
 
     def project(self, vecs: np.ndarray) -> np.ndarray:
         """(n, dim) -> (n, d) float32 on the codes' directions."""
@@ -106,18 +134,22 @@ class PrescoreCodes:
         seg = items.seg[cand]
         return (seg >= 0) & (seg < self.segments)
 
-    def scores(self, items: ItemTable[Any], cand: np.ndarray, queries: np.ndarray, approx: ApproxScore
-               ) -> np.ndarray:
+    def scores(self, items: ItemTable[Any], cand: np.ndarray, queries: np.ndarray, approx: ApproxScore,
+               refined: bool = False) -> np.ndarray:
         """The approximate score (C,) of covered candidate items for queries (t, dim): their codes'
-        rows gathered without padding, their products with the projected queries, S_kl of those."""
-        q = torch.from_numpy(self.project(queries))
+        rows gathered without padding, their products with the projected queries, S_kl of those;
+        `refined` (with refining codes): the products on both codes' directions."""
+        levels = [self] + ([self.refined] if refined and self.refined is not None else [])
+        qs = [torch.from_numpy(level.project(queries)) for level in levels]
         out = np.empty(len(cand), np.float32)
         order = np.lexsort((items.off[cand], items.seg[cand]))  # file order: each segment's rows read in one pass
         for start in range(0, len(cand), SCORE_ITEMS):
             at = order[start : start + SCORE_ITEMS]
             part = cand[at]
-            n = items.n[part]
-            dots = self.store.dots(self.store.gather_rows(items.seg[part], items.off[part], n), q)
+            seg, off, n = items.seg[part], items.off[part], items.n[part]
+            dots = levels[0].store.dots(levels[0].store.gather_rows(seg, off, n), qs[0])
+            for level, q in zip(levels[1:], qs[1:], strict=True):
+                dots += level.store.dots(level.store.gather_rows(seg, off, n), q)
             owner = torch.from_numpy(np.repeat(np.arange(len(part)), n))
             out[at] = approx(dots, owner, len(part)).numpy()
         return out
@@ -125,11 +157,12 @@ class PrescoreCodes:
 
 def derive(root: Path, store: VectorStore, files: list[str], rows: list[int], dim: int,
            current: PrescoreCodes | None, sample: Callable[[int], np.ndarray], gen: int,
-           created: list[Path]) -> CodesInfo | None:
+           created: list[Path], refine: int = 0, prefix: str = CODES_PREFIX) -> CodesInfo | None:
     """The codes of the store segments `files` (rows each) a save is about to commit: those `current`
     covers are kept, the others encoded into new files (added to `created`). A new projection is
     fitted on a sample when there is none of dimension `dim` (then every segment is encoded anew).
-    None when `dim` is 0 or nothing is stored."""
+    `refine` > 0: the refining codes too, of that dimension, derived the same way on the directions
+    the first projection leaves out (fitted anew with it). None when `dim` is 0 or nothing is stored."""
     if not dim or not sum(rows):
         return None
     root = Path(root)
@@ -139,7 +172,8 @@ def derive(root: Path, store: VectorStore, files: list[str], rows: list[int], di
     else:
         projection = uncentred_pca(sample(PROJECTION_SAMPLE), dim)
         store.release_all()  # the sample's reads touched pages all over the store
-        projection_file = unique_name(f"{CODES_PREFIX}-projection", gen, CODES_SUFFIX)
+        current = None  # refining codes of another first projection are fitted anew
+        projection_file = unique_name(f"{prefix}-projection", gen, CODES_SUFFIX)
         with atomic_path(root / projection_file) as tmp, open(tmp, "wb") as fh:
             np.save(fh, projection)
         created.append(root / projection_file)
@@ -147,9 +181,9 @@ def derive(root: Path, store: VectorStore, files: list[str], rows: list[int], di
     encoder = VectorStore(dim, "int8")
     todo = [(f, r) for f, r in zip(files, rows, strict=True) if f not in have]
     total = sum(r for _, r in todo)
-    with tqdm(total=total, desc="prescore codes", unit="frag", disable=total < 4 * ENCODE_ROWS) as bar:
+    with tqdm(total=total, desc=f"{prefix} ({dim}-d)", unit="frag", disable=total < 4 * ENCODE_ROWS) as bar:
         for file, n_rows in todo:
-            name = unique_name(CODES_PREFIX, gen, CODES_SUFFIX)
+            name = unique_name(prefix, gen, CODES_SUFFIX)
             created.append(root / name)
             source = VectorStore.open_segment(root / file, store.dim, store.dtype, n_rows)
             with atomic_path(root / name) as tmp:
@@ -165,4 +199,12 @@ def derive(root: Path, store: VectorStore, files: list[str], rows: list[int], di
             have[file] = name
     if todo:
         logger.info("prescore codes (%d-d) of %d store segment(s), %d fragments, in %s", dim, len(todo), total, root)
-    return CodesInfo(dim, projection_file, [have[f] for f in files])
+    refined = None
+    if refine:
+        def residual(size: int) -> np.ndarray:  # what the first projection leaves out of a sample
+            x = np.asarray(sample(size), dtype=np.float32)
+            return x - (x @ projection.T) @ projection
+
+        refined = derive(root, store, files, rows, refine, current.refined if current else None, residual, gen,
+                         created, prefix=REFINE_PREFIX)
+    return CodesInfo(dim, projection_file, [have[f] for f in files], refined)

@@ -225,7 +225,8 @@ class Ranker(Generic[P]):
         With `settings.rerank` = R > 0, only the R items with the best prescore are kept for the exact
         re-rank: the partial score (`_prescore` of the sum of max(0, backend score) over their retrieved
         fragments), or, when the index has prescore codes and `approx` is given, `approx` of their codes
-        against the projected queries (of the `settings.prescore` best by partial score, 0: of all);
+        against the projected queries (of the `settings.prescore` best by partial score, 0: of all;
+        with refining codes, the `settings.refine` best of those scored again on both codes);
         candidates without codes yet (added since the last save) are all kept.
         """
         self._searched("candidates")
@@ -267,7 +268,14 @@ class Ranker(Generic[P]):
         coded = codes.covered(index.items, kept)
         found = kept[coded]
         if len(found) > limit:
-            found = found[best_positions(codes.scores(index.items, found, queries, approx), found, limit)]
+            refine = settings.refine if codes.refined is not None and settings.refine > limit else 0
+            if len(found) > refine:  # the first code's score, and the `refine` best of it kept
+                scores = codes.scores(index.items, found, queries, approx)
+                if refine:
+                    found = found[best_positions(scores, found, refine)]
+            if refine:  # scored on both codes
+                scores = codes.scores(index.items, found, queries, approx, refined=True)
+            found = found[best_positions(scores, found, limit)]
         return np.sort(np.concatenate([found, kept[~coded]]))
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:

@@ -93,7 +93,8 @@ def save(index: SavedIndex) -> None:
                 files.append(name)
             files, rows = compact(index.root, store, items, gen, files, rows, seg, off, created)
             codes_info = derive(index.root, store, files, rows, index.settings.codes, index.codes,
-                                lambda size: index.stored.sample(items.live(), size), gen, created)
+                                lambda size: index.stored.sample(items.live(), size), gen, created,
+                                refine=index.settings.refine_codes)
             backend_info = index.candidates.persist(index.root, gen, created)
             commit(index, gen, files, rows, seg, off, {**backend_info, "codes": codes_info and codes_info.to_dict()})
         except BaseException as e:
@@ -116,7 +117,7 @@ def save(index: SavedIndex) -> None:
             index.candidates.committed(backend_info)
         keep = set(files) | index.candidates.keeps()
         if codes_info is not None:
-            keep |= {codes_info.projection, *codes_info.files}
+            keep |= codes_info.names()
         remove_unreferenced(index, keep)
         index.catalogue.checkpoint()
 
@@ -125,14 +126,7 @@ def committed_codes(index: SavedIndex, info: CodesInfo | None, rows: list[int]) 
     """The codes a commit named, the files already open kept open."""
     if info is None:
         return None
-    old = index.codes
-    if old is not None and old.info.projection == info.projection:
-        opened = dict(zip(old.info.files, old.store.segments, strict=True))
-        arrays = [opened[f] if f in opened
-                  else VectorStore.open_segment(index.root / f, info.dim, np.dtype(np.int8), r, in_memory=True)
-                  for f, r in zip(info.files, rows, strict=True)]
-        return PrescoreCodes(info, old.projection, arrays)
-    return PrescoreCodes.open(index.root, info, index.dim, rows)
+    return PrescoreCodes.open(index.root, info, index.dim, rows, opened=index.codes)
 
 
 def commit(index: SavedIndex, gen: int, files: list[str], rows: list[int], seg: np.ndarray, off: np.ndarray,

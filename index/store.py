@@ -389,10 +389,13 @@ class VectorStore:
         int8 rows: the codes' products times each row's scale (the decode folded into the product).
         Decoded DOT_ROWS rows at a time, so the float copy stays in the cache."""
         out = torch.empty(len(raw), len(queries), dtype=torch.float32)
-        qt = queries.T
+        qt = queries.T.contiguous()  # (dim, t) in order: the skinny product reads it row by row
+        decoded = torch.empty(min(DOT_ROWS, len(raw)), self.dim, dtype=torch.float32)  # one buffer, reused
         for start in range(0, len(raw), DOT_ROWS):
             part = torch.from_numpy(np.asarray(raw[start : start + DOT_ROWS, : self.dim]))
-            torch.matmul(part.float(), qt, out=out[start : start + len(part)])
+            rows = decoded[: len(part)]
+            rows.copy_(part)
+            torch.matmul(rows, qt, out=out[start : start + len(part)])
         if self.dtype == np.int8:
             out.mul_(torch.from_numpy(np.ascontiguousarray(self.scales(raw))))
         return out

@@ -12,7 +12,8 @@ from index.places import Place
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
 # Fields that shape the stored FAISS index; the others only change how it is searched.
-STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype", "codes")
+STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype", "codes",
+              "refine_codes")
 
 
 class IndexLoadError(ValueError):
@@ -46,6 +47,9 @@ class IndexSettings:
     and `rerank` R, a search scores its candidates approximately on their codes (the exact score of
     the decoded codes against the projected queries) and reads the full vectors of the R best only;
     `prescore` P > 0 first keeps the P candidates with the best partial score for that (0: all of them).
+    `refine_codes` d2 > 0 keeps a second, refining code of every fragment (on the directions the first
+    leaves out, also in memory); with it, `refine` N > 0 keeps the N candidates with the best score on
+    the first code and scores them on both codes before the cut to the R best (0: no second step).
     `exact_below`: a collection of at most this many live fragments is searched by the exact score over
     every item, without the candidate stage (at that size the scan costs less than the candidate
     search and agrees with the exact ranking by definition); 0 always uses the candidates.
@@ -68,6 +72,8 @@ class IndexSettings:
     exact_below: int = 50_000  # live fragments under which a search scans every item exactly
     codes: int = 0  # dimensions of the prescore codes (0: none)
     prescore: int = 0  # candidates (by partial score) whose codes are scored, with codes and rerank (0: all)
+    refine_codes: int = 0  # dimensions of the refining codes (0: none; only with codes)
+    refine: int = 0  # candidates (by the first code's score) scored on both codes (0: no second step)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -89,6 +95,11 @@ class IndexSettings:
             raise ValueError(f"codes must be >= 0 (0: no prescore codes), got {self.codes}")
         if self.prescore < 0:
             raise ValueError(f"prescore must be >= 0 (0: every candidate), got {self.prescore}")
+        if self.refine_codes < 0 or (self.refine_codes and not self.codes):
+            raise ValueError(f"refine_codes must be >= 0 and needs codes > 0, got {self.refine_codes} "
+                             f"with codes {self.codes}")
+        if self.refine < 0:
+            raise ValueError(f"refine must be >= 0 (0: no second step), got {self.refine}")
 
     @property
     def trainable(self) -> bool:
@@ -122,7 +133,8 @@ class IndexSettings:
         if self.rerank:
             parts.insert(1, f"rerank={self.rerank}")
         if self.codes:
-            parts.insert(1, f"codes={self.codes}" + (f";prescore={self.prescore}" if self.prescore else ""))
+            parts.insert(1, f"codes={self.codes}" + (f";prescore={self.prescore}" if self.prescore else "")
+                         + (f";refine_codes={self.refine_codes};refine={self.refine}" if self.refine_codes else ""))
         if self.pretransform:
             parts.insert(0, f"pre={self.pretransform}")
         if self.kind in ("ivf", "ivfpq"):
@@ -142,8 +154,8 @@ class IndexSettings:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def with_search(self, **changes: Any) -> IndexSettings:
-        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, prescore, use_gpu,
-        exact_below)."""
+        """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, prescore, refine,
+        use_gpu, exact_below)."""
         bad = sorted(set(changes) & set(STRUCTURAL))
         if bad:
             raise ValueError(f"{', '.join(bad)} shape the stored index: rebuild it to change them")

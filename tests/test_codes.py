@@ -191,3 +191,89 @@ def test_the_partial_selection_keeps_the_sorted_top_k_with_ties_to_the_smaller_i
         got_ids, got_sums = group_items(ids, weights, int(ids.max()) + 1)
         np.testing.assert_array_equal(got_ids, uniq)
         np.testing.assert_allclose(got_sums, np.bincount(where, weights=weights))
+
+
+REFINE_CODES = 8  # the refining codes: 8 more of the H = 32 dimensions
+
+
+def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: Path, bundle: Bundle,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """The refining codes are derived with the first ones on the directions the first projection leaves
+    out, survive a reload, score closer to the exact S_kl than the first codes alone, and a search
+    with `refine` N scores the N best by the first codes again on both before the exact re-rank."""
+    root = tmp_path / "idx"
+    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16", codes=CODES))
+    ix.add_vectors(*images())
+    ix.save()
+    assert ix.codes is not None and ix.codes.refined is None
+    first = {p.name for p in code_files(root)}
+    ix.add_codes(CODES, REFINE_CODES)  # the first codes kept, the refining ones derived for every segment
+    codes = ix.codes
+    assert codes is not None and codes.refined is not None and codes.refined.dim == REFINE_CODES
+    assert first < {p.name for p in code_files(root)} and len(code_files(root)) == 4
+    assert codes.refined.segments == codes.segments == len(ix.store.segments)
+    assert codes.refined.store.bytes_per_row == REFINE_CODES + 4
+    # orthonormal directions, the refining ones orthogonal to the first
+    both = np.concatenate([codes.projection, codes.refined.projection])
+    np.testing.assert_allclose(both @ both.T, np.eye(CODES + REFINE_CODES), atol=1e-4)
+    ix.close()
+
+    ix = ImageIndex.load(root, bundle)
+    codes = ix.codes
+    assert codes is not None and codes.refined is not None and ix.settings.refine_codes == REFINE_CODES
+    sent = embed_sentence(bundle, QUERIES[1])[0]
+    items = ix.ids()
+    vecs, mask = ix.stored.vectors(items)
+    exact = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0].numpy()
+    alone = codes.scores(ix.items, items, sent.numpy(), skl_of_items)
+    refined = codes.scores(ix.items, items, sent.numpy(), skl_of_items, refined=True)
+    assert np.abs(refined - exact).mean() < 0.5 * np.abs(alone - exact).mean()
+
+    scored: list[tuple[int, bool]] = []
+    real_scores = index.codes.PrescoreCodes.scores
+
+    def spy(self: index.codes.PrescoreCodes, items_: object, cand: np.ndarray, queries: np.ndarray,
+            approx: object, refined: bool = False) -> np.ndarray:
+        scored.append((len(cand), refined))
+        return real_scores(self, items_, cand, queries, approx, refined)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(index.codes.PrescoreCodes, "scores", spy)
+    candidates_on(ix, rerank=10)
+    ix.set_search(refine=40)
+    page = ix.search_page(QUERIES[0], 0, 10)
+    assert page.considered == 10 and scored == [(N, False), (40, True)]
+    with_refine = agreement(ix)
+    ix.set_search(refine=0)  # no second step: the first codes alone cut to the re-rank's 10
+    scored.clear()
+    ix.search_page(QUERIES[0], 0, 10)
+    assert scored == [(N, False)]
+    assert with_refine >= agreement(ix) and with_refine >= 0.9
+    ix.set_search(refine=2 * N)  # room for every candidate: all scored on both codes, once
+    scored.clear()
+    ix.search_page(QUERIES[0], 0, 10)
+    assert scored == [(N, True)]
+    ix.add_codes(CODES)  # without refining codes again: their files go
+    assert ix.codes is not None and ix.codes.refined is None and len(code_files(root)) == 2
+    ix.close()
+
+
+def test_a_missing_refining_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
+    root = tmp_path / "idx"
+    ix = ImageIndex.create(root, bundle, IndexSettings(codes=CODES, refine_codes=REFINE_CODES))
+    ix.add_vectors(*images(60))
+    ix.save()
+    ix.close()
+    refining = [p for p in root.glob(f"{index.codes.REFINE_PREFIX}-*.npy") if "projection" not in p.name]
+    assert len(refining) == 1
+    refining[0].unlink()
+    with pytest.raises(IndexLoadError, match="prescore code file"):
+        ImageIndex.load(root, bundle)
+
+
+def test_refining_codes_need_first_codes():
+    with pytest.raises(ValueError, match="refine_codes"):
+        IndexSettings(refine_codes=8)
+    with pytest.raises(ValueError, match="refine"):
+        IndexSettings(codes=8, refine=-1)
+    with pytest.raises(ValueError, match="shape the stored index"):
+        IndexSettings(codes=8).with_search(refine_codes=4)
