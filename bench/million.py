@@ -323,7 +323,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
         p50, ex50 = float(np.percentile(ms, 50)), float(np.percentile(exhaustive_ms, 50))
         params = describe(index) + (";reads=" + ("prefetch" if read_ahead else "one-by-one")) * (args.reads == "both")
         params += ";cold" * args.cold + f";threads={args.threads}" * (args.threads != 1)
-        if os.environ.get("OMP_WAIT_POLICY"):  # the service sets PASSIVE (service/__init__.py)
+        if os.environ.get("OMP_WAIT_POLICY"):  # recorded: it may change the timings (the service leaves it unset)
             params += f";OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}"
         row = Row(label, len(index), "faiss", index.candidates.active_kind, params,
                   round(agreement(found, truth), 4), round(p50, 2), round(float(np.percentile(ms, 99)), 2),
