@@ -158,6 +158,20 @@ def phase(name: str) -> Iterator[RssSampler]:
                 load_average())
 
 
+SETTING_FIELDS = ("nprobe", "k_prime", "rerank", "prescore", "refine", "summaries")
+
+
+def search_setting(base: IndexSettings, text: str) -> IndexSettings:
+    """`base` with the search setting `nprobe:k_prime:rerank[:prescore[:refine[:summaries]]]` (the
+    last three 0 when left out), as --sweep and --save-setting write it."""
+    parts = text.strip().split(":")
+    if not 3 <= len(parts) <= len(SETTING_FIELDS) or not all(p.isdigit() for p in parts):
+        raise SystemExit(f"bench.million: a search setting is nprobe:k_prime:rerank[:prescore[:refine[:summaries]]] "
+                         f"in whole numbers, not {text!r}")
+    values = [int(p) for p in parts] + [0] * (len(SETTING_FIELDS) - len(parts))
+    return base.with_search(**dict(zip(SETTING_FIELDS, values, strict=True)))
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
@@ -168,6 +182,8 @@ def build(args: argparse.Namespace, bundle: Bundle, gen: RealisticImages, settin
     index_dir, shards = args.work / "index", args.work / "shards"
     if not args.resume:
         shutil.rmtree(index_dir, ignore_errors=True)
+    for stale in args.work.glob("truth-*.json"):  # the exhaustive truth of the collection being replaced
+        stale.unlink()
     shutil.rmtree(shards, ignore_errors=True)
     cfg = shard_settings(bundle.image_cfg)
     boxes = np.tile(np.array([0, 0, 224, 224], np.float32), (gen.real.shape[1], 1))
@@ -269,7 +285,7 @@ def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torc
     cached = args.work / f"truth-{len(queries)}.json"
     if cached.is_file():
         data = json.loads(cached.read_text())
-        if data["images"] == len(index):
+        if data["images"] == len(index) and data.get("fingerprint") == index.fingerprint:
             return data["truth"], np.asarray(data["exhaustive_ms"])
     with phase("exhaustive ground truth") as rss:
         torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
@@ -279,7 +295,8 @@ def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torc
             lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], args.exhaustive_timed)
     logger.info("exhaustive p50 %.0f ms over %d queries (peak %s)", np.median(exhaustive_ms), len(exhaustive_ms),
                 rss.describe())
-    cached.write_text(json.dumps({"images": len(index), "truth": truth, "exhaustive_ms": exhaustive_ms.tolist()}))
+    cached.write_text(json.dumps({"images": len(index), "fingerprint": index.fingerprint, "truth": truth,
+                                  "exhaustive_ms": exhaustive_ms.tolist()}))
     return truth, exhaustive_ms
 
 
@@ -302,6 +319,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             break
     label = f"synthetic-real-{args.images // 1000}k-h{bundle.dim}" if args.images < 1_000_000 else \
         f"synthetic-real-{args.images // 1_000_000}M-h{bundle.dim}"
+    label += f"-{args.label}" if args.label else ""
     truth, exhaustive_ms = ground_truth(args, index, queries)
     rows = []
     reads = [True, False] if args.reads == "both" else [args.reads == "prefetch"]
@@ -312,8 +330,9 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             gc.collect()
             drop_page_cache()
             index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(nprobe=s.nprobe, k_prime=s.k_prime, rerank=s.rerank, prescore=s.prescore, refine=s.refine,
-                         exact_below=0)
+        index.set_search(**{k: getattr(s, k) for k in SETTING_FIELDS}, exact_below=0)
+        if s.summaries and index.codes is not None:  # as a load of an index saved with the setting does
+            index.codes.summaries(index.items)
         index.store.read_ahead = read_ahead
         before = load_average()
         with RssSampler() as rss:
@@ -371,10 +390,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nlist", type=int, default=1024)
     ap.add_argument("--store-dtype", default="float16")
     ap.add_argument("--sweep", default="16:16384:1024,16:16384:2048,16:32768:2048,32:32768:2048,16:65536:2048",
-                    help="search settings measured, nprobe:k_prime:rerank[:prescore[:refine]] comma-separated")
+                    help="search settings measured, nprobe:k_prime:rerank[:prescore[:refine[:summaries]]] "
+                         "comma-separated")
     ap.add_argument("--save-setting", default="",
-                    help="nprobe:k_prime:rerank[:prescore[:refine]] saved into the kept index after measuring "
-                         "(what the service then searches with)")
+                    help="nprobe:k_prime:rerank[:prescore[:refine[:summaries]]] saved into the kept index after "
+                         "measuring (what the service then searches with)")
     ap.add_argument("--codes", type=int, default=0,
                     help="prescore codes of this dimension (index.codes), added to the index before measuring")
     ap.add_argument("--refine-codes", type=int, default=0,
@@ -402,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep", action="store_true", help="keep the index (for the serving measurements)")
     ap.add_argument("--build-only", action="store_true", help="build the index and write build.json, measure nothing")
     ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
+    ap.add_argument("--label", default="", help="appended to the rows' collection name: tells two builds of "
+                    "the same size apart (a setting measured again on the same collection replaces its row)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python -m bench.million " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -409,9 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     bundle = Bundle.load(args.model)
     real, captions = real_fragments(bundle, args.data, args.cache)
     base = IndexSettings(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)
-    settings = [dataclasses.replace(base, nprobe=int(p), k_prime=int(k), rerank=int(r),
-                                    prescore=int(pre[0]) if pre else 0, refine=int(pre[1]) if len(pre) > 1 else 0)
-                for p, k, r, *pre in (s.split(":") for s in args.sweep.split(","))]
+    settings = [search_setting(base, s) for s in args.sweep.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
     built_file = args.work / "build.json"
     if args.skip_build:  # the build's measurements as a build run wrote them (build.json)
@@ -426,10 +446,9 @@ def main(argv: list[str] | None = None) -> None:
             return
     rows = measure(args, bundle, captions, settings, built, command)
     if args.save_setting:
-        nprobe, k_prime, rerank, *pre = (int(v) for v in args.save_setting.split(":"))
+        saved = search_setting(base, args.save_setting)
         index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(nprobe=nprobe, k_prime=k_prime, rerank=rerank, prescore=pre[0] if pre else 0,
-                         refine=pre[1] if len(pre) > 1 else 0, exact_below=0)
+        index.set_search(**{k: getattr(saved, k) for k in SETTING_FIELDS}, exact_below=0)
         index.save()
         index.close()
     old = []

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -116,6 +117,10 @@ class FragmentIndex(Generic[P]):
         """The index saved at `root` (index.loading), its items and shared fragments in memory."""
         index = loading.load(root, bundle, cls.KIND, cls.COLUMNS, search, backend,
                              lambda opened: cls._from_opened(bundle, opened))
+        if index.settings.summaries and index.codes is not None:  # computed now, not in the first search
+            started = time.perf_counter()
+            index.codes.summaries(index.items)
+            logger.info("item summaries of %d items in %.1f s", len(index), time.perf_counter() - started)
         logger.info("loaded %s index %s: %d items, %d fragments in %s (%s), generation %d", cls.KIND, root,
                     len(index), index.candidates.ntotal, index.candidates.NAME, index.candidates.active_kind,
                     index.generation)

@@ -160,7 +160,7 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
                          k_prime=args.k_prime, rerank=args.rerank, ef_search=args.ef_search, hnsw_m=args.hnsw_m,
                          pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu,
                          codes=args.codes, prescore=args.prescore, refine_codes=args.refine_codes,
-                         refine=args.refine)
+                         refine=args.refine, summaries=args.summaries)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --codes: dimensions of a second, refining code of every fragment (0: none)")
     ap.add_argument("--refine", type=int, default=defaults.refine,
                     help="with --refine-codes: candidates (by the first code's score) scored on both codes (0: none)")
+    ap.add_argument("--summaries", type=int, default=defaults.summaries,
+                    help="with --codes and --rerank: the first cut is a scan of every item's summary (its mean "
+                         "code) keeping this many, instead of the candidate backend's (0: the backend's)")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
     ap.add_argument("--backend", default="faiss", choices=BACKENDS,
                     help="where candidate vectors are searched: in-process FAISS, or Milvus")

@@ -27,11 +27,13 @@ from index import ids as fid
 from index.candidates import CandidateBackend
 from index.codes import ApproxScore, PrescoreCodes
 from index.items import ItemTable
+from index.selection import best_positions
 from index.shared import SharedFragments
 from index.stored import StoredFragments
 from index.types import ExplainScope, IndexSettings
 
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
+SHORTLIST = 8  # with summaries S: the thresholded summary score only for the 8 S best by the linear one
 FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed items exactly, without candidates
 SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranker.searches)
 
@@ -47,20 +49,6 @@ def top_k(scores: np.ndarray, items: np.ndarray, k: int) -> list[tuple[int, int,
         return []
     order = np.lexsort((items, -scores))[:k]
     return [(int(p), int(items[p]), float(scores[p])) for p in order]
-
-
-def best_positions(scores: np.ndarray, items: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the k best by score, ties broken by the smaller item id (the same k as `top_k`),
-    in ascending position order: a partial selection, not a sort of every score."""
-    if k >= len(scores):
-        return np.arange(len(scores))
-    if k <= 0:
-        return np.zeros(0, np.int64)
-    cut = np.partition(scores, len(scores) - k)[len(scores) - k]  # the k-th best score
-    above = np.flatnonzero(scores > cut)
-    tied = np.flatnonzero(scores == cut)
-    tied = tied[np.argsort(items[tied], kind="stable")[: k - len(above)]]
-    return np.sort(np.concatenate([above, tied]))
 
 
 def group_items(items: np.ndarray, weights: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
@@ -234,6 +222,9 @@ class Ranker(Generic[P]):
         backend, settings, shared = index.candidates, index.settings, index.shared
         if backend.ntotal == 0 or (allowed is not None and not len(allowed)):
             return np.zeros(0, np.int64)
+        if settings.summaries and settings.rerank and allowed is None and index.codes is not None \
+                and approx is not None:
+            return self._summary_candidates(queries, approx)
         only = None if shared is not None else allowed  # shared fragments: their representatives' items differ
         if settings.k_prime:
             search = backend.search if shared is not None else backend.search_items
@@ -266,17 +257,37 @@ class Ranker(Generic[P]):
         if codes is None or approx is None:
             return kept
         coded = codes.covered(index.items, kept)
-        found = kept[coded]
+        return self._code_cut(kept[coded], kept[~coded], queries, approx)
+
+    def _summary_candidates(self, queries: np.ndarray, approx: ApproxScore) -> np.ndarray:
+        """The first cut by the items' summaries (`settings.summaries` best of every live item with
+        codes), then the codes' cut; live items without codes yet (added since the last save) all kept."""
+        index = self.index
+        codes = index.codes
+        assert codes is not None
+        ids, scores = codes.summary_scores(index.items, queries, SHORTLIST * index.settings.summaries)
+        if len(ids) > index.settings.summaries:
+            ids = ids[best_positions(scores, ids, index.settings.summaries)]
+        live = index.items.live()
+        return self._code_cut(ids, live[~codes.covered(index.items, live)], queries, approx)
+
+    def _code_cut(self, found: np.ndarray, uncoded: np.ndarray, queries: np.ndarray, approx: ApproxScore
+                  ) -> np.ndarray:
+        """The `rerank` best of the candidates `found` (with codes) by their first code's score (and the
+        `refine` best of those by both codes' first), beside the candidates `uncoded`, all kept."""
+        settings, codes = self.index.settings, self.index.codes
+        assert codes is not None
+        limit = settings.rerank
         if len(found) > limit:
             refine = settings.refine if codes.refined is not None and settings.refine > limit else 0
             if len(found) > refine:  # the first code's score, and the `refine` best of it kept
-                scores = codes.scores(index.items, found, queries, approx)
+                scores = codes.scores(self.index.items, found, queries, approx)
                 if refine:
                     found = found[best_positions(scores, found, refine)]
             if refine:  # scored on both codes
-                scores = codes.scores(index.items, found, queries, approx, refined=True)
+                scores = codes.scores(self.index.items, found, queries, approx, refined=True)
             found = found[best_positions(scores, found, limit)]
-        return np.sort(np.concatenate([found, kept[~coded]]))
+        return np.sort(np.concatenate([found, uncoded]))
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Partial S_kl of candidates from their retrieved fragments: the sum over the item's fragment

@@ -50,6 +50,10 @@ class IndexSettings:
     `refine_codes` d2 > 0 keeps a second, refining code of every fragment (on the directions the first
     leaves out, also in memory); with it, `refine` N > 0 keeps the N candidates with the best score on
     the first code and scores them on both codes before the cut to the R best (0: no second step).
+    `summaries` S > 0 (with codes and `rerank`): the first cut is a scan of every live item's summary
+    (its mean first code, index.codes) keeping the S best instead of the candidate backend's recall and
+    partial score; `prescore` then does not apply (the S are scored on their codes). A search with a
+    date or place filter still uses the candidate backend.
     `exact_below`: a collection of at most this many live fragments is searched by the exact score over
     every item, without the candidate stage (at that size the scan costs less than the candidate
     search and agrees with the exact ranking by definition); 0 always uses the candidates.
@@ -74,6 +78,7 @@ class IndexSettings:
     prescore: int = 0  # candidates (by partial score) whose codes are scored, with codes and rerank (0: all)
     refine_codes: int = 0  # dimensions of the refining codes (0: none; only with codes)
     refine: int = 0  # candidates (by the first code's score) scored on both codes (0: no second step)
+    summaries: int = 0  # items kept by the scan of every item's summary as the first cut (0: the candidates')
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -100,6 +105,8 @@ class IndexSettings:
                              f"with codes {self.codes}")
         if self.refine < 0:
             raise ValueError(f"refine must be >= 0 (0: no second step), got {self.refine}")
+        if self.summaries < 0:
+            raise ValueError(f"summaries must be >= 0 (0: the candidate backend's first cut), got {self.summaries}")
 
     @property
     def trainable(self) -> bool:
@@ -134,7 +141,8 @@ class IndexSettings:
             parts.insert(1, f"rerank={self.rerank}")
         if self.codes:
             parts.insert(1, f"codes={self.codes}" + (f";prescore={self.prescore}" if self.prescore else "")
-                         + (f";refine_codes={self.refine_codes};refine={self.refine}" if self.refine_codes else ""))
+                         + (f";refine_codes={self.refine_codes};refine={self.refine}" if self.refine_codes else "")
+                         + (f";summaries={self.summaries}" if self.summaries else ""))
         if self.pretransform:
             parts.insert(0, f"pre={self.pretransform}")
         if self.kind in ("ivf", "ivfpq"):

@@ -175,7 +175,8 @@ def test_a_missing_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
 def test_the_partial_selection_keeps_the_sorted_top_k_with_ties_to_the_smaller_id():
     """`best_positions` (the prescore's cut) and `group_items` (its per-item sums) give what a full sort
     and np.unique give, ties and both of group_items' paths included."""
-    from index.ranker import best_positions, group_items, top_k
+    from index.ranker import group_items, top_k
+    from index.selection import best_positions
 
     rng = np.random.default_rng(0)
     for trial in range(30):
@@ -277,3 +278,86 @@ def test_refining_codes_need_first_codes():
         IndexSettings(codes=8, refine=-1)
     with pytest.raises(ValueError, match="shape the stored index"):
         IndexSettings(codes=8).with_search(refine_codes=4)
+
+
+def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
+        tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """With `summaries` S, a search scans every live item's summary (its mean first code) and scores the
+    S best on their codes; the candidate backend is not searched. Items added since the last save are
+    all kept (no codes yet), removed items never come back, and an index saved with the setting
+    computes the summaries when it loads."""
+    root = tmp_path / "idx"
+    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16", codes=CODES))
+    vecs, boxes, sizes, names, paths = images()
+    half = N // 2
+    for part in (slice(0, half), slice(half, N)):  # two store segments, two code files
+        ix.add_vectors(vecs[part], boxes[part], sizes[part], names[part], paths[part])
+        ix.save()
+    codes = ix.codes
+    assert codes is not None and codes.segments == 2
+    # each item's summary is the mean of its decoded codes
+    per_segment = codes.summaries(ix.items)
+    ids = np.concatenate([s for s, _ in per_segment])
+    assert sorted(ids.tolist()) == ix.ids().tolist()
+    seg_ids, means = per_segment[1]
+    item = int(seg_ids[3])
+    t = ix.items
+    own = codes.store.decode(codes.store.gather_rows(t.seg[[item]], t.off[[item]], t.n[[item]]))
+    np.testing.assert_allclose(means[3], own.mean(0), rtol=1e-5, atol=1e-6)
+    # the score: the linear and the thresholded sums of the means' products, each standardised
+    sent = embed_sentence(bundle, QUERIES[2])[0].numpy()
+    got_ids, got = codes.summary_scores(ix.items, sent)
+    dots = np.concatenate([m for _, m in per_segment]) @ codes.project(sent).T
+    z = [(x - x.mean()) / x.std() for x in (dots.sum(1), np.maximum(dots, 0).sum(1))]
+    np.testing.assert_array_equal(got_ids, ids)
+    np.testing.assert_allclose(got, z[0] + z[1], rtol=1e-4, atol=1e-4)
+    short_ids, short = codes.summary_scores(ix.items, sent, shortlist=50)  # the 50 best by the linear sum
+    best = np.sort(ids[np.argsort(-dots.sum(1), kind="stable")[:50]])
+    np.testing.assert_array_equal(short_ids, best)
+    within = np.isin(ids, best)
+    zs = [(x - x.mean()) / x.std() for x in (dots.sum(1)[within], np.maximum(dots, 0).sum(1)[within])]
+    np.testing.assert_allclose(short, zs[0] + zs[1], rtol=1e-4, atol=1e-4)
+
+    scored: list[int] = []
+    real_scores = index.codes.PrescoreCodes.scores
+
+    def spy(self: index.codes.PrescoreCodes, items_: object, cand: np.ndarray, queries: np.ndarray,
+            approx: object, refined: bool = False) -> np.ndarray:
+        scored.append(len(cand))
+        return real_scores(self, items_, cand, queries, approx, refined)  # type: ignore[arg-type]
+
+    def backend_searched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the candidate backend was searched")
+
+    candidates_on(ix, rerank=10)
+    without = agreement(ix)
+    ix.set_search(summaries=80)
+    monkeypatch.setattr(index.codes.PrescoreCodes, "scores", spy)
+    monkeypatch.setattr(ix.candidates, "search", backend_searched)
+    monkeypatch.setattr(ix.candidates, "search_items", backend_searched)
+    page = ix.search_page(QUERIES[0], 0, 10)
+    assert page.considered == 10 and scored == [80]  # 80 of 240 scored on codes, 10 read in full
+    with_summaries = agreement(ix)
+    assert with_summaries >= 0.8 and with_summaries >= without - 0.1
+    # added since the last save: no codes, all kept beside the 10
+    extra = images(5, seed=12)
+    ix.add_vectors(*extra)
+    assert ix.search_page(QUERIES[0], 0, 10).considered == 15
+    top = ix.search(QUERIES[0], 1)[0].image_id
+    assert ix.remove(top)
+    assert top not in [h.image_id for h in ix.search(QUERIES[0], 50)]
+    ix.save()
+    ix.close()
+    monkeypatch.undo()
+    with caplog.at_level("INFO", logger="index.base"):
+        ix = ImageIndex.load(root, bundle)
+    assert ix.settings.summaries == 80 and "item summaries of" in caplog.text
+    assert ix.codes is not None and ix.codes.segments == 3
+    assert top not in np.concatenate([s for s, _ in ix.codes.summaries(ix.items)]).tolist()
+    ix.close()
+
+
+def test_summaries_is_a_search_setting():
+    with pytest.raises(ValueError, match="summaries"):
+        IndexSettings(summaries=-1)
+    assert IndexSettings(codes=8).with_search(summaries=100).summaries == 100
