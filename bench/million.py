@@ -330,9 +330,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             gc.collect()
             drop_page_cache()
             index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(**{k: getattr(s, k) for k in SETTING_FIELDS}, exact_below=0)
-        if s.summaries and index.codes is not None:  # as a load of an index saved with the setting does
-            index.codes.summaries(index.items)
+        index.set_search(**{k: getattr(s, k) for k in SETTING_FIELDS}, exact_below=0)  # summaries computed here
         index.store.read_ahead = read_ahead
         before = load_average()
         with RssSampler() as rss:

@@ -117,10 +117,7 @@ class FragmentIndex(Generic[P]):
         """The index saved at `root` (index.loading), its items and shared fragments in memory."""
         index = loading.load(root, bundle, cls.KIND, cls.COLUMNS, search, backend,
                              lambda opened: cls._from_opened(bundle, opened))
-        if index.settings.summaries and index.codes is not None:  # computed now, not in the first search
-            started = time.perf_counter()
-            index.codes.summaries(index.items)
-            logger.info("item summaries of %d items in %.1f s", len(index), time.perf_counter() - started)
+        index.summarise()
         logger.info("loaded %s index %s: %d items, %d fragments in %s (%s), generation %d", cls.KIND, root,
                     len(index), index.candidates.ntotal, index.candidates.NAME, index.candidates.active_kind,
                     index.generation)
@@ -303,10 +300,21 @@ class FragmentIndex(Generic[P]):
             with self.rw.write():
                 self.settings = settings
                 self.candidates.set_settings(settings)
+            self.summarise()
 
     def save(self) -> None:
         """Make the current state durable, atomically (index.saving)."""
-        saving.save(self)
+        with self.writer:  # the summaries of the committed codes, before another write changes the items
+            saving.save(self)
+            self.summarise()
+
+    def summarise(self) -> None:
+        """With `settings.summaries`, the items' summaries of the code files that have none yet
+        (index.codes), computed now (a load, a save, the setting turned on) rather than in a search."""
+        if self.settings.summaries and self.codes is not None:
+            started = time.perf_counter()
+            self.codes.summaries(self.items)
+            logger.info("item summaries of %d items in %.1f s", len(self), time.perf_counter() - started)
 
     def add_codes(self, dim: int, refine: int = 0) -> None:
         """Keep `dim`-dimensional prescore codes of the stored fragments (index.codes; 0: none) and

@@ -173,13 +173,15 @@ class PrescoreCodes:
 
     def summaries(self, items: ItemTable[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per code segment, its live items (ids ascending) and their summaries (n, d): the mean of each
-        item's decoded first codes. Computed on first use and kept per code file (a committed file's
-        rows never change; an item that dies later is dropped by the caller)."""
+        item's decoded first codes. Computed on first use and kept per code file: a committed file's
+        rows and items never change (a compaction writes the items it moves into a new file and drops
+        the files it merged; the segments it keeps only change their number), and an item that dies
+        later is dropped by the caller."""
         with self._summaries_lock:
             out = []
             for s, name in enumerate(self.info.files):
                 kept = self._summaries.get(name)
-                if kept is None or not np.all(items.seg[kept[0]] == s):  # its items moved: computed again
+                if kept is None:
                     kept = self._summaries[name] = self._summarise(items, s)
                 out.append(kept)
             return out
