@@ -3,6 +3,7 @@
     python -m bench.index_bench                                   # dev images + synthetic 10k and 100k
     python -m bench.index_bench --skip-dev --sizes 10000          # synthetic only
     python -m bench.index_bench --sizes --skip-annotate --backends faiss milvus --append   # dev, both backends
+    python -m bench.index_bench --sizes --skip-annotate --append --model M/model.pt --label NAME  # another model
 
 For each collection and index setting, a fixed query set is run through the indexed search (FAISS
 candidates, exact re-rank) and through the exhaustive exact ranking of the whole collection;
@@ -191,7 +192,8 @@ def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row
 
     def measure() -> Row:
         found, ms = timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], len(queries))
-        return row("flickr8k-dev", len(index), index, found, truth, ms, exhaustive_ms, command)
+        return row("flickr8k-dev" + (f" ({args.label})" if args.label else ""), len(index), index, found, truth, ms,
+                   exhaustive_ms, command)
 
     rows = sweep(index, settings, measure, args.build_threads)
     index.close()
@@ -437,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", type=Path, default=default_artifacts_dir() / "bench" / "index",
                     help="where the benchmark's indexes are built (removed after)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"), help="the CSV written")
+    ap.add_argument("--label", default="",
+                    help="the dev-image rows' collection: 'flickr8k-dev (LABEL)', another model's rows")
     ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000], help="synthetic collection sizes")
     ap.add_argument("--h", type=int, default=None, help="synthetic dimension (default: the model's, else 1000)")
     ap.add_argument("--queries", type=int, default=50, help="synthetic queries")

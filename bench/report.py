@@ -52,7 +52,8 @@ ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+glo
          "devise", "devise (paper)", "devise-bidirectional", "devise-contextual",
          "full-val", "full-maxviol", "full-fragdrop", "full-long", "full-merge2", "full-merge3", "full-merge6",
          "full-ft", "full-merge3-blocks", "full-merge6-blocks", "full-lite2", "full-val-q7", "full-mirror",
-         "full-mirror-merge2"]
+         "full-mirror-merge2", "full-val-q7-seed1", "full-h256", "full-h256-seed1", "full-h256-merge2", "full-nce",
+         "full-global-mlp", "full-q7-merge4"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:

@@ -147,6 +147,8 @@ class TrainConfig:
     global_top_k: int = 0  # C_G over the k most violating negatives per pair and direction (0 = all, paper)
     max_violation_from: int = 0  # > 0: from this epoch on (1-based) C_G counts only each pair's hardest negative
     # in each direction (max violation), after global_top_k as a warm-up (0 = never)
+    nce_scale: float = 0.0  # > 0: C_G is the contrastive (InfoNCE) loss over the batch's S_kl times this scale,
+    # both directions, in place of the hinge (margin, global_top_k, max_violation_from then unused); 0 = the hinge
     mirror_views: float = 0.0  # training only: each training image of a batch is shown as its mirrored view
     # (ImageConfig.mirror: its crops flipped left to right, extracted once into their own cache) with this probability
     fragment_drop: float = 0.0  # training only: each image and sentence fragment is left out of a batch with this
@@ -166,4 +168,6 @@ class TrainConfig:
     val_seed: int = 0  # draw of the validation part (fixed: the same images in every run)
     eval_every: int = 2  # epochs between evaluations on the validation part (and the last epoch)
     seed: int = 0
+    members: int = 1  # > 1: that many runs of these settings from seeds seed, seed + 1, ..., each selected alone,
+    # merged into one checkpoint with each member's S_kl thresholded apart (training/merge.py): h = members x h
     device: str = "auto"  # auto (cuda when available) | cpu | cuda: model/device.py

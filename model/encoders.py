@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.device import host_masks
 from model.trees import TreeBatch
 
 
@@ -71,7 +73,7 @@ class FragmentModel(nn.Module):
         self.w_rel = nn.ParameterList(
             [nn.Parameter(torch.randn(2 * cfg.word_dim, cfg.h) * scale) for _ in range(cfg.n_relations)])
         self.b_rel = nn.ParameterList([nn.Parameter(torch.zeros(cfg.h)) for _ in range(cfg.n_relations)])
-        self.drop = nn.Dropout(cfg.input_dropout)
+        self.drop = InputDropout(cfg.input_dropout)
         self.global_image: nn.Module | None = None
         self.global_sentence: nn.Module | None = None
         if cfg.global_hidden > 0:
@@ -113,6 +115,30 @@ class FragmentModel(nn.Module):
         if rid == self.cfg.sentence_relation and self.global_sentence is not None:
             return self.global_sentence(x)
         return x @ self.w_rel[rid] + self.b_rel[rid]
+
+
+class InputDropout(nn.Module):
+    """nn.Dropout's rule while training (each element zeroed with probability p, the others scaled by
+    1 / (1 - p); nothing at evaluation) with the mask of a CPU tensor drawn by NumPy
+    (`model.device.host_masks`); its generator is seeded from torch's at the first draw, so a run
+    seeded with torch.manual_seed draws the same masks again."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), not {p}")
+        self.p = p
+        self._rng: np.random.Generator | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if not host_masks(x.device):
+            return F.dropout(x, self.p, training=True)
+        if self._rng is None:
+            self._rng = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
+        keep = torch.from_numpy(self._rng.random(tuple(x.shape), dtype=np.float32) >= self.p)
+        return (x * keep).mul_(1.0 / (1.0 - self.p))
 
 
 def _mlp(d_in: int, hidden: int, d_out: int, dropout: float) -> nn.Sequential:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig, add_region_flags, with_region_flags
-from model.encoders import FragmentModel, ModelConfig
+from model.config import ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
+from model.encoders import FragmentModel, InputDropout, ModelConfig
 from model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
 from model.text import RelationVocab
 from model.words import WordTable
@@ -82,6 +82,37 @@ def test_input_dropout_acts_only_while_training() -> None:
         assert not torch.allclose(m.embed_images(feats), plain.embed_images(feats))
 
 
+def test_input_dropout_draws_on_the_host_with_dropouts_rule_and_follows_torchs_seed() -> None:
+    x = torch.rand(200, 50, 40) + 1.0
+    torch.manual_seed(3)
+    drop = InputDropout(0.2).train()
+    y = drop(x)
+    kept = y != 0
+    assert abs(1.0 - float(kept.float().mean()) - 0.2) < 0.005  # each element zeroed with probability p
+    assert torch.allclose(y[kept], x[kept] / 0.8)  # the others scaled by 1 / (1 - p)
+    torch.manual_seed(3)
+    assert torch.equal(InputDropout(0.2).train()(x), y)  # the same torch seed draws the same masks
+    assert torch.equal(drop.eval()(x), x)
+    x.requires_grad_(True)
+    drop.train()(x).sum().backward()  # the gradient passes the kept elements only, scaled
+    assert x.grad is not None and set(torch.unique(x.grad).tolist()) <= {0.0, 1.25}
+    meta = torch.empty(4, 3, device="meta")  # another device: torch's own dropout, where the tensor is
+    assert InputDropout(0.5).train()(meta).device.type == "meta"
+    with pytest.raises(ValueError, match="dropout probability"):
+        InputDropout(1.0)
+
+
+def test_the_optimizer_step_is_fused_on_the_cpu_and_per_tensor_on_other_devices() -> None:
+    from training.epochs import optimizer
+
+    for name in ("adam", "sgd"):
+        cfg = TrainConfig(optimizer=name)
+        cpu = optimizer(cfg, list(_model().parameters()))
+        assert cpu.defaults["fused"] is True
+        meta = optimizer(cfg, list(_model().to("meta").parameters()))
+        assert not meta.defaults["fused"]
+
+
 def test_checkpoint_with_global_encoders_round_trips(tmp_path: Path) -> None:
     words = WordTable(["dog", "grass"], np.random.default_rng(0).normal(size=(2, WORD_DIM)).astype(np.float32))
     text_cfg = TextConfig(sentence_fragment=True)
@@ -132,3 +163,17 @@ def test_region_flags_override_only_what_is_given() -> None:
                                                        "--backbone-size", "224"]))
     assert int8 == make_run("full", {}).image
     assert with_region_flags(ImageConfig(), ap.parse_args(["--crop-size", "160"])).crop_size == 160
+
+
+def test_the_train_step_bench_turns_both_choices_off_in_its_before_arm() -> None:
+    import model.encoders as encoders
+    from bench.train_step import ARMS, arm
+    from training.epochs import optimizer
+
+    cpu = torch.device("cpu")
+    with arm(ARMS[0]):
+        assert not optimizer(TrainConfig(), list(_model().parameters())).defaults["fused"]
+        assert not encoders.host_masks(cpu)
+    with arm(ARMS[1]):
+        assert optimizer(TrainConfig(), list(_model().parameters())).defaults["fused"] is True
+        assert encoders.host_masks(cpu)

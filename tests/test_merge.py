@@ -3,6 +3,7 @@ its one S_kl is the sum of the members' (calibrated) S_kl, and it is served as a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from training.calibrate import fit_calibration
 from training.evaluate import score_split
 from training.merge import main as merge_main
 from training.merge import merge_bundles, merge_models
-from training.train import make_run, split_for_selection, train
+from training.train import make_run, split_for_selection, train, train_members, train_on
 
 
 def _member(seed: int, h: int) -> FragmentModel:
@@ -221,3 +222,34 @@ def test_a_merge_of_members_selected_on_validation_fits_its_relevance_scale(shap
     assert merged.blocks == 2 and merged.calibration is not None
     assert merged.calibration.relevance is not None and "relevance" in merged.meta["calibration"]
     assert merged.meta["calibration"]["relevance"]["images"] == 12
+
+
+def test_a_run_of_members_trains_each_seed_and_merges_them(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """`members` > 1 (a variant's or `--members`): that many runs from consecutive seeds, each selected on the
+    validation part, merged with each member thresholded apart into the one checkpoint a first start serves."""
+    overrides = {"epochs": 12, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 20, "h": 32, "lr": 3e-3,
+                 "eval_every": 4, "seed": 5, "selection": "val", "val_images": 12, "calibrate": 20}
+    out = tmp_path / "pair"
+    trained = train_on(make_run("paper", {**overrides, "members": 2}), shapes_model.data, out, shapes_model.cache,
+                       ["--variant", "paper", "--members", "2"])
+    merged = Bundle.load(trained.checkpoint)
+    assert trained.checkpoint == out / "model.pt" and merged.blocks == 2 and merged.dim == 64
+    first, second = (Bundle.load(out / f"member-{m}" / "model.pt") for m in (1, 2))
+    assert (first.meta["train"]["seed"], second.meta["train"]["seed"]) == (5, 6) and first.dim == second.dim == 32
+    # the second member is the run of seed 6 alone; the merged encoders are the members' side by side
+    data = load_split_data(shapes_model.data, "train", first.image_cfg, shapes_model.cache, make_parser("spacy"))
+    tr, val = split_for_selection(make_run("paper", overrides).train, data)
+    train(make_run("paper", {**overrides, "seed": 6}), tr, val, tmp_path / "alone", shapes_model.cache)
+    alone = Bundle.load(tmp_path / "alone" / "model.pt")
+    for a, b in zip(second.model.state_dict().values(), alone.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
+    image = merged.model.image
+    assert isinstance(image, torch.nn.Linear) and isinstance(first.model.image, torch.nn.Linear)
+    torch.testing.assert_close(image.weight[:32], first.model.image.weight)
+    # calibrated anew, selected and scaled on the validation part, recorded in one history
+    assert merged.calibration is not None and merged.calibration.relevance is not None
+    hist = json.loads((out / "history.json").read_text())
+    assert hist["variant"] == "paper" and hist["blocks"] == 2 and set(hist["val"]) == {"member-1", "member-2", "merged"}
+    assert hist["command"].endswith("--members 2") and hist["selection"]["rule"] == "val"
+    with pytest.raises(ValueError, match="at least 2"):
+        train_members(make_run("paper", {**overrides, "members": 1}), tr, val, tmp_path / "one", shapes_model.cache)

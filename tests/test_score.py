@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_of_items
-from training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
+from training.objectives import contrastive_global_loss, fragment_loss, global_loss, mil_labels, two_branch_loss
 
 
 def test_skl_matches_hand_computed_example():
@@ -114,6 +114,27 @@ def test_global_loss_top_k_keeps_hardest_negatives():
     assert abs(float(global_loss(s, pos, pair, margin)) - every) < 1e-6
     assert abs(float(global_loss(s, pos, pair, margin, top_k=1)) - hardest) < 1e-6
     assert abs(float(global_loss(s, pos, pair, margin, top_k=5)) - every) < 1e-6
+
+
+def test_contrastive_global_loss_matches_a_hand_computed_softmax():
+    # images 0 and 1; sentences 0, 1 of image 0 and sentence 2 of image 1
+    s = torch.tensor([[0.9, 0.4, 0.1], [0.2, 0.3, 0.8]])
+    pair = torch.tensor([0, 0, 1])
+    pos = pair[None, :] == torch.arange(2)[:, None]
+    scale = 2.0
+
+    def nll(true: float, negatives: list[float]) -> float:
+        return -math.log(math.exp(scale * true) / sum(math.exp(scale * x) for x in [true, *negatives]))
+
+    # rank images: each sentence against the other image; rank sentences: each pair against the
+    # sentences not of its image (sentence 1 is not a negative of sentence 0, nor 0 of 1)
+    expected = (nll(0.9, [0.2]) + nll(0.9, [0.1])
+                + nll(0.4, [0.3]) + nll(0.4, [0.1])
+                + nll(0.8, [0.1]) + nll(0.8, [0.2, 0.3])) / 3
+    assert abs(float(contrastive_global_loss(s, pos, pair, scale)) - expected) < 1e-6
+    # a wider margin of the true pairs lowers it
+    wider = s + torch.where(pos, 0.5, 0.0)
+    assert float(contrastive_global_loss(wider, pos, pair, scale)) < expected
 
 
 def test_fragment_scores_shape():

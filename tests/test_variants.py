@@ -56,6 +56,10 @@ EXPECTED |= {
     "full-fragdrop": {**EXPECTED["full"], "train": {**ROI["train"], "fragment_drop": 0.2}},
     "full-long": {**EXPECTED["full"], "train": {**ROI["train"], "epochs": 20, "dense_epochs": 10, "anneal_epochs": 2}},
     "full-mirror": {**EXPECTED["full"], "train": {**ROI["train"], "mirror_views": 0.5}},
+    "full-nce": {**EXPECTED["full"], "train": {**ROI["train"], "nce_scale": 20.0}},
+    "full-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "image_hidden": 1024}},
+    "full-global-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "global_hidden": 1024}},
+    "full-2x256": {**EXPECTED["full"], "model": {**ROI["model"], "h": 256}, "train": {**ROI["train"], "members": 2}},
 }
 # the backbone row: full's crops through EfficientNet-Lite2 at its native side
 EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
@@ -101,12 +105,12 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
                       "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0,
                       "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
-                      "mirror_views": 0.0,
+                      "nce_scale": 0.0, "mirror_views": 0.0,
                       "rank_images": True, "balanced": True, "h": 256,
                       "calibrate": 0,
                       "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,
                       "selection": "val", "val_images": 500, "val_seed": 0, "eval_every": 2, "seed": 0,
-                      "device": "auto"}
+                      "members": 1, "device": "auto"}
     defaults_text = {"parser": "spacy", "fragments": "dependency", "relation_cutoff": 0.01, "min_word_count": 1,
                      "sentence_fragment": False, "word_vectors": "static", "unigram_prob": 0.05, "max_words": 64}
     defaults_image = {"n_regions": 19, "region_features": "roi_align", "backbone_size": 448, "crop_size": 224,

@@ -14,11 +14,12 @@ from model.config import (
     TrainConfig,
 )
 from model.dataset import SplitData
+from model.device import fused_optimizer
 from model.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from model.fragments import EncodedSentences, TextPipeline, pad_rows
 from model.score import flatten, skl_from_flat
 from model.trees import TreeBatch
-from training.objectives import fragment_loss, global_loss, two_branch_loss
+from training.objectives import contrastive_global_loss, fragment_loss, global_loss, two_branch_loss
 
 
 def lr_at(cfg: TrainConfig, epoch: int) -> float:
@@ -26,10 +27,11 @@ def lr_at(cfg: TrainConfig, epoch: int) -> float:
 
 
 def optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    fused = fused_optimizer(params)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: 'adam' or 'sgd'")
 
 
@@ -147,7 +149,9 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         if use_frag:
             loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
         if use_glob:
-            loss = loss + cfg.beta * global_loss(skl_from_flat(flat), pos, local, cfg.margin, top_k)
+            scores = skl_from_flat(flat)
+            loss = loss + cfg.beta * (contrastive_global_loss(scores, pos, local, cfg.nce_scale) if cfg.nce_scale > 0
+                                      else global_loss(scores, pos, local, cfg.margin, top_k))
         total += _step(opt, loss, cfg.grad_clip)
         n += 1
         bar.set_postfix(loss=f"{total / n:.4f}")

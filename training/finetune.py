@@ -41,6 +41,7 @@ from model.backbone import Top, efficientnet, onnx_graph, set_torch_threads
 from model.bundle import Bundle
 from model.config import TrainConfig, default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data, select_images
+from model.device import fused_optimizer
 from model.encoders import FragmentModel
 from model.onnx import graph_dir
 from model.parsers import make_parser
@@ -48,7 +49,8 @@ from training.calibrate import fit_calibration, reference_draw
 from training.cutpoint import CutStore
 from training.epochs import FragmentBatches, train_fragment_epoch
 from training.evaluate import evaluate
-from training.train import VAL_METRICS, Run, make_run, split_for_selection
+from training.selection import VAL_METRICS, split_for_selection
+from training.train import Run, make_run
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,8 @@ def finetune(bundle: Bundle, run: Run, tr: SplitData, val: SplitData, store: Cut
     batches = FragmentBatches(bundle.text, tr, run.text.unigram_prob, device)
     refs = reference_draw(len(tr.names), len(tr.sentences), cfg.calibrate, cfg.seed)[0] if cfg.calibrate else None
     opt = torch.optim.Adam([{"params": list(model.parameters()), "lr": lr},
-                            {"params": list(top.parameters()), "lr": cnn_lr}], weight_decay=cfg.weight_decay)
+                            {"params": list(top.parameters()), "lr": cnn_lr}], weight_decay=cfg.weight_decay,
+                           fused=fused_optimizer([*model.parameters(), *top.parameters()]))
     base = [lr, cnn_lr]
     out.mkdir(parents=True, exist_ok=True)
     weights = out / "backbone.pt"

@@ -39,12 +39,12 @@ import torch
 
 from model.bundle import Bundle
 from model.config import TrainConfig, default_artifacts_dir, default_data_dir
-from model.dataset import load_split_data
+from model.dataset import SplitData, load_split_data
 from model.encoders import FragmentModel
 from model.parsers import make_parser
 from training.calibrate import fit_calibration, fit_relevance, store_relevance
 from training.evaluate import evaluate_scores
-from training.train import VAL_METRICS, split_for_selection
+from training.selection import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)
 
@@ -104,36 +104,24 @@ def merge_bundles(bundles: Sequence[Bundle], threshold: str = "blocks") -> Bundl
                                                              "train": first.meta.get("train", {})})
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
-    ap.add_argument("--out", type=Path, required=True, help="the merged model's folder")
-    ap.add_argument("--threshold", choices=THRESHOLDS, default="blocks",
-                    help="blocks: each member's fragment scores thresholded apart (an ensemble's score); "
-                         "sum: their sum thresholded (one block)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if len(args.members) < 2:
-        ap.error("a merge needs at least two --members")
-    start = time.perf_counter()
-    bundles = [Bundle.load(folder / "model.pt") for folder in args.members]
-    merged = merge_bundles(bundles, args.threshold)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in merged.meta["train"].items() if k in known})
-    data = load_split_data(args.data, "train", merged.image_cfg, args.cache, make_parser(merged.text.cfg.parser))
-    tr, val = split_for_selection(cfg, data)
+def merge_selected(bundles: Sequence[Bundle], folders: Sequence[Path], tr: SplitData, val: SplitData | None,
+                   cfg: TrainConfig, cache: Path, threshold: str = "blocks") -> tuple[Bundle, dict[str, Any]]:
+    """The members merged (`merge_bundles`), calibrated anew on `tr` (cfg.calibrate references, as training
+    draws them) and, with a validation part, evaluated on it beside each member's own selection numbers (their
+    folders' history.json), its relevance scale fitted there; returns the merged bundle (not saved) and the
+    summary its history.json records."""
+    merged = merge_bundles(bundles, threshold)
     for d in (tr, val):
         if d is not None:
-            merged.text.warm(d.parsed, d.sentences, args.cache / "vectors")
+            merged.text.warm(d.parsed, d.sentences, cache / "vectors")
     if cfg.calibrate > 0:
         merged.calibration = fit_calibration(merged, tr, cfg.calibrate, cfg.seed)
-    summary: dict[str, Any] = {"variant": f"merge of {len(bundles)}", "members": [str(m) for m in args.members],
-                               "h": merged.model.cfg.h, "blocks": merged.model.cfg.blocks}
+    summary: dict[str, Any] = {"variant": f"merge of {len(bundles)}", "members": [str(m) for m in folders],
+                               "h": merged.model.cfg.h, "blocks": merged.model.cfg.blocks,
+                               "selection": {"rule": "last", "epochs": 0, "epoch": 0}}
     if val is not None:
         rows = {}
-        for folder in args.members:  # each member's own selection numbers, from its run
+        for folder in folders:  # each member's own selection numbers, from its run
             hist = folder / "history.json"
             best = json.loads(hist.read_text()).get("best") if hist.is_file() else None
             if best:
@@ -154,6 +142,30 @@ def main(argv: list[str] | None = None) -> None:
         summary["history"] = [{"epoch": 0, **{f"val_{k}": v for k, v in rows["merged"].items()}}]
         merged.meta["selection"] = {**summary["selection"], "val": rows["merged"]}
     merged.meta["merge"] = summary["members"]
+    return merged, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
+    ap.add_argument("--out", type=Path, required=True, help="the merged model's folder")
+    ap.add_argument("--threshold", choices=THRESHOLDS, default="blocks",
+                    help="blocks: each member's fragment scores thresholded apart (an ensemble's score); "
+                         "sum: their sum thresholded (one block)")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(args.members) < 2:
+        ap.error("a merge needs at least two --members")
+    start = time.perf_counter()
+    bundles = [Bundle.load(folder / "model.pt") for folder in args.members]
+    first = bundles[0]
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in first.meta.get("train", {}).items() if k in known})
+    data = load_split_data(args.data, "train", first.image_cfg, args.cache, make_parser(first.text.cfg.parser))
+    tr, val = split_for_selection(cfg, data)
+    merged, summary = merge_selected(bundles, args.members, tr, val, cfg, args.cache, args.threshold)
     merged.save(args.out / "model.pt")
     summary["train_seconds"] = time.perf_counter() - start
     summary["command"] = "python -m training.merge " + shlex.join(sys.argv[1:] if argv is None else argv)

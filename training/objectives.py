@@ -77,6 +77,25 @@ def global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor, ma
     return (rank_sents + ranked_images).mean() if rank_images else rank_sents.mean()
 
 
+def contrastive_global_loss(s: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """The contrastive (InfoNCE) form of C_G on a batch score matrix, both directions.
+
+    s: (K, L) S_kl; pos: (K, L) correspondence; pair_image: (L,) index of sentence l's image. For every
+    true pair (k, l): -log of exp(scale S_kl) over its sum with exp(scale S_k'l) for the other images
+    k' (rank images), plus the same over the sentences l' not of k (rank sentences: the other true
+    sentences of k are left out, not counted as negatives). Mean over pairs.
+    """
+    z = s * scale
+    n_sent = s.shape[1]
+    cols = torch.arange(n_sent, device=s.device)
+    true = z[pair_image, cols]  # (L,)
+    rank_images = torch.logsumexp(z, dim=0) - true  # a sentence has one true image
+    others = pos[pair_image] & (cols[None, :] != cols[:, None])  # (L, L'): k(l)'s other sentences
+    rank_sents = torch.logsumexp(z[pair_image].masked_fill(others, float("-inf")), dim=1) - true
+    return (rank_images + rank_sents).mean()
+
+
 def two_branch_loss(img: torch.Tensor, txt: torch.Tensor, pos: torch.Tensor, pair_image: torch.Tensor,
                     margin: float = 0.1, top_k: int = 50, lambda_img: float = 2.0,
                     lambda_struct: float = 0.1) -> torch.Tensor:

@@ -44,7 +44,7 @@ from model.config import (
     default_data_dir,
     with_region_flags,
 )
-from model.dataset import SplitData, hold_out, load_split_data, with_mirrored
+from model.dataset import SplitData, load_split_data, with_mirrored
 from model.device import device_name
 from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, TextPipeline
@@ -72,15 +72,13 @@ from training.epochs import (
     train_two_branch_epoch,
 )
 from training.evaluate import evaluate_scores
+from training.merge import merge_selected
+from training.selection import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("full", "fragment+global", "fragment", "global")
 MODEL_OPTIONS = MODEL_SHAPE  # ModelConfig fields a variant or a CLI flag of the same name may set
-VAL_METRICS = ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10", "annot_medr",
-               "search_medr")  # kept per evaluated epoch in the history, as val_<name>
-
-
 @dataclass
 class Run:
     variant: str
@@ -226,6 +224,31 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     return summary
 
 
+def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path,
+                  cache_root: Path) -> dict[str, Any]:
+    """`run.train.members` runs of `run` from seeds seed, seed + 1, ... (each `train`ed into out/member-<n>, its
+    epoch kept by the selection rule), merged into out/model.pt with each member's S_kl thresholded apart
+    (training.merge.merge_selected: calibrated anew, evaluated on the validation part when there is one)."""
+    cfg = run.train
+    if cfg.members < 2:
+        raise ValueError(f"members must be at least 2 to merge, not {cfg.members}")
+    t0 = time.perf_counter()
+    folders = []
+    for m in range(cfg.members):
+        folder = out / f"member-{m + 1}"
+        logger.info("member %d of %d (seed %d) into %s", m + 1, cfg.members, cfg.seed + m, folder)
+        member = dataclasses.replace(run, train=dataclasses.replace(cfg, seed=cfg.seed + m, members=1))
+        train(member, train_data, val_data, folder, cache_root)
+        folders.append(folder)
+    bundles = [Bundle.load(f / "model.pt") for f in folders]
+    merged, summary = merge_selected(bundles, folders, train_data, val_data, cfg, cache_root)
+    merged.meta["variant"] = run.variant
+    merged.save(out / "model.pt")
+    summary["variant"] = run.variant
+    summary["train_seconds"] = time.perf_counter() - t0
+    return summary
+
+
 FLAG_HELP = {
     "selection": "which epoch is kept: val = the best R-sum on --val-images training images held out of training "
                  "(never dev); last = the last epoch, every training image trained on (a fixed epoch count)",
@@ -262,22 +285,6 @@ def _add_config_flags(ap: argparse.ArgumentParser) -> None:
                             choices=SELECTIONS if f.name == "selection" else None)
 
 
-def split_for_selection(cfg: TrainConfig, data: SplitData) -> tuple[SplitData, SplitData | None]:
-    """(what is trained on, the validation part or None): `cfg.val_images` training images held out
-    with `cfg.val_seed` for --selection val, nothing for --selection last."""
-    if cfg.selection == "last":
-        return data, None
-    if cfg.selection != "val":
-        raise ValueError(f"unknown selection {cfg.selection!r}: one of {', '.join(SELECTIONS)}")
-    if not 0 < cfg.val_images < len(data.names) // 2:
-        raise ValueError(f"cannot hold out {cfg.val_images} of {len(data.names)} training images for validation "
-                         "(at most half): pass a smaller --val-images, or --selection last")
-    rest, val = hold_out(data, cfg.val_images, cfg.val_seed)
-    logger.info("model selection on %d training images held out with their %d captions (seed %d); training on %d",
-                len(val.names), len(val.sentences), cfg.val_seed, len(rest.names))
-    return rest, val
-
-
 @dataclass(frozen=True)
 class Trained:
     """What a training run left in its folder: the checkpoint and the epoch kept (its history.json holds the
@@ -301,7 +308,7 @@ def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, 
     tr, val = split_for_selection(run.train, images)
     if run.train.mirror_views > 0:  # the images trained on only: the validation part is never mirrored
         tr = with_mirrored(tr, run.image, cache, workers, device)
-    summary = train(run, tr, val, out, cache)
+    summary = train_members(run, tr, val, out, cache) if run.train.members > 1 else train(run, tr, val, out, cache)
     summary["command"] = "python -m training.train " + shlex.join(flags)
     (out / "history.json").write_text(json.dumps(summary, indent=2))
     kept = summary["selection"]
