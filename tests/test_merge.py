@@ -253,3 +253,13 @@ def test_a_run_of_members_trains_each_seed_and_merges_them(shapes_model: ShapesM
     assert hist["command"].endswith("--members 2") and hist["selection"]["rule"] == "val"
     with pytest.raises(ValueError, match="at least 2"):
         train_members(make_run("paper", {**overrides, "members": 1}), tr, val, tmp_path / "one", shapes_model.cache)
+    for variant, shape in (("two-branch", {}), ("paper", {"image_hidden": 8})):  # refused before any training
+        with pytest.raises(ValueError, match="linear fragment models"):
+            train_members(make_run(variant, {**overrides, "members": 2}, shape), tr, val, tmp_path / "no",
+                          shapes_model.cache)
+        assert not (tmp_path / "no").exists()
+    # a first start's selection ("last", no validation part): merged and calibrated all the same
+    last = {**overrides, "selection": "last", "epochs": 4, "members": 2}
+    trained = train_on(make_run("paper", last), shapes_model.data, tmp_path / "last", shapes_model.cache, [])
+    assert trained.selection == "last" and Bundle.load(trained.checkpoint).blocks == 2
+    assert Bundle.load(trained.checkpoint).calibration is not None

@@ -79,6 +79,8 @@ logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("full", "fragment+global", "fragment", "global")
 MODEL_OPTIONS = MODEL_SHAPE  # ModelConfig fields a variant or a CLI flag of the same name may set
+
+
 @dataclass
 class Run:
     variant: str
@@ -232,6 +234,10 @@ def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, o
     cfg = run.train
     if cfg.members < 2:
         raise ValueError(f"members must be at least 2 to merge, not {cfg.members}")
+    hidden = [k for k in ("image_hidden", "global_hidden") if int(run.model_overrides.get(k, 0)) > 0]
+    if run.model_kind != "fragment" or hidden:  # what training.merge can stack, checked before any training
+        raise ValueError(f"members are merged as linear fragment models; {run.variant} is a {run.model_kind} model"
+                         + (f" with {', '.join(hidden)}" if hidden else ""))
     t0 = time.perf_counter()
     folders = []
     for m in range(cfg.members):
