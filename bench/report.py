@@ -46,14 +46,15 @@ PAPER_ROWS = {
     "sdt-rnn (paper)": (6.0, 22.7, 34.0, 23.0, 6.6, 21.6, 31.7, 25.0),
     "devise (paper)": (4.8, 16.5, 27.3, 28.0, 5.9, 20.1, 29.6, 29.0),
 }
-ORDER = ["full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+global", "fragment", "global", "fullframe",
-         "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual", "contextual-r25", "wide",
+ORDER = ["full-2x256", "full", "full-crop", "full-roi", "paper", "full (paper)", "fragment+global", "fragment",
+         "global", "fullframe", "bow", "bigram", "sentence", "large-regions", "large-regions+mlp", "contextual",
+         "contextual-r25", "wide",
          "dropout", "two-branch", "dt-rnn", "sdt-rnn", "sdt-rnn (paper)", "dt-rnn-contextual", "sdt-rnn-contextual",
          "devise", "devise (paper)", "devise-bidirectional", "devise-contextual",
          "full-val", "full-maxviol", "full-fragdrop", "full-long", "full-merge2", "full-merge3", "full-merge6",
          "full-ft", "full-merge3-blocks", "full-merge6-blocks", "full-lite2", "full-val-q7", "full-mirror",
          "full-mirror-merge2", "full-val-q7-seed1", "full-h256", "full-h256-seed1", "full-h256-merge2", "full-nce",
-         "full-global-mlp", "full-q7-merge4"]
+         "full-global-mlp", "full-q7-merge4", "full-q7"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
@@ -63,6 +64,10 @@ def selection_label(hist: dict[str, Any]) -> str:
     if sel is not None:
         if sel["rule"] == "val":
             return f"val ({sel['images']} train images held out): epoch {sel['epoch']}/{sel['epochs']}"
+        if hist.get("members"):  # a merge of runs selected "last": the merge itself has no epochs
+            epochs = sorted(set(hist.get("member_epochs", [])))
+            each = f"fixed {epochs[0]} epochs" if len(epochs) == 1 else "its last epoch"
+            return f"merge of {len(hist['members'])} members, each {each}"
         return f"fixed {sel['epochs']} epochs"
     if not history:
         return "dev (best evaluated epoch; history not kept)"
@@ -80,7 +85,7 @@ def variant_description(hist: dict[str, Any], name: str) -> str | None:
 
 def _style(i: int, name: str) -> dict[str, Any]:
     """A distinct colour per row (tab20), the served model and the reference drawn heavier."""
-    return {"color": plt.get_cmap("tab20")(i % 20), "linewidth": 2.4 if name in ("full", "two-branch") else 1.2,
+    return {"color": plt.get_cmap("tab20")(i % 20), "linewidth": 2.4 if name in ("full-2x256", "two-branch") else 1.2,
             "linestyle": "--" if name == "two-branch" else "-"}
 
 

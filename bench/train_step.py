@@ -4,7 +4,7 @@ torch's per-tensor step and its own masks, in turns in one process on the same d
 
     python -m bench.train_step --images 2000 --pairs 3 --threads 2
 
-Each turn trains one epoch of `--variant` (default: the served `full`) from the same seed on the first
+Each turn trains one epoch of `--variant` (default: `full`) from the same seed on the first
 `--images` training images (`training.train.train`, selection "last", no calibration) and records the
 epoch's seconds; the turns alternate (before, after, before, after, ...) so the machine's drift falls
 on both arms. Writes docs/results/train-step.csv (one row per turn) and logs the median ratio.

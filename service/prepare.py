@@ -137,7 +137,8 @@ def ensure_model(settings: Settings) -> Path:
     """The checkpoint; trained by training.train.train_variant (variant settings.variant) if absent.
 
     The model is trained on every training image for the variant's fixed epoch count (selection
-    "last"), as the served `full` was; the training package is imported only then."""
+    "last"; a variant with members trains each so and merges them); the training package is imported
+    only then."""
     path = settings.model_path
     if path.is_file():
         logger.info("model: reusing %s", path)
@@ -151,8 +152,9 @@ def ensure_model(settings: Settings) -> Path:
                             workers=settings.worker_count, device=device_name(settings.device), limit=settings.limit)
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
-    logger.info("model: trained in %.0fs (epoch %d of %d kept)", time.perf_counter() - t0, trained.epoch,
-                trained.epochs)
+    kept = (f"{len(trained.member_epochs)} members merged, epochs {list(trained.member_epochs)} of {trained.epochs} "
+            "kept" if trained.member_epochs else f"epoch {trained.epoch} of {trained.epochs} kept")
+    logger.info("model: trained in %.0fs (%s)", time.perf_counter() - t0, kept)
     return path
 
 

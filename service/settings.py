@@ -96,7 +96,7 @@ class Settings(BaseSettings):
 
     # what the embedded default prepares when it is missing
     prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
-    variant: str = Field(default="full", description="model variant trained when the checkpoint is missing")
+    variant: str = Field(default="full-2x256", description="model variant trained when the checkpoint is missing")
     image_split: str = Field(default="dev", description="split whose images are indexed")
     collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
                                     "image split: indexed on the first start and synced (new, changed, renamed, "

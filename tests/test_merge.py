@@ -3,6 +3,7 @@ its one S_kl is the sum of the members' (calibrated) S_kl, and it is served as a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from bench.report import selection_label
 from index import ImageIndex, IndexSettings
 from model.bundle import Bundle
 from model.dataset import SplitData, hold_out, load_split_data
@@ -224,6 +226,21 @@ def test_a_merge_of_members_selected_on_validation_fits_its_relevance_scale(shap
     assert merged.meta["calibration"]["relevance"]["images"] == 12
 
 
+def test_the_merge_command_refuses_members_it_cannot_merge_before_loading_data(shapes_model: ShapesModel,
+                                                                              tmp_path: Path) -> None:
+    """Members of other shapes are refused with the reason, before the training data is read (the data
+    folder here does not exist: a refusal after loading would fail on it instead)."""
+    bundle = shapes_model.bundle
+    assert isinstance(bundle.model, FragmentModel)
+    other = FragmentModel(dataclasses.replace(bundle.model.cfg, h=bundle.model.cfg.h * 2))
+    Bundle(bundle.model, bundle.text, bundle.image_cfg, meta=dict(bundle.meta)).save(tmp_path / "a" / "model.pt")
+    Bundle(other, bundle.text, bundle.image_cfg, meta=dict(bundle.meta)).save(tmp_path / "b" / "model.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        merge_main(["--members", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "merged"),
+                    "--data", str(tmp_path / "no-such-data"), "--cache", str(tmp_path / "cache")])
+    assert exit_info.value.code == 2 and not (tmp_path / "merged").exists()
+
+
 def test_a_run_of_members_trains_each_seed_and_merges_them(shapes_model: ShapesModel, tmp_path: Path) -> None:
     """`members` > 1 (a variant's or `--members`): that many runs from consecutive seeds, each selected on the
     validation part, merged with each member thresholded apart into the one checkpoint a first start serves."""
@@ -251,6 +268,9 @@ def test_a_run_of_members_trains_each_seed_and_merges_them(shapes_model: ShapesM
     hist = json.loads((out / "history.json").read_text())
     assert hist["variant"] == "paper" and hist["blocks"] == 2 and set(hist["val"]) == {"member-1", "member-2", "merged"}
     assert hist["command"].endswith("--members 2") and hist["selection"]["rule"] == "val"
+    member_epochs = [json.loads((out / f"member-{m}" / "history.json").read_text())["selection"]["epoch"]
+                     for m in (1, 2)]
+    assert list(trained.member_epochs) == hist["member_epochs"] == member_epochs, "each member's epoch kept"
     with pytest.raises(ValueError, match="at least 2"):
         train_members(make_run("paper", {**overrides, "members": 1}), tr, val, tmp_path / "one", shapes_model.cache)
     for variant, shape in (("two-branch", {}), ("paper", {"image_hidden": 8})):  # refused before any training
@@ -262,4 +282,7 @@ def test_a_run_of_members_trains_each_seed_and_merges_them(shapes_model: ShapesM
     last = {**overrides, "selection": "last", "epochs": 4, "members": 2}
     trained = train_on(make_run("paper", last), shapes_model.data, tmp_path / "last", shapes_model.cache, [])
     assert trained.selection == "last" and Bundle.load(trained.checkpoint).blocks == 2
+    assert trained.member_epochs == (4, 4), "the last epoch of each member"
+    label = selection_label(json.loads((tmp_path / "last" / "history.json").read_text()))
+    assert label == "merge of 2 members, each fixed 4 epochs", "the results table's selection column"
     assert Bundle.load(trained.checkpoint).calibration is not None

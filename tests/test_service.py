@@ -479,7 +479,7 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("FRAGSEARCH_API_KEY", "")
     s = Settings(_env_file=None)  # type: ignore[call-arg]
     assert s.k_max == 70 and s.api_key is None and not s.writes_open
-    assert s.model_path == tmp_path / "models" / "full" / "model.pt"
+    assert s.model_path == tmp_path / "models" / "full-2x256" / "model.pt"
     assert s.image_index == tmp_path / "index" / "images-dev"
     assert (s.host, s.port) == ("127.0.0.1", 8000)
 

@@ -1,6 +1,7 @@
-"""The served default, the `full` variant (int8 per-region crops, proposals at 112 px, contextual word
-vectors, the whole-sentence fragment, score calibration), prepared from nothing on 12 images of the
-shapes collection as `python -m service` prepares it, and answering every ranked route over HTTP."""
+"""The served default, the `full-2x256` variant (two runs of `full` at h = 256 merged, each member's S_kl
+thresholded apart; `full`: int8 per-region crops, proposals at 112 px, contextual word vectors, the
+whole-sentence fragment, score calibration), prepared from nothing on 12 images of the shapes
+collection as `python -m service` prepares it, and answering every ranked route over HTTP."""
 
 from __future__ import annotations
 
@@ -27,17 +28,19 @@ LIMIT = 12  # images of each split prepared: the model trains on 12 images for t
 
 
 @pytest.mark.parametrize("service_env", ["faiss"], indirect=True)  # one training is enough: the model is under test
-def test_the_full_variant_is_trained_indexed_and_served(service_env: ServiceEnv, tmp_path: Path) -> None:
+def test_the_default_variant_is_trained_indexed_and_served(service_env: ServiceEnv, tmp_path: Path) -> None:
     shapes = service_env.shapes
     settings = service_env.settings_for(tmp_path, model_path=None, image_index=None, sentence_index=None,
                                         limit=LIMIT)
-    assert settings.variant == Settings.model_fields["variant"].default == "full", "the served default"
+    assert settings.variant == Settings.model_fields["variant"].default == "full-2x256", "the served default"
     with TestClient(create_app(settings, prepare=True)) as c:
         ready = service_env.prepared(c)
         assert ready["images"] == LIMIT and ready["sentences"] == 5 * LIMIT
         bundle = Bundle.load(settings.model_path)
         cfg, text = bundle.image_cfg, bundle.text.cfg
-        assert bundle.meta["variant"] == "full" and not bundle.is_global
+        assert bundle.meta["variant"] == "full-2x256" and not bundle.is_global
+        assert (bundle.blocks, bundle.dim) == (2, 512), "two members of h = 256 side by side"
+        assert [p.name for p in sorted(settings.model_path.parent.glob("member-*"))] == ["member-1", "member-2"]
         assert (cfg.region_features, cfg.backbone_precision, cfg.proposal_resize) == ("crop", "int8", 112)
         assert text.word_vectors == "contextual" and text.sentence_fragment
         assert bundle.calibration is not None

@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("a merge needs at least two --members")
     start = time.perf_counter()
     bundles = [Bundle.load(folder / "model.pt") for folder in args.members]
+    try:  # members that cannot be merged are refused before the training data is loaded (a merge takes milliseconds)
+        merge_bundles(bundles, args.threshold)
+    except ValueError as e:
+        ap.error(str(e))
     first = bundles[0]
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in first.meta.get("train", {}).items() if k in known})

@@ -240,17 +240,19 @@ def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, o
                          + (f" with {', '.join(hidden)}" if hidden else ""))
     t0 = time.perf_counter()
     folders = []
+    kept = []
     for m in range(cfg.members):
         folder = out / f"member-{m + 1}"
         logger.info("member %d of %d (seed %d) into %s", m + 1, cfg.members, cfg.seed + m, folder)
         member = dataclasses.replace(run, train=dataclasses.replace(cfg, seed=cfg.seed + m, members=1))
-        train(member, train_data, val_data, folder, cache_root)
+        kept.append(int(train(member, train_data, val_data, folder, cache_root)["selection"]["epoch"]))
         folders.append(folder)
     bundles = [Bundle.load(f / "model.pt") for f in folders]
     merged, summary = merge_selected(bundles, folders, train_data, val_data, cfg, cache_root)
     merged.meta["variant"] = run.variant
     merged.save(out / "model.pt")
     summary["variant"] = run.variant
+    summary["member_epochs"] = kept  # each member's epoch kept by the selection rule
     summary["train_seconds"] = time.perf_counter() - t0
     return summary
 
@@ -299,9 +301,10 @@ class Trained:
     variant: str
     checkpoint: Path  # <out>/model.pt
     selection: str  # "val" or "last" (TrainConfig.selection)
-    epoch: int  # the epoch kept
+    epoch: int  # the epoch kept (a merge of members: 0, the merge has no epochs of its own)
     epochs: int
     seconds: float  # training, features excluded
+    member_epochs: tuple[int, ...] = ()  # a run of members: each member's epoch kept
 
 
 def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, split: str = "train",
@@ -318,9 +321,14 @@ def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, 
     summary["command"] = "python -m training.train " + shlex.join(flags)
     (out / "history.json").write_text(json.dumps(summary, indent=2))
     kept = summary["selection"]
-    logger.info("kept epoch %d of %d (%s)", kept["epoch"], run.train.epochs, kept["rule"])
+    members = tuple(summary.get("member_epochs", ()))
+    if members:
+        logger.info("merged %d members, epochs %s of %d kept (%s)", len(members), list(members), run.train.epochs,
+                    run.train.selection)
+    else:
+        logger.info("kept epoch %d of %d (%s)", kept["epoch"], run.train.epochs, kept["rule"])
     return Trained(run.variant, out / "model.pt", kept["rule"], kept["epoch"], run.train.epochs,
-                   summary["train_seconds"])
+                   summary["train_seconds"], members)
 
 
 def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache: Path, workers: int = 2,
