@@ -54,7 +54,7 @@ ORDER = ["full-2x256", "full", "full-crop", "full-roi", "paper", "full (paper)",
          "full-val", "full-maxviol", "full-fragdrop", "full-long", "full-merge2", "full-merge3", "full-merge6",
          "full-ft", "full-merge3-blocks", "full-merge6-blocks", "full-lite2", "full-val-q7", "full-mirror",
          "full-mirror-merge2", "full-val-q7-seed1", "full-h256", "full-h256-seed1", "full-h256-merge2", "full-nce",
-         "full-global-mlp", "full-q7-merge4", "full-q7", "full-4x128"]
+         "full-global-mlp", "full-q7-merge4", "full-q7", "full-4x128", "full-ft-q7", "full-ft-q7-cnn1e-5", "full-lite1"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
@@ -62,6 +62,9 @@ def selection_label(hist: dict[str, Any]) -> str:
     history = hist.get("history", [])
     sel = hist.get("selection")
     if sel is not None:
+        if sel["rule"] == "val" and "finetune" in hist:  # training/finetune.py: epoch 0 is the init model
+            return (f"val ({sel['images']} train images held out): fine-tuning epoch {sel['epoch']}/"
+                    f"{hist['finetune']['epochs']} after the init run")
         if sel["rule"] == "val":
             return f"val ({sel['images']} train images held out): epoch {sel['epoch']}/{sel['epochs']}"
         if hist.get("members"):  # a merge of runs selected "last": the merge itself has no epochs

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.report import selection_label
 from model.backbone import Backbone, Top, Trunk, efficientnet, onnx_graph, preprocess, weights_digest
 from model.bundle import Bundle
 from model.config import ImageConfig
@@ -149,6 +150,8 @@ def test_finetune_keeps_the_best_epoch_on_the_validation_part(tiny: dict[str, ob
     assert kept.meta["selection"]["epoch"] == summary["selection"]["epoch"]
     best = max(summary["history"], key=lambda r: r["val_rsum"])
     assert summary["best"]["rsum"] == best["val_rsum"]
+    # the results table names the kept fine-tuning epoch (history.json is this summary and the run's names)
+    assert selection_label(summary).endswith(f"fine-tuning epoch {summary['selection']['epoch']}/2 after the init run")
     weights = kept.image_cfg.backbone_weights
     assert Path(weights).is_file() and weights_digest(weights)
     # the served extractor: ImageNet ranking, the kept backbone's features for the crops

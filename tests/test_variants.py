@@ -61,7 +61,9 @@ EXPECTED |= {
     "full-global-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "global_hidden": 1024}},
     "full-2x256": {**EXPECTED["full"], "model": {**ROI["model"], "h": 256}, "train": {**ROI["train"], "members": 2}},
 }
-# the backbone row: full's crops through EfficientNet-Lite2 at its native side
+# the backbone rows: full's crops through EfficientNet-Lite1 / Lite2 at their native sides
+EXPECTED["full-lite1"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite1",
+                                                        "crop_size": 240}}
 EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
                                                         "crop_size": 260}}
 # the global baselines over the served model's whole-image feature
