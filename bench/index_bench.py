@@ -52,6 +52,7 @@ from model.dataset import feature_cache
 from model.embed import embed_sentence
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline, parse_cached
+from model.release import served_model_from_env
 from model.text import RelationVocab
 from model.words import WordTable
 
@@ -430,8 +431,9 @@ def plot(rows: Sequence[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
-                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
+                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",

@@ -31,6 +31,7 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.embed import row_triplets
+from model.release import served_model_from_env
 from service.routes.convert import image_result
 from service.schemas import SearchImagesResponse
 
@@ -84,8 +85,9 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=art / "models" / "full" / "model.pt",
-                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(art),
+                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
+                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--index", type=Path, default=art / "index" / "images-dev",
                     help="the image index searched; default: the served dev-image index")
     ap.add_argument("--data", type=Path, default=default_data_dir(),

@@ -31,6 +31,7 @@ from model.calibration import DEFAULT_CUTOFF
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import load_split_data
 from model.parsers import make_parser
+from model.release import served_model_from_env
 from training.calibrate import true_and_random_pairs
 from training.evaluate import evaluate_scores
 
@@ -62,7 +63,7 @@ def precision_recall(pred: np.ndarray, truth: np.ndarray, cutoff: float) -> tupl
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt",
+    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
                     help="a checkpoint with a relevance scale")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--split", default="dev", help="the split measured on")

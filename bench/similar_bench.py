@@ -42,6 +42,7 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
+from model.release import served_model_from_env
 
 logger = logging.getLogger("bench.similar_bench")
 K = 10
@@ -95,7 +96,8 @@ def measure(name: str, rank: Callable[[int], list[int]], words: list[set[str]], 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt", help="the checkpoint")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
+                    help="the checkpoint; default: the served model (model/release.py)")
     ap.add_argument("--images", type=Path, default=a / "index" / "images-dev", help="the dev image index")
     ap.add_argument("--sentences", type=Path, default=a / "index" / "sentences-train",
                     help="the sentence index (training captions)")

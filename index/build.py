@@ -36,6 +36,7 @@ from model.config import default_artifacts_dir
 from model.data import read_captions, read_split_list
 from model.dataset import feature_cache
 from model.fragments import parse_cached
+from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,9 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
-                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
+                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
     ap.add_argument("--image-list", type=Path, help="only the images named in this file (one name per line)")
     ap.add_argument("--out", type=Path, help="image index folder")

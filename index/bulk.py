@@ -52,6 +52,7 @@ from model.dataset import feature_cache
 from model.image import ImageFragments, RegionExtractor, image_proposals
 from model.imageio import ImageReadError, load_image
 from model.onnx import graph_dir
+from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="local: extraction processes; ray: backbone actors")
     ap.add_argument("--address", default=None, help="ray: the cluster to join (host:port of its head); "
                     "default: start Ray on this machine")
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
+    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
                     help="the model whose image settings are used (and that embeds the fragments with --index)")
     add_region_flags(ap, None)
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",

@@ -21,6 +21,7 @@ from index.images import ImageIndex
 from index.similar import image_vectors
 from model.bundle import Bundle
 from model.config import default_artifacts_dir
+from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     a = default_artifacts_dir()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("index", type=Path, help="an image index folder (e.g. the one ./run index made)")
-    ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt", help="its checkpoint")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
+                    help="its checkpoint; default: the served model (model/release.py)")
     ap.add_argument("--collection-root", type=Path, default=None, help="the folder its relative paths are under")
     ap.add_argument("--threshold", type=float, default=THRESHOLD, help="cosine at or above which two are duplicates")
     ap.add_argument("--json", type=Path, default=None, help="also write the groups (paths) as JSON here")

@@ -24,6 +24,7 @@ from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.matches import matches
 from index.places import Place, PlaceFilter, read_place
+from index.ranker import rank_key
 from index.types import (
     AddReport,
     Explanation,
@@ -345,7 +346,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 return Page([], offset, 0)
             regions = torch.from_numpy(self.stored.fragment_vectors(items, frags))
             scores = block_dots(regions, sent, self.bundle.blocks)[1].sum(-1).numpy()
-            order = np.lexsort((frags, items, -scores))[offset : offset + limit]
+            order = np.lexsort((frags, items, -rank_key(scores)))[offset : offset + limit]
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())
         hits = [RegionHit(int(items[o]), payloads[int(items[o])].name,

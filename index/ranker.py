@@ -43,11 +43,24 @@ Ranked = tuple[int, float, P, torch.Tensor]  # item, score, payload, its stored 
 
 
 # -- top k: ties always go to the smaller item id, as in the final ranking ------------------------------
+RANK_DIGITS = 5  # significant digits of a score that ranking compares
+
+
+def rank_key(scores: np.ndarray) -> np.ndarray:
+    """Scores as ranking compares them: rounded to RANK_DIGITS significant digits. Two items whose S_kl
+    differ only by float rounding (the same fragments summed in another order, in another batch, or by
+    another instruction set's kernels) then tie, and the tie goes to the smaller id on every machine."""
+    s = np.asarray(scores, dtype=np.float64)
+    exponent = np.floor(np.log10(np.maximum(np.abs(s), 1e-300)))
+    quantum = 10.0 ** (exponent - (RANK_DIGITS - 1))
+    return np.round(s / quantum) * quantum
+
+
 def top_k(scores: np.ndarray, items: np.ndarray, k: int) -> list[tuple[int, int, float]]:
-    """The k best (position, item, score) by score, ties broken by the smaller item id."""
+    """The k best (position, item, score) by score (`rank_key`), ties broken by the smaller item id."""
     if len(items) == 0 or k <= 0:
         return []
-    order = np.lexsort((items, -scores))[:k]
+    order = np.lexsort((items, -rank_key(scores)))[:k]
     return [(int(p), int(items[p]), float(scores[p])) for p in order]
 
 
@@ -67,8 +80,9 @@ def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.nda
                 ) -> list[tuple[int, float]]:
     """Running top-k over chunks of an exhaustive scan: (item, score) pairs."""
     merged = best + [(int(i), float(s)) for _, i, s in top_k(scores, items, k)]
-    merged.sort(key=lambda t: (-t[1], t[0]))
-    return merged[:k]
+    keys = rank_key(np.array([s for _, s in merged]))
+    order = sorted(range(len(merged)), key=lambda n: (-keys[n], merged[n][0]))
+    return [merged[n] for n in order[:k]]
 
 
 class RankedIndex(Protocol[P]):
@@ -193,7 +207,9 @@ class Ranker(Generic[P]):
             scores.append(score(vecs, mask).numpy())
         all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
         mine = float(all_scores[all_ids == item][0])
-        ahead = (all_scores > mine) | ((all_scores == mine) & (all_ids < item))
+        keys = rank_key(all_scores)
+        key = keys[all_ids == item][0]
+        ahead = (keys > key) | ((keys == key) & (all_ids < item))
         return Placement(mine, 1 + int(np.count_nonzero(ahead)), len(all_ids), scope, recalled)
 
     def small(self) -> bool:

@@ -3,7 +3,9 @@
     python -m index.sync ~/Pictures                      # or: ./run index ~/Pictures
     python -m index.sync ~/Pictures --out artifacts/index/my-photos --workers 2
 
-The folder is walked recursively (hidden files and folders left out). Against the manifest kept in
+The folder is walked recursively, leaving out hidden files and folders, the folders NAS systems and
+file managers keep beside photos (`@eaDir`, `#recycle`, `$RECYCLE.BIN`, ...) and what the gitignore-style
+patterns of `--exclude` and of the folder's `.fragsearchignore` match. Against the manifest kept in
 the index folder (`sync-manifest.json`: per file, relative to the folder, its size, modification
 time, content hash and image id), each run
 
@@ -27,9 +29,13 @@ manifest does not know yet.
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import functools
 import json
 import logging
 import os
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +52,7 @@ from model.bundle import Bundle
 from model.config import collection_index, default_artifacts_dir
 from model.dataset import feature_cache
 from model.imageio import IMAGE_SUFFIXES
+from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -94,17 +101,88 @@ def write_manifest(index_dir: Path, folder: Path, files: dict[str, Entry]) -> No
         f.write(json.dumps(body, indent=1).encode())
 
 
-def walk(folder: Path) -> tuple[dict[str, os.stat_result], list[str]]:
-    """Indexable files (relative POSIX path -> stat) and unsupported image files under `folder`."""
+# folders NAS systems, file managers and operating systems keep beside photos (every hidden folder, such as
+# .thumbnails or .Trash-1000, is left out as well)
+SYSTEM_FOLDERS = frozenset({"@eaDir", "@Recycle", "@Recently-Snapshot", "#recycle", "#snapshot", "$RECYCLE.BIN",
+                            "System Volume Information", "lost+found"})
+IGNORE_FILE = ".fragsearchignore"  # gitignore-style patterns, one a line, in the folder itself
+
+
+def ignore_patterns(folder: Path, exclude: Sequence[str] = ()) -> list[str]:
+    """The patterns a sync leaves out: `exclude` and the lines of the folder's .fragsearchignore (blank
+    lines and # comments skipped)."""
+    patterns = [p.strip() for p in exclude if p.strip()]
+    path = Path(folder) / IGNORE_FILE
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        patterns += [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    return patterns
+
+
+def ignored(rel: str, is_dir: bool, patterns: Sequence[str]) -> bool:
+    """Whether a path relative to the folder matches a gitignore-style pattern: a pattern without a slash
+    matches a file or folder name at any depth (`*.png`, `Screenshots`), one with a slash the path from the
+    folder (`2019/*/raw`, a leading slash anchors it too), a trailing slash folders only; `**` matches any
+    number of folders. Negation (`!`) is not supported."""
+    name = rel.rsplit("/", 1)[-1]
+    for pattern in patterns:
+        dir_only = pattern.endswith("/")
+        pat = pattern.rstrip("/")
+        if dir_only and not is_dir:
+            continue
+        if "/" in pat:
+            regex = _glob_regex(pat.lstrip("/"))
+            if re.fullmatch(regex, rel):
+                return True
+        elif fnmatch.fnmatchcase(name, pat):
+            return True
+    return False
+
+
+@functools.cache
+def _glob_regex(pattern: str) -> str:
+    """A path glob as a regex: `**/` any folders, `*` and `?` within one name, [...] as in fnmatch."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:[^/]+/)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            j = pattern.find("]", i + 1) if pattern[i] == "[" else -1
+            if j > 0:
+                out.append(fnmatch.translate(pattern[i : j + 1])[4:-3])  # the class itself, as fnmatch reads it
+                i = j + 1
+            else:
+                out.append(re.escape(pattern[i]))
+                i += 1
+    return "".join(out)
+
+
+def walk(folder: Path, exclude: Sequence[str] = ()) -> tuple[dict[str, os.stat_result], list[str]]:
+    """Indexable files (relative POSIX path -> stat) and unsupported image files under `folder`; hidden
+    files and folders, SYSTEM_FOLDERS and what the ignore patterns (`ignore_patterns`) match left out."""
     found: dict[str, os.stat_result] = {}
     unsupported: list[str] = []
+    patterns = ignore_patterns(folder, exclude)
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        here = Path(dirpath).relative_to(folder).as_posix()
+        prefix = "" if here == "." else here + "/"
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SYSTEM_FOLDERS
+                             and not ignored(prefix + d, True, patterns))
         for name in sorted(filenames):
-            if name.startswith("."):
+            if name.startswith(".") or ignored(prefix + name, False, patterns):
                 continue
             path = Path(dirpath) / name
-            rel = path.relative_to(folder).as_posix()
+            rel = prefix + name
             suffix = path.suffix.lower()
             if suffix in IMAGE_SUFFIXES:
                 try:
@@ -116,12 +194,14 @@ def walk(folder: Path) -> tuple[dict[str, os.stat_result], list[str]]:
     return found, unsupported
 
 
-def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: int = SAVE_EVERY) -> SyncReport:
-    """Bring `index` (loaded with collection_root=folder) in step with the files under `folder`."""
+def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: int = SAVE_EVERY,
+                exclude: Sequence[str] = ()) -> SyncReport:
+    """Bring `index` (loaded with collection_root=folder) in step with the files under `folder` (those `walk`
+    keeps: a file that becomes ignored is removed like a deleted one)."""
     folder = Path(folder).resolve()
     report = SyncReport()
     manifest = {rel: e for rel, e in read_manifest(index.root).items() if index.contains(e.image_id)}
-    on_disk, report.unsupported = walk(folder)
+    on_disk, report.unsupported = walk(folder, exclude)
     # images committed by an interrupted run before its manifest was written: adopt them
     adopt = index.find_paths([folder / rel for rel in on_disk if rel not in manifest])
     for path, image_id in adopt.items():
@@ -212,26 +292,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder", type=Path, help="the folder of photos (searched recursively)")
     ap.add_argument("--out", type=Path, default=None,
                     help="the index folder (default: artifacts/index/collection-<name>-<hash of the path>)")
-    ap.add_argument("--model", type=Path, default=a / "models" / "full" / "model.pt", help="the checkpoint")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
+                    help="the checkpoint; default: the served model (model/release.py)")
     ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature cache (keyed by image content)")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
                     help="images added between two commits (at least; a quarter of a larger index's size)")
     ap.add_argument("--index-kind", default="flat", help="FAISS index kind of a new index (flat, hnsw, ivf, ivfpq)")
+    ap.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                    help=f"leave out what a gitignore-style pattern matches (repeatable; also read from the "
+                         f"folder's {IGNORE_FILE})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.folder.is_dir():
         logger.error("not a folder: %s", args.folder)
         return 2
     if not args.model.is_file():
-        logger.error("no model at %s: train one (python -m training.train) or start the service once", args.model)
+        logger.error("no model at %s: leave --model, FRAGSEARCH_MODEL_PATH and FRAGSEARCH_VARIANT unset to use the "
+                     "released model (model/released/), or train one with ./run train", args.model)
         return 2
     folder = args.folder.resolve()
     out = args.out or collection_index(a, folder)
     bundle = Bundle.load(args.model)
     index = open_index(out, bundle, folder, args.cache, IndexSettings(kind=args.index_kind))
     try:
-        report = sync_folder(index, folder, workers=args.workers, save_every=args.save_every)
+        report = sync_folder(index, folder, workers=args.workers, save_every=args.save_every, exclude=args.exclude)
     finally:
         index.close()
     for rel, reason in report.unreadable:

@@ -18,7 +18,6 @@ set is needed and every machine makes the same graph) and kept in the graph fold
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import logging
 import tempfile
@@ -48,35 +47,21 @@ CPU_PIXELS_PER_PASS = 2 * 224 * 224  # torch CPU micro-batch budget: larger batc
 GPU_IMAGES_PER_PASS = 64
 CALIBRATION_IMAGES = 64  # int8: smooth random images the activation ranges are measured on
 CALIBRATION_SEED = 0
-QUANT_VERSION = 1  # bump when the quantization recipe changes (it changes the int8 features)
+QUANT_VERSION = 2  # bump when the quantization recipe changes (it changes the int8 features); 2: 7-bit weights
 _quant_lock = threading.Lock()
 
 
-@functools.cache  # the CPU does not change while the process runs: /proc/cpuinfo read once
-def saturating_int8() -> bool:
-    """An x86-64 CPU without VNNI (avx512_vnni / avx_vnni): ONNX Runtime's uint8 x int8 products there
-    (vpmaddubsw) add pairs of products into int16 with saturation, which clips the int8 backbone's
-    activations (its features drift from the float ones: cosine down to ~0.89 on a crop). The weights
-    are then quantized to 7 bits (`reduce_range`), which cannot saturate; the graph and the feature
-    cache key name it, so such a machine never shares int8 graphs or features with a VNNI one."""
-    import platform
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "vnni" not in flags
-
-
 def quant_recipe() -> dict[str, Any]:
-    """What shapes the int8 graph on this machine (in the feature cache key): the recipe's version,
-    the calibration seed and, on a saturating CPU, the 7-bit weights."""
-    recipe: dict[str, Any] = {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED}
-    if saturating_int8():
-        recipe["reduce_range"] = True
-    return recipe
+    """What shapes the int8 graph (in the feature cache key): the recipe's version, the calibration seed and
+    the 7-bit weights (`reduce_range`), the same on every CPU.
+
+    Why 7 bits everywhere: on an x86-64 CPU without VNNI, ONNX Runtime's uint8 x int8 products (vpmaddubsw)
+    add pairs of products into int16 with saturation, which clips 8-bit weights' products (features down to
+    cosine ~0.89 with the float ones), while VNNI (vpdpbusd) sums them in int32. With weights of at most 7
+    bits a pair of products cannot reach the int16 limit (2 x 255 x 64 < 32767), so both kernels compute
+    the same integers: the features, and the released model's quality, do not depend on the instruction
+    set (docs/results/features.md)."""
+    return {"version": QUANT_VERSION, "calibration_seed": CALIBRATION_SEED, "reduce_range": True}
 
 
 def set_torch_threads(n: int) -> None:
@@ -287,12 +272,11 @@ def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None,
                    "features": {0: "batch", 2: "map_height", 3: "map_width"}})
     if precision == "fp32":
         return fp32
-    reduce = bool(quant_recipe().get("reduce_range"))
+    reduce = bool(quant_recipe()["reduce_range"])
     int8 = folder / f"{name}-int8-q{QUANT_VERSION}{'r7' if reduce else ''}-seed{CALIBRATION_SEED}.onnx"
     with _quant_lock:
         if not int8.is_file():
-            logger.info("quantizing %s to int8 (%d calibration images%s)", name, CALIBRATION_IMAGES,
-                        ", 7-bit weights: this CPU's int8 products saturate" if reduce else "")
+            logger.info("quantizing %s to int8 (%d calibration images, 7-bit weights)", name, CALIBRATION_IMAGES)
             with atomic_path(int8) as tmp:
                 _quantize(fp32, tmp, reduce)
     return int8

@@ -37,6 +37,7 @@ from model.device import resolve_device
 from model.encoders import DeViSE, FragmentModel, GlobalModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.image import RegionExtractor
+from model.release import ReleaseError, check_release
 from model.score import skl
 from model.text import RelationVocab
 from model.trees import TreeBatch
@@ -268,11 +269,16 @@ class Bundle:
     def load(cls, path: Path, device: str | torch.device = "cpu") -> Bundle:
         """Read a checkpoint on the CPU without unpickling code, then move the model to `device`
         (auto / cpu / cuda: model/device.py). CheckpointError for a missing, damaged or foreign file, and
-        for a weight file the model depends on that is not the one it recorded (`check_weights`)."""
+        for a weight file the model depends on that is not the one it recorded (`check_weights`), and for a
+        released model's file that differs from its manifest (model/release.py)."""
         path = Path(path)
         dev = resolve_device(device)
         if not path.is_file():
             raise CheckpointError(f"model checkpoint not found: {path}")
+        try:  # a released model's file is checked against its manifest before it is read
+            check_release(path)
+        except ReleaseError as exc:
+            raise CheckpointError(str(exc)) from exc
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises many types for a damaged file or a pickled object

@@ -201,13 +201,18 @@ class Engine:
     def annotate(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Page[SentenceHit]]:
         """Sentences ranked offset + 1 .. offset + k for an uploaded image."""
         if self.sentences is None:
+            if not self.settings.has_sentences:
+                raise ApiError(409, "no_sentences", "no sentence collection to rank: /annotate needs a caption "
+                               "file (FRAGSEARCH_CAPTIONS, one sentence a line) or a data folder with captions.txt "
+                               f"(FRAGSEARCH_DATA; {self.settings.data} has none)")
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
         decoded = self.decode(data)
         return decoded, self.sentences.annotate_page(decoded.image, offset, k)
 
-    def thumbnail_file(self, image_id: int, size: int) -> Path | None:
-        """The cached thumbnail of an indexed image (made when missing), or None when there is no such
-        image; an image file that cannot be decoded is a 422 (its original is still served)."""
+    def thumbnail_file(self, image_id: int, size: int | None) -> Path | None:
+        """The cached thumbnail of an indexed image (made when missing; size None: a full-size JPEG rendition),
+        or None when there is no such image; an image file that cannot be decoded is a 422 (its original is
+        still served with ?original=true)."""
         path = self.image_file(image_id)
         if path is None:
             return None
@@ -233,7 +238,7 @@ class Engine:
         if self.images.cache is None:  # renamed files come back from the content-keyed cache
             self.images.cache = feature_cache(self.settings.cache, self.bundle.image_cfg)
         with self._write_lock:
-            return sync_folder(self.images, folder, workers=1)
+            return sync_folder(self.images, folder, workers=1, exclude=self.settings.exclude)
 
     def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
         """Decode, store under the uploads folder, index and save; on failure nothing changes."""

@@ -54,6 +54,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries, all with the ErrorResponse model."""
     descriptions = {
         401: "no API key", 403: "wrong API key, or writes disabled", 404: "unknown id",
+        409: "no sentence collection to rank (a photo collection served without captions)",
         413: "body or image too large", 415: "not an image", 422: "invalid input (says why)",
         503: "model or index not loaded yet, or the service is busy (see Retry-After)",
         504: "the request did not finish within its deadline", 507: "no space left to save the index",

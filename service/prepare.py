@@ -43,10 +43,15 @@ from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
 from model.device import DeviceError, device_name
+from model.release import RELEASE_DIR, RELEASED_MODEL, is_released
 from service import logs
 from service.settings import Settings, settings_from, settings_parser
 
 logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
+
+class ModelMissing(FileNotFoundError):
+    """The checkpoint to serve is not there and nothing is set to train it."""
+
 
 def _partial_marker(root: Path) -> Path:
     """Present beside an image index while its build is unfinished (it is saved every few thousand images)."""
@@ -134,15 +139,22 @@ def _limited(split: Split, settings: Settings) -> Split:
 
 
 def ensure_model(settings: Settings) -> Path:
-    """The checkpoint; trained by training.train.train_variant (variant settings.variant) if absent.
+    """The checkpoint served (model/release.py: the released model unless a model or a variant is set).
 
-    The model is trained on every training image for the variant's fixed epoch count (selection
-    "last"; a variant with members trains each so and merges them); the training package is imported
-    only then."""
+    Only a named variant's missing checkpoint is trained (training.train.train_variant, on every training
+    image for the variant's fixed epoch count; a variant with members trains each so and merges them),
+    the training package imported only then. The released model is never trained here: a missing one is
+    an error that says how to restore it."""
     path = settings.model_path
     if path.is_file():
-        logger.info("model: reusing %s", path)
+        logger.info("model: %s %s", "serving the released model" if is_released(path) else "reusing", path)
         return path
+    if settings.variant is None:
+        raise ModelMissing(
+            f"no model at {path}: " + (f"the released model is missing from the checkout (git checkout -- "
+                                       f"{RELEASE_DIR} restores it)" if path == RELEASED_MODEL else
+                                       "set FRAGSEARCH_MODEL_PATH to a checkpoint (./run train --variant V makes "
+                                       "one) or leave it unset to serve the released model"))
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
     from training.train import train_variant  # training code only when there is a model to train
@@ -168,7 +180,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
         index = open_index(target, bundle, settings.collection, settings.cache, _index_settings(settings),
                            backend=settings.backend)
         try:
-            sync_folder(index, settings.collection, workers=settings.worker_count)
+            sync_folder(index, settings.collection, workers=settings.worker_count, exclude=settings.exclude)
         finally:
             index.close()
         return target
@@ -191,15 +203,40 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     return target
 
 
-def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path:
-    """The sentence collection: the captions of the settings.sentence_split images."""
+def read_sentences(path: Path) -> list[str]:
+    """The sentences of a caption file: one a line, or `<image>#<n><TAB><caption>` lines (captions.txt);
+    blank lines skipped. DataError when the file is missing or holds none."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"caption file {path} cannot be read as UTF-8 text: {e}") from e
+    sentences = [line.split("\t", 1)[-1].strip() for line in lines]
+    sentences = [t for t in sentences if t]
+    if not sentences:
+        raise DataError(f"caption file {path} holds no sentence")
+    return sentences
+
+
+def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path | None:
+    """The sentence collection: the caption file's sentences (settings.captions), else the captions of the
+    settings.sentence_split images; None when neither exists (a photo collection served without a data
+    folder: /annotate answers that it needs one)."""
     target = settings.sentence_index
     if is_index(target):
         logger.info("sentence index: reusing %s", target)
         return target
-    split = _limited(load_split(settings.data, settings.sentence_split), settings)
-    sentences, _ = split.sentences()
-    logger.info("sentence index: %d %s captions into %s", len(sentences), settings.sentence_split, target)
+    if not settings.has_sentences:
+        logger.info("sentence index: no caption file (FRAGSEARCH_CAPTIONS) and no data folder at %s: "
+                    "/annotate is unavailable, every other route is served", settings.data)
+        return None
+    if settings.captions is not None:
+        sentences = read_sentences(settings.captions)
+        source = str(settings.captions)
+    else:
+        split = _limited(load_split(settings.data, settings.sentence_split), settings)
+        sentences, _ = split.sentences()
+        source = f"{settings.sentence_split} captions"
+    logger.info("sentence index: %d sentences (%s) into %s", len(sentences), source, target)
     t0 = time.perf_counter()
     index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
                                  parse_dir=settings.cache / "parses", rebuild=target.exists(),
@@ -238,7 +275,7 @@ def prepare(settings: Settings, progress: Progress | None = None,
     progress = progress or Progress()
     t0 = time.perf_counter()
     progress.enter("model", "training it: features first, then the epochs"
-                   if not settings.model_path.is_file() else "reusing the checkpoint")
+                   if not settings.model_path.is_file() and settings.variant is not None else "loading the checkpoint")
     ensure_model(settings)
     bundle = Bundle.load(settings.model_path, device=settings.device)
     fingerprint = model_fingerprint(bundle)
@@ -285,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare(settings, progress)
     except DataError as e:
         logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
+        return 2
+    except ModelMissing as e:
+        logger.error("cannot prepare: %s", e)
         return 2
     finally:
         stop.set()

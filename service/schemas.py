@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, date, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -91,11 +91,21 @@ class SearchImagesRequest(BaseModel):
         examples=["2024-09-01"])
     near: NearIn | None = Field(default=None, description="only photos whose EXIF GPS position is within `km` of "
                                 "(`lat`, `lon`); photos without one are left out")
+    sort: Literal["score", "taken"] = Field(
+        default="score", description="score: the best match first; taken: the results that reach `min_relevance` "
+        "(required with it), among the service's deepest rank, newest photo first (photos without an EXIF date "
+        "last, then by score)")
 
     @field_validator("sentence")
     @classmethod
     def _sentence(cls, v: str) -> str:
         return _not_blank(v, "sentence")
+
+    @model_validator(mode="after")
+    def _sorted_after_a_cut_off(self) -> SearchImagesRequest:
+        if self.sort == "taken" and self.min_relevance is None:
+            raise ValueError("sort 'taken' orders the results that reach min_relevance: give min_relevance too")
+        return self
 
     @model_validator(mode="after")
     def _dates_in_order(self) -> SearchImagesRequest:

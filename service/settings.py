@@ -34,6 +34,8 @@ from pydantic_settings import (
 from index.candidates import BackendOptions
 from model.config import collection_index, default_artifacts_dir, default_data_dir
 from model.device import check_device_name
+from model.imageio import DEFAULT_MAX_PIXELS
+from model.release import served_model_path
 from model.resources import default_workers
 from service.schemas import DEFAULT_K
 
@@ -96,11 +98,16 @@ class Settings(BaseSettings):
 
     # what the embedded default prepares when it is missing
     prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
-    variant: str = Field(default="full-2x256", description="model variant trained when the checkpoint is missing")
+    variant: str | None = Field(default=None, description="a model variant trained here (./run train --variant V) "
+                                "to serve instead of the released model (model/released/): its checkpoint "
+                                "<artifacts>/models/<variant>/model.pt, trained on the first start when missing")
     image_split: str = Field(default="dev", description="split whose images are indexed")
     collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
                                     "image split: indexed on the first start and synced (new, changed, renamed, "
                                     "deleted files) at every start (index/sync.py)")
+    exclude: list[str] = Field(default_factory=list, description="gitignore-style patterns of the collection's "
+                               "files and folders to leave out (also read from its .fragsearchignore), e.g. "
+                               "[\"Screenshots/\", \"*.png\"]")
     watch: bool = Field(default=True, description="with a collection: follow the folder while serving (added, "
                         "changed, moved, deleted photos reach the index without a restart; service/watch.py)")
     watch_debounce_ms: int = Field(default=1000, ge=50, le=60_000, description="how long the folder must be quiet "
@@ -110,10 +117,16 @@ class Settings(BaseSettings):
     watch_polling: bool = Field(default=False, description="poll the folder instead of waiting for file-system "
                                 "events (network mounts without inotify)")
     sentence_split: str = Field(default="train", description="split whose captions form the sentence collection")
+    captions: Path | None = Field(default=None, description="a text file of sentences, one a line (or lines "
+                                  "`<image>#<n><TAB><caption>` as in captions.txt), to form the sentence collection "
+                                  "that /annotate ranks instead of the data folder's sentence_split captions; "
+                                  "without it and without a data folder, /annotate answers 409")
 
     # where the parts are: each path has one name, derived from the settings above when left unset
-    model_path: Path = Field(default_factory=lambda v: v["artifacts"] / "models" / v["variant"] / "model.pt",
-                             description="checkpoint; default <artifacts>/models/<variant>/model.pt")
+    model_path: Path = Field(default_factory=lambda v: served_model_path(v["artifacts"], v["variant"]),
+                             description="the checkpoint served; default: the released model "
+                             "(model/released/model.pt, checked against its manifest), or "
+                             "<artifacts>/models/<variant>/model.pt when a variant is named")
     image_index: Path = Field(
         default_factory=lambda v: (collection_index(v["artifacts"], v["collection"]) if v["collection"] is not None
                                    else v["artifacts"] / "index" / f"images-{v['image_split']}"),
@@ -182,10 +195,12 @@ class Settings(BaseSettings):
     max_rank: int = Field(default=1000, ge=1, description="deepest rank a page may reach (offset + k)")
     max_upload_bytes: int = Field(default=10 * 1024 * 1024, ge=1, description="largest upload request body "
                                   "(the image file and its multipart framing)")
-    max_pixels: int = Field(default=40_000_000, ge=1, description="largest image (width x height) decoded")
+    max_pixels: int = Field(default=DEFAULT_MAX_PIXELS, ge=1, description="largest image (width x height) "
+                            "decoded for uploads, thumbnails and renditions; the default is the indexer's own limit, "
+                            "so every indexed photo gets its thumbnail")
     max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
 
-    @field_validator("limit", "workers", mode="before")
+    @field_validator("limit", "workers", "variant", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value  # FRAGSEARCH_LIMIT= (compose)
@@ -229,6 +244,12 @@ class Settings(BaseSettings):
     def worker_count(self) -> int:
         """Extraction processes: the setting, else one per usable CPU that fits in memory."""
         return self.workers if self.workers is not None else default_workers()
+
+    @property
+    def has_sentences(self) -> bool:
+        """Whether a sentence collection is configured: a caption file, or the data folder's captions (a
+        collection of one's own photos is served without a data folder; /annotate then has nothing to rank)."""
+        return self.captions is not None or self.collection is None or (self.data / "captions.txt").is_file()
 
     @property
     def collection_root(self) -> Path:

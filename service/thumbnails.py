@@ -27,16 +27,26 @@ def snap(size: int) -> int:
     return next((s for s in SIZES if s >= size), SIZES[-1])
 
 
-def thumbnail(source: Path, size: int, cache_dir: Path, max_pixels: int) -> Path:
-    """The cached JPEG of `source` whose longer side is `size` at most (never enlarged); made when
-    missing. Raises model.imageio.ImageReadError when the source cannot be decoded."""
+# formats most browsers cannot show: the page and GET /images/{id} get a JPEG rendition of them
+NOT_FOR_BROWSERS = frozenset({".heic", ".heif", ".avif", ".tif", ".tiff"})
+
+
+def browser_readable(source: Path) -> bool:
+    return source.suffix.lower() not in NOT_FOR_BROWSERS
+
+
+def thumbnail(source: Path, size: int | None, cache_dir: Path, max_pixels: int) -> Path:
+    """The cached JPEG of `source` whose longer side is `size` at most (never enlarged; None: the full
+    size, a browser-readable rendition of a HEIC, AVIF or TIFF original); made when missing. Raises
+    model.imageio.ImageReadError when the source cannot be decoded."""
     st = source.stat()
     key = hashlib.sha256(f"{source.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{size}".encode()).hexdigest()[:32]
     out = cache_dir / f"{key}.jpg"
 
     def make() -> Image.Image | None:
         img = load_image(source, max_pixels=max_pixels)
-        img.thumbnail((size, size), Image.Resampling.LANCZOS)
+        if size is not None:
+            img.thumbnail((size, size), Image.Resampling.LANCZOS)
         return img
 
     def write(img: Image.Image | None, fh: BinaryIO) -> None:

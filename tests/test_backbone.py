@@ -134,17 +134,19 @@ def test_lite2_crops_are_1280_d_features_of_their_own_graph(tmp_path: Path) -> N
     assert not torch.allclose(feats, ref)  # another network's features
 
 
-def test_a_cpu_whose_int8_products_saturate_gets_7_bit_weights_in_the_graph_and_the_key(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an x86-64 CPU without VNNI the int8 graph is quantized with 7-bit weights; the recipe is in
-    the feature cache key there only, so a VNNI machine keeps the keys it had."""
-    import model.backbone
+def test_the_int8_recipe_has_7_bit_weights_on_every_cpu(tmp_path: Path) -> None:
+    """One quantisation whatever the instruction set: 7-bit weights (no int16 saturation without VNNI), in the
+    feature cache key and the graph's name; nothing of it reads the CPU."""
     from model.features import config_key, config_payload
 
     cfg = ImageConfig(region_features="crop", backbone_precision="int8")
-    monkeypatch.setattr(model.backbone, "saturating_int8", lambda: False)
-    plain = config_key(cfg)
-    assert config_payload(cfg)["quantization"] == {"version": 1, "calibration_seed": 0}
-    monkeypatch.setattr(model.backbone, "saturating_int8", lambda: True)
-    assert config_payload(cfg)["quantization"]["reduce_range"] is True and config_key(cfg) != plain
+    assert config_payload(cfg)["quantization"] == {"version": 2, "calibration_seed": 0, "reduce_range": True}
+    assert config_key(cfg) != config_key(ImageConfig(region_features="crop"))
     assert "quantization" not in config_payload(ImageConfig(region_features="crop"))  # float: no recipe
+    graph = onnx_graph("int8", tmp_path)
+    assert graph.name == "efficientnet-lite0-int8-q2r7-seed0.onnx"
+    import onnx
+
+    weights = [t for t in onnx.load(str(graph)).graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    biggest = max(int(abs(onnx.numpy_helper.to_array(t).astype(int)).max()) for t in weights)
+    assert 0 < biggest <= 64, "2 x 255 x 64 < 32767: a pair of uint8 x int8 products cannot saturate int16"

@@ -131,6 +131,10 @@ def test_pip_install_serves_on_faiss_and_with_the_milvus_extra_on_milvus(shapes_
         names = {p["name"].lower() for p in json.loads(installed)}
         assert {"fragsearch", "torch", "faiss-cpu", "uvicorn"} <= names
         assert not names & {"pymilvus", "milvus-lite", "pytest", "ray"}, "only the runtime is installed"
+        released = subprocess.run([str(venv / "bin" / "python"), "-c", "from model.bundle import Bundle; "
+                                   "from model.release import RELEASED_MODEL as m; Bundle.load(m); print(m)"],
+                                  cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert released.returncode == 0 and str(venv) in released.stdout, released.stderr[-2000:]  # in the package
 
         faiss = serve(venv, shapes_model, tmp_path / "faiss", "faiss")
         assert faiss["ready"]["images"] == len(shapes_model.dev.names) and len(faiss["results"]) == 3

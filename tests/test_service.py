@@ -18,6 +18,7 @@ from PIL import Image
 
 from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
 from model.bundle import Bundle
+from model.release import RELEASED_MODEL
 from service.app import STATIC, create_app
 from service.engine import Engine
 from service.prepare import prepare
@@ -479,7 +480,11 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("FRAGSEARCH_API_KEY", "")
     s = Settings(_env_file=None)  # type: ignore[call-arg]
     assert s.k_max == 70 and s.api_key is None and not s.writes_open
-    assert s.model_path == tmp_path / "models" / "full-2x256" / "model.pt"
+    assert s.model_path == RELEASED_MODEL and s.variant is None, "the released model unless a variant is named"
+    monkeypatch.setenv("FRAGSEARCH_VARIANT", "paper")
+    assert Settings(_env_file=None).model_path == tmp_path / "models" / "paper" / "model.pt"  # type: ignore[call-arg]
+    monkeypatch.setenv("FRAGSEARCH_VARIANT", "")  # compose's empty default
+    assert Settings(_env_file=None).model_path == RELEASED_MODEL  # type: ignore[call-arg]
     assert s.image_index == tmp_path / "index" / "images-dev"
     assert (s.host, s.port) == ("127.0.0.1", 8000)
 

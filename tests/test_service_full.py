@@ -1,7 +1,8 @@
-"""The served default, the `full-2x256` variant (two runs of `full` at h = 256 merged, each member's S_kl
-thresholded apart; `full`: int8 per-region crops, proposals at 112 px, contextual word vectors, the
-whole-sentence fragment, score calibration), prepared from nothing on 12 images of the shapes
-collection as `python -m service` prepares it, and answering every ranked route over HTTP."""
+"""The released model's recipe, the `full-2x256` variant (two runs of `full` at h = 256 merged, each member's
+S_kl thresholded apart; `full`: int8 per-region crops, proposals at 112 px, contextual word vectors, the
+whole-sentence fragment, score calibration), named with FRAGSEARCH_VARIANT and so trained from nothing
+on 12 images of the shapes collection as `python -m service` prepares a missing variant, and answering
+every ranked route over HTTP."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import feature_cache
 from model.fragments import SENTENCE_REL
+from model.release import read_manifest
 from service.app import create_app
-from service.settings import Settings
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -28,11 +29,12 @@ LIMIT = 12  # images of each split prepared: the model trains on 12 images for t
 
 
 @pytest.mark.parametrize("service_env", ["faiss"], indirect=True)  # one training is enough: the model is under test
-def test_the_default_variant_is_trained_indexed_and_served(service_env: ServiceEnv, tmp_path: Path) -> None:
+def test_a_named_variant_is_trained_indexed_and_served(service_env: ServiceEnv, tmp_path: Path) -> None:
     shapes = service_env.shapes
     settings = service_env.settings_for(tmp_path, model_path=None, image_index=None, sentence_index=None,
-                                        limit=LIMIT)
-    assert settings.variant == Settings.model_fields["variant"].default == "full-2x256", "the served default"
+                                        limit=LIMIT, variant="full-2x256")
+    assert settings.model_path == tmp_path / "models" / "full-2x256" / "model.pt", "a variant of one's own"
+    assert read_manifest()["name"] == "full-2x256", "the released model's recipe"
     with TestClient(create_app(settings, prepare=True)) as c:
         ready = service_env.prepared(c)
         assert ready["images"] == LIMIT and ready["sentences"] == 5 * LIMIT

@@ -8,8 +8,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 from index import ImageIndex, IndexSettings
-from index.sync import MANIFEST, main, read_manifest, sync_folder
+from index.sync import IGNORE_FILE, MANIFEST, ignore_patterns, ignored, main, read_manifest, sync_folder, walk
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -114,3 +116,36 @@ def test_commits_grow_with_the_index(shapes_model: ShapesModel, tmp_path: Path) 
     assert index.generation - created == 10
     assert len(read_manifest(index.root)) == 12
     index.close()
+
+
+@pytest.mark.parametrize(("rel", "is_dir", "left_out"), [
+    ("a/b.png", False, True),            # a name pattern at any depth
+    ("Screenshots", True, True),         # a folder pattern
+    ("x/Screenshots", True, True),
+    ("Screenshots", False, False),       # ... folders only
+    ("2019/x/raw", True, True),          # a path pattern from the folder
+    ("2019/x/y/raw", True, False),       # * stays within one name
+    ("top.jpg", False, True),            # a leading slash anchors
+    ("a/top.jpg", False, False),
+    ("q/r/tmp/z.jpg", False, True),      # ** any number of folders
+    ("tmp/z.jpg", False, True),
+    ("bc.jpg", False, True),             # a character class
+    ("dc.jpg", False, False),
+    ("holiday.jpg", False, False),
+])
+def test_ignore_patterns_read_like_gitignore(rel: str, is_dir: bool, left_out: bool) -> None:
+    patterns = ["*.png", "Screenshots/", "2019/*/raw", "/top.jpg", "**/tmp/*.jpg", "[ab]c.jpg"]
+    assert ignored(rel, is_dir, patterns) is left_out
+
+
+def test_the_walk_leaves_out_system_folders_and_ignored_paths(tmp_path: Path) -> None:
+    for rel in ("keep.jpg", "trip/keep.jpg", "@eaDir/keep.jpg/SYNOPHOTO_THUMB_M.jpg", "#recycle/old.jpg",
+                ".Trash-1000/files/gone.jpg", ".thumbnails/normal/x.png", "Screenshots/s.png", "raw/IMG_1.CR2",
+                "trip/shot.png", ".hidden.jpg"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    (tmp_path / IGNORE_FILE).write_text("# not photos\nScreenshots/\n\n")
+    found, unsupported = walk(tmp_path, exclude=["trip/*.png"])
+    assert sorted(found) == ["keep.jpg", "trip/keep.jpg"]
+    assert unsupported == ["raw/IMG_1.CR2"]
+    assert ignore_patterns(tmp_path, [" *.gif "]) == ["*.gif", "Screenshots/"]

@@ -23,6 +23,7 @@ from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
 from model.fragments import EncodedSentences
 from model.parsers import make_parser
+from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--split", default="dev",
                     help="split name (DATA/<name>.txt) or path of a split list")
-    ap.add_argument("--model", type=Path, default=default_artifacts_dir() / "models" / "full" / "model.pt",
-                    help="the checkpoint (model.pt); default: the served full model")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
+                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")

@@ -49,9 +49,11 @@ H = TypeVar("H", ImageHit, SentenceHit)
 def check_min_relevance(value: float | None, relevance: Relevance | None) -> float | None:
     """A cut-off needs the model's relevance scale: without one (an older checkpoint) it is a 422."""
     if value is not None and relevance is None:
-        raise ApiError(422, "no_relevance_scale", "this model has no relevance scale (a checkpoint made before "
-                       "it existed: refit it with python -m training.calibrate --relevance-only), so "
-                       "min_relevance cannot be applied")
+        raise ApiError(422, "no_relevance_scale", "the served model has no relevance scale, so min_relevance "
+                       "cannot be applied: it was trained without a validation part (--selection last), or is "
+                       "uncalibrated, or older than the scale. The released model has one; for a model of your own, "
+                       "train it with --selection val or refit the scale with python -m training.calibrate "
+                       "--relevance-only")
     return value
 
 
@@ -74,6 +76,15 @@ def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | N
         best = relevance.of(max(h.score for h in hits))
         reason = f"no good match: no {what} reaches relevance {min_relevance:.2f} (the best has {best:.2f})"
     return kept, {"min_relevance": min_relevance, "reason": reason}
+
+
+def by_date_taken(hits: list[ImageHit]) -> list[ImageHit]:
+    """Newest photo first (EXIF date taken); photos without a date after them; ties by score, then id."""
+    def key(h: ImageHit) -> tuple[bool, float, float, int]:
+        taken = None if h.place is None else h.place.taken
+        return taken is None, -(taken or 0.0), -h.score, h.image_id
+
+    return sorted(hits, key=key)
 
 
 def relevance_of(score: float, relevance: Relevance | None) -> float | None:

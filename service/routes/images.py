@@ -18,7 +18,7 @@ from service.errors import ApiError, responses
 from service.routes.convert import image_out, image_url, thumbnail_url
 from service.routes.uploads import read_upload
 from service.schemas import DuplicateOut, DuplicatesResponse, ImageOut
-from service.thumbnails import SIZES, snap
+from service.thumbnails import SIZES, browser_readable, snap
 
 MAX_ID = 2**63 - 1  # ids are int64 in FAISS and SQLite
 ID_TEXT = re.compile(r"0|[1-9][0-9]{0,18}")  # plain decimal, no sign, blank, point or leading zero
@@ -55,13 +55,23 @@ def build_router() -> APIRouter:
     router = APIRouter(tags=["images"])
 
     @router.get("/images/{image_id}", operation_id="get_image", response_class=FileResponse, responses={
-        200: {"content": {"image/*": {}}, "description": "the image file"},
-        **responses(404, 503)})
-    async def get_image(image_id: ImageId, engine: EngineDep) -> FileResponse:
-        """The file of an indexed image (only files the index holds are served)."""
+        200: {"content": {"image/*": {}}, "description": "the image file (a JPEG rendition of HEIC, AVIF, TIFF)"},
+        **responses(404, 422, 503, 504)})
+    async def get_image(image_id: ImageId, engine: EngineDep, gates: GatesDep,
+                        original: Annotated[bool, Query(description=(
+                            "the file as it is stored even where browsers cannot show it (HEIC, AVIF, TIFF); "
+                            "by default those are served as a full-size JPEG rendition"))] = False,
+                        ) -> FileResponse:
+        """The file of an indexed image (only files the index holds are served); a HEIC, AVIF or TIFF
+        original as a JPEG of the same size unless `original` is set."""
         path = await run_in_threadpool(engine.image_file, image_id)
         if path is None:
             raise _not_found(image_id)
+        if not original and not browser_readable(path):
+            rendition = await gates.search.run(engine.thumbnail_file, image_id, None)
+            if rendition is None:
+                raise _not_found(image_id)
+            return FileResponse(rendition, media_type="image/jpeg", headers={"Cache-Control": "public, max-age=3600"})
         media = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return FileResponse(path, media_type=media, headers={"Cache-Control": "public, max-age=3600"})
 

@@ -11,6 +11,7 @@ from index.similar import Similar
 from service.deps import BoundsDep, EngineDep, GatesDep, SettingsDep
 from service.errors import ApiError, responses
 from service.routes.convert import (
+    by_date_taken,
     check_min_relevance,
     cut_off,
     explain_out,
@@ -55,13 +56,21 @@ def build_router() -> APIRouter:
         rel = engine.bundle.relevance
         min_relevance = check_min_relevance(body.min_relevance, rel)
         where = place_filter(body)
-        page = await gates.search.run(engine.search_images, sentence, k, offset, where)
-        hits, cut = cut_off(page.hits, rel, min_relevance, "image")
+        if body.sort == "taken":  # every result above the cut-off (to the deepest rank), then by date
+            page = await gates.search.run(engine.search_images, sentence, s.max_rank, 0, where)
+            kept, cut = cut_off(page.hits, rel, min_relevance, "image")
+            hits = by_date_taken(kept)[offset : offset + k]
+            pages = paging(offset, k, len(hits), len(kept), s)
+        else:
+            page = await gates.search.run(engine.search_images, sentence, k, offset, where)
+            hits, cut = cut_off(page.hits, rel, min_relevance, "image")
+            pages = paging(offset, k, len(hits), page.considered, s)
         if where and page.considered == 0:
             cut["reason"] = "no photo passes the date and place filters (photos without an EXIF date or " \
                             "position are left out by a filter on it)"
+        pages["considered"] = page.considered
         return SearchImagesResponse(sentence=sentence, results=[image_result(h, rel) for h in hits], **cut,
-                                    **paging(offset, k, len(hits), page.considered, s), took_ms=_ms(t0))
+                                    **pages, took_ms=_ms(t0))
 
     @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
     async def search_fragments(body: SearchFragmentsRequest, engine: EngineDep,
@@ -125,7 +134,8 @@ def build_router() -> APIRouter:
                                results=[image_result(h) for h in result.hits],
                                **paging(offset, k, len(result.hits), result.considered, s), took_ms=_ms(t0))
 
-    @router.post("/annotate", response_model=AnnotateResponse, responses=responses(408, 413, 415, 422, 503, 504))
+    @router.post("/annotate", response_model=AnnotateResponse,
+                 responses=responses(408, 409, 413, 415, 422, 503, 504))
     async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG, PNG, ...)")],
                        engine: EngineDep, s: SettingsDep, gates: GatesDep, bounds: BoundsDep,
                        k: Annotated[int, Form(ge=1, description="number of sentences")] = 5,

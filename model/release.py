@@ -1,0 +1,94 @@
+"""The released model and the one answer to "which model is served".
+
+The served default's trained files ship with the project in `model/released/`: the checkpoint
+(`model.pt`: weights, word table, calibration references and relevance scale) and `manifest.json`,
+which says how it was made (the command and the commit, digests of the training split it saw, the
+image-feature graph and the CPU it was extracted on), what it measures (validation and dev), and the
+sha256 and size of every file. Loading a checkpoint that sits beside a manifest checks its file
+against it (`check_release`): a changed or truncated file is refused with its name, never served.
+
+The manifest is written by `python -m training.release` only, never by hand.
+
+Every command that needs "the served model" asks `served_model_path`: the setting
+FRAGSEARCH_MODEL_PATH when given, else `artifacts/models/<FRAGSEARCH_VARIANT>/model.pt` when a variant
+is named (a model trained here, `./run train`), else the released model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from model.atomic import sha256_file_once
+
+RELEASE_DIR = Path(__file__).resolve().parent / "released"
+RELEASED_MODEL = RELEASE_DIR / "model.pt"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "fragsearch-release-1"
+
+
+class ReleaseError(ValueError):
+    """A released model's file does not match its manifest, or the manifest cannot be read."""
+
+
+def served_model_path(artifacts: Path, variant: str | None = None, model_path: str | Path | None = None) -> Path:
+    """The checkpoint to serve: `model_path` when given, else the trained variant's
+    (<artifacts>/models/<variant>/model.pt) when a variant is named, else the released model."""
+    if model_path:
+        return Path(model_path)
+    if variant:
+        return Path(artifacts) / "models" / variant / "model.pt"
+    return RELEASED_MODEL
+
+
+def served_model_from_env(artifacts: Path) -> Path:
+    """`served_model_path` from the service's environment variables (FRAGSEARCH_MODEL_PATH,
+    FRAGSEARCH_VARIANT): the default `--model` of the offline commands (index.build, index.sync, ...)."""
+    return served_model_path(artifacts, os.environ.get("FRAGSEARCH_VARIANT") or None,
+                             os.environ.get("FRAGSEARCH_MODEL_PATH") or None)
+
+
+def is_released(path: Path) -> bool:
+    """Whether `path` is a file of a release folder (one with a manifest)."""
+    return (Path(path).parent / MANIFEST).is_file()
+
+
+def read_manifest(folder: Path = RELEASE_DIR) -> dict[str, Any]:
+    """The manifest of a release folder; ReleaseError when it is missing or not a release manifest."""
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ReleaseError(f"no release manifest at {path}") from e
+    except (OSError, ValueError) as e:
+        raise ReleaseError(f"{path}: not a readable release manifest ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT \
+            or not isinstance(manifest.get("files"), dict):
+        raise ReleaseError(f"{path} is not a fragsearch release manifest (format {MANIFEST_FORMAT})")
+    return manifest
+
+
+def check_release(path: Path) -> dict[str, Any] | None:
+    """For a checkpoint inside a release folder: check the file's size and sha256 against the manifest and
+    return the manifest (None for a checkpoint outside any release). ReleaseError naming the file when it
+    differs, is missing from the manifest, or the manifest is damaged."""
+    path = Path(path)
+    if not is_released(path):
+        return None
+    manifest = read_manifest(path.parent)
+    entry = manifest["files"].get(path.name)
+    if not isinstance(entry, dict):
+        raise ReleaseError(f"{path}: the release manifest {path.parent / MANIFEST} does not list this file")
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        raise ReleaseError(f"{path}: {size} bytes where the release manifest records {entry.get('bytes')} "
+                           "(a damaged or partial copy: restore it with git checkout, or write a new release "
+                           "with python -m training.release)")
+    digest = sha256_file_once(path)
+    if digest != entry.get("sha256"):
+        raise ReleaseError(f"{path}: sha256 {digest[:16]}… where the release manifest records "
+                           f"{str(entry.get('sha256'))[:16]}… (the file was changed: restore it with git checkout, "
+                           "or write a new release with python -m training.release)")
+    return manifest

@@ -1,0 +1,98 @@
+"""The released model (model/released/): its manifest, the check at every load, and the command that
+writes a release (training/release.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from model.atomic import sha256_file
+from model.bundle import Bundle, CheckpointError
+from model.release import MANIFEST, RELEASE_DIR, RELEASED_MODEL, read_manifest, served_model_path
+from tests.conftest import ShapesModel
+from training.release import main as release_main
+from training.release import manifest_of, write_release
+
+
+def test_the_released_model_is_small_described_and_matches_its_manifest() -> None:
+    manifest = read_manifest(RELEASE_DIR)
+    listed = set(manifest["files"])
+    assert listed == {p.name for p in RELEASE_DIR.iterdir() if p.name != MANIFEST}, "every file listed"
+    for name, entry in manifest["files"].items():
+        path = RELEASE_DIR / name
+        assert path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"], name
+    assert sum(e["bytes"] for e in manifest["files"].values()) < 64 * 2**20
+    made = manifest["made_by"]
+    assert made["command"].startswith("python -m training.release ") and len(made["commit"]) == 40
+    assert made["training_command"].startswith("python -m training.train ") and "--selection val" in \
+        made["training_command"]
+    training = manifest["training"]
+    assert training["split"] == "train" and training["images"] > 5000 and len(training["images_sha256"]) == 64
+    assert training["validation_part"]["rule"] == "val" and training["validation_part"]["images"] > 0
+    features = manifest["features"]
+    assert features["precision"] == "int8" and features["quantization"]["reduce_range"] is True
+    assert len(features["graph_sha256"]) == 64 and "avx2" in features["cpu"]["flags"]
+    assert manifest["metrics"]["validation"]["rsum"] > 0 and manifest["metrics"]["dev"]["rsum"] > 0
+    assert manifest["model"]["relevance"]["slope"] > 0, "a relevance scale: min_relevance works on the default"
+
+
+def test_the_released_model_is_what_every_command_serves_by_default(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    from model.release import served_model_from_env
+
+    for name in ("FRAGSEARCH_MODEL_PATH", "FRAGSEARCH_VARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    assert served_model_from_env(tmp_path) == RELEASED_MODEL
+    monkeypatch.setenv("FRAGSEARCH_VARIANT", "paper")
+    assert served_model_from_env(tmp_path) == tmp_path / "models" / "paper" / "model.pt"
+    monkeypatch.setenv("FRAGSEARCH_MODEL_PATH", str(tmp_path / "mine.pt"))
+    assert served_model_from_env(tmp_path) == tmp_path / "mine.pt"
+    assert served_model_path(tmp_path) == RELEASED_MODEL
+
+
+def test_a_changed_or_truncated_release_file_is_refused_with_its_name(tmp_path: Path) -> None:
+    copy = tmp_path / "released"
+    shutil.copytree(RELEASE_DIR, copy)
+    bundle = Bundle.load(copy / "model.pt")  # a whole copy loads
+    assert bundle.relevance is not None and bundle.calibration is not None
+    data = bytearray((copy / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte changed, the size kept
+    (copy / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.pt: sha256 .* release manifest"):
+        Bundle.load(copy / "model.pt")
+    (copy / "model.pt").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CheckpointError, match=r"model\.pt: \d+ bytes where the release manifest records"):
+        Bundle.load(copy / "model.pt")
+    (copy / MANIFEST).write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a readable release manifest"):
+        Bundle.load(copy / "model.pt")
+
+
+def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_model: ShapesModel,
+                                                                      tmp_path: Path) -> None:
+    bundle = shapes_model.bundle
+    dev = {"rsum": 123.456, "annot_r1": 1.0}
+    manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "python -m training.release x")
+    out = write_release(shapes_model.model_path, tmp_path / "release", manifest)
+    written = json.loads((tmp_path / "release" / MANIFEST).read_text())
+    assert written == out and written["files"]["model.pt"]["sha256"] == sha256_file(shapes_model.model_path)
+    assert written["metrics"]["dev"] == {"rsum": 123.46, "annot_r1": 1.0}
+    assert written["training"]["images"] == 60  # the shapes collection's training images
+    Bundle.load(tmp_path / "release" / "model.pt")
+    (tmp_path / "release" / "model.pt").write_bytes(b"x" * written["files"]["model.pt"]["bytes"])
+    with pytest.raises(CheckpointError, match="release manifest"):
+        Bundle.load(tmp_path / "release" / "model.pt")
+
+
+def test_the_release_command_refuses_a_model_without_a_relevance_scale(shapes_model: ShapesModel,
+                                                                      tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert shapes_model.bundle.relevance is None  # trained with the last epoch kept: no validation part
+    with pytest.raises(SystemExit) as exc:
+        release_main(["--model", str(shapes_model.model_path), "--out", str(tmp_path / "r"),
+                      "--data", str(shapes_model.data), "--cache", str(shapes_model.cache)])
+    assert exc.value.code == 2 and "--selection val" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
