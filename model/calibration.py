@@ -122,14 +122,22 @@ class Calibration:
                            self.floor_image, self.floor_sentence, self.relevance)
 
     def to_state(self) -> dict[str, Any]:
-        """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty)."""
-        return {"ref_images": self.ref_images.half().cpu(), "ref_sentences": self.ref_sentences.half().cpu(),
-                "ref_sentence_mask": self.ref_sentence_mask.bool().cpu(), "floor_image": self.floor_image,
-                "floor_sentence": self.floor_sentence,
+        """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty); the
+        reference sentences' real fragments only (`ref_sentence_rows`, in mask order: padding is two thirds
+        of the padded array and never scored)."""
+        mask = self.ref_sentence_mask.bool().cpu()
+        return {"ref_images": self.ref_images.half().cpu(), "ref_sentence_rows": self.ref_sentences.cpu()[mask].half(),
+                "ref_sentence_mask": mask, "floor_image": self.floor_image, "floor_sentence": self.floor_sentence,
                 "relevance": None if self.relevance is None else self.relevance.to_state()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Calibration:
-        return cls(state["ref_images"].float(), state["ref_sentences"].float(),
-                   state["ref_sentence_mask"].float(), float(state["floor_image"]), float(state["floor_sentence"]),
-                   Relevance.from_state(state.get("relevance")))
+        mask = state["ref_sentence_mask"].bool()
+        if "ref_sentence_rows" in state:
+            rows = state["ref_sentence_rows"].float()
+            sentences = rows.new_zeros((*mask.shape, rows.shape[-1]))
+            sentences[mask] = rows
+        else:  # saved before the padding was left out
+            sentences = state["ref_sentences"].float()
+        return cls(state["ref_images"].float(), sentences, mask.float(), float(state["floor_image"]),
+                   float(state["floor_sentence"]), Relevance.from_state(state.get("relevance")))

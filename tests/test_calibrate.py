@@ -132,3 +132,21 @@ def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_wit
     bundle.calibration.relevance = Relevance(3.0, -1.5)
     bundle.save(tmp_path / "m.pt")
     assert Bundle.load(tmp_path / "m.pt").relevance == Relevance(3.0, -1.5)
+
+
+def test_a_calibration_is_stored_without_its_padding_and_loads_as_before() -> None:
+    """The reference sentences' padding is left out of a checkpoint; one saved with it still loads the same."""
+    from model.calibration import Calibration
+
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 5, generator=g) > 0.4).float()
+    mask[:, 0] = 1.0
+    cal = Calibration(torch.randn(4, 3, 8, generator=g), torch.randn(6, 5, 8, generator=g) * mask[..., None], mask)
+    state = cal.to_state()
+    assert "ref_sentences" not in state and state["ref_sentence_rows"].shape == (int(mask.sum()), 8)
+    again = Calibration.from_state(state)
+    old = Calibration.from_state({**{k: v for k, v in state.items() if k != "ref_sentence_rows"},
+                                  "ref_sentences": cal.ref_sentences.half()})
+    for loaded in (again, old):
+        assert torch.equal(loaded.ref_sentences, cal.ref_sentences.half().float())
+        assert torch.equal(loaded.ref_sentence_mask, mask)

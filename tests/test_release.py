@@ -76,9 +76,9 @@ def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_mod
     bundle = shapes_model.bundle
     dev = {"rsum": 123.456, "annot_r1": 1.0}
     manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "python -m training.release x")
-    out = write_release(shapes_model.model_path, tmp_path / "release", manifest)
+    out = write_release(bundle, tmp_path / "release", manifest)
     written = json.loads((tmp_path / "release" / MANIFEST).read_text())
-    assert written == out and written["files"]["model.pt"]["sha256"] == sha256_file(shapes_model.model_path)
+    assert written == out and written["files"]["model.pt"]["sha256"] == sha256_file(tmp_path / "release" / "model.pt")
     assert written["metrics"]["dev"] == {"rsum": 123.46, "annot_r1": 1.0}
     assert written["training"]["images"] == 60  # the shapes collection's training images
     Bundle.load(tmp_path / "release" / "model.pt")

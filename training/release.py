@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,14 +119,13 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
     }
 
 
-def write_release(model: Path, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Copy the checkpoint into `out` as model.pt and write the manifest with every file's size and sha256
-    (each write atomic: a crash leaves the previous release whole or the new file beside it unlisted)."""
+def write_release(bundle: Bundle, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Save the checkpoint into `out` as model.pt (in the current format: the calibration's padding left
+    out) and write the manifest with every file's size and sha256 (each write atomic: a crash leaves the
+    previous release whole, or the new file beside the old manifest, which then refuses it by name)."""
     out.mkdir(parents=True, exist_ok=True)
     target = out / "model.pt"
-    if model.resolve() != target.resolve():
-        with atomic_path(target) as tmp:
-            shutil.copyfile(model, tmp)
+    bundle.save(target)
     files = {"model.pt": {"bytes": target.stat().st_size, "sha256": sha256_file(target)}}
     manifest = {**manifest, "files": files}
     with atomic_path(out / MANIFEST) as tmp:
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("dev R-sum %.2f (annotation R@1 %.1f, search R@1 %.1f)", dev["rsum"], dev["annot_r1"],
                 dev["search_r1"])
     command = "python -m training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
-    manifest = write_release(args.model, args.out, manifest_of(bundle, args.model, args.data, dev, command))
+    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command))
     Bundle.load(args.out / "model.pt")  # the release loads, checked against its manifest
     logger.info("released %s into %s: %s", manifest["name"], args.out,
                 ", ".join(f"{n} {f['bytes'] / 1e6:.1f} MB" for n, f in manifest["files"].items()))
