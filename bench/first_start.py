@@ -102,20 +102,20 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
         tail = "\n".join(text for _, text in lines[-20:])
         raise RuntimeError(f"not ready within {limit_s:.0f} s (exit {proc.returncode}):\n{tail}")
     python_at = next((t for t, text in lines if " INFO " in text or text.startswith("{")), None)
-    starts = [("environment", 0.0)]
-    if python_at is not None:
-        starts.append(("python start-up", python_at))
-    for stage, mark in MARKS:
-        at = next((t for t, text in lines if mark in text), None)
-        if at is not None:
-            starts.append((stage, at))
+    # the stages in the order the service enters them ("preparing: <stage> (<detail>)"), each until the next
+    starts = [("environment", 0.0)] + ([("python start-up", python_at)] if python_at is not None else [])
+    starts += [(text.split("preparing: ", 1)[1], t) for t, text in lines if "service.prepare: preparing: " in text]
     stages = [{"stage": name, "start_s": round(at, 1),
                "seconds": round((starts[i + 1][1] if i + 1 < len(starts) else ready_at) - at, 1)}
               for i, (name, at) in enumerate(starts)]
+    searches_at = next((at for name, at in starts if name.startswith("loading") and "searches" in name), None)
     sizes = {"environment_mb": du_mb(home / ".cache" / "fragsearch"), "artifacts_mb": du_mb(clone / "artifacts"),
              "checkout_mb": du_mb(clone, exclude=("artifacts",))}
-    return {"ready_seconds": round(ready_at, 1), "stages": stages, "peak_rss_mb": peak_rss_mb, "disk": sizes,
-            "log": [f"{t:7.1f}s {text}" for t, text in lines if "INFO" in text or "setting up" in text][:80]}
+    kept = ("setting up", "service.prepare", "model.cache", "index.build", "model.fragments", "service:")
+    return {"ready_seconds": round(ready_at, 1),
+            "searches_served_seconds": None if searches_at is None else round(searches_at, 1),
+            "stages": stages, "peak_rss_mb": peak_rss_mb, "disk": sizes, **git_commit(clone),
+            "log": [f"{t:7.1f}s {text}" for t, text in lines if any(k in text for k in kept)][:120]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,11 +136,11 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"{home} is not empty: the first start is measured from an empty HOME")
         result = first_start(clone, home, args.port, args.data.resolve(), args.limit)
     result = {"command": "python -m bench.first_start " + shlex.join(sys.argv[1:] if argv is None else argv),
-              **git_commit(), "cpu": cpu_record(), "cores": os.cpu_count(), **result}
+              "cpu": cpu_record(), "cores": os.cpu_count(), **result}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     for s in result["stages"]:
-        logger.info("%-16s %7.1f s", s["stage"], s["seconds"])
+        logger.info("%7.1f s  %s", s["seconds"], s["stage"])
     logger.info("ready after %.1f s (%.1f min)", result["ready_seconds"], result["ready_seconds"] / 60)
 
 

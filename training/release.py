@@ -74,10 +74,11 @@ def split_digests(data: Path, split: str) -> dict[str, Any]:
             "images_sha256": images.hexdigest(), "captions_sha256": captions.hexdigest()}
 
 
-def git_commit() -> dict[str, Any]:
-    """The commit the release was made from and whether tracked files had changes then."""
+def git_commit(checkout: Path = ROOT) -> dict[str, Any]:
+    """The commit a checkout is at and whether its tracked files had changes then."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True,
+                              check=True).stdout.strip()
 
     try:
         return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
