@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=4, help="dev images compared across instruction sets")
     ap.add_argument("--rsum", action="store_true", help="also the dev R-sum through the int8 and float graphs")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes (--rsum)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--dump", type=Path, default=None, help=argparse.SUPPRESS)  # one side of part 1
     ap.add_argument("--boxes", type=Path, default=None, help=argparse.SUPPRESS)

@@ -14,7 +14,8 @@ COMMANDS = ["training.train", "training.extract", "model.flickr8k", "training.ca
             "index.sync", "index.bulk", "service.__main__", "bench.index_bench", "bench.query_bench",
             "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report", "bench.channels",
             "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate",
-            "bench.relevance_bench", "bench.duplicates_bench", "index.duplicates"]
+            "bench.relevance_bench", "bench.duplicates_bench", "index.duplicates", "training.release",
+            "bench.first_start", "bench.feature_paths"]
 
 
 class Captured(Exception):

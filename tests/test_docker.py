@@ -249,6 +249,12 @@ def test_the_image_installs_the_runtime_lock_and_the_extras_named() -> None:
 
 
 def test_run_installs_from_the_lock() -> None:
+    """./run test (and every command but serve and index) installs the dev lock; serve and index the runtime
+    lock unless the dev environment is there; each environment is named by the hash of what it installs."""
     text = (ROOT / "run").read_text()
-    assert "pip\" install -q --no-deps --no-compile -r requirements-dev.lock" in text
-    assert "cat requirements.lock requirements-dev.lock | sha256sum" in text
+    assert 'pip" install -q --no-deps --no-compile -r "$2"' in text
+    assert 'setup() { make_venv "$DEV_VENV" requirements-dev.lock;' in text
+    assert 'make_venv "$RUNTIME_VENV" requirements.lock' in text
+    assert "venv-$(lock_hash requirements.lock requirements-dev.lock)" in text
+    assert "venv-runtime-$(lock_hash requirements.lock)" in text
+    assert "serve) setup_runtime;" in text and "index) setup_runtime;" in text and "test)\n    setup\n" in text
