@@ -105,12 +105,19 @@ def test_the_sync_indexes_heic_and_avif_photos(shapes_model: ShapesModel, tmp_pa
 def test_an_uploaded_phone_photo_is_annotated(fmt: str, suffix: str, mime: str, client: TestClient,
                                               service_env: ServiceEnv) -> None:
     name = service_env.dev[0]
-    data = encoded(Image.open(service_env.image_path(name)).convert("RGB").resize((160, 120)), fmt)
+    picture_ = Image.open(service_env.image_path(name)).convert("RGB").resize((160, 120))
+    data = encoded(picture_, fmt)
     r = client.post("/annotate", files={"file": (f"upload{suffix}", data, mime)}, data={"k": "10"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert (body["width"], body["height"]) == (160, 120)
-    assert set(h["text"] for h in body["results"]) & set(service_env.captions[name]), "an own caption in the top 10"
+    # the phone format is annotated as the same picture sent losslessly is (what the format may change is
+    # its compression, not what the model sees in it): a test of the format, not of the small model's
+    # recall, which differs between instruction sets
+    lossless = client.post("/annotate", files={"file": ("upload.png", encoded(picture_, "PNG"), "image/png")},
+                           data={"k": "10"}).json()
+    shared = {h["id"] for h in body["results"]} & {h["id"] for h in lossless["results"]}
+    assert len(shared) >= 7, f"{len(shared)} of the lossless upload's top 10 sentences"
     broken = client.post("/annotate", files={"file": (f"upload{suffix}", data[: len(data) // 2], mime)},
                          data={"k": "3"})
     assert broken.status_code in (415, 422), broken.text
