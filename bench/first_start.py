@@ -46,15 +46,22 @@ def ready(port: int) -> bool:
         return False
 
 
-def vm_hwm_mb(pid: int) -> float | None:
-    """The peak resident memory of a process so far (Linux /proc), in MB."""
+def tree_rss_mb(pid: int) -> float:
+    """The resident memory of a process and its children (the extraction workers), in MB (psutil)."""
+    import psutil
+
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            continue
+    return total / 1e6
 
 
 def du_mb(folder: Path, exclude: tuple[str, ...] = ()) -> float:
@@ -86,14 +93,14 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     ready_at = None
-    peak_rss_mb = None
+    peak_rss_mb = 0.0  # sampled every second: the service and its extraction workers together
     try:
         while time.monotonic() - t0 < limit_s and proc.poll() is None:
+            peak_rss_mb = max(peak_rss_mb, tree_rss_mb(proc.pid))  # ./run execs python: the same process
             if ready(port):
                 ready_at = time.monotonic() - t0
                 break
             time.sleep(1.0)
-        peak_rss_mb = vm_hwm_mb(proc.pid)  # ./run execs python: the same process
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
@@ -114,7 +121,7 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
     kept = ("setting up", "service.prepare", "model.cache", "index.build", "model.fragments", "service:")
     return {"ready_seconds": round(ready_at, 1),
             "searches_served_seconds": None if searches_at is None else round(searches_at, 1),
-            "stages": stages, "peak_rss_mb": peak_rss_mb, "disk": sizes, **git_commit(clone),
+            "stages": stages, "peak_rss_mb": round(peak_rss_mb, 1), "disk": sizes, **git_commit(clone),
             "log": [f"{t:7.1f}s {text}" for t, text in lines if any(k in text for k in kept)][:120]}
 
 

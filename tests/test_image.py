@@ -23,8 +23,8 @@ from model.config import ImageConfig
 from model.image import RegionExtractor
 from model.imageio import ImageReadError, load_image
 from model.proposals import propose_boxes
+from model.release import read_manifest
 from model.variants import load_variant
-from service.settings import Settings
 
 SQUARE = (120.0, 110.0, 200.0, 190.0)
 
@@ -280,7 +280,7 @@ def test_the_extraction_pool_prepare_uses_agrees_with_in_process_extraction(tmp_
     machine; the served variant's image settings) extracts what this process extracts, and reports an
     unreadable file."""
     workers = 2
-    cfg = load_variant(Settings.model_fields["variant"].default).image
+    cfg = load_variant(read_manifest()["name"]).image  # the released model's image settings
     small = []
     for k, angle in enumerate((0, 90, 180)):  # a handful of small pictures
         small.append(tmp_path / f"small{k}.png")
@@ -305,7 +305,7 @@ def test_a_killed_pool_worker_fails_the_run_instead_of_hanging(tmp_path: Path) -
     """A pool worker killed during a run (SIGKILL, as the out-of-memory killer does): the run raises with
     the worker's exit code instead of waiting for ever for the task it took, and the pool still closes.
     The tasks are named pipes no one writes, so that no task can finish before the kill."""
-    cfg = load_variant(Settings.model_fields["variant"].default).image
+    cfg = load_variant(read_manifest()["name"]).image  # the released model's image settings
     pipes = [tmp_path / f"pipe{k}.jpg" for k in range(2)]
     for pipe in pipes:
         os.mkfifo(pipe)
