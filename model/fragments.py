@@ -23,7 +23,7 @@ from model.config import TextConfig
 from model.parsers import make_parser
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
 from model.trees import SentenceTree
-from model.words import WordTable, encode_sentences, encode_words_and_sentences, encode_words_in_context
+from model.words import WordTable, encode_sentences, encode_words_in_context
 
 logger = logging.getLogger(__name__)
 
@@ -108,22 +108,6 @@ class TextPipeline:
             cache.update(zip(missing, compute(missing), strict=True))
         return [cache[k] for k in keys]
 
-    def _warm_pairs(self, keys: list[tuple[str, ...]], sentences: list[str]) -> None:
-        """Contextual word vectors and sentence vectors of the sentences whose either is missing, computed
-        together (`encode_words_and_sentences`) into the two caches."""
-        missing = list(dict.fromkeys((k, t) for k, t in zip(keys, sentences, strict=True)
-                                     if k not in self._context_vecs or t not in self._sentence_vecs))
-        if not missing:
-            return
-        words, sent = encode_words_and_sentences([list(k) for k, _ in missing], [t for _, t in missing],
-                                                 device=self.device)
-        if len(self._context_vecs) + len(missing) > CACHE_LIMIT:
-            self._context_vecs.clear()
-        self._context_vecs.update(zip([k for k, _ in missing], words, strict=True))
-        if len(self._sentence_vecs) + len(missing) > CACHE_LIMIT:
-            self._sentence_vecs.clear()
-        self._sentence_vecs.update(zip([t for _, t in missing], list(sent), strict=True))
-
     @property
     def parser(self) -> Parser:
         if self._parser is None:
@@ -172,16 +156,10 @@ class TextPipeline:
         path = Path(cache_dir) / f"vectors-{digest.hexdigest()[:16]}.npz"
         def compute() -> Vectors:
             logger.info("computing frozen vectors of %d sentences", len(sentences))
-            sent: np.ndarray | None = None
-            if contextual and self.cfg.sentence_fragment:  # one transformer pass for both
-                ctx, sent = encode_words_and_sentences([list(k) for k in keys], list(sentences), device=self.device)
-            else:
-                ctx = encode_words_in_context([list(k) for k in keys], device=self.device) if contextual else []
+            ctx = encode_words_in_context([list(k) for k in keys], device=self.device) if contextual else []
             tokens = np.concatenate(ctx) if ctx else np.zeros((0, self.words.dim), np.float32)
             offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
-            if sent is None:
-                sent = encode_sentences(list(sentences), device=self.device) if self.cfg.sentence_fragment else \
-                    tokens[:0]
+            sent = encode_sentences(list(sentences), device=self.device) if self.cfg.sentence_fragment else tokens[:0]
             return tokens, offsets, sent
 
         def read(file: Path) -> Vectors:
@@ -231,8 +209,6 @@ class TextPipeline:
         extra: list[np.ndarray] = []
         n_extra = 0
         ctx: list[np.ndarray] = []
-        if contextual and self.cfg.sentence_fragment:  # what neither cache holds: one transformer pass for both
-            self._warm_pairs([tuple(p.tokens) or ("",) for p in parsed], list(sentences))
         if contextual:
             ctx = self._cached(self._context_vecs, [tuple(p.tokens) or ("",) for p in parsed],
                                lambda keys: encode_words_in_context([list(k) for k in keys], device=self.device))

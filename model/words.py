@@ -205,65 +205,11 @@ def encode_sentences(sentences: Sequence[str], batch_size: int = 64, device: str
     for start in _batches(len(sentences), batch_size, "sentence vectors"):
         texts = [str(s).strip() for s in sentences[start : start + batch_size]]
         enc = tokenizer(texts, padding=True, truncation="longest_first", max_length=max_len, return_tensors="np")
-        out[start : start + len(texts)] = _mean_unit(forward(enc["input_ids"], enc["attention_mask"]),
-                                                     enc["attention_mask"])
-    return out
-
-
-def _mean_unit(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """(B, T, 384) word-piece outputs, (B, T) mask -> (B, 384) unit means over the real pieces."""
-    weights = mask[..., None].astype(np.float32)
-    mean = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
-    return np.asarray(mean / np.maximum(np.linalg.norm(mean, axis=1, keepdims=True), 1e-12), dtype=np.float32)
-
-
-def encode_words_and_sentences(
-    token_lists: Sequence[Sequence[str]], sentences: Sequence[str], batch_size: int = 32, device: str = "cpu"
-) -> tuple[list[np.ndarray], np.ndarray]:
-    """`encode_words_in_context(token_lists)` and `encode_sentences(sentences)` of the same sentences in one
-    transformer pass each where the two inputs are the same word pieces (a caption and its tokens nearly
-    always are): the sentence vector is then the mean of that pass's outputs, as `encode_sentences` takes
-    it. The sentences whose pieces differ get their own pass, so the results are those of the two calls."""
-    if len(token_lists) != len(sentences):
-        raise ValueError(f"{len(token_lists)} token lists for {len(sentences)} sentences")
-    tokenizer, forward, max_len = _transformer(device)
-    words: list[np.ndarray] = []
-    sent = np.empty((len(sentences), WORD_DIM), dtype=np.float32)
-    apart: list[int] = []
-    for start in _batches(len(token_lists), batch_size, "words and sentences"):
-        batch = [list(toks) for toks in token_lists[start : start + batch_size]]
-        enc = tokenizer([toks if toks else [""] for toks in batch], is_split_into_words=True, padding=True,
-                        truncation=True, max_length=max_len, return_tensors="np")
-        hidden = forward(enc["input_ids"], enc["attention_mask"])
-        words.extend(_words_of(enc, hidden, batch, normalize=True))
-        texts = [str(t).strip() for t in sentences[start : start + len(batch)]]
-        alone = tokenizer(texts, truncation="longest_first", max_length=max_len)["input_ids"]
-        means = _mean_unit(hidden, enc["attention_mask"])
-        for b, ids in enumerate(alone):
-            pieces = enc["input_ids"][b][enc["attention_mask"][b].astype(bool)].tolist()
-            if pieces == list(ids):
-                sent[start + b] = means[b]
-            else:
-                apart.append(start + b)
-    if apart:
-        sent[apart] = encode_sentences([sentences[i] for i in apart], device=device)
-    return words, sent
-
-
-def _words_of(enc: Any, hidden_np: np.ndarray, batch: Sequence[Sequence[str]], normalize: bool) -> list[np.ndarray]:
-    """Each sentence's word vectors from its pass: the mean of each word's piece outputs (zero without one)."""
-    out = []
-    for b, toks in enumerate(batch):
-        vecs = np.zeros((len(toks), hidden_np.shape[-1]), dtype=np.float32)
-        counts = np.zeros(len(toks), dtype=np.float32)
-        for t, wid in enumerate(enc.word_ids(b)):
-            if wid is not None and wid < len(toks):
-                vecs[wid] += hidden_np[b, t]
-                counts[wid] += 1.0
-        vecs /= np.maximum(counts, 1.0)[:, None]
-        if normalize:
-            vecs /= np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
-        out.append(vecs)
+        mask = enc["attention_mask"]
+        hidden = forward(enc["input_ids"], mask)
+        weights = mask[..., None].astype(np.float32)
+        mean = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+        out[start : start + len(texts)] = mean / np.maximum(np.linalg.norm(mean, axis=1, keepdims=True), 1e-12)
     return out
 
 
@@ -284,5 +230,15 @@ def encode_words_in_context(
         enc = tokenizer(nonempty, is_split_into_words=True, padding=True, truncation=True, max_length=max_len,
                         return_tensors="np")
         hidden_np = forward(enc["input_ids"], enc["attention_mask"])  # (B, T, 384)
-        out.extend(_words_of(enc, hidden_np, batch, normalize))
+        for b, toks in enumerate(batch):
+            vecs = np.zeros((len(toks), hidden_np.shape[-1]), dtype=np.float32)
+            counts = np.zeros(len(toks), dtype=np.float32)
+            for t, wid in enumerate(enc.word_ids(b)):
+                if wid is not None and wid < len(toks):
+                    vecs[wid] += hidden_np[b, t]
+                    counts[wid] += 1.0
+            vecs /= np.maximum(counts, 1.0)[:, None]
+            if normalize:
+                vecs /= np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+            out.append(vecs)
     return out

@@ -98,7 +98,6 @@ def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypa
 
     monkeypatch.setattr("model.fragments.encode_words_in_context", no_model)
     monkeypatch.setattr("model.fragments.encode_sentences", no_model)
-    monkeypatch.setattr("model.fragments.encode_words_and_sentences", no_model)
     again = TextPipeline(cfg, rels, table)
     again.warm(parsed, sentences, tmp_path)
     enc = again.encode_parsed(parsed, sentences)
@@ -123,17 +122,3 @@ def test_onnx_encoders_give_the_torch_outputs() -> None:
     for b, toks in enumerate(tokens):
         pieces = [i for i, w in enumerate(enc.word_ids(b)) if w == len(toks) - 1]
         np.testing.assert_allclose(got[b][-1], hidden[b, pieces].mean(axis=0), atol=1e-4)
-
-
-def test_words_and_sentences_in_one_pass_are_the_two_passes() -> None:
-    """One transformer pass gives both where a caption and its tokens are the same word pieces; a sentence
-    whose tokens are other pieces ("don't" against do + n't) gets its own pass: the values are the same."""
-    sentences = ["A dog runs through the grass .", "Two men  play football", "They don't swim .", ""]
-    tokens = [["A", "dog", "runs", "through", "the", "grass", "."], ["Two", "men", "play", "football"],
-              ["They", "do", "n't", "swim", "."], [""]]
-    words, sent = words_mod.encode_words_and_sentences(tokens, sentences)
-    for got, want in zip(words, encode_words_in_context(tokens), strict=True):
-        np.testing.assert_allclose(got, want, atol=1e-6)
-    np.testing.assert_allclose(sent, encode_sentences(sentences), atol=1e-6)
-    with pytest.raises(ValueError, match="3 token lists for 4 sentences"):
-        words_mod.encode_words_and_sentences(tokens[:3], sentences)
