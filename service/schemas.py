@@ -46,9 +46,22 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+def _encodable(value: str, what: str) -> str:
+    """Text that UTF-8 can hold: a lone surrogate (JSON's "\\ud800" escape) is no character and would fail
+    deep inside the parser and the tokenizer; refused here with where it is."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_text", "the {what} is not valid Unicode text: a lone surrogate "
+                                  "(U+{code}) at character {at}",
+                                  {"what": what, "code": f"{ord(value[e.start]):04X}", "at": e.start}) from None
+    return value
+
+
 def _not_blank(value: str, what: str) -> str:
-    """The one check of a blank text: every sentence and phrase field of the API goes through it."""
-    text = value.strip()
+    """The one check of a text field: every sentence, phrase and triplet word of the API goes through it
+    (valid Unicode, not blank)."""
+    text = _encodable(value, what).strip()
     if not text:
         raise PydanticCustomError(EMPTY_TEXT, "the {what} is empty", {"what": what})
     return text
@@ -123,6 +136,11 @@ class TripletIn(BaseModel):
                           examples=["amod"])
     w1: str = Field(pattern=WORD_PATTERN, description="head word", examples=["dog"])
     w2: str = Field(pattern=WORD_PATTERN, description="dependent word", examples=["black"])
+
+    @field_validator("relation", "w1", "w2")
+    @classmethod
+    def _word(cls, v: str) -> str:
+        return _not_blank(v, "triplet word")
 
 
 class SearchFragmentsRequest(BaseModel):
