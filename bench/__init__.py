@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import logging
@@ -18,16 +17,13 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
 from model.parsers import make_parser
+from model.resources import cpu_info
 
 
 def machine() -> str:
     """CPU model (from /proc/cpuinfo: psutil does not name it) and logical core count."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    name = cpu_info().model
+    model = "unknown CPU" if name == "unknown" else name
     return f"{model} x {psutil.cpu_count(logical=True) or os.cpu_count()} cores"
 
 

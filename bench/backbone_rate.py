@@ -31,6 +31,7 @@ import torch
 from bench import machine
 from bench.extract_bench import BACKBONES
 from model.backbone import Backbone, set_torch_threads
+from model.resources import cpu_info
 
 logger = logging.getLogger("bench.backbone_rate")
 
@@ -41,18 +42,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16",
 
 
 def cpu_facts() -> tuple[float, str]:
-    """(reported clock in MHz, the vector instruction sets announced) from /proc/cpuinfo."""
-    mhz, flags = float("nan"), set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "cpu MHz" and np.isnan(mhz):
-                mhz = float(value)
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return mhz, " ".join(f for f in ISA_FLAGS if f in flags)
+    """(reported clock in MHz, the vector instruction sets announced)."""
+    cpu = cpu_info()
+    return cpu.mhz, " ".join(f for f in ISA_FLAGS if f in cpu.flags)
 
 
 def conv_macs(side: int) -> int:

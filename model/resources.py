@@ -1,4 +1,5 @@
-"""What this process may use of the machine: CPUs and memory, as a container limits them.
+"""What this process may use of the machine: CPUs and memory, as a container limits them; and what the
+CPU is (`cpu_info`: its name, clock and instruction sets, which the benchmarks and a release record).
 
 `os.cpu_count()` is the host's count; in a container (`docker run --cpus`, a compose `cpus:` limit,
 Kubernetes) the CPU quota and the memory limit live in the process's cgroup, and the CPU affinity
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 MEMINFO = Path("/proc/meminfo")
+CPUINFO = Path("/proc/cpuinfo")
 WORKER_MEMORY = 1 << 30  # bytes budgeted per extraction worker
 _UNLIMITED_V1 = 1 << 60  # cgroup v1 writes "no limit" as a huge number (PAGE_COUNTER_MAX pages)
 
@@ -112,3 +115,30 @@ def default_workers(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP, m
     cpus = usable_cpus(root, proc_cgroup)
     memory = available_memory(root, proc_cgroup, meminfo)
     return cpus if memory is None else max(1, min(cpus, memory // per_worker))
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str  # "unknown" where /proc/cpuinfo does not say
+    flags: frozenset[str]  # the instruction sets the first CPU announces
+    mhz: float  # its reported clock, nan when unknown
+
+
+def cpu_info(path: Path = CPUINFO) -> CpuInfo:
+    """The CPU's name, flags and clock from /proc/cpuinfo (Linux; psutil does not name the CPU), from its
+    first processor's lines."""
+    model, flags, mhz = "unknown", frozenset[str](), math.nan
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return CpuInfo(model, flags, mhz)
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+        elif key == "cpu MHz" and math.isnan(mhz):
+            mhz = float(value)
+    return CpuInfo(model, flags, mhz)

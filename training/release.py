@@ -1,11 +1,11 @@
-"""Write the released model: a trained checkpoint copied into model/released/ with its manifest.
+"""Write the released model: a trained checkpoint saved into model/released/ with its manifest.
 
     python -m training.release --model artifacts/models/release-full-2x256/model.pt
 
 The one way a release is made (model/release.py reads and checks it). The checkpoint must carry a
 relevance scale (a model trained with --selection val: the scale is fitted on its validation part)
 and its validation metrics; the command evaluates it once on dev through the served feature path
-(the int8 graph of model/backbone.py) and writes manifest.json beside the copy:
+(the int8 graph of model/backbone.py) and writes manifest.json beside the saved checkpoint:
 
 - `made_by`: this command line, the commit (and whether the work tree had changes), the date, and
   the training command from the model folder's history.json;
@@ -39,6 +39,7 @@ from model.dataset import load_split_data
 from model.onnx import graph_dir
 from model.parsers import make_parser
 from model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, read_manifest
+from model.resources import cpu_info
 from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_record() -> dict[str, Any]:
-    """The CPU's model name and the SIMD flags that choose ONNX Runtime's kernels (Linux /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {"model": "unknown", "flags": []}
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
-    return {"model": model, "flags": [f for f in SIMD_FLAGS if f in flags]}
+    """The CPU's model name and the SIMD flags that choose ONNX Runtime's kernels."""
+    cpu = cpu_info()
+    return {"model": cpu.model, "flags": [f for f in SIMD_FLAGS if f in cpu.flags]}
 
 
 def split_digests(data: Path, split: str) -> dict[str, Any]:
