@@ -48,6 +48,25 @@ def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:
                     help="keep the rows already in the results of models not evaluated in this run")
 
 
+def write_rows(path: Path, fields: list[str], rows: list[dict[str, object]]) -> None:
+    """A results CSV: the header, then the rows."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    logging.getLogger("bench").info("wrote %s", path)
+
+
+def write_result(path: Path | None, result: dict[str, object]) -> None:
+    """A benchmark's JSON result: logged, and written to `path` when one is given."""
+    text = json.dumps(result, indent=2)
+    logging.getLogger("bench").info("%s", text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+
+
 def kept_rows(path: Path, merge: bool, evaluated: list[str]) -> list[dict[str, str]]:
     """With `merge`: the rows of a results CSV whose model is not among `evaluated` (else none)."""
     if not merge or not path.is_file():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import shlex
 import shutil
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench import write_result
 from model.backbone import _quantize, onnx_graph
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
@@ -87,7 +87,7 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], n: int) -> dict[
     """Per graph: the share of feature values equal bit for bit, the largest absolute difference, the lowest
     cosine between a crop's two feature vectors; and whether the proposals and kept boxes are equal."""
     out: dict[str, Any] = {"images": n,
-                           "proposals_equal": all(np.array_equal(a[f"proposals{k}"], b[f"proposals{k}"])
+                           "proposals_equal": all(np.array_equal(a[f"proposals{k}"], b[f"proposals{k}"], equal_nan=True)
                                                   for k in range(n)),
                            "boxes_equal": all(np.array_equal(a[f"boxes{k}"], b[f"boxes{k}"]) for k in range(n))}
     for name in ("int8-7bit", "int8-8bit", "fp32"):
@@ -164,11 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                               "instruction_sets": instruction_sets(args.data, args.images, folder)}
     if args.rsum:
         result["dev"] = dev_rsum(args.data, args.cache, args.workers)
-    text = json.dumps(result, indent=2)
-    logger.info("%s", text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

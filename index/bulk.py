@@ -49,9 +49,11 @@ from model.bundle import Bundle
 from model.cache import FeatureCache, content_key
 from model.config import ImageConfig, add_region_flags, default_artifacts_dir, with_region_flags
 from model.dataset import feature_cache
+from model.detector import Detector
 from model.image import ImageFragments, RegionExtractor, image_proposals
 from model.imageio import ImageReadError, load_image
 from model.onnx import graph_dir
+from model.proposals import PROPOSAL_COLUMNS
 from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
@@ -87,14 +89,16 @@ def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, n
 
     An unreadable file gets its reason in ``error`` and passes through, so the driver records it."""
     set_torch_threads(1)
+    # the COCO detector, when the regions come from it: loaded once per batch (checked by hash), not per image
+    detector = Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only else None
     keys, datas, props, errors = [], [], [], []
     for p in batch["path"]:
         path = str(p)
-        data, key, boxes, error = b"", "", np.zeros((0, 4), np.float32), ""
+        data, key, boxes, error = b"", "", np.zeros((0, PROPOSAL_COLUMNS), np.float32), ""
         try:
             data = Path(path).read_bytes()
             key = content_key(data)
-            boxes = image_proposals(load_image(data, name=path), cfg)
+            boxes = image_proposals(load_image(data, name=path), cfg, detector)
         except OSError as e:
             error = f"{path}: cannot open ({e.strerror or e})"
         except ImageReadError as e:
@@ -129,7 +133,8 @@ class BackboneStage:
             except ImageReadError as e:
                 errors[k] = str(e)
                 continue
-            proposals.append(np.frombuffer(bytes(batch["proposals"][k]), dtype=np.float32).reshape(-1, 4))
+            flat = np.frombuffer(bytes(batch["proposals"][k]), dtype=np.float32)
+            proposals.append(flat.reshape(-1, PROPOSAL_COLUMNS))
             good.append(k)
         frags: dict[int, ImageFragments] = {}
         try:

@@ -66,6 +66,12 @@ class ImageConfig:
     # the backbone; the boxes are those of the image as it is (the same proposals and ranking). Crop features
     # only; in the feature cache key when set. Never a served model's setting.
     mirror: bool = False
+    # where regions come from: "selective_search" (ranked by the ImageNet Lite0, the default), "detector" (the
+    # COCO detector's boxes, model/detector.py; best first, class-agnostic NMS) or "detector_topup" (the
+    # detections scoring at least detector_floor, the free slots filled from selective search). In the feature
+    # cache key when not the default.
+    proposals: str = "selective_search"
+    detector_floor: float = 0.3
 
     @property
     def n_fragments(self) -> int:
@@ -74,6 +80,7 @@ class ImageConfig:
 
 REGION_FEATURES = ("roi_align", "crop")
 PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
+PROPOSAL_SOURCES = ("selective_search", "detector", "detector_topup")
 BACKBONE_PRECISIONS = ("fp32", "int8")
 BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2")
 
@@ -99,10 +106,15 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
                     default=defaults and defaults.proposal_mode, help="selective search strategy set")
     ap.add_argument("--proposal-resize", type=int, default=defaults and defaults.proposal_resize,
                     help="longer side the image is resized to for selective search")
+    ap.add_argument("--proposals", choices=PROPOSAL_SOURCES, default=defaults and defaults.proposals,
+                    help="regions from selective search, the COCO detector, or the detector topped up with "
+                         "selective search")
+    ap.add_argument("--detector-floor", type=float, default=defaults and defaults.detector_floor,
+                    help="with --proposals detector_topup: the smallest detection score kept as a region")
 
 
 REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
-                "backbone", "proposal_mode", "proposal_resize")
+                "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor")
 
 
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:

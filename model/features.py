@@ -16,6 +16,7 @@ import numpy as np
 from model.atomic import atomic_file
 from model.backbone import quant_recipe, weights_digest
 from model.config import ImageConfig
+from model.detector import DETECTOR_NAME
 from model.image import ImageFragments
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
@@ -29,6 +30,13 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
     backbone = image.pop("backbone")  # beside the image settings, as before it was one: Lite0's keys stay
     mirror = image.pop("mirror")  # in the payload only for the mirrored view: the other keys stay
+    proposals = image.pop("proposals")  # the region source and its floor: only when not selective search
+    floor = image.pop("detector_floor")
+    if proposals != "selective_search":
+        image["proposals"] = proposals
+        image["detector"] = DETECTOR_NAME
+        if proposals == "detector_topup":
+            image["detector_floor"] = floor
     payload: dict[str, Any] = {"image": image, "backbone": backbone, "version": FEATURE_VERSION}
     if mirror:
         payload["mirror"] = True

@@ -2,7 +2,9 @@
 
 Regions come from selective search (``model/proposals.py``), ranked by the bundled ImageNet
 EfficientNet-Lite0 (``model/backbone.py``): a proposal's score is the largest softmax probability of
-the ImageNet head on its pooled feature (an objectness proxy), followed by NMS.
+the ImageNet head on its pooled feature (an objectness proxy), followed by NMS. With
+``ImageConfig.proposals`` "detector" / "detector_topup" they are the COCO detector's boxes
+(``model/detector.py``), ranked by its scores, above every selective-search box that tops them up.
 Boxes are ``[x0, y0, x1, y1]`` floats in the image's own pixels.
 """
 
@@ -19,8 +21,16 @@ from PIL import Image
 from torchvision.ops import roi_align
 
 from model.backbone import BACKBONE_NAME, Backbone, preprocess, to_tensor
-from model.config import REGION_FEATURES, ImageConfig
-from model.proposals import N_GRID_BOXES, full_box, propose_boxes, select_regions
+from model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
+from model.detector import Detector
+from model.proposals import (
+    N_GRID_BOXES,
+    detected_proposals,
+    full_box,
+    propose_boxes,
+    select_regions,
+    with_priors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +81,11 @@ class RegionExtractor:
                              "'crop': its regions are ranked by the ImageNet Lite0, its features are the crops'")
         if cfg.mirror and cfg.region_features != "crop":
             raise ValueError("the mirrored view (mirror) needs region_features 'crop': its crops are flipped")
+        if cfg.proposals not in PROPOSAL_SOURCES:
+            raise ValueError(f"proposals must be one of {PROPOSAL_SOURCES}, got {cfg.proposals!r}")
         self.cfg = cfg
+        self.detector = (Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only
+                         else None)
         self.ranker = Backbone(device, cfg.backbone_precision, runtime)  # ImageNet Lite0: proposals and their ranking
         self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights,
                                   name=cfg.backbone)
@@ -87,36 +101,42 @@ class RegionExtractor:
         if not images:
             return []
         rgb = [_rgb(img) for img in images]
-        return self.extract_proposed(rgb, [image_proposals(img, self.cfg) for img in rgb])
+        return self.extract_proposed(rgb, [image_proposals(img, self.cfg, self.detector) for img in rgb])
 
     @torch.inference_mode()
     def extract_proposed(self, images: Sequence[Image.Image], proposals: Sequence[np.ndarray]) -> list[ImageFragments]:
-        """Images with their proposals (``image_proposals``: (P_k, 4) each) → one ImageFragments each.
+        """Images with their proposals (``image_proposals``: (P_k, 5) each, or (P_k, 4) boxes that the
+        backbone ranks) → one ImageFragments each.
 
         The backbone half of ``extract_batch``: a pipeline that computes the proposals in other
-        processes (a CPU stage) gets the same fragments."""
+        processes (a CPU stage) gets the same fragments. A proposal with a prior score (a detection)
+        ranks by 1 + that score, above every proposal the backbone ranks (at most 1)."""
         if not images:
             return []
         rgb = [_rgb(img) for img in images]
         cfg = self.cfg
         if cfg.full_frame_only:
             return self._full_frame(rgb)
-        maps = self._maps(rgb, cfg.backbone_size)  # (B, 1280, h, w)
+        priors = [p[:, 4] if p.shape[1] > 4 else np.full(len(p), np.nan, np.float32) for p in proposals]
+        # the one backbone pass: roi features, or the ranking of proposals without a prior score
+        need_map = cfg.region_features == "roi_align" or any(np.isnan(p).any() for p in priors)
+        maps = self._maps(rgb, cfg.backbone_size) if need_map else None  # (B, 1280, h, w)
         side = cfg.backbone_size
         out: list[ImageFragments] = []
         chosen: list[np.ndarray] = []
         for k, img in enumerate(rgb):
             w, h = img.size
-            fmap = maps[k : k + 1]
-            props = proposals[k]
-            if len(props):
-                scores = self._objectness(self._roi_pool(fmap, props, w, h, side, SCORE_SAMPLING))
-            else:
-                scores = np.zeros((0,), np.float32)
+            props = np.ascontiguousarray(proposals[k][:, :4], dtype=np.float32)
+            scores = (1.0 + priors[k]).astype(np.float32)
+            unranked = np.isnan(scores)
+            if unranked.any() and maps is not None:
+                pooled = self._roi_pool(maps[k : k + 1], props[unranked], w, h, side, SCORE_SAMPLING)
+                scores[unranked] = self._objectness(pooled)
             regions = select_regions(props, scores, w, h, cfg)
             boxes = np.concatenate([full_box(w, h), regions])
             chosen.append(boxes)
-            if cfg.region_features == "roi_align":
+            if cfg.region_features == "roi_align" and maps is not None:
+                fmap = maps[k : k + 1]
                 feats = torch.cat([fmap.mean(dim=(2, 3)), self._roi_pool(fmap, regions, w, h, side)])
                 out.append(ImageFragments(boxes, _numpy(feats), w, h))
         if cfg.region_features == "crop":
@@ -172,12 +192,16 @@ class RegionExtractor:
         return out
 
 
-def image_proposals(image: Image.Image, cfg: ImageConfig) -> np.ndarray:
-    """The selective-search proposals of one image (P, 4) float32, in its pixels: the CPU half of
-    ``RegionExtractor.extract_batch`` (none with ``cfg.full_frame_only``)."""
+def image_proposals(image: Image.Image, cfg: ImageConfig, detector: Detector | None = None) -> np.ndarray:
+    """The proposals of one image (P, 5) float32: boxes in its pixels and their prior scores (NaN: ranked
+    by the backbone; model/proposals.py ``with_priors``): the CPU half of ``RegionExtractor.extract_batch``
+    (none with ``cfg.full_frame_only``). Detector proposals use ``detector`` (one is loaded when None)."""
     if cfg.full_frame_only:
-        return np.zeros((0, 4), np.float32)
-    return propose_boxes(np.asarray(_rgb(image)), cfg)
+        return np.zeros((0, 5), np.float32)
+    rgb = np.asarray(_rgb(image))
+    if cfg.proposals == "selective_search":
+        return with_priors(propose_boxes(rgb, cfg))
+    return detected_proposals(rgb, cfg, detector or Detector())
 
 
 def _rgb(image: Image.Image) -> Image.Image:

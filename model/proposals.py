@@ -1,5 +1,6 @@
-"""Region proposals: selective search boxes (class-agnostic, weight-free), the fixed fallback grid,
-and the choice of the kept regions from scored proposals (near-full-frame boxes dropped, NMS).
+"""Region proposals: selective search boxes (class-agnostic, weight-free), the COCO detector's boxes
+(model/detector.py), the fixed fallback grid, and the choice of the kept regions from scored proposals
+(near-full-frame boxes dropped, NMS).
 
 Boxes are ``[x0, y0, x1, y1]`` floats in the image's own pixels.
 """
@@ -16,6 +17,7 @@ import torch
 from torchvision.ops import box_iou, nms
 
 from model.config import PROPOSAL_MODES, ImageConfig
+from model.detector import CANDIDATE_FLOOR, Detector
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,7 @@ _GRID_FRACTIONS: tuple[tuple[float, float, float, float], ...] = (
 )
 
 N_GRID_BOXES = len(_GRID_FRACTIONS)
+PROPOSAL_COLUMNS = 5  # x0, y0, x1, y1 and the prior score (``with_priors``)
 
 _libc: ctypes.CDLL | None = None
 _libc_checked = False
@@ -132,6 +135,25 @@ def propose_boxes(image: np.ndarray, cfg: ImageConfig) -> np.ndarray:
     _, first = np.unique(np.round(boxes).astype(np.int64), axis=0, return_index=True)
     boxes = boxes[np.sort(first)]
     return boxes[: cfg.max_proposals].astype(np.float32)
+
+
+def with_priors(boxes: np.ndarray, priors: np.ndarray | None = None) -> np.ndarray:
+    """Boxes (P, 4) → proposals (P, 5): the boxes and each one's prior score in column 4 — a detection's
+    score (0..1), or NaN for a box that the backbone still has to rank (selective search)."""
+    col = np.full((len(boxes), 1), np.nan, np.float32) if priors is None else priors.reshape(-1, 1)
+    return np.concatenate([boxes.reshape(-1, 4).astype(np.float32), col.astype(np.float32)], axis=1)
+
+
+def detected_proposals(image: np.ndarray, cfg: ImageConfig, detector: Detector) -> np.ndarray:
+    """An (H, W, 3) uint8 RGB image → its proposals (P, 5) from the COCO detector: with ``cfg.proposals``
+    "detector" every detection (best first), with "detector_topup" the detections scoring at least
+    ``cfg.detector_floor`` followed by the image's selective-search boxes (unscored, NaN)."""
+    topup = cfg.proposals == "detector_topup"
+    found = detector.detect(image, floor=cfg.detector_floor if topup else CANDIDATE_FLOOR, nms_iou=cfg.nms_iou)
+    dets = with_priors(found.boxes, found.scores)
+    if not topup:
+        return dets
+    return np.concatenate([dets, with_priors(propose_boxes(image, cfg))])
 
 
 def grid_boxes(width: int, height: int) -> np.ndarray:

@@ -66,6 +66,11 @@ EXPECTED["full-lite1"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["imag
                                                         "crop_size": 240}}
 EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
                                                         "crop_size": 260}}
+# regions from the COCO detector: its 19 best boxes, or its confident ones topped up by selective search
+EXPECTED["full-det-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED["full"]["image"], "proposals": "detector"}}
+EXPECTED["full-dettop-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED["full"]["image"],
+                                                                     "proposals": "detector_topup",
+                                                                     "detector_floor": 0.3}}
 # the global baselines over the served model's whole-image feature
 CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
         "backbone_size": 224}
@@ -118,7 +123,8 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_image = {"n_regions": 19, "region_features": "roi_align", "backbone_size": 448, "crop_size": 224,
                       "backbone_precision": "fp32", "proposal_mode": "balanced", "proposal_resize": 224,
                       "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False,
-                      "backbone_weights": "", "backbone": "efficientnet-lite0", "mirror": False}
+                      "backbone_weights": "", "backbone": "efficientnet-lite0", "mirror": False,
+                      "proposals": "selective_search", "detector_floor": 0.3}
     full = load_variant("full")
     assert dataclasses.asdict(full.train) == {**defaults_train, "h": 512, "global_top_k": 5, "beta": 2.0,
                                               "calibrate": 1000}

@@ -1,0 +1,141 @@
+"""The COCO detector (model/detector.py) and detector proposals (model/proposals.py, model/image.py): its files
+checked by hash, the decoding against OpenCV's own output layer, class-agnostic NMS, and regions from it on a
+real Flickr8K photo."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from PIL import Image
+
+from model.config import ImageConfig, default_data_dir
+from model.detector import (
+    COCO_LABELS,
+    DETECTOR_FILES,
+    N_CLASSES,
+    Detections,
+    Detector,
+    DetectorMissing,
+    check_files,
+    detector_dir,
+    select,
+)
+from model.features import config_key
+from model.image import RegionExtractor, image_proposals
+
+DOG = "1001773457_577c3a7d70.jpg"  # two dogs playing (Flickr8K train): the detector finds both
+
+
+@pytest.fixture(scope="module")
+def detector() -> Detector:
+    return Detector()
+
+
+@pytest.fixture(scope="module")
+def dog_photo() -> np.ndarray:
+    path = default_data_dir() / "images" / DOG
+    if not path.is_file():
+        pytest.skip(f"the Flickr8K photo {path} is not here")
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def test_labels_are_coco_ids_1_to_90() -> None:
+    assert N_CLASSES == 90 and len([n for n in COCO_LABELS if n]) == 80
+    assert COCO_LABELS[0] == "person" and COCO_LABELS[17] == "dog" and COCO_LABELS[89] == "toothbrush"
+
+
+def test_files_are_checked_by_hash(tmp_path: Path) -> None:
+    src = detector_dir()
+    assert check_files(src).keys() == DETECTOR_FILES.keys()
+    (tmp_path / "frozen_inference_graph.pb").symlink_to(src / "frozen_inference_graph.pb")
+    with pytest.raises(DetectorMissing, match="ssd_mobilenet_v2_coco_2018_03_29.pbtxt is missing"):
+        Detector(tmp_path)
+    text = bytearray((src / "ssd_mobilenet_v2_coco_2018_03_29.pbtxt").read_bytes())
+    text[-2] ^= 1
+    (tmp_path / "ssd_mobilenet_v2_coco_2018_03_29.pbtxt").write_bytes(bytes(text))
+    with pytest.raises(DetectorMissing, match="pbtxt is not the pinned one"):
+        Detector(tmp_path)
+    shutil.copy(src / "ssd_mobilenet_v2_coco_2018_03_29.pbtxt", tmp_path)
+    assert isinstance(Detector(tmp_path), Detector)
+
+
+def test_decoding_matches_the_graphs_own_output_layer(detector: Detector, dog_photo: np.ndarray) -> None:
+    """The boxes decoded here from the raw outputs are those of the graph's DetectionOutput layer (which
+    runs per-class NMS): its five best detections are among ours, same box, same class, same score."""
+    boxes, scores = detector.raw(dog_photo)
+    blob = cv2.dnn.blobFromImage(dog_photo, size=(300, 300), swapRB=False, crop=False)
+    detector.net.setInput(blob)
+    out = detector.net.forward("detection_out")[0, 0]  # (100, 7): image, class, score, x0, y0, x1, y1
+    for row in out[:5]:
+        cls, score = int(row[1]), float(row[2])
+        k = int(np.argmin(np.abs(boxes - row[3:7]).sum(axis=1) + np.abs(scores[:, cls - 1] - score)))
+        assert np.allclose(boxes[k], row[3:7], atol=1e-5)
+        assert scores[k, cls - 1] == pytest.approx(score, abs=1e-6)
+
+
+def test_detects_the_dogs(detector: Detector, dog_photo: np.ndarray) -> None:
+    found = detector.detect(dog_photo, floor=0.5)
+    assert [found.label(k) for k in range(len(found))] == ["dog", "dog"]
+    assert (np.diff(found.scores) <= 0).all()
+    h, w = dog_photo.shape[:2]
+    assert (found.boxes >= 0).all() and (found.boxes[:, 2] <= w).all() and (found.boxes[:, 3] <= h).all()
+    assert np.array_equal(found.boxes, np.round(found.boxes))  # whole pixels
+
+
+def test_select_is_class_agnostic_and_breaks_ties_by_prior() -> None:
+    boxes = np.asarray([[0.1, 0.1, 0.5, 0.5], [0.11, 0.1, 0.5, 0.5], [0.6, 0.6, 0.9, 0.9], [0.6, 0.1, 0.9, 0.4],
+                        [0.0, 0.6, 0.3, 0.9]], np.float32)
+    scores = np.zeros((5, N_CLASSES), np.float32)
+    scores[0, 0] = 0.8  # person
+    scores[1, 17] = 0.9  # dog, on the same place: suppresses the person although another class
+    scores[2, 0] = 0.7
+    scores[3, 5] = 0.70001  # a tie with box 2 at 1e-4: the earlier prior first
+    scores[4, 2] = 0.05  # under the floor
+    found = select(boxes, scores, 100, 100, floor=0.1, nms_iou=0.5, limit=10)
+    assert isinstance(found, Detections)
+    assert found.classes.tolist() == [18, 1, 6]
+    assert found.boxes.tolist() == [[11, 10, 50, 50], [60, 60, 90, 90], [60, 10, 90, 40]]
+    assert select(boxes, scores, 100, 100, floor=0.1, nms_iou=0.5, limit=1).classes.tolist() == [18]
+    assert len(select(boxes, scores, 100, 100, floor=0.95, nms_iou=0.5, limit=10)) == 0
+
+
+def test_detector_regions(dog_photo: np.ndarray) -> None:
+    """proposals "detector": the regions are the detections, best first; "detector_topup": the detections over
+    the floor first, then selective search's boxes fill the other slots."""
+    image = Image.fromarray(dog_photo)
+    base = ImageConfig(region_features="crop", backbone_precision="int8", min_box_frac=0.25, proposal_resize=112,
+                       backbone_size=224)
+    det = RegionExtractor(dataclasses.replace(base, proposals="detector"))
+    assert det.detector is not None
+    frags = det.extract(image)
+    assert frags.features.shape == (base.n_fragments, 1280)
+    found = det.detector.detect(dog_photo, floor=0.01)
+    assert np.array_equal(frags.boxes[1:3], found.boxes[:2])
+    topup = dataclasses.replace(base, proposals="detector_topup", detector_floor=0.5)
+    props = image_proposals(image, topup, det.detector)
+    assert props.shape[1] == 5 and np.allclose(props[:2, 4], found.scores[:2]) and np.isnan(props[2:, 4]).all()
+    frags = RegionExtractor(topup).extract(image)
+    assert np.array_equal(frags.boxes[1:3], found.boxes[:2])
+    assert not np.array_equal(frags.boxes[3], found.boxes[2])  # a selective-search box, not the third detection
+    plain = RegionExtractor(base).extract(image)
+    assert np.array_equal(plain.features[0], frags.features[0])  # the whole image does not depend on the regions
+
+
+def test_feature_cache_key_names_the_source() -> None:
+    base = ImageConfig()
+    assert config_key(base) == config_key(dataclasses.replace(base, detector_floor=0.7))  # unused: same key
+    det = dataclasses.replace(base, proposals="detector")
+    assert config_key(det) != config_key(base)
+    assert config_key(det) == config_key(dataclasses.replace(det, detector_floor=0.7))
+    topup = dataclasses.replace(base, proposals="detector_topup")
+    assert len({config_key(topup), config_key(dataclasses.replace(topup, detector_floor=0.7)), config_key(det)}) == 3
+
+
+def test_unknown_source_is_refused() -> None:
+    with pytest.raises(ValueError, match="proposals must be one of"):
+        RegionExtractor(ImageConfig(proposals="yolo"))
