@@ -11,10 +11,27 @@ re-rank store (index.ranker), as with FAISS.
 ef_search), ivf → IVF_FLAT (nlist, nprobe), ivfpq → IVF_PQ (nlist, m, nbits, nprobe; a Milvus
 server: milvus-lite has no IVF_PQ). A FAISS pre-transform has no Milvus counterpart.
 
-Image candidates are searched with `group_by_field="item"`: the k' nearest *images* per query
-fragment (each by its best fragment), where FAISS gives the k' nearest fragments. Milvus returns at
-most 16,384 results per query (`MAX_TOPK`): larger k' are cut to it, and k' = 0 (every positive
-fragment) is a range search with radius 0 capped at the same number.
+Image candidates are the k' nearest *images* per query fragment (each by its best fragment), where
+FAISS gives the k' nearest fragments: grouped by the server (`group_by_field="item"`) from Milvus
+2.4 on; a 2.3 server ignores `group_by_field` without an error (it returns plain fragment hits,
+items repeated), so there the backend groups the fragment hits itself: it asks for k' · GROUP_FETCH
+fragments, keeps each item's first (best) hit, and asks again for four times as many for a query
+whose hits were all used up before k' items were found. The first k' distinct items of a hit list
+sorted by score are exactly the k' items with the best fragment scores, so both give the same items.
+The server's version is read when the backend opens; servers older than 2.3 (no upsert, no range
+search) are refused, naming the minimum. Milvus returns at most 16,384 results per query
+(`MAX_TOPK`): larger k' are cut to it, and k' = 0 (every positive fragment) is a range search with
+radius 0 capped at the same number.
+
+Consistency: a search sees every write this backend made and everything committed before it
+opened. After each write (and at open) the backend asks the server for a timestamp (AllocTimestamp,
+which comes after the write's own) and searches with that guarantee timestamp ("Customized"
+consistency): the server answers once its query nodes have applied everything up to it. The first
+search after a write waits for the server's next time tick (about 200 ms on 2.3.5), later ones do
+not wait (2-5 ms); "Strong" would wait on every search, and "Session" or "Bounded" may still return
+a row deleted a moment ago (a 2.3 server returns no timestamp for a delete, so pymilvus's Session
+has none to wait for). milvus-lite, which applies writes before it answers and has no
+AllocTimestamp, searches at the collection's level, Strong.
 
 Crash safety: the collection sees writes before the catalogue commits them. Before the first write
 after a commit, a marker file is made in the index folder (fsynced); the commit removes it. The first
@@ -30,6 +47,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -52,6 +70,9 @@ COLLECTION_PREFIX = "fragsearch"
 MAX_TOPK = 16_384  # Milvus's limit on results per query
 INSERT_ROWS = 4096  # rows per insert call
 ID, ITEM, VECTOR = "id", "item", "vector"
+MIN_SERVER = (2, 3, 0)  # the oldest Milvus server supported: upsert and the range search arrived in 2.3
+GROUPING_SERVER = (2, 4, 0)  # the first server that groups hits by a field (group_by_field)
+GROUP_FETCH = 8  # fragment hits asked per item wanted, where the backend groups hits itself
 
 _lite_lock = threading.Lock()
 _lite_users: dict[str, int] = {}  # milvus-lite folder -> open backends in this process
@@ -88,6 +109,32 @@ def index_spec(settings: IndexSettings) -> tuple[str, dict[str, Any], dict[str, 
         return "IVF_FLAT", {"nlist": settings.nlist}, {"nprobe": settings.nprobe}
     return ("IVF_PQ", {"nlist": settings.nlist, "m": settings.m, "nbits": settings.nbits},
             {"nprobe": settings.nprobe})
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a Milvus server's version string ("v2.3.5", "v2.4.1-gpu", "2.5.0"),
+    or None when it has none."""
+    found = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not found:
+        return None
+    return int(found[1]), int(found[2]), int(found[3] or 0)
+
+
+def groups_on_server(uri: str, version: str) -> bool:
+    """Whether the server at `uri` (its version string `version`) groups hits by item itself
+    (milvus-lite and servers from 2.4); ValueError for a server older than MIN_SERVER. A version that
+    cannot be read is grouped here, which is right on every server."""
+    if is_lite(uri):
+        return True
+    parsed = parse_version(version)
+    if parsed is None:
+        logger.warning("Milvus at %s reports version %r: grouping candidates by item in fragsearch", uri, version)
+        return False
+    if parsed < MIN_SERVER:
+        raise ValueError(f"Milvus at {uri} is version {version}; fragsearch needs a Milvus server "
+                         f"{'.'.join(map(str, MIN_SERVER))} or newer (2.4 or newer groups candidates on the "
+                         "server): upgrade the server")
+    return parsed >= GROUPING_SERVER
 
 
 def _where(root: Path, uri: str | None) -> tuple[str, str]:
@@ -138,24 +185,46 @@ def make_collection(client: Any, name: str, dim: int, settings: IndexSettings) -
     client.load_collection(name)
 
 
-def stored_count(client: Any, name: str) -> int:
-    """Rows held by a collection (read back from the server)."""
-    rows = client.query(name, filter="", output_fields=["count(*)"])
+def consistency(guarantee: int) -> dict[str, Any]:
+    """Request arguments that make a read see every write before the server timestamp `guarantee`
+    (0: the collection's level, Strong)."""
+    return {"consistency_level": "Customized", "guarantee_timestamp": guarantee} if guarantee else {}
+
+
+def stored_count(client: Any, name: str, guarantee: int = 0) -> int:
+    """Rows held by a collection (read back from the server, after the writes before `guarantee`)."""
+    rows = client.query(name, filter="", output_fields=["count(*)"], **consistency(guarantee))
     return int(rows[0]["count(*)"]) if rows else 0
 
 
 def search_collection(client: Any, name: str, queries: np.ndarray, limit: int, params: dict[str, Any],
-                      group: bool = False, items: np.ndarray | None = None) -> list[list[dict[str, Any]]]:
-    """Inner-product hits per query (grouped by item: each item once, by its best fragment); with
-    `items`, among those items' fragments only (a filter expression Milvus applies while it searches)."""
+                      group: bool = False, items: np.ndarray | None = None, guarantee: int = 0
+                      ) -> list[list[dict[str, Any]]]:
+    """Inner-product hits per query, best first (grouped by the server: each item once, by its best
+    fragment); with `items`, among those items' fragments only (a filter expression Milvus applies
+    while it searches); after the writes before the server timestamp `guarantee` (0: Strong)."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
+    extra.update(consistency(guarantee))
     if items is not None:
         extra["filter"] = f"{ITEM} in [{', '.join(str(int(i)) for i in items)}]"
     result: list[list[dict[str, Any]]] = client.search(
         name, data=list(q), limit=limit, anns_field=VECTOR, search_params={"metric_type": "IP", "params": params},
         output_fields=[], **extra)
     return result
+
+
+def first_items(hits: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The first hit of each of the first k distinct items of `hits` (sorted best first): the k items
+    with the best fragment scores, each by its best fragment."""
+    seen: dict[int, dict[str, Any]] = {}
+    for hit in hits:
+        item = int(hit["id"]) >> fid.FRAGMENT_BITS
+        if item not in seen:
+            seen[item] = hit
+            if len(seen) == k:
+                break
+    return list(seen.values())
 
 
 class MilvusCandidates(CandidateBackend):
@@ -182,6 +251,20 @@ class MilvusCandidates(CandidateBackend):
         self.marker = DirtyMarker(self.root)
         self._closed = False
         self._committed = ""
+        try:
+            self.server_version = str(self.client.get_server_version())
+            self.groups_on_server = groups_on_server(uri, self.server_version)
+        except BaseException:
+            self.close()
+            raise
+        self._guarantee = 0
+        self._seen()
+
+    def _seen(self) -> None:
+        """Reads from now on see every write made so far: the server's next timestamp becomes their
+        guarantee (0 where the server has none to give; milvus-lite has none, and its reads are Strong)."""
+        if not is_lite(self.uri):
+            self._guarantee = int(self.client._get_connection().alloc_timestamp() or 0)
 
     # -- opening --------------------------------------------------------------------------------------
     @classmethod
@@ -208,6 +291,8 @@ class MilvusCandidates(CandidateBackend):
         collection, prefix = str(info.get("milvus_collection", "")), str(info.get("milvus_prefix", ""))
         try:
             out = cls(root, uri, stored, prefix, collection, dim, settings, options.token if options else None)
+        except ValueError as e:  # an unsupported server version
+            raise IndexLoadError(f"index at {root}: {e}") from e
         except Exception as e:
             raise IndexLoadError(f"index at {root}: cannot reach Milvus at {uri}: {e}") from e
         try:
@@ -215,7 +300,7 @@ class MilvusCandidates(CandidateBackend):
                 raise IndexLoadError(f"index at {root}: Milvus at {uri} has no collection {collection!r}: "
                                      "rebuild the index with python -m index.build --backend milvus")
             out.client.load_collection(collection)
-            out._count = stored_count(out.client, collection)
+            out._count = stored_count(out.client, collection, out._guarantee)
         except BaseException:
             out.close()
             raise
@@ -257,6 +342,7 @@ class MilvusCandidates(CandidateBackend):
             with _space(self.root):
                 self.client.upsert(self.collection, data=rows)
         self._count += len(ids)
+        self._seen()
 
     def remove_item(self, item: int) -> int:
         self.marker.mark()
@@ -273,7 +359,8 @@ class MilvusCandidates(CandidateBackend):
         before = self._count
         with _space(self.root):
             self.client.delete(self.collection, filter=expr, ids=ids)
-        self._count = stored_count(self.client, self.collection)
+        self._seen()
+        self._count = stored_count(self.client, self.collection, self._guarantee)
         return before - self._count
 
     def rebuilt(self, settings: IndexSettings, sources: Sources) -> MilvusCandidates:
@@ -322,13 +409,41 @@ class MilvusCandidates(CandidateBackend):
         params = dict(self._search_params)
         if "ef" in params:
             params["ef"] = max(int(params["ef"]), k)  # HNSW's beam must cover k
-        results = search_collection(self.client, self.collection, queries, k, params, group, items)
+        if group and not self.groups_on_server:
+            results = self._grouped_here(queries, k, params, items)
+        else:
+            results = search_collection(self.client, self.collection, queries, k, params, group, items,
+                                        self._guarantee)
         scores = np.zeros((len(queries), k), np.float32)
         ids = np.full((len(queries), k), -1, np.int64)
         for row, hits in enumerate(results):
             for col, hit in enumerate(hits[:k]):
                 scores[row, col], ids[row, col] = float(hit["distance"]), int(hit["id"])
         return scores, ids
+
+    def _grouped_here(self, queries: np.ndarray, k: int, params: dict[str, Any], items: np.ndarray | None
+                      ) -> list[list[dict[str, Any]]]:
+        """Per query, the k items with the best fragment scores, each by its best fragment, grouped from
+        fragment hits (a server that does not group): k · GROUP_FETCH hits first, four times as many
+        again for the queries whose hits ran out before k items (up to MAX_TOPK or every fragment)."""
+        cap = max(1, min(MAX_TOPK, self._count))
+        rows = np.asarray(queries)
+        out: list[list[dict[str, Any]]] = [[] for _ in range(len(queries))]
+        todo = list(range(len(queries)))
+        limit = min(cap, k * GROUP_FETCH)
+        while todo:
+            round_params = dict(params)
+            if "ef" in round_params:
+                round_params["ef"] = max(int(round_params["ef"]), limit)
+            found = search_collection(self.client, self.collection, rows[todo], limit, round_params,
+                                      items=items, guarantee=self._guarantee)
+            again = []
+            for q, hits in zip(todo, found, strict=True):
+                out[q] = first_items(hits, k)
+                if len(out[q]) < k and len(hits) >= limit and limit < cap:
+                    again.append(q)
+            todo, limit = again, min(cap, limit * 4)
+        return out
 
     def search(self, queries: np.ndarray, k: int, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         return self._hits(queries, k, group=False, items=items)
@@ -343,7 +458,7 @@ class MilvusCandidates(CandidateBackend):
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
         params = {**self._search_params, "radius": 0.0}
         results = search_collection(self.client, self.collection, queries, min(MAX_TOPK, self._count),
-                                    params, items=items)
+                                    params, items=items, guarantee=self._guarantee)
         scores = np.asarray([float(h["distance"]) for hits in results for h in hits], np.float32)
         ids = np.asarray([int(h["id"]) for hits in results for h in hits], np.int64)
         keep = scores > 0

@@ -6,7 +6,8 @@ a GPU that runs on the CPU would be an order of magnitude slower without saying 
 
 Everything that computes takes the resolved device: checkpoints load on the CPU and move to it
 (model/bundle.py), training and calibration put their batches on it, MiniLM and the image
-backbone run on it. Where each call of a fragment index runs is `placement`: the one policy.
+backbone run on it. Where each call of a fragment index runs is `placement`, where image extraction
+runs `extraction_device`: the one policy.
 """
 
 from __future__ import annotations
@@ -68,6 +69,19 @@ def device_name(name: str | torch.device = "auto") -> str:
 
 def is_gpu(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def extraction_device(device: str | torch.device, workers: int) -> str:
+    """Where image extraction runs: a pool of worker processes (`workers` > 1) on the CPU whatever the
+    device; one extractor in the calling process on `device`.
+
+    Every process that touches CUDA opens a context of its own (hundreds of MB of GPU memory before its
+    first tensor), and a pool starts one worker per usable CPU: on a many-core GPU host the workers
+    alone would fill the GPU before the service starts. The served model's backbone is the int8 graph
+    on ONNX Runtime's CPU provider in any case, so the workers lose nothing but the small proposal
+    scoring and region layers, which run beside it on the CPU.
+    """
+    return "cpu" if workers > 1 else str(device)
 
 
 def fused_optimizer(params: list[torch.nn.Parameter]) -> bool:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from model.backbone import BACKBONE_NAME, onnx_graph, set_torch_threads
 from model.config import ImageConfig
+from model.device import extraction_device
 from model.features import content_key, entry_name, write_entry
 from model.image import ImageFragments, RegionExtractor
 from model.imageio import ImageReadError, load_image
@@ -96,7 +97,9 @@ class ExtractionPool:
 
     Each worker process uses 1 torch/OpenCV thread and holds its own extractor (no module state);
     use as a context manager. ``cpu_seconds`` adds up the CPU time spent extracting (all workers),
-    a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``).
+    a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``). The worker processes
+    run on the device ``model.device.extraction_device`` chooses (the CPU); this process's own extractor
+    (one worker, or a single chunk) on ``device``.
     """
 
     POLL_S = 1.0  # how often a waiting parent checks that its workers are alive
@@ -111,6 +114,11 @@ class ExtractionPool:
         self._tasks: Any = None
         self._results: Any = None
         self.cpu_seconds = 0.0
+
+    @property
+    def worker_device(self) -> str:
+        """The device of the worker processes (model.device.extraction_device)."""
+        return extraction_device(self.device, self.workers)
 
     def __enter__(self) -> ExtractionPool:
         return self
@@ -143,7 +151,8 @@ class ExtractionPool:
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True,
-                        args=(self.cfg, self.device, self.runtime, os.getpid(), list(warm), self._tasks, self._results))
+                        args=(self.cfg, self.worker_device, self.runtime, os.getpid(), list(warm), self._tasks,
+                              self._results))
             for _ in range(self.workers)
         ]
         for proc in self._procs:

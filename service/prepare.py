@@ -3,8 +3,10 @@
 What exists is reused: a checkpoint is never retrained, a finished index built with this
 checkpoint is loaded as it is, and an image index left half-built by an interrupted run is extended
 with the images it lacks. An index built with another checkpoint (the model was retrained or
-replaced) is set aside as `<name>.stale` and rebuilt; the stale copy is removed once the new one is
-complete.
+replaced), or whose candidates are in another backend than FRAGSEARCH_INDEX_BACKEND names (faiss, milvus),
+is set aside as `<name>.stale` and rebuilt from the cached features and caption vectors; the stale copy is
+removed once the new one is complete. FRAGSEARCH_INDEX_BACKEND=milvus in an installation without the
+Milvus client stops at once with one line naming the fix.
 
 Progress (`Progress`): the stage being prepared and, from the live progress bar of the step under
 way (feature extraction, training epochs, indexing), the items done, the total and the estimated
@@ -20,9 +22,12 @@ the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): service/se
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import shutil
+import sqlite3
 import sys
 import threading
 import time
@@ -33,9 +38,10 @@ from typing import Any
 from tqdm import tqdm
 
 from index import IndexSettings
+from index.backends import require_milvus
 from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
-from index.catalogue import is_index
+from index.catalogue import DB_FILE, is_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sync import open_index, sync_folder
@@ -252,18 +258,57 @@ def _index_settings(settings: Settings, base: IndexSettings | None = None) -> In
                                use_gpu=device_name(settings.device).startswith("cuda"))
 
 
-def _set_aside_if_stale(root: Path, fingerprint: str) -> Path | None:
-    """Move an index built with another model to `<root>.stale`; returns where it went."""
+def built_backend(root: Path) -> str | None:
+    """The candidate backend an index folder's committed `info` names (faiss when it names none); None when
+    the folder has no readable database."""
+    if not is_index(root):
+        return None
+    try:  # immutable: no lock and no -wal/-shm files (the backend is fixed when the index is created)
+        with contextlib.closing(sqlite3.connect(f"file:{Path(root) / DB_FILE}?mode=ro&immutable=1", uri=True)) as db:
+            row = db.execute("SELECT value FROM info WHERE key = 'backend'").fetchone()
+    except sqlite3.DatabaseError:
+        return None
+    return str(json.loads(row[0])) if row else "faiss"
+
+
+def _set_aside_if_stale(root: Path, fingerprint: str, backend: str) -> Path | None:
+    """Move an index built with another model, or with its candidates in another backend than `backend`,
+    to `<root>.stale`; returns where it went."""
     built = built_fingerprint(root)
-    if built is None or built == fingerprint:
+    if built is None:
+        return None
+    if built != fingerprint:
+        why = f"was built with another model (fingerprint {built}, this model {fingerprint})"
+    elif (kept := built_backend(root)) not in (None, backend):
+        why = (f"keeps its candidates in {kept} and FRAGSEARCH_INDEX_BACKEND is {backend}"
+               + (" (its Milvus collections stay on the server)" if kept == "milvus" else ""))
+    else:
         return None
     stale = root.with_name(root.name + ".stale")
-    logger.warning("%s was built with another model (fingerprint %s, this model %s): rebuilding it",
-                   root, built, fingerprint)
+    logger.warning("%s %s: rebuilding it", root, why)
     shutil.rmtree(stale, ignore_errors=True)
     root.rename(stale)
     _partial_marker(root).unlink(missing_ok=True)
     return stale
+
+
+class BackendMissing(ImportError):
+    """The candidate backend set needs a client this installation lacks."""
+
+
+def check_backend(settings: Settings) -> None:
+    """BackendMissing naming the fix when the backend set needs a client this installation lacks (the image
+    built without the milvus extra, or `pip install .` without it)."""
+    if settings.index_backend != "milvus":
+        return
+    try:
+        require_milvus("FRAGSEARCH_INDEX_BACKEND=milvus")
+    except ImportError as e:
+        if settings.data_mounted_from is None:  # not in a container compose started: the pip extra
+            raise BackendMissing(str(e)) from e
+        raise BackendMissing("FRAGSEARCH_INDEX_BACKEND=milvus needs the Milvus client, which this image lacks: "
+                          "build it with the milvus extra (docker compose up --build with "
+                          "FRAGSEARCH_INDEX_BACKEND=milvus set, or --build-arg INDEX_BACKEND=milvus)") from e
 
 
 def prepare(settings: Settings, progress: Progress | None = None,
@@ -274,13 +319,15 @@ def prepare(settings: Settings, progress: Progress | None = None,
     sentence index is built), so that a service can answer searches while the rest is prepared."""
     progress = progress or Progress()
     t0 = time.perf_counter()
+    check_backend(settings)
     progress.enter("model", "training it: features first, then the epochs"
                    if not settings.model_path.is_file() and settings.variant is not None else "loading the checkpoint")
     ensure_model(settings)
     bundle = Bundle.load(settings.model_path, device=settings.device)
     fingerprint = model_fingerprint(bundle)
-    stale = [p for p in (_set_aside_if_stale(settings.image_index, fingerprint),
-                         _set_aside_if_stale(settings.sentence_index, fingerprint)) if p is not None]
+    stale = [p for p in (_set_aside_if_stale(settings.image_index, fingerprint, settings.index_backend),
+                         _set_aside_if_stale(settings.sentence_index, fingerprint, settings.index_backend))
+             if p is not None]
     progress.enter("image index")
     ensure_image_index(settings, bundle)
     if on_images is not None:
@@ -323,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
         return 2
-    except ModelMissing as e:
+    except (ModelMissing, BackendMissing) as e:
         logger.error("cannot prepare: %s", e)
         return 2
     finally:

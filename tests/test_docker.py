@@ -4,6 +4,8 @@ bench/container_smoke.sh (recorded in docs/results/container-smoke.json)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import re
@@ -45,10 +47,15 @@ def _data_host(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _config(*files: str, profile: str | None = None) -> dict[str, Any]:
-    """`docker compose config` of the files (with a profile), validated (-q) and parsed (its JSON form)."""
+    """`docker compose config` of the files (with a profile), validated and parsed (its JSON form); the
+    same files, profile and FRAGSEARCH_* environment are read once."""
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("FRAGSEARCH_")))
+    return copy.deepcopy(_config_once(files, profile, env))
+
+
+@functools.cache
+def _config_once(files: tuple[str, ...], profile: str | None, env: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     args = [a for f in files for a in ("-f", f)] + (["--profile", profile] if profile else [])
-    r = _run(_tool("docker-compose"), *args, "config", "-q")
-    assert r.returncode == 0, r.stderr
     merged = _run(_tool("docker-compose"), *args, "config", "--format", "json")
     assert merged.returncode == 0, merged.stderr
     config: dict[str, Any] = json.loads(merged.stdout)
@@ -215,17 +222,169 @@ def _build_args() -> dict[str, str]:
 def test_gpu_image_takes_a_torch_built_for_the_cuda_of_faiss_gpu() -> None:
     """faiss-gpu 1.15.1 requires nvidia-cuda-runtime-cu12 >=12.6,<13 (its wheel's Requires-Dist, README
     Docker); the lock's PyPI torch is a CUDA 13 build, so the GPU image takes torch from PyTorch's cu12x index
-    and checks the CUDA line it got while building."""
+    and checks the CUDA version it got while building."""
     args, runtime = _build_args(), _pins("requirements.lock")
-    flavour = re.fullmatch(r"cu12(\d)", args["TORCH_CUDA"])
-    assert flavour and int(flavour.group(1)) >= 6, args["TORCH_CUDA"]
-    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
+    assert args["TORCH_CUDA"] == "cu126" and args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
     gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     assert gpu == [f"faiss-gpu=={runtime['faiss-cpu']}"]  # the gpu extra: the release the lock pins for the CPU
     text = (ROOT / "Dockerfile").read_text()
-    assert '"$torch_line+$flavour" "$vision_line+$flavour"' in text  # a +cu12x build, never PyPI's by accident
-    assert "pip check" in text and "cuda.startswith('12.')" in text
+    assert '"$torch_line+$flavour" "$vision_line+$flavour"' in text  # a +cuXYZ build, never PyPI's by accident
+    assert "pip check" in text and "cuda == sys.argv[1]" in text and 'want="${flavour:2:2}.${flavour:4}"' in text
     assert args["VARIANT"] == "gpu" and args["STANZA_MODELS"] == "false"
+
+
+def _dockerfile_run(needle: str) -> str:
+    """The one RUN instruction of the Dockerfile whose command holds `needle`."""
+    text = (ROOT / "Dockerfile").read_text()
+    (run,) = [i.args for i in instructions(text) if i.keyword == "RUN" and needle in i.args]
+    return run
+
+
+def _check_build_args(tmp_path: Path, **args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    """The Dockerfile's first step (its build-argument check) run with `args` over the defaults: its result
+    and the variables it keeps for the later steps (/etc/fragsearch-build, here in tmp_path)."""
+    kept = tmp_path / "fragsearch-build"
+    kept.unlink(missing_ok=True)
+    command = _dockerfile_run("> /etc/fragsearch-build").replace("/etc/fragsearch-build", str(kept))
+    env = {**{k: v for k, v in _build_args().items() if k.isupper()}, **args, "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", command], env=env, capture_output=True, text=True, timeout=30)
+    values = dict(w.split("=", 1) for w in kept.read_text().split()) if kept.is_file() and r.returncode == 0 else {}
+    return r, values
+
+
+@pytest.mark.parametrize(("torch_cuda", "faiss_gpu"), [("cu126", "faiss-gpu"), ("cu132", "faiss-gpu-cuvs")])
+def test_each_cuda_flavour_has_a_faiss_gpu_of_its_runtime(torch_cuda: str, faiss_gpu: str, tmp_path: Path) -> None:
+    """cu126: faiss-gpu (CUDA 12.6 runtime, Volta to Hopper); cu132, the Blackwell path: torch's sm_100/sm_120
+    kernels and faiss-gpu-cuvs, whose wheel requires nvidia-cuda-runtime >=13.2,<14 (its Requires-Dist),
+    the runtime torch +cu132 pins."""
+    r, kept = _check_build_args(tmp_path, VARIANT="gpu", TORCH_CUDA=torch_cuda)
+    assert r.returncode == 0, r.stderr
+    assert kept == {"flavour": torch_cuda, "faiss_gpu": faiss_gpu}
+    cpu, kept = _check_build_args(tmp_path, VARIANT="cpu", TORCH_CUDA=torch_cuda)
+    assert cpu.returncode == 0 and kept == {"flavour": "cpu", "faiss_gpu": ""}
+    # the torch step reads what the check kept, and installs that faiss-gpu for faiss-cpu
+    step = _dockerfile_run("torch_line=")
+    assert ". /etc/fragsearch-build" in step and 'sed "s/^faiss-gpu==/$faiss_gpu==/"' in step
+
+
+@pytest.mark.parametrize("torch_cuda", ["cu128", "cu130", "cu124", "cpu", ""])
+def test_a_cuda_flavour_without_a_faiss_gpu_stops_the_build_at_once(torch_cuda: str, tmp_path: Path) -> None:
+    """torch 2.14 has no cu128 wheel and cu126 has no Blackwell kernels: such a flavour stops the first step
+    (before apt or pip fetch anything), naming the two that build."""
+    r, _ = _check_build_args(tmp_path, VARIANT="gpu", TORCH_CUDA=torch_cuda)
+    assert r.returncode == 2 and f"TORCH_CUDA={torch_cuda}:" in r.stderr, r.stderr
+    assert "cu126" in r.stderr and "cu132" in r.stderr and "Blackwell" in r.stderr
+    first_run = next(i for i in instructions((ROOT / "Dockerfile").read_text()) if i.keyword == "RUN")
+    assert "/etc/fragsearch-build" in first_run.args and "apt-get" not in first_run.args
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"VARIANT": "tpu"}, "VARIANT must be gpu or cpu, not tpu"),
+    ({"INDEX_BACKEND": "qdrant"}, "INDEX_BACKEND must be faiss or milvus, not qdrant"),
+    ({"UID": "0"}, "UID=0: the image does not run as root"),
+])
+def test_other_bad_build_arguments_stop_the_first_step(args: dict[str, str], message: str, tmp_path: Path) -> None:
+    r, _ = _check_build_args(tmp_path, **args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_torch_comes_from_pytorchs_index_alone() -> None:
+    """--index-url for the torch step: with --extra-index-url PyPI is asked too, and a package of that name
+    there (a higher version, or another build) could win."""
+    pips = [c for _, c, _ in run_environments((ROOT / "Dockerfile").read_text()) if c.startswith("pip install")]
+    (torch_pip,) = [c for c in pips if "$torch_line" in c]
+    assert "--index-url $TORCH_INDEX_URL/$flavour" in torch_pip
+    assert not [c for c in pips if "--extra-index-url" in c]
+
+
+def test_the_milvus_profile_builds_an_image_with_the_milvus_client(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """FRAGSEARCH_INDEX_BACKEND=milvus (the profile's documented command) builds an image of its own tag with
+    the milvus extra, and `prepare` waits for a healthy Milvus; without it, nothing changes."""
+    default = _config("docker-compose.yml")["services"]
+    assert default["prepare"]["image"] == "fragsearch:gpu" and default["prepare"]["build"]["args"]["INDEX_BACKEND"] \
+        == "faiss"
+    monkeypatch.setenv("FRAGSEARCH_INDEX_BACKEND", "milvus")
+    monkeypatch.setenv("FRAGSEARCH_MILVUS_URI", "http://milvus:19530")
+    for files, tag in ((("docker-compose.yml",), "gpu"), (("docker-compose.yml", "docker-compose.cpu.yml"), "cpu")):
+        services = _config(*files, profile="milvus")["services"]
+        for name in ("prepare", "fragsearch"):
+            service = services[name]
+            assert service["image"] == f"fragsearch:{tag}-milvus"  # not the FAISS image of an earlier build
+            assert service["build"]["args"]["INDEX_BACKEND"] == "milvus"
+            assert service["environment"]["FRAGSEARCH_INDEX_BACKEND"] == "milvus"
+        assert services["prepare"]["depends_on"]["milvus"] == {"condition": "service_healthy", "required": False}
+    r, kept = _check_build_args(tmp_path, INDEX_BACKEND="milvus")
+    assert r.returncode == 0 and kept["backend_extra"] == "milvus", r.stderr
+    assert "for extra in $EXTRAS $backend_extra; do" in _dockerfile_run("torch_line=")
+
+
+def _user_step(tmp_path: Path, uid: str, gid: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The Dockerfile's user step run as the build runs it, in a mount namespace of its own over a copy of this
+    machine's /etc (Debian's accounts: groups 20 dialout, 50 staff, 100 users) and an empty /home."""
+    etc, home = tmp_path / "etc", tmp_path / "home"
+    subprocess.run(["cp", "-a", "/etc", str(etc)], check=False, capture_output=True)
+    for name in ("passwd", "group"):  # Debian's own accounts only (ids below 1000, and nobody / nogroup)
+        lines = [line for line in (etc / name).read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if int(line.split(":")[2]) < 1000 or line.split(":")[2] == "65534"]
+        (etc / name).write_text("".join(f"{line}\n" for line in kept))
+    home.mkdir()
+    command = f"mount --bind {etc} /etc && mount --bind {home} /home && {_dockerfile_run('useradd')}"
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "bash", "-o", "pipefail", "-c", command],
+                       env={"UID": uid, "GID": gid, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, capture_output=True,
+                       text=True, timeout=60)
+    return r, etc
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("useradd"),
+                    reason="needs root, unshare and useradd")
+@pytest.mark.parametrize(("uid", "gid", "group", "user"), [
+    ("10001", "10001", "fragsearch", "fragsearch"),  # the default: both made
+    ("501", "20", "dialout", "fragsearch"),  # a macOS user's ids: GID 20 is Debian's dialout
+    ("1000", "100", "users", "fragsearch"),
+    ("1000", "50", "staff", "fragsearch"),
+    ("33", "33", "www-data", "www-data"),  # an account Debian has: used as it is
+])
+def test_the_image_user_reuses_ids_the_base_image_has(uid: str, gid: str, group: str, user: str,
+                                                      tmp_path: Path) -> None:
+    r, etc = _user_step(tmp_path, uid, gid)
+    assert r.returncode == 0, r.stderr
+    groups = {line.split(":")[2]: line.split(":")[0] for line in (etc / "group").read_text().splitlines()}
+    users = {line.split(":")[2]: line.split(":")[0] for line in (etc / "passwd").read_text().splitlines()}
+    assert groups[gid] == group and users[uid] == user
+    assert list(groups.values()).count(group) == 1  # no second group of the name
+    if group != "fragsearch":
+        assert f"GID {gid}: the base image's group {group}" in r.stdout
+
+
+def test_no_nvidia_variable_is_baked_into_the_image() -> None:
+    """The CPU image holds no NVIDIA_* variable; the GPU stack sets what it needs, the device reservation
+    chooses the GPU (NVIDIA_VISIBLE_DEVICES=all would widen a one-GPU reservation to every GPU)."""
+    assert not [k for k in _build_args() if k.startswith("NVIDIA_")]
+    gpu = _config("docker-compose.yml")["services"]
+    cpu = _config("docker-compose.yml", "docker-compose.cpu.yml")["services"]
+    for name in ("prepare", "fragsearch"):
+        assert gpu[name]["environment"]["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+        assert "NVIDIA_VISIBLE_DEVICES" not in gpu[name]["environment"] and _gpus(gpu[name])[0]["count"] == 1
+        assert not [k for k in cpu[name]["environment"] if k.startswith("NVIDIA_")]
+
+
+def test_prepare_has_a_health_check_of_its_own(tmp_path: Path) -> None:
+    """Not the service's (it waits for /readyz, which prepare never serves: "unhealthy" during a long run):
+    healthy while a `service.prepare` process runs, and a check that does not match its own command line."""
+    services = _config("docker-compose.yml")["services"]
+    check = services["prepare"]["healthcheck"]
+    assert check != services["fragsearch"]["healthcheck"] and "/readyz" not in " ".join(check["test"])
+    kind, command = check["test"]
+    assert kind == "CMD-SHELL"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "service.prepare"])
+    try:
+        assert subprocess.run(["sh", "-c", command], timeout=10).returncode == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    pattern = command.split("'")[1]
+    assert re.search(pattern, "python -m service.prepare") and not re.search(pattern, command)
 
 
 def _pins(name: str) -> dict[str, str]:

@@ -1,0 +1,71 @@
+"""What tools/gpu_check.py runs on the device it checks (GPU_CHECK_DEVICE: cuda by default, cpu for its dry
+run): the service's ranked routes answered with the model on that device against the CPU's answers, and one
+training epoch with the calibration on that device. Marked `gpu`: skipped where the device is cuda and torch
+sees no GPU.
+
+    GPU_CHECK_DEVICE=cuda python -m pytest -m gpu tests/test_gpu_check.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from model.bundle import Bundle
+from model.dataset import hold_out, load_split_data
+from model.parsers import make_parser
+from service.app import create_app, load_engine
+from tests import served
+from tests.conftest import ShapesModel
+from training.train import make_run, train
+
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (GPU_CHECK_DEVICE=cpu: the dry run)")]
+
+
+def test_ranked_routes_answer_on_the_device_as_on_the_cpu(shapes_model: ShapesModel, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """/search/images, /annotate (k' = 0) and /search/fragments through FAISS (exact_below 0), loaded by the
+    service's own loader on the CPU and on the device, answered over HTTP: the same ids in the same order,
+    scores within tests/served.py's tolerance; the model is where it was asked to be."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 on both sides: comparable scores
+    matmul = torch.backends.cuda.matmul  # torch 2.14 names the switch fp32_precision ("ieee": no TF32)
+    if hasattr(matmul, "fp32_precision"):
+        monkeypatch.setattr(matmul, "fp32_precision", "ieee")
+    else:
+        monkeypatch.setattr(matmul, "allow_tf32", False)
+    collection = served.prepare(shapes_model, tmp_path)
+    answers = {}
+    for device in ("cpu", DEVICE):
+        settings = collection.settings(device=device)
+        engine = load_engine(settings)
+        with TestClient(create_app(settings, engine=engine)) as c:
+            answers[device] = served.answers(c, collection)
+        assert engine.bundle.device.type == torch.device(device).type
+        engine.images.close()
+        if engine.sentences is not None:
+            engine.sentences.close()
+    served.assert_same_answers(answers[DEVICE], answers["cpu"])
+
+
+def test_one_epoch_and_the_calibration_on_the_device(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    run = make_run("paper", {"epochs": 1, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 20, "h": 32,
+                             "eval_every": 1, "calibrate": 20, "device": DEVICE})
+    parser = make_parser("spacy")
+    tr = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, parser, device=DEVICE)
+    rest, val = hold_out(tr, 10, seed=0)
+    t0 = time.perf_counter()
+    summary = train(run, rest, val, tmp_path, shapes_model.cache)
+    assert time.perf_counter() - t0 < 300
+    assert len(summary["history"]) == 1 and summary["config"]["train"]["device"].startswith(DEVICE)
+    bundle = Bundle.load(tmp_path / "model.pt", device=DEVICE)
+    assert bundle.device.type == torch.device(DEVICE).type and bundle.calibration is not None
+    assert bundle.calibration.ref_images.device.type == torch.device(DEVICE).type
