@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from index.images import ImageIndex
-from index.similar import image_vectors
 from model.bundle import Bundle
 from model.config import default_artifacts_dir
 from model.release import served_model_from_env
@@ -38,7 +37,7 @@ class Duplicate:
 
 def duplicates_of(images: ImageIndex, image_id: int, threshold: float = THRESHOLD) -> list[Duplicate] | None:
     """The near-duplicates of an indexed image (itself left out), most alike first; None when unknown."""
-    ids, mat = image_vectors(images, "whole").matrix(images)
+    ids, mat = images.vectors.of("whole").matrix(images)
     where = np.searchsorted(ids, image_id)
     if where >= len(ids) or ids[where] != image_id:
         return None
@@ -52,7 +51,7 @@ def duplicates_of(images: ImageIndex, image_id: int, threshold: float = THRESHOL
 def duplicate_groups(images: ImageIndex, threshold: float = THRESHOLD) -> list[list[int]]:
     """Groups of near-duplicates across the collection (connected by pairs at or above `threshold`),
     largest first, each by id; images without one are not listed."""
-    ids, mat = image_vectors(images, "whole").matrix(images)
+    ids, mat = images.vectors.of("whole").matrix(images)
     parent = np.arange(len(ids))
 
     def root(i: int) -> int:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
+from index.image_vectors import KeptVectors
 from index.matches import matches
 from index.places import Place, PlaceFilter, read_place
 from index.ranker import rank_key
@@ -106,6 +107,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 raise ValueError("the feature cache was made with other image settings than the model's")
         self.cache = cache
         self.collection_root = None if collection_root is None else Path(collection_root).resolve()
+        self.vectors = KeptVectors()  # one vector per live image, for more-like-this and near-duplicates
         return self
 
     def stored_path(self, path: Path | str) -> str:

@@ -23,7 +23,7 @@ from index.candidates import BackendOptions
 from index.matches import matches
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
-from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image, text_lock
+from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image
 from model.fragments import EncodedSentences
 from model.image import ImageFragments
 from model.score import SMOOTHING
@@ -85,7 +85,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         for start in tqdm(range(0, len(texts), ENCODE_CHUNK), desc=f"sentences {self.root.name}", unit="chunk",
                           disable=len(texts) < 5 * ENCODE_CHUNK):
             part = texts[start : start + ENCODE_CHUNK]
-            with text_lock(self.bundle):
+            with self.bundle.text.lock:
                 enc: EncodedSentences = (
                     self.bundle.text.encode(part, strict=False) if parsed is None
                     else self.bundle.text.encode_parsed(parsed[start : start + ENCODE_CHUNK], part))

@@ -2,9 +2,10 @@
 explained through the sentences that describe the query.
 
 The ranking is one matrix-vector product: each image is stood for by the mean of its embedded
-fragments (the shared space of sentences and regions), kept per index and extended as images are
-added (`ImageVectors`). On the more-like-this proxy of bench/similar_bench.py it is as good as ranking
-through the query's descriptions by S_kl (docs/results/similar-dev.csv), at a fraction of the cost.
+fragments (the shared space of sentences and regions), kept by the index and extended as images are
+added (`ImageIndex.vectors`: index/image_vectors.py). On the more-like-this proxy of
+bench/similar_bench.py it is as good as ranking through the query's descriptions by S_kl
+(docs/results/similar-dev.csv), at a fraction of the cost.
 
 The explanation: the query is described by the `m` sentences of the sentence collection with the
 best S_kl for it (what /annotate returns), and each result shown gets the alignment of those
@@ -14,9 +15,6 @@ where. Only the results shown are aligned; the sentences never change the rankin
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +29,6 @@ from model.embed import embed_image, embed_texts
 from model.text import Triplet
 
 DESCRIPTIONS = 5
-CHUNK = 2048  # images whose fragments are read at a time when their means are computed
 
 
 @dataclass
@@ -50,60 +47,10 @@ def unit_mean(img: torch.Tensor) -> np.ndarray:
     return np.asarray(v / max(float(np.linalg.norm(v)), 1e-12), dtype=np.float32)
 
 
-class ImageVectors:
-    """One unit vector per live image of an index, made from its stored embedded fragments by
-    `reduce` ((C, F, h) fragments, (C, F) mask -> (C, h)) once per image, kept as images come and go."""
-
-    def __init__(self, reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self._reduce = reduce
-        self._vecs: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
-
-    def matrix(self, images: ImageIndex) -> tuple[np.ndarray, np.ndarray]:
-        """(ids (N,), unit means (N, h)) of the index's live images, by id."""
-        with self._lock, images.reading():
-            ids = np.sort(np.asarray(images.ids(), dtype=np.int64))
-            missing = ids[[int(i) not in self._vecs for i in ids]] if len(ids) else ids
-            for start in range(0, len(missing), CHUNK):
-                part = missing[start : start + CHUNK]
-                vec = self._reduce(*images.stored.vectors(part))
-                unit = vec / vec.norm(dim=1, keepdim=True).clamp_min(1e-12)
-                self._vecs.update(zip(part.tolist(), unit.numpy().astype(np.float32), strict=True))
-            live = set(ids.tolist())
-            for gone in [i for i in self._vecs if i not in live]:  # removed images
-                del self._vecs[gone]
-            mat = np.stack([self._vecs[int(i)] for i in ids]) if len(ids) else np.zeros((0, images.bundle.dim),
-                                                                                          np.float32)
-        return ids, mat
-
-
-def masked_mean(vecs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (vecs * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
-
-
-def whole_image(vecs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return vecs[:, 0]  # row 0: the whole frame
-
-
-_kept: dict[str, weakref.WeakKeyDictionary[ImageIndex, ImageVectors]] = {
-    "mean": weakref.WeakKeyDictionary(), "whole": weakref.WeakKeyDictionary()}
-_kept_lock = threading.Lock()
-REDUCERS = {"mean": masked_mean, "whole": whole_image}
-
-
-def image_vectors(images: ImageIndex, kind: str) -> ImageVectors:
-    """The kept vectors of an index: "mean" (mean embedded fragment) or "whole" (the whole-frame fragment)."""
-    with _kept_lock:
-        kept = _kept[kind]
-        if images not in kept:
-            kept[images] = ImageVectors(REDUCERS[kind])
-        return kept[images]
-
-
 def rank_like(images: ImageIndex, img: torch.Tensor, exclude: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every live image but `exclude` ranked by the cosine of its mean embedded fragment with the
     query's (img (F, h)): (ids, cosines), best first, ties to the smaller id."""
-    ids, mat = image_vectors(images, "mean").matrix(images)
+    ids, mat = images.vectors.of("mean").matrix(images)
     sims = mat @ unit_mean(img)
     keep = ids != exclude if exclude is not None else np.ones(len(ids), dtype=bool)
     ids, sims = ids[keep], sims[keep]

@@ -8,14 +8,12 @@ fragment vectors, for both indexes (what they add and what they are asked) and t
     embed_extracted(bundle, frags)    -> the same for images extracted already (the feature cache)
 
 Regions come from the bundle's region extractor (`Bundle.extractor`); the text side parses under
-one lock per model (`text_lock`: the parser is not made for threads).
+the pipeline's own lock (`TextPipeline.lock`: the parser is not made for threads).
 """
 
 from __future__ import annotations
 
 import re
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,19 +29,6 @@ from model.text import Triplet
 # "rel(w1, w2)", the form a triplet is written in
 MODIFIERS_FIRST = ("amod", "det", "compound", "nn", "nummod", "num", "poss", "advmod", "nsubj", "aux")
 TRIPLET_RE = re.compile(r"^\s*([\w:<>-]+)\(\s*([^,()\s]+)\s*,\s*([^,()\s]+)\s*\)\s*$")
-
-
-_text_locks: weakref.WeakKeyDictionary[Bundle, threading.Lock] = weakref.WeakKeyDictionary()
-_locks_guard = threading.Lock()
-
-
-def text_lock(bundle: Bundle) -> threading.Lock:
-    """One lock per model around parsing and sentence encoding (the parser is not made for threads)."""
-    with _locks_guard:
-        lock = _text_locks.get(bundle)
-        if lock is None:
-            lock = _text_locks[bundle] = threading.Lock()
-        return lock
 
 
 # -- sentences --------------------------------------------------------------------------------------------
@@ -76,7 +61,7 @@ def embed_texts(bundle: Bundle, texts: Sequence[str], strict: bool = True
                 ) -> list[tuple[torch.Tensor, list[Triplet]]]:
     """Sentences parsed and embedded, per sentence as `embed_encoded` gives them (`strict`:
     NoFragmentsError for one with nothing to match)."""
-    with text_lock(bundle):
+    with bundle.text.lock:
         enc = bundle.text.encode(list(texts), strict=strict)
     return embed_encoded(bundle, enc)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,9 @@ class TextPipeline:
         self.device = "cpu"  # where MiniLM runs (the bundle's device once loaded)
         self._sentence_vecs: dict[str, np.ndarray] = {}  # MiniLM sentence vectors already computed
         self._context_vecs: dict[tuple[str, ...], np.ndarray] = {}  # contextual word vectors, per token list
+        # held around encoding by callers that share the pipeline between threads (the parser and the
+        # caches above are not made for threads)
+        self.lock = threading.Lock()
 
     def _cached(self, cache: dict, keys: list, compute: Callable[[list], Sequence[np.ndarray]]) -> list[np.ndarray]:
         """Values for keys, computing only the missing ones (bounded: cleared past CACHE_LIMIT entries)."""

@@ -100,7 +100,9 @@ class Engine:
         the model is on one. `with_sentences=False` leaves the sentence index for `attach_sentences`."""
         t0 = time.perf_counter()
         bundle = Bundle.load(settings.model_path, device=settings.device)
-        images = ImageIndex.load(settings.image_index, bundle, collection_root=settings.collection_root,
+        # a served folder keeps its feature cache: renamed files come back from it at every sync
+        cache = feature_cache(settings.cache, bundle.image_cfg) if settings.collection is not None else None
+        images = ImageIndex.load(settings.image_index, bundle, cache=cache, collection_root=settings.collection_root,
                                  backend=settings.backend, use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None
         if sentences is None and with_sentences:
@@ -235,8 +237,6 @@ class Engine:
         folder = self.settings.collection
         if folder is None:
             raise ValueError("no collection folder is served")
-        if self.images.cache is None:  # renamed files come back from the content-keyed cache
-            self.images.cache = feature_cache(self.settings.cache, self.bundle.image_cfg)
         with self._write_lock:
             return sync_folder(self.images, folder, workers=1, exclude=self.settings.exclude)
 

@@ -1,6 +1,6 @@
 """CI: `.ci/run` installs Chromium and runs the README's test command with CI=true, under which a test
 marked `required` (the browser tests) fails where what it needs is missing instead of being skipped
-(tests/conftest.py)."""
+(tests/conftest.py); then the tests marked `slow` that the suite leaves out (docs/operations/testing.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
+SLOW = "./run python -m pytest -m slow tests/test_crash.py tests/test_image.py"  # the long process-killing trials
 
 
 def test_ci_installs_chromium_and_runs_the_readmes_test_command_under_ci() -> None:
@@ -19,8 +20,11 @@ def test_ci_installs_chromium_and_runs_the_readmes_test_command_under_ci() -> No
     assert usage, "the README names its test command in its first lines"
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     code = [line for line in lines if line and not line.startswith("#")]
-    assert code[-1] == usage.group(1), "CI ends with the README's test command"
-    assert "export CI=true" in code[: code.index(code[-1])]
+    assert usage.group(1) in code, "CI runs the README's test command"
+    suite = code.index(usage.group(1))
+    assert [line.split("#")[0].strip() for line in code[suite + 1 :]] == [SLOW], \
+        "after the README's test command CI runs only the slow checks the suite leaves out"
+    assert "export CI=true" in code[:suite]
     assert any("apt-get install" in line and "chromium" in line for line in code)
 
 

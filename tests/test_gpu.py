@@ -59,13 +59,20 @@ def test_cuda_and_cpu_bundles_agree(shapes_model: ShapesModel) -> None:
 
 
 def test_index_search_on_cuda(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """A search through FAISS (exact_below 0: 20 images are otherwise scanned whole), on its GPU copy
+    where faiss has a GPU, ranks as the exact scan does."""
     bundle = Bundle.load(shapes_model.model_path, device="cuda")
     cache = feature_cache(shapes_model.cache, bundle.image_cfg, device="cuda")
-    index = ImageIndex.create(tmp_path / "images", bundle, IndexSettings(use_gpu=gpu_available()), cache=cache,
-                              collection_root=shapes_model.data)
+    settings = IndexSettings(use_gpu=gpu_available(), exact_below=0, k_prime=4096)  # k' recalls every fragment
+    index = ImageIndex.create(tmp_path / "images", bundle, settings, cache=cache, collection_root=shapes_model.data)
     index.add_paths(sorted((shapes_model.data / "images").glob("*.jpg"))[:20])
     hits = index.search("a red circle", 3)
+    assert index.ranker.searches == {"scan": 0, "candidates": 1}, "FAISS's candidates answered"
     assert len(hits) == 3 and Path(hits[0].path).is_file()
+    assert [h.image_id for h in hits] == [h.image_id for h in index.search_exhaustive("a red circle", 3)]
+    if gpu_available():
+        assert isinstance(index.candidates.ann._gpu, GpuCopy)  # type: ignore[attr-defined]
+    index.close()
 
 
 @pytest.mark.skipif(not gpu_available(), reason="needs faiss-gpu and a GPU it sees")

@@ -301,6 +301,7 @@ def test_the_extraction_pool_prepare_uses_agrees_with_in_process_extraction(tmp_
         np.testing.assert_allclose(pooled.features, direct.features, rtol=2e-3, atol=2e-3)  # stored as float16
 
 
+@pytest.mark.slow  # a pool of worker processes started, one killed, the run waited out
 def test_a_killed_pool_worker_fails_the_run_instead_of_hanging(tmp_path: Path) -> None:
     """A pool worker killed during a run (SIGKILL, as the out-of-memory killer does): the run raises with
     the worker's exit code instead of waiting for ever for the task it took, and the pool still closes.
