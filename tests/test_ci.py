@@ -12,7 +12,8 @@ import pytest
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = './run python -m pytest -m slow tests/test_crash.py tests/test_image.py -k "not many_times"'  # the long process-killing trials
+# the long process-killing trials
+SLOW = './run python -m pytest -m slow tests/test_crash.py tests/test_image.py -k "not many_times"'
 
 
 def test_ci_installs_chromium_and_runs_the_readmes_test_command_under_ci() -> None:
