@@ -43,13 +43,14 @@ import torch
 from tqdm import tqdm
 
 from index import ImageIndex, IndexSettings, SentenceIndex
+from index.ann import FaissCandidates
 from index.candidates import BACKENDS, BackendOptions
-from index.faiss_backend import FaissCandidates
+from index.images import embedded_images, exact_top_k
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
 from model.data import Split, load_split
 from model.dataset import feature_cache
-from model.embed import embed_sentence
+from model.embed import EmbeddedSentence, embed_sentence
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline, parse_cached
 from model.release import served_model_from_env
@@ -107,13 +108,13 @@ def ann_bytes_per_fragment(index: ImageIndex | SentenceIndex) -> float:
     the row it stores (float32 vector + fragment id + item id; its index structures come on top)."""
     candidates = index.candidates
     if isinstance(candidates, FaissCandidates):
-        return float(faiss.serialize_index(candidates.ann.index).nbytes / max(1, candidates.ntotal))
+        return float(faiss.serialize_index(candidates.index).nbytes / max(1, candidates.ntotal))
     return float(4 * index.dim + 16)
 
 
 def describe(index: ImageIndex | SentenceIndex) -> str:
-    store = f"store={index.settings.store_dtype}-mmap({index.store.bytes_per_row}B/frag)"
-    text = index.settings.describe().replace(f"store={index.settings.store_dtype}", store)
+    store = f"store={index.settings.shape.store_dtype}-mmap({index.store.bytes_per_row}B/frag)"
+    text = index.settings.describe().replace(f"store={index.settings.shape.store_dtype}", store)
     if index.codes is not None:
         text = text.replace(f"codes={index.codes.dim}", f"codes={index.codes.dim}-int8({index.codes.dim + 4}B/frag)")
     return text
@@ -139,17 +140,19 @@ def sweep(index: ImageIndex | SentenceIndex, settings: Sequence[IndexSettings],
     candidate index is rebuilt (on `build_threads`) only when its structure changes."""
     rows = []
     for s in settings:
-        structural = dataclasses.replace(s, nprobe=index.settings.nprobe, ef_search=index.settings.ef_search,
-                                         k_prime=index.settings.k_prime, rerank=index.settings.rerank, use_gpu=False)
-        current = dataclasses.replace(index.settings, use_gpu=False)
+        now = index.settings.search
+        structural = s.with_search(nprobe=now.nprobe, ef_search=now.ef_search, k_prime=now.k_prime, rerank=now.rerank,
+                                   use_gpu=False)
+        current = index.settings.with_search(use_gpu=False)
         if structural != current or not index.candidates.trained:
             t0 = time.perf_counter()
             search_threads = faiss.omp_get_max_threads()
             faiss.omp_set_num_threads(build_threads)
             index.rebuild(s)
             faiss.omp_set_num_threads(search_threads)
-            logger.info("built %s in %.1f s", s.factory(), time.perf_counter() - t0)
-        index.set_search(nprobe=s.nprobe, ef_search=s.ef_search, k_prime=s.k_prime, rerank=s.rerank, exact_below=0)
+            logger.info("built %s in %.1f s", s.shape.factory(), time.perf_counter() - t0)
+        index.set_search(nprobe=s.search.nprobe, ef_search=s.search.ef_search, k_prime=s.search.k_prime,
+                         rerank=s.search.rerank, exact_below=0)
         rows.append(measure())
     return rows
 
@@ -175,24 +178,26 @@ def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row
     work = args.workdir / "dev-images"
     shutil.rmtree(work, ignore_errors=True)
     index = ImageIndex.create(work, bundle, IndexSettings(), cache=cache)
-    index.add_extracted(frags, list(split.images), paths)
+    index.add(frags, list(split.images), paths)
     index.save()
     queries = dev_queries(bundle, split, args.dev_queries)
     logger.info("dev: %d images, %d queries, %.1f fragments per query on average", len(index), len(queries),
                 np.mean([len(q) for q in queries]))
-    truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+    truth = [[i for i, _ in r] for r in exact_top_k(index, queries, K)]
     _, exhaustive_ms = timed(
-        lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], min(200, len(queries)))
+        lambda q: [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K, exhaustive=True).hits], min(200,
+                                                                                                                 len(queries)))
     nlist = 128
     base = IndexSettings()  # the defaults: flat, k_prime 128
-    settings = [dataclasses.replace(base, k_prime=kp) for kp in (16, 32, 64, 128, 256)]
-    settings += [IndexSettings(kind="hnsw", ef_search=ef) for ef in (32, 128)]
-    settings += [IndexSettings(kind="ivf", nlist=nlist, nprobe=p) for p in (4, 16)]
-    settings += [IndexSettings(kind="ivfpq", nlist=nlist, pretransform="PCA128", nprobe=16, k_prime=kp, rerank=r)
+    settings = [base.with_search(k_prime=kp) for kp in (16, 32, 64, 128, 256)]
+    settings += [IndexSettings.of(kind="hnsw", ef_search=ef) for ef in (32, 128)]
+    settings += [IndexSettings.of(kind="ivf", nlist=nlist, nprobe=p) for p in (4, 16)]
+    settings += [IndexSettings.of(kind="ivfpq", nlist=nlist, pretransform="PCA128", nprobe=16, k_prime=kp, rerank=r)
                  for kp, r in ((128, 0), (512, 0), (512, 128))]
 
     def measure() -> Row:
-        found, ms = timed(lambda q: [h.image_id for h in index.search_vectors(queries[q], K)], len(queries))
+        found, ms = timed(lambda q: [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K).hits],
+                          len(queries))
         return row("flickr8k-dev" + (f" ({args.label})" if args.label else ""), len(index), index, found, truth, ms,
                    exhaustive_ms, command)
 
@@ -212,18 +217,18 @@ def backend_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list
     cache.ensure(paths, workers=args.workers)
     frags = cache.load(paths)
     queries = dev_queries(bundle, split, args.dev_queries)
-    base = IndexSettings(exact_below=0)
-    settings = [base, dataclasses.replace(base, kind="hnsw", ef_search=128),
-                dataclasses.replace(base, kind="ivf", nlist=128, nprobe=16)]
+    base = IndexSettings.of(exact_below=0)
+    settings = [base, base.with_shape(kind="hnsw").with_search(ef_search=128),
+                base.with_shape(kind="ivf", nlist=128).with_search(nprobe=16)]
     rows: list[Row] = []
     truth: list[list[int]] = []
     for name in args.backends:
         work = args.workdir / f"dev-images-{name}"
         shutil.rmtree(work, ignore_errors=True)
         index = ImageIndex.create(work, bundle, base, cache=cache, backend=BackendOptions(name))
-        index.add_extracted(frags, list(split.images), paths)
+        index.add(frags, list(split.images), paths)
         index.save()
-        truth = truth or [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+        truth = truth or [[i for i, _ in r] for r in exact_top_k(index, queries, K)]
         logger.info("dev on %s: %d images, %d queries", name, len(index), len(queries))
         rows += sweep(index, settings, BackendMeasure(index, queries, truth, command), args.build_threads)
         index.close()
@@ -239,10 +244,10 @@ class BackendMeasure:
         _, self.exhaustive_ms = timed(self._exhaustive, min(200, len(queries)))
 
     def _exhaustive(self, q: int) -> list[int]:
-        return [h.image_id for h in self.index.search_vectors(self.queries[q], K, exhaustive=True)]
+        return [h.image_id for h in self.index.search(EmbeddedSentence(self.queries[q]), K, exhaustive=True).hits]
 
     def _indexed(self, q: int) -> list[int]:
-        return [h.image_id for h in self.index.search_vectors(self.queries[q], K)]
+        return [h.image_id for h in self.index.search(EmbeddedSentence(self.queries[q]), K).hits]
 
     def __call__(self) -> Row:
         found, ms = timed(self._indexed, len(self.queries))
@@ -259,16 +264,16 @@ def annotate_rows(args: argparse.Namespace, bundle: Bundle, frags: list, command
     index = SentenceIndex.create(work, bundle)
     parsed = parse_cached(bundle.text.parser, sentences, args.cache / "parses")
     with index.bulk():
-        index.add_parsed(parsed, sentences)
+        index.add(sentences, parsed)
     index.save()
     queries = frags[: args.annotate_queries]
     truth, exhaustive_ms = timed(
-        lambda q: [h.sentence_id for h in index.annotate_fragments(queries[q], K, exhaustive=True)], len(queries))
-    settings = [IndexSettings(k_prime=kp, rerank=r) for kp, r in ((16, 0), (128, 0), (0, 30), (0, 100))]
-    settings += [IndexSettings(kind="ivfpq", nlist=512, pretransform="PCA128", nprobe=16, k_prime=0, rerank=100)]
+        lambda q: [h.sentence_id for h in index.annotate(queries[q], K, exhaustive=True).hits], len(queries))
+    settings = [IndexSettings.of(k_prime=kp, rerank=r) for kp, r in ((16, 0), (128, 0), (0, 30), (0, 100))]
+    settings += [IndexSettings.of(kind="ivfpq", nlist=512, pretransform="PCA128", nprobe=16, k_prime=0, rerank=100)]
 
     def measure() -> Row:
-        found, ms = timed(lambda q: [h.sentence_id for h in index.annotate_fragments(queries[q], K)], len(queries))
+        found, ms = timed(lambda q: [h.sentence_id for h in index.annotate(queries[q], K).hits], len(queries))
         return row("flickr8k-train-captions (annotate)", len(index), index, found, truth, ms, exhaustive_ms, command)
 
     rows = sweep(index, settings, measure, args.build_threads)
@@ -333,8 +338,8 @@ def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str
     shutil.rmtree(work, ignore_errors=True)
     big = n_images >= 50_000
     nlist = int(256 * 2 ** round(2 * np.log10(max(1.0, n_images / 10_000))))  # 10k: 256, 100k: 1024, 1M: 4096
-    pq = IndexSettings(kind="ivfpq", nlist=nlist, m=32, pretransform="PCA128", store_dtype="float16")
-    index = ImageIndex.create(work, bundle, pq if big else IndexSettings(store_dtype="float16"))
+    pq = IndexSettings.of(kind="ivfpq", nlist=nlist, m=32, pretransform="PCA128", store_dtype="float16")
+    index = ImageIndex.create(work, bundle, pq if big else IndexSettings.of(store_dtype="float16"))
     t0 = time.perf_counter()
     chunk = 2048
     boxes = np.tile(np.array([0, 0, 224, 224], np.float32), (chunk, N_FRAGMENTS, 1))
@@ -342,33 +347,35 @@ def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str
         for start in tqdm(range(0, n_images, chunk), desc=f"synthetic {n_images}", unit="chunk"):
             count = min(chunk, n_images - start)
             names = [f"syn{start + i:07d}" for i in range(count)]
-            index.add_vectors(gen.images(start, count), boxes[:count], np.full((count, 2), 224), names, names)
+            index.add(embedded_images(gen.images(start, count), boxes[:count], np.full((count, 2), 224)), names, names,
+                      read_places=False)
     index.save()
     logger.info("synthetic %d: stored and indexed in %.1f s", n_images, time.perf_counter() - t0)
     queries = gen.queries(args.queries)
     t0 = time.perf_counter()
-    truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+    truth = [[i for i, _ in r] for r in exact_top_k(index, queries, K)]
     logger.info("exhaustive ground truth for %d queries in one pass: %.1f s", len(queries), time.perf_counter() - t0)
     n_timed = min(len(queries), args.exhaustive_timed if big else 20, 3 if n_images >= 1_000_000 else 1000)
     _, exhaustive_ms = timed(
-        lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], n_timed)
-    settings = [dataclasses.replace(pq, nprobe=p, k_prime=kp, rerank=r)
+        lambda q: [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K, exhaustive=True).hits], n_timed)
+    settings = [pq.with_search(nprobe=p, k_prime=kp, rerank=r)
                 for p, kp, r in ((16, 64, 0), (64, 64, 0), (16, 256, 0), (16, 1024, 256), (16, 1024, 1024),
                                  (16, 4096, 512))]
     if n_images >= 1_000_000:  # candidates in proportion to the collection
-        settings += [dataclasses.replace(pq, nprobe=16, k_prime=kp, rerank=r)
+        settings += [pq.with_search(nprobe=16, k_prime=kp, rerank=r)
                      for kp, r in ((16384, 1024), (16384, 2048), (32768, 2048), (16384, 4096), (65536, 2048))]
     if not big:  # raw-vector kinds keep h * 4 bytes per fragment in RAM: measured on the small collection
-        settings = [IndexSettings(kind="flat", k_prime=kp, store_dtype="float16") for kp in (64, 256)] + settings
-        settings += [IndexSettings(kind="hnsw", pretransform="PCA128", ef_search=128, k_prime=64,
+        settings = [IndexSettings.of(kind="flat", k_prime=kp, store_dtype="float16") for kp in (64, 256)] + settings
+        settings += [IndexSettings.of(kind="hnsw", pretransform="PCA128", ef_search=128, k_prime=64,
                                    store_dtype="float16"),
-                     IndexSettings(kind="ivf", nlist=256, nprobe=16, k_prime=64, store_dtype="float16")]
+                     IndexSettings.of(kind="ivf", nlist=256, nprobe=16, k_prime=64, store_dtype="float16")]
 
     size = f"{n_images // 1000}k" if n_images < 1_000_000 else f"{n_images // 1_000_000}M"
     label = f"synthetic-{size}-h{h}"
 
     def measure() -> Row:
-        found, ms = timed(lambda q: [hit.image_id for hit in index.search_vectors(queries[q], K)], len(queries))
+        found, ms = timed(lambda q: [hit.image_id for hit in index.search(EmbeddedSentence(queries[q]), K).hits],
+                          len(queries))
         return row(label, n_images, index, found, truth, ms, exhaustive_ms, command)
 
     rows = sweep(index, settings, measure, args.build_threads)

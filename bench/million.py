@@ -55,13 +55,14 @@ from tqdm import tqdm
 from bench.index_bench import K, Row, agreement, ann_bytes_per_fragment, describe, read_row, timed, write_csv
 from index import ImageIndex, IndexSettings
 from index.compaction import merged_rows, smaller_half
+from index.images import exact_top_k
 from index.shards import ShardWriter, load_shards, shard_settings
 from index.store import VectorStore
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
-from model.embed import embed_sentence
+from model.embed import EmbeddedSentence, embed_sentence
 
 logger = logging.getLogger("bench.million")
 
@@ -289,10 +290,11 @@ def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torc
             return data["truth"], np.asarray(data["exhaustive_ms"])
     with phase("exhaustive ground truth") as rss:
         torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
-        truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+        truth = [[i for i, _ in r] for r in exact_top_k(index, queries, K)]
         torch.set_num_threads(args.threads)
         _, exhaustive_ms = timed(
-            lambda q: [h.image_id for h in index.search_vectors(queries[q], K, exhaustive=True)], args.exhaustive_timed)
+            lambda q: [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K,
+                                                        exhaustive=True).hits], args.exhaustive_timed)
     logger.info("exhaustive p50 %.0f ms over %d queries (peak %s)", np.median(exhaustive_ms), len(exhaustive_ms),
                 rss.describe())
     cached.write_text(json.dumps({"images": len(index), "fingerprint": index.fingerprint, "truth": truth,
@@ -303,9 +305,10 @@ def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torc
 def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], settings: list[IndexSettings],
             built: dict[str, float], command: str) -> list[Row]:
     index = ImageIndex.load(args.work / "index", bundle)
-    if args.recode and index.settings.codes:
+    if args.recode and index.settings.shape.codes:
         index.add_codes(0)  # dropped, so that they are derived anew below
-    if args.codes and (index.settings.codes, index.settings.refine_codes) != (args.codes, args.refine_codes):
+    if args.codes and (index.settings.shape.codes, index.settings.shape.refine_codes) != (args.codes,
+                                                                                          args.refine_codes):
         add_codes(args, index, built)
     faiss.omp_set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
@@ -330,7 +333,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             gc.collect()
             drop_page_cache()
             index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(**{k: getattr(s, k) for k in SETTING_FIELDS}, exact_below=0)  # summaries computed here
+        index.set_search(**{k: getattr(s.search, k) for k in SETTING_FIELDS}, exact_below=0)  # summaries computed here
         index.store.read_ahead = read_ahead
         before = load_average()
         with RssSampler() as rss:
@@ -354,7 +357,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
             before = load_average()
             a8 = int8_agreement(index, queries, truth)
             rows.append(dataclasses.replace(row, params=row.params.replace(
-                f"store={index.settings.store_dtype}-mmap({index.store.bytes_per_row}B/frag)",
+                f"store={index.settings.shape.store_dtype}-mmap({index.store.bytes_per_row}B/frag)",
                 f"store=int8 re-read of these candidates({index.dim + 4}B/frag)"), agreement_at_10=round(a8, 4),
                 p50_ms="", p99_ms="", speedup="", load_avg=f"{before}/{load_average()}"))  # type: ignore[arg-type]
             logger.info("  int8 re-read of the same candidates: agree@10 %.3f", a8)
@@ -364,7 +367,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
 
 def top_ids(index: ImageIndex, queries: list[torch.Tensor], q: int) -> list[int]:
     """The ids of the top K images for query q (what a measured search returns)."""
-    return [h.image_id for h in index.search_vectors(queries[q], K)]
+    return [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K).hits]
 
 
 def drop_page_cache() -> None:
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     bundle = Bundle.load(args.model)
     real, captions = real_fragments(bundle, args.data, args.cache)
-    base = IndexSettings(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)
+    base = IndexSettings.of(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)
     settings = [search_setting(base, s) for s in args.sweep.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
     built_file = args.work / "build.json"
@@ -446,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_setting:
         saved = search_setting(base, args.save_setting)
         index = ImageIndex.load(args.work / "index", bundle)
-        index.set_search(**{k: getattr(saved, k) for k in SETTING_FIELDS}, exact_below=0)
+        index.set_search(**{k: getattr(saved.search, k) for k in SETTING_FIELDS}, exact_below=0)
         index.save()
         index.close()
     old = []

@@ -1,6 +1,6 @@
 """The candidate stage on a Milvus 2.3.5 standalone server, side by side with FAISS and milvus-lite in one run.
 
-    python -m bench.milvus_server --out docs/results/milvus-server.json
+    python -m bench.milvus_server --out docs/results/milvus-server.json --sizes 2000 5000   # docs/scale/milvus.md
     python -m bench.milvus_server --sizes 20000 --dev-queries 200 --kills 3
 
 It runs itself in a network namespace of its own (loopback only; bench.milvus_local), where it starts
@@ -24,7 +24,8 @@ row deleted just before comes back in the next search at each. Ready after SIGKI
 with its collections loaded, started again on its data: seconds to healthy, to the dev index opened
 (its collection loaded) and to its first answer.
 
-Writes one JSON file with the CPU (model, flags), the server's version and the command.
+Writes one JSON file with the CPU (model, flags), the server's version and the command, after each
+stage (dev, consistency, restarts, then each synthetic size): a run that stops keeps what it measured.
 """
 
 from __future__ import annotations
@@ -53,18 +54,20 @@ from bench.milvus_local import LocalServer, isolated, loopback_up, own_namespace
 from index import ImageIndex, IndexSettings
 from index import ids as fid
 from index.candidates import BackendOptions
+from index.images import embedded_images, exact_top_k
 from index.milvus import VECTOR, MilvusCandidates
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
+from model.embed import EmbeddedSentence
 from model.release import served_model_from_env
 from model.resources import cpu_info
 
 logger = logging.getLogger("bench.milvus_server")
 
 BACKENDS = ("faiss", "milvus-lite", "milvus-server")
-SETTINGS = IndexSettings(exact_below=0)  # flat, k' = 128: every search goes through the candidate stage
+SETTINGS = IndexSettings.of(exact_below=0)  # flat, k' = 128: every search goes through the candidate stage
 CONSISTENCY_ROWS = 2000  # items of the scratch collection the consistency trials write to
 
 
@@ -102,19 +105,19 @@ def overlap(mine: list[np.ndarray], theirs: list[np.ndarray]) -> dict[str, float
 def compare(label: str, indexes: dict[str, ImageIndex], queries: list[torch.Tensor]) -> dict[str, Any]:
     """The same queries through each backend's index: candidates, answers, times."""
     first = next(iter(indexes.values()))
-    truth = [[i for i, _ in r] for r in first.rank_exhaustive(queries, K)]
+    truth = [[i for i, _ in r] for r in exact_top_k(first, queries, K)]
     out: dict[str, Any] = {"items": len(first), "fragments": first.n_fragments, "queries": len(queries), "k": K,
-                           "k_prime": SETTINGS.k_prime, "backends": {}}
+                           "k_prime": SETTINGS.search.k_prime, "backends": {}}
     cands: dict[str, list[np.ndarray]] = {}
     for name, index in indexes.items():
         index.set_search(exact_below=0)
         for q in queries[:3]:  # warm-up: the first search after a build waits for the server's time tick
-            index.search_vectors(q, K)
+            index.search(EmbeddedSentence(q), K)
         def recall(q: int, index: ImageIndex = index) -> np.ndarray:
             return candidates_of(index, queries[q])
 
         def search(q: int, index: ImageIndex = index) -> list[int]:
-            return [h.image_id for h in index.search_vectors(queries[q], K)]
+            return [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K).hits]
 
         cands[name], cand_ms = timed_runs(recall, len(queries), f"{label} {name} candidates")
         found, ms = timed_runs(search, len(queries), f"{label} {name} search")
@@ -146,7 +149,7 @@ def dev_indexes(args: argparse.Namespace, bundle: Bundle, server: LocalServer) -
     for name in BACKENDS:
         index = ImageIndex.create(args.workdir / f"dev-{name}", bundle, SETTINGS, cache=cache,
                                   backend=options(name, server))
-        index.add_extracted(frags, list(split.images), paths)
+        index.add(frags, list(split.images), paths)
         index.save()
         indexes[name] = index
     return indexes, dev_queries(bundle, split, args.dev_queries)
@@ -167,7 +170,8 @@ def synthetic_indexes(args: argparse.Namespace, n_images: int, h: int, server: L
             for start in tqdm(range(0, n_images, chunk), desc=f"synthetic {n_images} {name}", unit="chunk"):
                 count = min(chunk, n_images - start)
                 names = [f"syn{start + i:07d}" for i in range(count)]
-                index.add_vectors(gen.images(start, count), boxes[:count], np.full((count, 2), 224), names, names)
+                index.add(embedded_images(gen.images(start, count), boxes[:count], np.full((count, 2), 224)), names,
+                          names, read_places=False)
         index.save()
         logger.info("synthetic %d on %s: built in %.1f s", n_images, name, time.perf_counter() - t0)
         indexes[name] = index
@@ -241,7 +245,7 @@ def restarts(server: LocalServer, root: Path, bundle: Bundle, query: torch.Tenso
         healthy = server.start()
         index = ImageIndex.load(root, bundle)
         opened = time.perf_counter() - t0
-        hits = index.search_vectors(query, K)
+        hits = index.search(EmbeddedSentence(query), K).hits
         answered = time.perf_counter() - t0
         assert hits, "no answer after the restart"
         index.close()
@@ -289,31 +293,45 @@ def main(argv: list[str] | None = None) -> int:
         "server": {"package": "milvus==2.3.5 (standalone, in a network namespace of its own)",
                    "first_start_healthy_s": round(healthy, 1)},
     }
+
+    def written(stage: str) -> None:
+        """The report so far, written after each stage: a run that stops keeps what it measured."""
+        report["seconds"] = round(time.perf_counter() - began)
+        report["load_avg"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"
+        report["peak_rss_mb"] = round(psutil.Process().memory_info().rss / 2**20)
+        report["completed"] = stage
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
     try:
         bundle = Bundle.load(args.model)
         dev, queries = dev_indexes(args, bundle, server)
         report["flickr8k_dev"] = compare("dev", dev, queries)
+        written("flickr8k_dev")
         server_index = dev["milvus-server"]
         assert isinstance(server_index.candidates, MilvusCandidates)
         report["server"]["version"] = server_index.candidates.server_version
         for index in dev.values():
             index.close()
+        report["consistency"] = consistency(server, args.workdir, args.trials)
+        written("consistency")
+        report["restart_after_sigkill"] = restarts(server, args.workdir / "dev-milvus-server", bundle, queries[0],
+                                                   args.kills)
+        written("restart_after_sigkill")
         report["synthetic"] = {}
         for n in args.sizes:
             synthetic, squeries = synthetic_indexes(args, n, bundle.dim, server)
             report["synthetic"][str(n)] = compare(f"synthetic-{n}", synthetic, squeries)
             for index in synthetic.values():
                 index.close()
-        report["consistency"] = consistency(server, args.workdir, args.trials)
-        report["restart_after_sigkill"] = restarts(server, args.workdir / "dev-milvus-server", bundle, queries[0],
-                                                   args.kills)
+            written(f"synthetic-{n}")
+    except BaseException as e:
+        report["stopped_by"] = f"{type(e).__name__}: {e}"
+        written(report.get("completed", "none"))
+        raise
     finally:
         server.stop()
-    report["seconds"] = round(time.perf_counter() - began)
-    report["load_avg"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"
-    report["peak_rss_mb"] = round(psutil.Process().memory_info().rss / 2**20)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    written("all")
     logger.info("wrote %s in %.0f s", args.out, time.perf_counter() - began)
     return 0
 

@@ -8,7 +8,7 @@ same calls the service makes, timing each stage in this process: parse (spaCy), 
 against the reference image fragments), retrieval (the index's search: the exact scan of a small
 collection, else FAISS candidates + the exact re-rank; with the alignment of each of the k hits)
 and the response (pydantic + JSON). Writes docs/results/query-stages.csv: per stage the median /
-p90 milliseconds; `--candidates` forces the candidate stage (IndexSettings.exact_below = 0).
+p90 milliseconds; `--candidates` forces the candidate stage (SearchSettings.exact_below = 0).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from index.images import ImageIndex
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
-from model.embed import row_triplets
+from model.embed import EmbeddedSentence, row_triplets
 from model.release import served_model_from_env
 from service.routes.convert import image_result
 from service.schemas import SearchImagesResponse
@@ -70,7 +70,7 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
                 raw = bundle.calibration.calibrate_sentences(raw, mask, bundle.blocks)
             t.lap("calibration_scale")
             n = int(mask[0].sum())
-            hits = index.search_vectors(raw[0, :n], k, row_triplets(enc.triplets[0], n))
+            hits = index.search(EmbeddedSentence(raw[0, :n], row_triplets(enc.triplets[0], n)), k).hits
             t.lap("retrieval")
         body = SearchImagesResponse(sentence=text, results=[image_result(h) for h in hits],
                                     took_ms=0.0).model_dump_json()

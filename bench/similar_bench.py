@@ -42,6 +42,7 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
+from model.embed import EmbeddedSentence
 from model.release import served_model_from_env
 
 logger = logging.getLogger("bench.similar_bench")
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         _, sent, triplets = describe(sentences, images, img, boxes, 5)
         if sent is None:
             return []
-        hits = images.search_vectors_page(sent, triplets, 0, K + 1).hits
+        hits = images.search(EmbeddedSentence(sent, triplets), K + 1, 0).hits
         return [position[h.image_id] for h in hits if h.image_id in position and h.image_id != ids[q]][:K]
 
     mean_frag = np.stack([f[0].mean(0).numpy() for f in frags if f is not None])

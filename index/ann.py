@@ -1,7 +1,9 @@
-"""The candidate stage: FAISS inner-product search over fragment vectors, one interface for every kind.
+"""The FAISS candidate backend: inner-product search over fragment vectors, one class for every kind,
+saved as a `faiss-*.index` file of the index folder at each commit (index.saving), its checksum in
+the catalogue's `info`.
 
 Ids are `index.ids` fragment ids. Trainable kinds (ivf, ivfpq, or hnsw behind a pre-transform)
-start as an exact flat index and are built for real by `AnnIndex.build` once enough vectors exist.
+start as an exact flat index and are built for real by `FaissCandidates.build` once enough vectors exist.
 hnsw cannot delete: its removed fragments stay in the graph and are filtered by the caller.
 With `use_gpu` and faiss-gpu with a GPU present, each call runs where `model.device.placement` says:
 k-NN searches on a GPU copy of the index (index.gpu: one call at a time), range searches never there.
@@ -14,6 +16,7 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -21,8 +24,11 @@ from faiss.contrib.exhaustive_search import range_search_gpu
 from tqdm import tqdm
 
 from index import ids as fid
+from index.candidates import CandidateBackend, Sources
+from index.files import sha256_file, unique_name
 from index.gpu import GpuCopy, faiss_gpu
-from index.types import IndexSettings
+from index.types import IndexLoadError, IndexSettings
+from model.atomic import atomic_path
 from model.device import CALLS, FAISS_GPU, FAISS_GPU_MAX_K, GPU_KNN_CPU_RANGE, MATRIX_CPU, placement
 
 logger = logging.getLogger(__name__)
@@ -31,6 +37,7 @@ PCA_RE = re.compile(r"^PCA(\d+)$")
 TRAIN_SAMPLE_PER_LIST = 64  # training vectors per inverted list (FAISS asks for 39..256)
 MAX_TRAIN_SAMPLE = 200_000
 POSITIVE_CHUNK = 1 << 18  # stored vectors scored per matrix product in search_positive (bounds memory)
+FAISS_PREFIX, FAISS_SUFFIX = "faiss", ".index"
 
 
 def _unwrap(index: faiss.Index) -> faiss.Index:
@@ -46,24 +53,53 @@ def gpu_available() -> bool:
     return faiss_gpu() is not None
 
 
-class AnnIndex:
-    """FAISS index over fragment vectors (inner product), with the search parameters applied."""
+class FaissCandidates(CandidateBackend):
+    """The in-process FAISS index over fragment vectors (inner product), with the search parameters
+    applied, saved as a file of the index folder."""
+
+    NAME = "faiss"
 
     def __init__(self, dim: int, settings: IndexSettings, index: faiss.Index | None = None,
-                 trained: bool = False) -> None:
+                 trained: bool = False, file: str = "", sha: str = "") -> None:
         self.dim = dim
         self.settings = settings
         if index is None:
-            trained = not settings.trainable
-            index = new_index(dim, IndexSettings() if settings.trainable else settings)
+            trained = not settings.shape.trainable
+            index = new_index(dim, IndexSettings() if settings.shape.trainable else settings)
         if index.d != dim:
             raise ValueError(f"FAISS index has dimension {index.d}, expected {dim}")
         self.index = index
-        self.trained = trained  # True when `index` is of the target kind (not the flat stand-in)
+        self._trained = trained  # True when `index` is of the target kind (not the flat stand-in)
         self._gpu: GpuCopy | None = None
         self._gpu_lock = threading.Lock()
         self._gpu_warned = False
+        self._file, self._sha = file, sha  # the committed file and its checksum
+        self._dirty = not file
         self._apply_search_params()
+
+    @classmethod
+    def create(cls, dim: int, settings: IndexSettings) -> FaissCandidates:
+        return cls(dim, settings)
+
+    @classmethod
+    def open(cls, root: Path, dim: int, settings: IndexSettings, info: dict[str, Any]) -> FaissCandidates:
+        """The FAISS file the committed `info` names (IndexLoadError when missing, corrupt or unreadable)."""
+        where = f"index at {root}"
+        file = str(info.get("ann_file", ""))
+        path = Path(root) / file
+        if not file or not path.is_file():
+            raise IndexLoadError(f"{where}: FAISS file {file or '(none)'} is missing")
+        if sha256_file(path) != info.get("ann_sha256"):
+            raise IndexLoadError(f"{where}: FAISS file {file} is corrupt (checksum mismatch)")
+        try:
+            out = cls(dim, settings, faiss.read_index(str(path)), bool(info["ann_trained"]), file,
+                      str(info["ann_sha256"]))
+        except (RuntimeError, ValueError) as e:
+            raise IndexLoadError(f"{where}: FAISS file {file} is unreadable: {e}") from e
+        if out.ntotal != int(info["ann_ntotal"]):
+            raise IndexLoadError(f"{where}: FAISS file holds {out.ntotal} fragments, metadata says "
+                                 f"{info['ann_ntotal']}")
+        return out
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -71,8 +107,12 @@ class AnnIndex:
         return int(self.index.ntotal)
 
     @property
+    def trained(self) -> bool:
+        return self._trained
+
+    @property
     def active_kind(self) -> str:
-        return self.settings.kind if self.trained else "flat"
+        return self.settings.shape.kind if self.trained else "flat"
 
     @property
     def supports_remove(self) -> bool:
@@ -80,8 +120,8 @@ class AnnIndex:
 
     def placement(self, call: str, k: int = 1) -> str:
         """Where `call` runs for this index now (model.device.placement)."""
-        gpu = self.settings.use_gpu and gpu_available()
-        return placement(call, self.active_kind, gpu, self.settings.nbits, k)
+        gpu = self.settings.search.use_gpu and gpu_available()
+        return placement(call, self.active_kind, gpu, self.settings.shape.nbits, k)
 
     def policy(self) -> dict[str, str]:
         """Every call's placement, for the start-up log."""
@@ -89,7 +129,7 @@ class AnnIndex:
 
     def needs_build(self, n_vectors: int) -> bool:
         """True when a trainable kind still runs as the flat stand-in and has enough vectors to train."""
-        return not self.trained and self.settings.trainable and n_vectors >= self.settings.train_threshold()
+        return not self.trained and self.settings.shape.trainable and n_vectors >= self.settings.shape.train_threshold()
 
     # -- settings ---------------------------------------------------------------------------------
     def set_settings(self, settings: IndexSettings) -> None:
@@ -103,9 +143,9 @@ class AnnIndex:
             return
         inner = _unwrap(self.index)
         if isinstance(inner, faiss.IndexIVF):
-            inner.nprobe = self.settings.nprobe
+            inner.nprobe = self.settings.search.nprobe
         if isinstance(inner, faiss.IndexHNSW):
-            inner.hnsw.efSearch = self.settings.ef_search
+            inner.hnsw.efSearch = self.settings.search.ef_search
 
     # -- writes -----------------------------------------------------------------------------------
     def add(self, ids: np.ndarray, vecs: np.ndarray) -> None:
@@ -114,6 +154,7 @@ class AnnIndex:
             return
         self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), np.ascontiguousarray(ids, np.int64))
         self._gpu = None
+        self._dirty = True
 
     def remove_item(self, item: int) -> int:
         """Remove every fragment of `item`; returns how many were removed (0 where deletion is unsupported)."""
@@ -122,6 +163,7 @@ class AnnIndex:
         lo, hi = fid.item_range(item)
         n = int(self.index.remove_ids(faiss.IDSelectorRange(lo, hi)))
         self._gpu = None
+        self._dirty |= n > 0
         return n
 
     def remove_ids(self, ids: Sequence[int] | np.ndarray) -> int:
@@ -130,18 +172,20 @@ class AnnIndex:
             return 0
         n = int(self.index.remove_ids(faiss.IDSelectorBatch(np.asarray(ids, dtype=np.int64))))
         self._gpu = None
+        self._dirty |= n > 0
         return n
 
     # -- search -----------------------------------------------------------------------------------
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """queries: (t, dim) float32 -> scores (t, k) and fragment ids (t, k) (-1 where fewer exist)."""
+    def search(self, queries: np.ndarray, k: int, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """queries: (t, dim) float32 -> scores (t, k) and fragment ids (t, k) (-1 where fewer exist);
+        `items` is filtered by the caller."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         k = max(1, min(k, max(1, self.ntotal)))
         copy = self._gpu_copy() if self.placement("knn", k) == FAISS_GPU else None
         scores, ids = (copy or self.index).search(q, k)
         return scores, ids
 
-    def search_positive(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def search_positive(self, queries: np.ndarray, items: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Every fragment with a positive score for some query, with its positive scores: scores (N,)
         and fragment ids (N,), to be summed per fragment (a fragment may come once per query).
 
@@ -201,35 +245,58 @@ class AnnIndex:
                     return None
             return self._gpu
 
-    # -- building and files -----------------------------------------------------------------------
+    # -- building ---------------------------------------------------------------------------------
     @classmethod
     def build(cls, dim: int, settings: IndexSettings, train: np.ndarray,
-              batches: Iterable[tuple[np.ndarray, np.ndarray]], total: int | None = None) -> AnnIndex:
+              batches: Iterable[tuple[np.ndarray, np.ndarray]], total: int | None = None) -> FaissCandidates:
         """A new index of the target kind: trained on `train` (n, dim) float32, then filled from
         `batches` of (ids, vectors)."""
         index = new_index(dim, settings)
         inner = _unwrap(index)
         if isinstance(inner, faiss.IndexHNSW):
-            inner.hnsw.efConstruction = settings.ef_construction
+            inner.hnsw.efConstruction = settings.shape.ef_construction
         if not index.is_trained:
-            logger.info("training %s on %d vectors", settings.factory(), len(train))
+            logger.info("training %s on %d vectors", settings.shape.factory(), len(train))
             fit_projection(index, train)
             index.train(np.ascontiguousarray(train, dtype=np.float32))
         out = cls(dim, settings, index, trained=True)
-        with tqdm(total=total, desc=f"FAISS {settings.kind}", unit="frag", disable=total is None or total < 50_000,
+        with tqdm(total=total, desc=f"FAISS {settings.shape.kind}", unit="frag",
+                  disable=total is None or total < 50_000,
                   leave=False) as bar:
             for ids, vecs in batches:
                 out.add(ids, vecs)
                 bar.update(len(ids))
         return out
 
-    def write(self, path: Path) -> None:
-        faiss.write_index(self.index, str(path))
+    def rebuilt(self, settings: IndexSettings, sources: Sources) -> FaissCandidates:
+        """Trains a trainable kind on a random sample of the stored fragments (a flat stand-in while
+        there are too few); drops the fragments of removed items that hnsw keeps."""
+        dim = self.dim
+        if settings.shape.trainable and sources.total < settings.shape.train_threshold():
+            out = FaissCandidates(dim, settings)  # the flat stand-in until there is enough to train
+            for ids, vecs in sources.batches():
+                out.add(ids, vecs)
+            return out
+        train = sources.sample(train_sample_size(settings)) if settings.shape.trainable else np.zeros((0, dim))
+        return FaissCandidates.build(dim, settings, train.astype(np.float32), sources.batches(), total=sources.total)
 
-    @classmethod
-    def read(cls, path: Path, dim: int, settings: IndexSettings, trained: bool) -> AnnIndex:
-        """Read a FAISS file; RuntimeError / ValueError when it is unreadable or of another dimension."""
-        return cls(dim, settings, faiss.read_index(str(path)), trained)
+    # -- persistence ------------------------------------------------------------------------------
+    def persist(self, root: Path, generation: int, created: list[Path]) -> dict[str, Any]:
+        file, sha = self._file, self._sha
+        if self._dirty or not file:
+            file = unique_name(FAISS_PREFIX, generation, FAISS_SUFFIX)
+            created.append(Path(root) / file)
+            with atomic_path(Path(root) / file) as tmp:
+                faiss.write_index(self.index, str(tmp))
+            sha = sha256_file(Path(root) / file)
+        return {"backend": self.NAME, "ann_file": file, "ann_sha256": sha, "ann_trained": self.trained,
+                "ann_ntotal": self.ntotal}
+
+    def committed(self, info: dict[str, Any]) -> None:
+        self._file, self._sha, self._dirty = str(info["ann_file"]), str(info["ann_sha256"]), False
+
+    def keeps(self) -> set[str]:
+        return {self._file}
 
 
 def new_index(dim: int, settings: IndexSettings) -> faiss.Index:
@@ -239,21 +306,21 @@ def new_index(dim: int, settings: IndexSettings) -> faiss.Index:
     other pre-transforms go to the FAISS index factory. Raises ValueError when the settings do not
     fit the dimension (e.g. PQ sub-vectors that do not divide it).
     """
-    pca = PCA_RE.match(settings.pretransform)
-    reduced = int(re.findall(r"\d+", settings.pretransform)[-1]) if settings.pretransform else dim
-    if settings.kind == "ivfpq" and reduced % settings.m:
-        raise ValueError(f"ivfpq needs m ({settings.m}) to divide the dimension {reduced}: choose another m or a "
-                         f"pretransform such as PCA{settings.m * 4}")
+    pca = PCA_RE.match(settings.shape.pretransform)
+    reduced = int(re.findall(r"\d+", settings.shape.pretransform)[-1]) if settings.shape.pretransform else dim
+    if settings.shape.kind == "ivfpq" and reduced % settings.shape.m:
+        raise ValueError(f"ivfpq needs m ({settings.shape.m}) to divide the dimension {reduced}: choose another m or a "
+                         f"pretransform such as PCA{settings.shape.m * 4}")
     if pca and reduced > dim:
-        raise ValueError(f"{settings.pretransform} cannot raise the dimension {dim}")
-    factory = settings.factory()
+        raise ValueError(f"{settings.shape.pretransform} cannot raise the dimension {dim}")
+    factory = settings.shape.factory()
     try:
-        if not pca or settings.kind == "flat":
+        if not pca or settings.shape.kind == "flat":
             return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-        body = factory.split(",", 2)[-1] if settings.kind == "hnsw" else factory.split(",", 1)[1]
+        body = factory.split(",", 2)[-1] if settings.shape.kind == "hnsw" else factory.split(",", 1)[1]
         inner = faiss.index_factory(reduced, body, faiss.METRIC_INNER_PRODUCT)
         projected = faiss.IndexPreTransform(faiss.LinearTransform(dim, reduced, False), inner)
-        return faiss.IndexIDMap(projected) if settings.kind == "hnsw" else projected
+        return faiss.IndexIDMap(projected) if settings.shape.kind == "hnsw" else projected
     except RuntimeError as e:
         raise ValueError(f"cannot make a FAISS {factory!r} index for {dim}-d vectors: {e}") from e
 
@@ -286,5 +353,5 @@ def uncentred_pca(sample: np.ndarray, d: int) -> np.ndarray:
 
 def train_sample_size(settings: IndexSettings) -> int:
     """How many vectors to sample for training the target kind."""
-    per_list = settings.nlist * TRAIN_SAMPLE_PER_LIST if settings.kind in ("ivf", "ivfpq") else 0
-    return min(MAX_TRAIN_SAMPLE, max(settings.train_threshold(), per_list))
+    per_list = settings.shape.nlist * TRAIN_SAMPLE_PER_LIST if settings.shape.kind in ("ivf", "ivfpq") else 0
+    return min(MAX_TRAIN_SAMPLE, max(settings.shape.train_threshold(), per_list))

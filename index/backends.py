@@ -1,5 +1,5 @@
 """The candidate backend an index uses: a new one for a new folder, or the one its committed `info`
-names (index.faiss_backend, index.milvus; pymilvus is imported only by indexes that use Milvus)."""
+names (index.ann, index.milvus; pymilvus is imported only by indexes that use Milvus)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from index.ann import FaissCandidates
 from index.candidates import BackendOptions, CandidateBackend
-from index.faiss_backend import FaissCandidates
 from index.milvus import MilvusCandidates
 from index.types import IndexLoadError, IndexSettings
 

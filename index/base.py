@@ -6,7 +6,7 @@
     index.saving      the save: new files, one commit transaction, clean-up (the commit protocol)
     index.ranker      the reads: candidates -> prescore -> exact re-rank -> payloads
     index.stored      the stored fragments of items (re-rank batches, backend entries, samples)
-    index.backends    the candidate backend an index uses (index.faiss_backend, index.milvus;
+    index.backends    the candidate backend an index uses (index.ann, index.milvus;
                       their interface is index.candidates)
     index.catalogue   index.sqlite: item rows + the `info` table that names the committed state
     index.items       the item table in memory (store location, fragment count, alive)
@@ -25,7 +25,6 @@ blocking searches and take the exclusive side only to mutate in-memory state.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -79,9 +78,9 @@ class FragmentIndex(Generic[P]):
         bundle.model.eval()
         self.catalogue = catalogue
         self.items: ItemTable[P] = ItemTable()
-        self.store = store or VectorStore(self.dim, settings.store_dtype, self.root)  # spills into the folder
+        self.store = store or VectorStore(self.dim, settings.shape.store_dtype, self.root)  # spills into the folder
         self.candidates = candidates
-        self.codes = codes  # the committed prescore codes (index.codes), None without `settings.codes`
+        self.codes = codes  # the committed prescore codes (index.codes), None without `settings.shape.codes`
         self.generation = generation  # number of the last save (increases by one per save)
         self.writer = threading.RLock()
         self.rw = ReadWriteLock()
@@ -108,7 +107,8 @@ class FragmentIndex(Generic[P]):
         index = cls(root, bundle, settings, catalogue, candidates)
         index.reconciled = True
         index.save()
-        logger.info("created %s index at %s (%s %s, h=%d)", cls.KIND, root, backend.backend, settings.kind, bundle.dim)
+        logger.info("created %s index at %s (%s %s, h=%d)", cls.KIND, root, backend.backend, settings.shape.kind,
+                    bundle.dim)
         return index
 
     @classmethod
@@ -272,7 +272,7 @@ class FragmentIndex(Generic[P]):
         with self.writer:
             self.reconcile()
             settings = settings or self.settings
-            if settings.store_dtype != self.settings.store_dtype:
+            if settings.shape.store_dtype != self.settings.shape.store_dtype:
                 raise ValueError("the store precision cannot change in place: build a new index")
             built = self.candidates.rebuilt(settings, self.stored.sources(self.items.live()))
             with self.rw.write():
@@ -309,9 +309,9 @@ class FragmentIndex(Generic[P]):
             self.summarise()
 
     def summarise(self) -> None:
-        """With `settings.summaries`, the items' summaries of the code files that have none yet
+        """With `settings.search.summaries`, the items' summaries of the code files that have none yet
         (index.codes), computed now (a load, a save, the setting turned on) rather than in a search."""
-        if self.settings.summaries and self.codes is not None:
+        if self.settings.search.summaries and self.codes is not None:
             started = time.perf_counter()
             self.codes.summaries(self.items)
             logger.info("item summaries of %d items in %.1f s", len(self), time.perf_counter() - started)
@@ -322,7 +322,7 @@ class FragmentIndex(Generic[P]):
         stored segment, in the commit (a crash keeps the last committed state). A load of an index
         with codes derives those of new rows at each save."""
         with self.writer:
-            settings = dataclasses.replace(self.settings, codes=dim, refine_codes=refine if dim else 0)
+            settings = self.settings.with_shape(codes=dim, refine_codes=refine if dim else 0)
             with self.rw.write():
                 self.settings = settings
             self.save()

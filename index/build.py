@@ -17,7 +17,6 @@ cache (--cache), so images the trainer saw are not extracted twice.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import shutil
 from collections.abc import Sequence
@@ -98,25 +97,25 @@ def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings
     target = _fresh_target(out, rebuild)
     if is_index(target):
         index = ImageIndex.load(target, bundle, cache=cache, collection_root=collection_root, backend=backend)
-        if index.settings.kind != settings.kind:
-            logger.warning("%s is a %s index; keeping it (use --rebuild for %s)", out, index.settings.kind,
-                           settings.kind)
+        if index.settings.shape.kind != settings.shape.kind:
+            logger.warning("%s is a %s index; keeping it (use --rebuild for %s)", out, index.settings.shape.kind,
+                           settings.shape.kind)
     else:
         index = ImageIndex.create(target, bundle, settings, cache=cache, collection_root=collection_root,
                                   backend=backend)
     todo = [Path(p).resolve() for p in paths]
-    present = index.find_paths(todo)
+    present = index.photos.find(todo)
     todo = [p for p in todo if str(p) not in present]
     logger.info("%d images to add to %s (%d there already)", len(todo), out, len(present))
     skipped = 0
-    if index.settings.trainable and not index.candidates.trained:
+    if index.settings.shape.trainable and not index.candidates.trained:
         with index.bulk():  # one training on a sample of everything, then one insert
-            skipped += len(index.add_paths(todo, workers=workers, skip_present=False).skipped)
+            skipped += len(index.photos.add(todo, workers=workers, skip_present=False).skipped)
         index.save()
     else:
         for start in range(0, len(todo), save_every):
             chunk = todo[start : start + save_every]
-            skipped += len(index.add_paths(chunk, workers=workers, skip_present=False).skipped)
+            skipped += len(index.photos.add(chunk, workers=workers, skip_present=False).skipped)
             index.save()
     index.close()
     _swap_in(target, out)
@@ -145,10 +144,10 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
             parsed = parse_cached(bundle.text.parser, list(sentences), parse_dir)
             if vectors_dir is not None:
                 bundle.text.warm(parsed, sentences, vectors_dir)
-            index.add_parsed(parsed, sentences)
+            index.add(sentences, parsed)
             bundle.text.forget()
         else:
-            index.add_sentences(sentences)
+            index.add(sentences)
     index.save()
     index.close()
     _swap_in(target, out)
@@ -157,7 +156,7 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
 
 
 def settings_from_args(args: argparse.Namespace) -> IndexSettings:
-    return IndexSettings(kind=args.kind, nlist=args.nlist, m=args.m, nbits=args.nbits, nprobe=args.nprobe,
+    return IndexSettings.of(kind=args.kind, nlist=args.nlist, m=args.m, nbits=args.nbits, nprobe=args.nprobe,
                          k_prime=args.k_prime, rerank=args.rerank, ef_search=args.ef_search, hnsw_m=args.hnsw_m,
                          pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu,
                          codes=args.codes, prescore=args.prescore, refine_codes=args.refine_codes,
@@ -188,30 +187,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
                     help="images added between two commits of the index (an interrupted build resumes from the last)")
     defaults = IndexSettings()
-    ap.add_argument("--kind", default=defaults.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
+    ap.add_argument("--kind", default=defaults.shape.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
                     help="FAISS index kind of the candidate stage")
-    ap.add_argument("--nlist", type=int, default=defaults.nlist, help="IVF lists (ivf, ivfpq)")
-    ap.add_argument("--m", type=int, default=defaults.m, help="PQ sub-vectors (ivfpq)")
-    ap.add_argument("--nbits", type=int, default=defaults.nbits, help="bits per PQ code (4: fast-scan)")
-    ap.add_argument("--nprobe", type=int, default=defaults.nprobe, help="IVF lists searched per query fragment")
-    ap.add_argument("--k-prime", type=int, default=defaults.k_prime, help="neighbours per query fragment")
-    ap.add_argument("--rerank", type=int, default=defaults.rerank,
+    ap.add_argument("--nlist", type=int, default=defaults.shape.nlist, help="IVF lists (ivf, ivfpq)")
+    ap.add_argument("--m", type=int, default=defaults.shape.m, help="PQ sub-vectors (ivfpq)")
+    ap.add_argument("--nbits", type=int, default=defaults.shape.nbits, help="bits per PQ code (4: fast-scan)")
+    ap.add_argument("--nprobe", type=int, default=defaults.search.nprobe, help="IVF lists searched per query fragment")
+    ap.add_argument("--k-prime", type=int, default=defaults.search.k_prime, help="neighbours per query fragment")
+    ap.add_argument("--rerank", type=int, default=defaults.search.rerank,
                     help="score exactly only the R candidates with the best partial score (0: all)")
-    ap.add_argument("--ef-search", type=int, default=defaults.ef_search,
+    ap.add_argument("--ef-search", type=int, default=defaults.search.ef_search,
                     help="HNSW search breadth")
-    ap.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m, help="HNSW neighbours per node")
-    ap.add_argument("--pretransform", default=defaults.pretransform, help='e.g. "PCA256" before hnsw / ivf')
-    ap.add_argument("--store-dtype", default=defaults.store_dtype, choices=STORE_DTYPES,
+    ap.add_argument("--hnsw-m", type=int, default=defaults.shape.hnsw_m, help="HNSW neighbours per node")
+    ap.add_argument("--pretransform", default=defaults.shape.pretransform, help='e.g. "PCA256" before hnsw / ivf')
+    ap.add_argument("--store-dtype", default=defaults.shape.store_dtype, choices=STORE_DTYPES,
                     help="precision of the re-rank store of fragment vectors")
-    ap.add_argument("--codes", type=int, default=defaults.codes,
+    ap.add_argument("--codes", type=int, default=defaults.shape.codes,
                     help="dimensions of the prescore codes of every stored fragment (0: none; large collections: 64)")
-    ap.add_argument("--prescore", type=int, default=defaults.prescore,
+    ap.add_argument("--prescore", type=int, default=defaults.search.prescore,
                     help="with --codes and --rerank: candidates (by partial score) whose codes are scored (0: all)")
-    ap.add_argument("--refine-codes", type=int, default=defaults.refine_codes,
+    ap.add_argument("--refine-codes", type=int, default=defaults.shape.refine_codes,
                     help="with --codes: dimensions of a second, refining code of every fragment (0: none)")
-    ap.add_argument("--refine", type=int, default=defaults.refine,
+    ap.add_argument("--refine", type=int, default=defaults.search.refine,
                     help="with --refine-codes: candidates (by the first code's score) scored on both codes (0: none)")
-    ap.add_argument("--summaries", type=int, default=defaults.summaries,
+    ap.add_argument("--summaries", type=int, default=defaults.search.summaries,
                     help="with --codes and --rerank: the first cut is a scan of every item's summary (its mean "
                          "code) keeping this many, instead of the candidate backend's (0: the backend's)")
     ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
@@ -220,9 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--uri", default=None,
                     help="Milvus: a server (http://host:19530) or a milvus-lite folder (file.db); default: "
                          "milvus.db inside each index folder")
-    ap.add_argument("--sentence-k-prime", type=int, default=SENTENCE_DEFAULTS.k_prime,
+    ap.add_argument("--sentence-k-prime", type=int, default=SENTENCE_DEFAULTS.search.k_prime,
                     help="sentence index: neighbours per image fragment (0: every positive one)")
-    ap.add_argument("--sentence-rerank", type=int, default=SENTENCE_DEFAULTS.rerank,
+    ap.add_argument("--sentence-rerank", type=int, default=SENTENCE_DEFAULTS.search.rerank,
                     help="sentence index: candidates scored exactly")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -253,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
             out = base / f"sentences-{args.split.stem if args.split else 'all'}"
         sentences = read_sentences(args.captions, args.split)
         parse_dir = None if args.no_cache else args.cache / "parses"
-        ssettings = dataclasses.replace(settings, k_prime=args.sentence_k_prime, rerank=args.sentence_rerank)
+        ssettings = settings.with_search(k_prime=args.sentence_k_prime, rerank=args.sentence_rerank)
         sindex = build_sentence_index(bundle, sentences, out, ssettings, parse_dir, args.rebuild,
                                       None if args.no_cache else args.cache / "vectors", backend)
         logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)

@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="images per task / actor call")
     ap.add_argument("--index", type=Path, default=None,
                     help="then add the shards' images to this image index (created when missing)")
-    ap.add_argument("--kind", default=IndexSettings().kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
+    ap.add_argument("--kind", default=IndexSettings().shape.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
                     help="kind of a new --index")
     ap.add_argument("--store-dtype", default="float16", choices=STORE_DTYPES,
                     help="re-rank store precision of a new --index (float16: half of float32's disk and reads, "
@@ -345,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if is_index(args.index):
             index = ImageIndex.load(args.index, bundle, collection_root=args.collection_root)
         else:
-            index = ImageIndex.create(args.index, bundle, IndexSettings(kind=args.kind, store_dtype=args.store_dtype),
+            index = ImageIndex.create(args.index, bundle, IndexSettings.of(kind=args.kind,
+                                                                           store_dtype=args.store_dtype),
                                       collection_root=args.collection_root)
         try:
             load_shards(index, args.shards, remove_loaded=args.remove_loaded)

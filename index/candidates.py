@@ -2,7 +2,7 @@
 exact S_kl re-rank then reads the re-rank store, index.store, and calls model.score on every backend).
 
 `CandidateBackend` is the interface the index's parts use (index.base writes, index.ranker recalls,
-index.saving persists); its implementations are `index.faiss_backend.FaissCandidates`, the
+index.saving persists); its implementations are `index.ann.FaissCandidates`, the
 in-process FAISS index saved as a `faiss-*.index` file beside the catalogue (the embedded default),
 and `index.milvus.MilvusCandidates`, a Milvus collection (milvus-lite in a local folder, or a Milvus
 server or cluster by URI); `index.backends` opens the one an index names. Ids are `index.ids`

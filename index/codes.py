@@ -1,7 +1,7 @@
 """Prescore codes: a compact code of every stored fragment, to score many candidates approximately
 before the exact re-rank reads the full vectors of the few best (PLAID's idea, ColBERT's engine).
 
-A fragment's code is its projection on the `IndexSettings.codes` leading directions of the uncentred
+A fragment's code is its projection on the `IndexShape.codes` leading directions of the uncentred
 second moment of the stored fragments (`index.ann.uncentred_pca`, fitted once on a sample), stored
 in int8 with one scale per fragment (`index.store`'s int8 rows: d + 4 bytes a fragment). The codes
 are a `VectorStore` whose saved segments mirror the re-rank store's row for row, so an item's
@@ -20,14 +20,14 @@ compaction merged, or every segment of an index that had no codes) is read back 
 new file under a fresh name; the commit names them, so a crash keeps the last committed state. Rows
 added since the last save have no codes yet: a search scores those candidates exactly.
 
-Refining codes (`IndexSettings.refine_codes`): a second code of every fragment, its projection on the
+Refining codes (`IndexShape.refine_codes`): a second code of every fragment, its projection on the
 leading directions of what the first code's projection leaves out (the residual's uncentred second
 moment, orthogonal to the first directions), read into memory as the first code is. A search
-scores its many candidates on the first code, keeps the `IndexSettings.refine` best, and scores those
+scores its many candidates on the first code, keeps the `SearchSettings.refine` best, and scores those
 on both codes (v . s replaced by the products on all the first and second directions): a closer
 score, so the exact re-rank can read the full vectors of fewer items.
 
-Summaries (`IndexSettings.summaries`): each item's mean first code (the mean of its fragments'
+Summaries (`SearchSettings.summaries`): each item's mean first code (the mean of its fragments'
 projections), computed from the codes in memory when first needed and kept per code file. A scan of
 every live item's summary against the projected queries is a first cut that needs no candidate
 backend: the mean's product with the sum of the query fragments (every pair counted: breadth) for

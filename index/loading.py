@@ -104,7 +104,7 @@ def open_state(root: Path, bundle: Bundle, kind: str, catalogue: Catalogue, info
             settings = settings.with_search(**search)
     except (TypeError, ValueError) as e:
         raise IndexLoadError(f"{where}: bad settings: {e}") from e
-    store = VectorStore(bundle.dim, settings.store_dtype, root)
+    store = VectorStore(bundle.dim, settings.shape.store_dtype, root)
     files, arrays = [], []
     for seg in info["segments"]:
         file, n_rows = str(seg["file"]), int(seg["rows"])

@@ -33,12 +33,17 @@ a row deleted a moment ago (a 2.3 server returns no timestamp for a delete, so p
 has none to wait for). milvus-lite, which applies writes before it answers and has no
 AllocTimestamp, searches at the collection's level, Strong.
 
-Crash safety: the collection sees writes before the catalogue commits them. Before the first write
-after a commit, a marker file is made in the index folder (fsynced); the commit removes it. The first
-write after a load that finds the marker (a writer died after touching Milvus, before its commit)
-deletes the rows of items the catalogue never committed and, when the count still differs from the
-committed state (an uncommitted removal) or fragments are shared, refills the collection from the
-re-rank store. A rebuild fills a new collection; the commit names it and the old one is dropped.
+Crash safety: the collection always holds every row of the committed state. Additions reach the
+collection before the catalogue commits them; removals wait for the commit (until then the backend's
+searches leave the removed rows out by a filter, and its count leaves them out), so a writer or a
+server killed at any moment cannot take a committed item's rows away. Before the first change after
+a commit, a marker file is made in the index folder (fsynced); it is removed once the commit's
+removals reached the server. The first write after a load that finds the marker (a writer died after
+touching Milvus, before its commit or before its removals were sent) deletes the rows of items the
+catalogue never committed and, when the count still differs from the committed state (removals not
+sent) or fragments are shared, refills the collection from the re-rank store. Rows of uncommitted or
+removed items that a search meets meanwhile are dropped by the ranker, which keeps live items only.
+A rebuild fills a new collection; the commit names it and the old one is dropped.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,17 +103,18 @@ def is_lite(uri: str) -> bool:
 def index_spec(settings: IndexSettings) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(Milvus index type, build params, search params) for `settings`; ValueError when it has no
     Milvus counterpart."""
-    if settings.pretransform:
-        raise ValueError(f"Milvus has no pre-transform ({settings.pretransform!r}): leave it out with --backend "
+    if settings.shape.pretransform:
+        raise ValueError(f"Milvus has no pre-transform ({settings.shape.pretransform!r}): leave it out with --backend "
                          "milvus (use ivfpq's m for compression)")
-    if settings.kind == "flat":
+    if settings.shape.kind == "flat":
         return "FLAT", {}, {}
-    if settings.kind == "hnsw":
-        return "HNSW", {"M": settings.hnsw_m, "efConstruction": settings.ef_construction}, {"ef": settings.ef_search}
-    if settings.kind == "ivf":
-        return "IVF_FLAT", {"nlist": settings.nlist}, {"nprobe": settings.nprobe}
-    return ("IVF_PQ", {"nlist": settings.nlist, "m": settings.m, "nbits": settings.nbits},
-            {"nprobe": settings.nprobe})
+    if settings.shape.kind == "hnsw":
+        return "HNSW", {"M": settings.shape.hnsw_m,
+                        "efConstruction": settings.shape.ef_construction}, {"ef": settings.search.ef_search}
+    if settings.shape.kind == "ivf":
+        return "IVF_FLAT", {"nlist": settings.shape.nlist}, {"nprobe": settings.search.nprobe}
+    return ("IVF_PQ", {"nlist": settings.shape.nlist, "m": settings.shape.m, "nbits": settings.shape.nbits},
+            {"nprobe": settings.search.nprobe})
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -191,23 +197,31 @@ def consistency(guarantee: int) -> dict[str, Any]:
     return {"consistency_level": "Customized", "guarantee_timestamp": guarantee} if guarantee else {}
 
 
-def stored_count(client: Any, name: str, guarantee: int = 0) -> int:
-    """Rows held by a collection (read back from the server, after the writes before `guarantee`)."""
-    rows = client.query(name, filter="", output_fields=["count(*)"], **consistency(guarantee))
+def stored_count(client: Any, name: str, guarantee: int = 0, where: str = "") -> int:
+    """Rows held by a collection, or its rows matching the filter expression `where` (read back from
+    the server, after the writes before `guarantee`)."""
+    rows = client.query(name, filter=where, output_fields=["count(*)"], **consistency(guarantee))
     return int(rows[0]["count(*)"]) if rows else 0
 
 
+def among(field: str, values: Iterable[int], negate: bool = False) -> str:
+    """The filter expression `field in [v, ...]` (`not in` with `negate`)."""
+    return f"{field} {'not in' if negate else 'in'} [{', '.join(str(int(v)) for v in values)}]"
+
+
 def search_collection(client: Any, name: str, queries: np.ndarray, limit: int, params: dict[str, Any],
-                      group: bool = False, items: np.ndarray | None = None, guarantee: int = 0
-                      ) -> list[list[dict[str, Any]]]:
+                      group: bool = False, items: np.ndarray | None = None, guarantee: int = 0,
+                      where: str = "") -> list[list[dict[str, Any]]]:
     """Inner-product hits per query, best first (grouped by the server: each item once, by its best
-    fragment); with `items`, among those items' fragments only (a filter expression Milvus applies
-    while it searches); after the writes before the server timestamp `guarantee` (0: Strong)."""
+    fragment); with `items`, among those items' fragments only, and with `where` among the rows that
+    filter expression keeps (filters Milvus applies while it searches); after the writes before the
+    server timestamp `guarantee` (0: Strong)."""
     q = np.ascontiguousarray(queries, dtype=np.float32)
     extra: dict[str, Any] = {"group_by_field": ITEM} if group else {}
     extra.update(consistency(guarantee))
-    if items is not None:
-        extra["filter"] = f"{ITEM} in [{', '.join(str(int(i)) for i in items)}]"
+    terms = ([among(ITEM, items)] if items is not None else []) + ([where] if where else [])
+    if terms:
+        extra["filter"] = " and ".join(f"({t})" for t in terms) if len(terms) > 1 else terms[0]
     result: list[list[dict[str, Any]]] = client.search(
         name, data=list(q), limit=limit, anns_field=VECTOR, search_params={"metric_type": "IP", "params": params},
         output_fields=[], **extra)
@@ -258,6 +272,8 @@ class MilvusCandidates(CandidateBackend):
             self.close()
             raise
         self._guarantee = 0
+        self._gone_items: list[int] = []  # removed items whose rows wait for the commit
+        self._gone_ids: list[int] = []  # removed rows (shared fragments) waiting for the commit
         self._seen()
 
     def _seen(self) -> None:
@@ -314,7 +330,7 @@ class MilvusCandidates(CandidateBackend):
 
     @property
     def active_kind(self) -> str:
-        return self.settings.kind
+        return self.settings.shape.kind
 
     @property
     def trained(self) -> bool:
@@ -345,14 +361,41 @@ class MilvusCandidates(CandidateBackend):
         self._seen()
 
     def remove_item(self, item: int) -> int:
-        self.marker.mark()
-        return self._delete(f"{ITEM} == {int(item)}")
+        """The item's rows leave searches and the count now, the collection at the commit."""
+        n = stored_count(self.client, self.collection, self._guarantee, f"{ITEM} == {int(item)}")
+        self._gone_items.append(int(item))
+        self._count -= n
+        return n
 
     def remove_ids(self, ids: np.ndarray) -> int:
-        if not len(ids):
+        """As remove_item, for single rows."""
+        todo = sorted(set(int(i) for i in ids) - set(self._gone_ids))
+        if not todo:
             return 0
+        n = stored_count(self.client, self.collection, self._guarantee, among(ID, todo))
+        self._gone_ids.extend(todo)
+        self._count -= n
+        return n
+
+    def _excluded(self) -> str:
+        """The filter expression that leaves out the rows of removals not committed yet ("" when none)."""
+        terms = ([among(ITEM, self._gone_items, negate=True)] if self._gone_items else []) + \
+            ([among(ID, self._gone_ids, negate=True)] if self._gone_ids else [])
+        return " and ".join(f"({t})" for t in terms) if len(terms) > 1 else "".join(terms)
+
+    def _send_removals(self) -> None:
+        """Delete the committed removals' rows from the collection (the marker stays until they are gone)."""
+        if not self._gone_items and not self._gone_ids:
+            return
         self.marker.mark()
-        return self._delete(ids=[int(i) for i in ids])
+        with _space(self.root):
+            if self._gone_items:
+                self.client.delete(self.collection, filter=among(ITEM, self._gone_items))
+            if self._gone_ids:
+                self.client.delete(self.collection, ids=list(self._gone_ids))
+        self._gone_items, self._gone_ids = [], []
+        self._seen()
+        self._count = stored_count(self.client, self.collection, self._guarantee)
 
     def _delete(self, expr: str = "", ids: list[int] | None = None) -> int:
         """Delete by expression or ids; the count is read back (not every server reports it reliably)."""
@@ -413,7 +456,7 @@ class MilvusCandidates(CandidateBackend):
             results = self._grouped_here(queries, k, params, items)
         else:
             results = search_collection(self.client, self.collection, queries, k, params, group, items,
-                                        self._guarantee)
+                                        self._guarantee, self._excluded())
         scores = np.zeros((len(queries), k), np.float32)
         ids = np.full((len(queries), k), -1, np.int64)
         for row, hits in enumerate(results):
@@ -436,7 +479,7 @@ class MilvusCandidates(CandidateBackend):
             if "ef" in round_params:
                 round_params["ef"] = max(int(round_params["ef"]), limit)
             found = search_collection(self.client, self.collection, rows[todo], limit, round_params,
-                                      items=items, guarantee=self._guarantee)
+                                      items=items, guarantee=self._guarantee, where=self._excluded())
             again = []
             for q, hits in zip(todo, found, strict=True):
                 out[q] = first_items(hits, k)
@@ -458,7 +501,7 @@ class MilvusCandidates(CandidateBackend):
             return np.zeros(0, np.float32), np.zeros(0, np.int64)
         params = {**self._search_params, "radius": 0.0}
         results = search_collection(self.client, self.collection, queries, min(MAX_TOPK, self._count),
-                                    params, items=items, guarantee=self._guarantee)
+                                    params, items=items, guarantee=self._guarantee, where=self._excluded())
         scores = np.asarray([float(h["distance"]) for hits in results for h in hits], np.float32)
         ids = np.asarray([int(h["id"]) for hits in results for h in hits], np.int64)
         keep = scores > 0
@@ -473,7 +516,16 @@ class MilvusCandidates(CandidateBackend):
                 "ann_ntotal": self._count}
 
     def committed(self, info: dict[str, Any]) -> None:
+        """After the catalogue's commit: its removals reach the server, then the marker goes. A server
+        that refuses them leaves the marker (the next load's first write reconciles) and the removals
+        waiting for the next commit."""
         self._committed = str(info["milvus_collection"])
+        try:
+            self._send_removals()
+        except Exception as e:  # the commit stands: the rows stay out of searches and are sent again
+            logger.warning("Milvus collection %s: the commit's removals did not reach the server (%s); sent again "
+                           "at the next save", self.collection, e)
+            return
         self.marker.clear()
 
     def keeps(self) -> set[str]:

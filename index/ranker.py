@@ -3,7 +3,7 @@
 `Ranker.rank` scores a query's candidates (the backend's recall, optionally cut to the `rerank` best
 by a prescore: the partial score of their retrieved fragments, or, with prescore codes (index.codes)
 and an approximate score from the caller, the score of their codes) or every live item exactly (an
-exhaustive search, or a collection under `settings.exact_below` fragments), and returns the top k
+exhaustive search, or a collection under `SearchSettings.exact_below` fragments), and returns the top k
 with their payloads and stored fragments; `rank_many` ranks many queries in one pass over the store;
 `place` is where one item stands for a query (index.images' explain). The score is the caller's
 (the model's S_kl, model.score), so the image and the sentence index rank through the same code.
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from index.selection import best_positions
 from index.shared import SharedFragments
 from index.stored import StoredFragments
 from index.types import ExplainScope, IndexSettings
+from model.bundle import Bundle
 
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
 SHORTLIST = 8  # with summaries S: the thresholded summary score only for the 8 S best by the linear one
@@ -38,7 +39,7 @@ FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed it
 SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranker.searches)
 
 P = TypeVar("P")
-Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # stored (C, F, h), mask (C, F) -> (C, Q)
 Ranked = tuple[int, float, P, torch.Tensor]  # item, score, payload, its stored fragments (n, h)
 
 
@@ -83,6 +84,22 @@ def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.nda
     keys = rank_key(np.array([s for _, s in merged]))
     order = sorted(range(len(merged)), key=lambda n: (-keys[n], merged[n][0]))
     return [merged[n] for n in order[:k]]
+
+
+def exact_score(bundle: Bundle, queries: Sequence[torch.Tensor], stored: Literal["images", "sentences"]) -> Score:
+    """The model's S_kl of stored items against `queries` (each (T_q, h)): stored fragments (C, F, h) with
+    their mask (C, F) -> scores (C, Q). `stored` says which side the items are: images scored for
+    sentence queries, or sentences scored for image queries."""
+    t_max = max((len(q) for q in queries), default=1)
+    dim = queries[0].shape[-1] if len(queries) else bundle.dim
+    padded = torch.zeros(len(queries), t_max, dim)
+    q_mask = torch.zeros(len(queries), t_max)
+    for n, q in enumerate(queries):
+        padded[n, : len(q)] = torch.as_tensor(q, dtype=torch.float32)
+        q_mask[n, : len(q)] = 1
+    if stored == "images":
+        return lambda vecs, mask: bundle.scores(vecs, mask, padded, q_mask)
+    return lambda vecs, mask: bundle.scores(padded, q_mask, vecs, mask).T
 
 
 class RankedIndex(Protocol[P]):
@@ -130,7 +147,7 @@ class Ranker(Generic[P]):
     @property
     def searches(self) -> dict[str, int]:
         """Searches answered since the index was opened, per path: "scan" (the exact score over every
-        live item: a collection under `settings.exact_below` fragments, or an exhaustive search) or
+        live item: a collection under `SearchSettings.exact_below` fragments, or an exhaustive search) or
         "candidates" (the backend's recall, then the exact re-rank of what it recalled)."""
         with self._searches_lock:
             return dict(self._searches)
@@ -142,8 +159,8 @@ class Ranker(Generic[P]):
     # -- ranking -------------------------------------------------------------------------------------
     def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
              allowed: np.ndarray | None = None, approx: ApproxScore | None = None) -> tuple[list[Ranked[P]], int]:
-        """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C,)), and
-        how many items the exact score ranked (the candidates, or every live item).
+        """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C, 1): one
+        query, `exact_score`), and how many items the exact score ranked (the candidates, or every live item).
 
         Scored are the backend's candidates of `queries` (t, h), or every live item when `exhaustive`.
         `allowed` (sorted ids: a date and place filter) limits the ranking to those items: all of them
@@ -165,7 +182,7 @@ class Ranker(Generic[P]):
                 best: list[tuple[int, float]] = []
                 considered = 0
                 for part, vecs, mask in self._scan(items=allowed):
-                    best = merge_top_k(best, part, score(vecs, mask).numpy(), k)
+                    best = merge_top_k(best, part, score(vecs, mask)[:, 0].numpy(), k)
                     considered += len(part)
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
                 vecs, mask = index.stored.vectors(items)
@@ -197,14 +214,14 @@ class Ranker(Generic[P]):
         if self.small():
             for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
                 ids.append(part)
-                scores.append(score(vecs, mask).numpy())
+                scores.append(score(vecs, mask)[:, 0].numpy())
         else:
             candidates = self.candidates(queries, approx=approx)
             scope, recalled = "candidates", bool(np.isin(item, candidates))
             ranked = np.union1d(candidates, np.asarray([item], dtype=np.int64))
             vecs, mask = self.index.stored.vectors(ranked)
             ids.append(ranked)
-            scores.append(score(vecs, mask).numpy())
+            scores.append(score(vecs, mask)[:, 0].numpy())
         all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
         mine = float(all_scores[all_ids == item][0])
         keys = rank_key(all_scores)
@@ -213,8 +230,8 @@ class Ranker(Generic[P]):
         return Placement(mine, 1 + int(np.count_nonzero(ahead)), len(all_ids), scope, recalled)
 
     def small(self) -> bool:
-        """At most `settings.exact_below` live fragments: the exact scan is the cheaper search."""
-        limit = self.index.settings.exact_below
+        """At most `SearchSettings.exact_below` live fragments: the exact scan is the cheaper search."""
+        limit = self.index.settings.search.exact_below
         items = self.index.items
         return bool(limit) and items.count <= limit and items.fragments() <= limit
 
@@ -226,25 +243,50 @@ class Ranker(Generic[P]):
         (sorted ids), only those items: a backend that filters while it searches (Milvus) is given
         them, the others' results are filtered after.
 
-        With `settings.rerank` = R > 0, only the R items with the best prescore are kept for the exact
+        With `SearchSettings.rerank` = R > 0, only the R items with the best prescore are kept for the exact
         re-rank: the partial score (`_prescore` of the sum of max(0, backend score) over their retrieved
         fragments), or, when the index has prescore codes and `approx` is given, `approx` of their codes
-        against the projected queries (of the `settings.prescore` best by partial score, 0: of all;
-        with refining codes, the `settings.refine` best of those scored again on both codes);
+        against the projected queries (of the `SearchSettings.prescore` best by partial score, 0: of all;
+        with refining codes, the `SearchSettings.refine` best of those scored again on both codes);
         candidates without codes yet (added since the last save) are all kept.
+
+        The stages, each a step of its own: `_recall` (the backend) or `_summary_cut` (the items'
+        summaries), `_first_cut` (the partial score), `_code_cut` (the prescore codes), `_refine` (both
+        codes); the exact re-rank of what is left is `rank`'s.
         """
         self._searched("candidates")
         index = self.index
-        backend, settings, shared = index.candidates, index.settings, index.shared
-        if backend.ntotal == 0 or (allowed is not None and not len(allowed)):
+        searching = index.settings.search  # the cascade reads the search settings only
+        if index.candidates.ntotal == 0 or (allowed is not None and not len(allowed)):
             return np.zeros(0, np.int64)
-        if settings.summaries and settings.rerank and allowed is None and index.codes is not None \
-                and approx is not None:
-            return self._summary_candidates(queries, approx)
+        codes = index.codes if approx is not None else None
+        if searching.summaries and searching.rerank and allowed is None and codes is not None:
+            found, uncoded = self._summary_cut(queries)
+        else:
+            uniq, summed, live = self._recall(queries, allowed)
+            limit = searching.rerank
+            if not limit or live.sum() <= limit:
+                return uniq[live]
+            kept = self._first_cut(uniq, summed, live,
+                                   limit if codes is None else searching.prescore or len(uniq))
+            if codes is None:
+                return kept
+            coded = codes.covered(index.items, kept)
+            found, uncoded = kept[coded], kept[~coded]
+        assert approx is not None
+        return np.sort(np.concatenate([self._code_cut(found, queries, approx), uncoded]))
+
+    # -- the stages of the candidate cascade, in order ---------------------------------------------------
+    def _recall(self, queries: np.ndarray, allowed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The backend's recall: each query's k' nearest fragments (k' = 0: every fragment with a positive
+        score) -> the distinct items they belong to (ascending), the sum of their positive backend
+        scores, and which of them are live (and `allowed`)."""
+        index = self.index
+        backend, searching, shared = index.candidates, index.settings.search, index.shared
         only = None if shared is not None else allowed  # shared fragments: their representatives' items differ
-        if settings.k_prime:
+        if searching.k_prime:
             search = backend.search if shared is not None else backend.search_items
-            scores, found = search(queries, settings.k_prime, only)
+            scores, found = search(queries, searching.k_prime, only)
             scores, found = scores[found >= 0], found[found >= 0]
         else:
             scores, found = backend.search_positive(queries, only)
@@ -258,52 +300,52 @@ class Ranker(Generic[P]):
         live = index.items.live_among(uniq)
         if allowed is not None:
             live &= np.isin(uniq, allowed, assume_unique=True)
-        limit = settings.rerank
-        if not limit or live.sum() <= limit:
-            return uniq[live]
-        codes = index.codes if approx is not None else None
-        first = limit if codes is None else settings.prescore or len(uniq)
+        return uniq, summed, live
+
+    def _first_cut(self, uniq: np.ndarray, summed: np.ndarray, live: np.ndarray, first: int) -> np.ndarray:
+        """The `first` live recalled items with the best partial score (`_prescore`), ties to the smaller
+        id as in the final ranking; every live one when they are no more."""
         if live.sum() > first:
             partial = self._prescore(summed, np.where(live, uniq, 0))
             partial[~live] = -1.0
-            keep = best_positions(partial, uniq, first)  # ties to the smaller id, as the final ranking
-        else:
-            keep = np.flatnonzero(live)
-        kept = uniq[keep]
-        if codes is None or approx is None:
-            return kept
-        coded = codes.covered(index.items, kept)
-        return self._code_cut(kept[coded], kept[~coded], queries, approx)
+            return uniq[best_positions(partial, uniq, first)]
+        return uniq[np.flatnonzero(live)]
 
-    def _summary_candidates(self, queries: np.ndarray, approx: ApproxScore) -> np.ndarray:
-        """The first cut by the items' summaries (`settings.summaries` best of every live item with
-        codes), then the codes' cut; live items without codes yet (added since the last save) all kept."""
+    def _summary_cut(self, queries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The first cut by the items' summaries instead of the backend's recall: the `SearchSettings.summaries`
+        best of every live item with codes, and the live items without codes yet (added since the last
+        save), all kept."""
         index = self.index
         codes = index.codes
         assert codes is not None
-        ids, scores = codes.summary_scores(index.items, queries, SHORTLIST * index.settings.summaries)
-        if len(ids) > index.settings.summaries:
-            ids = ids[best_positions(scores, ids, index.settings.summaries)]
+        ids, scores = codes.summary_scores(index.items, queries, SHORTLIST * index.settings.search.summaries)
+        if len(ids) > index.settings.search.summaries:
+            ids = ids[best_positions(scores, ids, index.settings.search.summaries)]
         live = index.items.live()
-        return self._code_cut(ids, live[~codes.covered(index.items, live)], queries, approx)
+        return ids, live[~codes.covered(index.items, live)]
 
-    def _code_cut(self, found: np.ndarray, uncoded: np.ndarray, queries: np.ndarray, approx: ApproxScore
-                  ) -> np.ndarray:
-        """The `rerank` best of the candidates `found` (with codes) by their first code's score (and the
-        `refine` best of those by both codes' first), beside the candidates `uncoded`, all kept."""
-        settings, codes = self.index.settings, self.index.codes
+    def _code_cut(self, found: np.ndarray, queries: np.ndarray, approx: ApproxScore) -> np.ndarray:
+        """The codes' step: the `rerank` best of the candidates `found` (with codes) by their first code's
+        score; with refining codes and `refine` N > `rerank`, the N best of it go through `_refine` instead."""
+        searching, codes = self.index.settings.search, self.index.codes
         assert codes is not None
-        limit = settings.rerank
-        if len(found) > limit:
-            refine = settings.refine if codes.refined is not None and settings.refine > limit else 0
-            if len(found) > refine:  # the first code's score, and the `refine` best of it kept
-                scores = codes.scores(self.index.items, found, queries, approx)
-                if refine:
-                    found = found[best_positions(scores, found, refine)]
-            if refine:  # scored on both codes
-                scores = codes.scores(self.index.items, found, queries, approx, refined=True)
-            found = found[best_positions(scores, found, limit)]
-        return np.sort(np.concatenate([found, uncoded]))
+        limit = searching.rerank
+        if len(found) <= limit:
+            return found
+        refine = searching.refine if codes.refined is not None and searching.refine > limit else 0
+        if len(found) > refine:  # the first code's score
+            scores = codes.scores(self.index.items, found, queries, approx)
+            if not refine:
+                return found[best_positions(scores, found, limit)]
+            found = found[best_positions(scores, found, refine)]
+        return self._refine(found, queries, approx)
+
+    def _refine(self, found: np.ndarray, queries: np.ndarray, approx: ApproxScore) -> np.ndarray:
+        """The refining step: the `rerank` best of `found` scored on both codes (the first and the refining one)."""
+        codes = self.index.codes
+        assert codes is not None
+        scores = codes.scores(self.index.items, found, queries, approx, refined=True)
+        return found[best_positions(scores, found, self.index.settings.search.rerank)]
 
     def _prescore(self, partial: np.ndarray, items: np.ndarray) -> np.ndarray:
         """Partial S_kl of candidates from their retrieved fragments: the sum over the item's fragment
@@ -337,7 +379,7 @@ class Ranker(Generic[P]):
     def _top_of(self, items: np.ndarray, score: Score, k: int) -> list[Ranked[P]]:
         """The k best of candidate `items` by `score` (the exact re-rank), as `rank` returns them."""
         vecs, mask = self.index.stored.vectors(items)
-        top = top_k(score(vecs, mask).numpy(), items, k)
+        top = top_k(score(vecs, mask)[:, 0].numpy(), items, k)
         keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
         vecs, mask, items = vecs[keep], mask[keep], items[keep]
         payloads = self.index.payloads(items.tolist())

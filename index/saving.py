@@ -7,7 +7,7 @@ An index folder holds
     faiss-*.index         the FAISS candidate index (ids: index.ids), with the FAISS backend
     store-*.npy           fragment vectors for the exact re-rank (memory-mapped)
     codes-*.npy           the prescore codes of the store's rows and their projection (index.codes),
-                          with `IndexSettings.codes`; derived at the save for every segment they lack
+                          with `IndexShape.codes`; derived at the save for every segment they lack
 
 `save()` writes new files under fresh names (temp file, fsync, rename), makes the candidate state
 durable (a new FAISS file; or a Milvus flush), then commits one SQLite transaction that points
@@ -35,11 +35,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from index.ann import FAISS_PREFIX
 from index.candidates import CandidateBackend
 from index.catalogue import Catalogue
 from index.codes import CODES_PREFIX, CodesInfo, PrescoreCodes, derive
 from index.compaction import STORE_PREFIX, STORE_SUFFIX, compact
-from index.faiss_backend import FAISS_PREFIX
 from index.files import unique_name
 from index.items import ItemTable
 from index.locks import ReadWriteLock
@@ -92,9 +92,9 @@ def save(index: SavedIndex) -> None:
                 rows.append(store.write_live(index.root / name))
                 files.append(name)
             files, rows = compact(index.root, store, items, gen, files, rows, seg, off, created)
-            codes_info = derive(index.root, store, files, rows, index.settings.codes, index.codes,
+            codes_info = derive(index.root, store, files, rows, index.settings.shape.codes, index.codes,
                                 lambda size: index.stored.sample(items.live(), size), gen, created,
-                                refine=index.settings.refine_codes)
+                                refine=index.settings.shape.refine_codes)
             backend_info = index.candidates.persist(index.root, gen, created)
             commit(index, gen, files, rows, seg, off, {**backend_info, "codes": codes_info and codes_info.to_dict()})
         except BaseException as e:

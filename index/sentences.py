@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 from tqdm import tqdm
@@ -21,6 +20,7 @@ from tqdm import tqdm
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.matches import matches
+from index.ranker import exact_score
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
 from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 ENCODE_CHUNK = 512  # sentences parsed and embedded at a time
 DEFAULT_RERANK = 100
-DEFAULT_SETTINGS = IndexSettings(k_prime=0, rerank=DEFAULT_RERANK)
+DEFAULT_SETTINGS = IndexSettings.of(k_prime=0, rerank=DEFAULT_RERANK)
 
 
 @dataclass
@@ -57,7 +57,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         take every sentence fragment with a positive score (few distinct ones: captions share
         triplets) and score the `DEFAULT_RERANK` best candidates exactly."""
         settings = settings or DEFAULT_SETTINGS
-        if settings.store_dtype == "int8":  # shared fragments are told apart by their stored values
+        if settings.shape.store_dtype == "int8":  # shared fragments are told apart by their stored values
             raise ValueError("a sentence index keeps its store in float32 or float16, not int8")
         index: SentenceIndex = cls._create(root, bundle, settings, backend)
         return index
@@ -69,14 +69,12 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         return index
 
     # -- adding -----------------------------------------------------------------------------------
-    def add_sentences(self, texts: Sequence[str]) -> list[int]:
-        """Parse, embed and insert sentences; returns the ids of those added, in order. Empty
-        sentences and sentences without a usable fragment are skipped (and counted in the log)."""
-        keep = [t.strip() for t in texts if t.strip()]
-        return self._add_chunks(keep, None)
-
-    def add_parsed(self, parsed: Sequence[ParsedSentence], texts: Sequence[str]) -> list[int]:
-        """Like add_sentences for sentences parsed already (e.g. the trainer's cached parses)."""
+    def add(self, texts: Sequence[str], parsed: Sequence[ParsedSentence] | None = None) -> list[int]:
+        """Parse, embed and insert sentences (`parsed`: their parses made already, e.g. the trainer's
+        cached ones, one per text); returns the ids of those added, in order. Without `parsed`, empty
+        sentences are left out; sentences without a usable fragment are skipped (and counted in the log)."""
+        if parsed is None:
+            return self._add_chunks([t.strip() for t in texts if t.strip()], None)
         return self._add_chunks(list(texts), list(parsed))
 
     def _add_chunks(self, texts: list[str], parsed: list[ParsedSentence] | None) -> list[int]:
@@ -109,45 +107,20 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
             p = self.payloads([sentence_id])[sentence_id]
         return SentenceRecord(sentence_id, p.text, [t.text() for t in p.triplets])
 
-    def annotate(self, image: Image.Image, k: int = 10) -> list[SentenceHit]:
-        """Top k sentences for an image; alignment boxes are in the image's own pixels."""
-        return self.annotate_page(image, 0, k).hits
-
-    def annotate_page(self, image: Image.Image, offset: int, limit: int) -> Page[SentenceHit]:
-        """Sentences ranked offset + 1 .. offset + limit for an image (boxes in its own pixels)."""
-        return self.annotate_embedded(embed_image(self.bundle, image), offset, limit)
-
-    def annotate_fragments(self, frags: ImageFragments, k: int = 10, exhaustive: bool = False) -> list[SentenceHit]:
-        """Top k sentences for extracted image fragments (features (F, 1280), boxes (F, 4))."""
-        return self.annotate_embedded(embed_extracted(self.bundle, [frags])[0], 0, k, exhaustive).hits
-
-    def annotate_embedded(self, image: EmbeddedImage, offset: int, limit: int,
-                          exhaustive: bool = False) -> Page[SentenceHit]:
-        """Sentences ranked offset + 1 .. offset + limit for an embedded image."""
-        return self.annotate_vectors_page(image.vectors, image.boxes, offset, limit, exhaustive)
-
-    def annotate_exhaustive(self, frags: ImageFragments, k: int = 10) -> list[SentenceHit]:
-        """Top k sentences by the exact score over the whole collection (no candidate stage)."""
-        return self.annotate_fragments(frags, k, exhaustive=True)
-
     @torch.inference_mode()
-    def annotate_vectors(self, img: torch.Tensor, boxes: np.ndarray, k: int = 10,
-                         exhaustive: bool = False) -> list[SentenceHit]:
-        """Top k sentences for image fragments img (F, h) with boxes (F, 4)."""
-        return self.annotate_vectors_page(img, boxes, 0, k, exhaustive).hits
-
-    @torch.inference_mode()
-    def annotate_vectors_page(self, img: torch.Tensor, boxes: np.ndarray, offset: int, limit: int,
-                              exhaustive: bool = False) -> Page[SentenceHit]:
-        """Sentences ranked offset .. offset + limit - 1 for image fragments img (F, h) with boxes (F, 4)."""
-        img = torch.as_tensor(img, dtype=torch.float32)
-        img_mask = torch.ones(1, len(img))
-
-        def score(sent: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.bundle.scores(img[None], img_mask, sent, mask)[0]
-
-        ranked, considered = self.ranker.rank(img.numpy(), score, offset + limit, exhaustive)
-        return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, boxes, self.bundle.blocks))
+    def annotate(self, image: Image.Image | ImageFragments | EmbeddedImage, k: int = 10, offset: int = 0,
+                 exhaustive: bool = False) -> Page[SentenceHit]:
+        """Sentences ranked offset + 1 .. offset + k for an image: decoded, extracted (features (F, 1280),
+        boxes (F, 4)) or embedded; alignment boxes are in the image's own pixels. `exhaustive` ranks
+        every sentence by the exact score (no candidate stage)."""
+        if isinstance(image, Image.Image):
+            image = embed_image(self.bundle, image)
+        elif isinstance(image, ImageFragments):
+            image = embed_extracted(self.bundle, [image])[0]
+        img = torch.as_tensor(image.vectors, dtype=torch.float32)
+        ranked, considered = self.ranker.rank(img.numpy(), exact_score(self.bundle, [img], "sentences"), offset + k,
+                                              exhaustive)
+        return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, image.boxes, self.bundle.blocks))
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
     # -- SQLite rows ------------------------------------------------------------------------------

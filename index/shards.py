@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from index.images import ImageIndex
+from index.images import ImageIndex, embedded_images
 from model.atomic import atomic_file
 from model.backbone import FEATURE_DIM
 from model.cache import config_key, config_payload, read_entry
@@ -238,8 +238,8 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
                 commit_images: int = COMMIT_IMAGES, remove_loaded: bool = False) -> int:
     """Add the images of the shards in ``folder`` that ``index`` does not hold yet (by path) → how many.
 
-    Goes through ``ImageIndex.add_extracted`` (the model embeds the features, the index's backend
-    stores them; ``add_vectors`` for embedded shards), streamed: ``chunk`` images embedded at a time,
+    Goes through ``ImageIndex.add`` (the model embeds the features, the index's backend stores them;
+    embedded shards' vectors as they are), streamed: ``chunk`` images embedded at a time,
     their vectors appended to the re-rank store (which spills to its folder past
     ``index.store.SPILL_BYTES``) and to the candidate index. A commit (``index.save``) follows every
     ``commit_images`` images and the last shard, so an interrupted load keeps what it committed and
@@ -271,7 +271,7 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
         while True:
             group: list[Path] = []
             waiting = 0
-            train = index.settings.trainable and not index.candidates.trained
+            train = index.settings.shape.trainable and not index.candidates.trained
             with index.bulk() if train else contextlib.nullcontext():
                 for path in remaining:
                     group.append(path)
@@ -296,16 +296,15 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
 
 def _load_shard(index: ImageIndex, shard: Shard, chunk: int) -> int:
     """Add the images of one shard the index does not hold yet, `chunk` at a time → how many."""
-    present = index.find_paths(shard.paths)
+    present = index.photos.find(shard.paths)
     rows = [k for k, p in enumerate(shard.paths) if p not in present]
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         if shard.embedded:
-            index.add_vectors(shard.features[part].astype(np.float32), shard.boxes[part], shard.sizes[part],
-                              [shard.names[k] for k in part], [shard.paths[k] for k in part])
+            index.add(embedded_images(shard.features[part].astype(np.float32), shard.boxes[part], shard.sizes[part]),
+                      [shard.names[k] for k in part], [shard.paths[k] for k in part], read_places=False)
             continue
-        index.add_extracted([shard.fragments(k) for k in part], [shard.names[k] for k in part],
-                            [shard.paths[k] for k in part])
+        index.add([shard.fragments(k) for k in part], [shard.names[k] for k in part], [shard.paths[k] for k in part])
     return len(rows)
 
 

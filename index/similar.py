@@ -25,7 +25,7 @@ from index.images import ImageIndex
 from index.matches import matches
 from index.sentences import SentenceIndex
 from index.types import ImageHit, ImageRecord, SentenceHit
-from model.embed import embed_image, embed_texts
+from model.embed import EmbeddedImage, embed_image, embed_texts
 from model.text import Triplet
 
 DESCRIPTIONS = 5
@@ -61,7 +61,7 @@ def rank_like(images: ImageIndex, img: torch.Tensor, exclude: int | None = None)
 def describe(sentences: SentenceIndex, images: ImageIndex, img: torch.Tensor, boxes: np.ndarray,
              descriptions: int) -> tuple[list[SentenceHit], torch.Tensor | None, list[Triplet]]:
     """The query's best `descriptions` sentences, and their fragments (T, h) with triplets, together."""
-    described = sentences.annotate_vectors(img, boxes, descriptions)
+    described = sentences.annotate(EmbeddedImage(img, boxes, 0, 0), descriptions).hits  # no size needed to rank
     if not described:
         return [], None, []
     parts = [(s, t) for s, t in embed_texts(images.bundle, [h.text for h in described]) if len(s)]

@@ -9,7 +9,7 @@ bulk load of millions of fragments therefore holds at most `SPILL_BYTES` of them
 file is a temp file (`model.atomic.temp_path`): no commit names it, so a crash leaves the last
 committed state and the next save removes it.
 
-Precisions (`IndexSettings.store_dtype`): float32, float16 (the default for large collections), and
+Precisions (`IndexShape.store_dtype`): float32, float16 (the default for large collections), and
 int8: each fragment scaled by its largest absolute coordinate / 127 and rounded, the scale kept
 as a float32 in the row's last 4 bytes (dim + 4 bytes a fragment; reads give q * scale).
 """

@@ -203,7 +203,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
     manifest = {rel: e for rel, e in read_manifest(index.root).items() if index.contains(e.image_id)}
     on_disk, report.unsupported = walk(folder, exclude)
     # images committed by an interrupted run before its manifest was written: adopt them
-    adopt = index.find_paths([folder / rel for rel in on_disk if rel not in manifest])
+    adopt = index.photos.find([folder / rel for rel in on_disk if rel not in manifest])
     for path, image_id in adopt.items():
         rel = Path(path).relative_to(folder).as_posix()
         st = on_disk[rel]
@@ -252,13 +252,13 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
     while start < len(to_add):
         part = to_add[start : start + commit_interval(len(index), save_every)]
         start += len(part)
-        added = index.add_paths([folder / rel for rel in part], workers=workers)
+        added = index.photos.add([folder / rel for rel in part], workers=workers)
         for path, reason in added.skipped:
             rel = Path(path).relative_to(folder).as_posix() if Path(path).is_relative_to(folder) else path
             report.unreadable.append((rel, reason))
             failed.add(rel)
         index.save()
-        ids = index.find_paths([folder / rel for rel in part])
+        ids = index.photos.find([folder / rel for rel in part])
         for path, image_id in ids.items():
             rel = Path(path).relative_to(folder).as_posix()
             st = on_disk[rel]
@@ -271,7 +271,7 @@ def sync_folder(index: ImageIndex, folder: Path, workers: int = 1, save_every: i
         report.changed = [r for r in report.changed if r not in failed]
         report.renamed = [(a, b) for a, b in report.renamed if b not in failed]
     write_manifest(index.root, folder, manifest)
-    index.read_missing_places()  # images indexed before the date and place were kept
+    index.photos.read_missing_places()  # images indexed before the date and place were kept
     logger.info("synced %s into %s: %s", folder, index.root, report.summary())
     return report
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.folder.resolve()
     out = args.out or collection_index(a, folder)
     bundle = Bundle.load(args.model)
-    index = open_index(out, bundle, folder, args.cache, IndexSettings(kind=args.index_kind))
+    index = open_index(out, bundle, folder, args.cache, IndexSettings.of(kind=args.index_kind))
     try:
         report = sync_folder(index, folder, workers=args.workers, save_every=args.save_every, exclude=args.exclude)
     finally:

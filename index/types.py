@@ -11,9 +11,6 @@ from index.places import Place
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
-# Fields that shape the stored FAISS index; the others only change how it is searched.
-STRUCTURAL = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "pretransform", "store_dtype", "codes",
-              "refine_codes")
 
 
 class IndexLoadError(ValueError):
@@ -29,34 +26,20 @@ class IndexFullError(OSError):
 
 
 @dataclass(frozen=True)
-class IndexSettings:
-    """How fragment vectors are indexed and searched.
+class IndexShape:
+    """What a saved index is: the stored FAISS index's structure, the re-rank store's precision and the
+    prescore codes it keeps. Saved with the index (its `info`); changing a field means a rebuild.
 
     kind: "flat" (exact inner product), "hnsw" (graph), "ivf" (inverted lists, raw vectors) or
     "ivfpq" (inverted lists, product-quantised codes). `pretransform` is an optional FAISS
     pre-transform in index-factory syntax ("PCA256", "OPQ50_500") applied before hnsw / ivf / ivfpq.
-    `k_prime`: neighbours fetched per query fragment in the candidate stage (0: every fragment with a
-    positive score, by range search; meant with `rerank`, for collections that share fragments).
-    `rerank` R > 0 keeps the R candidates with the best partial score (their retrieved fragments'
-    positive FAISS scores, summed and normalised as S_kl is) for the exact re-rank: fetch many, score few.
     `store_dtype`: precision of the re-rank store (the vectors the exact score reads): float32, float16
     (half the bytes; the choice for large collections, `large_collection`), int8 (a quarter plus 4 bytes
     a fragment: per-fragment scale, index.store; image indexes only).
     `codes` d > 0 keeps a d-dimensional int8 prescore code of every stored fragment (d + 4 bytes,
-    index.codes; `FragmentIndex.add_codes` gives an index built without them its codes). With codes
-    and `rerank` R, a search scores its candidates approximately on their codes (the exact score of
-    the decoded codes against the projected queries) and reads the full vectors of the R best only;
-    `prescore` P > 0 first keeps the P candidates with the best partial score for that (0: all of them).
+    index.codes; `FragmentIndex.add_codes` gives an index built without them its codes).
     `refine_codes` d2 > 0 keeps a second, refining code of every fragment (on the directions the first
-    leaves out, also in memory); with it, `refine` N > 0 keeps the N candidates with the best score on
-    the first code and scores them on both codes before the cut to the R best (0: no second step).
-    `summaries` S > 0 (with codes and `rerank`): the first cut is a scan of every live item's summary
-    (its mean first code, index.codes) keeping the S best instead of the candidate backend's recall and
-    partial score; `prescore` then does not apply (the S are scored on their codes). A search with a
-    date or place filter still uses the candidate backend.
-    `exact_below`: a collection of at most this many live fragments is searched by the exact score over
-    every item, without the candidate stage (at that size the scan costs less than the candidate
-    search and agrees with the exact ranking by definition); 0 always uses the candidates.
+    leaves out, also in memory), for `SearchSettings.refine`.
     """
 
     kind: str = "flat"
@@ -65,48 +48,27 @@ class IndexSettings:
     nbits: int = 4  # bits per sub-vector code (ivfpq); 4 uses FAISS fast-scan codes
     hnsw_m: int = 32  # graph degree (hnsw)
     ef_construction: int = 40  # hnsw build beam
-    ef_search: int = 128  # hnsw search beam
-    nprobe: int = 32  # inverted lists visited per query fragment (ivf, ivfpq)
-    k_prime: int = 128
-    rerank: int = 0  # exact re-rank of every candidate (0), or of the R with the best partial FAISS score
     pretransform: str = ""
     store_dtype: str = "float32"
     train_size: int = 0  # vectors needed before ivf / ivfpq is trained; 0: 39 per list (and 39 * 2^nbits)
-    use_gpu: bool = False  # search on a GPU copy where faiss-gpu and a GPU are present
-    exact_below: int = 50_000  # live fragments under which a search scans every item exactly
     codes: int = 0  # dimensions of the prescore codes (0: none)
-    prescore: int = 0  # candidates (by partial score) whose codes are scored, with codes and rerank (0: all)
     refine_codes: int = 0  # dimensions of the refining codes (0: none; only with codes)
-    refine: int = 0  # candidates (by the first code's score) scored on both codes (0: no second step)
-    summaries: int = 0  # items kept by the scan of every item's summary as the first cut (0: the candidates')
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"index kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
-        for name in ("nlist", "m", "nbits", "hnsw_m", "ef_construction", "ef_search", "nprobe"):
+        for name in ("nlist", "m", "nbits", "hnsw_m", "ef_construction"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if self.k_prime < 0:
-            raise ValueError(f"k_prime must be >= 0 (0: every neighbour with a positive score), got {self.k_prime}")
-        if self.rerank < 0:
-            raise ValueError(f"rerank must be >= 0, got {self.rerank}")
         if self.train_size < 0:
             raise ValueError(f"train_size must be >= 0, got {self.train_size}")
-        if self.exact_below < 0:
-            raise ValueError(f"exact_below must be >= 0, got {self.exact_below}")
         if self.codes < 0:
             raise ValueError(f"codes must be >= 0 (0: no prescore codes), got {self.codes}")
-        if self.prescore < 0:
-            raise ValueError(f"prescore must be >= 0 (0: every candidate), got {self.prescore}")
         if self.refine_codes < 0 or (self.refine_codes and not self.codes):
             raise ValueError(f"refine_codes must be >= 0 and needs codes > 0, got {self.refine_codes} "
                              f"with codes {self.codes}")
-        if self.refine < 0:
-            raise ValueError(f"refine must be >= 0 (0: no second step), got {self.refine}")
-        if self.summaries < 0:
-            raise ValueError(f"summaries must be >= 0 (0: the candidate backend's first cut), got {self.summaries}")
 
     @property
     def trainable(self) -> bool:
@@ -134,40 +96,124 @@ class IndexSettings:
         codes = f"PQ{self.m}x4fs" if self.nbits == 4 else f"PQ{self.m}x{self.nbits}"  # 4 bits: fast-scan
         return f"{pre}IVF{self.nlist},{codes}"
 
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """How a search walks the candidate cascade (index.ranker); changed at any time (`set_search`, or
+    the overrides of a load) without a rebuild.
+
+    `k_prime`: neighbours fetched per query fragment in the candidate stage (0: every fragment with a
+    positive score, by range search; meant with `rerank`, for collections that share fragments).
+    `rerank` R > 0 keeps the R candidates with the best partial score (their retrieved fragments'
+    positive FAISS scores, summed and normalised as S_kl is) for the exact re-rank: fetch many, score few.
+    With prescore codes (`IndexShape.codes`) and `rerank` R, a search scores its candidates
+    approximately on their codes (the exact score of the decoded codes against the projected queries)
+    and reads the full vectors of the R best only; `prescore` P > 0 first keeps the P candidates with
+    the best partial score for that (0: all of them). With refining codes, `refine` N > 0 keeps the N
+    candidates with the best score on the first code and scores them on both codes before the cut to
+    the R best (0: no second step).
+    `summaries` S > 0 (with codes and `rerank`): the first cut is a scan of every live item's summary
+    (its mean first code, index.codes) keeping the S best instead of the candidate backend's recall and
+    partial score; `prescore` then does not apply (the S are scored on their codes). A search with a
+    date or place filter still uses the candidate backend.
+    `exact_below`: a collection of at most this many live fragments is searched by the exact score over
+    every item, without the candidate stage (at that size the scan costs less than the candidate
+    search and agrees with the exact ranking by definition); 0 always uses the candidates.
+    """
+
+    ef_search: int = 128  # hnsw search beam
+    nprobe: int = 32  # inverted lists visited per query fragment (ivf, ivfpq)
+    k_prime: int = 128
+    rerank: int = 0  # exact re-rank of every candidate (0), or of the R with the best partial FAISS score
+    use_gpu: bool = False  # search on a GPU copy where faiss-gpu and a GPU are present
+    exact_below: int = 50_000  # live fragments under which a search scans every item exactly
+    prescore: int = 0  # candidates (by partial score) whose codes are scored, with codes and rerank (0: all)
+    refine: int = 0  # candidates (by the first code's score) scored on both codes (0: no second step)
+    summaries: int = 0  # items kept by the scan of every item's summary as the first cut (0: the candidates')
+
+    def __post_init__(self) -> None:
+        for name in ("ef_search", "nprobe"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.k_prime < 0:
+            raise ValueError(f"k_prime must be >= 0 (0: every neighbour with a positive score), got {self.k_prime}")
+        if self.rerank < 0:
+            raise ValueError(f"rerank must be >= 0, got {self.rerank}")
+        if self.exact_below < 0:
+            raise ValueError(f"exact_below must be >= 0, got {self.exact_below}")
+        if self.prescore < 0:
+            raise ValueError(f"prescore must be >= 0 (0: every candidate), got {self.prescore}")
+        if self.refine < 0:
+            raise ValueError(f"refine must be >= 0 (0: no second step), got {self.refine}")
+        if self.summaries < 0:
+            raise ValueError(f"summaries must be >= 0 (0: the candidate backend's first cut), got {self.summaries}")
+
+
+SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(IndexShape))
+SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(SearchSettings))
+# the order of the fields in a saved index's `info` (that of the one type both were before)
+SAVED_ORDER = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "ef_search", "nprobe", "k_prime", "rerank",
+               "pretransform", "store_dtype", "train_size", "use_gpu", "exact_below", "codes", "prescore",
+               "refine_codes", "refine", "summaries")
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """An index's settings: its `shape` (saved, a rebuild to change) and its `search` settings.
+    `IndexSettings.of(kind="ivf", k_prime=64)` takes the fields of both by name."""
+
+    shape: IndexShape = field(default_factory=IndexShape)
+    search: SearchSettings = field(default_factory=SearchSettings)
+
+    @classmethod
+    def of(cls, **fields: Any) -> IndexSettings:
+        """Settings from the fields of both types by name (TypeError for an unknown one)."""
+        unknown = sorted(set(fields) - set(SHAPE_FIELDS) - set(SEARCH_FIELDS))
+        if unknown:
+            raise TypeError(f"unknown index settings: {', '.join(unknown)}")
+        return cls(IndexShape(**{k: v for k, v in fields.items() if k in SHAPE_FIELDS}),
+                   SearchSettings(**{k: v for k, v in fields.items() if k in SEARCH_FIELDS}))
+
     def describe(self) -> str:
         """Short parameter string for logs and benchmark tables."""
-        parts = [f"k_prime={self.k_prime or 'positive'}", f"store={self.store_dtype}"]
-        if self.rerank:
-            parts.insert(1, f"rerank={self.rerank}")
-        if self.codes:
-            parts.insert(1, f"codes={self.codes}" + (f";prescore={self.prescore}" if self.prescore else "")
-                         + (f";refine_codes={self.refine_codes};refine={self.refine}" if self.refine_codes else "")
-                         + (f";summaries={self.summaries}" if self.summaries else ""))
-        if self.pretransform:
-            parts.insert(0, f"pre={self.pretransform}")
-        if self.kind in ("ivf", "ivfpq"):
-            parts[:0] = [f"nlist={self.nlist}", f"nprobe={self.nprobe}"]
-        if self.kind == "ivfpq":
-            parts.insert(1, f"m={self.m}x{self.nbits}")
-        if self.kind == "hnsw":
-            parts[:0] = [f"M={self.hnsw_m}", f"ef_search={self.ef_search}"]
+        shape, search = self.shape, self.search
+        parts = [f"k_prime={search.k_prime or 'positive'}", f"store={shape.store_dtype}"]
+        if search.rerank:
+            parts.insert(1, f"rerank={search.rerank}")
+        if shape.codes:
+            parts.insert(1, f"codes={shape.codes}" + (f";prescore={search.prescore}" if search.prescore else "")
+                         + (f";refine_codes={shape.refine_codes};refine={search.refine}" if shape.refine_codes else "")
+                         + (f";summaries={search.summaries}" if search.summaries else ""))
+        if shape.pretransform:
+            parts.insert(0, f"pre={shape.pretransform}")
+        if shape.kind in ("ivf", "ivfpq"):
+            parts[:0] = [f"nlist={shape.nlist}", f"nprobe={search.nprobe}"]
+        if shape.kind == "ivfpq":
+            parts.insert(1, f"m={shape.m}x{shape.nbits}")
+        if shape.kind == "hnsw":
+            parts[:0] = [f"M={shape.hnsw_m}", f"ef_search={search.ef_search}"]
         return ";".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields of both, by name, in one mapping: the form an index folder saves (its `info`)."""
+        both = {**dataclasses.asdict(self.shape), **dataclasses.asdict(self.search)}
+        return {name: both[name] for name in SAVED_ORDER}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> IndexSettings:
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls.of(**{k: v for k, v in data.items() if k in SHAPE_FIELDS or k in SEARCH_FIELDS})
 
     def with_search(self, **changes: Any) -> IndexSettings:
         """A copy with search-time fields changed (nprobe, ef_search, k_prime, rerank, prescore, refine,
-        use_gpu, exact_below)."""
-        bad = sorted(set(changes) & set(STRUCTURAL))
+        use_gpu, exact_below, summaries)."""
+        bad = sorted(set(changes) & set(SHAPE_FIELDS))
         if bad:
             raise ValueError(f"{', '.join(bad)} shape the stored index: rebuild it to change them")
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, search=dataclasses.replace(self.search, **changes))
+
+    def with_shape(self, **changes: Any) -> IndexSettings:
+        """A copy with fields of the shape changed (for a new index, or a rebuild)."""
+        return dataclasses.replace(self, shape=dataclasses.replace(self.shape, **changes))
 
 
 @dataclass

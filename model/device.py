@@ -109,8 +109,8 @@ def placement(call: str, kind: str, gpu: bool, nbits: int = 8, k: int = 1) -> st
     call: "knn" (the k nearest fragments: candidate recall, region candidates), "range" (every
     fragment with a positive score: k' = 0), "exact" (the exact S_kl scan and re-rank), "prescore"
     (S_kl of many candidates' prescore codes, index.codes) or "write"
-    (add, remove, train); kind: the FAISS kind searched now (`AnnIndex.active_kind`); gpu: the model is
-    on a GPU and faiss has one (`IndexSettings.use_gpu` and faiss-gpu); nbits: ivfpq's code bits;
+    (add, remove, train); kind: the FAISS kind searched now (`FaissCandidates.active_kind`); gpu: the model is
+    on a GPU and faiss has one (`SearchSettings.use_gpu` and faiss-gpu); nbits: ivfpq's code bits;
     k: neighbours per query of a knn call.
 
     FAISS's GPU indexes have no range search, so a range search never runs on a GPU copy: a flat

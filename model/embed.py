@@ -76,6 +76,14 @@ def embed_sentence(bundle: Bundle, text: str) -> tuple[torch.Tensor, list[Triple
     return embed_texts(bundle, [text], strict=True)[0]
 
 
+@dataclass
+class EmbeddedSentence:
+    """A sentence as embedded fragments (T, h), and the triplets that name its rows (None: unnamed)."""
+
+    vectors: torch.Tensor
+    triplets: Sequence[Triplet] | None = None
+
+
 def embed_phrase(bundle: Bundle, phrase: str) -> tuple[torch.Tensor, list[Triplet]]:
     """A short phrase, or one triplet written "rel(w1, w2)" with a kept relation and known words
     (fragment models with static word vectors), -> fragments (T, h) and triplets."""

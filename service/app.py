@@ -205,9 +205,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     metrics.track_searches(searches)
 
     errors.install(app)
-    app.include_router(search.build_router())
-    app.include_router(images.build_router())
-    app.include_router(health.build_router())
+    app.include_router(search.router)
+    app.include_router(images.router)
+    app.include_router(health.router)
     upload_limit = settings.max_upload_bytes  # the one body-size rule: each route's limit, while the body streams in
     app.add_middleware(BodyLimitMiddleware, limits={"/annotate": upload_limit, "/images": upload_limit,
                                                            "/search/similar": upload_limit},

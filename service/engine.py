@@ -153,7 +153,7 @@ class Engine:
                       ) -> Page[ImageHit]:
         """Images ranked offset + 1 .. offset + k for a sentence (among those that pass `where`)."""
         try:
-            return self.images.search_page(sentence, offset, k, where=where)
+            return self.images.search(sentence, k, offset, where=where)
         except NoFragmentsError as e:
             raise no_fragments(e, "sentence") from e
 
@@ -184,7 +184,7 @@ class Engine:
     def search_fragments(self, phrase: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions ranked offset + 1 .. offset + k for a phrase."""
         try:
-            return self.images.search_fragments_page(phrase, offset, k)
+            return self.images.search_fragments(phrase, k, offset)
         except NoFragmentsError as e:
             raise no_fragments(e, "phrase") from e
 
@@ -209,7 +209,7 @@ class Engine:
                                f"(FRAGSEARCH_DATA; {self.settings.data} has none)")
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
         decoded = self.decode(data)
-        return decoded, self.sentences.annotate_page(decoded.image, offset, k)
+        return decoded, self.sentences.annotate(decoded.image, k, offset)
 
     def thumbnail_file(self, image_id: int, size: int | None) -> Path | None:
         """The cached thumbnail of an indexed image (made when missing; size None: a full-size JPEG rendition),
@@ -252,7 +252,7 @@ class Engine:
             image_id: int | None = None
             try:
                 decoded.image.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)
-                image_id = self.images.add_image(decoded.image, name, path)
+                [image_id] = self.images.add([decoded.image], [name], [path])
                 self.images.save()
             except BaseException as e:
                 if image_id is not None:

@@ -254,8 +254,9 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path | None:
 
 def _index_settings(settings: Settings, base: IndexSettings | None = None) -> IndexSettings:
     """The index settings of a new index: `base` (default IndexSettings()) with the kind and device set."""
-    return dataclasses.replace(base or IndexSettings(), kind=settings.index_kind,
-                               use_gpu=device_name(settings.device).startswith("cuda"))
+    chosen = base or IndexSettings()
+    return IndexSettings(dataclasses.replace(chosen.shape, kind=settings.index_kind),
+                         dataclasses.replace(chosen.search, use_gpu=device_name(settings.device).startswith("cuda")))
 
 
 def built_backend(root: Path) -> str | None:

@@ -41,8 +41,8 @@ DEADLINE = 600.0
 # will hold, and every sentence fragment with a positive score without a re-rank limit. So every ranked
 # route goes through the backend (FAISS or Milvus) and the exact re-rank, and answers as the scan does
 # (test_service.py compares the two, and checks the path on /metrics).
-IMAGE_SETTINGS = IndexSettings(exact_below=0, k_prime=4096)
-SENTENCE_SETTINGS = IndexSettings(exact_below=0, k_prime=0, rerank=0)
+IMAGE_SETTINGS = IndexSettings.of(exact_below=0, k_prime=4096)
+SENTENCE_SETTINGS = IndexSettings.of(exact_below=0, k_prime=0, rerank=0)
 
 
 @dataclass
@@ -127,12 +127,12 @@ def service_env(request: pytest.FixtureRequest, shapes_model: ShapesModel,
     train = load_split(shapes_model.data, "train")
     cache = feature_cache(shapes_model.cache, bundle.image_cfg)
     images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=cache, backend=backend)
-    images.add_paths([dev.image_path(n) for n in dev.images])
+    images.photos.add([dev.image_path(n) for n in dev.images])
     images.save()
     sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS, backend=backend)
     texts, _ = train.sentences()
     dev_texts, _ = dev.sentences()
-    sentences.add_sentences(texts + dev_texts)
+    sentences.add(texts + dev_texts)
     sentences.save()
     settings = make_settings(shapes_model, root, index_backend=backend.backend)
     engine = Engine(settings, bundle, images, sentences)
@@ -171,10 +171,10 @@ def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path) -> Engine:
     dev = load_split(shapes.data, "dev")
     images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=feature_cache(shapes.cache,
                                                                                              bundle.image_cfg))
-    images.add_paths([dev.image_path(n) for n in dev.images])
+    images.photos.add([dev.image_path(n) for n in dev.images])
     images.save()
     sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS)
-    sentences.add_sentences(load_split(shapes.data, "train").sentences()[0])
+    sentences.add(load_split(shapes.data, "train").sentences()[0])
     sentences.save()
     return Engine(make_settings(shapes, root), bundle, images, sentences)
 

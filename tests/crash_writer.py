@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from index import ImageIndex, saving
+from index.images import embedded_images
 from model.bundle import Bundle
 
 REBUILD_EVERY = 7  # operations between two builds of the candidate index
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             n = int(rng.integers(1, 4))
             vecs, boxes, sizes = random_images(rng, bundle.dim, n)
             names = [f"s{args.seed}-op{op}-{j}.jpg" for j in range(n)]
-            index.add_vectors(vecs, boxes, sizes, names, [f"/nonexistent/{name}" for name in names])
+            index.add(embedded_images(vecs, boxes, sizes), names, [f"/nonexistent/{name}" for name in names],
+                      read_places=False)
         if op % REBUILD_EVERY == REBUILD_EVERY - 1:
             index.rebuild()
         journal_state(args.journal, index.generation + 1, live_items(index))

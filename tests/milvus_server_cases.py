@@ -33,6 +33,7 @@ from bench.milvus_local import LocalServer, isolated, links, loopback_up
 from index import ImageIndex, IndexSettings, SentenceIndex
 from index import ids as fid
 from index.candidates import BackendOptions
+from index.images import embedded_images
 from index.milvus import ID, VECTOR, MilvusCandidates, search_collection
 from model.bundle import Bundle
 from model.data import load_split
@@ -209,10 +210,10 @@ def build_indexes(shapes: ShapesModel, bundle: Bundle, root: Path, uri: str) -> 
     images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=feature_cache(shapes.cache,
                                                                                              bundle.image_cfg),
                                backend=backend)
-    images.add_paths([dev.image_path(n) for n in dev.images])
+    images.photos.add([dev.image_path(n) for n in dev.images])
     images.save()
     sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS, backend=backend)
-    sentences.add_sentences(train.sentences()[0] + dev.sentences()[0])
+    sentences.add(train.sentences()[0] + dev.sentences()[0])
     sentences.save()
     return images, sentences
 
@@ -254,9 +255,9 @@ def test_search_filters_by_date_and_place_in_the_server(milvus: LocalServer, sha
 
     monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
     cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
-    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings(exact_below=0, k_prime=4096),
+    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings.of(exact_below=0, k_prime=4096),
                                cache=cache, collection_root=tmp_path / "album", backend=server_options(milvus))
-    images.add_paths(list(album.values()))
+    images.photos.add(list(album.values()))
     images.save()
     settings = make_settings(shapes_model, tmp_path, image_index=tmp_path / "images")
     with TestClient(create_app(settings, engine=Engine(settings, shapes_model.bundle, images, None))) as c:
@@ -274,7 +275,7 @@ def test_search_filters_by_date_and_place_in_the_server(milvus: LocalServer, sha
         assert names(taken_after="2024-07-14T10:30:00", taken_before="2024-07-14T10:30:01") == ["paris-july.jpg"]
         assert names(near={"lat": SYDNEY[0], "lon": SYDNEY[1], "km": 1}) == ["sydney.jpg"]
         assert names(near={"lat": 0, "lon": 0, "km": 1}) == []
-        images.remove(images.find_paths([album["paris-july"]])[str(album["paris-july"])])
+        images.remove(images.photos.find([album["paris-july"]])[str(album["paris-july"])])
         images.save()
         assert names(near={"lat": PARIS[0], "lon": PARIS[1], "km": 5}) == ["paris-august.jpg"]
         assert images.searches["candidates"] > 0 and images.searches["scan"] == 0
@@ -286,7 +287,8 @@ def crash_index(root: Path, log: Path, shapes: ShapesModel, uri: str) -> None:
     """A flat image index of 8 random images in the server at `uri`, saved once, and its journal."""
     index = ImageIndex.create(root, shapes.bundle, IndexSettings(), backend=BackendOptions("milvus", uri))
     vecs, boxes, sizes = writer_images(np.random.default_rng(99), shapes.bundle.dim, 8)
-    index.add_vectors(vecs, boxes, sizes, [f"seed-{i}.jpg" for i in range(8)], [f"/x/{i}" for i in range(8)])
+    index.add(embedded_images(vecs, boxes, sizes), [f"seed-{i}.jpg" for i in range(8)], [f"/x/{i}" for i in range(8)],
+              read_places=False)
     index.save()
     journal_state(log, index.generation, live_items(index))
     index.close()

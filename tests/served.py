@@ -51,15 +51,15 @@ def prepare(shapes: ShapesModel, root: Path) -> Collection:
     """Image and sentence indexes over the shapes collection, searched through FAISS (exact_below 0)."""
     bundle = shapes.bundle
     dev, train = load_split(shapes.data, "dev"), load_split(shapes.data, "train")
-    images = ImageIndex.create(root / "images", bundle, IndexSettings(exact_below=0),
+    images = ImageIndex.create(root / "images", bundle, IndexSettings.of(exact_below=0),
                                cache=feature_cache(shapes.cache, bundle.image_cfg))
-    images.add_paths([dev.image_path(n) for n in dev.images])
+    images.photos.add([dev.image_path(n) for n in dev.images])
     images.save()
     sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS.with_search(exact_below=0))
-    sentences.add_sentences(train.sentences()[0] + dev.sentences()[0])
+    sentences.add(train.sentences()[0] + dev.sentences()[0])
     sentences.save()
     for index in (images, sentences):
-        assert index.n_fragments > index.settings.exact_below  # every search goes through the candidates
+        assert index.n_fragments > index.settings.search.exact_below  # every search goes through the candidates
         index.close()
     return Collection(root, shapes, [captions[0] for captions in dev.captions[:5]] + ["a red circle"],
                       [dev.image_path(n).read_bytes() for n in dev.images[:3]],

@@ -125,7 +125,7 @@ def test_search_from_the_page_draws_images_and_boxes(served: str, page: Page) ->
 
 
 def test_more_like_this_from_the_page(served: str, service_env: ServiceEnv, page: Page) -> None:
-    query = service_env.engine.images.search("a red circle", 1)[0]
+    query = service_env.engine.images.search("a red circle", 1).hits[0]
     html = dom(page, f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 3}))
     ids = re.findall(r'<figure class="card" data-id="(\d+)"', html)
     assert len(ids) == 3 and str(query.image_id) not in ids
@@ -263,7 +263,7 @@ def test_hover_why_drop_paste_and_more_like_this(served: str, service_env: Servi
         # paste: the page puts the image on Chromium's clipboard (as PNG, the image type the clipboard
         # takes), then Control+V pastes it
         page.evaluate("document.getElementById('annotation').replaceChildren()")
-        image_id = service_env.engine.images.find_paths([service_env.image_path(name)])[
+        image_id = service_env.engine.images.photos.find([service_env.image_path(name)])[
             str(service_env.image_path(name))]
         copied = page.evaluate(f"""fetch('/images/{image_id}').then(r => r.blob()).then(createImageBitmap)
             .then(bitmap => {{ const canvas = document.createElement('canvas');
@@ -325,7 +325,7 @@ def test_cards_are_calm_top_content_triplets_and_show_all(served: str, service_e
     assert card["boxes"] > 3 or card["det"], card
     shoot(page, "page-show-all.png")
 
-    query = service_env.engine.images.search("a red circle", 1)[0]
+    query = service_env.engine.images.search("a red circle", 1).hits[0]
     show(page, f"{served}/?" + urllib.parse.urlencode({"like": query.image_id, "k": 4}))
     for card in _card_labels(page):  # 5 descriptions share triplets: each is listed once
         listed = [str(t).rsplit(" ", 1)[0] for t in card["listed"]]

@@ -159,15 +159,15 @@ def test_shards_load_into_an_index_through_its_add_api_and_resume(tmp_path: Path
     out = tmp_path / "shards"
     bulk_extract(list_images(photos), out, IMAGE_CFG, "local", workers=1, shard_size=3, progress=False)
     bundle = make_bundle(words)
-    index = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings(kind=kind))
+    index = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings.of(kind=kind))
     assert load_shards(index, out, chunk=2, progress=False) == 5
     assert len(index) == 5
     # each image went in as if added by the index itself from the plain extractor's features
     blue = str((photos / "sub" / "blue.png").resolve())
-    hit = index.find_paths([blue])[blue]
+    hit = index.photos.find([blue])[blue]
     rec = index.get(hit)
     assert rec is not None and (rec.width, rec.height) == (200, 100) and rec.name == "blue.png"
-    direct = index.add_image(Image.open(blue).convert("RGB"), "blue-direct", tmp_path / "direct.png")
+    direct = index.add([Image.open(blue).convert("RGB")], ["blue-direct"], [tmp_path / "direct.png"])[0]
     got = index.store.rows(int(index.items.seg[hit]), int(index.items.off[hit]), F)
     want = index.store.rows(int(index.items.seg[direct]), int(index.items.off[direct]), F)
     np.testing.assert_allclose(got, want, atol=2e-2)  # shards keep features in float16, as the cache does
@@ -177,7 +177,7 @@ def test_shards_load_into_an_index_through_its_add_api_and_resume(tmp_path: Path
     assert load_shards(index, out, progress=False) == 0
     index.close()
     again = ImageIndex.load(tmp_path / "idx", bundle)
-    assert len(again) == 5 and sorted(again.find_paths(list(shard_rows(out))).keys()) == sorted(shard_rows(out))
+    assert len(again) == 5 and sorted(again.photos.find(list(shard_rows(out))).keys()) == sorted(shard_rows(out))
     again.close()
 
 

@@ -1,6 +1,7 @@
 """CI: `.ci/run` installs Chromium and runs the README's test command with CI=true, under which a test
 marked `required` (the browser tests) fails where what it needs is missing instead of being skipped
-(tests/conftest.py); then the tests marked `slow` that the suite leaves out (docs/operations/testing.md)."""
+(tests/conftest.py); then the tests marked `slow` and `milvus_server` that the suite leaves out
+(docs/operations/testing.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parent.parent
 # the long process-killing trials
 SLOW = './run python -m pytest -m slow tests/test_crash.py tests/test_image.py -k "not many_times"'
+# the Milvus backend against a real server, in a network namespace of its own
+MILVUS_SERVER = "./run python -m pytest -m milvus_server tests/test_milvus_server.py"
 
 
 def test_ci_installs_chromium_and_runs_the_readmes_test_command_under_ci() -> None:
@@ -23,8 +26,8 @@ def test_ci_installs_chromium_and_runs_the_readmes_test_command_under_ci() -> No
     code = [line for line in lines if line and not line.startswith("#")]
     assert usage.group(1) in code, "CI runs the README's test command"
     suite = code.index(usage.group(1))
-    assert [line.split("#")[0].strip() for line in code[suite + 1 :]] == [SLOW], \
-        "after the README's test command CI runs only the slow checks the suite leaves out"
+    assert [line.split("#")[0].strip() for line in code[suite + 1 :]] == [SLOW, MILVUS_SERVER], \
+        "after the README's test command CI runs only the slow and Milvus-server checks the suite leaves out"
     assert "export CI=true" in code[:suite]
     assert any("apt-get install" in line and "chromium" in line for line in code)
 

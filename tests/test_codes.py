@@ -14,8 +14,9 @@ import torch
 import index.codes
 import index.store
 from index import ImageIndex, IndexLoadError, IndexSettings
+from index.images import embedded_images
 from model.bundle import Bundle
-from model.embed import embed_sentence
+from model.embed import EmbeddedImage, embed_sentence
 from model.score import skl_of_items
 from model.words import WordTable
 from tests.test_index import QUERIES, WORDS, F, H, make_bundle, one_thread, ranking  # noqa: F401
@@ -28,6 +29,12 @@ RERANK = 20
 @pytest.fixture(scope="module")
 def bundle() -> Bundle:
     return make_bundle(WordTable.build(WORDS))
+
+
+def vector_images(vecs: np.ndarray, boxes: np.ndarray, sizes: np.ndarray, names: list[str], paths: list[str]
+                  ) -> tuple[list[EmbeddedImage], list[str], list[str]]:
+    """Arrays of embedded images as `ImageIndex.add` takes them, with their names and paths."""
+    return embedded_images(vecs, boxes, sizes), names, paths
 
 
 def images(n: int = N, seed: int = 11) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str]]:
@@ -50,8 +57,8 @@ def candidates_on(ix: ImageIndex, rerank: int = RERANK) -> None:
 def agreement(ix: ImageIndex) -> float:
     shared = []
     for q in QUERIES:
-        exact = [i for i, _ in ranking(ix.search_exhaustive(q, 10))]
-        found = [i for i, _ in ranking(ix.search(q, 10))]
+        exact = [i for i, _ in ranking(ix.search(q, 10, exhaustive=True).hits)]
+        found = [i for i, _ in ranking(ix.search(q, 10).hits)]
         shared.append(len(set(exact) & set(found)) / 10)
     return float(np.mean(shared))
 
@@ -61,13 +68,13 @@ def code_files(root: Path) -> list[Path]:
 
 
 def test_codes_prescore_keeps_the_exact_ranking_reading_only_the_rerank_items(tmp_path: Path, bundle: Bundle):
-    ix = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings(store_dtype="float16", codes=CODES))
-    ix.add_vectors(*images())
+    ix = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings.of(store_dtype="float16", codes=CODES))
+    ix.add(*vector_images(*images()), read_places=False)
     ix.save()
     assert ix.codes is not None and ix.codes.dim == CODES and ix.codes.segments == len(ix.store.segments)
     assert ix.codes.store.bytes_per_row == CODES + 4
     candidates_on(ix)
-    page = ix.search_page(QUERIES[0], 0, 10)
+    page = ix.search(QUERIES[0], 10, 0)
     assert page.considered == RERANK  # every item was a candidate; only the RERANK best by codes were read
     with_codes = agreement(ix)
     assert with_codes >= 0.9
@@ -79,11 +86,11 @@ def test_codes_prescore_keeps_the_exact_ranking_reading_only_the_rerank_items(tm
     exact = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0].numpy()
     assert np.corrcoef(approx, exact)[0, 1] > 0.95
     # without codes the same re-rank limit keeps the candidates by their partial score instead
-    plain = ImageIndex.create(tmp_path / "plain", bundle, IndexSettings(store_dtype="float16"))
-    plain.add_vectors(*images())
+    plain = ImageIndex.create(tmp_path / "plain", bundle, IndexSettings.of(store_dtype="float16"))
+    plain.add(*vector_images(*images()), read_places=False)
     plain.save()
     candidates_on(plain)
-    assert plain.codes is None and plain.search_page(QUERIES[0], 0, 10).considered == RERANK
+    assert plain.codes is None and plain.search(QUERIES[0], 10, 0).considered == RERANK
     assert with_codes >= agreement(plain)
     ix.close()
     plain.close()
@@ -92,34 +99,34 @@ def test_codes_prescore_keeps_the_exact_ranking_reading_only_the_rerank_items(tm
 def test_add_codes_derives_them_for_an_index_built_without_and_every_save_keeps_them(tmp_path: Path,
                                                                                       bundle: Bundle):
     root = tmp_path / "idx"
-    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16"))
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(store_dtype="float16"))
     for part in range(3):  # three saved segments
         vecs, boxes, sizes, names, paths = images(80, seed=part)
-        ix.add_vectors(vecs, boxes, sizes, names, paths)
+        ix.add(embedded_images(vecs, boxes, sizes), names, paths, read_places=False)
         ix.save()
     assert ix.codes is None and not code_files(root)
     candidates_on(ix, rerank=0)
-    before = [ranking(ix.search(q, 10)) for q in QUERIES]
+    before = [ranking(ix.search(q, 10).hits) for q in QUERIES]
     ix.add_codes(CODES)
     assert ix.codes is not None and ix.codes.segments == 3 and len(code_files(root)) == 4  # + the projection
     ix.close()
     again = ImageIndex.load(root, bundle)
-    assert again.settings.codes == CODES and again.codes is not None and again.codes.segments == 3
+    assert again.settings.shape.codes == CODES and again.codes is not None and again.codes.segments == 3
     candidates_on(again, rerank=0)
-    assert [ranking(again.search(q, 10)) for q in QUERIES] == before  # codes change no exact score
+    assert [ranking(again.search(q, 10).hits) for q in QUERIES] == before  # codes change no exact score
     candidates_on(again, rerank=40)
     assert agreement(again) >= 0.9
     # rows added since the last save have no codes yet: they are scored exactly, so they are found
     vecs, boxes, sizes, names, paths = images(1, seed=99)
     target = embed_sentence(bundle, QUERIES[2])[0].numpy()
     vecs[0] = np.resize(target, (F, H)) * 1000  # an image made of the query's fragments: the best match
-    new = again.add_vectors(vecs, boxes, sizes, names, paths)[0]
-    assert again.search(QUERIES[2], 1)[0].image_id == new
+    new = again.add(embedded_images(vecs, boxes, sizes), names, paths, read_places=False)[0]
+    assert again.search(QUERIES[2], 1).hits[0].image_id == new
     again.save()  # the new segment gets its codes; the projection and the older codes are kept
     assert again.codes is not None and again.codes.segments == len(again.store.segments) == 4
-    assert again.search(QUERIES[2], 1)[0].image_id == new
+    assert again.search(QUERIES[2], 1).hits[0].image_id == new
     for i in range(20):  # enough saves to merge segments (index.compaction): the merged one is coded anew
-        again.add_vectors(*images(2, seed=200 + i))
+        again.add(*vector_images(*images(2, seed=200 + i)), read_places=False)
         again.save()
     assert again.codes.segments == len(again.store.segments) <= 17
     assert len(code_files(root)) == again.codes.segments + 1  # no code file of a dropped segment is left
@@ -130,8 +137,8 @@ def test_add_codes_derives_them_for_an_index_built_without_and_every_save_keeps_
 def test_a_crash_while_codes_are_written_keeps_the_last_commit(tmp_path: Path, bundle: Bundle,
                                                                monkeypatch: pytest.MonkeyPatch):
     root = tmp_path / "idx"
-    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16"))
-    ix.add_vectors(*images())
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(store_dtype="float16"))
+    ix.add(*vector_images(*images()), read_places=False)
     ix.save()
 
     class Crash(BaseException):
@@ -153,7 +160,7 @@ def test_a_crash_while_codes_are_written_keeps_the_last_commit(tmp_path: Path, b
     with pytest.raises(Crash):
         ix.add_codes(CODES)
     after = ImageIndex.load(root, bundle)  # what a restart sees: the last commit, without codes
-    assert after.codes is None and after.settings.codes == 0 and len(after) == N
+    assert after.codes is None and after.settings.shape.codes == 0 and len(after) == N
     assert not code_files(root)  # the codes being written were temp files, removed when the write failed
     after.add_codes(CODES)
     assert after.codes is not None and len(code_files(root)) == 2
@@ -162,8 +169,8 @@ def test_a_crash_while_codes_are_written_keeps_the_last_commit(tmp_path: Path, b
 
 def test_a_missing_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
     root = tmp_path / "idx"
-    ix = ImageIndex.create(root, bundle, IndexSettings(codes=CODES))
-    ix.add_vectors(*images(60))
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(codes=CODES))
+    ix.add(*vector_images(*images(60)), read_places=False)
     ix.save()
     ix.close()
     segment = [p for p in code_files(root) if "projection" not in p.name][0]
@@ -203,8 +210,8 @@ def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: 
     out, survive a reload, score closer to the exact S_kl than the first codes alone, and a search
     with `refine` N scores the N best by the first codes again on both before the exact re-rank."""
     root = tmp_path / "idx"
-    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16", codes=CODES))
-    ix.add_vectors(*images())
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(store_dtype="float16", codes=CODES))
+    ix.add(*vector_images(*images()), read_places=False)
     ix.save()
     assert ix.codes is not None and ix.codes.refined is None
     first = {p.name for p in code_files(root)}
@@ -221,7 +228,7 @@ def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: 
 
     ix = ImageIndex.load(root, bundle)
     codes = ix.codes
-    assert codes is not None and codes.refined is not None and ix.settings.refine_codes == REFINE_CODES
+    assert codes is not None and codes.refined is not None and ix.settings.shape.refine_codes == REFINE_CODES
     sent = embed_sentence(bundle, QUERIES[1])[0]
     items = ix.ids()
     vecs, mask = ix.stored.vectors(items)
@@ -241,17 +248,17 @@ def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: 
     monkeypatch.setattr(index.codes.PrescoreCodes, "scores", spy)
     candidates_on(ix, rerank=10)
     ix.set_search(refine=40)
-    page = ix.search_page(QUERIES[0], 0, 10)
+    page = ix.search(QUERIES[0], 10, 0)
     assert page.considered == 10 and scored == [(N, False), (40, True)]
     with_refine = agreement(ix)
     ix.set_search(refine=0)  # no second step: the first codes alone cut to the re-rank's 10
     scored.clear()
-    ix.search_page(QUERIES[0], 0, 10)
+    ix.search(QUERIES[0], 10, 0)
     assert scored == [(N, False)]
     assert with_refine >= agreement(ix) and with_refine >= 0.9
     ix.set_search(refine=2 * N)  # room for every candidate: all scored on both codes, once
     scored.clear()
-    ix.search_page(QUERIES[0], 0, 10)
+    ix.search(QUERIES[0], 10, 0)
     assert scored == [(N, True)]
     ix.add_codes(CODES)  # without refining codes again: their files go
     assert ix.codes is not None and ix.codes.refined is None and len(code_files(root)) == 2
@@ -260,8 +267,8 @@ def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: 
 
 def test_a_missing_refining_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
     root = tmp_path / "idx"
-    ix = ImageIndex.create(root, bundle, IndexSettings(codes=CODES, refine_codes=REFINE_CODES))
-    ix.add_vectors(*images(60))
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(codes=CODES, refine_codes=REFINE_CODES))
+    ix.add(*vector_images(*images(60)), read_places=False)
     ix.save()
     ix.close()
     refining = [p for p in root.glob(f"{index.codes.REFINE_PREFIX}-*.npy") if "projection" not in p.name]
@@ -273,11 +280,11 @@ def test_a_missing_refining_code_file_is_a_load_error(tmp_path: Path, bundle: Bu
 
 def test_refining_codes_need_first_codes():
     with pytest.raises(ValueError, match="refine_codes"):
-        IndexSettings(refine_codes=8)
+        IndexSettings.of(refine_codes=8)
     with pytest.raises(ValueError, match="refine"):
-        IndexSettings(codes=8, refine=-1)
+        IndexSettings.of(codes=8, refine=-1)
     with pytest.raises(ValueError, match="shape the stored index"):
-        IndexSettings(codes=8).with_search(refine_codes=4)
+        IndexSettings.of(codes=8).with_search(refine_codes=4)
 
 
 def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
@@ -287,11 +294,11 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
     all kept (no codes yet), removed items never come back, and an index saved with the setting
     computes the summaries when it loads."""
     root = tmp_path / "idx"
-    ix = ImageIndex.create(root, bundle, IndexSettings(store_dtype="float16", codes=CODES))
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(store_dtype="float16", codes=CODES))
     vecs, boxes, sizes, names, paths = images()
     half = N // 2
     for part in (slice(0, half), slice(half, N)):  # two store segments, two code files
-        ix.add_vectors(vecs[part], boxes[part], sizes[part], names[part], paths[part])
+        ix.add(embedded_images(vecs[part], boxes[part], sizes[part]), names[part], paths[part], read_places=False)
         ix.save()
     codes = ix.codes
     assert codes is not None and codes.segments == 2
@@ -335,23 +342,23 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
     monkeypatch.setattr(index.codes.PrescoreCodes, "scores", spy)
     monkeypatch.setattr(ix.candidates, "search", backend_searched)
     monkeypatch.setattr(ix.candidates, "search_items", backend_searched)
-    page = ix.search_page(QUERIES[0], 0, 10)
+    page = ix.search(QUERIES[0], 10, 0)
     assert page.considered == 10 and scored == [80]  # 80 of 240 scored on codes, 10 read in full
     with_summaries = agreement(ix)
     assert with_summaries >= 0.8 and with_summaries >= without - 0.1
     # added since the last save: no codes, all kept beside the 10
     extra = images(5, seed=12)
-    ix.add_vectors(*extra)
-    assert ix.search_page(QUERIES[0], 0, 10).considered == 15
-    top = ix.search(QUERIES[0], 1)[0].image_id
+    ix.add(*vector_images(*extra), read_places=False)
+    assert ix.search(QUERIES[0], 10, 0).considered == 15
+    top = ix.search(QUERIES[0], 1).hits[0].image_id
     assert ix.remove(top)
-    assert top not in [h.image_id for h in ix.search(QUERIES[0], 50)]
+    assert top not in [h.image_id for h in ix.search(QUERIES[0], 50).hits]
     ix.save()
     ix.close()
     monkeypatch.undo()
     with caplog.at_level("INFO", logger="index.base"):
         ix = ImageIndex.load(root, bundle)
-    assert ix.settings.summaries == 80 and "item summaries of" in caplog.text
+    assert ix.settings.search.summaries == 80 and "item summaries of" in caplog.text
     assert ix.codes is not None and ix.codes.segments == 3
     assert top not in np.concatenate([s for s, _ in ix.codes.summaries(ix.items)]).tolist()
     ix.close()
@@ -359,5 +366,5 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
 
 def test_summaries_is_a_search_setting():
     with pytest.raises(ValueError, match="summaries"):
-        IndexSettings(summaries=-1)
-    assert IndexSettings(codes=8).with_search(summaries=100).summaries == 100
+        IndexSettings.of(summaries=-1)
+    assert IndexSettings.of(codes=8).with_search(summaries=100).search.summaries == 100

@@ -37,11 +37,13 @@ import pytest
 
 from index import ImageIndex, IndexFullError, IndexSettings
 from index import ids as fid
+from index.ann import FaissCandidates
 from index.candidates import BackendOptions
-from index.faiss_backend import FaissCandidates
+from index.images import embedded_images
 from index.milvus import ID as MILVUS_ID
 from index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
 from index.milvus import MilvusCandidates
+from model.embed import EmbeddedSentence
 from service.app import create_app
 from service.engine import Engine
 from tests.crash_writer import journal_state, live_items, random_images
@@ -95,7 +97,7 @@ def backend_ids(index: ImageIndex) -> list[int]:
                                  limit=MILVUS_MAX_TOPK)
         return sorted(int(r[MILVUS_ID]) for r in rows)
     assert isinstance(cand, FaissCandidates)
-    flat: Any = faiss.downcast_index(cand.ann.index)
+    flat: Any = faiss.downcast_index(cand.index)
     return sorted(faiss.vector_to_array(flat.id_map).tolist())
 
 
@@ -128,7 +130,8 @@ def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
             # searches return committed items only
             for probe in probes:
                 vecs, _ = index.stored.vectors(np.asarray([probe]))
-                assert {h.image_id for h in index.search_vectors(vecs[0, :3].clone(), k=len(ids))} <= set(rows)
+                assert {h.image_id for h in index.search(EmbeddedSentence(vecs[0, :3].clone()),
+                                                         len(ids)).hits} <= set(rows)
             journal_state(log, gen + 1, expected)
             index.save()  # the first write reconciles the collection with the committed state
         fragments = sorted(np.concatenate([fid.item_fragments(i, n) for i, n in rows.items()]).tolist())
@@ -138,8 +141,8 @@ def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
         for probe in probes:
             vecs, _ = index.stored.vectors(np.asarray([probe]))
             query = vecs[0, :3].clone()
-            hits = index.search_vectors(query, k=len(ids))
-            exact = index.search_vectors(query, k=len(ids), exhaustive=True)
+            hits = index.search(EmbeddedSentence(query), len(ids)).hits
+            exact = index.search(EmbeddedSentence(query), len(ids), exhaustive=True).hits
             assert ranking(hits) == ranking(exact), "the candidates missed a live item"
         return gen
     finally:
@@ -154,7 +157,8 @@ def crash_index(request: pytest.FixtureRequest, shapes_model: ShapesModel, tmp_p
     backend = BackendOptions(getattr(request, "param", "faiss"))
     index = ImageIndex.create(root, shapes_model.bundle, IndexSettings(), backend=backend)
     vecs, boxes, sizes = random_images(np.random.default_rng(99), shapes_model.bundle.dim, 8)
-    index.add_vectors(vecs, boxes, sizes, [f"seed-{i}.jpg" for i in range(8)], [f"/x/{i}" for i in range(8)])
+    index.add(embedded_images(vecs, boxes, sizes), [f"seed-{i}.jpg" for i in range(8)], [f"/x/{i}" for i in range(8)],
+              read_places=False)
     index.save()
     log = tmp_path / "journal.jsonl"
     journal_state(log, index.generation, live_items(index))
@@ -268,7 +272,7 @@ def test_removals_racing_searches(service_env: ServiceEnv, tmp_path: Path) -> No
         try:
             while not stop.is_set():
                 started = tick()
-                hits = index.search(sentence, 50)
+                hits = index.search(sentence, 50).hits
                 gone = {i for s, i in list(removed) if s < started}
                 assert not gone & {h.image_id for h in hits}, "a removed image was returned"
         except BaseException as e:  # reported by the main thread
@@ -377,22 +381,14 @@ def test_full_disk_during_save_keeps_the_last_good_state(service_env: ServiceEnv
     assert "no space left" in refused.json()["error"]["message"]
     assert live_items(engine.images) == before, "the failed upload left nothing behind in memory"
     first = int(engine.images.ids()[0])
-    writes_at_once = engine.images.candidates.NAME == "milvus"  # milvus-lite writes a removal into the folder
-    if writes_at_once:
-        with pytest.raises(IndexFullError, match="no space left"):
-            engine.images.remove(first)
-        assert engine.images.contains(first), "a refused removal leaves the image in place"
-    else:
-        assert engine.images.remove(first)
-        with pytest.raises(IndexFullError, match="no space left"):
-            engine.images.save()
+    assert engine.images.remove(first)  # a removal reaches the backend at the commit (Milvus too)
+    with pytest.raises(IndexFullError, match="no space left"):
+        engine.images.save()
     reloaded = ImageIndex.load(small_disk / "images", bundle)
     assert live_items(reloaded) == before, "the last good state survives on disk"
     reloaded.close()
     # with space again, the service writes again (the pending removal is saved with it)
     filler.unlink()
-    if writes_at_once:
-        assert engine.images.remove(first)
     added = asyncio.run(post())
     assert added.status_code == 201, added.text
     reloaded = ImageIndex.load(small_disk / "images", bundle)

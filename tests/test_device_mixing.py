@@ -23,11 +23,13 @@ from PIL import Image, ImageDraw
 import model.backbone
 import training.train
 from index import ImageIndex, IndexSettings, SentenceIndex
+from index.images import embedded_images, exact_top_k
 from model.bundle import Bundle
 from model.calibration import Calibration
 from model.config import ImageConfig, TextConfig
 from model.data import Split
 from model.dataset import SplitData
+from model.embed import EmbeddedImage
 from model.encoders import GLOBAL_KINDS, DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
 from model.fragments import TextPipeline
 from model.image import RegionExtractor
@@ -285,25 +287,27 @@ def test_index_searches_with_the_model_on_another_device(kind: str, words: WordT
         vecs = bundle.embed_images(feats).numpy()
     f = vecs.shape[1]
     boxes = np.tile(np.array([0, 0, 50, 40], np.float32), (12, f, 1))
-    images = ImageIndex.create(tmp_path / "images", bundle, IndexSettings(exact_below=0))
-    images.add_vectors(vecs, boxes, np.tile([50, 40], (12, 1)), [f"{i}.jpg" for i in range(12)],
-                       [f"/p/{i}.jpg" for i in range(12)])
-    sentences = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=0, rerank=2,
+    images = ImageIndex.create(tmp_path / "images", bundle, IndexSettings.of(exact_below=0))
+    images.add(embedded_images(vecs, boxes, np.tile([50, 40], (12, 1))), [f"{i}.jpg" for i in range(12)],
+               [f"/p/{i}.jpg" for i in range(12)], read_places=False)
+    sentences = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings.of(k_prime=0, rerank=2,
                                                                                   exact_below=0))
-    sentences.add_sentences(SENTENCES * 2)
+    sentences.add(SENTENCES * 2)
 
     def answers(b: Bundle) -> list[object]:
         images.bundle = sentences.bundle = b
         img = b.embed_images(feats[:1])[0]
         explained = images.explain(3, SENTENCES[0])
         assert explained is not None
-        return [[(h.image_id, round(h.score, 5), [m.fragment for m in h.alignment]) for h in images.search(s, 4)]
+        return [[(h.image_id, round(h.score, 5), [m.fragment for m in h.alignment]) for h in images.search(s, 4).hits]
                 for s in SENTENCES] + [
-            [(h.image_id, h.fragment, round(h.score, 5)) for h in images.search_fragments("red dog", 3)],
+            [(h.image_id, h.fragment, round(h.score, 5)) for h in images.search_fragments("red dog", 3).hits],
             (explained.rank, round(explained.score, 5), [round(p.contribution, 5) for p in explained.pairs]),
-            images.rank_exhaustive([b.embed_sentences(b.text.encode([s]))[0][0] for s in SENTENCES], 3),
-            [(h.sentence_id, round(h.score, 5)) for h in sentences.annotate_vectors(img, boxes[0], 4)],
-            [(h.sentence_id, round(h.score, 5)) for h in sentences.annotate_vectors(img, boxes[0], 4, exhaustive=True)],
+            exact_top_k(images, [b.embed_sentences(b.text.encode([s]))[0][0] for s in SENTENCES], 3),
+            [(h.sentence_id, round(h.score, 5)) for h in sentences.annotate(EmbeddedImage(img, boxes[0], 0, 0),
+                                                                            4).hits],
+            [(h.sentence_id, round(h.score, 5)) for h in sentences.annotate(EmbeddedImage(img, boxes[0], 0, 0), 4,
+                                                                            exhaustive=True).hits],
         ]
 
     try:

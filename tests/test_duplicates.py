@@ -43,7 +43,7 @@ def test_altered_copies_are_the_nearest_duplicates(shapes_model: ShapesModel, tm
     bundle = shapes_model.bundle
     images = ImageIndex.create(tmp_path / "index", bundle, IndexSettings(),
                                cache=feature_cache(tmp_path / "cache", bundle.image_cfg), collection_root=folder)
-    images.add_paths(sorted(folder.iterdir()))
+    images.photos.add(sorted(folder.iterdir()))
     images.save()
     ids = {Path(images.get(int(i)).path).name: int(i) for i in images.ids()}  # type: ignore[union-attr]
 

@@ -63,15 +63,15 @@ def test_index_search_on_cuda(shapes_model: ShapesModel, tmp_path: Path) -> None
     where faiss has a GPU, ranks as the exact scan does."""
     bundle = Bundle.load(shapes_model.model_path, device="cuda")
     cache = feature_cache(shapes_model.cache, bundle.image_cfg, device="cuda")
-    settings = IndexSettings(use_gpu=gpu_available(), exact_below=0, k_prime=4096)  # k' recalls every fragment
+    settings = IndexSettings.of(use_gpu=gpu_available(), exact_below=0, k_prime=4096)  # k' recalls every fragment
     index = ImageIndex.create(tmp_path / "images", bundle, settings, cache=cache, collection_root=shapes_model.data)
-    index.add_paths(sorted((shapes_model.data / "images").glob("*.jpg"))[:20])
-    hits = index.search("a red circle", 3)
+    index.photos.add(sorted((shapes_model.data / "images").glob("*.jpg"))[:20])
+    hits = index.search("a red circle", 3).hits
     assert index.ranker.searches == {"scan": 0, "candidates": 1}, "FAISS's candidates answered"
     assert len(hits) == 3 and Path(hits[0].path).is_file()
-    assert [h.image_id for h in hits] == [h.image_id for h in index.search_exhaustive("a red circle", 3)]
+    assert [h.image_id for h in hits] == [h.image_id for h in index.search("a red circle", 3, exhaustive=True).hits]
     if gpu_available():
-        assert isinstance(index.candidates.ann._gpu, GpuCopy)  # type: ignore[attr-defined]
+        assert isinstance(index.candidates._gpu, GpuCopy)  # type: ignore[attr-defined]
     index.close()
 
 
@@ -95,7 +95,7 @@ def test_served_answers_on_cuda_and_faiss_gpu_are_the_cpus(shapes_model: ShapesM
             assert engine.bundle.device.type == "cuda"
             assert engine.images.candidates.policy()["knn"] == FAISS_GPU
             assert engine.sentences.candidates.policy()["range"] == MATRIX_CPU
-            assert isinstance(engine.images.candidates.ann._gpu, GpuCopy)  # type: ignore[attr-defined]
+            assert isinstance(engine.images.candidates._gpu, GpuCopy)  # type: ignore[attr-defined]
         engine.images.close()
         engine.sentences.close()
     served.assert_same_answers(answers["cuda"], answers["cpu"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,17 +32,28 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs a CUDA GPU (GPU_CHECK_DEVICE=cpu: the dry run)")]
 
 
-def test_ranked_routes_answer_on_the_device_as_on_the_cpu(shapes_model: ShapesModel, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    """Full fp32 matrix products on CUDA (no TF32) while a test runs: comparable scores on both sides.
+    Set and restored by hand: torch 2.14's `fp32_precision` lives behind the cuBLAS module's
+    __getattr__, which pytest's monkeypatch takes for an attribute it may delete."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"  # torch 2.14's name first
+    before, cudnn_before = getattr(matmul, name), cudnn.allow_tf32
+    setattr(matmul, name, "ieee" if name == "fp32_precision" else False)
+    cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        setattr(matmul, name, before)
+        cudnn.allow_tf32 = cudnn_before
+
+
+@pytest.mark.usefixtures("no_tf32")
+def test_ranked_routes_answer_on_the_device_as_on_the_cpu(shapes_model: ShapesModel, tmp_path: Path) -> None:
     """/search/images, /annotate (k' = 0) and /search/fragments through FAISS (exact_below 0), loaded by the
     service's own loader on the CPU and on the device, answered over HTTP: the same ids in the same order,
     scores within tests/served.py's tolerance; the model is where it was asked to be."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 on both sides: comparable scores
-    matmul = torch.backends.cuda.matmul  # torch 2.14 names the switch fp32_precision ("ieee": no TF32)
-    if hasattr(matmul, "fp32_precision"):
-        monkeypatch.setattr(matmul, "fp32_precision", "ieee")
-    else:
-        monkeypatch.setattr(matmul, "allow_tf32", False)
     collection = served.prepare(shapes_model, tmp_path)
     answers = {}
     for device in ("cpu", DEVICE):

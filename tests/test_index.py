@@ -23,10 +23,11 @@ from index.base import FragmentIndex
 from index.build import main as build_main
 from index.candidates import BackendOptions
 from index.catalogue import is_index
+from index.images import embedded_images
 from index.ranker import Ranker
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig
-from model.embed import embed_sentence
+from model.embed import EmbeddedImage, EmbeddedSentence, embed_sentence
 from model.encoders import FragmentModel, ModelConfig
 from model.fragments import WORD_REL, TextPipeline
 from model.image import RegionExtractor
@@ -96,7 +97,8 @@ def random_images(index: ImageIndex, n: int, seed: int, f: int = F) -> list[int]
     boxes = np.tile(np.array([0, 0, 100, 80], np.float32), (n, f, 1))
     boxes[:, 1:, 2:] = rng.uniform(10, 80, (n, f - 1, 2))
     names = [f"img{seed}_{k}.jpg" for k in range(n)]
-    return index.add_vectors(vecs, boxes, np.tile([100, 80], (n, 1)), names, [f"/photos/{x}" for x in names])
+    return index.add(embedded_images(vecs, boxes, np.tile([100, 80], (n, 1))), names, [f"/photos/{x}" for x in names],
+                     read_places=False)
 
 
 def name_of(index: ImageIndex, image_id: int) -> str:
@@ -173,7 +175,7 @@ def test_ids_encode_item_and_fragment_and_decode_back():
 
 
 def test_faiss_holds_every_fragment_under_its_item_id(faiss_index: ImageIndex):
-    flat: Any = faiss.downcast_index(faiss_index.candidates.ann.index)
+    flat: Any = faiss.downcast_index(faiss_index.candidates.index)
     items, frags = fid.decode(faiss.vector_to_array(flat.id_map))
     assert sorted(zip(items.tolist(), frags.tolist(), strict=True)) == [(i, f) for i in range(40) for f in range(F)]
     inner: Any = faiss.downcast_index(flat.index)
@@ -188,7 +190,7 @@ def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bun
     index = ImageIndex.create(tmp_path / "flat", bundle, backend=backend)  # default settings: flat, k_prime=128
     random_images(index, 120, seed=2)
     for q in QUERIES:
-        fast, slow = index.search(q, 10), index.search_exhaustive(q, 10)
+        fast, slow = index.search(q, 10).hits, index.search(q, 10, exhaustive=True).hits
         assert ranking(fast) == ranking(slow), q
         assert [m.triplet for m in fast[0].alignment] == [m.triplet for m in slow[0].alignment]
     # the exhaustive ranking is the model's own score over every image
@@ -196,32 +198,33 @@ def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bun
     vecs, mask = index.stored.vectors(index.ids())
     scores = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0]
     order = torch.argsort(scores, descending=True)[:10]
-    assert [h.image_id for h in index.search_exhaustive(QUERIES[0], 10)] == index.ids()[order.numpy()].tolist()
+    whole = index.search(QUERIES[0], 10, exhaustive=True).hits
+    assert [h.image_id for h in whole] == index.ids()[order.numpy()].tolist()
     index.close()
 
 
 def test_small_collections_are_scanned_exactly(tmp_path: Path, bundle: Bundle, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.undo()  # the real policy
-    settings = IndexSettings(k_prime=1)  # one neighbour per query fragment: candidates miss images
+    settings = IndexSettings.of(k_prime=1)  # one neighbour per query fragment: candidates miss images
     small = ImageIndex.create(tmp_path / "small", bundle, settings)
     random_images(small, 60, seed=5)
-    assert small.n_fragments <= settings.exact_below
+    assert small.n_fragments <= settings.search.exact_below
     for q in QUERIES:
-        assert ranking(small.search(q, 10)) == ranking(small.search_exhaustive(q, 10)), q
+        assert ranking(small.search(q, 10).hits) == ranking(small.search(q, 10, exhaustive=True).hits), q
     small.set_search(exact_below=0)  # the candidate stage alone finds fewer than 10 for some query
-    assert any(ranking(small.search(q, 10)) != ranking(small.search_exhaustive(q, 10)) for q in QUERIES)
+    assert any(ranking(small.search(q, 10).hits) != ranking(small.search(q, 10, exhaustive=True).hits) for q in QUERIES)
     small.set_search(exact_below=small.n_fragments - 1)  # one fragment more than the limit: candidates
-    assert any(ranking(small.search(q, 10)) != ranking(small.search_exhaustive(q, 10)) for q in QUERIES)
+    assert any(ranking(small.search(q, 10).hits) != ranking(small.search(q, 10, exhaustive=True).hits) for q in QUERIES)
     small.close()
 
 
 def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_path: Path, bundle: Bundle,
                                                                           monkeypatch: pytest.MonkeyPatch):
     monkeypatch.undo()  # the real policy: scanned whole under exact_below fragments
-    index = ImageIndex.create(tmp_path / "explain", bundle, IndexSettings(k_prime=1))
+    index = ImageIndex.create(tmp_path / "explain", bundle, IndexSettings.of(k_prime=1))
     random_images(index, 60, seed=5)
     query = QUERIES[0]
-    whole = index.search_exhaustive(query, 60)
+    whole = index.search(query, 60, exhaustive=True).hits
     for place, hit in enumerate(whole[:5], start=1):
         e = index.explain(hit.image_id, query)
         assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("collection", True, place, 60)
@@ -229,7 +232,7 @@ def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_pat
     sent, _ = embed_sentence(bundle, query)
     recalled = set(index.ranker.candidates(sent.numpy()).tolist())
     assert 0 < len(recalled) < 60
-    found = index.search(query, 60)
+    found = index.search(query, 60).hits
     for place, hit in enumerate(found, start=1):  # a recalled image: the rank the search gave it
         e = index.explain(hit.image_id, query)
         assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("candidates", True, place, len(recalled))
@@ -256,11 +259,12 @@ def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(
     partial = ((vecs @ sent.T).clamp_min(0) * mask[..., None]).sum((1, 2)).numpy()
     assert set(few.tolist()) == set(every[np.argsort(-partial)[:8]].tolist())
     faiss_index.set_search(rerank=40)  # as many as there are images: the exhaustive ranking
-    assert ranking(faiss_index.search(QUERIES[0], 10)) == ranking(faiss_index.search_exhaustive(QUERIES[0], 10))
+    exact = faiss_index.search(QUERIES[0], 10, exhaustive=True).hits
+    assert ranking(faiss_index.search(QUERIES[0], 10).hits) == ranking(exact)
 
 
 def test_search_returns_alignment_with_triplets_and_boxes(image_index: ImageIndex):
-    hits = image_index.search("a red dog runs on the grass", 3)
+    hits = image_index.search("a red dog runs on the grass", 3).hits
     assert len(hits) == 3 and hits[0].score >= hits[1].score >= hits[2].score > 0
     triplets = {m.triplet for h in hits for m in h.alignment}
     assert "amod(dog, red)" in triplets and "prep_on(runs, grass)" in triplets
@@ -276,10 +280,11 @@ def test_added_image_is_found(image_index: ImageIndex, bundle: Bundle):
     target = (sent.sum(0) / sent.sum(0).norm()).numpy() * 100  # aligned with every fragment of the query
     vecs = np.repeat(target[None, None], F, axis=1)
     boxes = np.tile(np.array([0, 0, 50, 50], np.float32), (1, F, 1))
-    [new] = image_index.add_vectors(vecs, boxes, np.array([[50, 50]]), ["new.jpg"], ["/photos/new.jpg"])
-    hits = image_index.search(QUERIES[1], 5)
+    [new] = image_index.add(embedded_images(vecs, boxes, np.array([[50, 50]])), ["new.jpg"], ["/photos/new.jpg"],
+                            read_places=False)
+    hits = image_index.search(QUERIES[1], 5).hits
     assert hits[0].image_id == new and hits[0].name == "new.jpg"
-    assert image_index.search_exhaustive(QUERIES[1], 1)[0].image_id == new
+    assert image_index.search(QUERIES[1], 1, exhaustive=True).hits[0].image_id == new
 
 
 def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: Path, bundle: Bundle,
@@ -292,7 +297,7 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
     (photos / "broken.jpg").write_bytes(b"not an image")
     index = ImageIndex.create(tmp_path / "idx", bundle)
     paths = list_images(photos)
-    report = index.add_paths(paths)
+    report = index.photos.add(paths)
     assert len(report.added) == 3 and [Path(p).name for p, _ in report.skipped] == ["broken.jpg"]
     blue = index.get(next(i for i in report.added if name_of(index, i) == "blue.png"))
     assert blue is not None and (blue.width, blue.height) == (200, 100) and len(blue.boxes) == F
@@ -302,18 +307,18 @@ def test_add_paths_extracts_real_pictures_and_skips_unreadable_files(tmp_path: P
     a, b = (index.store.rows(int(index.items.seg[i]), int(index.items.off[i]), F) for i in reds)
     assert not np.allclose(a, b)
     # the same image added directly embeds to the same vectors as through add_paths
-    direct = index.add_image(Image.open(photos / "sub" / "blue.png").convert("RGB"), "blue2", photos / "x.png")
+    direct = index.add([Image.open(photos / "sub" / "blue.png").convert("RGB")], ["blue2"], [photos / "x.png"])[0]
     ia = next(i for i in report.added if name_of(index, i) == "blue.png")
     va = index.store.rows(int(index.items.seg[ia]), int(index.items.off[ia]), F)
     vb = index.store.rows(int(index.items.seg[direct]), int(index.items.off[direct]), F)
     assert np.allclose(va, vb, atol=2e-2)  # the cache keeps features in float16
-    again = index.add_paths(paths)
+    again = index.photos.add(paths)
     assert again.added == [] and again.present == 3
     index.close()
 
 
 def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle: Bundle):
-    hits = image_index.search_fragments("amod(dog, red)", 5)
+    hits = image_index.search_fragments("amod(dog, red)", 5).hits
     assert len(hits) == 5 and all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
     sent, _ = embed_sentence(bundle, "red dog")  # the phrase parses to the same triplet
     vecs, mask = image_index.stored.vectors(image_index.ids())
@@ -321,16 +326,17 @@ def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle:
     flat = torch.argsort(dots.flatten(), descending=True)[:5]
     expected = [(int(image_index.ids()[i // vecs.shape[1]]), int(i % vecs.shape[1])) for i in flat]
     assert [(h.image_id, h.fragment) for h in hits] == expected
-    assert [h.image_id for h in image_index.search_fragments("red dog", 5)] == [e[0] for e in expected]
+    assert [h.image_id for h in image_index.search_fragments("red dog", 5).hits] == [e[0] for e in expected]
 
 
 def test_empty_indexes_answer_with_no_hits(tmp_path: Path, bundle: Bundle, backend: BackendOptions):
     images = ImageIndex.create(tmp_path / "empty-images", bundle, backend=backend)
     sentences = SentenceIndex.create(tmp_path / "empty-sentences", bundle, backend=backend)
-    assert len(images) == 0 and images.search(QUERIES[0], 5) == [] and images.search_exhaustive(QUERIES[0]) == []
-    assert images.search_fragments("red dog") == [] and images.get(0) is None and not images.remove(0)
+    assert len(images) == 0 and images.search(QUERIES[0], 5).hits == []
+    assert images.search(QUERIES[0], exhaustive=True).hits == []
+    assert images.search_fragments("red dog").hits == [] and images.get(0) is None and not images.remove(0)
     img = torch.ones(F, H)
-    assert sentences.annotate_vectors(img, np.zeros((F, 4)), 5) == []
+    assert sentences.annotate(EmbeddedImage(img, np.zeros((F, 4)), 0, 0), 5).hits == []
     images.close()
     sentences.close()
 
@@ -345,17 +351,17 @@ def test_bad_queries_raise_value_errors(faiss_index: ImageIndex):
 # -- removal --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])
 def test_removed_image_is_never_returned_again(tmp_path: Path, bundle: Bundle, kind: str, backend: BackendOptions):
-    index = ImageIndex.create(tmp_path / kind, bundle, IndexSettings(kind=kind, k_prime=200), backend=backend)
+    index = ImageIndex.create(tmp_path / kind, bundle, IndexSettings.of(kind=kind, k_prime=200), backend=backend)
     random_images(index, 30, seed=3)
     index.save()
-    top = index.search(QUERIES[0], 1)[0].image_id
-    region = index.search_fragments("red dog", 1)[0].image_id
+    top = index.search(QUERIES[0], 1).hits[0].image_id
+    region = index.search_fragments("red dog", 1).hits[0].image_id
     assert index.remove(top) and index.remove(region) is (region != top)
     assert not index.remove(top) and index.get(top) is None and len(index) == 28
 
     def returned(ix: ImageIndex) -> set[int]:
-        out = {h.image_id for q in QUERIES for h in ix.search(q, 30) + ix.search_exhaustive(q, 30)}
-        return out | {h.image_id for h in ix.search_fragments("red dog", 200)}
+        out = {h.image_id for q in QUERIES for h in ix.search(q, 30).hits + ix.search(q, 30, exhaustive=True).hits}
+        return out | {h.image_id for h in ix.search_fragments("red dog", 200).hits}
 
     assert top not in returned(index) and region not in returned(index)
     index.save()
@@ -370,14 +376,14 @@ def test_removed_image_is_never_returned_again(tmp_path: Path, bundle: Bundle, k
 def test_save_load_round_trip_gives_equal_results(image_index: ImageIndex, bundle: Bundle):
     random_images(image_index, 5, seed=4)  # unsaved adds
     image_index.remove(3)
-    before = {q: image_index.search(q, 8) for q in QUERIES}
-    regions = image_index.search_fragments("a man", 6)
+    before = {q: image_index.search(q, 8).hits for q in QUERIES}
+    regions = image_index.search_fragments("a man", 6).hits
     image_index.save()
     loaded = ImageIndex.load(image_index.root, bundle)
     assert len(loaded) == len(image_index) == 44
     for q in QUERIES:
-        assert loaded.search(q, 8) == before[q]
-    assert loaded.search_fragments("a man", 6) == regions
+        assert loaded.search(q, 8).hits == before[q]
+    assert loaded.search_fragments("a man", 6).hits == regions
     assert loaded.get(41) == image_index.get(41)
     loaded.close()
 
@@ -393,20 +399,20 @@ def test_a_folder_is_an_index_once_it_is_saved(tmp_path: Path, bundle: Bundle):
 
 
 def test_float16_store_and_many_saves_merge_segments(tmp_path: Path, bundle: Bundle):
-    index = ImageIndex.create(tmp_path / "fp16", bundle, IndexSettings(store_dtype="float16"))
+    index = ImageIndex.create(tmp_path / "fp16", bundle, IndexSettings.of(store_dtype="float16"))
     for seed in range(20):
         random_images(index, 3, seed=seed)
         index.save()
     assert len(index.store.files) <= 16 + 1
-    before = {q: dict(ranking(index.search_exhaustive(q, 60))) for q in QUERIES}
+    before = {q: dict(ranking(index.search(q, 60, exhaustive=True).hits)) for q in QUERIES}
     for i in range(0, 45):
         index.remove(i)  # most rows now belong to removed images: the next save rewrites the store
     index.save()
     assert len(index.store.files) == 1 and index.store.segment_rows() == [15 * F]
     loaded = ImageIndex.load(index.root, bundle)
     for q in QUERIES:
-        hits = ranking(loaded.search(q, 10))
-        assert hits == ranking(loaded.search_exhaustive(q, 10)) and len(hits) == 10
+        hits = ranking(loaded.search(q, 10).hits)
+        assert hits == ranking(loaded.search(q, 10, exhaustive=True).hits) and len(hits) == 10
         assert all(i >= 45 and before[q][i] == s for i, s in hits)  # same vectors, same scores
     assert {p.name for p in index.root.glob("store-*")} == set(loaded.store.files)
     loaded.close()
@@ -419,7 +425,8 @@ def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle
     ix = ImageIndex.create(tmp_path / "blocks", bundle)
     rng = np.random.default_rng(10)
     vecs = [rng.standard_normal((n, H)).astype(np.float32) for n in (5, 3, 9, 1, 5, 5, 2)]
-    ids = [ix.add_vectors(v[None], np.zeros((1, len(v), 4)), np.array([[1, 1]]), [str(i)], [str(i)])[0]
+    ids = [ix.add(embedded_images(v[None], np.zeros((1, len(v), 4)), np.array([[1, 1]])), [str(i)], [str(i)],
+                  read_places=False)[0]
            for i, v in enumerate(vecs)]
     for i, v in zip(ids, vecs, strict=True):
         assert np.array_equal(ix.store.rows(int(ix.items.seg[i]), int(ix.items.off[i]), len(v)), v)
@@ -437,7 +444,7 @@ def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle
 
 def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageIndex, bundle: Bundle,
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    before = {q: ranking(faiss_index.search(q, 5)) for q in QUERIES}
+    before = {q: ranking(faiss_index.search(q, 5).hits) for q in QUERIES}
     random_images(faiss_index, 10, seed=5)
     faiss_index.remove(0)
     crashed = tmp_path / "at-crash"
@@ -456,7 +463,7 @@ def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageI
     assert any(p.name.endswith(".tmp") for p in crashed.iterdir())  # the unrenamed file is there
     old = ImageIndex.load(crashed, bundle)
     assert len(old) == 40 and old.get(0) is not None
-    assert {q: ranking(old.search(q, 5)) for q in QUERIES} == before
+    assert {q: ranking(old.search(q, 5).hits) for q in QUERIES} == before
     old.save()  # a later save of the old state cleans the stray files
     assert not any(p.name.endswith(".tmp") for p in crashed.iterdir())
     old.close()
@@ -469,7 +476,7 @@ def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageI
 
 def test_crash_after_rename_before_commit_leaves_the_old_state(faiss_index: ImageIndex, bundle: Bundle,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    before = ranking(faiss_index.search(QUERIES[0], 10))
+    before = ranking(faiss_index.search(QUERIES[0], 10).hits)
     random_images(faiss_index, 10, seed=6)
     crashed = tmp_path / "at-crash"
 
@@ -484,7 +491,7 @@ def test_crash_after_rename_before_commit_leaves_the_old_state(faiss_index: Imag
     with pytest.raises(Crash):
         faiss_index.save()
     old = ImageIndex.load(crashed, bundle)
-    assert len(old) == 40 and ranking(old.search(QUERIES[0], 10)) == before
+    assert len(old) == 40 and ranking(old.search(QUERIES[0], 10).hits) == before
     old.close()
 
 
@@ -527,7 +534,8 @@ def test_index_of_another_model_or_dimension_is_rejected(faiss_index: ImageIndex
         ImageIndex.load(faiss_index.root, make_bundle(words, seed=1))
     small = ImageIndex.create(faiss_index.root.parent / "x", make_bundle(words, h=16))
     with pytest.raises(ValueError, match="expected"):
-        small.add_vectors(np.zeros((1, F, H), np.float32), np.zeros((1, F, 4)), np.array([[1, 1]]), ["a"], ["a"])
+        small.add(embedded_images(np.zeros((1, F, H), np.float32), np.zeros((1, F, 4)), np.array([[1, 1]])), ["a"],
+                  ["a"], read_places=False)
     small.close()
     with pytest.raises(FileExistsError):
         ImageIndex.create(faiss_index.root, make_bundle(words))
@@ -535,32 +543,32 @@ def test_index_of_another_model_or_dimension_is_rejected(faiss_index: ImageIndex
 
 # -- other index kinds ------------------------------------------------------------------------------------
 def test_ivf_trains_once_enough_fragments_exist_and_keeps_working(tmp_path: Path, bundle: Bundle):
-    settings = IndexSettings(kind="ivf", nlist=4, nprobe=4, train_size=300, k_prime=32)
+    settings = IndexSettings.of(kind="ivf", nlist=4, nprobe=4, train_size=300, k_prime=32)
     index = ImageIndex.create(tmp_path / "ivf", bundle, settings)
     random_images(index, 20, seed=7)  # 100 fragments: the flat stand-in answers
     assert not index.candidates.trained and index.candidates.active_kind == "flat"
     random_images(index, 60, seed=8)  # 400 fragments: trained
     assert index.candidates.trained and index.candidates.ntotal == 400
     for q in QUERIES:  # nprobe = nlist visits every list: exact candidates
-        assert ranking(index.search(q, 5)) == ranking(index.search_exhaustive(q, 5))
+        assert ranking(index.search(q, 5).hits) == ranking(index.search(q, 5, exhaustive=True).hits)
     index.remove(5)
     index.save()
     loaded = ImageIndex.load(index.root, bundle, nprobe=1)
-    assert loaded.candidates.trained and loaded.candidates.ntotal == 395 and loaded.settings.nprobe == 1
-    assert all(h.image_id != 5 for q in QUERIES for h in loaded.search(q, 10))
+    assert loaded.candidates.trained and loaded.candidates.ntotal == 395 and loaded.settings.search.nprobe == 1
+    assert all(h.image_id != 5 for q in QUERIES for h in loaded.search(q, 10).hits)
     loaded.close()
     index.close()
 
 
 def test_bulk_adds_train_on_a_sample_of_everything(tmp_path: Path, bundle: Bundle):
-    settings = IndexSettings(kind="ivfpq", nlist=2, m=4, nbits=4, nprobe=2, train_size=200, k_prime=64)
+    settings = IndexSettings.of(kind="ivfpq", nlist=2, m=4, nbits=4, nprobe=2, train_size=200, k_prime=64)
     index = ImageIndex.create(tmp_path / "pq", bundle, settings)
     with index.bulk():
         random_images(index, 50, seed=9)
         assert index.candidates.ntotal == 0
     assert index.candidates.trained and index.candidates.ntotal == 250
-    hits = index.search(QUERIES[0], 5)
-    exact = {h.image_id: h.score for h in index.search_exhaustive(QUERIES[0], 50)}
+    hits = index.search(QUERIES[0], 5).hits
+    exact = {h.image_id: h.score for h in index.search(QUERIES[0], 50, exhaustive=True).hits}
     assert all(abs(exact[h.image_id] - h.score) < 1e-5 for h in hits)  # re-ranked with the exact score
     index.close()
 
@@ -572,9 +580,9 @@ def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bun
     latent = rng.standard_normal((60, F, 8)).astype(np.float32)
     lift = rng.standard_normal((8, H)).astype(np.float32)
     vecs = latent @ lift + 2.0  # rank 8 + a common offset (a bias, as v = W x + b has)
-    index.add_vectors(vecs, np.zeros((60, F, 4)), np.tile([1, 1], (60, 1)), [str(i) for i in range(60)],
-                      [str(i) for i in range(60)])
-    index.rebuild(IndexSettings(kind="ivf", nlist=4, nprobe=4, pretransform="PCA9", train_size=100, k_prime=10))
+    index.add(embedded_images(vecs, np.zeros((60, F, 4)), np.tile([1, 1], (60, 1))), [str(i) for i in range(60)],
+              [str(i) for i in range(60)], read_places=False)
+    index.rebuild(IndexSettings.of(kind="ivf", nlist=4, nprobe=4, pretransform="PCA9", train_size=100, k_prime=10))
     assert index.candidates.trained
     queries = np.maximum(rng.standard_normal((6, 8)).astype(np.float32) @ lift, 0)
     _, found = index.candidates.search(queries, 10)
@@ -588,7 +596,7 @@ def test_pca_projection_keeps_inner_product_rankings(tmp_path: Path, bundle: Bun
 def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageIndex, bundle: Bundle):
     sent, _ = embed_sentence(bundle, QUERIES[2])
     k = 5
-    base = ranking(faiss_index.search_exhaustive(QUERIES[2], k))
+    base = ranking(faiss_index.search(QUERIES[2], k, exhaustive=True).hits)
     direction = (sent.sum(0) / sent.sum(0).norm()).numpy()
     adds = [np.repeat(direction[None, None] * (50 + 20 * i), F, axis=1) for i in range(6)]  # each beats the last
     base_ids = [i for i, _ in base]
@@ -601,7 +609,7 @@ def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageInde
     def reader() -> None:
         try:
             while not stop.is_set():
-                seen.append(ranking(faiss_index.search_vectors(sent, k)))
+                seen.append(ranking(faiss_index.search(EmbeddedSentence(sent), k).hits))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -609,7 +617,8 @@ def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageInde
     for t in threads:
         t.start()
     for i, vec in enumerate(adds):
-        faiss_index.add_vectors(vec, np.zeros((1, F, 4)), np.array([[1, 1]]), [f"n{i}"], [f"/n{i}"])
+        faiss_index.add(embedded_images(vec, np.zeros((1, F, 4)), np.array([[1, 1]])), [f"n{i}"], [f"/n{i}"],
+                        read_places=False)
         if i == 2:
             faiss_index.save()
         time.sleep(0.02)  # let the readers run between the writes
@@ -620,7 +629,8 @@ def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageInde
 
     assert all([i for i, _ in r] in states for r in seen)
     assert len({tuple(i for i, _ in r) for r in seen}) >= 3  # the readers did run between the writes
-    assert [i for i, _ in ranking(faiss_index.search_vectors(sent, k))] == states[-1] == [45, 44, 43, 42, 41]
+    last = faiss_index.search(EmbeddedSentence(sent), k).hits
+    assert [i for i, _ in ranking(last)] == states[-1] == [45, 44, 43, 42, 41]
 
 
 # -- sentences ----------------------------------------------------------------------------------------------
@@ -632,16 +642,16 @@ SENTENCES = ["a red dog runs on the grass", "a man plays with a ball in the stre
 def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: Path, bundle: Bundle,
                                                                       extractor: RegionExtractor,
                                                                       backend: BackendOptions):
-    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings(k_prime=16), backend=backend)
-    ids = index.add_sentences(SENTENCES * 3)
+    index = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings.of(k_prime=16), backend=backend)
+    ids = index.add(SENTENCES * 3)
     assert len(ids) == 27 and len(index) == 27  # the empty and the unknown-word sentences are skipped
     rec = index.get(ids[0])
     assert rec is not None and rec.text == SENTENCES[0] and "amod(dog, red)" in rec.triplets
     upload = picture((220, 30, 30), "circle", (300, 200))
     frags = extractor.extract(upload)
-    fast = index.annotate_fragments(frags, 6)
-    assert ranking(fast) == ranking(index.annotate_exhaustive(frags, 6))
-    assert ranking(index.annotate(upload, 6)) == ranking(fast)
+    fast = index.annotate(frags, 6).hits
+    assert ranking(fast) == ranking(index.annotate(frags, 6, exhaustive=True).hits)
+    assert ranking(index.annotate(upload, 6).hits) == ranking(fast)
     for hit in fast:
         assert hit.text in SENTENCES and hit.alignment
         for m in hit.alignment:
@@ -650,7 +660,7 @@ def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: P
     index.remove(fast[0].sentence_id)
     index.save()
     loaded = SentenceIndex.load(index.root, bundle)
-    assert ranking(loaded.annotate_fragments(frags, 5)) == ranking(fast[1:6])
+    assert ranking(loaded.annotate(frags, 5).hits) == ranking(fast[1:6])
     loaded.close()
     index.close()
 
@@ -668,32 +678,32 @@ def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Pa
     feats = np.random.default_rng(12).standard_normal((12, F, 1280)).astype(np.float32)
     with torch.inference_mode():
         vecs = two.embed_images(feats).numpy()  # (12, 1, 16): the one global vector
-    images.add_vectors(vecs, np.tile([0.0, 0, 9, 9], (12, 1, 1)), np.tile([9, 9], (12, 1)),
-                       [str(i) for i in range(12)], [str(i) for i in range(12)])
-    hits = images.search(QUERIES[0], 5)
-    assert ranking(hits) == ranking(images.search_exhaustive(QUERIES[0], 5))
+    images.add(embedded_images(vecs, np.tile([0.0, 0, 9, 9], (12, 1, 1)), np.tile([9, 9], (12, 1))),
+               [str(i) for i in range(12)], [str(i) for i in range(12)], read_places=False)
+    hits = images.search(QUERIES[0], 5).hits
+    assert ranking(hits) == ranking(images.search(QUERIES[0], 5, exhaustive=True).hits)
     assert all(m.relation == SENTENCE_REL and m.fragment == 0 for h in hits for m in h.alignment)
     sentences = SentenceIndex.create(tmp_path / "tb-sentences", two)
-    sentences.add_sentences(SENTENCES)
+    sentences.add(SENTENCES)
     rec = sentences.get(0)
     assert rec is not None and len(rec.triplets) == 1 and rec.triplets[0].startswith(SENTENCE_REL)
-    found = sentences.annotate_vectors(torch.from_numpy(vecs[0]), np.zeros((1, 4)), 3)
-    assert ranking(found) == ranking(sentences.annotate_vectors(torch.from_numpy(vecs[0]), np.zeros((1, 4)), 3,
-                                                                exhaustive=True))
+    query = EmbeddedImage(torch.from_numpy(vecs[0]), np.zeros((1, 4)), 0, 0)
+    found = sentences.annotate(query, 3).hits
+    assert ranking(found) == ranking(sentences.annotate(query, 3, exhaustive=True).hits)
     images.close()
     sentences.close()
 
 
 def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Path, bundle: Bundle,
                                                                     backend: BackendOptions):
-    index = SentenceIndex.create(tmp_path / "shared", bundle, IndexSettings(k_prime=4), backend=backend)
-    ids = index.add_sentences(SENTENCES * 3)
+    index = SentenceIndex.create(tmp_path / "shared", bundle, IndexSettings.of(k_prime=4), backend=backend)
+    ids = index.add(SENTENCES * 3)
     distinct = {tuple(r) for i in ids for r in index.store.rows(int(index.items.seg[i]), int(index.items.off[i]),
                                                                int(index.items.n[i])).tolist()}
     assert index.candidates.ntotal == len(distinct) < index.n_fragments
     img = torch.from_numpy(index.store.rows(int(index.items.seg[ids[0]]), int(index.items.off[ids[0]]), 3).copy())
-    hits = index.annotate_vectors(img, np.zeros((3, 4)), 3)
-    assert ranking(hits) == ranking(index.annotate_vectors(img, np.zeros((3, 4)), 3, exhaustive=True))
+    hits = index.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 3).hits
+    assert ranking(hits) == ranking(index.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 3, exhaustive=True).hits)
     copies = [i for i in ids if name_text(index, i) == hits[0].text]
     assert sorted(h.sentence_id for h in hits) == copies  # the three copies of the best sentence tie
     # the default candidate stage: every sentence fragment with a positive score, the best 5 re-ranked
@@ -702,20 +712,20 @@ def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Pat
         first = ids[row]
         query = torch.from_numpy(index.store.rows(int(index.items.seg[first]), int(index.items.off[first]), 2).copy())
         query = query + 0.5 * torch.randn(query.shape, generator=torch.Generator().manual_seed(row))
-        assert ranking(index.annotate_vectors(query, np.zeros((2, 4)), 5)) == ranking(
-            index.annotate_vectors(query, np.zeros((2, 4)), 5, exhaustive=True))
+        assert ranking(index.annotate(EmbeddedImage(query, np.zeros((2, 4)), 0, 0), 5).hits) == ranking(
+            index.annotate(EmbeddedImage(query, np.zeros((2, 4)), 0, 0), 5, exhaustive=True).hits)
     index.set_search(k_prime=4, rerank=0)
     # removing the copy that holds the FAISS entries hands them to the next copy
     assert index.remove(copies[0])
     assert index.candidates.ntotal == len(distinct)
-    assert [h.sentence_id for h in index.annotate_vectors(img, np.zeros((3, 4)), 2)] == copies[1:]
+    assert [h.sentence_id for h in index.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 2).hits] == copies[1:]
     index.save()
     loaded = SentenceIndex.load(index.root, bundle)
     assert loaded.candidates.ntotal == len(distinct)
-    assert [h.sentence_id for h in loaded.annotate_vectors(img, np.zeros((3, 4)), 2)] == copies[1:]
+    assert [h.sentence_id for h in loaded.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 2).hits] == copies[1:]
     for i in copies[1:]:
         loaded.remove(i)
-    assert all(h.text != hits[0].text for h in loaded.annotate_vectors(img, np.zeros((3, 4)), 30))
+    assert all(h.text != hits[0].text for h in loaded.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 30).hits)
     loaded.save()
     again = SentenceIndex.load(index.root, bundle)
     assert again.candidates.ntotal == loaded.candidates.ntotal and len(again) == len(ids) - 3
@@ -745,7 +755,7 @@ def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle,
     sentences = SentenceIndex.load(tmp_path / "index" / "sentences-train", loaded_model)
     assert len(images) == 2 and len(sentences) == 2
     assert {name_of(images, i) for i in images.ids()} == {"a.jpg", "b.jpg"}
-    assert len(images.search("a red circle", 2)) == 2
+    assert len(images.search("a red circle", 2).hits) == 2
     images.close()
     picture((30, 170, 60), "circle").save(photos / "c.jpg")
     build_main(args)  # extends the image index with the new file only
@@ -759,11 +769,11 @@ def test_interrupted_sentence_build_leaves_no_index_behind(tmp_path: Path, bundl
                                                            monkeypatch: pytest.MonkeyPatch):
     from index.build import build_sentence_index
 
-    def crash(self: SentenceIndex, texts: list[str]) -> list[int]:
+    def crash(self: SentenceIndex, *args: object, **kwargs: object) -> list[int]:
         raise KeyboardInterrupt
 
     out = tmp_path / "sentences"
-    monkeypatch.setattr(SentenceIndex, "add_sentences", crash)
+    monkeypatch.setattr(SentenceIndex, "add", crash)
     with pytest.raises(KeyboardInterrupt):
         build_sentence_index(bundle, ["a dog runs", "a red ball"], out, IndexSettings())
     assert not out.exists()  # a later start builds it again instead of reusing a half-filled one

@@ -8,6 +8,8 @@ import numpy as np
 
 from bench.index_bench import N_FRAGMENTS, K, Synthetic, agreement, scoring_bundle, sweep
 from index import ImageIndex, IndexSettings
+from index.images import embedded_images, exact_top_k
+from model.embed import EmbeddedSentence
 
 
 def test_sweep_measures_the_candidate_stage_on_a_collection_searches_would_scan(tmp_path: Path) -> None:
@@ -16,15 +18,15 @@ def test_sweep_measures_the_candidate_stage_on_a_collection_searches_would_scan(
     index = ImageIndex.create(tmp_path / "small", scoring_bundle(h), IndexSettings())
     boxes = np.tile(np.array([0, 0, 224, 224], np.float32), (n, N_FRAGMENTS, 1))
     names = [f"syn{i}" for i in range(n)]
-    index.add_vectors(gen.images(0, n), boxes, np.full((n, 2), 224), names, names)
+    index.add(embedded_images(gen.images(0, n), boxes, np.full((n, 2), 224)), names, names, read_places=False)
     assert index.ranker.small()  # the service's policy: a search scans this collection exactly
     queries = gen.queries(12)
-    truth = [[i for i, _ in r] for r in index.rank_exhaustive(queries, K)]
+    truth = [[i for i, _ in r] for r in exact_top_k(index, queries, K)]
 
     def measure() -> float:
-        return agreement([[hit.image_id for hit in index.search_vectors(q, K)] for q in queries], truth)
+        return agreement([[hit.image_id for hit in index.search(EmbeddedSentence(q), K).hits] for q in queries], truth)
 
-    few, every = sweep(index, [IndexSettings(k_prime=1), IndexSettings(k_prime=n * N_FRAGMENTS)], measure, 1)
+    few, every = sweep(index, [IndexSettings.of(k_prime=1), IndexSettings.of(k_prime=n * N_FRAGMENTS)], measure, 1)
     assert few < 0.9  # one neighbour per query fragment: the candidates miss images, as measured
     assert every == 1.0  # every fragment a candidate: the exact ranking
     index.close()

@@ -13,6 +13,7 @@ import torch
 
 import index.store
 from index import ImageIndex, IndexSettings
+from index.images import embedded_images
 from index.shards import ShardError, ShardWriter, load_shards, shard_files, shard_settings
 from index.store import VectorStore
 from model.bundle import Bundle
@@ -43,7 +44,7 @@ def write_shards(folder: Path, bundle: Bundle, fingerprint: str, shard_size: int
 
 def stored(ix: ImageIndex) -> dict[str, np.ndarray]:
     """path -> the item's stored rows (float32)."""
-    found = ix.find_paths(images()[2])
+    found = ix.photos.find(images()[2])
     return {p: np.asarray(ix.stored.rows(i), np.float32) for p, i in found.items()}
 
 
@@ -56,11 +57,12 @@ def path_of(ix: ImageIndex, image_id: int) -> str:
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_streamed_load_with_spill_equals_the_in_memory_index(tmp_path: Path, bundle: Bundle, kind: str,
                                                              monkeypatch: pytest.MonkeyPatch):
-    settings = IndexSettings(kind=kind, nlist=4, store_dtype="float16", exact_below=0)
+    settings = IndexSettings.of(kind=kind, nlist=4, store_dtype="float16", exact_below=0)
     vecs, boxes, paths = images()
     memory = ImageIndex.create(tmp_path / "memory", bundle, settings)
     with memory.bulk():
-        memory.add_vectors(vecs, boxes, np.tile([100, 80], (N, 1)), [Path(p).name for p in paths], paths)
+        memory.add(embedded_images(vecs, boxes, np.tile([100, 80], (N, 1))), [Path(p).name for p in paths], paths,
+                   read_places=False)
     memory.save()
     monkeypatch.setattr(index.store, "SPILL_BYTES", 3 * F * H * 2)  # a spill every few images
     monkeypatch.setattr(index.store, "BLOCK_ROWS", 2 * F)
@@ -89,10 +91,10 @@ def test_streamed_load_with_spill_equals_the_in_memory_index(tmp_path: Path, bun
     streamed.close()
     again = ImageIndex.load(tmp_path / "streamed", bundle)
     for q in QUERIES:
-        assert [(path_of(again, i), s) for i, s in ranking(again.search_exhaustive(q, 10))] == \
-               [(path_of(memory, i), s) for i, s in ranking(memory.search_exhaustive(q, 10))]
+        assert [(path_of(again, i), s) for i, s in ranking(again.search(q, 10, exhaustive=True).hits)] == \
+               [(path_of(memory, i), s) for i, s in ranking(memory.search(q, 10, exhaustive=True).hits)]
         if kind == "flat":
-            assert ranking(again.search(q, 10)) == ranking(again.search_exhaustive(q, 10))
+            assert ranking(again.search(q, 10).hits) == ranking(again.search(q, 10, exhaustive=True).hits)
     again.close()
     memory.close()
 
@@ -102,9 +104,9 @@ def test_a_crash_mid_load_leaves_the_last_commit_and_the_next_load_resumes(tmp_p
     monkeypatch.setattr(index.store, "SPILL_BYTES", 2 * F * H * 4)
     monkeypatch.setattr(index.store, "BLOCK_ROWS", F)
     root, shards = tmp_path / "idx", tmp_path / "shards"
-    ix = ImageIndex.create(root, bundle, IndexSettings(exact_below=0))
+    ix = ImageIndex.create(root, bundle, IndexSettings.of(exact_below=0))
     write_shards(shards, bundle, ix.fingerprint)
-    real_add = ImageIndex.add_vectors
+    real_add = ImageIndex.add
     calls = 0
 
     class Crash(BaseException):
@@ -117,18 +119,18 @@ def test_a_crash_mid_load_leaves_the_last_commit_and_the_next_load_resumes(tmp_p
             raise Crash
         return real_add(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ImageIndex, "add_vectors", crash_in_the_second_group)
+    monkeypatch.setattr(ImageIndex, "add", crash_in_the_second_group)
     with pytest.raises(Crash):
         load_shards(ix, shards, chunk=5, progress=False, commit_images=30, remove_loaded=True)
     assert list(root.glob(".*store-live*.tmp"))  # the uncommitted rows' spill file is left behind
-    monkeypatch.setattr(ImageIndex, "add_vectors", real_add)
+    monkeypatch.setattr(ImageIndex, "add", real_add)
     after = ImageIndex.load(root, bundle)  # what a restart sees: the last commit
     assert len(after) == 35 and len(shard_files(shards)) == 4  # the first group's 5 shards of 7 are gone
     committed = len(after)
     assert load_shards(after, shards, progress=False, remove_loaded=True) == N - committed
     assert len(after) == N and shard_files(shards) == []
     assert not list(root.glob(".*.tmp"))  # the crashed writer's spill file went with the next save
-    assert sorted(after.find_paths(images()[2])) == sorted(images()[2])
+    assert sorted(after.photos.find(images()[2])) == sorted(images()[2])
     after.close()
 
 
@@ -147,8 +149,9 @@ def test_int8_store_keeps_the_exact_ranking_and_survives_a_reload(tmp_path: Path
     vecs, boxes, paths = images(200, seed=5)
     built = {}
     for dtype in ("float16", "int8"):
-        ix = ImageIndex.create(tmp_path / dtype, bundle, IndexSettings(store_dtype=dtype, exact_below=0))
-        ix.add_vectors(vecs, boxes, np.tile([100, 80], (200, 1)), [Path(p).name for p in paths], paths)
+        ix = ImageIndex.create(tmp_path / dtype, bundle, IndexSettings.of(store_dtype=dtype, exact_below=0))
+        ix.add(embedded_images(vecs, boxes, np.tile([100, 80], (200, 1))), [Path(p).name for p in paths], paths,
+               read_places=False)
         ix.save()
         built[dtype] = ix
     int8 = built["int8"]
@@ -158,8 +161,8 @@ def test_int8_store_keeps_the_exact_ranking_and_survives_a_reload(tmp_path: Path
     assert (np.abs(rows - vecs) <= bound).all()
     overlap = []
     for q in QUERIES:
-        a = [i for i, _ in ranking(built["float16"].search_exhaustive(q, 10))]
-        b = [i for i, _ in ranking(int8.search_exhaustive(q, 10))]
+        a = [i for i, _ in ranking(built["float16"].search(q, 10, exhaustive=True).hits)]
+        b = [i for i, _ in ranking(int8.search(q, 10, exhaustive=True).hits)]
         overlap.append(len(set(a) & set(b)) / 10)
     assert np.mean(overlap) >= 0.9
     int8.close()
@@ -202,7 +205,7 @@ def test_a_sentence_index_refuses_an_int8_store(tmp_path: Path, bundle: Bundle):
     from index import SentenceIndex
 
     with pytest.raises(ValueError, match="not int8"):
-        SentenceIndex.create(tmp_path / "s", bundle, IndexSettings(store_dtype="int8"))
+        SentenceIndex.create(tmp_path / "s", bundle, IndexSettings.of(store_dtype="int8"))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from bench.report import selection_label
 from index import ImageIndex, IndexSettings
+from index.images import embedded_images
 from model.bundle import Bundle
 from model.dataset import SplitData, hold_out, load_split_data
 from model.encoders import FragmentModel, ModelConfig
@@ -182,15 +183,16 @@ def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score
     dev = shapes_model.dev
     vecs = merged.embed_images(dev.feats).detach().numpy()
     n = len(vecs)
-    ix = ImageIndex.create(tmp_path / "idx", merged, IndexSettings(store_dtype="float16", codes=25))
-    ix.add_vectors(vecs, np.tile(np.array([0, 0, 64, 64], np.float32), (n, vecs.shape[1], 1)),
-                   np.tile([64, 64], (n, 1)), dev.names, [f"/shapes/{name}" for name in dev.names])
+    ix = ImageIndex.create(tmp_path / "idx", merged, IndexSettings.of(store_dtype="float16", codes=25))
+    boxes = np.tile(np.array([0, 0, 64, 64], np.float32), (n, vecs.shape[1], 1))
+    ix.add(embedded_images(vecs, boxes, np.tile([64, 64], (n, 1))), dev.names,
+           [f"/shapes/{name}" for name in dev.names], read_places=False)
     ix.save()
     assert ix.codes is not None and ix.codes.dim == 25
     ix.set_search(exact_below=0, k_prime=ix.candidates.ntotal + 1, rerank=n // 2)
     scores = _dev_scores(merged, shapes_model)
     for li in range(0, len(dev.sentences), 7):
-        page = ix.search_page(dev.sentences[li], 0, 5)
+        page = ix.search(dev.sentences[li], 5, 0)
         assert page.considered == n // 2  # the re-rank read only the codes' best half
         exact = [dev.names[i] for i in torch.argsort(scores[:, li], descending=True, stable=True)[:5].tolist()]
         hit_scores = [h.score for h in page.hits]

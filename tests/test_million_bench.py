@@ -11,19 +11,20 @@ import pytest
 
 from bench.million import ground_truth, search_setting
 from index import ImageIndex, IndexSettings
+from index.images import exact_top_k
 from model.bundle import Bundle
 from model.embed import embed_sentence
 from model.words import WordTable
-from tests.test_codes import images
+from tests.test_codes import images, vector_images
 from tests.test_index import QUERIES, WORDS, make_bundle
 
 
 def test_a_search_setting_reads_three_to_five_whole_numbers():
-    base = IndexSettings(kind="ivfpq", nlist=8, prescore=7, refine=3)
-    three = search_setting(base, "16:65536:200")
+    base = IndexSettings.of(kind="ivfpq", nlist=8, prescore=7, refine=3)
+    three = search_setting(base, "16:65536:200").search
     assert (three.nprobe, three.k_prime, three.rerank, three.prescore, three.refine) == (16, 65536, 200, 0, 0)
-    assert three.nlist == 8  # the rest comes from the base
-    five = search_setting(base, " 32:1024:100:4096:512")
+    assert search_setting(base, "16:65536:200").shape.nlist == 8  # the rest comes from the base
+    five = search_setting(base, " 32:1024:100:4096:512").search
     assert (five.nprobe, five.k_prime, five.rerank, five.prescore, five.refine) == (32, 1024, 100, 4096, 512)
     for bad in ("16:65536", "16:65536:200:1:2:3:4", "16:x:200", "16:-1:200", ""):
         with pytest.raises(SystemExit, match="nprobe:k_prime:rerank"):
@@ -37,8 +38,8 @@ def test_the_kept_truth_is_used_only_for_the_collection_it_was_computed_on(tmp_p
     args = argparse.Namespace(work=tmp_path, build_threads=1, threads=1, exhaustive_timed=1)
 
     def built(bundle: Bundle, name: str) -> ImageIndex:
-        ix = ImageIndex.create(tmp_path / name, bundle, IndexSettings(store_dtype="float16"))
-        ix.add_vectors(*images(40))
+        ix = ImageIndex.create(tmp_path / name, bundle, IndexSettings.of(store_dtype="float16"))
+        ix.add(*vector_images(*images(40)), read_places=False)
         ix.save()
         return ix
 
@@ -46,13 +47,13 @@ def test_the_kept_truth_is_used_only_for_the_collection_it_was_computed_on(tmp_p
     truth, _ = ground_truth(args, a, queries)
     kept = tmp_path / "truth-3.json"
     assert json.loads(kept.read_text())["fingerprint"] == a.fingerprint
-    assert truth == [[i for i, _ in r] for r in a.rank_exhaustive(queries, 10)]
+    assert truth == [[i for i, _ in r] for r in exact_top_k(a, queries, 10)]
     kept.write_text(kept.read_text().replace(json.dumps(truth), json.dumps([[0]] * 3)))
     assert ground_truth(args, a, queries)[0] == [[0]] * 3  # the same collection reads the kept file
     b = built(other, "b")  # as many images, another model
     assert len(b) == len(a) and b.fingerprint != a.fingerprint
     again, _ = ground_truth(args, b, queries)
-    assert again == [[i for i, _ in r] for r in b.rank_exhaustive(queries, 10)]
+    assert again == [[i for i, _ in r] for r in exact_top_k(b, queries, 10)]
     assert json.loads(kept.read_text())["fingerprint"] == b.fingerprint
     a.close()
     b.close()

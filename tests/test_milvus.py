@@ -13,8 +13,9 @@ import psutil
 import pytest
 
 from index import ImageIndex, IndexSettings, SentenceIndex
+from index import ids as fid
 from index.candidates import BackendOptions
-from index.milvus import DIRTY_MARKER, LITE_FILE, MilvusCandidates, index_spec
+from index.milvus import DIRTY_MARKER, ITEM, LITE_FILE, MilvusCandidates, among, index_spec, stored_count
 from model.bundle import Bundle
 from model.words import WordTable
 from tests.test_index import QUERIES, SENTENCES, WORDS, make_bundle, random_images, ranking, recall_all
@@ -35,54 +36,66 @@ def listening(port: int) -> list[str]:
 
 def test_index_kinds_map_onto_milvus_index_types():
     assert index_spec(IndexSettings()) == ("FLAT", {}, {})
-    assert index_spec(IndexSettings(kind="hnsw", hnsw_m=16, ef_construction=80, ef_search=64)) == (
+    assert index_spec(IndexSettings.of(kind="hnsw", hnsw_m=16, ef_construction=80, ef_search=64)) == (
         "HNSW", {"M": 16, "efConstruction": 80}, {"ef": 64})
-    assert index_spec(IndexSettings(kind="ivf", nlist=256, nprobe=8)) == ("IVF_FLAT", {"nlist": 256}, {"nprobe": 8})
-    assert index_spec(IndexSettings(kind="ivfpq", nlist=64, m=8, nbits=8, nprobe=4)) == (
+    assert index_spec(IndexSettings.of(kind="ivf", nlist=256, nprobe=8)) == ("IVF_FLAT", {"nlist": 256}, {"nprobe": 8})
+    assert index_spec(IndexSettings.of(kind="ivfpq", nlist=64, m=8, nbits=8, nprobe=4)) == (
         "IVF_PQ", {"nlist": 64, "m": 8, "nbits": 8}, {"nprobe": 4})
     with pytest.raises(ValueError, match="pre-transform"):
-        index_spec(IndexSettings(kind="ivf", pretransform="PCA16"))
+        index_spec(IndexSettings.of(kind="ivf", pretransform="PCA16"))
 
 
 def test_milvus_lite_refuses_ivfpq_and_keeps_no_half_made_index(tmp_path: Path, bundle: Bundle):
     with pytest.raises(ValueError, match="IVF_PQ"):
-        ImageIndex.create(tmp_path / "pq", bundle, IndexSettings(kind="ivfpq", m=8), backend=MILVUS)
+        ImageIndex.create(tmp_path / "pq", bundle, IndexSettings.of(kind="ivfpq", m=8), backend=MILVUS)
 
 
 def test_ivf_on_milvus_agrees_with_the_exact_ranking(tmp_path: Path, bundle: Bundle):
-    index = ImageIndex.create(tmp_path / "ivf", bundle, IndexSettings(kind="ivf", nlist=4, nprobe=4), backend=MILVUS)
+    index = ImageIndex.create(tmp_path / "ivf", bundle, IndexSettings.of(kind="ivf", nlist=4, nprobe=4), backend=MILVUS)
     random_images(index, 60, seed=8)
     index.save()
     recall_all(index)
     for q in QUERIES:
-        assert ranking(index.search(q, 10)) == ranking(index.search_exhaustive(q, 10)), q
+        assert ranking(index.search(q, 10).hits) == ranking(index.search(q, 10, exhaustive=True).hits), q
     index.close()
 
 
-def test_a_writer_that_died_before_its_commit_is_reconciled_at_the_next_write(tmp_path: Path, bundle: Bundle):
+def test_a_writer_that_died_before_its_commit_took_no_committed_rows_and_is_reconciled_at_the_next_write(
+        tmp_path: Path, bundle: Bundle):
     index = ImageIndex.create(tmp_path / "crash", bundle, backend=MILVUS)
     random_images(index, 30, seed=9)
     index.save()
     committed = index.ids().tolist()
     assert not (index.root / DIRTY_MARKER).exists()
-    # uncommitted writes reach the collection at once; the process "dies" (no save) after them
+    # uncommitted additions reach the collection at once, removals wait for the commit; the process
+    # "dies" (no save) after them
     random_images(index, 6, seed=10)
     removed = [int(committed[3]), int(committed[17])]
     for i in removed:
         index.remove(i)
-    assert (index.root / DIRTY_MARKER).exists() and index.candidates.ntotal == (30 + 6 - 2) * 5
+    cand = index.candidates
+    assert isinstance(cand, MilvusCandidates)
+    assert (index.root / DIRTY_MARKER).exists() and cand.ntotal == (30 + 6 - 2) * 5
+    assert stored_count(cand.client, cand.collection) == (30 + 6) * 5, "the removed rows wait for the commit"
+    vecs, _ = index.stored.vectors(np.asarray(removed))
+    _, hits = cand.search_items(vecs[:, 0].numpy(), 40)  # the removed items' own fragments as queries
+    assert not set((hits[hits >= 0] >> fid.FRAGMENT_BITS).tolist()) & set(removed), "removed rows searched"
     index.close()
     loaded = ImageIndex.load(index.root, bundle)
     assert loaded.ids().tolist() == committed and loaded.candidates.ntotal != loaded.n_fragments
+    cand = loaded.candidates
+    assert isinstance(cand, MilvusCandidates)
+    assert stored_count(cand.client, cand.collection, where=among(ITEM, committed)) == 30 * 5, \
+        "every committed row is in the collection before any write"
     recall_all(loaded)
     # searches before any write: only committed items come back, as the exact ranking over them
     for q in QUERIES:
-        assert {h.image_id for h in loaded.search(q, 40)} <= set(committed)
+        assert {h.image_id for h in loaded.search(q, 40).hits} <= set(committed)
     loaded.save()  # the first write reconciles: the collection holds the committed state exactly
     assert loaded.candidates.ntotal == loaded.n_fragments == 30 * 5
     assert not (loaded.root / DIRTY_MARKER).exists()
     for q in QUERIES:
-        assert ranking(loaded.search(q, 10)) == ranking(loaded.search_exhaustive(q, 10)), q
+        assert ranking(loaded.search(q, 10).hits) == ranking(loaded.search(q, 10, exhaustive=True).hits), q
     loaded.close()
 
 
@@ -92,7 +105,7 @@ def test_a_rebuild_fills_a_new_collection_and_the_commit_drops_the_old_one(tmp_p
     index.save()
     assert isinstance(index.candidates, MilvusCandidates)
     first = index.candidates.collection
-    index.rebuild(IndexSettings(kind="hnsw", ef_search=64))
+    index.rebuild(IndexSettings.of(kind="hnsw", ef_search=64))
     second = index.candidates
     assert isinstance(second, MilvusCandidates) and second.collection != first
     assert set(second.client.list_collections()) == {first, second.collection}  # the old one until the commit
@@ -100,10 +113,10 @@ def test_a_rebuild_fills_a_new_collection_and_the_commit_drops_the_old_one(tmp_p
     assert second.client.list_collections() == [second.collection]
     index.close()
     loaded = ImageIndex.load(tmp_path / "rebuild", bundle)
-    assert loaded.settings.kind == "hnsw" and loaded.candidates.ntotal == 25 * 5
+    assert loaded.settings.shape.kind == "hnsw" and loaded.candidates.ntotal == 25 * 5
     recall_all(loaded)
     for q in QUERIES:
-        assert ranking(loaded.search(q, 10)) == ranking(loaded.search_exhaustive(q, 10)), q
+        assert ranking(loaded.search(q, 10).hits) == ranking(loaded.search(q, 10, exhaustive=True).hits), q
     loaded.close()
 
 
@@ -114,7 +127,7 @@ def test_an_index_built_on_milvus_is_not_opened_as_faiss(tmp_path: Path, bundle:
     with pytest.raises(IndexLoadError, match="milvus"):
         SentenceIndex.load(tmp_path / "s", bundle, backend=BackendOptions("faiss"))
     with SentenceIndex.load(tmp_path / "s", bundle) as index:  # no options: the backend it was built with
-        assert index.candidates.NAME == "milvus" and len(index.add_sentences(SENTENCES[:3])) == 3
+        assert index.candidates.NAME == "milvus" and len(index.add(SENTENCES[:3])) == 3
 
 
 def test_milvus_lite_listens_on_loopback_only_and_stops_with_its_last_index(tmp_path: Path, bundle: Bundle):

@@ -95,7 +95,7 @@ def test_the_sync_indexes_heic_and_avif_photos(shapes_model: ShapesModel, tmp_pa
     report = sync_folder(index, photos)
     assert sorted(report.added) == ["a.heic", "b.HEIF", "c.avif", "d.jpg"]
     assert report.unsupported == ["e.dng"] and report.unreadable == []
-    sizes = {index.stored_path(rec.path): (rec.width, rec.height)
+    sizes = {index.photos.stored_path(rec.path): (rec.width, rec.height)
              for rec in (index.get(int(i)) for i in index.ids()) if rec is not None}
     assert sizes == {"a.heic": (96, 64), "b.HEIF": (64, 96), "c.avif": (80, 80), "d.jpg": (96, 64)}
     index.close()

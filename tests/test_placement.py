@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from index import ImageIndex, SentenceIndex
 from index import ids as fid
-from index.ann import AnnIndex
+from index.ann import FaissCandidates
 from index.types import IndexSettings
 from model.device import (
     CALLS,
@@ -86,15 +86,15 @@ def test_range_searches_and_exact_scores_never_run_on_a_faiss_gpu_copy() -> None
 DIM = 8
 
 
-def _ann(settings: IndexSettings, n: int = 400, seed: int = 0) -> tuple[AnnIndex, np.ndarray]:
+def _ann(settings: IndexSettings, n: int = 400, seed: int = 0) -> tuple[FaissCandidates, np.ndarray]:
     """An index of n random vectors (items of 4 fragments), built as its kind needs."""
     rng = np.random.default_rng(seed)
     vecs = rng.standard_normal((n, DIM)).astype(np.float32)
     ids = np.concatenate([fid.item_fragments(i, 4) for i in range(n // 4)])
-    if settings.trainable:
-        ann = AnnIndex.build(DIM, settings, vecs, [(ids, vecs)])
+    if settings.shape.trainable:
+        ann = FaissCandidates.build(DIM, settings, vecs, [(ids, vecs)])
     else:
-        ann = AnnIndex(DIM, settings)
+        ann = FaissCandidates(DIM, settings)
         ann.add(ids, vecs)
     return ann, vecs
 
@@ -119,7 +119,7 @@ def test_a_flat_index_on_the_gpu_searches_its_copy_and_range_searches_on_the_cpu
     cpu, vecs = _ann(IndexSettings(), n)
     queries = np.random.default_rng(1).standard_normal((3, DIM)).astype(np.float32)
     stand_in = gpu_stand_in.install(monkeypatch)
-    gpu, _ = _ann(IndexSettings(use_gpu=True), n)
+    gpu, _ = _ann(IndexSettings.of(use_gpu=True), n)
     assert gpu.policy() == {"knn": FAISS_GPU, "range": MATRIX_CPU, "exact": MODEL_DEVICE, "prescore": CODES_CPU,
                             "write": FAISS_CPU}
     for a, b in zip(gpu.search(queries, 10), cpu.search(queries, 10), strict=True):
@@ -134,7 +134,7 @@ def test_a_flat_index_on_the_gpu_searches_its_copy_and_range_searches_on_the_cpu
 def test_an_ivf_index_on_the_gpu_range_searches_by_gpu_knn_and_cpu_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
     """ivf with k' = 0: k-NN on the GPU copy, and the CPU index for the queries whose k-NN are all
     positive (more may be): the same fragments and scores as the CPU's range search."""
-    settings = IndexSettings(kind="ivf", nlist=4, nprobe=4, train_size=100)
+    settings = IndexSettings.of(kind="ivf", nlist=4, nprobe=4, train_size=100)
     cpu, vecs = _ann(settings)
     queries = np.random.default_rng(2).standard_normal((3, DIM)).astype(np.float32)
     stand_in = gpu_stand_in.install(monkeypatch)
@@ -160,10 +160,10 @@ def test_an_ivf_index_on_the_gpu_range_searches_by_gpu_knn_and_cpu_overflow(monk
 
 def test_kinds_without_a_gpu_version_stay_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     stand_in = gpu_stand_in.install(monkeypatch)
-    for settings in (IndexSettings(kind="hnsw", use_gpu=True),
-                     IndexSettings(kind="ivfpq", nlist=4, m=4, nbits=4, train_size=100, use_gpu=True)):
+    for settings in (IndexSettings.of(kind="hnsw", use_gpu=True),
+                     IndexSettings.of(kind="ivfpq", nlist=4, m=4, nbits=4, train_size=100, use_gpu=True)):
         ann, vecs = _ann(settings)
-        assert ann.active_kind == settings.kind
+        assert ann.active_kind == settings.shape.kind
         assert ann.policy()["knn"] == FAISS_CPU
         ann.search(vecs[:2], 5)
         ann.search_positive(vecs[:2])
@@ -172,7 +172,7 @@ def test_kinds_without_a_gpu_version_stay_on_the_cpu(monkeypatch: pytest.MonkeyP
 
 def test_without_use_gpu_nothing_goes_to_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     stand_in = gpu_stand_in.install(monkeypatch)
-    ann, vecs = _ann(IndexSettings(kind="ivf", nlist=4, train_size=100))
+    ann, vecs = _ann(IndexSettings.of(kind="ivf", nlist=4, train_size=100))
     ann.search(vecs[:2], 5)
     ann.search_positive(vecs[:2])
     assert stand_in.copies == [] and set(ann.policy().values()) == {FAISS_CPU, MODEL_DEVICE, CODES_CPU}
@@ -182,7 +182,7 @@ def test_calls_on_the_gpu_copy_are_serialised(monkeypatch: pytest.MonkeyPatch) -
     """Four threads search at once (as the service does): the GPU copy sees one call at a time.
     Each call lingers for a second caller, so calls that were not serialised would overlap."""
     stand_in = gpu_stand_in.install(monkeypatch, linger=0.5)
-    ann, vecs = _ann(IndexSettings(use_gpu=True))
+    ann, vecs = _ann(IndexSettings.of(use_gpu=True))
     ann.search(vecs[:1], 3)  # the copy exists before the threads start
     start = threading.Barrier(4)
 

@@ -95,27 +95,27 @@ def _names(index: ImageIndex, ids: np.ndarray) -> set[str]:
 
 def _check_filters(index: ImageIndex) -> None:
     summer = PlaceFilter(taken_after=clock("2024-06-01T00:00:00"), taken_before=clock("2024-09-01T00:00:00"))
-    assert _names(index, index.allowed(summer)) == {"paris-july", "paris-august", "dated"}
-    assert _names(index, index.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == {"paris-july", "paris-august"}
-    assert _names(index, index.allowed(PlaceFilter(near=Near(*PARIS, km=1)))) == {"paris-july"}
+    assert _names(index, index.photos.allowed(summer)) == {"paris-july", "paris-august", "dated"}
+    assert _names(index, index.photos.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == {"paris-july", "paris-august"}
+    assert _names(index, index.photos.allowed(PlaceFilter(near=Near(*PARIS, km=1)))) == {"paris-july"}
     july = PlaceFilter(taken_before=clock("2024-08-01T00:00:00"), near=Near(*PARIS, km=5))
-    assert _names(index, index.allowed(july)) == {"paris-july"}
-    assert len(index.allowed(PlaceFilter(near=Near(0.0, 0.0, km=100)))) == 0
+    assert _names(index, index.photos.allowed(july)) == {"paris-july"}
+    assert len(index.photos.allowed(PlaceFilter(near=Near(0.0, 0.0, km=100)))) == 0
 
 
 def test_the_index_keeps_date_and_place_and_filters_by_them(shapes_model: ShapesModel, tmp_path: Path,
                                                             album: dict[str, Path]) -> None:
     cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(), cache=cache)
-    index.add_paths(list(album.values()))
+    index.photos.add(list(album.values()))
     _check_filters(index)  # pending: from memory
     index.save()
     index.close()
     again = ImageIndex.load(tmp_path / "index", shapes_model.bundle, cache=cache)
     _check_filters(again)  # saved: from the catalogue
-    gone = again.find_paths([album["paris-july"]])[str(album["paris-july"])]
+    gone = again.photos.find([album["paris-july"]])[str(album["paris-july"])]
     again.remove(gone)
-    assert _names(again, again.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == {"paris-august"}
+    assert _names(again, again.photos.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == {"paris-august"}
     again.close()
 
 
@@ -123,7 +123,7 @@ def test_an_older_catalogue_is_upgraded_in_place_and_its_images_read(shapes_mode
                                                                      album: dict[str, Path]) -> None:
     cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(), cache=cache)
-    index.add_paths(list(album.values()))
+    index.photos.add(list(album.values()))
     index.save()
     index.close()
     db = sqlite3.connect(tmp_path / "index" / DB_FILE)  # the catalogue as the previous version wrote it
@@ -137,9 +137,9 @@ def test_an_older_catalogue_is_upgraded_in_place_and_its_images_read(shapes_mode
     with sqlite3.connect(tmp_path / "index" / DB_FILE) as db:
         cols = {row[1] for row in db.execute("PRAGMA table_info(items)")}
     assert {"taken", "lat", "lon", "exif_read"} <= cols
-    assert len(old.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == 0  # not read yet: unknown
-    assert old.read_missing_places() == 5
-    assert old.read_missing_places() == 0  # read once
+    assert len(old.photos.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == 0  # not read yet: unknown
+    assert old.photos.read_missing_places() == 5
+    assert old.photos.read_missing_places() == 0  # read once
     _check_filters(old)
     old.close()
 
@@ -159,9 +159,9 @@ def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_p
 
     monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
     cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
-    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings(exact_below=0, k_prime=4096),
+    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings.of(exact_below=0, k_prime=4096),
                                cache=cache, collection_root=tmp_path / "album", backend=BackendOptions(backend))
-    images.add_paths(list(album.values()))
+    images.photos.add(list(album.values()))
     images.save()
     settings = make_settings(shapes_model, tmp_path, image_index=tmp_path / "images")
     engine = Engine(settings, shapes_model.bundle, images, None)

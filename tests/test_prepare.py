@@ -50,9 +50,9 @@ def test_an_index_moves_with_its_collection(service_env: ServiceEnv, tmp_path: P
     shutil.copy(paths[0], outside)
     index = build_image_index(bundle, [*paths, outside], tmp_path / "index" / "images", IndexSettings(), cache=cache,
                               collection_root=shapes.data)
-    first = index.find_paths([paths[1]])[str(paths[1])]
-    assert index.stored_path(paths[1]) == f"images/{paths[1].name}"
-    assert index.stored_path(outside) == str(outside)  # outside the collection: absolute
+    first = index.photos.find([paths[1]])[str(paths[1])]
+    assert index.photos.stored_path(paths[1]) == f"images/{paths[1].name}"
+    assert index.photos.stored_path(outside) == str(outside)  # outside the collection: absolute
     index.close()
     # the collection and the index mounted elsewhere (as in a container): every file is found there
     moved = tmp_path / "mounted"
@@ -63,8 +63,8 @@ def test_an_index_moves_with_its_collection(service_env: ServiceEnv, tmp_path: P
     again = ImageIndex.load(tmp_path / "index-moved" / "images", bundle, collection_root=moved)
     rec = again.get(first)
     assert rec is not None and rec.path == str(moved.resolve() / "images" / paths[1].name)
-    assert all(Path(h.path).is_file() for h in again.search("a red circle", 7))
-    assert again.find_paths([moved / "images" / paths[2].name])  # the same image, seen at its new place
+    assert all(Path(h.path).is_file() for h in again.search("a red circle", 7).hits)
+    assert again.photos.find([moved / "images" / paths[2].name])  # the same image, seen at its new place
     again.close()
 
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from model.embed import EmbeddedSentence
+
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
 
@@ -93,7 +95,7 @@ def test_the_tracer_sees_a_climb_back_to_the_service(service_env: ServiceEnv) ->
 
     def two_steps(sentence: str) -> None:
         sent, triplets = embed_sentence(engine.bundle, sentence)
-        engine.images.search_vectors_page(sent, triplets, 0, 3)
+        engine.images.search(EmbeddedSentence(sent, triplets), 3, 0)
 
     two_steps.__code__ = two_steps.__code__.replace(co_filename=ROOT + "service/engine.py")
     index, model = engine_steps(trace(two_steps, "a red circle"))

@@ -328,7 +328,7 @@ def scan_client(service_env: ServiceEnv) -> Iterator[TestClient]:
     """An app over the same index folders at the default `exact_below`, under which collections this
     small are searched by the exact scan of every item."""
     bundle = service_env.shapes.bundle
-    limit = IndexSettings().exact_below
+    limit = IndexSettings().search.exact_below
     images = ImageIndex.load(service_env.root / "images", bundle, exact_below=limit)
     sentences = SentenceIndex.load(service_env.root / "sentences", bundle, exact_below=limit)
     engine = Engine(service_env.settings, bundle, images, sentences)

@@ -22,7 +22,7 @@ SEARCHES = 24
 async def _scenario(engine: Engine, env: ServiceEnv) -> tuple[list[httpx.Response], list[httpx.Response], set[int]]:
     app = create_app(engine.settings, engine=engine)
     transport = httpx.ASGITransport(app=app)
-    original = {h.image_id for h in engine.images.search("a red circle", 1000)}
+    original = {h.image_id for h in engine.images.search("a red circle", 1000).hits}
     async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
         sentence = env.captions[env.dev[1]][0]
         expected = (await c.post("/search/images", json={"sentence": sentence, "k": 5})).json()["results"]
@@ -63,7 +63,7 @@ def test_searches_stay_consistent_during_writes(service_env: ServiceEnv, tmp_pat
         assert len(ids) == len(set(ids)) == 5
         scores = [h["score"] for h in r.json()["results"]]
         assert scores == sorted(scores, reverse=True)
-    assert {h.image_id for h in engine.images.search("a red circle", 1000)} == original
+    assert {h.image_id for h in engine.images.search("a red circle", 1000).hits} == original
     assert not any(settings.uploads.iterdir()), "the deleted upload's file is gone too"
 
 

@@ -184,13 +184,13 @@ def test_malformed_json_is_422(client: TestClient) -> None:
 def test_writes_without_or_with_a_wrong_key_change_nothing(writable: tuple[TestClient, Engine],
                                                            service_env: ServiceEnv, headers: dict, status: int) -> None:
     c, engine = writable
-    ids_before = sorted(h.image_id for h in engine.images.search("a red circle", 100))
+    ids_before = sorted(h.image_id for h in engine.images.search("a red circle", 100).hits)
     n_before = len(engine.images)
     upload = {"file": ("a.jpg", service_env.jpeg(), "image/jpeg")}
     _error(c.post("/images", files=upload, headers=headers), status)
     _error(c.delete(f"/images/{ids_before[0]}", headers=headers), status)
     assert len(engine.images) == n_before
-    assert sorted(h.image_id for h in engine.images.search("a red circle", 100)) == ids_before
+    assert sorted(h.image_id for h in engine.images.search("a red circle", 100).hits) == ids_before
     assert not engine.settings.uploads.exists() or not any(engine.settings.uploads.iterdir())
 
 

@@ -81,7 +81,7 @@ def test_a_named_variant_is_trained_indexed_and_served(service_env: ServiceEnv, 
     # the prepared indexes, searched through their candidates
     images = ImageIndex.load(settings.image_index, bundle, collection_root=settings.collection_root, exact_below=0)
     sentences = SentenceIndex.load(settings.sentence_index, bundle, exact_below=0)
-    assert images.settings.k_prime > 0 and sentences.settings.k_prime == 0
+    assert images.settings.search.k_prime > 0 and sentences.settings.search.k_prime == 0
     engine = Engine(settings, bundle, images, sentences)
     with uvicorn_server(create_app(settings, engine=engine)) as base, \
             httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT) as http:

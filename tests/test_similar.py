@@ -24,9 +24,9 @@ def test_ranked_by_mean_fragment_cosine_and_explained_by_descriptions(shapes_mod
     dev = load_split(shapes_model.data, "dev")
     images = ImageIndex.create(tmp_path / "images", bundle, IndexSettings(),
                                cache=feature_cache(shapes_model.cache, bundle.image_cfg))
-    images.add_paths([dev.image_path(n) for n in dev.images[:12]])
+    images.photos.add([dev.image_path(n) for n in dev.images[:12]])
     sentences = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings())
-    sentences.add_sentences(load_split(shapes_model.data, "train").sentences()[0][:100])
+    sentences.add(load_split(shapes_model.data, "train").sentences()[0][:100])
 
     def brute(query: int) -> list[int]:
         means = {}
@@ -50,7 +50,7 @@ def test_ranked_by_mean_fragment_cosine_and_explained_by_descriptions(shapes_mod
     assert more_like_this(images, None, *found, k=3, exclude=query).described_by == []  # ranked all the same
 
     # the kept means follow the index: a new image is ranked, a removed one is not
-    added = images.add_paths([dev.image_path(n) for n in dev.images[12:14]]).added
+    added = images.photos.add([dev.image_path(n) for n in dev.images[12:14]]).added
     images.remove(int(images.ids()[0]))
     ids, sims = rank_like(images, found[0], exclude=query)
     assert sorted(ids.tolist()) == sorted(i for i in images.ids().tolist() if i != query)

@@ -31,7 +31,7 @@ def paths_of(index: ImageIndex) -> dict[str, int]:
     for i in index.ids():
         rec = index.get(int(i))
         assert rec is not None
-        out[index.stored_path(rec.path)] = int(i)
+        out[index.photos.stored_path(rec.path)] = int(i)
     return out
 
 
@@ -92,7 +92,7 @@ def test_the_command_indexes_a_folder(shapes_model: ShapesModel, tmp_path: Path)
     assert main(args) == 0
     assert main(args) == 0  # a second run finds everything in place
     index = ImageIndex.load(out, shapes_model.bundle, collection_root=photos)
-    assert len(index) == 3 and index.search("a red circle", 1)
+    assert len(index) == 3 and index.search("a red circle", 1).hits
     index.close()
     assert main([str(tmp_path / "missing"), "--out", str(out), "--model", str(shapes_model.model_path)]) == 2
 
