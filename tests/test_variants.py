@@ -113,6 +113,7 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
                       "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0,
                       "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
                       "nce_scale": 0.0, "mirror_views": 0.0,
+                      "distill_from": "", "distill_weight": 1.0, "distill_scale": 3.0,
                       "rank_images": True, "balanced": True, "h": 256,
                       "calibrate": 0,
                       "tb_margin": 0.1, "tb_top_k": 50, "tb_lambda_img": 2.0, "tb_lambda_struct": 0.1,

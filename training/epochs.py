@@ -19,7 +19,8 @@ from model.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from model.fragments import EncodedSentences, TextPipeline, pad_rows
 from model.score import flatten, skl_from_flat
 from model.trees import TreeBatch
-from training.objectives import contrastive_global_loss, fragment_loss, global_loss, two_branch_loss
+from training.distill import Teacher
+from training.objectives import contrastive_global_loss, distill_loss, fragment_loss, global_loss, two_branch_loss
 
 
 def lr_at(cfg: TrainConfig, epoch: int) -> float:
@@ -123,8 +124,10 @@ class MirroredViews:
 
 def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFeatures, data: SplitData,
                          batches: FragmentBatches, opt: torch.optim.Optimizer, epoch: int,
-                         rng: np.random.Generator, order: np.ndarray | None = None) -> float:
-    """One pass over the sentences ``order`` (default: all, shuffled) in batches of ``batch_size``."""
+                         rng: np.random.Generator, order: np.ndarray | None = None,
+                         teacher: Teacher | None = None) -> float:
+    """One pass over the sentences ``order`` (default: all, shuffled) in batches of ``batch_size``; with a
+    `teacher`, its batch scores are soft targets too (``distill_weight``)."""
     model.train()
     order = rng.permutation(len(data.sentences)) if order is None else order
     total, n = 0.0, 0
@@ -141,6 +144,7 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         img_mask = torch.ones(img.shape[:2], device=img.device)
         rel, a, b, mask = batches.sentences(idx, rng)
         sent = model.embed_sentences(batches.pool, rel, a, b, mask)
+        soft = teacher.scores(imgs, batches.pool, rel, a, b, mask) if teacher is not None else None
         if cfg.fragment_drop > 0:
             img_mask = drop_fragments(img_mask, cfg.fragment_drop, rng)
             mask = drop_fragments(mask, cfg.fragment_drop, rng)
@@ -148,10 +152,13 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         loss = img.new_zeros(())
         if use_frag:
             loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
-        if use_glob:
+        if use_glob or soft is not None:
             scores = skl_from_flat(flat)
-            loss = loss + cfg.beta * (contrastive_global_loss(scores, pos, local, cfg.nce_scale) if cfg.nce_scale > 0
-                                      else global_loss(scores, pos, local, cfg.margin, top_k))
+            if use_glob:
+                loss = loss + cfg.beta * (contrastive_global_loss(scores, pos, local, cfg.nce_scale)
+                                          if cfg.nce_scale > 0 else global_loss(scores, pos, local, cfg.margin, top_k))
+            if soft is not None:
+                loss = loss + cfg.distill_weight * distill_loss(scores, soft, cfg.distill_scale)
         total += _step(opt, loss, cfg.grad_clip)
         n += 1
         bar.set_postfix(loss=f"{total / n:.4f}")

@@ -135,3 +135,22 @@ def two_branch_loss(img: torch.Tensor, txt: torch.Tensor, pos: torch.Tensor, pai
     else:
         l_struct = d.new_zeros(())
     return l_s2i + lambda_img * l_i2s + lambda_struct * l_struct
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, scale: float) -> torch.Tensor:
+    """Distillation of a teacher's batch scores: (K, L) S_kl of the student and of the teacher (no
+    gradient), each standardised over the batch (their scales differ: the teacher sums more blocks),
+    times `scale`, as logits. KL(teacher || student) of each sentence's distribution over the batch's
+    images plus that of each image's distribution over the batch's sentences, means over sentences
+    and over images: the student learns the teacher's ranking in both directions, soft negatives
+    included, not its absolute scores."""
+
+    def standard(s: torch.Tensor) -> torch.Tensor:
+        return (s - s.mean()) / s.std().clamp_min(1e-6) * scale
+
+    z_s, z_t = standard(student), standard(teacher.detach())
+    images = F.kl_div(F.log_softmax(z_s, dim=0), F.log_softmax(z_t, dim=0), log_target=True,
+                      reduction="sum") / student.shape[1]
+    sentences = F.kl_div(F.log_softmax(z_s, dim=1), F.log_softmax(z_t, dim=1), log_target=True,
+                         reduction="sum") / student.shape[0]
+    return images + sentences

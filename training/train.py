@@ -61,6 +61,7 @@ from model.variants import (
     variant_names,
 )
 from training.calibrate import fit_calibration, fit_relevance, store_relevance
+from training.distill import Teacher
 from training.epochs import (
     FragmentBatches,
     ImageFeatures,
@@ -177,7 +178,12 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             if train_data.mirrored is None:
                 raise ValueError("mirror_views: the training images' mirrored view was not loaded (with_mirrored)")
             views = MirroredViews(feats, torch.from_numpy(train_data.mirrored), cfg.mirror_views, rng)
-        step = lambda e: train_fragment_epoch(model, cfg, views, train_data, batches, opt, e, rng)  # noqa: E731
+        if cfg.distill_from and cfg.mirror_views > 0:
+            raise ValueError("distill_from with mirror_views: the teacher scores the images unmirrored")
+        teacher = (Teacher(Path(cfg.distill_from), text, run.image, feats, cfg.device) if cfg.distill_from
+                   else None)
+        step = lambda e: train_fragment_epoch(model, cfg, views, train_data, batches, opt, e, rng,  # noqa: E731
+                                              teacher=teacher)
     logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
                 cfg.device, len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
                 time.perf_counter() - t0)
