@@ -218,12 +218,15 @@ def test_a_merge_of_members_selected_on_validation_fits_its_relevance_scale(shap
                                  "calibrate": 20})
         data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
         tr, val = split_for_selection(run.train, data)
-        train(run, tr, val, tmp_path / f"member{seed}", shapes_model.cache)
-        folders.append(str(tmp_path / f"member{seed}"))
+        folder = tmp_path / f"run{seed}" / "member-1"  # two runs' first members: folders of one name
+        train(run, tr, val, folder, shapes_model.cache)
+        folders.append(str(folder))
     merge_main(["--members", *folders, "--out", str(tmp_path / "merged"), "--data", str(shapes_model.data),
                 "--cache", str(shapes_model.cache)])
     merged = Bundle.load(tmp_path / "merged" / "model.pt")
     assert merged.blocks == 2 and merged.calibration is not None
+    val = json.loads((tmp_path / "merged" / "history.json").read_text())["val"]
+    assert set(val) == {*folders, "merged"}, "each member's validation numbers, under its path when names repeat"
     assert merged.calibration.relevance is not None and "relevance" in merged.meta["calibration"]
     assert merged.meta["calibration"]["relevance"]["images"] == 12
 

@@ -121,11 +121,13 @@ def merge_selected(bundles: Sequence[Bundle], folders: Sequence[Path], tr: Split
                                "selection": {"rule": "last", "epochs": 0, "epoch": 0}}
     if val is not None:
         rows = {}
+        names = [folder.name for folder in folders]
         for folder in folders:  # each member's own selection numbers, from its run
             hist = folder / "history.json"
             best = json.loads(hist.read_text()).get("best") if hist.is_file() else None
-            if best:
-                rows[folder.name] = {k: best[k] for k in VAL_METRICS if k in best}
+            if best:  # by folder name, by path where two members share a name (two runs' member-1)
+                key = folder.name if names.count(folder.name) == 1 else str(folder)
+                rows[key] = {k: best[k] for k in VAL_METRICS if k in best}
         m, scores = evaluate_scores(merged, val)
         rows["merged"] = {k: m[k] for k in VAL_METRICS}
         if merged.calibration is not None:  # the merged score's relevance scale, as training fits a member's
