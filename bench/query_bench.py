@@ -2,6 +2,9 @@
 
     python -m bench.query_bench --model artifacts/models/full/model.pt --index artifacts/index/images-dev
 
+Several models are measured side by side in one run (`--model A B --index IA IB`): each query goes
+through every model in turn, so a busy machine slows them alike and the ratios between them hold.
+
 Runs the first N dev captions (each seen for the first time, as a user's query is) through the
 same calls the service makes, timing each stage in this process: parse (spaCy), word vectors
 (MiniLM: the words in context and the whole sentence), encoders, the calibration scale (one S_kl
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from bench import machine
 from index.images import ImageIndex
@@ -31,7 +35,7 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.embed import EmbeddedSentence, row_triplets
-from model.release import served_model_from_env
+from model.release import RELEASED_MODEL, read_manifest, served_model_from_env
 from service.routes.convert import image_result
 from service.schemas import SearchImagesResponse
 
@@ -82,14 +86,22 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
     return times
 
 
+def model_name(path: Path, bundle: Bundle) -> str:
+    """A row's model: `released (<its row>)` for the released model, else the checkpoint's folder."""
+    if path.resolve() == RELEASED_MODEL.resolve():
+        return f"released ({read_manifest().get('row') or bundle.meta.get('variant')})"
+    return path.parent.name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=served_model_from_env(art),
-                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
-                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
-    ap.add_argument("--index", type=Path, default=art / "index" / "images-dev",
-                    help="the image index searched; default: the served dev-image index")
+    ap.add_argument("--model", type=Path, nargs="+", default=[served_model_from_env(art)],
+                    help="the checkpoints (model.pt), measured side by side; default: the served model "
+                         "(model/release.py: the released one unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT "
+                         "names another)")
+    ap.add_argument("--index", type=Path, nargs="+", default=[art / "index" / "images-dev"],
+                    help="the image index searched with each --model, in order; default: the served dev-image index")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--n", type=int, default=200, help="queries: the first N dev captions")
@@ -101,14 +113,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    bundle = Bundle.load(args.model)
-    index = ImageIndex.load(args.index, bundle)
-    if args.candidates:
-        index.set_search(exact_below=0)
+    if len(args.model) != len(args.index):
+        ap.error(f"{len(args.model)} models but {len(args.index)} indexes: one index per model")
+    bundles = [Bundle.load(m) for m in args.model]
+    indexes = [ImageIndex.load(ix, b) for ix, b in zip(args.index, bundles, strict=True)]
+    for index in indexes:
+        if args.candidates:
+            index.set_search(exact_below=0)
     sentences, _ = load_split(args.data, "dev").sentences()
     queries = sentences[: args.n]
-    run(bundle, index, sentences[-5:], args.k)  # warm-up on other sentences
-    times = run(bundle, index, queries, args.k)
+    for bundle, index in zip(bundles, indexes, strict=True):
+        run(bundle, index, sentences[-5:], args.k)  # warm-up on other sentences
+    times: list[dict[str, list[float]]] = [{s: [] for s in STAGES} for _ in bundles]
+    for text in tqdm(queries, desc="queries", unit="query"):
+        for bundle, index, t in zip(bundles, indexes, times, strict=True):
+            for stage, ms in run(bundle, index, [text], args.k).items():
+                t[stage] += ms
     command = "python -m bench.query_bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     where = machine()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -118,14 +138,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not new:
             w.writerow(["model", "images", "search", "stage", "queries", "median_ms", "p90_ms", "threads", "machine",
                         "command"])
-        for stage in STAGES:
-            v = np.asarray(times[stage])
-            logger.info("%-18s median %7.2f ms  p90 %7.2f ms", stage, np.median(v), np.percentile(v, 90))
-            w.writerow([bundle.meta.get("variant", args.model.parent.name), len(index),
-                        "candidates" if args.candidates else "default", stage, len(v),
-                        f"{np.median(v):.2f}", f"{np.percentile(v, 90):.2f}", args.threads, where, command])
+        for path, bundle, index, t in zip(args.model, bundles, indexes, times, strict=True):
+            name = model_name(path, bundle)
+            for stage in STAGES:
+                v = np.asarray(t[stage])
+                logger.info("%-28s %-18s median %7.2f ms  p90 %7.2f ms", name, stage, np.median(v),
+                            np.percentile(v, 90))
+                w.writerow([name, len(index), "candidates" if args.candidates else "default", stage, len(v),
+                            f"{np.median(v):.2f}", f"{np.percentile(v, 90):.2f}", args.threads, where, command])
     logger.info("wrote %s", args.out)
-    index.close()
+    for index in indexes:
+        index.close()
     return 0
 
 

@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 
 FRAGMENT_MODES = ("dependency", "bow", "bigram", "tree")
 
+# Relations whose dependent English puts before its head ("a black dog": amod(dog, black), det(dog, a);
+# "dog jumps": nsubj(jumps, dog)); every other relation reads head first ("throws ball", "runs in grass").
+DEPENDENT_FIRST = frozenset({"nsubj", "nsubjpass", "csubj", "csubjpass", "expl", "amod", "det", "predet", "compound",
+                             "nn", "nummod", "num", "quantmod", "poss", "aux", "auxpass", "neg", "mark", "preconj",
+                             "intj"})
+
 
 @dataclass(frozen=True)
 class Triplet:
@@ -34,6 +40,26 @@ class Triplet:
         if self.rel == "<sentence>":
             return "<sentence>"
         return f"{self.rel}({self.w1}, {self.w2})"
+
+    def phrase(self) -> str:
+        """The fragment as words, in the order English usually puts them: ``nsubj(jumps, dog)`` reads
+        "dog jumps", ``amod(dog, black)`` "black dog", ``prep_in(runs, grass)`` "runs in grass",
+        ``dobj(throws, ball)`` "throws ball", ``conj(dog, cat)`` "dog, cat"; a lone word as itself,
+        the whole-sentence fragment as "whole sentence". Display only (the model reads the triplet)."""
+        if self.rel == "<sentence>":
+            return "whole sentence"
+        if self.rel in ("<word>", "") or not self.w2:
+            return self.w1
+        for prefix in ("prep_", "prepc_"):
+            if self.rel.startswith(prefix):
+                return f"{self.w1} {self.rel[len(prefix):].replace('_', ' ')} {self.w2}"
+        if self.rel == "agent":
+            return f"{self.w1} by {self.w2}"
+        if self.rel == "conj":
+            return f"{self.w1}, {self.w2}"
+        if self.rel in DEPENDENT_FIRST:
+            return f"{self.w2} {self.w1}"
+        return f"{self.w1} {self.w2}"
 
     def to_list(self) -> list[str]:
         return [self.rel, self.w1, self.w2]

@@ -15,7 +15,7 @@ DEFAULT_K = 10  # images or regions a search returns when it names no k (setting
 EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or phrase (service/errors.py: its code)
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
-_MATCH = {"triplet": "amod(dog, black)", "relation": "amod", "words": ["dog", "black"],
+_MATCH = {"triplet": "amod(dog, black)", "phrase": "black dog", "relation": "amod", "words": ["dog", "black"],
           "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412}
 _IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
           "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "score": 0.0831,
@@ -168,6 +168,8 @@ class FragmentMatchOut(BaseModel):
     """One sentence fragment and the image region it aligns with."""
 
     triplet: str = Field(description="the fragment as text, e.g. 'amod(dog, black)'")
+    phrase: str = Field(description="the fragment as words in reading order, e.g. 'black dog' ('dog jumps' for "
+                        "nsubj(jumps, dog), 'whole sentence' for the whole-sentence fragment)")
     relation: str
     words: list[str] = Field(description="[w1, w2]")
     box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")

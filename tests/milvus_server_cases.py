@@ -27,7 +27,6 @@ from typing import Any
 import faiss
 import numpy as np
 import pytest
-from fastapi.testclient import TestClient
 
 from bench.milvus_local import LocalServer, isolated, links, loopback_up
 from index import ImageIndex, IndexSettings, SentenceIndex
@@ -38,14 +37,13 @@ from index.milvus import ID, VECTOR, MilvusCandidates, search_collection
 from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import feature_cache
-from service.app import create_app
 from service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import IMAGE_SETTINGS, SENTENCE_SETTINGS, ServiceEnv, make_settings
 from tests.crash_writer import journal_state, live_items
 from tests.crash_writer import random_images as writer_images
 from tests.test_crash import check_committed_state, kill_trials, start_writer, wait_ready
-from tests.test_places import PARIS, SYDNEY, album  # noqa: F401  (album: a fixture)
+from tests.test_places import PARIS, SYDNEY, album, album_index, album_search  # noqa: F401  (album: a fixture)
 from tests.test_service import (  # noqa: F401  (the service suite's tests, run here on the server's indexes)
     scan_client,
     test_annotate_ranks_the_images_own_captions_high,
@@ -254,18 +252,8 @@ def test_search_filters_by_date_and_place_in_the_server(milvus: LocalServer, sha
     import index.ranker
 
     monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
-    cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
-    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings.of(exact_below=0, k_prime=4096),
-                               cache=cache, collection_root=tmp_path / "album", backend=server_options(milvus))
-    images.photos.add(list(album.values()))
-    images.save()
-    settings = make_settings(shapes_model, tmp_path, image_index=tmp_path / "images")
-    with TestClient(create_app(settings, engine=Engine(settings, shapes_model.bundle, images, None))) as c:
-        def names(**body: object) -> list[str]:
-            r = c.post("/search/images", json={"sentence": "a red circle", "k": 10, **body})
-            assert r.status_code == 200, r.text
-            return [x["name"] for x in r.json()["results"]]
-
+    images = album_index(shapes_model, tmp_path, album, server_options(milvus))
+    with album_search(shapes_model, tmp_path, images) as (_, names):
         everything = names()
         assert len(everything) == 5
         assert names(near={"lat": PARIS[0], "lon": PARIS[1], "km": 5}) == [n for n in everything

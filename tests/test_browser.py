@@ -117,8 +117,16 @@ def test_search_from_the_page_draws_images_and_boxes(served: str, page: Page) ->
     assert len(re.findall(r'<button type="button" class="like">', html)) == 4
     boxes = re.findall(r'<div class="box( whole)?"', html)
     assert boxes, "aligned regions are drawn as boxes"
-    labels = re.findall(r'<span class="label"[^>]*>([^<]+)</span>', html)
-    assert any(re.search(r"\(.+\) -?\d+\.\d\d$", text) for text in labels), labels[:5]
+    labels = re.findall(r'<span class="label" title="([^"]*)"[^>]*>([^<]+)</span>', html)
+    # a triplet reads as its words ("red circle" for amod(circle, red)); its notation is the label's title
+    triplets = [(m.groups(), text.rsplit(" ", 1)) for title, text in labels
+                if (m := re.fullmatch(r"(\w+)\((\w+), (\w+)\)", title))]
+    assert triplets, labels[:5]
+    for (rel, head, dep), (words, score) in triplets:
+        assert re.fullmatch(r"-?\d+\.\d\d", score) and "(" not in words
+        assert set(words.replace(",", "").split()) >= {head, dep}, (rel, head, dep, words)
+        if rel == "amod":
+            assert words == f"{dep} {head}", words
     page.wait_for_function("[...document.querySelectorAll('#results img')].every(i => i.complete)")
     shot = shoot(page, "service-shapes.png")
     assert shot.stat().st_size > 10_000

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import random
 import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from PIL import Image
 
 from index import ImageIndex, IndexSettings
+from index.candidates import BackendOptions
 from index.catalogue import DB_FILE
 from index.places import Near, Place, PlaceFilter, distance_km, read_place
 from model.dataset import feature_cache
@@ -144,33 +148,47 @@ def test_an_older_catalogue_is_upgraded_in_place_and_its_images_read(shapes_mode
     old.close()
 
 
-@pytest.mark.parametrize("backend", ["faiss", "milvus"])
-def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_path: Path, album: dict[str, Path],
-                                                backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the candidates (no exact scan of the allowed images): Milvus gets the allowed ids as a
-    filter expression, FAISS's candidates are filtered after; both rank what the exact scan ranks."""
-    from fastapi.testclient import TestClient
+def album_index(shapes_model: ShapesModel, tmp_path: Path, album: dict[str, Path],
+                backend: BackendOptions) -> ImageIndex:
+    """The album indexed with `backend` and saved, searched through the candidates (exact_below 0) with a
+    k' that holds every fragment."""
+    cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
+    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings.of(exact_below=0, k_prime=4096),
+                               cache=cache, collection_root=tmp_path / "album", backend=backend)
+    images.photos.add(list(album.values()))
+    images.save()
+    return images
 
-    import index.ranker
-    from index.candidates import BackendOptions
+
+@contextmanager
+def album_search(shapes_model: ShapesModel, tmp_path: Path,
+                 images: ImageIndex) -> Iterator[tuple[TestClient, Callable[..., list[str]]]]:
+    """The app over `images`, and `names(**body)`: the photos POST /search/images returns for "a red circle"
+    with the body's filters, in order."""
     from service.app import create_app
     from service.engine import Engine
     from tests.conftest_service import make_settings
 
-    monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
-    cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
-    images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings.of(exact_below=0, k_prime=4096),
-                               cache=cache, collection_root=tmp_path / "album", backend=BackendOptions(backend))
-    images.photos.add(list(album.values()))
-    images.save()
     settings = make_settings(shapes_model, tmp_path, image_index=tmp_path / "images")
-    engine = Engine(settings, shapes_model.bundle, images, None)
-    with TestClient(create_app(settings, engine=engine)) as c:
+    with TestClient(create_app(settings, engine=Engine(settings, shapes_model.bundle, images, None))) as c:
         def names(**body: object) -> list[str]:
             r = c.post("/search/images", json={"sentence": "a red circle", "k": 10, **body})
             assert r.status_code == 200, r.text
             return [x["name"] for x in r.json()["results"]]
 
+        yield c, names
+
+
+@pytest.mark.parametrize("backend", ["faiss", "milvus"])
+def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_path: Path, album: dict[str, Path],
+                                                backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the candidates (no exact scan of the allowed images): Milvus gets the allowed ids as a
+    filter expression, FAISS's candidates are filtered after; both rank what the exact scan ranks."""
+    import index.ranker
+
+    monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
+    images = album_index(shapes_model, tmp_path, album, BackendOptions(backend))
+    with album_search(shapes_model, tmp_path, images) as (c, names):
         everything = names()
         assert len(everything) == 5
         paris = names(near={"lat": PARIS[0], "lon": PARIS[1], "km": 5})

@@ -14,7 +14,7 @@ from model.bundle import Bundle, CheckpointError
 from model.release import MANIFEST, RELEASE_DIR, RELEASED_MODEL, read_manifest, served_model_path
 from tests.conftest import ShapesModel
 from training.release import main as release_main
-from training.release import manifest_of, write_release
+from training.release import manifest_of, teacher_of, write_release
 
 
 def test_the_released_model_is_small_described_and_matches_its_manifest() -> None:
@@ -37,6 +37,10 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
     assert len(features["graph_sha256"]) == 64 and "avx2" in features["cpu"]["flags"]
     assert manifest["metrics"]["validation"]["rsum"] > 0 and manifest["metrics"]["dev"]["rsum"] > 0
     assert manifest["model"]["relevance"]["slope"] > 0, "a relevance scale: min_relevance works on the default"
+    assert manifest["row"] == "full-2x256-distill", "the row of docs/results/rows.md the release is"
+    teacher = made["teacher"]  # distilled: the teacher's checkpoint and the command that made it
+    assert "--distill-from " + teacher["model"] in made["training_command"]
+    assert teacher["command"].startswith("python -m training.merge --members ")
 
 
 def test_the_released_model_is_what_every_command_serves_by_default(monkeypatch: pytest.MonkeyPatch,
@@ -81,10 +85,29 @@ def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_mod
     assert written == out and written["files"]["model.pt"]["sha256"] == sha256_file(tmp_path / "release" / "model.pt")
     assert written["metrics"]["dev"] == {"rsum": 123.46, "annot_r1": 1.0}
     assert written["training"]["images"] == 60  # the shapes collection's training images
+    assert written["row"] == shapes_model.model_path.parent.name and "teacher" not in written["made_by"]
     Bundle.load(tmp_path / "release" / "model.pt")
     (tmp_path / "release" / "model.pt").write_bytes(b"x" * written["files"]["model.pt"]["bytes"])
     with pytest.raises(CheckpointError, match="release manifest"):
         Bundle.load(tmp_path / "release" / "model.pt")
+
+
+def test_a_distilled_models_manifest_names_its_teacher(tmp_path: Path) -> None:
+    """`teacher` comes from the members' training configs, and the teacher's command from its folder."""
+    model = tmp_path / "student" / "model.pt"
+    for k in (1, 2):
+        (model.parent / f"member-{k}").mkdir(parents=True)
+        (model.parent / f"member-{k}" / "history.json").write_text(json.dumps(
+            {"config": {"train": {"distill_from": str(tmp_path / "teacher" / "model.pt")}}}))
+    assert teacher_of(model) == {"teacher": {"model": str(tmp_path / "teacher" / "model.pt")}}
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "history.json").write_text(json.dumps({"command": "python -m training.merge x"}))
+    assert teacher_of(model)["teacher"]["command"] == "python -m training.merge x"
+    (model.parent / "member-2" / "history.json").write_text(json.dumps({"config": {"train": {"distill_from": None}}}))
+    assert teacher_of(model)["teacher"]["model"] == str(tmp_path / "teacher" / "model.pt")
+    for k in (1, 2):
+        (model.parent / f"member-{k}" / "history.json").write_text(json.dumps({"config": {"train": {}}}))
+    assert teacher_of(model) == {}, "a model trained alone names no teacher"
 
 
 def test_the_release_command_refuses_a_model_without_a_relevance_scale(shapes_model: ShapesModel,

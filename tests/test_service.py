@@ -19,6 +19,7 @@ from PIL import Image
 from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
 from model.bundle import Bundle
 from model.release import RELEASED_MODEL
+from model.text import Triplet
 from service.app import STATIC, create_app
 from service.engine import Engine
 from service.prepare import prepare
@@ -59,6 +60,7 @@ def test_search_finds_the_described_image_with_alignments(client: TestClient, se
         for m in top["alignment"]:
             assert _inside(m["box"], top["width"], top["height"])
             assert len(m["words"]) == 2 and m["relation"] and m["triplet"]
+            assert m["phrase"] == Triplet(m["relation"], *m["words"]).phrase(), "the triplet read as words"
     # 20 dev images: chance of the right one in the top 5 is 25 %
     assert in_top5 >= 0.6 * len(service_env.dev)
 

@@ -33,6 +33,22 @@ def test_spacy_collapses_prepositions(spacy_parser: SpacyParser) -> None:
     assert all(t.w1.islower() and t.w2.islower() for t in parsed.triplets)
 
 
+def test_a_triplet_reads_as_words(spacy_parser: SpacyParser) -> None:
+    """The page's and the API's `phrase`: the two words in reading order, a collapsed preposition between."""
+    (parsed,) = spacy_parser.parse(["A black dog jumps over the fence and catches a red ball ."])
+    phrases = {t.text(): t.phrase() for t in parsed.triplets}
+    assert phrases["nsubj(jumps, dog)"] == "dog jumps"
+    assert phrases["amod(dog, black)"] == "black dog"
+    assert phrases["prep_over(jumps, fence)"] == "jumps over fence"
+    assert phrases["dobj(catches, ball)"] == "catches ball"
+    assert phrases["det(dog, a)"] == "a dog"
+    assert Triplet("agent", "chased", "dog").phrase() == "chased by dog"
+    assert Triplet("prepc_in_front_of", "sits", "tree").phrase() == "sits in front of tree"
+    assert Triplet("conj", "dog", "cat").phrase() == "dog, cat"
+    assert Triplet("<word>", "dog", "dog").phrase() == "dog"
+    assert Triplet("<sentence>", "", "").phrase() == "whole sentence"
+
+
 def test_spacy_batch_order_agent_and_lowercase(spacy_parser: SpacyParser) -> None:
     out = spacy_parser.parse(["A Man is chased by a DOG .", "Dog", "Two girls play on the beach"])
     assert len(out) == 3

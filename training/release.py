@@ -7,8 +7,10 @@ relevance scale (a model trained with --selection val: the scale is fitted on it
 and its validation metrics; the command evaluates it once on dev through the served feature path
 (the int8 graph of model/backbone.py) and writes manifest.json beside the saved checkpoint:
 
+- `name` (the variant: the recipe) and `row` (the model folder's name: its row in docs/results);
 - `made_by`: this command line, the commit (and whether the work tree had changes), the date, and
-  the training command from the model folder's history.json;
+  the training command from the model folder's history.json; for a distilled model `teacher`: the
+  teacher's checkpoint and the command that made it (from its folder's history.json);
 - `training`: the split it was trained on, as digests (sha256 over every image's name and content,
   and over its captions), and the validation part held out of it;
 - `features`: the backbone, its precision and quantisation recipe, the int8 graph's sha256, the
@@ -86,6 +88,19 @@ def rounded(metrics: dict[str, Any]) -> dict[str, float]:
     return {k: round(float(metrics[k]), 2) for k in REPORTED if k in metrics}
 
 
+def teacher_of(model: Path) -> dict[str, Any]:
+    """{"teacher": {"model", "command"}} when the members of `model` were distilled from a teacher
+    (their history.json's config names it), else {}."""
+    teachers = {str(train["distill_from"]) for h in sorted(model.parent.glob("member-*/history.json"))
+                if (train := json.loads(h.read_text()).get("config", {}).get("train", {})).get("distill_from")}
+    if not teachers:
+        return {}
+    out: dict[str, Any] = {"model": sorted(teachers)[0] if len(teachers) == 1 else sorted(teachers)}
+    if len(teachers) == 1 and (history := Path(out["model"]).parent / "history.json").is_file():
+        out["command"] = json.loads(history.read_text()).get("command")
+    return {"teacher": out}
+
+
 def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], command: str) -> dict[str, Any]:
     """Everything but `files` (added once the folder is written)."""
     history = model.parent / "history.json"
@@ -104,9 +119,11 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
     return {
         "format": MANIFEST_FORMAT,
         "name": str(bundle.meta.get("variant") or model.parent.name),
+        "row": model.parent.name,
         "made_by": {"command": command, **git_commit(),
                     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "training_command": trained.get("command"), "member_epochs": trained.get("member_epochs")},
+                    "training_command": trained.get("command"), "member_epochs": trained.get("member_epochs"),
+                    **teacher_of(model)},
         "model": {"h": bundle.dim, "blocks": bundle.blocks, "words": len(bundle.text.words.words),
                   "relevance": None if rel is None else rel.to_state()},
         "training": {**split_digests(data, "train"),

@@ -8,6 +8,7 @@ from typing import TypedDict, TypeVar
 from index import Explanation, FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
 from index.places import Near, Place, PlaceFilter
 from model.calibration import Relevance
+from model.text import Triplet
 from service.errors import ApiError
 from service.schemas import (
     ExplainResponse,
@@ -96,8 +97,12 @@ def _box(box: list[float]) -> list[float]:
 
 
 def match_out(m: FragmentMatch) -> FragmentMatchOut:
-    return FragmentMatchOut(triplet=m.triplet, relation=m.relation, words=list(m.words), box=_box(m.box),
-                            fragment=int(m.fragment), score=float(m.score))
+    return FragmentMatchOut(triplet=m.triplet, phrase=phrase_of(m.relation, m.words), relation=m.relation,
+                            words=list(m.words), box=_box(m.box), fragment=int(m.fragment), score=float(m.score))
+
+
+def phrase_of(relation: str, words: tuple[str, str]) -> str:
+    return Triplet(relation, *words).phrase()
 
 
 def image_result(hit: ImageHit, relevance: Relevance | None = None) -> ImageResult:
@@ -137,7 +142,8 @@ def explain_out(e: Explanation, sentence: str, took_ms: float) -> ExplainRespons
         scope=e.scope, recalled=e.recalled,
         image_fragments=e.image_fragments, sentence_fragments=e.sentence_fragments,
         alignment=[match_out(m) for m in e.alignment],
-        pairs=[PairOut(triplet=p.triplet, relation=p.relation, words=list(p.words), fragment=p.fragment,
-                       box=_box(p.box), score=p.score, cleared=p.cleared, contribution=p.contribution)
+        pairs=[PairOut(triplet=p.triplet, phrase=phrase_of(p.relation, p.words), relation=p.relation,
+                       words=list(p.words), fragment=p.fragment, box=_box(p.box), score=p.score, cleared=p.cleared,
+                       contribution=p.contribution)
                for p in e.pairs],
         took_ms=took_ms)

@@ -44,7 +44,8 @@ function boxDiv(box, width, height, labels, whole) {
   });
   const stack = el("div", { class: "labels" });
   for (const label of labels) {
-    stack.append(el("span", { class: "label", style: { background: label.colour } }, label.text));
+    stack.append(el("span", { class: "label", title: label.title, style: { background: label.colour } },
+      label.text));
   }
   div.append(stack);
   return div;
@@ -56,8 +57,14 @@ function boxDiv(box, width, height, labels, whole) {
 // 93 % of sentences: docs/results/alignment-dev.csv). So it is a label on the frame, not a box.
 const SENTENCE_REL = "<sentence>";
 
+// A fragment reads as its words ("dog jumps", "black dog": the API's `phrase`); its dependency
+// notation (nsubj(jumps, dog)) is the label's title, shown on hover.
 function fragmentText(m) {
-  return m.relation === SENTENCE_REL ? "whole sentence" : m.triplet;
+  return m.relation === SENTENCE_REL ? "whole sentence" : (m.phrase || m.triplet);
+}
+
+function notation(m) {
+  return m.relation === SENTENCE_REL ? "the whole-sentence fragment" : m.triplet;
 }
 
 // Relations of function words (determiners, auxiliaries, conjunctions, possessives ...): their
@@ -93,7 +100,8 @@ function drawAlignment(overlay, shown, width, height) {
   const groups = new Map();
   const frameLabels = [];
   shown.forEach(({ m, j }) => {
-    const label = { text: `${fragmentText(m)} ${m.score.toFixed(2)}`, colour: PALETTE[j % PALETTE.length] };
+    const label = { text: `${fragmentText(m)} ${m.score.toFixed(2)}`, title: notation(m),
+      colour: PALETTE[j % PALETTE.length] };
     if (m.relation === SENTENCE_REL) {
       frameLabels.push(label);
       return;
@@ -109,7 +117,7 @@ function drawAlignment(overlay, shown, width, height) {
   if (frameLabels.length) {
     const title = "the whole sentence, scored against every fragment of the picture: not a region";
     overlay.append(el("div", { class: "frame-label", title },
-      ...frameLabels.map((l) => el("span", { class: "label", style: { background: l.colour } }, l.text))));
+      ...frameLabels.map((l) => el("span", { class: "label", title: l.title, style: { background: l.colour } }, l.text))));
   }
   return groups.size;
 }
@@ -135,7 +143,7 @@ function legend(alignment, calmed = null) {
   };
   alignment.forEach((m, j) => {
     const matched = m.score > 0;
-    list.append(el("li", { class: kind(m, j), tabindex: "0",
+    list.append(el("li", { class: kind(m, j), tabindex: "0", title: notation(m),
       ...(matched && m.relation !== SENTENCE_REL ? { "data-fragment": String(m.fragment) } : {}) },
       el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
       `${fragmentText(m)}  ${m.score.toFixed(3)}`));
@@ -269,14 +277,14 @@ async function explain(card, imageId, sentence) {
     });
     const pairs = [...e.pairs].sort((a, b) => b.contribution - a.contribution || b.score - a.score).slice(0, 12);
     const rows = pairs.map((p) => el("tr", { class: p.cleared ? "cleared" : "below" },
-      el("td", {}, p.triplet), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}`),
+      el("td", { title: p.triplet }, fragmentText(p)), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}`),
       el("td", {}, p.score.toFixed(3)), el("td", {}, p.contribution.toFixed(5))));
     box.replaceChildren(
       el("p", {}, `S = ${e.score.toFixed(4)}, rank ${e.rank} of ${e.images}`,
         e.scope === "candidates" ? " images the index recalls for the sentence" : "",
         e.recalled ? "; " : " (the index does not recall it: a search does not return it); ",
         `${e.pairs.filter((p) => p.cleared).length} of ${e.pairs.length} pairs clear the threshold (v·s > 0)`),
-      el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "triplet"), el("th", {}, "region"),
+      el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "fragment"), el("th", {}, "region"),
         el("th", {}, "v·s"), el("th", {}, "share of S"))), el("tbody", {}, ...rows)));
   } catch (err) {
     box.textContent = err.message;
