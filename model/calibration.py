@@ -25,7 +25,7 @@ Fitting the references and the relevance, timing them and the command line are t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,11 +81,24 @@ class Calibration:
     floor_image: float = 0.0
     floor_sentence: float = 0.0
     relevance: Relevance | None = None  # fitted on the validation part; None in older checkpoints
+    _parts: dict[tuple[str, int | None, int | None], torch.Tensor] = field(default_factory=dict, init=False,
+                                                                            repr=False, compare=False)
+
+    def reference(self, side: str, part: slice) -> torch.Tensor:
+        """The reference images' or sentences' fragments, or one block's slice of them (kept, contiguous: a
+        strided slice would be copied by every S_kl that reads it, at every query)."""
+        ref = self.ref_images if side == "images" else self.ref_sentences
+        if part == slice(None):
+            return ref
+        key = (side, part.start, part.stop)
+        if key not in self._parts:
+            self._parts[key] = ref[..., part].contiguous()
+        return self._parts[key]
 
     def image_scales(self, img: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
         """img: (K, F, h') uncalibrated image fragments -> (K,) sigma_k; with `part`, img holds that slice of
         h only (one block of a merged model) and is scored against the references' same slice."""
-        ref = self.ref_sentences[..., part]
+        ref = self.reference("sentences", part)
         with torch.no_grad():
             out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2], device=img.device),
                        ref, self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
@@ -95,7 +108,7 @@ class Calibration:
     def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
         """sent: (L, T, h') uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l (`part`: as in
         `image_scales`)."""
-        ref = self.ref_images[..., part]
+        ref = self.reference("images", part)
         ones = torch.ones(ref.shape[:2], device=ref.device)
         with torch.no_grad():
             out = [skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)

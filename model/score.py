@@ -48,13 +48,10 @@ def block_dots(v: torch.Tensor, s: torch.Tensor, blocks: int = 1) -> tuple[torch
     if blocks == 1:
         dots = v @ s.T
         return dots, dots.clamp_min(0)
-    dots = v.new_zeros(v.shape[0], s.shape[0])
-    pos = v.new_zeros(v.shape[0], s.shape[0])
-    for sl in parts:
-        part = v[:, sl] @ s[:, sl].T
-        dots += part
-        pos += part.clamp_min(0)
-    return dots, pos
+    # s^b . v^b with v^b (the many rows) as the transposed operand: BLAS reads each slice of v in place
+    # (v[:, sl] on the left is copied first, which made a 2-block query's S_kl 2-3x dearer than one block's)
+    per_block = torch.stack([s[:, sl] @ v[:, sl].T for sl in parts])  # (B, J, I)
+    return per_block.sum(0).T.contiguous(), per_block.clamp_min(0).sum(0).T.contiguous()
 
 
 @dataclass(frozen=True)
