@@ -48,6 +48,28 @@ def test_calibrated_score_is_skl_over_the_two_scales() -> None:
     assert a.image_fragment == b.image_fragment and a.matched == b.matched
 
 
+def test_a_merged_models_blocks_are_calibrated_apart_on_their_own_reference_slices() -> None:
+    """Each block's scale is its slice's spread against the references' same slice (the slices kept
+    contiguous once, and the same answer every time)."""
+    cal = _random_calibration()
+    g = torch.Generator().manual_seed(2)
+    img, sent = torch.randn(5, 4, 6, generator=g), torch.randn(7, 3, 6, generator=g).relu()
+    im, sm = torch.ones(5, 4), torch.ones(7, 3)
+    for _ in range(2):  # the second call reads the kept slices
+        got = cal.calibrate_sentences(sent, sm, blocks=2)
+        for part in (slice(0, 3), slice(3, 6)):
+            ref = cal.ref_images[..., part]
+            tau = skl(ref, torch.ones(ref.shape[:2]), sent[..., part], sm).std(dim=0, unbiased=False)
+            want = sent[..., part] / tau.clamp_min(cal.floor_sentence)[:, None, None]
+            torch.testing.assert_close(got[..., part], want)
+            assert cal.reference("images", part).is_contiguous()
+        got_img = cal.calibrate_images(img, blocks=2)
+        ref_s = cal.ref_sentences[..., 3:6]
+        sigma = skl(img[..., 3:6], im, ref_s, cal.ref_sentence_mask).std(dim=1, unbiased=False)
+        torch.testing.assert_close(got_img[..., 3:6], img[..., 3:6] / sigma.clamp_min(cal.floor_image)[:, None, None])
+    assert cal.reference("images", slice(None)) is cal.ref_images
+
+
 def test_an_images_overall_scale_is_calibrated_away() -> None:
     """A hub (an image whose fragments score 10x higher against everything) ranks like its plain copy."""
     cal = _random_calibration()
