@@ -53,7 +53,7 @@ from model.detector import Detector
 from model.image import ImageFragments, RegionExtractor, image_proposals
 from model.imageio import ImageReadError, load_image
 from model.onnx import graph_dir
-from model.proposals import PROPOSAL_COLUMNS
+from model.proposals import proposal_columns
 from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, n
     keys, datas, props, errors = [], [], [], []
     for p in batch["path"]:
         path = str(p)
-        data, key, boxes, error = b"", "", np.zeros((0, PROPOSAL_COLUMNS), np.float32), ""
+        data, key, boxes, error = b"", "", np.zeros((0, proposal_columns(cfg)), np.float32), ""
         try:
             data = Path(path).read_bytes()
             key = content_key(data)
@@ -134,7 +134,7 @@ class BackboneStage:
                 errors[k] = str(e)
                 continue
             flat = np.frombuffer(bytes(batch["proposals"][k]), dtype=np.float32)
-            proposals.append(flat.reshape(-1, PROPOSAL_COLUMNS))
+            proposals.append(flat.reshape(-1, proposal_columns(self.cfg)))
             good.append(k)
         frags: dict[int, ImageFragments] = {}
         try:

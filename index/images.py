@@ -8,6 +8,7 @@ The image files behind the index (paths, the feature cache, EXIF date and place)
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from PIL import Image
 from index.base import FragmentIndex
 from index.candidates import BackendOptions
 from index.image_vectors import KeptVectors
-from index.matches import matches
+from index.matches import label_at, matches
 from index.photos import Photos
 from index.places import Place, PlaceFilter, read_place
 from index.ranker import exact_score, rank_key
@@ -63,6 +64,7 @@ class StoredImage:
     height: int
     boxes: np.ndarray
     place: Place | None = None  # from the file's EXIF; None: not read (an image indexed before it was)
+    labels: tuple[str | None, ...] = ()  # each fragment's detector label (EmbeddedImage.labels); () none known
 
 
 def embedded_images(vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray) -> list[EmbeddedImage]:
@@ -85,8 +87,9 @@ class ImageIndex(FragmentIndex[StoredImage]):
     KIND = "image"
     # taken / lat / lon: when and where (EXIF), NULL when unknown; exif_read: 1 once the file's EXIF was
     # read (NULL in rows of a catalogue made before these columns: `photos.read_missing_places` fills them)
+    # labels: a JSON list of each fragment's detector label (null where none), NULL when the model has none
     COLUMNS = (("name", "TEXT"), ("path", "TEXT"), ("width", "INTEGER"), ("height", "INTEGER"), ("boxes", "BLOB"),
-               ("taken", "REAL"), ("lat", "REAL"), ("lon", "REAL"), ("exif_read", "INTEGER"))
+               ("taken", "REAL"), ("lat", "REAL"), ("lon", "REAL"), ("exif_read", "INTEGER"), ("labels", "TEXT"))
 
     photos: Photos
 
@@ -139,7 +142,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
             embedded[i] = e
         ready = [e for e in embedded if e is not None]
         payloads = [StoredImage(str(name), self.photos.stored_path(path), e.width, e.height, e.boxes,
-                                read_place(path) if read_places else None)
+                                read_place(path) if read_places else None, e.labels)
                     for e, name, path in zip(ready, names, paths, strict=True)]
         return self.insert([e.vectors.numpy() for e in ready], payloads)
 
@@ -150,7 +153,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
             if not self.contains(image_id):
                 return None
             p = self.payloads([image_id])[image_id]
-        return ImageRecord(image_id, p.name, self.photos.real_path(p.path), p.width, p.height, p.boxes.tolist())
+        return ImageRecord(image_id, p.name, self.photos.real_path(p.path), p.width, p.height, p.boxes.tolist(),
+                           p.labels)
 
     def fragments(self, image_id: int) -> tuple[torch.Tensor, np.ndarray] | None:
         """An indexed image's embedded fragments (F, h) and their boxes (F, 4), or None."""
@@ -178,7 +182,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                                               exhaustive, allowed, skl_of_items)  # codes: one block (the
         # projection mixes a merged model's member slices)
         return Page([ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s,
-                              matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks), p.place)
+                              matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
     @torch.inference_mode()
@@ -202,11 +206,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
         names = row_triplets(triplets, len(sent))
         pairs = [PairShare(names[j].text(), names[j].rel, (names[j].w1, names[j].w2), i,
                            [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(shares[i, j] > 0),
-                           float(shares[i, j]))
+                           float(shares[i, j]), label_at(payload.labels, i))
                  for j in range(len(sent)) for i in range(len(frags))]
         return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
                            placed.considered, len(frags), len(sent),
-                           matches(frags, sent, triplets, payload.boxes, self.bundle.blocks),
+                           matches(frags, sent, triplets, payload.boxes, self.bundle.blocks, payload.labels),
                            pairs, placed.scope, placed.recalled)
 
     @torch.inference_mode()
@@ -229,7 +233,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())
         hits = [RegionHit(int(items[o]), payloads[int(items[o])].name,
-                          [float(v) for v in payloads[int(items[o])].boxes[frags[o]]], int(frags[o]), float(scores[o]))
+                          [float(v) for v in payloads[int(items[o])].boxes[frags[o]]], int(frags[o]), float(scores[o]),
+                          label_at(payloads[int(items[o])].labels, int(frags[o])))
                 for o in order]
         return Page(hits, offset, int(np.count_nonzero(scores > 0)))
 
@@ -239,10 +244,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
         pl = payload.place
         return (payload.name, payload.path, payload.width, payload.height, boxes.tobytes(),
                 None if pl is None else pl.taken, None if pl is None else pl.lat, None if pl is None else pl.lon,
-                None if pl is None else 1)
+                None if pl is None else 1, json.dumps(list(payload.labels)) if payload.labels else None)
 
     def from_row(self, row: Sequence[Any]) -> StoredImage:
-        name, path, width, height, blob, taken, lat, lon, exif_read = row
+        name, path, width, height, blob, taken, lat, lon, exif_read, labels = row
         boxes = np.frombuffer(blob, dtype="<f4").reshape(-1, 4).astype(np.float32)
         place = Place(taken, lat, lon) if exif_read else None
-        return StoredImage(str(name), str(path), int(width), int(height), boxes, place)
+        return StoredImage(str(name), str(path), int(width), int(height), boxes, place,
+                           tuple(json.loads(labels)) if labels else ())

@@ -9,7 +9,7 @@ A shard folder holds ``manifest.json`` (the feature settings, as the feature cac
     paths     (K,)          the files' absolute paths
     sizes     (K, 2)        int64 width, height
     boxes     (K, F, 4)     float32 [x0, y0, x1, y1] in each image's pixels, row 0 the whole image
-    features  (K, F, 1280)  float16 (as the feature cache stores them)
+    features  (K, F, D)     float16 (as the feature cache stores them; D = model.features.feature_dim)
 
 or, in a folder of embedded shards (``ShardWriter(..., embedded_by=model fingerprint)``: the model ran
 where the shards were made, e.g. next to the extraction on a GPU), instead of ``features``
@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from index.images import ImageIndex, embedded_images
 from model.atomic import atomic_file
-from model.backbone import FEATURE_DIM
 from model.cache import config_key, config_payload, read_entry
 from model.config import ImageConfig
+from model.features import feature_dim
 from model.image import ImageFragments
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Shard:
     paths: list[str]
     sizes: np.ndarray
     boxes: np.ndarray
-    features: np.ndarray  # (K, F, 1280) features, or (K, F, h) vectors of an embedded shard
+    features: np.ndarray  # (K, F, D) features, or (K, F, h) vectors of an embedded shard
     embedded: bool = False
 
     def __len__(self) -> int:
@@ -179,7 +179,7 @@ class ShardWriter:
 
     def add(self, key: str, name: str, path: str, frags: ImageFragments) -> None:
         """One extracted image; a shard is written once ``shard_size`` images are waiting."""
-        n_frag, width = self.cfg.n_fragments, self.dim if self.embedded_by is not None else FEATURE_DIM
+        n_frag, width = self.cfg.n_fragments, self.dim if self.embedded_by is not None else feature_dim(self.cfg)
         if frags.features.shape != (n_frag, width) or frags.boxes.shape != (n_frag, 4):
             raise ValueError(f"{name}: fragments {frags.features.shape} / boxes {frags.boxes.shape}, "
                              f"expected {(n_frag, width)} / {(n_frag, 4)}")

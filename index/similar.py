@@ -85,7 +85,8 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: tor
         if rec is None or found is None:  # removed meanwhile
             continue
         frags, frag_boxes = found
-        alignment = matches(frags, sent, triplets, frag_boxes, images.bundle.blocks) if sent is not None else []
+        alignment = (matches(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels)
+                     if sent is not None else [])
         hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment))
     return Similar(described, hits, offset, len(ids))
 

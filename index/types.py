@@ -220,7 +220,9 @@ class IndexSettings:
 class FragmentMatch:
     """One sentence fragment of a result and the image fragment it aligns with.
 
-    box: [x0, y0, x1, y1] in the pixels of the image the fragment belongs to; score: v_i . s_j.
+    box: [x0, y0, x1, y1] in the pixels of the image the fragment belongs to; score: v_i . s_j; label: the
+    COCO name of the region's confident detector class (model/features.py ``fragment_labels``), None when it
+    has none or the model's regions carry no classes.
     """
 
     triplet: str
@@ -229,6 +231,7 @@ class FragmentMatch:
     box: list[float]
     fragment: int
     score: float
+    label: str | None = None
 
 
 @dataclass
@@ -260,6 +263,7 @@ class RegionHit:
     box: list[float]
     fragment: int
     score: float
+    label: str | None = None  # the region's detector label (FragmentMatch.label)
 
 
 H = TypeVar("H")
@@ -288,6 +292,7 @@ class PairShare:
     score: float
     cleared: bool
     contribution: float
+    label: str | None = None  # the image fragment's detector label (FragmentMatch.label)
 
 
 ExplainScope = Literal["collection", "candidates"]  # what an explained rank is taken over
@@ -319,7 +324,8 @@ class Explanation:
 
 @dataclass
 class ImageRecord:
-    """An indexed image: boxes (F, 4) of its fragments in its own pixels, row 0 the whole image."""
+    """An indexed image: boxes (F, 4) of its fragments in its own pixels, row 0 the whole image, and their
+    detector labels (FragmentMatch.label; empty when the model's regions carry no classes)."""
 
     image_id: int
     name: str
@@ -327,6 +333,7 @@ class ImageRecord:
     width: int
     height: int
     boxes: list[list[float]]
+    labels: tuple[str | None, ...] = ()
 
 
 @dataclass

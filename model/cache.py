@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from model.atomic import atomic_file, stale_temps
-from model.backbone import FEATURE_DIM
 from model.config import ImageConfig
 from model.extraction import ExtractionPool
-from model.features import config_key, config_payload, content_key, entry_name, read_entry
+from model.features import config_key, config_payload, content_key, entry_name, feature_dim, read_entry
 from model.image import ImageFragments
 
 logger = logging.getLogger(__name__)
@@ -146,16 +145,15 @@ class FeatureCache:
             return f"unreadable: {e.args[0] if e.args else e}"
 
     def load_arrays(self, images: Sequence[str | Path]) -> tuple[np.ndarray, np.ndarray]:
-        """→ features (N, F, 1280) float32, boxes (N, F, 4) float32, in the order of ``images``."""
-        n_frag = self.cfg.n_fragments
-        feats = np.empty((len(images), n_frag, FEATURE_DIM), dtype=np.float32)
+        """→ features (N, F, D) float32 (D: ``feature_dim``), boxes (N, F, 4) float32, in the order of ``images``."""
+        n_frag, dim = self.cfg.n_fragments, feature_dim(self.cfg)
+        feats = np.empty((len(images), n_frag, dim), dtype=np.float32)
         boxes = np.empty((len(images), n_frag, 4), dtype=np.float32)
         for k, image in enumerate(images):
             with np.load(self._existing(image)) as z:
                 f, b = z["features"], z["boxes"]
-                if f.shape != (n_frag, FEATURE_DIM):
-                    raise ValueError(f"{entry_name(image)}: cached features {f.shape}, "
-                                     f"expected {(n_frag, FEATURE_DIM)}")
+                if f.shape != (n_frag, dim):
+                    raise ValueError(f"{entry_name(image)}: cached features {f.shape}, expected {(n_frag, dim)}")
                 feats[k] = f
                 boxes[k] = b
         return feats, boxes

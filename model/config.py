@@ -72,6 +72,11 @@ class ImageConfig:
     # cache key when not the default.
     proposals: str = "selective_search"
     detector_floor: float = 0.3
+    # the detector's knowledge as a channel: each fragment's feature is its CNN feature followed by the COCO
+    # detector's 90 class scores for its box (zeros for a box the detector did not propose; the whole image's
+    # row the largest score of each class over its detected regions), a learned input of the image encoder.
+    # Needs detector proposals; in the feature cache key when set.
+    detector_classes: bool = False
 
     @property
     def n_fragments(self) -> int:
@@ -111,10 +116,12 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
                          "selective search")
     ap.add_argument("--detector-floor", type=float, default=defaults and defaults.detector_floor,
                     help="with --proposals detector_topup: the smallest detection score kept as a region")
+    ap.add_argument("--detector-classes", action="store_true", default=defaults and defaults.detector_classes,
+                    help="with detector proposals: each fragment's features carry the detector's class scores")
 
 
 REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
-                "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor")
+                "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor", "detector_classes")
 
 
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:

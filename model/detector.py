@@ -64,11 +64,13 @@ class DetectorMissing(RuntimeError):
 @dataclass
 class Detections:
     """An image's detections, best first: boxes (N, 4) float32 [x0, y0, x1, y1] in the image's pixels,
-    scores (N,) the best class score of each, classes (N,) the COCO category id (1..90) of that class."""
+    scores (N,) the best class score of each, classes (N,) the COCO category id (1..90) of that class,
+    class_scores (N, 90) every class's score (rounded to 1e-4, column c - 1 for category id c)."""
 
     boxes: np.ndarray
     scores: np.ndarray
     classes: np.ndarray
+    class_scores: np.ndarray
 
     def __len__(self) -> int:
         return len(self.boxes)
@@ -76,6 +78,19 @@ class Detections:
     def label(self, k: int) -> str:
         """The COCO name of detection k's best class."""
         return COCO_LABELS[int(self.classes[k]) - 1]
+
+
+LABEL_FLOOR = 0.5  # a region is named by its best COCO class when that class scores at least this
+
+
+def label_of(class_scores: np.ndarray, floor: float = LABEL_FLOOR) -> str | None:
+    """A fragment's detector class scores (90,) → the COCO name of its best class when that scores at least
+    ``floor`` (ties: the lower category id), else None (no confident class, or a box the detector did not
+    propose: all zeros)."""
+    if class_scores.shape != (N_CLASSES,):
+        raise ValueError(f"class scores must be ({N_CLASSES},), got {class_scores.shape}")
+    best = int(np.argmax(class_scores))
+    return COCO_LABELS[best] or None if class_scores[best] >= floor else None
 
 
 def detector_dir() -> Path:
@@ -164,10 +179,11 @@ def select(boxes: np.ndarray, scores: np.ndarray, width: int, height: int, floor
     rounded = np.round(best[ok], 4)
     order = ok[np.lexsort((ok, -rounded))]  # score descending, then prior index
     if not len(order):
-        return Detections(np.zeros((0, 4), np.float32), np.zeros((0,), np.float32), np.zeros((0,), np.int64))
+        return Detections(np.zeros((0, 4), np.float32), np.zeros((0,), np.float32), np.zeros((0,), np.int64),
+                          np.zeros((0, scores.shape[1]), np.float32))
     b = torch.from_numpy(px[order].astype(np.float32))
     # NMS on strictly decreasing stand-in scores: the order above decides, not float ties inside nms
     rank = torch.arange(len(order), 0, -1, dtype=torch.float32)
     keep = order[nms(b, rank, nms_iou).numpy()][:limit]
     return Detections(px[keep].astype(np.float32), np.round(best[keep], 4).astype(np.float32),
-                      cls[keep].astype(np.int64))
+                      cls[keep].astype(np.int64), np.round(scores[keep], 4).astype(np.float32))

@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 
 from model.bundle import Bundle
+from model.features import fragment_labels
 from model.fragments import SENTENCE_REL, EncodedSentences
 from model.image import ImageFragments
 from model.text import Triplet
@@ -114,17 +115,19 @@ def triplet_words(rel: str, w1: str, w2: str) -> str:
 @dataclass
 class EmbeddedImage:
     """One image as embedded fragments: vectors (F, h) float32 and their boxes (F, 4) float32 in the
-    image's own pixels; the image's width and height."""
+    image's own pixels; the image's width and height; each fragment's detector label (model/features.py
+    ``fragment_labels``; empty when the model's features have no detector classes)."""
 
     vectors: torch.Tensor
     boxes: np.ndarray
     width: int
     height: int
+    labels: tuple[str | None, ...] = ()
 
 
 def embed_extracted(bundle: Bundle, frags: Sequence[ImageFragments]) -> list[EmbeddedImage]:
-    """Extracted images (features (F, 1280), boxes (F, 4)) embedded: one batch when they have as
-    many fragments each, else one at a time."""
+    """Extracted images (features (F, D), boxes (F, 4)) embedded, with their fragments' detector labels: one
+    batch when they have as many fragments each, else one at a time."""
     if not frags:
         return []
     with torch.inference_mode():
@@ -132,7 +135,8 @@ def embed_extracted(bundle: Bundle, frags: Sequence[ImageFragments]) -> list[Emb
             vecs = list(bundle.embed_images(np.stack([f.features for f in frags])))
         else:
             vecs = [bundle.embed_images(f.features[None])[0] for f in frags]
-    return [EmbeddedImage(v, np.asarray(f.boxes[: len(v)], dtype=np.float32), int(f.width), int(f.height))
+    return [EmbeddedImage(v, np.asarray(f.boxes[: len(v)], dtype=np.float32), int(f.width), int(f.height),
+                          fragment_labels(f.features, bundle.image_cfg)[: len(v)])
             for f, v in zip(frags, vecs, strict=True)]
 
 

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from model.atomic import atomic_file
-from model.backbone import quant_recipe, weights_digest
+from model.backbone import FEATURE_DIM, quant_recipe, weights_digest
 from model.config import ImageConfig
-from model.detector import DETECTOR_NAME
+from model.detector import DETECTOR_NAME, N_CLASSES, label_of
 from model.image import ImageFragments
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
@@ -32,6 +32,8 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     mirror = image.pop("mirror")  # in the payload only for the mirrored view: the other keys stay
     proposals = image.pop("proposals")  # the region source and its floor: only when not selective search
     floor = image.pop("detector_floor")
+    if image.pop("detector_classes"):  # in the payload only when set: the other keys stay
+        image["detector_classes"] = True
     if proposals != "selective_search":
         image["proposals"] = proposals
         image["detector"] = DETECTOR_NAME
@@ -45,6 +47,24 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     if cfg.backbone_precision == "int8":
         payload["quantization"] = quant_recipe()
     return payload
+
+
+def feature_dim(cfg: ImageConfig) -> int:
+    """The width of a fragment's features under ``cfg``: the CNN's 1280, and the detector's 90 class scores
+    with ``cfg.detector_classes``."""
+    return FEATURE_DIM + (N_CLASSES if cfg.detector_classes else 0)
+
+
+def fragment_labels(features: np.ndarray, cfg: ImageConfig) -> tuple[str | None, ...]:
+    """An image's fragment features (F, D) → the COCO name of each fragment's confident detector class
+    (model/detector.py ``label_of``), None where there is none; the whole image (row 0) has no label. Empty
+    when ``cfg`` has no detector classes (nothing to name a region by)."""
+    if not cfg.detector_classes:
+        return ()
+    if features.shape[-1] != feature_dim(cfg):
+        raise ValueError(f"fragment features of width {features.shape[-1]}, expected {feature_dim(cfg)} "
+                         "(the CNN's and the detector's class scores)")
+    return (None, *(label_of(row[FEATURE_DIM:]) for row in features[1:]))
 
 
 def config_key(cfg: ImageConfig) -> str:

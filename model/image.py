@@ -22,9 +22,10 @@ from torchvision.ops import roi_align
 
 from model.backbone import BACKBONE_NAME, Backbone, preprocess, to_tensor
 from model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
-from model.detector import Detector
+from model.detector import N_CLASSES, Detector
 from model.proposals import (
     N_GRID_BOXES,
+    PROPOSAL_COLUMNS,
     detected_proposals,
     full_box,
     propose_boxes,
@@ -42,7 +43,8 @@ FEATURE_SAMPLING = 0  # adaptive sampling (about one sample per map cell) for th
 @dataclass
 class ImageFragments:
     """One image as fragments: boxes (F, 4) float32 [x0, y0, x1, y1] in the image's pixels and
-    features (F, 1280) float32; row 0 is the whole image."""
+    features (F, D) float32 (D = 1280, the CNN's; with ``ImageConfig.detector_classes`` 1280 + 90, the
+    detector's class scores after it: model/features.py ``feature_dim``); row 0 is the whole image."""
 
     boxes: np.ndarray
     features: np.ndarray
@@ -83,6 +85,9 @@ class RegionExtractor:
             raise ValueError("the mirrored view (mirror) needs region_features 'crop': its crops are flipped")
         if cfg.proposals not in PROPOSAL_SOURCES:
             raise ValueError(f"proposals must be one of {PROPOSAL_SOURCES}, got {cfg.proposals!r}")
+        if cfg.detector_classes and (cfg.proposals == "selective_search" or cfg.full_frame_only):
+            raise ValueError("detector_classes needs the detector's regions (proposals 'detector' or "
+                             "'detector_topup'): its class scores are those of the boxes it proposed")
         self.cfg = cfg
         self.detector = (Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only
                          else None)
@@ -92,7 +97,7 @@ class RegionExtractor:
                          if own else self.ranker)  # the fragments' features
 
     def extract(self, image: Image.Image) -> ImageFragments:
-        """One image → ImageFragments (boxes (F, 4), features (F, 1280))."""
+        """One image → ImageFragments (boxes (F, 4), features (F, D))."""
         return self.extract_batch([image])[0]
 
     @torch.inference_mode()
@@ -124,6 +129,7 @@ class RegionExtractor:
         side = cfg.backbone_size
         out: list[ImageFragments] = []
         chosen: list[np.ndarray] = []
+        classes: list[np.ndarray] = []
         for k, img in enumerate(rgb):
             w, h = img.size
             props = np.ascontiguousarray(proposals[k][:, :4], dtype=np.float32)
@@ -132,15 +138,20 @@ class RegionExtractor:
             if unranked.any() and maps is not None:
                 pooled = self._roi_pool(maps[k : k + 1], props[unranked], w, h, side, SCORE_SAMPLING)
                 scores[unranked] = self._objectness(pooled)
-            regions = select_regions(props, scores, w, h, cfg)
+            regions, rows = select_regions(props, scores, w, h, cfg)
             boxes = np.concatenate([full_box(w, h), regions])
             chosen.append(boxes)
+            if cfg.detector_classes:
+                classes.append(fragment_classes(proposals[k], rows))
             if cfg.region_features == "roi_align" and maps is not None:
                 fmap = maps[k : k + 1]
                 feats = torch.cat([fmap.mean(dim=(2, 3)), self._roi_pool(fmap, regions, w, h, side)])
                 out.append(ImageFragments(boxes, _numpy(feats), w, h))
         if cfg.region_features == "crop":
             out = self._crop_features(rgb, chosen)
+        if cfg.detector_classes:
+            out = [ImageFragments(f.boxes, np.concatenate([f.features, c], axis=1), f.width, f.height)
+                   for f, c in zip(out, classes, strict=True)]
         return out
 
     # -- internals -------------------------------------------------------------------------------
@@ -202,6 +213,22 @@ def image_proposals(image: Image.Image, cfg: ImageConfig, detector: Detector | N
     if cfg.proposals == "selective_search":
         return with_priors(propose_boxes(rgb, cfg))
     return detected_proposals(rgb, cfg, detector or Detector())
+
+
+def fragment_classes(proposals: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """An image's proposals with class scores (P, 95) and the row each kept region came from (R,), -1 for a
+    grid box → the detector's class scores of every fragment (1 + R, 90) float32: each region's own (zeros
+    for a grid box or a box selective search proposed), the whole image's row the largest of each class
+    over its regions."""
+    if proposals.shape[1] != PROPOSAL_COLUMNS + N_CLASSES:
+        raise ValueError(f"proposals without class scores ({proposals.shape[1]} columns): extract them with "
+                         "detector_classes")
+    table = np.nan_to_num(proposals[:, PROPOSAL_COLUMNS:].astype(np.float32))
+    regions = np.zeros((len(rows), N_CLASSES), np.float32)
+    found = rows >= 0
+    regions[found] = table[rows[found]]
+    whole = regions.max(axis=0, keepdims=True) if len(regions) else np.zeros((1, N_CLASSES), np.float32)
+    return np.concatenate([whole, regions])
 
 
 def _rgb(image: Image.Image) -> Image.Image:

@@ -17,7 +17,7 @@ import torch
 from torchvision.ops import box_iou, nms
 
 from model.config import PROPOSAL_MODES, ImageConfig
-from model.detector import CANDIDATE_FLOOR, Detector
+from model.detector import CANDIDATE_FLOOR, N_CLASSES, Detector
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ _GRID_FRACTIONS: tuple[tuple[float, float, float, float], ...] = (
 
 N_GRID_BOXES = len(_GRID_FRACTIONS)
 PROPOSAL_COLUMNS = 5  # x0, y0, x1, y1 and the prior score (``with_priors``)
+
+
+def proposal_columns(cfg: ImageConfig) -> int:
+    """Columns of an image's proposals under ``cfg``: the box and its prior score, and with
+    ``cfg.detector_classes`` the detector's 90 class scores after them."""
+    return PROPOSAL_COLUMNS + (N_CLASSES if cfg.detector_classes else 0)
 
 _libc: ctypes.CDLL | None = None
 _libc_checked = False
@@ -137,23 +143,32 @@ def propose_boxes(image: np.ndarray, cfg: ImageConfig) -> np.ndarray:
     return boxes[: cfg.max_proposals].astype(np.float32)
 
 
-def with_priors(boxes: np.ndarray, priors: np.ndarray | None = None) -> np.ndarray:
+def with_priors(boxes: np.ndarray, priors: np.ndarray | None = None, classes: np.ndarray | None = None
+                ) -> np.ndarray:
     """Boxes (P, 4) → proposals (P, 5): the boxes and each one's prior score in column 4 — a detection's
-    score (0..1), or NaN for a box that the backbone still has to rank (selective search)."""
+    score (0..1), or NaN for a box that the backbone still has to rank (selective search); with ``classes``
+    (P, 90), the detector's class scores of each box, (P, 95)."""
     col = np.full((len(boxes), 1), np.nan, np.float32) if priors is None else priors.reshape(-1, 1)
-    return np.concatenate([boxes.reshape(-1, 4).astype(np.float32), col.astype(np.float32)], axis=1)
+    parts = [boxes.reshape(-1, 4).astype(np.float32), col.astype(np.float32)]
+    if classes is not None:
+        parts.append(classes.reshape(len(boxes), N_CLASSES).astype(np.float32))
+    return np.concatenate(parts, axis=1)
 
 
 def detected_proposals(image: np.ndarray, cfg: ImageConfig, detector: Detector) -> np.ndarray:
     """An (H, W, 3) uint8 RGB image → its proposals (P, 5) from the COCO detector: with ``cfg.proposals``
     "detector" every detection (best first), with "detector_topup" the detections scoring at least
-    ``cfg.detector_floor`` followed by the image's selective-search boxes (unscored, NaN)."""
+    ``cfg.detector_floor`` followed by the image's selective-search boxes (unscored, NaN). With
+    ``cfg.detector_classes`` each row also carries its class scores (P, 95; zeros for selective search's)."""
     topup = cfg.proposals == "detector_topup"
     found = detector.detect(image, floor=cfg.detector_floor if topup else CANDIDATE_FLOOR, nms_iou=cfg.nms_iou)
-    dets = with_priors(found.boxes, found.scores)
+    classes = cfg.detector_classes
+    dets = with_priors(found.boxes, found.scores, found.class_scores if classes else None)
     if not topup:
         return dets
-    return np.concatenate([dets, with_priors(propose_boxes(image, cfg))])
+    boxes = propose_boxes(image, cfg)
+    return np.concatenate([dets, with_priors(boxes, None, np.zeros((len(boxes), N_CLASSES), np.float32)
+                                                          if classes else None)])
 
 
 def grid_boxes(width: int, height: int) -> np.ndarray:
@@ -169,26 +184,31 @@ def full_box(width: int, height: int) -> np.ndarray:
 
 def select_regions(
     proposals: np.ndarray, scores: np.ndarray, width: int, height: int, cfg: ImageConfig
-) -> np.ndarray:
-    """Proposals (P, 4) with scores (P,) → the kept regions (cfg.n_regions, 4), best first.
+) -> tuple[np.ndarray, np.ndarray]:
+    """Proposals (P, 4) with scores (P,) → the kept regions (cfg.n_regions, 4), best first, and the row of
+    ``proposals`` each came from (cfg.n_regions,) int64, -1 for a box of the fallback grid.
 
     Near-copies of the whole image are dropped, then NMS at ``cfg.nms_iou``; missing slots are
     filled from the fixed grid (grid boxes that overlap a kept box less than nms_iou first).
     """
     n = cfg.n_regions
     kept = np.zeros((0, 4), np.float32)
+    rows = np.zeros((0,), np.int64)
     if len(proposals):
         b = torch.from_numpy(proposals)
         s = torch.from_numpy(scores.astype(np.float32))
         not_full = box_iou(b, torch.from_numpy(full_box(width, height)))[:, 0] <= FULL_FRAME_DUP_IOU
-        b, s = b[not_full], s[not_full]
-        keep = nms(b, s, cfg.nms_iou)[:n]
-        kept = b[keep].numpy()
+        index = torch.nonzero(not_full)[:, 0]
+        keep = nms(b[index], s[index], cfg.nms_iou)[:n]
+        kept = b[index[keep]].numpy()
+        rows = index[keep].numpy().astype(np.int64)
     if len(kept) >= n:
-        return kept[:n]
+        return kept[:n], rows[:n]
     grid = grid_boxes(width, height)
     if len(kept):
         overlap = box_iou(torch.from_numpy(grid), torch.from_numpy(kept)).max(dim=1).values.numpy()
         order = np.concatenate([np.flatnonzero(overlap < cfg.nms_iou), np.flatnonzero(overlap >= cfg.nms_iou)])
         grid = grid[order]
-    return np.concatenate([kept, grid[: n - len(kept)]]).astype(np.float32)
+    filled = grid[: n - len(kept)]
+    return (np.concatenate([kept, filled]).astype(np.float32),
+            np.concatenate([rows, np.full(len(filled), -1, np.int64)]))

@@ -16,7 +16,7 @@ EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or ph
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
 _MATCH = {"triplet": "amod(dog, black)", "phrase": "black dog", "relation": "amod", "words": ["dog", "black"],
-          "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412}
+          "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412, "label": "dog"}
 _IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
           "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "score": 0.0831,
           "relevance": 0.83, "alignment": [_MATCH]}
@@ -164,6 +164,11 @@ class SearchFragmentsRequest(BaseModel):
         return self
 
 
+LABEL_DOC = ("the region's name from the COCO detector (e.g. 'dog') where the model's regions come from it and "
+             "its best class is confident (score >= 0.5); null otherwise (the whole image, a selective-search "
+             "region, or a model whose regions carry no detector classes)")
+
+
 class FragmentMatchOut(BaseModel):
     """One sentence fragment and the image region it aligns with."""
 
@@ -175,6 +180,7 @@ class FragmentMatchOut(BaseModel):
     box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
     fragment: int = Field(description="index of the image fragment (0 = whole image)")
     score: float = Field(description="fragment score v_i . s_j")
+    label: str | None = Field(default=None, description=LABEL_DOC)
 
 
 class ImageResult(BaseModel):
@@ -330,13 +336,14 @@ class RegionResult(BaseModel):
     box: Box
     fragment: int
     score: float = Field(description="fragment score v_i . s")
+    label: str | None = Field(default=None, description=LABEL_DOC)
 
 
 class SearchFragmentsResponse(Paged):
     model_config = _example({
         "query": "black dog", "took_ms": 18.2,
         "results": [{"image_id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
-                     "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.62}]})
+                     "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.62, "label": "dog"}]})
 
     query: str
     results: list[RegionResult]

@@ -11,9 +11,12 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from model.config import ImageConfig, default_data_dir
+from index import ImageIndex, IndexSettings
+from model.bundle import Bundle
+from model.config import ImageConfig, TextConfig, default_data_dir
 from model.detector import (
     COCO_LABELS,
     DETECTOR_FILES,
@@ -23,10 +26,17 @@ from model.detector import (
     DetectorMissing,
     check_files,
     detector_dir,
+    label_of,
     select,
 )
-from model.features import config_key
-from model.image import RegionExtractor, image_proposals
+from model.encoders import FragmentModel, ModelConfig
+from model.features import config_key, feature_dim
+from model.fragments import TextPipeline
+from model.image import RegionExtractor, fragment_classes, image_proposals
+from model.proposals import PROPOSAL_COLUMNS, proposal_columns, select_regions
+from model.text import RelationVocab
+from model.words import WordTable
+from service.routes.convert import match_out, region_result
 
 DOG = "1001773457_577c3a7d70.jpg"  # two dogs playing (Flickr8K train): the detector finds both
 
@@ -101,6 +111,9 @@ def test_select_is_class_agnostic_and_breaks_ties_by_prior() -> None:
     assert found.classes.tolist() == [18, 1, 6]
     assert found.boxes.tolist() == [[11, 10, 50, 50], [60, 60, 90, 90], [60, 10, 90, 40]]
     assert select(boxes, scores, 100, 100, floor=0.1, nms_iou=0.5, limit=1).classes.tolist() == [18]
+    assert found.class_scores.shape == (3, N_CLASSES)
+    assert np.array_equal(found.class_scores.max(axis=1), found.scores)  # every class's score, the best one's too
+    assert found.class_scores[0, 17] == pytest.approx(0.9) and found.class_scores[2, 5] == pytest.approx(0.7)
     assert len(select(boxes, scores, 100, 100, floor=0.95, nms_iou=0.5, limit=10)) == 0
 
 
@@ -139,3 +152,101 @@ def test_feature_cache_key_names_the_source() -> None:
 def test_unknown_source_is_refused() -> None:
     with pytest.raises(ValueError, match="proposals must be one of"):
         RegionExtractor(ImageConfig(proposals="yolo"))
+
+
+def test_a_region_is_named_by_its_confident_class() -> None:
+    scores = np.zeros(N_CLASSES, np.float32)
+    assert label_of(scores) is None  # a box the detector did not propose
+    scores[17] = 0.49
+    assert label_of(scores) is None  # not confident
+    scores[17] = 0.84
+    assert label_of(scores) == "dog"
+    scores[0] = 0.84
+    assert label_of(scores) == "person"  # a tie: the lower category id
+    with pytest.raises(ValueError, match="class scores must be"):
+        label_of(np.zeros(80, np.float32))
+
+
+def test_kept_regions_know_the_proposal_they_came_from() -> None:
+    cfg = ImageConfig(n_regions=4)
+    boxes = np.asarray([[0, 0, 100, 100], [10, 10, 40, 40], [11, 10, 40, 40], [50, 50, 90, 90]], np.float32)
+    regions, rows = select_regions(boxes, np.asarray([0.9, 0.8, 0.7, 0.6], np.float32), 100, 100, cfg)
+    assert rows.tolist() == [1, 3, -1, -1]  # the whole-image copy dropped, box 2 suppressed by box 1, grid after
+    assert np.array_equal(regions[:2], boxes[[1, 3]])
+
+
+def test_fragment_classes_are_each_regions_own_and_the_image_takes_the_largest() -> None:
+    props = np.zeros((3, PROPOSAL_COLUMNS + N_CLASSES), np.float32)
+    props[0, PROPOSAL_COLUMNS + 17] = 0.9  # a dog
+    props[1, PROPOSAL_COLUMNS + 0] = 0.6  # a person
+    props[1, PROPOSAL_COLUMNS + 17] = 0.2
+    props[2, 4] = np.nan  # selective search's box: unscored, no classes
+    table = fragment_classes(props, np.asarray([1, 0, 2, -1]))
+    assert table.shape == (5, N_CLASSES)
+    assert [label_of(row) for row in table] == ["dog", "person", "dog", None, None]
+    assert table[0, 17] == pytest.approx(0.9) and table[0, 0] == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="without class scores"):
+        fragment_classes(props[:, :PROPOSAL_COLUMNS], np.asarray([0]))
+
+
+def test_detector_classes_ride_beside_the_cnn_features(dog_photo: np.ndarray) -> None:
+    """With detector_classes each fragment's features are its 1280 CNN values, the same as without, then its
+    90 class scores: the two dogs are labelled, the selective-search slots carry none."""
+    image = Image.fromarray(dog_photo)
+    topup = ImageConfig(region_features="crop", backbone_precision="int8", min_box_frac=0.25, proposal_resize=112,
+                        backbone_size=224, proposals="detector_topup", detector_floor=0.5)
+    classes = dataclasses.replace(topup, detector_classes=True)
+    assert feature_dim(topup) == 1280 and feature_dim(classes) == 1280 + N_CLASSES
+    assert proposal_columns(topup) == 5 and proposal_columns(classes) == 5 + N_CLASSES
+    assert config_key(classes) != config_key(topup)
+    frags = RegionExtractor(classes).extract(image)
+    plain = RegionExtractor(topup).extract(image)
+    assert frags.features.shape == (topup.n_fragments, 1280 + N_CLASSES)
+    assert np.array_equal(frags.boxes, plain.boxes)
+    assert np.array_equal(frags.features[:, :1280], plain.features)
+    labels = [label_of(row) for row in frags.features[:, 1280:]]
+    assert labels[:3] == ["dog", "dog", "dog"]  # the whole image, then the two detections
+    assert set(labels[3:]) == {None}
+    with pytest.raises(ValueError, match="detector_classes needs the detector's regions"):
+        RegionExtractor(ImageConfig(detector_classes=True))
+
+
+def test_region_labels_travel_from_the_detector_to_the_api(dog_photo: np.ndarray, tmp_path: Path) -> None:
+    """A model whose regions carry the detector's classes: the dog photo indexed (the candidate stage on), its
+    regions' labels in the record, the search's and explanation's alignment, the region search, after a reload
+    from the catalogue, and in the API's answers; the whole image and the top-up slots stay unnamed."""
+    cfg = ImageConfig(region_features="crop", backbone_precision="int8", min_box_frac=0.25, proposal_resize=112,
+                      backbone_size=224, proposals="detector_topup", detector_floor=0.5, detector_classes=True)
+    words = WordTable.build(["a", "dog", "dogs", "brown", "play", "grass", "on", "the", "two"])
+    relations = RelationVocab(["det", "amod", "nsubj", "num", "prep_on"], {}, 0.01)
+    torch.manual_seed(0)
+    model = FragmentModel(ModelConfig(h=16, img_dim=feature_dim(cfg), n_relations=len(relations)))
+    bundle = Bundle(model.eval(), TextPipeline(TextConfig(), relations, words), cfg)
+    index = ImageIndex.create(tmp_path / "images", bundle, IndexSettings.of(exact_below=0, k_prime=4096))
+    [image_id] = index.add([Image.fromarray(dog_photo)], [DOG], [tmp_path / DOG], read_places=False)
+    record = index.get(image_id)
+    assert record is not None and len(record.labels) == cfg.n_fragments
+    assert record.labels[:3] == (None, "dog", "dog") and set(record.labels[3:]) == {None}
+
+    def labelled(found: list[tuple[int, str | None]]) -> None:
+        assert found and all(label == record.labels[i] for i, label in found)
+
+    sentence = "two brown dogs play on the grass"
+    hit = index.search(sentence, 1).hits[0]
+    labelled([(m.fragment, m.label) for m in hit.alignment])
+    explained = index.explain(image_id, sentence)
+    assert explained is not None
+    labelled([(p.fragment, p.label) for p in explained.pairs])
+    assert {p.label for p in explained.pairs} == {None, "dog"}
+    regions = index.search_fragments("brown dog", cfg.n_fragments).hits
+    labelled([(r.fragment, r.label) for r in regions])
+    index.save()
+    index.close()
+
+    again = ImageIndex.load(tmp_path / "images", bundle)
+    assert again.get(image_id) == record
+    assert again.search(sentence, 1).hits[0].alignment == hit.alignment
+    assert [match_out(m).label for m in hit.alignment] == [m.label for m in hit.alignment]
+    assert [region_result(r).label for r in again.search_fragments("brown dog", cfg.n_fragments).hits] == \
+        [r.label for r in regions]
+    again.close()

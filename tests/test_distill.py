@@ -10,11 +10,14 @@ import pytest
 import torch
 
 from model.bundle import Bundle
+from model.config import TrainConfig
 from model.dataset import load_split_data
+from model.encoders import FragmentModel
 from model.parsers import make_parser
 from model.words import WordTable
 from tests.conftest import ShapesModel
 from training.distill import Teacher
+from training.epochs import FragmentBatches, batch_images, train_fragment_epoch
 from training.evaluate import score_split
 from training.objectives import distill_loss
 from training.train import make_run, train
@@ -56,25 +59,54 @@ def test_a_teacher_reading_other_words_or_images_is_refused(shapes_model: Shapes
         Teacher(shapes_model.model_path, text, bundle.image_cfg, feats, "cpu")
 
 
-def test_a_student_trained_with_a_teacher_ranks_as_the_teacher_more_than_alone(shapes_model: ShapesModel,
-                                                                                tmp_path: Path) -> None:
-    """The same small run twice, from one seed, with and without the shapes model as its teacher: on dev,
-    the distilled student's S_kl agree more with the teacher's than the student's alone do."""
+def test_the_teachers_batch_scores_are_its_own_skl_of_the_batch(shapes_model: ShapesModel) -> None:
+    """What a batch is pulled towards: the teacher's S_kl of the batch's images and sentences, the same numbers
+    its whole evaluation matrix holds for those pairs."""
+    bundle = Bundle.load(shapes_model.model_path)
+    tr = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
+    teacher = Teacher(shapes_model.model_path, bundle.text, bundle.image_cfg, torch.from_numpy(tr.feats), "cpu")
+    batches = FragmentBatches(bundle.text, tr, 0.0, "cpu")
+    rng = np.random.default_rng(0)
+    idx = rng.permutation(len(tr.sentences))[:20]
+    imgs, _, _ = batch_images(tr.pair_image, idx)
+    got = teacher.scores(imgs, batches.pool, *batches.sentences(idx, rng)).numpy()
+    every = score_split(bundle, tr.feats, bundle.text.encode_parsed(tr.parsed, tr.sentences))
+    assert got.shape == (len(imgs), 20)
+    np.testing.assert_allclose(got, every[imgs][:, idx], rtol=1e-4, atol=1e-6)
+
+
+def test_training_on_the_teacher_alone_teaches_a_student_its_ranking(shapes_model: ShapesModel) -> None:
+    """The training step with the distillation term only (the objectives weighted 0): a fresh student of the
+    teacher's shape, shown one batch over and over, comes to rank it as the teacher does."""
+    bundle = Bundle.load(shapes_model.model_path)
+    assert isinstance(bundle.model, FragmentModel)
+    tr = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
+    feats = torch.from_numpy(tr.feats)
+    teacher = Teacher(shapes_model.model_path, bundle.text, bundle.image_cfg, feats, "cpu")
+    batches = FragmentBatches(bundle.text, tr, 0.0, "cpu")
+    cfg = TrainConfig(objective="global", beta=0.0, batch_size=20, lr=3e-3, distill_from=str(shapes_model.model_path),
+                      device="cpu")
+    torch.manual_seed(0)
+    student = FragmentModel(dataclasses.replace(bundle.model.cfg, dropout=0.0, input_dropout=0.0))
+    opt = torch.optim.Adam(student.parameters(), lr=cfg.lr)
+    rng = np.random.default_rng(0)
+    one_batch = rng.permutation(len(tr.sentences))[:20]
+    losses = [train_fragment_epoch(student, cfg, feats, tr, batches, opt, e, rng, order=one_batch, teacher=teacher)
+              for e in range(60)]
+    assert all(np.isfinite(losses)) and losses[0] > 0.3
+    # the batch's KL to the teacher's ranking; measured 8.06 → 1.19 (AVX-512), 8.28 → 1.12 (AVX2)
+    assert losses[-1] < losses[0] / 4, (losses[0], losses[-1])
+
+
+def test_a_distilled_run_records_its_teacher(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """A small run with the shapes model as its teacher (the default weight and scale) trains to a finite loss
+    and its checkpoint names the teacher. (Whether the teacher's ranking buys recall is a question of full
+    runs: docs/results/rows.md, teacher-merge4 and full-2x256-distill; on this toy data the student alone and
+    the distilled one differ by less than two seeds do.)"""
     teacher = Bundle.load(shapes_model.model_path)
     tr = load_split_data(shapes_model.data, "train", teacher.image_cfg, shapes_model.cache, make_parser("spacy"))
-
-    def dev_scores(bundle: Bundle) -> np.ndarray:
-        enc = bundle.text.encode_parsed(shapes_model.dev.parsed, shapes_model.dev.sentences)
-        return score_split(bundle, shapes_model.dev.feats, enc)
-
-    runs = {"alone": {}, "distilled": {"distill_from": str(shapes_model.model_path)}}  # the default weight and scale
-    agreement = {}
-    want = dev_scores(teacher).ravel()
-    for name, extra in runs.items():
-        summary = train(make_run("paper", {**SMALL, **extra}), tr, None, tmp_path / name, shapes_model.cache)
-        assert np.isfinite(summary["history"][-1]["loss"])
-        got = dev_scores(Bundle.load(tmp_path / name / "model.pt")).ravel()
-        agreement[name] = float(np.corrcoef(got, want)[0, 1])
+    summary = train(make_run("paper", {**SMALL, "distill_from": str(shapes_model.model_path)}), tr, None,
+                    tmp_path / "distilled", shapes_model.cache)
+    assert np.isfinite(summary["history"][-1]["loss"])
     recorded = Bundle.load(tmp_path / "distilled" / "model.pt").meta["train"]["distill_from"]
     assert recorded == str(shapes_model.model_path)
-    assert agreement["distilled"] > agreement["alone"] + 0.03, agreement  # measured: 0.851 against 0.753

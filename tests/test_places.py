@@ -131,7 +131,7 @@ def test_an_older_catalogue_is_upgraded_in_place_and_its_images_read(shapes_mode
     index.save()
     index.close()
     db = sqlite3.connect(tmp_path / "index" / DB_FILE)  # the catalogue as the previous version wrote it
-    for column in ("taken", "lat", "lon", "exif_read"):
+    for column in ("taken", "lat", "lon", "exif_read", "labels"):
         db.execute(f"ALTER TABLE items DROP COLUMN {column}")
     db.commit()
     db.close()
@@ -140,7 +140,8 @@ def test_an_older_catalogue_is_upgraded_in_place_and_its_images_read(shapes_mode
     assert len(old) == 5 and old.get(int(old.ids()[0])) is not None
     with sqlite3.connect(tmp_path / "index" / DB_FILE) as db:
         cols = {row[1] for row in db.execute("PRAGMA table_info(items)")}
-    assert {"taken", "lat", "lon", "exif_read"} <= cols
+    assert {"taken", "lat", "lon", "exif_read", "labels"} <= cols
+    assert old.get(int(old.ids()[0])).labels == ()  # type: ignore[union-attr]  # no detector labels: none stored
     assert len(old.photos.allowed(PlaceFilter(near=Near(*PARIS, km=5)))) == 0  # not read yet: unknown
     assert old.photos.read_missing_places() == 5
     assert old.photos.read_missing_places() == 0  # read once

@@ -71,6 +71,8 @@ EXPECTED["full-det-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED["fu
 EXPECTED["full-dettop-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED["full"]["image"],
                                                                      "proposals": "detector_topup",
                                                                      "detector_floor": 0.3}}
+EXPECTED["full-detcls-2x256"] = {**EXPECTED["full-dettop-2x256"], "image": {**EXPECTED["full-dettop-2x256"]["image"],
+                                                                     "detector_classes": True}}
 # the global baselines over the served model's whole-image feature
 CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
         "backbone_size": 224}
@@ -125,7 +127,7 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
                       "backbone_precision": "fp32", "proposal_mode": "balanced", "proposal_resize": 224,
                       "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False,
                       "backbone_weights": "", "backbone": "efficientnet-lite0", "mirror": False,
-                      "proposals": "selective_search", "detector_floor": 0.3}
+                      "proposals": "selective_search", "detector_floor": 0.3, "detector_classes": False}
     full = load_variant("full")
     assert dataclasses.asdict(full.train) == {**defaults_train, "h": 512, "global_top_k": 5, "beta": 2.0,
                                               "calibrate": 1000}

@@ -63,7 +63,7 @@ class FragmentBatches:
                         [s.b[i] for s, i in zip(srcs, idx, strict=True)], self.device)
 
 
-def _batch_images(pair_image: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+def batch_images(pair_image: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """Unique images of a batch, the local image index of each sentence, and pos (K, L)."""
     imgs, local = np.unique(pair_image[idx], return_inverse=True)
     local_t = torch.from_numpy(local.astype(np.int64))
@@ -138,7 +138,7 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
     bar = tqdm(range(0, len(order), cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False)
     for start in bar:
         idx = order[start : start + cfg.batch_size]
-        imgs, local, pos = _batch_images(data.pair_image, idx)
+        imgs, local, pos = batch_images(data.pair_image, idx)
         local, pos = local.to(cfg.device), pos.to(cfg.device)
         img = model.embed_images(feats[torch.from_numpy(imgs)].to(cfg.device))
         img_mask = torch.ones(img.shape[:2], device=img.device)
@@ -204,7 +204,7 @@ def train_global_epoch(model: TreeRNN | DeViSE, cfg: TrainConfig, feats: torch.T
     bar = tqdm(range(0, len(order), cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False)
     for start in bar:
         idx = order[start : start + cfg.batch_size]
-        imgs, local, pos = _batch_images(data.pair_image, idx)
+        imgs, local, pos = batch_images(data.pair_image, idx)
         img = model.embed_images(feats[torch.from_numpy(imgs), 0].to(cfg.device))  # (K, h)
         sent = model.embed_sentences(pool, TreeBatch.of([enc.trees[i] for i in idx], cfg.device))  # (L, h)
         ones_i, ones_s = img.new_ones(len(img), 1), sent.new_ones(len(sent), 1)

@@ -98,7 +98,8 @@ def _box(box: list[float]) -> list[float]:
 
 def match_out(m: FragmentMatch) -> FragmentMatchOut:
     return FragmentMatchOut(triplet=m.triplet, phrase=phrase_of(m.relation, m.words), relation=m.relation,
-                            words=list(m.words), box=_box(m.box), fragment=int(m.fragment), score=float(m.score))
+                            words=list(m.words), box=_box(m.box), fragment=int(m.fragment), score=float(m.score),
+                            label=m.label)
 
 
 def phrase_of(relation: str, words: tuple[str, str]) -> str:
@@ -128,7 +129,7 @@ def sentence_result(hit: SentenceHit, relevance: Relevance | None = None) -> Sen
 
 def region_result(hit: RegionHit) -> RegionResult:
     return RegionResult(image_id=hit.image_id, name=hit.name, url=image_url(hit.image_id), box=_box(hit.box),
-                        fragment=int(hit.fragment), score=float(hit.score))
+                        fragment=int(hit.fragment), score=float(hit.score), label=hit.label)
 
 
 def image_out(rec: ImageRecord) -> ImageOut:
@@ -144,6 +145,6 @@ def explain_out(e: Explanation, sentence: str, took_ms: float) -> ExplainRespons
         alignment=[match_out(m) for m in e.alignment],
         pairs=[PairOut(triplet=p.triplet, phrase=phrase_of(p.relation, p.words), relation=p.relation,
                        words=list(p.words), fragment=p.fragment, box=_box(p.box), score=p.score, cleared=p.cleared,
-                       contribution=p.contribution)
+                       contribution=p.contribution, label=p.label)
                for p in e.pairs],
         took_ms=took_ms)

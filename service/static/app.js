@@ -33,8 +33,9 @@ function pct(value, total) {
   return `${(100 * value / Math.max(total, 1)).toFixed(3)}%`;
 }
 
-// One positioned box over an image: box [x0, y0, x1, y1] in image pixels, labels [{text, colour}].
-function boxDiv(box, width, height, labels, whole) {
+// One positioned box over an image: box [x0, y0, x1, y1] in image pixels, labels [{text, colour}];
+// `name`: the detector's name for the region (the API's `label`: "dog"), shown in its bottom corner.
+function boxDiv(box, width, height, labels, whole, name = null) {
   const [x0, y0, x1, y1] = box;
   const colour = labels[0].colour;
   const div = el("div", {
@@ -48,6 +49,7 @@ function boxDiv(box, width, height, labels, whole) {
       label.text));
   }
   div.append(stack);
+  if (name) div.append(el("span", { class: "region-name", title: "what the COCO detector names this region" }, name));
   return div;
 }
 
@@ -106,11 +108,11 @@ function drawAlignment(overlay, shown, width, height) {
       frameLabels.push(label);
       return;
     }
-    if (!groups.has(m.fragment)) groups.set(m.fragment, { box: m.box, labels: [] });
+    if (!groups.has(m.fragment)) groups.set(m.fragment, { box: m.box, labels: [], name: m.label || null });
     groups.get(m.fragment).labels.push(label);
   });
   for (const [fragment, g] of groups) {
-    const div = boxDiv(g.box, width, height, g.labels, fragment === 0);
+    const div = boxDiv(g.box, width, height, g.labels, fragment === 0, g.name);
     div.dataset.fragment = String(fragment);  // the legend's items of this region point at it (linkHover)
     overlay.append(div);
   }
@@ -277,7 +279,7 @@ async function explain(card, imageId, sentence) {
     });
     const pairs = [...e.pairs].sort((a, b) => b.contribution - a.contribution || b.score - a.score).slice(0, 12);
     const rows = pairs.map((p) => el("tr", { class: p.cleared ? "cleared" : "below" },
-      el("td", { title: p.triplet }, fragmentText(p)), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}`),
+      el("td", { title: p.triplet }, fragmentText(p)), el("td", {}, p.fragment === 0 ? "whole image" : `region ${p.fragment}${p.label ? ` (${p.label})` : ""}`),
       el("td", {}, p.score.toFixed(3)), el("td", {}, p.contribution.toFixed(5))));
     box.replaceChildren(
       el("p", {}, `S = ${e.score.toFixed(4)}, rank ${e.rank} of ${e.images}`,
@@ -333,10 +335,10 @@ async function searchRegions(phrase, k, offset = 0) {
     const frame = el("div", { class: "frame" }, img, overlay);
     const label = [{ text: `${data.query} ${hit.score.toFixed(2)}`, colour: PALETTE[0] }];
     const draw = () => overlay.replaceChildren(
-      boxDiv(hit.box, img.naturalWidth, img.naturalHeight, label, hit.fragment === 0));
+      boxDiv(hit.box, img.naturalWidth, img.naturalHeight, label, hit.fragment === 0, hit.label || null));
     if (img.complete && img.naturalWidth) draw(); else img.addEventListener("load", draw);
     results.append(el("figure", { class: "card", "data-id": hit.image_id }, frame,
-      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · region ${hit.fragment}`)));
+      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · region ${hit.fragment}${hit.label ? ` (${hit.label})` : ""}`)));
   });
   const shown = offset + data.results.length;
   return `${shown} regions for “${data.query}” (of ${data.considered} matching) in ${data.took_ms.toFixed(0)} ms`;
