@@ -34,5 +34,6 @@ def test_the_later_settings_change_the_fingerprint_when_used() -> None:
     blocks.model.cfg = dataclasses.replace(blocks.model.cfg, blocks=2)
     lite2 = Bundle(base.model, base.text, dataclasses.replace(base.image_cfg, backbone="efficientnet-lite2"))
     detector = Bundle(base.model, base.text, dataclasses.replace(base.image_cfg, proposals="detector"))
-    seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector)}
-    assert len(seen) == 4
+    classes = Bundle(base.model, base.text, dataclasses.replace(detector.image_cfg, detector_classes=True))
+    seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector, classes)}
+    assert len(seen) == 5
