@@ -284,17 +284,24 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r["calibrated"] != "no"]
-    bars = ("model", *BASELINES)
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    width = 0.8 / max(len(shown), 1)
-    for i, r in enumerate(shown):
-        xs = np.arange(len(bars)) + (i - (len(shown) - 1) / 2) * width
-        ax.bar(xs, [float(r[f"{b}_top5"]) for b in bars], width, label=f"{r['model']} ({r['trials']} trials)")
-    ax.set_xticks(np.arange(len(bars)), ["aligned region", "random fragment", "largest region", "whole image",
-                                         "any fragment (ceiling)"], fontsize=8)
-    ax.set_ylabel("noun verified in top-5 (%)")
-    ax.set_title("Pointing game on Flickr8K dev: the triplet's aligned region vs baselines", fontsize=9)
-    ax.legend(fontsize=8)
+    labels = {"random": "random fragment", "largest": "largest region", "whole": "whole image",
+              "any": "any fragment (ceiling)"}
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * max(len(shown), 1)))  # one bar per row, however many
+    ys = np.arange(len(shown))[::-1]
+    ax.barh(ys, [float(r["model_top5"]) for r in shown], 0.7, color="tab:blue", label="aligned region")
+    ax.errorbar([float(r["model_top5"]) for r in shown], ys,
+                xerr=[[float(r["model_top5"]) - float(r["model_top5_low95"]) for r in shown],
+                      [float(r["model_top5_high95"]) - float(r["model_top5"]) for r in shown]],
+                fmt="none", ecolor="black", capsize=2, lw=0.8)
+    colours = {"random": "white", "largest": "tab:orange", "whole": "tab:green", "any": "tab:red"}
+    for b, marker in zip(BASELINES, "os^D", strict=True):
+        ax.scatter([float(r[f"{b}_top5"]) for r in shown], ys, marker=marker, s=16, zorder=3, label=labels[b],
+                   c=colours[b], edgecolors="black", linewidths=0.4)
+    ax.set_yticks(ys, [f"{r['model']} ({r['trials']})" for r in shown], fontsize=7)
+    ax.set_xlabel("noun verified in top-5 (%): the triplet's aligned region (bar, 95 % interval) and baselines")
+    ax.set_title("Pointing game on Flickr8K dev", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left", ncols=5, bbox_to_anchor=(0, 1.02), frameon=False)
+    ax.set_xlim(0, 100)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
