@@ -108,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=10, help="results per query")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
-    ap.add_argument("--append", action="store_true", help="keep the rows already in --out (replace those measured now)")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows already in --out and add these after them (a model measured again has its "
+                    "rows twice)")
     ap.add_argument("--candidates", action="store_true", help="always use the candidate stage")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")

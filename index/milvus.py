@@ -7,9 +7,9 @@ listening on 127.0.0.1 only; by default `milvus.db` inside the index folder). Th
 against both. Candidates come from Milvus; the score stays the exact S_kl of model.score over the
 re-rank store (index.ranker), as with FAISS.
 
-`IndexSettings.kind` maps onto Milvus index types: flat → FLAT, hnsw → HNSW (hnsw_m, ef_construction,
-ef_search), ivf → IVF_FLAT (nlist, nprobe), ivfpq → IVF_PQ (nlist, m, nbits, nprobe; a Milvus
-server: milvus-lite has no IVF_PQ). A FAISS pre-transform has no Milvus counterpart.
+`IndexShape.kind` (an index's `IndexSettings.shape`) maps onto Milvus index types: flat → FLAT,
+hnsw → HNSW (hnsw_m, ef_construction, ef_search), ivf → IVF_FLAT (nlist, nprobe), ivfpq → IVF_PQ
+(nlist, m, nbits, nprobe; a Milvus server: milvus-lite has no IVF_PQ). A FAISS pre-transform has no Milvus counterpart.
 
 Image candidates are the k' nearest *images* per query fragment (each by its best fragment), where
 FAISS gives the k' nearest fragments: grouped by the server (`group_by_field="item"`) from Milvus
