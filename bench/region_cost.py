@@ -1,11 +1,14 @@
 """What an image's fragments cost with each source of regions, side by side in one run.
 
     python -m bench.region_cost --images 60 --out docs/results/region-cost.csv
+    PYTHONPATH=/tmp/lite12 python -m bench.region_cost --backbones efficientnet-lite0 efficientnet-lite1
 
 For the first N dev images, the served extraction of the released model's settings (int8 crops) with
 ``proposals`` = selective search (ranked by the ImageNet Lite0), the COCO detector, and the detector topped
-up with selective search: one thread, one image at a time, the sources interleaved image by image so that
-the machine's load falls on all of them alike. Measured per image: the CPU time of this process (the cost
+up with selective search, for each crop backbone of ``--backbones`` (at its native input side; the model's
+own by default; Lite1 / Lite2 need their weight packages on the path, model/backbone.py): one thread, one
+image at a time, the extractors interleaved image by image so that the machine's load falls on all of them
+alike. Measured per image: the CPU time of this process (the cost
 a core pays) and the wall time; reported as medians and p90, and as ratios to selective search. The CSV
 records the CPU's model and SIMD flags and the command.
 """
@@ -22,9 +25,9 @@ import numpy as np
 from PIL import Image
 
 from bench import machine, parse_run, write_rows
-from model.backbone import set_torch_threads
+from model.backbone import BACKBONES, set_torch_threads
 from model.bundle import Bundle
-from model.config import PROPOSAL_SOURCES, default_data_dir
+from model.config import BACKBONE_NAMES, PROPOSAL_SOURCES, default_data_dir
 from model.data import load_split
 from model.image import RegionExtractor
 from model.release import RELEASED_MODEL
@@ -33,7 +36,7 @@ from model.resources import cpu_info
 logger = logging.getLogger("bench.region_cost")
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "region-cost.csv"
-COLUMNS = ["proposals", "images", "cpu_ms_median", "cpu_ms_p90", "wall_ms_median", "cpu_ratio", "threads",
+COLUMNS = ["proposals", "backbone", "images", "cpu_ms_median", "cpu_ms_p90", "wall_ms_median", "cpu_ratio", "threads",
            "machine", "simd", "command"]
 
 
@@ -42,35 +45,40 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--images", type=int, default=60, help="the first N dev images")
     ap.add_argument("--model", type=Path, default=RELEASED_MODEL, help="the model whose image settings are used")
+    ap.add_argument("--backbones", nargs="+", choices=BACKBONE_NAMES, default=None,
+                    help="the crop backbones measured (default: the model's)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     args, command = parse_run(ap, argv, "bench.region_cost")
     set_torch_threads(1)
     base = Bundle.load(args.model).image_cfg
-    extractors = {src: RegionExtractor(dataclasses.replace(base, proposals=src)) for src in PROPOSAL_SOURCES}
+    extractors = {(src, name): RegionExtractor(dataclasses.replace(base, proposals=src, backbone=name,
+                                                                   crop_size=BACKBONES[name][2]))
+                  for name in args.backbones or [base.backbone] for src in PROPOSAL_SOURCES}
     dev = load_split(args.data, "dev")
     images = [Image.open(dev.image_path(n)).convert("RGB") for n in dev.images[: args.images]]
     for ex in extractors.values():  # warm: graphs loaded, first-call allocations done
         ex.extract(images[0])
-    cpu: dict[str, list[float]] = {s: [] for s in extractors}
-    wall: dict[str, list[float]] = {s: [] for s in extractors}
+    cpu: dict[tuple[str, str], list[float]] = {s: [] for s in extractors}
+    wall: dict[tuple[str, str], list[float]] = {s: [] for s in extractors}
     for k, img in enumerate(images):
         order = list(extractors) if k % 2 == 0 else list(reversed(extractors))
-        for src in order:
+        for key in order:
             c0, w0 = time.process_time(), time.perf_counter()
-            extractors[src].extract(img)
-            cpu[src].append((time.process_time() - c0) * 1000)
-            wall[src].append((time.perf_counter() - w0) * 1000)
-    base_cpu = float(np.median(cpu["selective_search"]))
+            extractors[key].extract(img)
+            cpu[key].append((time.process_time() - c0) * 1000)
+            wall[key].append((time.perf_counter() - w0) * 1000)
+    base_cpu = float(np.median(cpu["selective_search", base.backbone if not args.backbones else args.backbones[0]]))
     flags = " ".join(sorted(f for f in cpu_info().flags if f.startswith(("avx", "fma"))))
     rows: list[dict[str, object]] = []
-    for src in extractors:
-        med = float(np.median(cpu[src]))
-        rows.append({"proposals": src, "images": len(images), "cpu_ms_median": round(med, 1),
-                     "cpu_ms_p90": round(float(np.percentile(cpu[src], 90)), 1),
-                     "wall_ms_median": round(float(np.median(wall[src])), 1),
+    for src, name in extractors:
+        med = float(np.median(cpu[src, name]))
+        rows.append({"proposals": src, "backbone": name, "images": len(images), "cpu_ms_median": round(med, 1),
+                     "cpu_ms_p90": round(float(np.percentile(cpu[src, name], 90)), 1),
+                     "wall_ms_median": round(float(np.median(wall[src, name])), 1),
                      "cpu_ratio": round(med / base_cpu, 2), "threads": 1, "machine": machine(), "simd": flags,
                      "command": command})
-        logger.info("%s: %.1f ms CPU per image (median), %.2fx selective search", src, med, med / base_cpu)
+        logger.info("%s, %s: %.1f ms CPU per image (median), %.2fx the first backbone's selective search", src, name,
+                    med, med / base_cpu)
     write_rows(args.out, COLUMNS, rows)
 
 

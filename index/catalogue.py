@@ -41,18 +41,30 @@ def is_index(root: Path) -> bool:
     return (Path(root) / DB_FILE).is_file()
 
 
+def _created_info(root: Path, key: str) -> tuple[bool, Any]:
+    """(readable, value) of an `info` key written once, when the index was created, read without a lock or
+    -wal/-shm files (immutable); value None when the key is absent, readable False without a database."""
+    if not is_index(root):
+        return False, None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{Path(root) / DB_FILE}?mode=ro&immutable=1", uri=True)) as db:
+            row = db.execute("SELECT value FROM info WHERE key = ?", (key,)).fetchone()
+    except sqlite3.DatabaseError:
+        return False, None
+    return True, None if row is None else json.loads(row[0])
+
+
 def built_fingerprint(root: Path) -> str | None:
     """The model fingerprint an index folder was built with; None when it has no readable database."""
-    if not is_index(root):
-        return None
-    path = Path(root) / DB_FILE
-    try:
-        # immutable: no lock and no -wal/-shm files; the fingerprint is written once, when the index is created
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as db:
-            row = db.execute("SELECT value FROM info WHERE key = 'fingerprint'").fetchone()
-    except sqlite3.DatabaseError:
-        return None
-    return str(json.loads(row[0])) if row else None
+    _, value = _created_info(root, "fingerprint")
+    return None if value is None else str(value)
+
+
+def built_backend(root: Path) -> str | None:
+    """The candidate backend an index folder's committed `info` names (faiss when it names none); None when
+    the folder has no readable database."""
+    readable, value = _created_info(root, "backend")
+    return None if not readable else "faiss" if value is None else str(value)
 
 
 def committed_generation(root: Path) -> Any:

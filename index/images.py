@@ -67,11 +67,13 @@ class StoredImage:
     labels: tuple[str | None, ...] = ()  # each fragment's detector label (EmbeddedImage.labels); () none known
 
 
-def embedded_images(vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray) -> list[EmbeddedImage]:
+def embedded_images(vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray,
+                    labels: Sequence[tuple[str | None, ...]] | None = None) -> list[EmbeddedImage]:
     """Images embedded already, as `ImageIndex.add` takes them: vectors (K, F, h), boxes (K, F, 4),
-    sizes (K, 2) width, height."""
-    return [EmbeddedImage(torch.from_numpy(v), np.asarray(b, dtype=np.float32), int(s[0]), int(s[1]))
-            for v, b, s in zip(np.asarray(vectors, dtype=np.float32), boxes, sizes, strict=True)]
+    sizes (K, 2) width, height, and each image's fragment labels (`EmbeddedImage.labels`; none by default)."""
+    named = labels if labels is not None else [()] * len(vectors)
+    return [EmbeddedImage(torch.from_numpy(v), np.asarray(b, dtype=np.float32), int(s[0]), int(s[1]), tuple(n))
+            for v, b, s, n in zip(np.asarray(vectors, dtype=np.float32), boxes, sizes, named, strict=True)]
 
 
 @torch.inference_mode()

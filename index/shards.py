@@ -15,6 +15,9 @@ or, in a folder of embedded shards (``ShardWriter(..., embedded_by=model fingerp
 where the shards were made, e.g. next to the extraction on a GPU), instead of ``features``
 
     vectors   (K, F, h)     float16 image fragments of that model (``Bundle.embed_images``)
+    labels    (K, F)        each fragment's detector label ("" where none; ``model.features.fragment_labels``),
+                            present when the model's features carry the detector's classes (the vectors
+                            no longer do)
 
 and ``failed.json`` (file name → why it was skipped). A shard on disk is complete; an interrupted run
 loses only the images it had not yet written, and the next run extracts those (`done_paths`).
@@ -30,6 +33,7 @@ import dataclasses
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,11 @@ class Shard:
     boxes: np.ndarray
     features: np.ndarray  # (K, F, D) features, or (K, F, h) vectors of an embedded shard
     embedded: bool = False
+    labels: np.ndarray | None = None  # (K, F) str, an embedded shard's detector labels ("" none), None without
+
+    def labels_of(self, k: int) -> tuple[str | None, ...]:
+        """Image k's fragment labels as an index stores them (None where none; () when the shard has none)."""
+        return () if self.labels is None else tuple(str(v) or None for v in self.labels[k])
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -107,12 +116,15 @@ def read_shard(path: Path) -> Shard:
             embedded = "vectors" in z.files
             shard = Shard([str(v) for v in z["keys"]], [str(v) for v in z["names"]], [str(v) for v in z["paths"]],
                           z["sizes"].astype(np.int64), z["boxes"].astype(np.float32),
-                          z["vectors" if embedded else "features"], embedded)
+                          z["vectors" if embedded else "features"], embedded,
+                          z["labels"].astype(str) if "labels" in z.files else None)
     except (OSError, KeyError, ValueError) as e:
         raise ShardError(f"{path}: not a fragment shard ({e})") from e
     n = len(shard.keys)
     if not (len(shard.names) == len(shard.paths) == len(shard.sizes) == len(shard.boxes) == len(shard.features) == n):
         raise ShardError(f"{path}: its arrays disagree on the number of images")
+    if shard.labels is not None and shard.labels.shape != shard.features.shape[:2]:
+        raise ShardError(f"{path}: labels {shard.labels.shape} for fragments {shard.features.shape[:2]}")
     return shard
 
 
@@ -168,6 +180,7 @@ class ShardWriter:
         self._failed = read_failed(self.folder)
         self._failed_changed = False
         self._rows: list[tuple[str, str, str, ImageFragments]] = []
+        self._labels: list[tuple[str | None, ...]] = []  # embedded shards: each row's fragment labels
         self.written = 0  # images written by this writer
         self.shards: list[Path] = []  # shards written by this writer
 
@@ -179,21 +192,28 @@ class ShardWriter:
 
     def add(self, key: str, name: str, path: str, frags: ImageFragments) -> None:
         """One extracted image; a shard is written once ``shard_size`` images are waiting."""
+        self._append(key, name, path, frags, ())
+
+    def add_vectors(self, key: str, name: str, path: str, vectors: np.ndarray, boxes: np.ndarray, width: int,
+                    height: int, labels: Sequence[str | None] = ()) -> None:
+        """One embedded image (a writer of embedded shards): vectors (F, h), boxes (F, 4), and its fragments'
+        detector labels (``EmbeddedImage.labels``: one per fragment, or () when the model has none)."""
+        if self.embedded_by is None:
+            raise ValueError("this shard folder holds features: add(), not add_vectors()")
+        if labels and len(labels) != self.cfg.n_fragments:
+            raise ValueError(f"{name}: {len(labels)} labels for {self.cfg.n_fragments} fragments")
+        self._append(key, name, path, ImageFragments(boxes, vectors, width, height), tuple(labels))
+
+    def _append(self, key: str, name: str, path: str, frags: ImageFragments, labels: tuple[str | None, ...]) -> None:
         n_frag, width = self.cfg.n_fragments, self.dim if self.embedded_by is not None else feature_dim(self.cfg)
         if frags.features.shape != (n_frag, width) or frags.boxes.shape != (n_frag, 4):
             raise ValueError(f"{name}: fragments {frags.features.shape} / boxes {frags.boxes.shape}, "
                              f"expected {(n_frag, width)} / {(n_frag, 4)}")
         self._rows.append((key, name, path, frags))
+        self._labels.append(labels)
         self._failed_changed |= self._failed.pop(name, None) is not None
         if len(self._rows) >= self.shard_size:
             self.flush()
-
-    def add_vectors(self, key: str, name: str, path: str, vectors: np.ndarray, boxes: np.ndarray, width: int,
-                    height: int) -> None:
-        """One embedded image (a writer of embedded shards): vectors (F, h), boxes (F, 4)."""
-        if self.embedded_by is None:
-            raise ValueError("this shard folder holds features: add(), not add_vectors()")
-        self.add(key, name, path, ImageFragments(boxes, vectors, width, height))
 
     def add_cached(self, key: str, name: str, path: str, entry: Path) -> None:
         """An image whose fragments are in the feature cache at ``entry``."""
@@ -219,12 +239,16 @@ class ShardWriter:
             "vectors" if self.embedded_by is not None else "features":
                 np.stack([f.features for f in frags]).astype(np.float16),
         }
+        if any(self._labels):  # embedded rows of a model with detector classes (rows without: all unnamed)
+            n_frag = self.cfg.n_fragments
+            arrays["labels"] = np.asarray([[v or "" for v in (row or (None,) * n_frag)] for row in self._labels],
+                                          dtype=str)
         with atomic_file(path) as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # (the stub reads a key as allow_pickle)
         self.written += len(self._rows)
         self.shards.append(path)
         self._next += 1
-        self._rows = []
+        self._rows, self._labels = [], []
 
     def close(self) -> None:
         self.flush()
@@ -301,7 +325,8 @@ def _load_shard(index: ImageIndex, shard: Shard, chunk: int) -> int:
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
         if shard.embedded:
-            index.add(embedded_images(shard.features[part].astype(np.float32), shard.boxes[part], shard.sizes[part]),
+            index.add(embedded_images(shard.features[part].astype(np.float32), shard.boxes[part], shard.sizes[part],
+                                      [shard.labels_of(k) for k in part]),
                       [shard.names[k] for k in part], [shard.paths[k] for k in part], read_places=False)
             continue
         index.add([shard.fragments(k) for k in part], [shard.names[k] for k in part], [shard.paths[k] for k in part])

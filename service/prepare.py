@@ -22,12 +22,9 @@ the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): service/se
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import shutil
-import sqlite3
 import sys
 import threading
 import time
@@ -41,7 +38,7 @@ from index import IndexSettings
 from index.backends import require_milvus
 from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
-from index.catalogue import DB_FILE, is_index
+from index.catalogue import built_backend, is_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sync import open_index, sync_folder
@@ -257,19 +254,6 @@ def _index_settings(settings: Settings, base: IndexSettings | None = None) -> In
     chosen = base or IndexSettings()
     return IndexSettings(dataclasses.replace(chosen.shape, kind=settings.index_kind),
                          dataclasses.replace(chosen.search, use_gpu=device_name(settings.device).startswith("cuda")))
-
-
-def built_backend(root: Path) -> str | None:
-    """The candidate backend an index folder's committed `info` names (faiss when it names none); None when
-    the folder has no readable database."""
-    if not is_index(root):
-        return None
-    try:  # immutable: no lock and no -wal/-shm files (the backend is fixed when the index is created)
-        with contextlib.closing(sqlite3.connect(f"file:{Path(root) / DB_FILE}?mode=ro&immutable=1", uri=True)) as db:
-            row = db.execute("SELECT value FROM info WHERE key = 'backend'").fetchone()
-    except sqlite3.DatabaseError:
-        return None
-    return str(json.loads(row[0])) if row else "faiss"
 
 
 def _set_aside_if_stale(root: Path, fingerprint: str, backend: str) -> Path | None:

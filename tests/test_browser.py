@@ -31,11 +31,14 @@ from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 
 from model.config import default_artifacts_dir
 from service.app import create_app
+from service.engine import Engine
 from service.settings import Settings
+from tests import labelled
+from tests.conftest_service import make_settings
 from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
-    from service.engine import Engine
+    from tests.conftest import ShapesModel
     from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]
@@ -106,6 +109,58 @@ def served_calibrated(calibrated_engine: Engine) -> Iterator[str]:
     """A model with the relevance scale: its results carry a relevance and the page a cut-off."""
     with uvicorn_server(create_app(calibrated_engine.settings, engine=calibrated_engine)) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def served_labelled(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A model whose regions carry the COCO detector's classes, over the Flickr8K photo of two dogs (extracted
+    with the real detector): the regions it finds are named "dog" (tests/labelled.py)."""
+    root = tmp_path_factory.mktemp("labelled")
+    photo = root / labelled.DOG
+    shutil.copyfile(labelled.dog_photo_path(), photo)
+    bundle = labelled.labelled_bundle()
+    images, _ = labelled.dog_index(root / "images", bundle, photo)
+    images.save()
+    settings = make_settings(shapes_model, root)
+    with uvicorn_server(create_app(settings, engine=Engine(settings, bundle, images, None))) as base:
+        yield base
+
+
+def test_the_detectors_names_of_regions_on_the_page(served_labelled: str, page: Page) -> None:
+    """Each drawn region the detector named carries its name in the box's corner, as the API's `label`: in the
+    alignment of a search, and in the region search's boxes and captions; unnamed regions carry none."""
+    import httpx
+
+    sentence = labelled.DOG_SENTENCE
+    answer = httpx.post(f"{served_labelled}/search/images", json={"sentence": sentence, "k": 1}, timeout=60).json()
+    alignment = answer["results"][0]["alignment"]
+    named = {m["fragment"]: m["label"] for m in alignment}
+    # the regions drawn as boxes: those of the matched triplets (the whole-sentence fragment is a frame label)
+    aligned = {m["fragment"] for m in alignment if m["score"] > 0 and m["relation"] != "<sentence>"}
+    show(page, page_url(served_labelled, sentence, k="1"))
+    page.locator(".card .overlay .box").first.wait_for(state="attached")
+    boxes = """[...document.querySelectorAll('#results .card .box')].map(b => [Number(b.dataset.fragment),
+        b.querySelector('.region-name')?.textContent ?? null])"""
+    top = page.evaluate(boxes)
+    # each drawn region carries the API's label of its fragment, named or not; with "show all" every aligned one
+    assert top and all(named[f] == name for f, name in top), (top, named)
+    if page.locator("#results .card .show-all").count():
+        page.locator("#results .card .show-all").first.click()
+    shown = page.evaluate(boxes)
+    assert sorted(f for f, _ in shown) == sorted(f for f, m in named.items() if f in aligned)
+    assert all(named[f] == name for f, name in shown) and "dog" in {name for _, name in shown}, (shown, named)
+
+    regions = httpx.post(f"{served_labelled}/search/fragments", json={"phrase": "brown dog", "k": 20},
+                         timeout=60).json()["results"]
+    assert {r["label"] for r in regions} == {None, "dog"}
+    show(page, page_url(served_labelled, "brown dog", mode="regions", k="20"))
+    page.wait_for_function("[...document.querySelectorAll('#results img')].every(i => i.complete)")
+    html = page.content()
+    captions = re.findall(r"<figcaption><strong>#\d+ </strong>[^<]* · region (\d+)(?: \((\w+)\))?</figcaption>", html)
+    assert [(int(f), label or None) for f, label in captions] == [(r["fragment"], r["label"]) for r in regions]
+    assert re.findall(r'<span class="region-name"[^>]*>([^<]*)</span>', html) == \
+        [r["label"] for r in regions if r["label"]]
+    shoot(page, "service-labels.png")
 
 
 def test_search_from_the_page_draws_images_and_boxes(served: str, page: Page) -> None:

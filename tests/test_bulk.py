@@ -27,9 +27,11 @@ from index.shards import (
 )
 from model.cache import content_key
 from model.config import ImageConfig
+from model.embed import embed_extracted
 from model.image import RegionExtractor
 from model.imageio import load_image
 from model.words import WordTable
+from tests import labelled
 from tests.netns import REPO, hosts, in_ns, ray_env, ray_temp, stop_ray
 from tests.test_index import IMAGE_CFG, WORDS, F, make_bundle, picture
 
@@ -179,6 +181,48 @@ def test_shards_load_into_an_index_through_its_add_api_and_resume(tmp_path: Path
     again = ImageIndex.load(tmp_path / "idx", bundle)
     assert len(again) == 5 and sorted(again.photos.find(list(shard_rows(out))).keys()) == sorted(shard_rows(out))
     again.close()
+
+
+def test_detector_labels_reach_the_index_through_feature_and_embedded_shards(tmp_path: Path):
+    """A model whose regions carry the detector's classes: the Flickr8K dog photo bulk-extracted into feature
+    shards and loaded has the labels of the photo indexed directly; shards of its embedded vectors (the model
+    run where the shards are made) carry the labels beside the vectors and load with them too."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    photo = photos / labelled.DOG
+    photo.write_bytes(labelled.dog_photo_path().read_bytes())
+    bundle = labelled.labelled_bundle()
+    direct, direct_id = labelled.dog_index(tmp_path / "direct", bundle)
+    want = direct.get(direct_id)
+    assert want is not None and "dog" in want.labels
+    bulk_extract([photo], tmp_path / "shards", labelled.LABELLED_CFG, "local", workers=1, progress=False)
+    index = ImageIndex.create(tmp_path / "idx", bundle, IndexSettings.of(exact_below=0, k_prime=4096))
+    assert load_shards(index, tmp_path / "shards", progress=False) == 1
+    [image_id] = index.photos.find([str(photo.resolve())]).values()
+    got = index.get(image_id)
+    assert got is not None and got.labels == want.labels
+
+    [shard] = shard_files(tmp_path / "shards")
+    [embedded] = embed_extracted(bundle, [read_shard(shard).fragments(0)])
+    assert embedded.labels == want.labels
+    out = tmp_path / "embedded"
+    with ShardWriter(out, labelled.LABELLED_CFG, embedded_by=index.fingerprint, dim=bundle.dim) as writer:
+        writer.add_vectors("k", photo.name, str(photo), embedded.vectors.numpy(), embedded.boxes, embedded.width,
+                           embedded.height, embedded.labels)
+        with pytest.raises(ValueError, match="labels for"):
+            writer.add_vectors("k2", "other.jpg", "/other.jpg", embedded.vectors.numpy(), embedded.boxes, 1, 1,
+                               embedded.labels[:3])
+    stored = read_shard(shard_files(out)[0])
+    assert stored.labels is not None and stored.labels_of(0) == want.labels
+    again = ImageIndex.create(tmp_path / "idx2", bundle, IndexSettings.of(exact_below=0, k_prime=4096))
+    assert load_shards(again, out, progress=False) == 1
+    [again_id] = again.photos.find([str(photo)]).values()
+    loaded = again.get(again_id)
+    assert loaded is not None and loaded.labels == want.labels
+    hit = again.search(labelled.DOG_SENTENCE, 1).hits[0]
+    assert all(m.label == want.labels[m.fragment] for m in hit.alignment)
+    for idx in (direct, index, again):
+        idx.close()
 
 
 def test_loading_shards_of_other_settings_than_the_model_fails(tmp_path: Path, words):

@@ -11,12 +11,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
-from index import ImageIndex, IndexSettings
-from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig, default_data_dir
+from index import ImageIndex
+from model.config import ImageConfig
 from model.detector import (
     COCO_LABELS,
     DETECTOR_FILES,
@@ -29,16 +27,11 @@ from model.detector import (
     label_of,
     select,
 )
-from model.encoders import FragmentModel, ModelConfig
 from model.features import config_key, feature_dim
-from model.fragments import TextPipeline
 from model.image import RegionExtractor, fragment_classes, image_proposals
 from model.proposals import PROPOSAL_COLUMNS, proposal_columns, select_regions
-from model.text import RelationVocab
-from model.words import WordTable
 from service.routes.convert import match_out, region_result
-
-DOG = "1001773457_577c3a7d70.jpg"  # two dogs playing (Flickr8K train): the detector finds both
+from tests import labelled
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +41,7 @@ def detector() -> Detector:
 
 @pytest.fixture(scope="module")
 def dog_photo() -> np.ndarray:
-    path = default_data_dir() / "images" / DOG
-    if not path.is_file():
-        pytest.skip(f"the Flickr8K photo {path} is not here")
-    return np.asarray(Image.open(path).convert("RGB"))
+    return labelled.dog_photo()
 
 
 def test_labels_are_coco_ids_1_to_90() -> None:
@@ -215,31 +205,25 @@ def test_region_labels_travel_from_the_detector_to_the_api(dog_photo: np.ndarray
     """A model whose regions carry the detector's classes: the dog photo indexed (the candidate stage on), its
     regions' labels in the record, the search's and explanation's alignment, the region search, after a reload
     from the catalogue, and in the API's answers; the whole image and the top-up slots stay unnamed."""
-    cfg = ImageConfig(region_features="crop", backbone_precision="int8", min_box_frac=0.25, proposal_resize=112,
-                      backbone_size=224, proposals="detector_topup", detector_floor=0.5, detector_classes=True)
-    words = WordTable.build(["a", "dog", "dogs", "brown", "play", "grass", "on", "the", "two"])
-    relations = RelationVocab(["det", "amod", "nsubj", "num", "prep_on"], {}, 0.01)
-    torch.manual_seed(0)
-    model = FragmentModel(ModelConfig(h=16, img_dim=feature_dim(cfg), n_relations=len(relations)))
-    bundle = Bundle(model.eval(), TextPipeline(TextConfig(), relations, words), cfg)
-    index = ImageIndex.create(tmp_path / "images", bundle, IndexSettings.of(exact_below=0, k_prime=4096))
-    [image_id] = index.add([Image.fromarray(dog_photo)], [DOG], [tmp_path / DOG], read_places=False)
+    cfg = labelled.LABELLED_CFG
+    bundle = labelled.labelled_bundle()
+    index, image_id = labelled.dog_index(tmp_path / "images", bundle)
     record = index.get(image_id)
     assert record is not None and len(record.labels) == cfg.n_fragments
     assert record.labels[:3] == (None, "dog", "dog") and set(record.labels[3:]) == {None}
 
-    def labelled(found: list[tuple[int, str | None]]) -> None:
+    def as_recorded(found: list[tuple[int, str | None]]) -> None:
         assert found and all(label == record.labels[i] for i, label in found)
 
-    sentence = "two brown dogs play on the grass"
+    sentence = labelled.DOG_SENTENCE
     hit = index.search(sentence, 1).hits[0]
-    labelled([(m.fragment, m.label) for m in hit.alignment])
+    as_recorded([(m.fragment, m.label) for m in hit.alignment])
     explained = index.explain(image_id, sentence)
     assert explained is not None
-    labelled([(p.fragment, p.label) for p in explained.pairs])
+    as_recorded([(p.fragment, p.label) for p in explained.pairs])
     assert {p.label for p in explained.pairs} == {None, "dog"}
     regions = index.search_fragments("brown dog", cfg.n_fragments).hits
-    labelled([(r.fragment, r.label) for r in regions])
+    as_recorded([(r.fragment, r.label) for r in regions])
     index.save()
     index.close()
 
