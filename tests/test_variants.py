@@ -73,6 +73,8 @@ EXPECTED["full-dettop-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED[
                                                                      "detector_floor": 0.3}}
 EXPECTED["full-detcls-2x256"] = {**EXPECTED["full-dettop-2x256"], "image": {**EXPECTED["full-dettop-2x256"]["image"],
                                                                      "detector_classes": True}}
+EXPECTED["full-detcls-lite1-2x256"] = {**EXPECTED["full-detcls-2x256"], "image": {
+    **EXPECTED["full-detcls-2x256"]["image"], "backbone": "efficientnet-lite1", "crop_size": 240}}
 # the global baselines over the served model's whole-image feature
 CROP = {"min_box_frac": 0.25, "region_features": "crop", "backbone_precision": "int8", "proposal_resize": 112,
         "backbone_size": 224}
