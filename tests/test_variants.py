@@ -64,6 +64,7 @@ EXPECTED |= {
 # the backbone rows: full's crops through EfficientNet-Lite1 / Lite2 at their native sides
 EXPECTED["full-lite1"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite1",
                                                         "crop_size": 240}}
+EXPECTED["full-lite1-2x256"] = {**EXPECTED["full-2x256"], "image": EXPECTED["full-lite1"]["image"]}
 EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
                                                         "crop_size": 260}}
 # regions from the COCO detector: its 19 best boxes, or its confident ones topped up by selective search
