@@ -55,7 +55,8 @@ ORDER = ["full-2x256", "full", "full-crop", "full-roi", "paper", "full (paper)",
          "full-ft", "full-merge3-blocks", "full-merge6-blocks", "full-lite2", "full-val-q7", "full-mirror",
          "full-mirror-merge2", "full-val-q7-seed1", "full-h256", "full-h256-seed1", "full-h256-merge2", "full-nce",
          "full-global-mlp", "full-q7-merge4", "full-q7", "full-4x128", "full-ft-q7", "full-ft-q7-cnn1e-5", "full-lite1",
-         "release-full-2x256", "full-dettop-2x256", "full-detcls-2x256", "full-detcls-lite1-2x256"]
+         "release-full-2x256", "full-dettop-2x256", "full-detcls-2x256", "full-detcls-lite1-2x256",
+         "full-lite1-2x256"]
 
 
 def selection_label(hist: dict[str, Any]) -> str:
