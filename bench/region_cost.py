@@ -5,12 +5,12 @@
 
 For the first N dev images, the served extraction of the released model's settings (int8 crops) with
 ``proposals`` = selective search (ranked by the ImageNet Lite0), the COCO detector, and the detector topped
-up with selective search, for each crop backbone of ``--backbones`` (at its native input side; the model's
-own by default; Lite1 / Lite2 need their weight packages on the path, model/backbone.py): one thread, one
-image at a time, the extractors interleaved image by image so that the machine's load falls on all of them
-alike. Measured per image: the CPU time of this process (the cost
-a core pays) and the wall time; reported as medians and p90, and as ratios to selective search. The CSV
-records the CPU's model and SIMD flags and the command.
+up with selective search, for each crop backbone of ``--backbones`` (the model's own at the model's crop
+side, another at its native input side; the model's own by default; Lite1 / Lite2 need their weight
+packages on the path, model/backbone.py): one thread, one image at a time, the extractors interleaved image
+by image so that the machine's load falls on all of them alike. Measured per image: the CPU time of this
+process (the cost a core pays) and the wall time; reported as medians and p90, and as ratios to selective
+search with the first backbone. The CSV records the CPU's model and SIMD flags and the command.
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     args, command = parse_run(ap, argv, "bench.region_cost")
     set_torch_threads(1)
     base = Bundle.load(args.model).image_cfg
-    extractors = {(src, name): RegionExtractor(dataclasses.replace(base, proposals=src, backbone=name,
-                                                                   crop_size=BACKBONES[name][2]))
-                  for name in args.backbones or [base.backbone] for src in PROPOSAL_SOURCES}
+    backbones = args.backbones or [base.backbone]
+    # the model's own backbone at the model's crop side, another at its native side
+    extractors = {(src, name): RegionExtractor(dataclasses.replace(
+        base, proposals=src, backbone=name, crop_size=base.crop_size if name == base.backbone else BACKBONES[name][2]))
+        for name in backbones for src in PROPOSAL_SOURCES}
     dev = load_split(args.data, "dev")
     images = [Image.open(dev.image_path(n)).convert("RGB") for n in dev.images[: args.images]]
     for ex in extractors.values():  # warm: graphs loaded, first-call allocations done
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             extractors[key].extract(img)
             cpu[key].append((time.process_time() - c0) * 1000)
             wall[key].append((time.perf_counter() - w0) * 1000)
-    base_cpu = float(np.median(cpu["selective_search", base.backbone if not args.backbones else args.backbones[0]]))
+    base_cpu = float(np.median(cpu["selective_search", backbones[0]]))
     flags = " ".join(sorted(f for f in cpu_info().flags if f.startswith(("avx", "fma"))))
     rows: list[dict[str, object]] = []
     for src, name in extractors:

@@ -179,8 +179,8 @@ class ShardWriter:
         self._next = int(SHARD_PATTERN.match(files[-1].name).group(1)) + 1 if files else 0  # type: ignore[union-attr]
         self._failed = read_failed(self.folder)
         self._failed_changed = False
-        self._rows: list[tuple[str, str, str, ImageFragments]] = []
-        self._labels: list[tuple[str | None, ...]] = []  # embedded shards: each row's fragment labels
+        # key, name, path, fragments, and (embedded shards) each fragment's detector label: () when none
+        self._rows: list[tuple[str, str, str, ImageFragments, tuple[str | None, ...]]] = []
         self.written = 0  # images written by this writer
         self.shards: list[Path] = []  # shards written by this writer
 
@@ -209,8 +209,7 @@ class ShardWriter:
         if frags.features.shape != (n_frag, width) or frags.boxes.shape != (n_frag, 4):
             raise ValueError(f"{name}: fragments {frags.features.shape} / boxes {frags.boxes.shape}, "
                              f"expected {(n_frag, width)} / {(n_frag, 4)}")
-        self._rows.append((key, name, path, frags))
-        self._labels.append(labels)
+        self._rows.append((key, name, path, frags, labels))
         self._failed_changed |= self._failed.pop(name, None) is not None
         if len(self._rows) >= self.shard_size:
             self.flush()
@@ -229,7 +228,7 @@ class ShardWriter:
         if not self._rows:
             return
         path = self.folder / f"shard-{self._next:05d}.npz"
-        keys, names, paths, frags = zip(*self._rows, strict=True)
+        keys, names, paths, frags, labels = zip(*self._rows, strict=True)
         arrays: dict[str, np.ndarray] = {
             "keys": np.asarray(keys, dtype=str),
             "names": np.asarray(names, dtype=str),
@@ -239,16 +238,15 @@ class ShardWriter:
             "vectors" if self.embedded_by is not None else "features":
                 np.stack([f.features for f in frags]).astype(np.float16),
         }
-        if any(self._labels):  # embedded rows of a model with detector classes (rows without: all unnamed)
+        if any(labels):  # embedded rows of a model with detector classes (rows without: all unnamed)
             n_frag = self.cfg.n_fragments
-            arrays["labels"] = np.asarray([[v or "" for v in (row or (None,) * n_frag)] for row in self._labels],
-                                          dtype=str)
+            arrays["labels"] = np.asarray([[v or "" for v in (row or (None,) * n_frag)] for row in labels], dtype=str)
         with atomic_file(path) as fh:
             np.savez(fh, **arrays)  # type: ignore[arg-type]  # (the stub reads a key as allow_pickle)
         self.written += len(self._rows)
         self.shards.append(path)
         self._next += 1
-        self._rows, self._labels = [], []
+        self._rows = []
 
     def close(self) -> None:
         self.flush()
