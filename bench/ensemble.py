@@ -3,8 +3,9 @@
     python -m bench.ensemble --members artifacts/models/full-val artifacts/models/full-maxviol
 
 Each member scores every image against every sentence with its own `Bundle.scores` (the one S_kl,
-calibrated where the checkpoint holds a calibration); an ensemble of the first n members (n = 2 ..
-all, in the order given) ranks by the sum of their scores. Evaluated on
+calibrated where the checkpoint holds a calibration) on its own image features (members trained on
+other regions or another backbone each read theirs from the feature cache); an ensemble of the first
+n members (n = 2 .. all, in the order given) ranks by the sum of their scores. Evaluated on
 the validation part of the training data (``--val-images`` images held out with ``--val-seed``,
 the same draw `--selection val` training holds out, so the members never trained on them) and on
 the reported split (dev), with every member alone beside it. Model choices are made on the
@@ -20,7 +21,7 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,18 @@ def member_scores(bundle: Bundle, data: SplitData) -> tuple[np.ndarray, float]:
     return score_split(bundle, data.feats, enc), time.perf_counter() - start
 
 
-def rows_for(part: str, data: SplitData, bundles: dict[str, Bundle], command: str,
+def rows_for(part: str, data: SplitData | Mapping[str, SplitData], bundles: dict[str, Bundle], command: str,
              alone: Sequence[str] = ()) -> list[dict[str, object]]:
     """One row per member alone and one for the sum of the first n members, n = 2 .. all, on one part of the
-    data (the bundles named in `alone` only alone)."""
-    scored = {name: member_scores(b, data) for name, b in bundles.items()}
+    data (the bundles named in `alone` only alone): `data` shared by every member, or each member's own (the
+    same images and sentences, read with its image settings)."""
+    own = dict(data) if isinstance(data, Mapping) else {name: data for name in bundles}
+    first = own[next(iter(bundles))]
+    for name in bundles:
+        if own[name].names != first.names or own[name].sentences != first.sentences:
+            raise ValueError(f"member {name} was given other images or sentences than the first member")
+    data = first
+    scored = {name: member_scores(b, own[name]) for name, b in bundles.items()}
     members = [name for name in bundles if name not in alone]
     combos = [[name] for name in bundles] + [members[:n] for n in range(2, len(members) + 1)]
     rows: list[dict[str, object]] = []
@@ -82,16 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args.members) < 2:
         ap.error("an ensemble needs at least two --members")
     bundles = {folder.name: Bundle.load(folder / "model.pt") for folder in [*args.members, *args.alone]}
-    configs = {repr(b.image_cfg) for b in bundles.values()}
-    if len(configs) > 1:
-        ap.error("the members must share their image settings (one feature cache, one extraction per image)")
     command = "python -m bench.ensemble " + shlex.join(sys.argv[1:] if argv is None else [str(a) for a in argv])
-    first = next(iter(bundles.values()))
     rows: list[dict[str, object]] = []
     for part, split in (("val", args.train_split), (args.split, args.split)):
-        data = SplitDataByConfig(args.data, split, args.cache).get(first)
+        loaded = SplitDataByConfig(args.data, split, args.cache)
+        data = {name: loaded.get(b) for name, b in bundles.items()}
         if part == "val":
-            data = hold_out(data, args.val_images, args.val_seed)[1]
+            data = {name: hold_out(d, args.val_images, args.val_seed)[1] for name, d in data.items()}
         rows += rows_for(part, data, bundles, command, [folder.name for folder in args.alone])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:

@@ -172,8 +172,9 @@ class TrainConfig:
     # (ImageConfig.mirror: its crops flipped left to right, extracted once into their own cache) with this probability
     fragment_drop: float = 0.0  # training only: each image and sentence fragment is left out of a batch with this
     # probability (at least one kept per image and per sentence)
-    distill_from: str = ""  # fragment models: a trained model's checkpoint (a merged ensemble) whose batch S_kl are
-    # soft targets beside the objectives (training/distill.py); "" = none
+    distill_from: str = ""  # fragment models: a trained model's checkpoint (a merged ensemble), or several separated
+    # by commas (summed, each reading its own image features), whose batch S_kl are soft targets beside the
+    # objectives (training/distill.py); "" = none
     distill_weight: float = 1.0  # weight of the distillation term (with distill_from)
     distill_scale: float = 3.0  # the standardised batch scores of student and teacher times this are the logits
     rank_images: bool = True  # DT-RNN / DeViSE: the ranking loss also ranks images for a sentence (False: DeViSE's)

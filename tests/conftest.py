@@ -9,6 +9,7 @@ sets it), fails: a CI run cannot pass without running it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,31 @@ def shapes_model(tmp_path_factory: pytest.TempPathFactory) -> ShapesModel:
     summary = train(run, tr, None, root / "model", cache)  # the last epoch: dev selects nothing
     path = root / "model" / "model.pt"
     return ShapesModel(root / "data", path, cache, Bundle.load(path), dev, objects, summary)
+
+
+@dataclass
+class OtherFeaturesModel:
+    """A small model on the shapes data that reads other image features than `shapes_model` (one region
+    fewer), its training and dev splits loaded with them."""
+
+    model_path: Path
+    bundle: Bundle
+    train: SplitData
+    dev: SplitData
+
+
+@pytest.fixture(scope="session")
+def other_features_model(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> OtherFeaturesModel:
+    run = make_run("paper", {"epochs": 6, "dense_epochs": 2, "anneal_epochs": 1, "batch_size": 20, "h": 32,
+                             "lr": 3e-3, "seed": 3})
+    cfg = shapes_model.bundle.image_cfg
+    run.image = dataclasses.replace(cfg, n_regions=cfg.n_regions - 1)
+    parser = make_parser("spacy")
+    tr = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, parser)
+    dev = load_split_data(shapes_model.data, "dev", run.image, shapes_model.cache, parser)
+    out = tmp_path_factory.mktemp("other-features")
+    train(run, tr, None, out, shapes_model.cache)
+    return OtherFeaturesModel(out / "model.pt", Bundle.load(out / "model.pt"), tr, dev)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -15,7 +15,7 @@ from model.dataset import load_split_data
 from model.encoders import FragmentModel
 from model.parsers import make_parser
 from model.words import WordTable
-from tests.conftest import ShapesModel
+from tests.conftest import OtherFeaturesModel, ShapesModel
 from training.distill import Teacher
 from training.epochs import FragmentBatches, batch_images, train_fragment_epoch
 from training.evaluate import score_split
@@ -110,3 +110,38 @@ def test_a_distilled_run_records_its_teacher(shapes_model: ShapesModel, tmp_path
     assert np.isfinite(summary["history"][-1]["loss"])
     recorded = Bundle.load(tmp_path / "distilled" / "model.pt").meta["train"]["distill_from"]
     assert recorded == str(shapes_model.model_path)
+
+
+
+def test_a_teacher_of_two_checkpoints_sums_their_skl_each_on_its_own_features(
+        shapes_model: ShapesModel, other_features_model: OtherFeaturesModel, tmp_path: Path) -> None:
+    """A teacher named as "a.pt,b.pt" where b reads other image features (one region fewer): its batch scores
+    are a's S_kl on the student's features plus b's on b's own features of the same images, read from the
+    cache; a run distilled from it trains and records both."""
+    a, b, tr_b = Bundle.load(shapes_model.model_path), other_features_model.bundle, other_features_model.train
+    tr = load_split_data(shapes_model.data, "train", a.image_cfg, shapes_model.cache, make_parser("spacy"))
+    assert tr.names == tr_b.names and tr.feats.shape[1] == tr_b.feats.shape[1] + 1
+    paths = [shapes_model.model_path, other_features_model.model_path]
+    images = [tr.split.image_path(n) for n in tr.names]
+    with pytest.raises(ValueError, match="other image features"):
+        Teacher(paths, a.text, a.image_cfg, torch.from_numpy(tr.feats), "cpu")
+    teacher = Teacher(paths, a.text, a.image_cfg, torch.from_numpy(tr.feats), "cpu", images=images,
+                      cache_root=shapes_model.cache)
+    batches = FragmentBatches(a.text, tr, 0.0, "cpu")
+    rng = np.random.default_rng(1)
+    idx = rng.permutation(len(tr.sentences))[:20]
+    imgs, _, _ = batch_images(tr.pair_image, idx)
+    sents = batches.sentences(idx, rng)
+    got = teacher.scores(imgs, batches.pool, *sents).numpy()
+    enc = a.text.encode_parsed(tr.parsed, tr.sentences)
+    want = score_split(a, tr.feats, enc)[imgs][:, idx] + score_split(b, tr_b.feats, enc)[imgs][:, idx]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    alone = Teacher(paths[:1], a.text, a.image_cfg, torch.from_numpy(tr.feats), "cpu").scores(imgs, batches.pool,
+                                                                                              *sents)
+    assert not np.allclose(got, alone.numpy(), atol=1e-3), "the second checkpoint counts"
+
+    spec = ",".join(str(p) for p in paths)
+    summary = train(make_run("paper", {**SMALL, "distill_from": spec}), tr, None, tmp_path / "distilled",
+                    shapes_model.cache)
+    assert np.isfinite(summary["history"][-1]["loss"])
+    assert Bundle.load(tmp_path / "distilled" / "model.pt").meta["train"]["distill_from"] == spec

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench.ensemble import member_scores, rows_for
 from model.bundle import Bundle
-from tests.conftest import ShapesModel
+from model.dataset import select_images
+from tests.conftest import OtherFeaturesModel, ShapesModel
+from training.evaluate import metrics_from_scores
 
 
 def test_an_ensemble_ranks_by_the_sum_of_its_members_scores(shapes_model: ShapesModel) -> None:
@@ -37,3 +40,21 @@ def test_three_members_give_each_alone_then_the_first_two_then_all(shapes_model:
     assert [r["members"] for r in rows] == ["a", "b", "c", "a+b", "a+b+c"]
     assert [r["h_total"] for r in rows[3:]] == [2 * int(shapes_model.bundle.model.cfg.h),
                                                 3 * int(shapes_model.bundle.model.cfg.h)]
+
+
+def test_members_on_other_image_features_each_score_their_own(shapes_model: ShapesModel,
+                                                              other_features_model: OtherFeaturesModel) -> None:
+    """A member trained on other regions scores the same images from its own features: the sum's ranking is
+    that of the two members' scores, each on its own data; data of other images is refused."""
+    bundles = {"a": shapes_model.bundle, "b": other_features_model.bundle}
+    own = {"a": shapes_model.dev, "b": other_features_model.dev}
+    rows = rows_for("dev", own, bundles, "cmd")
+    total = member_scores(shapes_model.bundle, shapes_model.dev)[0] + member_scores(
+        other_features_model.bundle, other_features_model.dev)[0]
+    m = metrics_from_scores(total, shapes_model.dev.pair_image)
+    assert rows[2]["members"] == "a+b" and rows[2]["rsum"] == round(m["rsum"], 1)
+    assert rows[1]["rsum"] == rows_for("dev", other_features_model.dev, {"b": other_features_model.bundle},
+                                       "cmd")[0]["rsum"]
+    with pytest.raises(ValueError, match="other images or sentences"):
+        rows_for("dev", {"a": shapes_model.dev, "b": select_images(other_features_model.dev, np.arange(5))},
+                 bundles, "cmd")

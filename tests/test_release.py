@@ -105,6 +105,12 @@ def test_a_distilled_models_manifest_names_its_teacher(tmp_path: Path) -> None:
     assert teacher_of(model)["teacher"]["command"] == "python -m training.merge x"
     (model.parent / "member-2" / "history.json").write_text(json.dumps({"config": {"train": {"distill_from": None}}}))
     assert teacher_of(model)["teacher"]["model"] == str(tmp_path / "teacher" / "model.pt")
+    other = tmp_path / "other" / "model.pt"
+    for k in (1, 2):
+        (model.parent / f"member-{k}" / "history.json").write_text(json.dumps(
+            {"config": {"train": {"distill_from": f"{tmp_path / 'teacher' / 'model.pt'},{other}"}}}))
+    assert teacher_of(model) == {"teacher": {"model": [str(tmp_path / "teacher" / "model.pt"), str(other)],
+                                             "command": ["python -m training.merge x", None]}}
     for k in (1, 2):
         (model.parent / f"member-{k}" / "history.json").write_text(json.dumps({"config": {"train": {}}}))
     assert teacher_of(model) == {}, "a model trained alone names no teacher"

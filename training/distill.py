@@ -1,4 +1,4 @@
-"""A trained fragment model as a teacher: its S_kl over each training batch as soft targets.
+"""Trained fragment models as a teacher: their S_kl over each training batch as soft targets.
 
 The teacher is usually a merged ensemble (training/merge.py: members side by side, each thresholded
 apart), the student a model of the served size trained by the same recipe. Per batch the teacher
@@ -6,17 +6,23 @@ scores the batch's images against its sentences with the one S_kl (model.score.s
 and `training.objectives.distill_loss` pulls the student's batch scores towards the teacher's
 ranking, in both directions, beside the fragment and global objectives (`TrainConfig.distill_weight`).
 
-The teacher must read what the student reads: the same image features (ImageConfig) and the same
-words and relations (its checkpoint's word table and relation vocabulary); ValueError otherwise. Its
-image fragments are embedded once for every training image (no dropout: the teacher is evaluated);
-its sentence fragments per batch, from the batch's own triplets. Raw S_kl: the teacher's
-calibration is left out (it scales each item against reference fragments, a cost per batch that
-would buy the soft targets nothing: they are standardised within each batch).
+A teacher may be several checkpoints (`TrainConfig.distill_from` "a.pt,b.pt"): its score is the sum of
+theirs, each thresholded apart as a merge's members are, and each reads its own image features: a
+checkpoint trained on other regions or another backbone (the detector's regions, Lite1 crops) reads
+its features of the same training images from the feature cache, extracted there where missing. The
+student's serving cost stays its own; only training reads the teacher's features. Every part must read
+the student's words and relations (its checkpoint's word table and relation vocabulary); ValueError
+otherwise. The image fragments are embedded once for every training image (no dropout: the teacher
+is evaluated); the sentence fragments per batch, from the batch's own triplets. Raw S_kl: the
+teacher's calibration is left out (it scales each item against reference fragments, a cost per batch
+that would buy the soft targets nothing: they are standardised within each batch).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,7 @@ import torch
 
 from model.bundle import Bundle
 from model.config import ImageConfig
+from model.dataset import feature_cache
 from model.encoders import FragmentModel
 from model.fragments import TextPipeline
 from model.score import skl
@@ -33,36 +40,81 @@ logger = logging.getLogger(__name__)
 EMBED_CHUNK = 256  # training images embedded at a time
 
 
-class Teacher:
-    """The batch scores of a trained fragment model (its checkpoint at `path`) for the training images
-    `feats` (N, F, D), on `device`."""
+def teacher_paths(spec: str) -> list[Path]:
+    """The checkpoints of `TrainConfig.distill_from`: one path, or several separated by commas."""
+    paths = [Path(p.strip()) for p in spec.split(",") if p.strip()]
+    if not paths:
+        raise ValueError(f"distill_from {spec!r} names no checkpoint")
+    return paths
 
-    def __init__(self, path: Path, text: TextPipeline, image: ImageConfig, feats: torch.Tensor,
-                 device: str) -> None:
-        bundle = Bundle.load(Path(path), device=device)
-        model = bundle.model
-        if not isinstance(model, FragmentModel):
-            raise ValueError(f"teacher {path}: a {type(model).__name__}, not a fragment model")
-        if bundle.image_cfg != image:
-            raise ValueError(f"teacher {path} reads other image features than the student: {bundle.image_cfg} "
-                             f"against {image}")
-        if bundle.text.words.words != text.words.words or bundle.text.relations.kept != text.relations.kept:
-            raise ValueError(f"teacher {path} was trained on other words or relations than the student's "
-                             "(train both on the same split)")
-        self.path = Path(path)
-        self.model = model.eval()
-        self.blocks = bundle.blocks
+
+@dataclass(frozen=True)
+class _Part:
+    """One checkpoint of a teacher: its model, blocks and the training images' fragments it embedded."""
+
+    path: Path
+    model: FragmentModel
+    blocks: int
+    images: torch.Tensor  # (N, F, h)
+
+
+def _own_features(path: Path, cfg: ImageConfig, images: Sequence[Path], cache_root: Path | None,
+                  device: str) -> torch.Tensor:
+    """The training images' features as checkpoint `path` reads them (`cfg`), from the feature cache."""
+    if cache_root is None or not images:
+        raise ValueError(f"teacher {path} reads other image features than the student ({cfg}); give the training "
+                         "images and the feature cache to read its own")
+    cache = feature_cache(cache_root, cfg, device)
+    report = cache.ensure(list(images))
+    if report.failed:
+        raise ValueError(f"teacher {path}: {len(report.failed)} training images have none of its features: "
+                         f"{report.failed[:3]}")
+    feats, _ = cache.load_arrays(list(images))
+    out = torch.from_numpy(feats)
+    return out[:, :1].contiguous() if cfg.full_frame_only else out
+
+
+class Teacher:
+    """The batch scores of trained fragment models (checkpoints `paths`, summed) for the training images,
+    on `device`: `feats` (N, F, D) as the student reads them (`image`); a checkpoint that reads other
+    features gets its own for the same `images` (paths, in `feats`' order) from the cache at `cache_root`."""
+
+    def __init__(self, paths: Path | Sequence[Path], text: TextPipeline, image: ImageConfig, feats: torch.Tensor,
+                 device: str, *, images: Sequence[Path] = (), cache_root: Path | None = None) -> None:
+        self.parts: list[_Part] = []
         self.device = device
-        with torch.inference_mode():
-            self.images = torch.cat([model.embed_images(feats[s : s + EMBED_CHUNK].to(device))
-                                     for s in range(0, len(feats), EMBED_CHUNK)])
-        logger.info("teacher %s: h = %d in %d blocks, %d training images embedded", path, self.images.shape[-1],
-                    self.blocks, len(self.images))
+        for path in [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]:
+            bundle = Bundle.load(path, device=device)
+            model = bundle.model
+            if not isinstance(model, FragmentModel):
+                raise ValueError(f"teacher {path}: a {type(model).__name__}, not a fragment model")
+            if bundle.text.words.words != text.words.words or bundle.text.relations.kept != text.relations.kept:
+                raise ValueError(f"teacher {path} was trained on other words or relations than the student's "
+                                 "(train both on the same split)")
+            own = feats if bundle.image_cfg == image else _own_features(path, bundle.image_cfg, images,
+                                                                         cache_root, device)
+            if len(own) != len(feats):
+                raise ValueError(f"teacher {path}: {len(own)} training images, the student has {len(feats)}")
+            model = model.eval()
+            with torch.inference_mode():
+                embedded = torch.cat([model.embed_images(own[s : s + EMBED_CHUNK].to(device))
+                                      for s in range(0, len(own), EMBED_CHUNK)])
+            self.parts.append(_Part(path, model, bundle.blocks, embedded))
+            logger.info("teacher %s: h = %d in %d blocks, %d training images embedded%s", path, embedded.shape[-1],
+                        bundle.blocks, len(embedded), "" if own is feats else " (its own features)")
+        if not self.parts:
+            raise ValueError("a teacher needs at least one checkpoint")
 
     def scores(self, imgs: np.ndarray, pool: torch.Tensor, rel: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """S_kl (K, L) of the training images `imgs` against the batch's sentences (padded triplets)."""
+        """S_kl (K, L) of the training images `imgs` against the batch's sentences (padded triplets), summed
+        over the teacher's checkpoints."""
         with torch.inference_mode():
-            img = self.images[torch.from_numpy(imgs).to(self.images.device)]
-            sent = self.model.embed_sentences(pool, rel, a, b, mask)
-            return skl(img, torch.ones(img.shape[:2], device=img.device), sent, mask, blocks=self.blocks).clone()
+            total: torch.Tensor | None = None
+            for part in self.parts:
+                img = part.images[torch.from_numpy(imgs).to(part.images.device)]
+                sent = part.model.embed_sentences(pool, rel, a, b, mask)
+                s = skl(img, torch.ones(img.shape[:2], device=img.device), sent, mask, blocks=part.blocks)
+                total = s if total is None else total + s
+            assert total is not None
+            return total.clone()

@@ -10,7 +10,8 @@ and its validation metrics; the command evaluates it once on dev through the ser
 - `name` (the variant: the recipe) and `row` (the model folder's name: its row in docs/results);
 - `made_by`: this command line, the commit (and whether the work tree had changes), the date, and
   the training command from the model folder's history.json; for a distilled model `teacher`: the
-  teacher's checkpoint and the command that made it (from its folder's history.json);
+  teacher's checkpoint and the command that made it (from its folder's history.json; a teacher of several
+  checkpoints: the lists of both);
 - `training`: the split it was trained on, as digests (sha256 over every image's name and content,
   and over its captions), and the validation part held out of it;
 - `features`: the backbone, its precision and quantisation recipe, the int8 graph's sha256, the
@@ -42,6 +43,7 @@ from model.onnx import graph_dir
 from model.parsers import make_parser
 from model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, read_manifest
 from model.resources import cpu_info
+from training.distill import teacher_paths
 from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
@@ -95,10 +97,14 @@ def teacher_of(model: Path) -> dict[str, Any]:
                 if (train := json.loads(h.read_text()).get("config", {}).get("train", {})).get("distill_from")}
     if not teachers:
         return {}
-    out: dict[str, Any] = {"model": sorted(teachers)[0] if len(teachers) == 1 else sorted(teachers)}
-    if len(teachers) == 1 and (history := Path(out["model"]).parent / "history.json").is_file():
-        out["command"] = json.loads(history.read_text()).get("command")
-    return {"teacher": out}
+    if len(teachers) > 1:
+        return {"teacher": {"model": sorted(teachers)}}
+    parts = [str(p) for p in teacher_paths(teachers.pop())]
+    commands = [json.loads(h.read_text()).get("command") if (h := Path(p).parent / "history.json").is_file()
+                else None for p in parts]
+    if len(parts) == 1:
+        return {"teacher": {"model": parts[0], **({"command": commands[0]} if commands[0] else {})}}
+    return {"teacher": {"model": parts, "command": commands}}
 
 
 def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], command: str) -> dict[str, Any]:

@@ -61,7 +61,7 @@ from model.variants import (
     variant_names,
 )
 from training.calibrate import fit_calibration, fit_relevance, store_relevance
-from training.distill import Teacher
+from training.distill import Teacher, teacher_paths
 from training.epochs import (
     FragmentBatches,
     ImageFeatures,
@@ -180,8 +180,9 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             views = MirroredViews(feats, torch.from_numpy(train_data.mirrored), cfg.mirror_views, rng)
         if cfg.distill_from and cfg.mirror_views > 0:
             raise ValueError("distill_from with mirror_views: the teacher scores the images unmirrored")
-        teacher = (Teacher(Path(cfg.distill_from), text, run.image, feats, cfg.device) if cfg.distill_from
-                   else None)
+        teacher = (Teacher(teacher_paths(cfg.distill_from), text, run.image, feats, cfg.device,
+                           images=[train_data.split.image_path(n) for n in train_data.names], cache_root=cache_root)
+                   if cfg.distill_from else None)
         step = lambda e: train_fragment_epoch(model, cfg, views, train_data, batches, opt, e, rng,  # noqa: E731
                                               teacher=teacher)
     logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
