@@ -16,7 +16,11 @@ from typing import Any
 import pytest
 
 from model.config import ImageConfig, TextConfig, TrainConfig
+from model.data import load_split
+from model.dataset import feature_cache
 from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, read_variant_file, variant_names
+from tests.conftest import ShapesModel
+from training.extract import main as extract
 from training.train import list_resolved, list_variants, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,3 +248,19 @@ def test_serving_does_not_import_the_trainer() -> None:
     code = ("import sys, service.app, service.prepare, bench.report; "
             "sys.exit(1 if 'training.train' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_extract_reads_a_variants_image_settings_and_its_flags_override_them(
+        shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """`training.extract --variant NAME` fills the cache a run of that variant reads (its image settings,
+    a region flag on top); an unknown variant is a usage error before anything is extracted."""
+    split = load_split(shapes_model.data, "train").subset(2)
+    images = [split.image_path(n) for n in split.images]
+    extract(["--data", str(shapes_model.data), "--cache", str(tmp_path), "--splits", "train", "--limit", "2",
+             "--workers", "1", "--variant", "paper", "--min-box-frac", "0.3"])
+    want = feature_cache(tmp_path, dataclasses.replace(load_variant("paper").image, min_box_frac=0.3))
+    assert all(want.has(p) for p in images)
+    assert [d.name for d in (tmp_path / "features").iterdir()] == [want.dir.name], "one cache, the variant's"
+    with pytest.raises(SystemExit):
+        extract(["--data", str(shapes_model.data), "--cache", str(tmp_path / "none"), "--variant", "no-such"])
+    assert not (tmp_path / "none").exists()

@@ -1,6 +1,10 @@
 """Extract (or resume extracting) the image fragments of a data folder into the feature cache.
 
     python -m training.extract --data ../shared/data/flickr8k --splits train dev --workers 2
+    python -m training.extract --variant full-2x256 --splits train dev     (the features that variant reads)
+
+Without --variant the image settings are ImageConfig's own defaults; with it, that variant's (the
+released model's recipe is `full-2x256`); the region flags override either.
 
 Entries are written one image at a time, atomically: an interrupted run resumes where it stopped.
 Unreadable files are skipped, counted and listed in the cache's failed.json.
@@ -15,6 +19,7 @@ from pathlib import Path
 from model.config import ImageConfig, add_region_flags, default_artifacts_dir, default_data_dir, with_region_flags
 from model.data import check_data_dir, load_split
 from model.dataset import feature_cache
+from model.variants import VariantError, load_variant
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +33,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    add_region_flags(ap, ImageConfig())
+    ap.add_argument("--variant", default=None,
+                    help="start from this variant's image settings (model/variants/<name>.toml; the released "
+                         "model's recipe: full-2x256); default: ImageConfig's defaults")
+    add_region_flags(ap, None)  # each overrides the variant's (or the defaults) only where given
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of each split")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = check_data_dir(args.data)
-    cfg = with_region_flags(ImageConfig(), args)
+    try:
+        base = load_variant(args.variant).image if args.variant else ImageConfig()
+    except VariantError as exc:
+        ap.error(str(exc))
+    cfg = with_region_flags(base, args)
     paths: list[Path] = []
     if args.splits:
         for split in args.splits:
