@@ -52,19 +52,18 @@ def rows_for(part: str, data: SplitData | Mapping[str, SplitData], bundles: dict
     data (the bundles named in `alone` only alone): `data` shared by every member, or each member's own (the
     same images and sentences, read with its image settings)."""
     own = dict(data) if isinstance(data, Mapping) else {name: data for name in bundles}
-    first = own[next(iter(bundles))]
+    first = own[next(iter(bundles))]  # the images and sentences every member scores
     for name in bundles:
         if own[name].names != first.names or own[name].sentences != first.sentences:
             raise ValueError(f"member {name} was given other images or sentences than the first member")
-    data = first
     scored = {name: member_scores(b, own[name]) for name, b in bundles.items()}
     members = [name for name in bundles if name not in alone]
     combos = [[name] for name in bundles] + [members[:n] for n in range(2, len(members) + 1)]
     rows: list[dict[str, object]] = []
     for combo in combos:
         total = np.sum([scored[n][0] for n in combo], axis=0)
-        m = metrics_from_scores(total, data.pair_image)
-        rows.append({"members": "+".join(combo), "part": part, "images": len(data.names), "rsum": round(m["rsum"], 1),
+        m = metrics_from_scores(total, first.pair_image)
+        rows.append({"members": "+".join(combo), "part": part, "images": len(first.names), "rsum": round(m["rsum"], 1),
                      **{k: round(m[k], 1) for k in FIELDS[4:10]},
                      "h_total": sum(int(bundles[n].model.cfg.h) for n in combo),
                      "score_seconds": round(sum(scored[n][1] for n in combo), 1), "machine": machine(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,16 +91,24 @@ def load_split_data(root: Path, split: str | Path, image_cfg: ImageConfig, cache
     return SplitData(sp, feats, boxes, sentences, np.asarray(pair, dtype=np.int64), parsed)
 
 
+def cached_features(cache_root: Path, image_cfg: ImageConfig, paths: Sequence[Path], workers: int = 1,
+                    device: str = "cpu", what: str = "features") -> tuple[np.ndarray, np.ndarray]:
+    """(features, boxes) of every image in `paths`, in order, with `image_cfg`: extracted into the cache
+    where missing; ValueError naming `what` when an image has none."""
+    cache = feature_cache(cache_root, image_cfg, device)
+    report = cache.ensure(list(paths), workers=workers)
+    if report.failed:
+        raise ValueError(f"{len(report.failed)} images have no {what}: {report.failed[:3]}")
+    return cache.load_arrays(list(paths))
+
+
 def with_mirrored(data: SplitData, image_cfg: ImageConfig, cache_root: Path, workers: int = 1,
                   device: str = "cpu") -> SplitData:
     """`data` with its images' mirrored view (`image_cfg` with mirror: every crop flipped left to right,
     the same boxes), extracted into its own cache folder where missing."""
-    cache = feature_cache(cache_root, dataclasses.replace(image_cfg, mirror=True), device)
-    paths = [data.split.image_path(n) for n in data.names]
-    report = cache.ensure(paths, workers=workers)
-    if report.failed:
-        raise ValueError(f"{len(report.failed)} images have no mirrored view: {report.failed[:3]}")
-    mirrored, boxes = cache.load_arrays(paths)
+    mirrored, boxes = cached_features(cache_root, dataclasses.replace(image_cfg, mirror=True),
+                                      [data.split.image_path(n) for n in data.names], workers, device,
+                                      "mirrored view")
     if mirrored.shape != data.feats.shape or not np.allclose(boxes, data.boxes):
         raise ValueError("the mirrored view's boxes are not the images' boxes: extracted with other settings")
     return dataclasses.replace(data, mirrored=mirrored)

@@ -30,7 +30,7 @@ import torch
 
 from model.bundle import Bundle
 from model.config import ImageConfig
-from model.dataset import feature_cache
+from model.dataset import cached_features
 from model.encoders import FragmentModel
 from model.fragments import TextPipeline
 from model.score import skl
@@ -52,7 +52,6 @@ def teacher_paths(spec: str) -> list[Path]:
 class _Part:
     """One checkpoint of a teacher: its model, blocks and the training images' fragments it embedded."""
 
-    path: Path
     model: FragmentModel
     blocks: int
     images: torch.Tensor  # (N, F, h)
@@ -64,12 +63,7 @@ def _own_features(path: Path, cfg: ImageConfig, images: Sequence[Path], cache_ro
     if cache_root is None or not images:
         raise ValueError(f"teacher {path} reads other image features than the student ({cfg}); give the training "
                          "images and the feature cache to read its own")
-    cache = feature_cache(cache_root, cfg, device)
-    report = cache.ensure(list(images))
-    if report.failed:
-        raise ValueError(f"teacher {path}: {len(report.failed)} training images have none of its features: "
-                         f"{report.failed[:3]}")
-    feats, _ = cache.load_arrays(list(images))
+    feats, _ = cached_features(cache_root, cfg, images, device=device, what=f"features of teacher {path}")
     out = torch.from_numpy(feats)
     return out[:, :1].contiguous() if cfg.full_frame_only else out
 
@@ -82,7 +76,7 @@ class Teacher:
     def __init__(self, paths: Path | Sequence[Path], text: TextPipeline, image: ImageConfig, feats: torch.Tensor,
                  device: str, *, images: Sequence[Path] = (), cache_root: Path | None = None) -> None:
         self.parts: list[_Part] = []
-        self.device = device
+        by_cfg: dict[ImageConfig, torch.Tensor] = {image: feats}  # each feature set read once
         for path in [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]:
             bundle = Bundle.load(path, device=device)
             model = bundle.model
@@ -91,15 +85,16 @@ class Teacher:
             if bundle.text.words.words != text.words.words or bundle.text.relations.kept != text.relations.kept:
                 raise ValueError(f"teacher {path} was trained on other words or relations than the student's "
                                  "(train both on the same split)")
-            own = feats if bundle.image_cfg == image else _own_features(path, bundle.image_cfg, images,
-                                                                         cache_root, device)
+            if bundle.image_cfg not in by_cfg:
+                by_cfg[bundle.image_cfg] = _own_features(path, bundle.image_cfg, images, cache_root, device)
+            own = by_cfg[bundle.image_cfg]
             if len(own) != len(feats):
                 raise ValueError(f"teacher {path}: {len(own)} training images, the student has {len(feats)}")
             model = model.eval()
             with torch.inference_mode():
                 embedded = torch.cat([model.embed_images(own[s : s + EMBED_CHUNK].to(device))
                                       for s in range(0, len(own), EMBED_CHUNK)])
-            self.parts.append(_Part(path, model, bundle.blocks, embedded))
+            self.parts.append(_Part(model, bundle.blocks, embedded))
             logger.info("teacher %s: h = %d in %d blocks, %d training images embedded%s", path, embedded.shape[-1],
                         bundle.blocks, len(embedded), "" if own is feats else " (its own features)")
         if not self.parts:
