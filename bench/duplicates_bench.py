@@ -24,7 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 from tqdm import tqdm
 
@@ -87,9 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         for v, f in zip(versions, feats, strict=True):
             raw[v].append(f.features[0])
     cnn = {v: unit(np.stack(raw[v])) for v in versions}
-    with torch.no_grad():
-        emb = {v: unit(bundle.embed_images(np.stack(raw[v])[:, None], calibrated=False)[:, 0].numpy())
-               for v in versions}
+    emb = {v: unit(bundle.embed_images(np.stack(raw[v])[:, None], calibrated=False)[:, 0]) for v in versions}
     half = len(names) // 2
     rows = []
     threshold = {}

@@ -65,7 +65,7 @@ def rows_for(part: str, data: SplitData | Mapping[str, SplitData], bundles: dict
         m = metrics_from_scores(total, first.pair_image)
         rows.append({"members": "+".join(combo), "part": part, "images": len(first.names), "rsum": round(m["rsum"], 1),
                      **{k: round(m[k], 1) for k in FIELDS[4:10]},
-                     "h_total": sum(int(bundles[n].model.cfg.h) for n in combo),
+                     "h_total": sum(int(bundles[n].cfg.h) for n in combo),
                      "score_seconds": round(sum(scored[n][1] for n in combo), 1), "machine": machine(),
                      "command": command})
         logger.info("%s on %s: R-sum %.1f", rows[-1]["members"], part, m["rsum"])

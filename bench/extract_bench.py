@@ -30,18 +30,23 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
-import torch
 from PIL import Image
 
 from bench import machine
-from model.backbone import RUNTIMES, Backbone, preprocess, set_torch_threads, to_tensor
+from model.backbone import RUNTIMES, Backbone
 from model.cache import ExtractionPool
 from model.config import PROPOSAL_MODES, ImageConfig, default_data_dir
+from model.graphs import preprocess, to_array
 from model.imageio import load_image
+from model.onnx import set_threads
 from model.proposals import propose_boxes
 from model.variants import load_variant, variant_names
+
+if TYPE_CHECKING:
+    from model.nets.backbone import TorchBackbone
 
 logger = logging.getLogger("bench.extract_bench")
 
@@ -49,7 +54,8 @@ FIELDS = ("method", "images", "workers", "seconds", "images_per_s", "machine", "
           "load_avg")
 Row = tuple[str, int, int, float, float, float]  # label, images, workers, seconds, CPU seconds, load
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "extract-bench.csv"
-BACKBONES = (("torch", "fp32"), ("onnx", "fp32"), ("onnx", "int8"))
+BACKBONES = (("torch", "fp32"), ("onnx", "fp32"), ("onnx", "int8"))  # (runtime, precision) of the stage rows
+StageBackbone: TypeAlias = "Backbone | TorchBackbone"  # what a stage row times
 CROPS_PER_IMAGE = 20
 
 
@@ -65,7 +71,17 @@ def _timed(label: str, n: int, work: Callable[..., object], *args: object) -> Ro
     return (label, n, 1, time.perf_counter() - start, time.process_time() - cpu, load)
 
 
-def _crops(img: Image.Image, rng: np.random.Generator, size: int = 224) -> torch.Tensor:
+def stage_backbone(runtime: str, precision: str) -> StageBackbone:
+    """The backbone of a stage row on the CPU: torch eager (the trainer's, model/nets/backbone.py) or the
+    runtime's graph on ONNX Runtime."""
+    if runtime == "torch":
+        from model.nets.backbone import TorchBackbone
+
+        return TorchBackbone("cpu")
+    return Backbone("cpu", precision, runtime)
+
+
+def _crops(img: Image.Image, rng: np.random.Generator, size: int = 224) -> np.ndarray:
     """CROPS_PER_IMAGE random boxes with sides >= 25 % of the image, warped to size²."""
     w, h = img.size
     out = []
@@ -73,24 +89,24 @@ def _crops(img: Image.Image, rng: np.random.Generator, size: int = 224) -> torch
         bw, bh = rng.uniform(0.25, 1.0) * w, rng.uniform(0.25, 1.0) * h
         x0, y0 = rng.uniform(0, w - bw), rng.uniform(0, h - bh)
         crop = img.resize((size, size), Image.Resampling.BILINEAR, box=(x0, y0, x0 + bw, y0 + bh))
-        out.append(to_tensor(np.asarray(crop)))
-    return torch.stack(out)
+        out.append(to_array(np.asarray(crop)))
+    return np.stack(out)
 
 
 def time_stages(paths: Sequence[Path], resizes: Sequence[int], sides: Sequence[int], mode: str) -> list[Row]:
     """Per-stage timings for ``paths`` in this process with one thread."""
-    set_torch_threads(1)
+    set_threads(1)
     images = [load_image(p) for p in paths]
     n = len(images)
     rows: list[Row] = []
     def proposals(cfg: ImageConfig, counts: list[int]) -> None:
         counts.extend(len(propose_boxes(np.asarray(im), cfg)) for im in images)
 
-    def passes(bb: Backbone, side: int) -> None:
+    def passes(bb: StageBackbone, side: int) -> None:
         for im in images:
             bb.feature_map(preprocess(im, side)[None])
 
-    def crops(bb: Backbone, rng: np.random.Generator) -> None:
+    def crops(bb: StageBackbone, rng: np.random.Generator) -> None:
         for im in images:
             bb.pooled(_crops(im, rng))
 
@@ -100,7 +116,7 @@ def time_stages(paths: Sequence[Path], resizes: Sequence[int], sides: Sequence[i
         rows.append(_timed(f"stage:proposals({mode}@{resize})", n, proposals, cfg, counts))
         logger.info("selective search @%d: %.1f proposals per image with sides >= 25 %%", resize, np.mean(counts))
     for runtime, precision in BACKBONES:
-        bb = Backbone("cpu", precision, runtime)
+        bb = stage_backbone(runtime, precision)
         for side in sides:
             bb.feature_map(preprocess(images[0], side)[None])  # warm-up
             rows.append(_timed(f"stage:backbone@{side}[{runtime},{precision}]", n, passes, bb, side))
@@ -113,7 +129,7 @@ def time_stages(paths: Sequence[Path], resizes: Sequence[int], sides: Sequence[i
 def time_extraction(paths: Sequence[Path], cfg: ImageConfig, workers: int, batch: int,
                     runtime: str = "auto") -> tuple[float, float]:
     """(wall seconds, CPU seconds) to extract ``paths`` with warm workers (start-up excluded)."""
-    set_torch_threads(1)
+    set_threads(1)
     with ExtractionPool(cfg, "cpu", workers, runtime) as pool:
         start = time.perf_counter()
         pool.warm_up(paths[:2])
@@ -136,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=["full", "full-crop", "full-roi"], choices=variant_names(),
                     help="training variants whose image settings are run end to end")
     ap.add_argument("--runtimes", nargs="+", default=["auto"], choices=RUNTIMES,
-                    help="backbone runtimes of the end-to-end rows (auto: ONNX Runtime on the CPU; a float "
-                         "variant on torch is labelled <variant>[torch])")
+                    help="backbone runtimes of the end-to-end rows (ONNX Runtime, labelled <variant>[onnx] when "
+                         "named; torch eager has stage rows only)")
     ap.add_argument("--backbone-sizes", type=int, nargs="+", default=[224, 448],
                     help="sides of the backbone stage rows")
     ap.add_argument("--proposal-mode", default=ImageConfig.proposal_mode, choices=PROPOSAL_MODES,
@@ -168,8 +184,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for variant in args.variants:
         cfg = load_variant(variant).image
         for runtime in args.runtimes:
-            if runtime == "torch" and cfg.backbone_precision == "int8":
-                continue  # the int8 graph runs on ONNX Runtime only
             label = variant if runtime == "auto" else f"{variant}[{runtime}]"
             for workers in args.workers:
                 load = os.getloadavg()[0]

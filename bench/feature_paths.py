@@ -31,21 +31,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from bench import write_result
-from model.backbone import _quantize, onnx_graph
+from model.backbone import backbone_graph
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import load_split_data
 from model.image import RegionExtractor, image_proposals, region_crops
-from model.onnx import graph_dir, session
+from model.onnx import graph_dir, session, set_threads
 from model.parsers import make_parser
 from model.release import RELEASED_MODEL
+from model.resources import cpu_record
 from training.evaluate import evaluate
-from training.release import cpu_record
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +52,15 @@ EMULATED_CPU = "Haswell-v4"  # AVX2, FMA, F16C; no AVX-512, no VNNI
 
 
 def graphs(folder: Path) -> dict[str, Path]:
-    """The three backbone graphs compared: the served int8 (7-bit weights), the 8-bit recipe, the float."""
-    fp32 = onnx_graph("fp32", folder)
-    int8 = onnx_graph("int8", folder)
+    """The three backbone graphs compared: the served int8 (7-bit weights), the 8-bit recipe, the float (the
+    release's where it ships them, else `folder`'s; a missing one is made there by the torch side)."""
+    fp32 = backbone_graph("fp32", folder=folder)
+    int8 = backbone_graph("int8", folder=folder)
     bits8 = folder / "efficientnet-lite0-int8-8bit-bench.onnx"
     if not bits8.is_file():
+        from model.nets.backbone import _quantize  # the quantization recipe's maker (the trainer's side)
+
+        folder.mkdir(parents=True, exist_ok=True)
         _quantize(fp32, bits8, reduce_range=False)
     return {"int8-7bit": int8, "int8-8bit": bits8, "fp32": fp32}
 
@@ -76,7 +79,7 @@ def dump(paths: list[Path], folder: Path, boxes_from: Path | None, out: Path) ->
         own = extractor.extract(img).boxes
         arrays[f"boxes{k}"] = own
         boxes = given[f"boxes{k}"] if given is not None else own
-        crops = region_crops(img, boxes, bundle_cfg.crop_size).numpy()
+        crops = region_crops(img, boxes, bundle_cfg.crop_size)
         for name, sess in sessions.items():
             feats = [sess.run(None, {"x": crops[i : i + 1]})[0].mean(axis=(2, 3)) for i in range(len(crops))]
             arrays[f"{name}{k}"] = np.concatenate(feats)
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--boxes", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    set_threads(1)
     folder = graph_dir()
     if args.dump is not None:
         dev = load_split(args.data, "dev")

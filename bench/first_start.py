@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from model.config import default_data_dir
-from training.release import ROOT, cpu_record, git_commit
+from model.resources import cpu_record
+from training.release import ROOT, git_commit
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +95,15 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     ready_at = None
+    ready_rss_mb = 0.0
     peak_rss_mb = 0.0  # sampled every second: the service and its extraction workers together
     try:
         while time.monotonic() - t0 < limit_s and proc.poll() is None:
             peak_rss_mb = max(peak_rss_mb, tree_rss_mb(proc.pid))  # ./run execs python: the same process
             if ready(port):
                 ready_at = time.monotonic() - t0
+                time.sleep(5.0)  # the preparation's workers gone: what the service holds while it serves
+                ready_rss_mb = tree_rss_mb(proc.pid)
                 break
             time.sleep(1.0)
     finally:
@@ -121,7 +126,8 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
     kept = ("setting up", "service.prepare", "model.cache", "index.build", "model.fragments", "service:")
     return {"ready_seconds": round(ready_at, 1),
             "searches_served_seconds": None if searches_at is None else round(searches_at, 1),
-            "stages": stages, "peak_rss_mb": round(peak_rss_mb, 1), "disk": sizes, **git_commit(clone),
+            "stages": stages, "peak_rss_mb": round(peak_rss_mb, 1),
+            "ready_rss_mb": round(ready_rss_mb, 1), "disk": sizes, **git_commit(clone),
             "log": [f"{t:7.1f}s {text}" for t, text in lines if any(k in text for k in kept)][:120]}
 
 
@@ -132,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=8765, help="the loopback port the service listens on")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--limit", type=float, default=3600.0, help="seconds to wait for /readyz")
+    ap.add_argument("--keep-artifacts", type=Path, default=None,
+                    help="move the clone's artifacts/ (features, indexes) here afterwards, for later benchmarks")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="fragsearch-first-start-") as tmp:
@@ -142,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         if any(home.iterdir()):
             ap.error(f"{home} is not empty: the first start is measured from an empty HOME")
         result = first_start(clone, home, args.port, args.data.resolve(), args.limit)
+        if args.keep_artifacts is not None:
+            shutil.rmtree(args.keep_artifacts, ignore_errors=True)
+            shutil.move(str(clone / "artifacts"), str(args.keep_artifacts))
     result = {"command": "python -m bench.first_start " + shlex.join(sys.argv[1:] if argv is None else argv),
               "cpu": cpu_record(), "cores": os.cpu_count(), **result}
     args.out.parent.mkdir(parents=True, exist_ok=True)

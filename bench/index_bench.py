@@ -39,7 +39,6 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from index import ImageIndex, IndexSettings, SentenceIndex
@@ -51,8 +50,10 @@ from model.config import ImageConfig, TextConfig, default_artifacts_dir, default
 from model.data import Split, load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence, embed_sentence
-from model.encoders import FragmentModel, ModelConfig
+from model.encoders import Encoders, ModelConfig
 from model.fragments import WORD_REL, TextPipeline, parse_cached
+from model.modelfile import model_file
+from model.onnx import set_threads
 from model.release import served_model_from_env
 from model.text import RelationVocab
 from model.words import WordTable
@@ -158,7 +159,7 @@ def sweep(index: ImageIndex | SentenceIndex, settings: Sequence[IndexSettings],
 
 
 # -- the dev images ----------------------------------------------------------------------------------------
-def dev_queries(bundle: Bundle, split: Split, n: int) -> list[torch.Tensor]:
+def dev_queries(bundle: Bundle, split: Split, n: int) -> list[np.ndarray]:
     """The fragments of the first caption of each of the first n dev images (captions without one left out)."""
     queries = []
     for caps in split.captions[:n]:
@@ -239,7 +240,7 @@ class BackendMeasure:
     """One row of `backend_rows`: the indexed search of every query against the exact truth, with the
     exhaustive search of (up to) 200 queries on the same index as the reference time."""
 
-    def __init__(self, index: ImageIndex, queries: list[torch.Tensor], truth: list[list[int]], command: str) -> None:
+    def __init__(self, index: ImageIndex, queries: list[np.ndarray], truth: list[list[int]], command: str) -> None:
         self.index, self.queries, self.truth, self.command = index, queries, truth, command
         _, self.exhaustive_ms = timed(self._exhaustive, min(200, len(queries)))
 
@@ -305,30 +306,33 @@ class Synthetic:
         z = np.empty((count, N_FRAGMENTS, self.centres.shape[1]), np.float32)
         z[:, 0] = self.centres[topics].mean(1) + 0.3 * rng.standard_normal((count, z.shape[2]))
         z[:, 1:] = self.centres[region_topic] + 0.6 * rng.standard_normal((count, N_FRAGMENTS - 1, z.shape[2]))
-        out = (torch.from_numpy(z.reshape(-1, z.shape[2])) @ torch.from_numpy(self.lift)).numpy()
+        out = z.reshape(-1, z.shape[2]).astype(np.float32) @ self.lift.astype(np.float32)
         out = out.reshape(count, N_FRAGMENTS, self.h) + self.bias
         out += self.noise[rng.integers(0, len(self.noise), (count, N_FRAGMENTS))]
         return out
 
-    def queries(self, n: int) -> list[torch.Tensor]:
+    def queries(self, n: int) -> list[np.ndarray]:
         rng = np.random.default_rng((self.seed, 1 << 40))
         out = []
         for _ in range(n):
             topics = rng.integers(0, self.topics, rng.integers(2, 4))
             t = int(rng.integers(6, 13))
             z = self.centres[rng.choice(topics, t)] + 0.6 * rng.standard_normal((t, self.centres.shape[1]))
-            lifted = (torch.from_numpy(z.astype(np.float32)) @ torch.from_numpy(self.lift)).numpy()
+            lifted = z.astype(np.float32) @ self.lift.astype(np.float32)
             s = np.maximum(lifted + 0.3 * rng.standard_normal((t, self.h)), 0) / np.sqrt(self.h)
-            out.append(torch.from_numpy(s.astype(np.float32)))
+            out.append(s.astype(np.float32))
         return out
 
 
 def scoring_bundle(h: int) -> Bundle:
     """A bundle whose only use is its score (S_kl of a fragment model) for synthetic vectors."""
-    torch.manual_seed(0)  # the weights are unused, but fix the fingerprint
     words = WordTable(["<none>"], np.zeros((1, 384), np.float32))
     text = TextPipeline(TextConfig(), RelationVocab([WORD_REL]), words)
-    return Bundle(FragmentModel(ModelConfig(h=h, n_relations=1)).eval(), text, ImageConfig())
+    cfg = ModelConfig(h=h, n_relations=1)
+    rng = np.random.default_rng(0)  # the weights are unused, but fix the fingerprint
+    weights = {"image.weight": rng.standard_normal((h, cfg.img_dim)), "image.bias": np.zeros(h),
+               "w_rel.0": rng.standard_normal((2 * cfg.word_dim, h)), "b_rel.0": np.zeros(h)}
+    return Bundle(Encoders(cfg, weights), text, ImageConfig(), weights={})
 
 
 def synthetic_rows(args: argparse.Namespace, n_images: int, h: int, command: str) -> list[Row]:
@@ -439,8 +443,9 @@ def plot(rows: Sequence[Row], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
-                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
-                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
+                    help="the model (a model folder or a trainer's model.pt); default: the served model "
+                         "(model/release.py: the released one unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT "
+                         "names another)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
@@ -461,19 +466,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backends", nargs="*", default=[], choices=BACKENDS,
                     help="also measure the dev images on these candidate backends side by side")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
+    ap.add_argument("--threads", type=int, default=1, help="the model's and FAISS threads while measuring")
     ap.add_argument("--build-threads", type=int, default=2, help="FAISS threads while building")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic index folders")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of other collections already in --out (replace those measured now)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     command = "python -m bench.index_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     rows: list[Row] = []
-    bundle = Bundle.load(args.model) if args.model.is_file() else None
+    bundle = Bundle.load(args.model) if model_file(args.model).is_file() else None
     if bundle is None:
         logger.warning("no model at %s: no dev-image rows, synthetic h = %d", args.model, args.h or 1000)
     elif not args.skip_dev:

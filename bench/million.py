@@ -49,7 +49,6 @@ from pathlib import Path
 import faiss
 import numpy as np
 import psutil
-import torch
 from tqdm import tqdm
 
 from bench.index_bench import K, Row, agreement, ann_bytes_per_fragment, describe, read_row, timed, write_csv
@@ -63,6 +62,7 @@ from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence, embed_sentence
+from model.onnx import set_threads
 
 logger = logging.getLogger("bench.million")
 
@@ -144,8 +144,7 @@ def real_fragments(bundle: Bundle, data: Path, cache_dir: Path) -> tuple[np.ndar
     paths = [split.image_path(n) for n in split.images]
     cache = feature_cache(cache_dir, bundle.image_cfg)
     feats = np.stack([f.features for f in cache.load(paths)])
-    with torch.inference_mode():
-        real = np.concatenate([bundle.embed_images(feats[i : i + 64]).numpy() for i in range(0, len(feats), 64)])
+    real = np.concatenate([bundle.embed_images(feats[i : i + 64]) for i in range(0, len(feats), 64)])
     return real, [caps[0] for caps in split.captions]
 
 
@@ -220,19 +219,18 @@ def build(args: argparse.Namespace, bundle: Bundle, gen: RealisticImages, settin
     return out
 
 
-def int8_agreement(index: ImageIndex, queries: list[torch.Tensor], truth: list[list[int]]) -> float:
+def int8_agreement(index: ImageIndex, queries: list[np.ndarray], truth: list[list[int]]) -> float:
     """agreement@10 of the indexed search when the candidates' stored vectors are read back through
     an int8 store's encoding (the same candidates: the candidate stage does not read the store)."""
     int8 = VectorStore(index.dim, "int8")
     found = []
     for q in queries:
         with index.reading():
-            cand = index.ranker.candidates(q.numpy())
+            cand = index.ranker.candidates(q)
             vecs, mask = index.store.gather(index.items.seg[cand], index.items.off[cand], index.items.n[cand])
         flat = vecs.reshape(-1, index.dim)
         vecs = int8.decode(int8.encode(flat)).reshape(vecs.shape)
-        scores = index.bundle.scores(torch.from_numpy(vecs), torch.from_numpy(mask.astype(np.float32)),
-                                     q[None], torch.ones(1, len(q)))[:, 0].numpy()
+        scores = index.bundle.scores(vecs, mask.astype(np.float32), q[None], np.ones((1, len(q)), np.float32))[:, 0]
         order = np.lexsort((cand, -scores))[:K]
         found.append(cand[order].tolist())
     return agreement(found, truth)
@@ -242,7 +240,7 @@ def add_codes(args: argparse.Namespace, index: ImageIndex, built: dict[str, floa
     """Give the index `--codes`-dimensional prescore codes (the save's derivation over every stored
     segment, index.codes), timed; the folder's size after it becomes the build's `disk`."""
     faiss.omp_set_num_threads(args.build_threads)
-    torch.set_num_threads(args.build_threads)
+    set_threads(args.build_threads)
     with phase(f"add {args.codes}-d prescore codes" + f" and {args.refine_codes}-d refining codes" * bool(
             args.refine_codes)) as rss:
         t0 = time.perf_counter()
@@ -279,7 +277,7 @@ def merge_probe(args: argparse.Namespace, bundle: Bundle, built: dict[str, float
     logger.info("merged %.1f GB in %.0f s", merged / 1e9, seconds)
 
 
-def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torch.Tensor]
+def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[np.ndarray]
                  ) -> tuple[list[list[int]], np.ndarray]:
     """The exhaustive exact top K of every query (one pass over the store) and the exhaustive search's
     milliseconds on a few queries; kept in --work (truth-<queries>.json) for later runs on the index."""
@@ -289,9 +287,9 @@ def ground_truth(args: argparse.Namespace, index: ImageIndex, queries: list[torc
         if data["images"] == len(index) and data.get("fingerprint") == index.fingerprint:
             return data["truth"], np.asarray(data["exhaustive_ms"])
     with phase("exhaustive ground truth") as rss:
-        torch.set_num_threads(args.build_threads)  # the one pass over the store for every query: not timed
+        set_threads(args.build_threads)  # the one pass over the store for every query: not timed
         truth = [[i for i, _ in r] for r in exact_top_k(index, queries, K)]
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         _, exhaustive_ms = timed(
             lambda q: [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K,
                                                         exhaustive=True).hits], args.exhaustive_timed)
@@ -311,7 +309,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
                                                                                           args.refine_codes):
         add_codes(args, index, built)
     faiss.omp_set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     queries = []
     for text in captions:
         try:
@@ -365,7 +363,7 @@ def measure(args: argparse.Namespace, bundle: Bundle, captions: list[str], setti
     return rows
 
 
-def top_ids(index: ImageIndex, queries: list[torch.Tensor], q: int) -> list[int]:
+def top_ids(index: ImageIndex, queries: list[np.ndarray], q: int) -> list[int]:
     """The ids of the top K images for query q (what a measured search returns)."""
     return [h.image_id for h in index.search(EmbeddedSentence(queries[q]), K).hits]
 
@@ -408,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
                          "(into a scratch file, removed after) with its peak RSS, then stop")
     ap.add_argument("--queries", type=int, default=50)
     ap.add_argument("--exhaustive-timed", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads while measuring")
+    ap.add_argument("--threads", type=int, default=1, help="the model's and FAISS threads while measuring")
     ap.add_argument("--build-threads", type=int, default=2)
     ap.add_argument("--reads", choices=("prefetch", "one-by-one", "both"), default="prefetch",
                     help="the store's gathers ask the kernel for all their rows at once (VectorStore.prefetch), "
@@ -428,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python -m bench.million " + shlex.join(sys.argv[1:] if argv is None else argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     bundle = Bundle.load(args.model)
     real, captions = real_fragments(bundle, args.data, args.cache)
     base = IndexSettings.of(kind="ivfpq", nlist=args.nlist, m=32, pretransform="PCA128", store_dtype=args.store_dtype)

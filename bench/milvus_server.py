@@ -45,7 +45,6 @@ from typing import Any
 import faiss
 import numpy as np
 import psutil
-import torch
 from tqdm import tqdm
 
 from bench import machine, parse_run
@@ -61,6 +60,7 @@ from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence
+from model.onnx import set_threads
 from model.release import served_model_from_env
 from model.resources import cpu_info
 
@@ -90,9 +90,9 @@ def timed_runs(fn: Callable[[int], Any], n: int, desc: str) -> tuple[list[Any], 
     return out, ms
 
 
-def candidates_of(index: ImageIndex, query: torch.Tensor) -> np.ndarray:
+def candidates_of(index: ImageIndex, query: np.ndarray) -> np.ndarray:
     with index.reading():
-        return index.ranker.candidates(query.numpy())
+        return index.ranker.candidates(query)
 
 
 def overlap(mine: list[np.ndarray], theirs: list[np.ndarray]) -> dict[str, float]:
@@ -102,7 +102,7 @@ def overlap(mine: list[np.ndarray], theirs: list[np.ndarray]) -> dict[str, float
     return {"covers": round(float(np.mean(cover)), 4), "identical_sets": round(float(np.mean(same)), 4)}
 
 
-def compare(label: str, indexes: dict[str, ImageIndex], queries: list[torch.Tensor]) -> dict[str, Any]:
+def compare(label: str, indexes: dict[str, ImageIndex], queries: list[np.ndarray]) -> dict[str, Any]:
     """The same queries through each backend's index: candidates, answers, times."""
     first = next(iter(indexes.values()))
     truth = [[i for i, _ in r] for r in exact_top_k(first, queries, K)]
@@ -139,7 +139,7 @@ def compare(label: str, indexes: dict[str, ImageIndex], queries: list[torch.Tens
 
 # -- collections --------------------------------------------------------------------------------------------
 def dev_indexes(args: argparse.Namespace, bundle: Bundle, server: LocalServer) -> tuple[dict[str, ImageIndex],
-                                                                                      list[torch.Tensor]]:
+                                                                                      list[np.ndarray]]:
     split = load_split(args.data, "dev")
     paths = [split.image_path(n) for n in split.images]
     cache = feature_cache(args.cache, bundle.image_cfg)
@@ -156,7 +156,7 @@ def dev_indexes(args: argparse.Namespace, bundle: Bundle, server: LocalServer) -
 
 
 def synthetic_indexes(args: argparse.Namespace, n_images: int, h: int, server: LocalServer
-                      ) -> tuple[dict[str, ImageIndex], list[torch.Tensor]]:
+                      ) -> tuple[dict[str, ImageIndex], list[np.ndarray]]:
     gen = Synthetic(h)
     bundle = scoring_bundle(h)
     chunk = 2048
@@ -233,7 +233,7 @@ def consistency(server: LocalServer, workdir: Path, trials: int, dim: int = 64) 
 
 
 # -- restart after SIGKILL -----------------------------------------------------------------------------------
-def restarts(server: LocalServer, root: Path, bundle: Bundle, query: torch.Tensor, kills: int
+def restarts(server: LocalServer, root: Path, bundle: Bundle, query: np.ndarray, kills: int
              ) -> list[dict[str, float]]:
     out: list[dict[str, float]] = []
     with ImageIndex.load(root, bundle) as index:
@@ -271,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10, help="searches per consistency level")
     ap.add_argument("--kills", type=int, default=2, help="SIGKILLs of the server (the ready time after each)")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes (features not cached)")
-    ap.add_argument("--threads", type=int, default=1, help="torch and FAISS threads")
+    ap.add_argument("--threads", type=int, default=1, help="the model's and FAISS threads")
     if not isolated():  # the server listens on every interface it sees: run in a namespace of its own
         cmd = own_namespace([sys.executable, "-m", "bench.milvus_server", *(sys.argv[1:] if argv is None else argv)])
         return os.spawnvp(os.P_WAIT, cmd[0], cmd)
     args, command = parse_run(ap, argv, "bench.milvus_server")
     loopback_up()
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)

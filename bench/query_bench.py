@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from bench import machine
@@ -35,6 +34,8 @@ from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.embed import EmbeddedSentence, row_triplets
+from model.modelfile import model_file
+from model.onnx import set_threads
 from model.release import RELEASED_MODEL, read_manifest, served_model_from_env
 from service.routes.convert import image_result
 from service.schemas import SearchImagesResponse
@@ -63,19 +64,18 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
     times: dict[str, list[float]] = {s: [] for s in STAGES}
     for text in sentences:
         t = Laps()
-        with torch.inference_mode():
-            parsed = bundle.text.parse([text])
-            t.lap("parse")
-            enc = bundle.text.encode_parsed(parsed, [text], strict=True)
-            t.lap("word_vectors")
-            raw, mask = bundle.embed_sentences(enc, calibrated=False)
-            t.lap("encoders")
-            if bundle.calibration is not None:
-                raw = bundle.calibration.calibrate_sentences(raw, mask, bundle.blocks)
-            t.lap("calibration_scale")
-            n = int(mask[0].sum())
-            hits = index.search(EmbeddedSentence(raw[0, :n], row_triplets(enc.triplets[0], n)), k).hits
-            t.lap("retrieval")
+        parsed = bundle.text.parse([text])
+        t.lap("parse")
+        enc = bundle.text.encode_parsed(parsed, [text], strict=True)
+        t.lap("word_vectors")
+        raw, mask = bundle.embed_sentences(enc, calibrated=False)
+        t.lap("encoders")
+        if bundle.calibration is not None:
+            raw = bundle.calibration.calibrate_sentences(raw, mask, bundle.blocks)
+        t.lap("calibration_scale")
+        n = int(mask[0].sum())
+        hits = index.search(EmbeddedSentence(raw[0, :n], row_triplets(enc.triplets[0], n)), k).hits
+        t.lap("retrieval")
         body = SearchImagesResponse(sentence=text, results=[image_result(h) for h in hits],
                                     took_ms=0.0).model_dump_json()
         assert body
@@ -87,26 +87,27 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
 
 
 def model_name(path: Path, bundle: Bundle) -> str:
-    """A row's model: `released (<its row>)` for the released model, else the checkpoint's folder."""
-    if path.resolve() == RELEASED_MODEL.resolve():
+    """A row's model: `released (<its row>)` for the released model, else the model's folder."""
+    file = model_file(path)
+    if file.resolve() == RELEASED_MODEL.resolve():
         return f"released ({read_manifest().get('row') or bundle.meta.get('variant')})"
-    return path.parent.name
+    return file.parent.name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
     ap.add_argument("--model", type=Path, nargs="+", default=[served_model_from_env(art)],
-                    help="the checkpoints (model.pt), measured side by side; default: the served model "
-                         "(model/release.py: the released one unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT "
-                         "names another)")
+                    help="the models (a model folder or a trainer's model.pt), measured side by side; default: the "
+                         "served model (model/release.py: the released one unless FRAGSEARCH_MODEL_PATH or "
+                         "FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--index", type=Path, nargs="+", default=[art / "index" / "images-dev"],
                     help="the image index searched with each --model, in order; default: the served dev-image index")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--n", type=int, default=200, help="queries: the first N dev captions")
     ap.add_argument("--k", type=int, default=10, help="results per query")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--threads", type=int, default=1, help="the model's intra-op threads (ONNX Runtime)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out and add these after them (a model measured again has its "
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--candidates", action="store_true", help="always use the candidate stage")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if len(args.model) != len(args.index):
         ap.error(f"{len(args.model)} models but {len(args.index)} indexes: one index per model")
     bundles = [Bundle.load(m) for m in args.model]

@@ -25,11 +25,12 @@ import numpy as np
 from PIL import Image
 
 from bench import machine, parse_run, write_rows
-from model.backbone import BACKBONES, set_torch_threads
 from model.bundle import Bundle
 from model.config import BACKBONE_NAMES, PROPOSAL_SOURCES, default_data_dir
 from model.data import load_split
+from model.graphs import BACKBONES
 from model.image import RegionExtractor
+from model.onnx import set_threads
 from model.release import RELEASED_MODEL
 from model.resources import cpu_info
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the crop backbones measured (default: the model's)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     args, command = parse_run(ap, argv, "bench.region_cost")
-    set_torch_threads(1)
+    set_threads(1)
     base = Bundle.load(args.model).image_cfg
     backbones = args.backbones or [base.backbone]
     # the model's own backbone at the model's crop side, another at its native side

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per client count of the load run")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--threads", type=int, default=1, help="the service's torch threads")
+    ap.add_argument("--threads", type=int, default=1, help="the service's threads (FRAGSEARCH_THREADS: its graphs)")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up search before ready (the first query "
                     "then loads the parser and the word vectors too)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/serve-large.json"))
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "FRAGSEARCH_IMAGE_INDEX": str(args.index), "FRAGSEARCH_MODEL_PATH": str(args.model),
            "FRAGSEARCH_SENTENCE_INDEX": str(args.index.parent / "no-sentence-index"), "FRAGSEARCH_PREPARE": "false",
            "FRAGSEARCH_WARMUP": str(not args.no_warmup).lower(), "FRAGSEARCH_HOST": "127.0.0.1",
-           "FRAGSEARCH_PORT": str(args.port), "FRAGSEARCH_TORCH_THREADS": str(args.threads),
+           "FRAGSEARCH_PORT": str(args.port), "FRAGSEARCH_THREADS": str(args.threads),
            "FRAGSEARCH_SEARCH_DEADLINE": "60"}
     result["load_average_start"] = load_average()
     t0 = time.perf_counter()

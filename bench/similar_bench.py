@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from spacy.lang.en.stop_words import STOP_WORDS
 from tqdm import tqdm
 
@@ -43,6 +42,7 @@ from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence
+from model.onnx import set_threads
 from model.release import served_model_from_env
 
 logger = logging.getLogger("bench.similar_bench")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/results/similar-dev.csv"), help="the CSV written")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    set_threads(1)
     command = "python -m bench.similar_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     bundle = Bundle.load(args.model)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         hits = images.search(EmbeddedSentence(sent, triplets), K + 1, 0).hits
         return [position[h.image_id] for h in hits if h.image_id in position and h.image_id != ids[q]][:K]
 
-    mean_frag = np.stack([f[0].mean(0).numpy() for f in frags if f is not None])
+    mean_frag = np.stack([f[0].mean(0) for f in frags if f is not None])
     cnn = np.stack([f.features[0] for f in feature_cache(args.cache, bundle.image_cfg).load(
         [split.image_path(n) for n in names])])
     rng = np.random.default_rng(args.seed)

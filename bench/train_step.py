@@ -43,7 +43,7 @@ def arm(name: str) -> Iterator[None]:
         yield
         return
     with mock.patch("training.epochs.fused_optimizer", lambda params: False), \
-            mock.patch("model.encoders.host_masks", lambda device: False):
+            mock.patch("model.nets.encoders.host_masks", lambda device: False):
         yield
 
 

@@ -49,7 +49,6 @@ from index.store import VectorStore
 from index.stored import StoredFragments
 from index.types import IndexLoadError, IndexSettings
 from model.bundle import Bundle
-from model.device import MODEL_DEVICE
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +74,6 @@ class FragmentIndex(Generic[P]):
         self.dim = bundle.dim
         self.settings = settings
         self.fingerprint = model_fingerprint(bundle)
-        bundle.model.eval()
         self.catalogue = catalogue
         self.items: ItemTable[P] = ItemTable()
         self.store = store or VectorStore(self.dim, settings.shape.store_dtype, self.root)  # spills into the folder
@@ -290,8 +288,7 @@ class FragmentIndex(Generic[P]):
             policy = self.candidates.policy()
             kind = f"{self.candidates.NAME} {self.candidates.active_kind}"
         return f"{self.KIND} index ({kind}): " + ", ".join(
-            f"{call} {where}" + (f" ({self.bundle.device})" if where == MODEL_DEVICE else "")
-            for call, where in policy.items())
+            f"{call} {where}" for call, where in policy.items())
 
     def set_search(self, **changes: Any) -> None:
         """Change search-time settings (nprobe, ef_search, k_prime, rerank, use_gpu) without a rebuild."""

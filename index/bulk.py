@@ -44,15 +44,14 @@ from index.files import list_images
 from index.images import ImageIndex
 from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shards, shard_settings, shard_summary
 from index.types import STORE_DTYPES, IndexSettings
-from model.backbone import onnx_graph, set_torch_threads
 from model.bundle import Bundle
 from model.cache import FeatureCache, content_key
 from model.config import ImageConfig, add_region_flags, default_artifacts_dir, with_region_flags
 from model.dataset import feature_cache
 from model.detector import Detector
-from model.image import ImageFragments, RegionExtractor, image_proposals
+from model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
 from model.imageio import ImageReadError, load_image
-from model.onnx import graph_dir
+from model.onnx import set_threads
 from model.proposals import proposal_columns
 from model.release import served_model_from_env
 
@@ -88,7 +87,7 @@ def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, n
     """CPU stage: image files → their bytes, content keys and proposals (flattened float32 bytes).
 
     An unreadable file gets its reason in ``error`` and passes through, so the driver records it."""
-    set_torch_threads(1)
+    set_threads(1)
     # the COCO detector, when the regions come from it: loaded once per batch (checked by hash), not per image
     detector = Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only else None
     keys, datas, props, errors = [], [], [], []
@@ -116,7 +115,7 @@ class BackboneStage:
     """Actor stage: images + proposals → fragments, with the one RegionExtractor (its backbone half)."""
 
     def __init__(self, cfg: ImageConfig, device: str, runtime: str) -> None:
-        set_torch_threads(1)
+        set_threads(1)
         self.cfg = cfg
         self.extractor = RegionExtractor(cfg, device, runtime)
 
@@ -198,7 +197,7 @@ def extract_ray(paths: Sequence[str], cfg: ImageConfig, sink: Sink, workers: int
 
     gpus = ray.cluster_resources().get("GPU", 0.0)
     device = "cuda" if gpus >= 1 else "cpu"
-    onnx_graph(cfg.backbone_precision, graph_dir())  # made once here, not by every actor at once
+    extractor_files(cfg)  # found or made once here, not by every actor at once
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the driver's tqdm bar below reports progress
     blocks = max(1, -(-len(paths) // batch))

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from index.types import IndexSettings
-from model.device import CODES_CPU, MODEL_DEVICE
+from model.device import CODES_CPU, EXACT_CPU
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class CandidateBackend(ABC):
     def policy(self) -> dict[str, str]:
         """Where each call runs (model.device.CALLS -> a placement); a backend outside the process
         searches and writes where it lives, the exact score runs on the model's device."""
-        return {"knn": self.NAME, "range": self.NAME, "exact": MODEL_DEVICE, "prescore": CODES_CPU, "write": self.NAME}
+        return {"knn": self.NAME, "range": self.NAME, "exact": EXACT_CPU, "prescore": CODES_CPU, "write": self.NAME}
 
     # -- persistence ------------------------------------------------------------------------------
     @abstractmethod

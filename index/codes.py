@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from index.ann import uncentred_pca
@@ -56,6 +55,7 @@ from index.files import unique_name
 from index.items import ItemTable
 from index.selection import best_positions
 from index.store import VectorStore, release_rows
+from model.arrays import segment_sum
 from model.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ SCORE_ITEMS = 4096  # candidates whose codes are decoded and scored at a time
 
 # the exact score (model.score.skl_of_items) of C candidates from the inner products (N, t) of their
 # fragments' codes with the projected queries and the candidate of each row (N,): (dots, owner, C) -> (C,)
-ApproxScore = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+ApproxScore = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class PrescoreCodes:
         rows gathered without padding, their products with the projected queries, S_kl of those;
         `refined` (with refining codes): the products on both codes' directions."""
         levels = [self] + ([self.refined] if refined and self.refined is not None else [])
-        qs = [torch.from_numpy(level.project(queries)) for level in levels]
+        qs = [level.project(queries) for level in levels]
         out = np.empty(len(cand), np.float32)
         order = np.lexsort((items.off[cand], items.seg[cand]))  # file order: each segment's rows read in one pass
         for start in range(0, len(cand), SCORE_ITEMS):
@@ -167,8 +167,8 @@ class PrescoreCodes:
             dots = levels[0].store.dots(levels[0].store.gather_rows(seg, off, n), qs[0])
             for level, q in zip(levels[1:], qs[1:], strict=True):
                 dots += level.store.dots(level.store.gather_rows(seg, off, n), q)
-            owner = torch.from_numpy(np.repeat(np.arange(len(part)), n))
-            out[at] = approx(dots, owner, len(part)).numpy()
+            owner = np.repeat(np.arange(len(part)), n)
+            out[at] = approx(dots, owner, len(part))
         return out
 
     def summaries(self, items: ItemTable[Any]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -194,9 +194,8 @@ class PrescoreCodes:
             part = ids[start : start + ENCODE_ROWS // 16]
             n = items.n[part]
             rows = self.store.decode(self.store.gather_rows(items.seg[part], items.off[part], n))
-            owner = torch.from_numpy(np.repeat(np.arange(len(part)), n))
-            sums = torch.zeros(len(part), self.dim).index_add_(0, owner, torch.from_numpy(rows))
-            means[start : start + len(part)] = (sums / torch.from_numpy(n.astype(np.float32))[:, None]).numpy()
+            sums = segment_sum(rows, np.repeat(np.arange(len(part)), n), len(part))
+            means[start : start + len(part)] = sums / n.astype(np.float32)[:, None]
         return ids, means
 
     def summary_scores(self, items: ItemTable[Any], queries: np.ndarray, shortlist: int = 0

@@ -9,7 +9,6 @@ import weakref
 from typing import Any
 
 import numpy as np
-import torch
 
 from model.bundle import Bundle
 
@@ -32,8 +31,11 @@ def model_fingerprint(bundle: Bundle) -> str:
     if cached is not None:
         return cached
     h = hashlib.sha256()
+    stored = {f"enc/{k}": v for k, v in bundle.encoders.arrays().items()}
+    if bundle.text.cfg.word_vectors == "static" or bundle.is_global:  # the table's vectors, where it reads them
+        stored["word_vectors"] = bundle.text.words.vectors
     settings = {
-        "model": _settings("model", bundle.model.cfg),
+        "model": _settings("model", bundle.cfg),
         "image": _settings("image", bundle.image_cfg),
         "text": dataclasses.asdict(bundle.text.cfg),
         "relations": list(bundle.text.relations.kept),
@@ -41,10 +43,11 @@ def model_fingerprint(bundle: Bundle) -> str:
     }
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update("\0".join(bundle.text.words.words).encode())
-    h.update(np.ascontiguousarray(bundle.text.words.vectors, dtype=np.float32).tobytes())
-    for name, tensor in sorted(bundle.model.state_dict().items()):
+    if "word_vectors" in stored:
+        h.update(np.ascontiguousarray(stored["word_vectors"], dtype=np.float32).tobytes())
+    for name, array in sorted((k[4:], v) for k, v in stored.items() if k.startswith("enc/")):
         h.update(name.encode())
-        h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        h.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
     digest = h.hexdigest()[:20]
     _cache[bundle] = digest
     return digest

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
 from index.base import FragmentIndex
 
@@ -20,7 +19,7 @@ class ImageVectors:
     """One unit vector per live image of an index, made from its stored embedded fragments by
     `reduce` ((C, F, h) fragments, (C, F) mask -> (C, h)) once per image, kept as images come and go."""
 
-    def __init__(self, reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, reduce: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
         self._reduce = reduce
         self._vecs: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
@@ -33,8 +32,8 @@ class ImageVectors:
             for start in range(0, len(missing), CHUNK):
                 part = missing[start : start + CHUNK]
                 vec = self._reduce(*images.stored.vectors(part))
-                unit = vec / vec.norm(dim=1, keepdim=True).clamp_min(1e-12)
-                self._vecs.update(zip(part.tolist(), unit.numpy().astype(np.float32), strict=True))
+                unit = vec / np.maximum(np.linalg.norm(vec, axis=1, keepdims=True), 1e-12)
+                self._vecs.update(zip(part.tolist(), unit.astype(np.float32), strict=True))
             live = set(ids.tolist())
             for gone in [i for i in self._vecs if i not in live]:  # removed images
                 del self._vecs[gone]
@@ -43,11 +42,11 @@ class ImageVectors:
         return ids, mat
 
 
-def masked_mean(vecs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (vecs * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+def masked_mean(vecs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return (vecs * mask[..., None]).sum(1) / np.maximum(mask.sum(1, keepdims=True), 1)
 
 
-def whole_image(vecs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def whole_image(vecs: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return vecs[:, 0]  # row 0: the whole frame
 
 

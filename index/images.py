@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from index.base import FragmentIndex
@@ -72,12 +71,11 @@ def embedded_images(vectors: np.ndarray, boxes: np.ndarray, sizes: np.ndarray,
     """Images embedded already, as `ImageIndex.add` takes them: vectors (K, F, h), boxes (K, F, 4),
     sizes (K, 2) width, height, and each image's fragment labels (`EmbeddedImage.labels`; none by default)."""
     named = labels if labels is not None else [()] * len(vectors)
-    return [EmbeddedImage(torch.from_numpy(v), np.asarray(b, dtype=np.float32), int(s[0]), int(s[1]), tuple(n))
+    return [EmbeddedImage(v, np.asarray(b, dtype=np.float32), int(s[0]), int(s[1]), tuple(n))
             for v, b, s, n in zip(np.asarray(vectors, dtype=np.float32), boxes, sizes, named, strict=True)]
 
 
-@torch.inference_mode()
-def exact_top_k(images: ImageIndex, sents: Sequence[torch.Tensor], k: int = 10) -> list[list[tuple[int, float]]]:
+def exact_top_k(images: ImageIndex, sents: Sequence[np.ndarray], k: int = 10) -> list[list[tuple[int, float]]]:
     """Exact top k (image id, score) for many sentence queries (each (T_q, h)) in one pass over the store
     (the ground truth of benchmarks: `ImageIndex.search` ranks one query)."""
     return images.ranker.rank_many(exact_score(images.bundle, sents, "images"), len(sents), k)
@@ -146,7 +144,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         payloads = [StoredImage(str(name), self.photos.stored_path(path), e.width, e.height, e.boxes,
                                 read_place(path) if read_places else None, e.labels)
                     for e, name, path in zip(ready, names, paths, strict=True)]
-        return self.insert([e.vectors.numpy() for e in ready], payloads)
+        return self.insert([e.vectors for e in ready], payloads)
 
     # -- reading ----------------------------------------------------------------------------------
     def get(self, image_id: int) -> ImageRecord | None:
@@ -158,7 +156,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         return ImageRecord(image_id, p.name, self.photos.real_path(p.path), p.width, p.height, p.boxes.tolist(),
                            p.labels)
 
-    def fragments(self, image_id: int) -> tuple[torch.Tensor, np.ndarray] | None:
+    def fragments(self, image_id: int) -> tuple[np.ndarray, np.ndarray] | None:
         """An indexed image's embedded fragments (F, h) and their boxes (F, 4), or None."""
         with self.reading():
             if not self.contains(image_id):
@@ -167,7 +165,6 @@ class ImageIndex(FragmentIndex[StoredImage]):
             boxes = self.payloads([image_id])[image_id].boxes
         return vecs[0, : int(mask[0].sum())], boxes
 
-    @torch.inference_mode()
     def search(self, query: str | EmbeddedSentence, k: int = 10, offset: int = 0, exhaustive: bool = False,
                where: PlaceFilter | None = None) -> Page[ImageHit]:
         """Images ranked offset + 1 .. offset + k for a sentence (its text, or its fragments (T, h) with
@@ -178,16 +175,15 @@ class ImageIndex(FragmentIndex[StoredImage]):
         fragment."""
         if isinstance(query, str):
             query = EmbeddedSentence(*embed_sentence(self.bundle, query))
-        sent = torch.as_tensor(query.vectors, dtype=torch.float32)
+        sent = np.asarray(query.vectors, dtype=np.float32)
         allowed = self.photos.allowed(where) if where else None
-        ranked, considered = self.ranker.rank(sent.numpy(), exact_score(self.bundle, [sent], "images"), offset + k,
+        ranked, considered = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"), offset + k,
                                               exhaustive, allowed, skl_of_items)  # codes: one block (the
         # projection mixes a merged model's member slices)
         return Page([ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
-    @torch.inference_mode()
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         """Why image `image_id` scores what it does for `sentence` (None when it is not indexed): its
         S_kl, its rank as a search ranks it, its alignment and every fragment pair's share of the score.
@@ -199,7 +195,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         with self.reading():
             if not self.contains(image_id):
                 return None
-            placed = self.ranker.place(image_id, sent.numpy(), exact_score(self.bundle, [sent], "images"),
+            placed = self.ranker.place(image_id, sent, exact_score(self.bundle, [sent], "images"),
                                        skl_of_items)
             vecs, mask = self.stored.vectors(np.asarray([image_id], dtype=np.int64))
             payload = self.payloads([image_id])[image_id]
@@ -215,7 +211,6 @@ class ImageIndex(FragmentIndex[StoredImage]):
                            matches(frags, sent, triplets, payload.boxes, self.bundle.blocks, payload.labels),
                            pairs, placed.scope, placed.recalled)
 
-    @torch.inference_mode()
     def search_fragments(self, phrase: str, k: int = 10, offset: int = 0) -> Page[RegionHit]:
         """Image regions ranked offset + 1 .. offset + k for a phrase or a triplet "rel(w1, w2)" (paper Fig. 5).
 
@@ -226,11 +221,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
         """
         sent, _ = embed_phrase(self.bundle, phrase)
         with self.reading():
-            items, frags = self.ranker.nearest_fragments(sent.numpy(), max(self.settings.search.k_prime, offset + k))
+            items, frags = self.ranker.nearest_fragments(sent, max(self.settings.search.k_prime, offset + k))
             if len(items) == 0:
                 return Page([], offset, 0)
-            regions = torch.from_numpy(self.stored.fragment_vectors(items, frags))
-            scores = block_dots(regions, sent, self.bundle.blocks)[1].sum(-1).numpy()
+            regions = self.stored.fragment_vectors(items, frags)
+            scores = block_dots(regions, sent, self.bundle.blocks)[1].sum(-1)
             order = np.lexsort((frags, items, -rank_key(scores)))[offset : offset + k]
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())

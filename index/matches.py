@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from index.types import FragmentMatch
 from model.score import align
 from model.text import Triplet
 
 
-def matches(img: torch.Tensor, sent: torch.Tensor, triplets: Sequence[Triplet] | None,
+def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | None,
             boxes: np.ndarray, blocks: int = 1, labels: Sequence[str | None] = ()) -> list[FragmentMatch]:
     """The alignment of one image-sentence pair as results, in sentence-fragment order.
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
-import torch
 
 from index import ids as fid
 from index.candidates import CandidateBackend
@@ -39,8 +38,8 @@ FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed it
 SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranker.searches)
 
 P = TypeVar("P")
-Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # stored (C, F, h), mask (C, F) -> (C, Q)
-Ranked = tuple[int, float, P, torch.Tensor]  # item, score, payload, its stored fragments (n, h)
+Score = Callable[[np.ndarray, np.ndarray], np.ndarray]  # stored (C, F, h), mask (C, F) -> (C, Q)
+Ranked = tuple[int, float, P, np.ndarray]  # item, score, payload, its stored fragments (n, h)
 
 
 # -- top k: ties always go to the smaller item id, as in the final ranking ------------------------------
@@ -86,16 +85,16 @@ def merge_top_k(best: list[tuple[int, float]], items: np.ndarray, scores: np.nda
     return [merged[n] for n in order[:k]]
 
 
-def exact_score(bundle: Bundle, queries: Sequence[torch.Tensor], stored: Literal["images", "sentences"]) -> Score:
+def exact_score(bundle: Bundle, queries: Sequence[np.ndarray], stored: Literal["images", "sentences"]) -> Score:
     """The model's S_kl of stored items against `queries` (each (T_q, h)): stored fragments (C, F, h) with
     their mask (C, F) -> scores (C, Q). `stored` says which side the items are: images scored for
     sentence queries, or sentences scored for image queries."""
     t_max = max((len(q) for q in queries), default=1)
     dim = queries[0].shape[-1] if len(queries) else bundle.dim
-    padded = torch.zeros(len(queries), t_max, dim)
-    q_mask = torch.zeros(len(queries), t_max)
+    padded = np.zeros((len(queries), t_max, dim), np.float32)
+    q_mask = np.zeros((len(queries), t_max), np.float32)
     for n, q in enumerate(queries):
-        padded[n, : len(q)] = torch.as_tensor(q, dtype=torch.float32)
+        padded[n, : len(q)] = q
         q_mask[n, : len(q)] = 1
     if stored == "images":
         return lambda vecs, mask: bundle.scores(vecs, mask, padded, q_mask)
@@ -182,7 +181,7 @@ class Ranker(Generic[P]):
                 best: list[tuple[int, float]] = []
                 considered = 0
                 for part, vecs, mask in self._scan(items=allowed):
-                    best = merge_top_k(best, part, score(vecs, mask)[:, 0].numpy(), k)
+                    best = merge_top_k(best, part, score(vecs, mask)[:, 0], k)
                     considered += len(part)
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
                 vecs, mask = index.stored.vectors(items)
@@ -199,7 +198,7 @@ class Ranker(Generic[P]):
         best: list[list[tuple[int, float]]] = [[] for _ in range(n_queries)]
         with self.index.reading():
             for part, vecs, mask in self._scan():
-                scores = score(vecs, mask).numpy()
+                scores = score(vecs, mask)
                 for q in range(n_queries):
                     best[q] = merge_top_k(best[q], part, scores[:, q], k)
         return best
@@ -214,14 +213,14 @@ class Ranker(Generic[P]):
         if self.small():
             for part, vecs, mask in self._scan():  # the same batched score as an exhaustive search
                 ids.append(part)
-                scores.append(score(vecs, mask)[:, 0].numpy())
+                scores.append(score(vecs, mask)[:, 0])
         else:
             candidates = self.candidates(queries, approx=approx)
             scope, recalled = "candidates", bool(np.isin(item, candidates))
             ranked = np.union1d(candidates, np.asarray([item], dtype=np.int64))
             vecs, mask = self.index.stored.vectors(ranked)
             ids.append(ranked)
-            scores.append(score(vecs, mask)[:, 0].numpy())
+            scores.append(score(vecs, mask)[:, 0])
         all_ids, all_scores = np.concatenate(ids), np.concatenate(scores)
         mine = float(all_scores[all_ids == item][0])
         keys = rank_key(all_scores)
@@ -366,7 +365,7 @@ class Ranker(Generic[P]):
 
     # -- the exact score -----------------------------------------------------------------------------
     def _scan(self, chunk: int = SCAN_ITEMS, items: np.ndarray | None = None
-              ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+              ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every live item (or the live `items` given) in chunks: (ids, vectors (C, F_max, dim), mask (C, F_max))."""
         self._searched("scan")
         table = self.index.items
@@ -379,7 +378,7 @@ class Ranker(Generic[P]):
     def _top_of(self, items: np.ndarray, score: Score, k: int) -> list[Ranked[P]]:
         """The k best of candidate `items` by `score` (the exact re-rank), as `rank` returns them."""
         vecs, mask = self.index.stored.vectors(items)
-        top = top_k(score(vecs, mask)[:, 0].numpy(), items, k)
+        top = top_k(score(vecs, mask)[:, 0], items, k)
         keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
         vecs, mask, items = vecs[keep], mask[keep], items[keep]
         payloads = self.index.payloads(items.tolist())

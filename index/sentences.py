@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
@@ -92,7 +92,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
                 if len(sent) == 0:
                     skipped += 1
                     continue
-                vecs.append(sent.numpy())
+                vecs.append(sent)
                 payloads.append(StoredSentence(text, triplets))
             added += self.insert(vecs, payloads)
         if skipped:
@@ -107,7 +107,6 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
             p = self.payloads([sentence_id])[sentence_id]
         return SentenceRecord(sentence_id, p.text, [t.text() for t in p.triplets])
 
-    @torch.inference_mode()
     def annotate(self, image: Image.Image | ImageFragments | EmbeddedImage, k: int = 10, offset: int = 0,
                  exhaustive: bool = False) -> Page[SentenceHit]:
         """Sentences ranked offset + 1 .. offset + k for an image: decoded, extracted (features (F, 1280),
@@ -117,8 +116,8 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
             image = embed_image(self.bundle, image)
         elif isinstance(image, ImageFragments):
             image = embed_extracted(self.bundle, [image])[0]
-        img = torch.as_tensor(image.vectors, dtype=torch.float32)
-        ranked, considered = self.ranker.rank(img.numpy(), exact_score(self.bundle, [img], "sentences"), offset + k,
+        img = np.asarray(image.vectors, dtype=np.float32)
+        ranked, considered = self.ranker.rank(img, exact_score(self.bundle, [img], "sentences"), offset + k,
                                               exhaustive)
         return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, image.boxes, self.bundle.blocks))
                      for item, s, p, frags in ranked[offset:]], offset, considered)

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from PIL import Image
 
 from index.images import ImageIndex
@@ -41,13 +40,13 @@ class Similar:
     considered: int = 0  # images ranked (the query's own left out when it is indexed)
 
 
-def unit_mean(img: torch.Tensor) -> np.ndarray:
+def unit_mean(img: np.ndarray) -> np.ndarray:
     """The unit-length mean of embedded fragments (F, h) -> (h,)."""
-    v = torch.as_tensor(img, dtype=torch.float32).mean(0).numpy().astype(np.float32)
+    v = np.asarray(img, dtype=np.float32).mean(0, dtype=np.float32)
     return np.asarray(v / max(float(np.linalg.norm(v)), 1e-12), dtype=np.float32)
 
 
-def rank_like(images: ImageIndex, img: torch.Tensor, exclude: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def rank_like(images: ImageIndex, img: np.ndarray, exclude: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Every live image but `exclude` ranked by the cosine of its mean embedded fragment with the
     query's (img (F, h)): (ids, cosines), best first, ties to the smaller id."""
     ids, mat = images.vectors.of("mean").matrix(images)
@@ -58,8 +57,8 @@ def rank_like(images: ImageIndex, img: torch.Tensor, exclude: int | None = None)
     return ids[order], sims[order]
 
 
-def describe(sentences: SentenceIndex, images: ImageIndex, img: torch.Tensor, boxes: np.ndarray,
-             descriptions: int) -> tuple[list[SentenceHit], torch.Tensor | None, list[Triplet]]:
+def describe(sentences: SentenceIndex, images: ImageIndex, img: np.ndarray, boxes: np.ndarray,
+             descriptions: int) -> tuple[list[SentenceHit], np.ndarray | None, list[Triplet]]:
     """The query's best `descriptions` sentences, and their fragments (T, h) with triplets, together."""
     described = sentences.annotate(EmbeddedImage(img, boxes, 0, 0), descriptions).hits  # no size needed to rank
     if not described:
@@ -67,11 +66,10 @@ def describe(sentences: SentenceIndex, images: ImageIndex, img: torch.Tensor, bo
     parts = [(s, t) for s, t in embed_texts(images.bundle, [h.text for h in described]) if len(s)]
     if not parts:
         return described, None, []
-    return described, torch.cat([s for s, _ in parts]), [t for _, ts in parts for t in ts]
+    return described, np.concatenate([s for s, _ in parts]), [t for _, ts in parts for t in ts]
 
 
-@torch.inference_mode()
-def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: torch.Tensor, boxes: np.ndarray,
+def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.ndarray, boxes: np.ndarray,
                    k: int, descriptions: int = DESCRIPTIONS, exclude: int | None = None, offset: int = 0) -> Similar:
     """The images ranked offset + 1 .. offset + k as most like one given by its embedded fragments
     img (F, h) with boxes (F, 4), each aligned to the query's descriptions (none without a sentence

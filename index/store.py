@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from model.atomic import atomic_path, temp_path
 
@@ -160,9 +159,6 @@ class VectorStore:
         """(n, cols) stored rows -> (n, dim) float32 (a new array, or written into `out`)."""
         if out is None:
             out = np.empty((len(raw), self.dim), np.float32)
-        if self.dtype == np.float16 and raw.flags.writeable:  # torch converts float16 vectorised, numpy by element
-            torch.from_numpy(out).copy_(torch.from_numpy(raw))
-            return out
         if self.dtype != np.int8:
             np.copyto(out, raw)
             return out
@@ -384,18 +380,18 @@ class VectorStore:
             out[mask] = self.decode(raw)
         return out, mask
 
-    def dots(self, raw: np.ndarray, queries: torch.Tensor) -> torch.Tensor:
-        """Inner products (N, t) of stored rows `raw` (N, cols), decoded, with queries (t, dim) float32;
+    def dots(self, raw: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """Inner products (N, t) float32 of stored rows `raw` (N, cols), decoded, with queries (t, dim) float32;
         int8 rows: the codes' products times each row's scale (the decode folded into the product).
         Decoded DOT_ROWS rows at a time, so the float copy stays in the cache."""
-        out = torch.empty(len(raw), len(queries), dtype=torch.float32)
-        qt = queries.T.contiguous()  # (dim, t) in order: the skinny product reads it row by row
-        decoded = torch.empty(min(DOT_ROWS, len(raw)), self.dim, dtype=torch.float32)  # one buffer, reused
+        out = np.empty((len(raw), len(queries)), np.float32)
+        qt = np.ascontiguousarray(np.asarray(queries, dtype=np.float32).T)  # (dim, t): the skinny product's order
+        decoded = np.empty((min(DOT_ROWS, len(raw)), self.dim), np.float32)  # one buffer, reused
         for start in range(0, len(raw), DOT_ROWS):
-            part = torch.from_numpy(np.asarray(raw[start : start + DOT_ROWS, : self.dim]))
+            part = np.asarray(raw[start : start + DOT_ROWS, : self.dim])
             rows = decoded[: len(part)]
-            rows.copy_(part)
-            torch.matmul(rows, qt, out=out[start : start + len(part)])
+            np.copyto(rows, part)
+            np.matmul(rows, qt, out=out[start : start + len(part)])
         if self.dtype == np.int8:
-            out.mul_(torch.from_numpy(np.ascontiguousarray(self.scales(raw))))
+            out *= np.ascontiguousarray(self.scales(raw))
         return out

@@ -8,7 +8,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from index import ids as fid
 from index.candidates import Sources, entries_batches
@@ -33,10 +32,10 @@ class StoredFragments:
         """(n, dim) stored rows of one item (a view, in the store dtype)."""
         return self.store.rows(int(self.items.seg[item]), int(self.items.off[item]), int(self.items.n[item]))
 
-    def vectors(self, items: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored fragments of `items`: (C, F_max, dim) float32 and mask (C, F_max)."""
+    def vectors(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stored fragments of `items`: (C, F_max, dim) float32 and mask (C, F_max) float32."""
         vecs, mask = self.store.gather(self.items.seg[items], self.items.off[items], self.items.n[items])
-        return torch.from_numpy(vecs), torch.from_numpy(mask.astype(np.float32))
+        return vecs, mask.astype(np.float32)
 
     def fragment_vectors(self, items: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Stored vectors (N, dim) float32 of fragment `rows` of `items` (each (N,))."""

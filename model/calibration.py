@@ -20,7 +20,9 @@ than a random one, with as many of each. It is a logistic curve in S_kl fitted o
 of the training data (never dev) and stored beside the reference sets; a checkpoint without it (made
 before it existed, or an uncalibrated model) serves scores without a relevance.
 
-Fitting the references and the relevance, timing them and the command line are training/calibrate.py's.
+The scales are computed with the one S_kl (model/score.py), on NumPy arrays in the service and on torch
+tensors in training alike (the array API: model/arrays.py). Fitting the references and the relevance, timing
+them and the command line are training/calibrate.py's.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
+from model.arrays import Array, contiguous, namespace, to_numpy
 from model.score import block_slices, skl
 
 BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
@@ -69,22 +71,23 @@ class Relevance:
 
 @dataclass
 class Calibration:
-    """Reference fragments, embedded by the uncalibrated model.
+    """Reference fragments, embedded by the uncalibrated model (NumPy arrays in the service; torch tensors
+    on the training device while a trainer fits them).
 
     ref_images: (R_i, F, h); ref_sentences: (R_s, T, h) with ref_sentence_mask (R_s, T);
     floor_image / floor_sentence: the smallest scale each side's items get.
     """
 
-    ref_images: torch.Tensor
-    ref_sentences: torch.Tensor
-    ref_sentence_mask: torch.Tensor
+    ref_images: Array
+    ref_sentences: Array
+    ref_sentence_mask: Array
     floor_image: float = 0.0
     floor_sentence: float = 0.0
     relevance: Relevance | None = None  # fitted on the validation part; None in older checkpoints
-    _parts: dict[tuple[str, int | None, int | None], torch.Tensor] = field(default_factory=dict, init=False,
-                                                                            repr=False, compare=False)
+    _parts: dict[tuple[str, int | None, int | None], Array] = field(default_factory=dict, init=False,
+                                                                     repr=False, compare=False)
 
-    def reference(self, side: str, part: slice) -> torch.Tensor:
+    def reference(self, side: str, part: slice) -> Array:
         """The reference images' or sentences' fragments, or one block's slice of them (kept, contiguous: a
         strided slice would be copied by every S_kl that reads it, at every query)."""
         ref = self.ref_images if side == "images" else self.ref_sentences
@@ -92,65 +95,77 @@ class Calibration:
             return ref
         key = (side, part.start, part.stop)
         if key not in self._parts:
-            self._parts[key] = ref[..., part].contiguous()
+            self._parts[key] = contiguous(ref[..., part])
         return self._parts[key]
 
-    def image_scales(self, img: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+    def image_scales(self, img: Array, part: slice = slice(None)) -> Array:
         """img: (K, F, h') uncalibrated image fragments -> (K,) sigma_k; with `part`, img holds that slice of
         h only (one block of a merged model) and is scored against the references' same slice."""
         ref = self.reference("sentences", part)
-        with torch.no_grad():
-            out = [skl(img[k : k + BLOCK], torch.ones(img[k : k + BLOCK].shape[:2], device=img.device),
-                       ref, self.ref_sentence_mask, chunk=BLOCK).std(dim=1, unbiased=False)
-                   for k in range(0, img.shape[0], BLOCK)]
-        return (torch.cat(out) if out else img.new_zeros(0)).clamp_min(self.floor_image)
+        xp = namespace(img, ref)
+        out = [xp.std(skl(img[k : k + BLOCK], xp.ones(img[k : k + BLOCK].shape[:2], dtype=img.dtype),
+                          ref, self.ref_sentence_mask, chunk=BLOCK), axis=1, correction=0)
+               for k in range(0, img.shape[0], BLOCK)]
+        scales = xp.concat(out) if out else xp.zeros(0, dtype=img.dtype)
+        return xp.clip(scales, min=self.floor_image)
 
-    def sentence_scales(self, sent: torch.Tensor, mask: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+    def sentence_scales(self, sent: Array, mask: Array, part: slice = slice(None)) -> Array:
         """sent: (L, T, h') uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l (`part`: as in
         `image_scales`)."""
         ref = self.reference("images", part)
-        ones = torch.ones(ref.shape[:2], device=ref.device)
-        with torch.no_grad():
-            out = [skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]).std(dim=0, unbiased=False)
-                   for s in range(0, sent.shape[0], BLOCK)]
-        return (torch.cat(out) if out else sent.new_zeros(0)).clamp_min(self.floor_sentence)
+        xp = namespace(sent, ref)
+        ones = xp.ones(ref.shape[:2], dtype=ref.dtype)
+        out = [xp.std(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]), axis=0, correction=0)
+               for s in range(0, sent.shape[0], BLOCK)]
+        scales = xp.concat(out) if out else xp.zeros(0, dtype=sent.dtype)
+        return xp.clip(scales, min=self.floor_sentence)
 
-    def calibrate_images(self, img: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    def calibrate_images(self, img: Array, blocks: int = 1) -> Array:
         """img (K, F, h) divided by sigma_k; for a merged model (`blocks` > 1) each block by its own sigma_k^b,
         so the S_kl of model/score.py becomes the sum of the members' calibrated S_kl."""
-        return torch.cat([img[..., p] / self.image_scales(img[..., p], p)[:, None, None]
-                          for p in block_slices(img.shape[-1], blocks)], dim=-1)
+        xp = namespace(img)
+        return xp.concat([img[..., p] / self.image_scales(img[..., p], p)[:, None, None]
+                          for p in block_slices(img.shape[-1], blocks)], axis=-1)
 
-    def calibrate_sentences(self, sent: torch.Tensor, mask: torch.Tensor, blocks: int = 1) -> torch.Tensor:
+    def calibrate_sentences(self, sent: Array, mask: Array, blocks: int = 1) -> Array:
         """sent (L, T, h) divided by tau_l, block by block for a merged model (as `calibrate_images`)."""
-        return torch.cat([sent[..., p] / self.sentence_scales(sent[..., p], mask, p)[:, None, None]
-                          for p in block_slices(sent.shape[-1], blocks)], dim=-1)
+        xp = namespace(sent)
+        return xp.concat([sent[..., p] / self.sentence_scales(sent[..., p], mask, p)[:, None, None]
+                          for p in block_slices(sent.shape[-1], blocks)], axis=-1)
 
-    def to(self, device: torch.device | str) -> Calibration:
-        """The same references on `device` (self when they are there already)."""
-        dev = torch.device(device)
-        if self.ref_images.device == dev:
+    def numpy(self) -> Calibration:
+        """The same references as float32 NumPy arrays (self when they are already)."""
+        if isinstance(self.ref_images, np.ndarray):
             return self
-        return Calibration(self.ref_images.to(dev), self.ref_sentences.to(dev), self.ref_sentence_mask.to(dev),
-                           self.floor_image, self.floor_sentence, self.relevance)
+        images, sentences, mask = (np.asarray(to_numpy(x), dtype=np.float32) for x in
+                                   (self.ref_images, self.ref_sentences, self.ref_sentence_mask))
+        return Calibration(images, sentences, mask, self.floor_image, self.floor_sentence, self.relevance)
 
-    def to_state(self) -> dict[str, Any]:
-        """Stored at half precision on the CPU (the scales are spreads: 3 significant digits are plenty); the
-        reference sentences' real fragments only (`ref_sentence_rows`, in mask order: padding is two thirds
-        of the padded array and never scored)."""
-        mask = self.ref_sentence_mask.bool().cpu()
-        return {"ref_images": self.ref_images.half().cpu(), "ref_sentence_rows": self.ref_sentences.cpu()[mask].half(),
-                "ref_sentence_mask": mask, "floor_image": self.floor_image, "floor_sentence": self.floor_sentence,
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The references as stored, at half precision (the scales are spreads: 3 significant digits are
+        plenty): the reference sentences' real fragments only (`ref_sentence_rows`, in mask order: padding is
+        two thirds of the padded array and never scored)."""
+        mask = to_numpy(self.ref_sentence_mask) > 0
+        return {"ref_images": to_numpy(self.ref_images).astype(np.float16),
+                "ref_sentence_rows": to_numpy(self.ref_sentences)[mask].astype(np.float16),
+                "ref_sentence_mask": mask}
+
+    def settings(self) -> dict[str, Any]:
+        """What is stored beside the arrays: the floors and the relevance scale."""
+        return {"floor_image": self.floor_image, "floor_sentence": self.floor_sentence,
                 "relevance": None if self.relevance is None else self.relevance.to_state()}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Calibration:
-        mask = state["ref_sentence_mask"].bool()
-        if "ref_sentence_rows" in state:
-            rows = state["ref_sentence_rows"].float()
-            sentences = rows.new_zeros((*mask.shape, rows.shape[-1]))
+    def from_arrays(cls, arrays: dict[str, np.ndarray], settings: dict[str, Any]) -> Calibration:
+        """Back from `to_arrays` and `settings` (NumPy float32; older checkpoints stored the padded
+        `ref_sentences`)."""
+        mask = np.asarray(arrays["ref_sentence_mask"]).astype(bool)
+        if "ref_sentence_rows" in arrays:
+            rows = np.asarray(arrays["ref_sentence_rows"], dtype=np.float32)
+            sentences = np.zeros((*mask.shape, rows.shape[-1]), np.float32)
             sentences[mask] = rows
-        else:  # saved before the padding was left out
-            sentences = state["ref_sentences"].float()
-        return cls(state["ref_images"].float(), sentences, mask.float(), float(state["floor_image"]),
-                   float(state["floor_sentence"]), Relevance.from_state(state.get("relevance")))
+        else:
+            sentences = np.asarray(arrays["ref_sentences"], dtype=np.float32)
+        return cls(np.asarray(arrays["ref_images"], dtype=np.float32), sentences, mask.astype(np.float32),
+                   float(settings["floor_image"]), float(settings["floor_sentence"]),
+                   Relevance.from_state(settings.get("relevance")))

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import torch
-from torchvision.ops import nms
 
 from model.atomic import sha256_file_once
+from model.boxes import nms
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +180,8 @@ def select(boxes: np.ndarray, scores: np.ndarray, width: int, height: int, floor
     if not len(order):
         return Detections(np.zeros((0, 4), np.float32), np.zeros((0,), np.float32), np.zeros((0,), np.int64),
                           np.zeros((0, scores.shape[1]), np.float32))
-    b = torch.from_numpy(px[order].astype(np.float32))
     # NMS on strictly decreasing stand-in scores: the order above decides, not float ties inside nms
-    rank = torch.arange(len(order), 0, -1, dtype=torch.float32)
-    keep = order[nms(b, rank, nms_iou).numpy()][:limit]
+    rank = np.arange(len(order), 0, -1, dtype=np.float32)
+    keep = order[nms(px[order].astype(np.float32), rank, nms_iou, limit=limit)]
     return Detections(px[keep].astype(np.float32), np.round(best[keep], 4).astype(np.float32),
                       cls[keep].astype(np.int64), np.round(scores[keep], 4).astype(np.float32))

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from PIL import Image
 
 from model.bundle import Bundle
@@ -47,19 +46,18 @@ def row_triplets(triplets: Sequence[Triplet], rows: int) -> list[Triplet]:
 
 
 def embed_encoded(bundle: Bundle, enc: EncodedSentences, calibrated: bool = True
-                  ) -> list[tuple[torch.Tensor, list[Triplet]]]:
+                  ) -> list[tuple[np.ndarray, list[Triplet]]]:
     """Per sentence: its fragments (T, h) float32 and their triplets; T = 0 when it has none."""
-    with torch.inference_mode():
-        sent, mask = bundle.embed_sentences(enc, calibrated=calibrated)
+    sent, mask = bundle.embed_sentences(enc, calibrated=calibrated)
     out = []
     for row in range(len(enc)):
         t = int(mask[row].sum())
-        out.append((sent[row, :t].clone(), row_triplets(enc.triplets[row], t) if t else []))
+        out.append((sent[row, :t].copy(), row_triplets(enc.triplets[row], t) if t else []))
     return out
 
 
 def embed_texts(bundle: Bundle, texts: Sequence[str], strict: bool = True
-                ) -> list[tuple[torch.Tensor, list[Triplet]]]:
+                ) -> list[tuple[np.ndarray, list[Triplet]]]:
     """Sentences parsed and embedded, per sentence as `embed_encoded` gives them (`strict`:
     NoFragmentsError for one with nothing to match)."""
     with bundle.text.lock:
@@ -67,7 +65,7 @@ def embed_texts(bundle: Bundle, texts: Sequence[str], strict: bool = True
     return embed_encoded(bundle, enc)
 
 
-def embed_sentence(bundle: Bundle, text: str) -> tuple[torch.Tensor, list[Triplet]]:
+def embed_sentence(bundle: Bundle, text: str) -> tuple[np.ndarray, list[Triplet]]:
     """A query sentence -> its fragments (T, h) and triplets.
 
     Raises ValueError for an empty sentence and model.fragments.NoFragmentsError when no fragment is usable.
@@ -81,11 +79,11 @@ def embed_sentence(bundle: Bundle, text: str) -> tuple[torch.Tensor, list[Triple
 class EmbeddedSentence:
     """A sentence as embedded fragments (T, h), and the triplets that name its rows (None: unnamed)."""
 
-    vectors: torch.Tensor
+    vectors: np.ndarray
     triplets: Sequence[Triplet] | None = None
 
 
-def embed_phrase(bundle: Bundle, phrase: str) -> tuple[torch.Tensor, list[Triplet]]:
+def embed_phrase(bundle: Bundle, phrase: str) -> tuple[np.ndarray, list[Triplet]]:
     """A short phrase, or one triplet written "rel(w1, w2)" with a kept relation and known words
     (fragment models with static word vectors), -> fragments (T, h) and triplets."""
     m = TRIPLET_RE.match(phrase)
@@ -118,7 +116,7 @@ class EmbeddedImage:
     image's own pixels; the image's width and height; each fragment's detector label (model/features.py
     ``fragment_labels``; empty when the model's features have no detector classes)."""
 
-    vectors: torch.Tensor
+    vectors: np.ndarray
     boxes: np.ndarray
     width: int
     height: int
@@ -130,11 +128,10 @@ def embed_extracted(bundle: Bundle, frags: Sequence[ImageFragments]) -> list[Emb
     batch when they have as many fragments each, else one at a time."""
     if not frags:
         return []
-    with torch.inference_mode():
-        if len({len(f.features) for f in frags}) == 1:
-            vecs = list(bundle.embed_images(np.stack([f.features for f in frags])))
-        else:
-            vecs = [bundle.embed_images(f.features[None])[0] for f in frags]
+    if len({len(f.features) for f in frags}) == 1:
+        vecs = list(bundle.embed_images(np.stack([f.features for f in frags])))
+    else:
+        vecs = [bundle.embed_images(f.features[None])[0] for f in frags]
     return [EmbeddedImage(v, np.asarray(f.boxes[: len(v)], dtype=np.float32), int(f.width), int(f.height),
                           fragment_labels(f.features, bundle.image_cfg)[: len(v)])
             for f, v in zip(frags, vecs, strict=True)]

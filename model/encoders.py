@@ -20,6 +20,11 @@ one fragment per side (model/bundle.py scores them with the same S_kl).
   the sentence vector is the root's; v = W_I z for the whole-image CNN vector z. No biases (the paper has none).
 - DeViSE: v = M z into the word-vector space; a sentence is the mean of its words' fixed vectors,
   L2-normalised; nothing on the text side is trained.
+
+Here they are what the runtime runs: NumPy over the trained weights (`Encoders`, from the arrays of a
+checkpoint or a release), inference only. Training optimises the same encoders as torch modules
+(model/nets/encoders.py), whose state-dict names these arrays keep; tests/test_encoders.py holds the two
+to the same numbers for every kind.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from model.device import host_masks
 from model.trees import TreeBatch
+
+GLOBAL_KINDS = ("two-branch", "dt-rnn", "sdt-rnn", "devise")
+KINDS = ("fragment", *GLOBAL_KINDS)
+BATCH_NORM_EPS = 1e-5  # torch's BatchNorm1d default
+NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's default
 
 
 @dataclass(frozen=True)
@@ -59,204 +65,164 @@ class ModelConfig:
         return asdict(self)
 
 
-class FragmentModel(nn.Module):
-    """Image fragment encoder (linear, or with one hidden layer) and per-relation sentence fragment encoder."""
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0.0)
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """Rows divided by their L2 norm (at least NORMALIZE_EPS), as torch's F.normalize."""
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), NORMALIZE_EPS)
+
+
+class Encoders:
+    """A trained model's encoders in NumPy: weights by their state-dict names (float32 arrays), inference only.
+
+    Every method takes and returns float32 arrays; shapes as in each docstring."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+        if cfg.kind not in KINDS:
+            raise ValueError(f"unknown model kind {cfg.kind!r}: 'fragment' or one of {', '.join(GLOBAL_KINDS)}")
         self.cfg = cfg
-        self.image: nn.Module = (
-            nn.Linear(cfg.img_dim, cfg.h) if cfg.image_hidden <= 0 else
-            nn.Sequential(nn.Linear(cfg.img_dim, cfg.image_hidden), nn.ReLU(), nn.Linear(cfg.image_hidden, cfg.h)))
-        scale = (2 * cfg.word_dim) ** -0.5
-        # one (W_R, b_R) per relation, as separate tensors so a batch only touches the ones it uses
-        self.w_rel = nn.ParameterList(
-            [nn.Parameter(torch.randn(2 * cfg.word_dim, cfg.h) * scale) for _ in range(cfg.n_relations)])
-        self.b_rel = nn.ParameterList([nn.Parameter(torch.zeros(cfg.h)) for _ in range(cfg.n_relations)])
-        self.drop = InputDropout(cfg.input_dropout)
-        self.global_image: nn.Module | None = None
-        self.global_sentence: nn.Module | None = None
-        if cfg.global_hidden > 0:
-            self.global_image = _mlp(cfg.img_dim, cfg.global_hidden, cfg.h, cfg.dropout)
-            if 0 <= cfg.sentence_relation < cfg.n_relations:
-                self.global_sentence = _mlp(2 * cfg.word_dim, cfg.global_hidden, cfg.h, cfg.dropout)
+        self.weights = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+        self._check()
+        if cfg.kind == "fragment":  # (n_relations, 2d, h) and (n_relations, h): one matrix per relation
+            self._w_rel = [self.weights[f"w_rel.{r}"] for r in range(cfg.n_relations)]
+            self._b_rel = [self.weights[f"b_rel.{r}"] for r in range(cfg.n_relations)]
 
-    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats: (K, F, img_dim), row 0 the whole image -> image fragments (K, F, h)."""
-        x = self.drop(feats)
-        if self.global_image is None:
-            return self.image(x)
-        return torch.cat([self.global_image(x[:, :1]), self.image(x[:, 1:])], dim=1)
+    def _check(self) -> None:
+        """ValueError when a weight the kind reads is missing or of the wrong shape."""
+        cfg = self.cfg
+        want: dict[str, tuple[int, ...]] = {}
+        if cfg.kind == "fragment":
+            for r in range(cfg.n_relations):
+                want[f"w_rel.{r}"] = (2 * cfg.word_dim, cfg.h)
+                want[f"b_rel.{r}"] = (cfg.h,)
+            if cfg.image_hidden <= 0:
+                want["image.weight"] = (cfg.h, cfg.img_dim)
+            else:
+                want["image.0.weight"] = (cfg.image_hidden, cfg.img_dim)
+                want["image.2.weight"] = (cfg.h, cfg.image_hidden)
+        elif cfg.kind == "two-branch":
+            want["image.0.weight"] = (cfg.hidden, cfg.img_dim)
+            want["text.0.weight"] = (cfg.hidden, cfg.word_dim)
+        elif cfg.kind in ("dt-rnn", "sdt-rnn"):
+            want["image.weight"] = (cfg.h, cfg.img_dim)
+            want["word.weight"] = (cfg.h, cfg.word_dim)
+        else:
+            want["image.weight"] = (cfg.word_dim, cfg.img_dim)
+        for name, shape in want.items():
+            got = self.weights.get(name)
+            if got is None or tuple(got.shape) != shape:
+                raise ValueError(f"the {cfg.kind} model's weight {name} is "
+                                 f"{'missing' if got is None else f'of shape {tuple(got.shape)}'}, expected {shape}")
 
-    def embed_sentences(
-        self, pool: torch.Tensor, rel: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Sentence fragments (L, T, h) from padded triplets.
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The weights by state-dict name (what a checkpoint or a release stores)."""
+        return dict(self.weights)
 
-        pool: (P, word_dim) frozen vectors; rel, a, b, mask: (L, T) relation ids, pool rows of
-        w1 and w2, and 1 for real fragments. Padding rows come out as zeros.
-        """
+    # -- layers ------------------------------------------------------------------------------------
+    def _linear(self, name: str, x: np.ndarray) -> np.ndarray:
+        """x @ W^T + b for the torch Linear `name` (W: (out, in); no bias where it has none)."""
+        y = x @ self.weights[f"{name}.weight"].T
+        bias = self.weights.get(f"{name}.bias")
+        return y if bias is None else y + bias
+
+    def _mlp(self, name: str, x: np.ndarray) -> np.ndarray:
+        """Linear -> ReLU -> (Dropout) -> Linear: the layers `name`.0 and `name`.3."""
+        return self._linear(f"{name}.3", _relu(self._linear(f"{name}.0", x)))
+
+    def _batch_norm(self, name: str, x: np.ndarray) -> np.ndarray:
+        """BatchNorm1d in eval mode: the running statistics, then the affine part."""
+        w = self.weights
+        return ((x - w[f"{name}.running_mean"]) / np.sqrt(w[f"{name}.running_var"] + BATCH_NORM_EPS)
+                * w[f"{name}.weight"] + w[f"{name}.bias"])
+
+    # -- images ------------------------------------------------------------------------------------
+    def embed_images(self, feats: np.ndarray) -> np.ndarray:
+        """Fragment model: feats (K, F, img_dim), row 0 the whole image -> image fragments (K, F, h).
+        Global models: feats (K, img_dim) whole-image features -> (K, h)."""
+        x = np.asarray(feats, dtype=np.float32)
+        cfg = self.cfg
+        if cfg.kind == "two-branch":
+            return _unit(self._batch_norm("image.4", self._mlp("image", x)))
+        if cfg.kind != "fragment":
+            return self._linear("image", x)
+        image = ((lambda z: self._linear("image", z)) if cfg.image_hidden <= 0 else
+                 (lambda z: self._linear("image.2", _relu(self._linear("image.0", z)))))
+        if cfg.global_hidden <= 0:
+            return image(x)
+        return np.concatenate([self._mlp("global_image", x[:, :1]), image(x[:, 1:])], axis=1)
+
+    # -- sentences ---------------------------------------------------------------------------------
+    def embed_fragments(self, pool: np.ndarray, rel: np.ndarray, a: np.ndarray, b: np.ndarray, mask: np.ndarray
+                        ) -> np.ndarray:
+        """Fragment model: sentence fragments (L, T, h) from padded triplets.
+
+        pool: (P, word_dim) frozen vectors; rel, a, b, mask: (L, T) relation ids, pool rows of w1 and w2,
+        and 1 for real fragments. Padding rows come out as zeros.
+
+        Each distinct (relation, w1 row, w2 row) is computed once and copied to every fragment that has it:
+        a BLAS product's last bits depend on where a row falls in the matrix, and copies of one triplet
+        must embed to the same vector (index/shared.py holds identical sentence fragments once)."""
+        cfg = self.cfg
         n_sent, t = rel.shape
-        flat_mask = mask.reshape(-1).bool()
-        x = self.drop(torch.cat([pool[a.reshape(-1)], pool[b.reshape(-1)]], dim=1)[flat_mask])  # (N, 2d)
-        r = rel.reshape(-1)[flat_mask]
-        order = torch.argsort(r, stable=True)
-        rids, counts = torch.unique_consecutive(r[order], return_counts=True)
-        parts = [self._relation(rid, xs)
-                 for rid, xs in zip(rids.tolist(), torch.split(x[order], counts.tolist()), strict=True)]
-        out = torch.cat(parts) if parts else x.new_zeros(0, self.cfg.h)
-        out = out[torch.argsort(order)]  # back to fragment order
-        full = x.new_zeros(n_sent * t, self.cfg.h)
-        full[flat_mask] = F.relu(out)
-        return full.reshape(n_sent, t, self.cfg.h)
+        real = np.flatnonzero(np.asarray(mask).reshape(-1) > 0)
+        ia, ib = a.reshape(-1)[real], b.reshape(-1)[real]
+        r = rel.reshape(-1)[real]
+        out = np.zeros((n_sent * t, cfg.h), np.float32)
+        global_sentence = cfg.global_hidden > 0 and 0 <= cfg.sentence_relation < cfg.n_relations
+        for rid in np.unique(r):
+            rows = np.flatnonzero(r == rid)
+            pairs, where = np.unique(ia[rows].astype(np.int64) * len(pool) + ib[rows], return_inverse=True)
+            xs = np.concatenate([pool[pairs // len(pool)], pool[pairs % len(pool)]], axis=1)  # (distinct, 2d)
+            if rid == cfg.sentence_relation and global_sentence:
+                pre = self._mlp("global_sentence", xs)
+            else:
+                pre = xs @ self._w_rel[int(rid)] + self._b_rel[int(rid)]
+            out[real[rows]] = _relu(pre)[where.reshape(-1)]
+        return out.reshape(n_sent, t, cfg.h)
 
-    def _relation(self, rid: int, x: torch.Tensor) -> torch.Tensor:
-        """Pre-activation of the fragments of one relation type. x: (N, 2d) -> (N, h)."""
-        if rid == self.cfg.sentence_relation and self.global_sentence is not None:
-            return self.global_sentence(x)
-        return x @ self.w_rel[rid] + self.b_rel[rid]
+    def embed_text(self, vecs: np.ndarray) -> np.ndarray:
+        """Two-branch: vecs (L, word_dim) sentence vectors -> (L, h) unit vectors."""
+        return _unit(self._batch_norm("text.4", self._mlp("text", np.asarray(vecs, dtype=np.float32))))
 
+    def embed_trees(self, pool: np.ndarray, batch: TreeBatch) -> np.ndarray:
+        """DT-RNN / SDT-RNN: sentence vectors (L, h), the root of each tree, nodes computed height by height;
+        DeViSE: (L, word_dim), the L2-normalised mean of each sentence's word vectors (pool: (P, word_dim)
+        fixed word vectors that batch.rows point into; an empty sentence is 0)."""
+        cfg = self.cfg
+        rows = np.asarray(batch.rows)
+        if cfg.kind == "devise":
+            has = rows >= 0
+            total = np.zeros((batch.n_sentences, pool.shape[1]), np.float32)
+            np.add.at(total, np.asarray(batch.sent_of)[has], pool[rows[has]])
+            return _unit(total)
+        size = np.asarray(batch.size, dtype=np.float32)
+        has = (rows >= 0)[:, None].astype(np.float32)
+        wx = self._linear("word", pool[np.maximum(rows, 0)] * has)  # (N, h)
+        hid = np.zeros_like(wx)
+        child_w = self.weights["child"]  # (M, h, h)
+        for level in batch.levels:
+            acc = wx[level.nodes].copy()
+            if len(level.child):
+                msg = hid[level.child] * size[level.child, None]
+                mats = self._matrix_ids(np.asarray(level.rel), np.asarray(level.pos))
+                for m in np.unique(mats):
+                    sel = np.flatnonzero(mats == m)
+                    if m >= 0:
+                        msg[sel] = msg[sel] @ child_w[int(m)].T
+                np.add.at(acc, np.asarray(level.parent), msg)
+            hid[level.nodes] = np.tanh(acc / size[level.nodes, None])
+        hid = np.concatenate([hid, np.zeros((1, hid.shape[1]), np.float32)])  # row N: an empty sentence's vector
+        root = np.asarray(batch.root)
+        return hid[np.where(root >= 0, root, len(hid) - 1)]
 
-class InputDropout(nn.Module):
-    """nn.Dropout's rule while training (each element zeroed with probability p, the others scaled by
-    1 / (1 - p); nothing at evaluation) with the mask of a CPU tensor drawn by NumPy
-    (`model.device.host_masks`); its generator is seeded from torch's at the first draw, so a run
-    seeded with torch.manual_seed draws the same masks again."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1), not {p}")
-        self.p = p
-        self._rng: np.random.Generator | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if not host_masks(x.device):
-            return F.dropout(x, self.p, training=True)
-        if self._rng is None:
-            self._rng = np.random.default_rng(int(torch.randint(0, 2**62, ()).item()))
-        keep = torch.from_numpy(self._rng.random(tuple(x.shape), dtype=np.float32) >= self.p)
-        return (x * keep).mul_(1.0 / (1.0 - self.p))
-
-
-def _mlp(d_in: int, hidden: int, d_out: int, dropout: float) -> nn.Sequential:
-    """Linear -> ReLU -> Dropout -> Linear."""
-    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, d_out))
-
-
-class TwoBranch(nn.Module):
-    """Two-branch structure-preserving embedding over one global vector per side.
-
-    Each side: Linear -> ReLU -> Dropout -> Linear -> BatchNorm -> L2-normalise.
-    """
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-
-        def branch(d_in: int) -> nn.Sequential:
-            return nn.Sequential(*_mlp(d_in, cfg.hidden, cfg.h, cfg.dropout), nn.BatchNorm1d(cfg.h))
-
-        self.image = branch(cfg.img_dim)
-        self.text = branch(cfg.word_dim)
-
-    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats: (K, img_dim) whole-image features -> (K, h) unit vectors."""
-        return F.normalize(self.image(feats), dim=-1)
-
-    def embed_text(self, vecs: torch.Tensor) -> torch.Tensor:
-        """vecs: (L, word_dim) sentence vectors -> (L, h) unit vectors."""
-        return F.normalize(self.text(vecs), dim=-1)
-
-
-class TreeRNN(nn.Module):
-    """DT-RNN (kind "dt-rnn": a matrix per child position) or SDT-RNN ("sdt-rnn": per relation)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.semantic = cfg.kind == "sdt-rnn"
-        n_mats = cfg.n_relations if self.semantic else cfg.tree_left + cfg.tree_right
-        self.image = nn.Linear(cfg.img_dim, cfg.h, bias=False)  # W_I
-        self.word = nn.Linear(cfg.word_dim, cfg.h, bias=False)  # W_v
-        self.child = nn.Parameter(torch.randn(max(n_mats, 1), cfg.h, cfg.h) * cfg.h**-0.5)  # W_pos / W_rel, (M, h, h)
-
-    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats: (K, img_dim) whole-image features -> (K, h)."""
-        return self.image(feats)
-
-    def matrix_ids(self, rel: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The child matrix of each edge (E,): its relation (SDT-RNN) or its position: l1..l_L are
-        0..L-1, r1..r_R are L..L+R-1; -1 (identity) for a position past those."""
-        if self.semantic:
+    def _matrix_ids(self, rel: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """The child matrix of each edge (E,): its relation (SDT-RNN) or its position: l1..l_L are 0..L-1,
+        r1..r_R are L..L+R-1; -1 (identity) for a position past those."""
+        if self.cfg.kind == "sdt-rnn":
             return rel
         left, right = self.cfg.tree_left, self.cfg.tree_right
-        ids = torch.where(pos < 0, -pos - 1, left + pos - 1)
+        ids = np.where(pos < 0, -pos - 1, left + pos - 1)
         beyond = ((pos < 0) & (-pos > left)) | ((pos > 0) & (pos > right))
-        return torch.where(beyond, -1, ids)
-
-    def _messages(self, h: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
-        """W_m h for each row of h (E, h) with its matrix id (E,), grouped by matrix."""
-        order = torch.argsort(mats, stable=True)
-        ids, counts = torch.unique_consecutive(mats[order], return_counts=True)
-        parts = [x if m < 0 else x @ self.child[m].T
-                 for m, x in zip(ids.tolist(), torch.split(h[order], counts.tolist()), strict=True)]
-        out = torch.cat(parts) if parts else h
-        return out[torch.argsort(order)]
-
-    def embed_sentences(self, pool: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
-        """Sentence vectors (L, h): the root of each tree, nodes computed height by height
-        (pool: (P, word_dim) fixed word vectors that batch.rows point into). An empty sentence is 0."""
-        has = (batch.rows >= 0).unsqueeze(1).to(pool.dtype)
-        wx = self.word(pool[batch.rows.clamp_min(0)] * has)  # (N, h)
-        hid = wx.new_zeros(wx.shape)
-        for level in batch.levels:
-            acc = wx[level.nodes]
-            if len(level.child):
-                msg = self._messages(hid[level.child] * batch.size[level.child, None],
-                                     self.matrix_ids(level.rel, level.pos))
-                acc = acc.index_add(0, level.parent, msg)
-            hid = hid.index_copy(0, level.nodes, torch.tanh(acc / batch.size[level.nodes, None]))
-        hid = torch.cat([hid, hid.new_zeros(1, hid.shape[1])])  # row N: the vector of an empty sentence
-        return hid[torch.where(batch.root >= 0, batch.root, len(hid) - 1)]
-
-
-class DeViSE(nn.Module):
-    """DeViSE: the image mapped linearly into the word-vector space; a sentence = its mean word vector."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        if cfg.h != cfg.word_dim:
-            raise ValueError(f"DeViSE embeds in the word-vector space: h = {cfg.h} must be word_dim = {cfg.word_dim}")
-        self.cfg = cfg
-        self.image = nn.Linear(cfg.img_dim, cfg.word_dim, bias=False)  # M
-
-    def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
-        """feats: (K, img_dim) whole-image features -> (K, word_dim)."""
-        return self.image(feats)
-
-    def embed_sentences(self, pool: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
-        """(L, word_dim): the L2-normalised mean of each sentence's word vectors (words without one are
-        left out; a sentence with none is 0)."""
-        has = batch.rows >= 0
-        x = pool[batch.rows[has]]
-        total = x.new_zeros(batch.n_sentences, x.shape[1]).index_add(0, batch.sent_of[has], x)
-        return F.normalize(total, dim=-1)
-
-
-GlobalModel = TwoBranch | TreeRNN | DeViSE
-GLOBAL_KINDS = ("two-branch", "dt-rnn", "sdt-rnn", "devise")
-
-
-def build_model(cfg: ModelConfig) -> FragmentModel | GlobalModel:
-    if cfg.kind == "fragment":
-        return FragmentModel(cfg)
-    if cfg.kind == "two-branch":
-        return TwoBranch(cfg)
-    if cfg.kind in ("dt-rnn", "sdt-rnn"):
-        return TreeRNN(cfg)
-    if cfg.kind == "devise":
-        return DeViSE(cfg)
-    raise ValueError(f"unknown model kind {cfg.kind!r}: 'fragment' or one of {', '.join(GLOBAL_KINDS)}")
+        return np.where(beyond, -1, ids)

@@ -1,5 +1,5 @@
 """Extracting image files into feature-cache entries: in this process, or in a pool of worker processes
-(one torch/OpenCV thread and one extractor each), with failures reported per image."""
+(one ONNX Runtime/OpenCV thread and one extractor each), with failures reported per image."""
 
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ from typing import Any
 from PIL import Image
 from tqdm import tqdm
 
-from model.backbone import BACKBONE_NAME, onnx_graph, set_torch_threads
 from model.config import ImageConfig
 from model.device import extraction_device
 from model.features import content_key, entry_name, write_entry
-from model.image import ImageFragments, RegionExtractor
+from model.image import ImageFragments, RegionExtractor, extractor_files
 from model.imageio import ImageReadError, load_image
-from model.onnx import graph_dir
+from model.onnx import set_threads
 
 
 def _extract_chunk(
@@ -69,11 +68,11 @@ _STOP = None  # sentinel task: the worker exits
 
 def _worker_main(cfg: ImageConfig, device: str, runtime: str, parent: int, warm: Sequence[str],
                  tasks: Any, results: Any) -> None:
-    """A pool worker: one torch/OpenCV thread, its own extractor, tasks until the stop sentinel.
+    """A pool worker: one ONNX Runtime/OpenCV thread, its own extractor, tasks until the stop sentinel.
 
     Messages back: ("ready", pid) once warm, ("done", task id, n, failures, CPU seconds) per task,
     ("error", task id, text) when a task raised."""
-    set_torch_threads(1)
+    set_threads(1)
     extractor = RegionExtractor(cfg, device, runtime)
     if warm:
         _extract_chunk(extractor, warm, None)
@@ -95,7 +94,7 @@ def _worker_main(cfg: ImageConfig, device: str, runtime: str, parent: int, warm:
 class ExtractionPool:
     """Runs RegionExtractor over image files, in this process (workers=1) or in worker processes.
 
-    Each worker process uses 1 torch/OpenCV thread and holds its own extractor (no module state);
+    Each worker process uses 1 ONNX Runtime/OpenCV thread and holds its own extractor (no module state);
     use as a context manager. ``cpu_seconds`` adds up the CPU time spent extracting (all workers),
     a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``). The worker processes
     run on the device ``model.device.extraction_device`` chooses (the CPU); this process's own extractor
@@ -142,11 +141,7 @@ class ExtractionPool:
     def _start(self, warm: Sequence[str] = ()) -> None:
         if self._procs:
             return
-        # made once here, not by every worker at once
-        onnx_graph(self.cfg.backbone_precision, graph_dir())
-        if self.cfg.backbone_weights or self.cfg.backbone != BACKBONE_NAME:
-            onnx_graph(self.cfg.backbone_precision, graph_dir(), weights=self.cfg.backbone_weights,
-                       backbone=self.cfg.backbone)
+        extractor_files(self.cfg)  # found or made once here, not by every worker at once
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [

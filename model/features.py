@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from model.atomic import atomic_file
-from model.backbone import FEATURE_DIM, quant_recipe, weights_digest
 from model.config import ImageConfig
 from model.detector import DETECTOR_NAME, N_CLASSES, label_of
+from model.graphs import FEATURE_DIM, quant_recipe, weights_digest
 from model.image import ImageFragments
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings

@@ -11,12 +11,12 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 from spacy.lang.en.stop_words import STOP_WORDS
 
 from model.atomic import cached_file
@@ -24,7 +24,7 @@ from model.config import TextConfig
 from model.parsers import make_parser
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
 from model.trees import SentenceTree
-from model.words import WordTable, encode_sentences, encode_words_in_context
+from model.words import WordTable, encode_texts
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ class EncodedSentences:
 
 
 def pad_rows(rel: Sequence[np.ndarray], a: Sequence[np.ndarray], b: Sequence[np.ndarray],
-             device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-    """Padded (rel, a, b, mask), each (L, T_max), from per-sentence id arrays."""
+             device: Any = None) -> tuple[Any, ...]:
+    """Padded (rel, a, b, mask), each (L, T_max) int64, from per-sentence id arrays: NumPy arrays, or torch
+    tensors on `device` when one is given (training)."""
     t = max([len(r) for r in rel] + [1])
     out = np.zeros((4, len(rel), t), dtype=np.int64)
     for row, (r, x, y) in enumerate(zip(rel, a, b, strict=True)):
@@ -76,12 +77,15 @@ def pad_rows(rel: Sequence[np.ndarray], a: Sequence[np.ndarray], b: Sequence[np.
         out[1, row, :n] = x
         out[2, row, :n] = y
         out[3, row, :n] = 1
+    if device is None:
+        return out[0], out[1], out[2], out[3]
+    import torch
+
     r_t, a_t, b_t, m_t = (torch.from_numpy(x).to(device) for x in out)
     return r_t, a_t, b_t, m_t
 
 
-def pad(enc: EncodedSentences, idx: Sequence[int] | None = None,
-        device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+def pad(enc: EncodedSentences, idx: Sequence[int] | None = None, device: Any = None) -> tuple[Any, ...]:
     """Padded (rel, a, b, mask), each (L, T_max), for the sentences `idx` (default all)."""
     ids = list(range(len(enc))) if idx is None else list(idx)
     return pad_rows([enc.rel[i] for i in ids], [enc.a[i] for i in ids], [enc.b[i] for i in ids], device)
@@ -103,14 +107,29 @@ class TextPipeline:
         # caches above are not made for threads)
         self.lock = threading.Lock()
 
-    def _cached(self, cache: dict, keys: list, compute: Callable[[list], Sequence[np.ndarray]]) -> list[np.ndarray]:
-        """Values for keys, computing only the missing ones (bounded: cleared past CACHE_LIMIT entries)."""
-        missing = list(dict.fromkeys(k for k in keys if k not in cache))
-        if missing:
-            if len(cache) + len(missing) > CACHE_LIMIT:
-                cache.clear()
-            cache.update(zip(missing, compute(missing), strict=True))
-        return [cache[k] for k in keys]
+    def frozen_vectors(self, parsed: Sequence[ParsedSentence], sentences: Sequence[str]
+                       ) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """The per-sentence frozen vectors these settings read: the words in context ((T_l, d) per sentence, or
+        [] for static words) and the whole-sentence vectors ((L, d), or None without the whole-sentence
+        fragment). What the in-memory caches miss is computed in one MiniLM call (`encode_texts`: one pass for
+        both where the inputs allow); the caches are bounded (cleared past CACHE_LIMIT entries)."""
+        contextual, whole = self.cfg.word_vectors == "contextual", self.cfg.sentence_fragment and len(sentences) > 0
+        keys = [tuple(p.tokens) or ("",) for p in parsed]
+        todo = sorted({i for i, k in enumerate(keys) if contextual and k not in self._context_vecs}
+                      | {i for i, t in enumerate(sentences) if whole and t not in self._sentence_vecs})
+        if todo:
+            todo = list({(keys[i], sentences[i]): i for i in todo}.values())  # each (words, text) once
+            ctx, sent = encode_texts([sentences[i] for i in todo], [list(keys[i]) for i in todo],
+                                     contextual=contextual, whole=whole, device=self.device)
+            for cache, kind in ((self._context_vecs, contextual), (self._sentence_vecs, whole)):
+                if kind and len(cache) + len(todo) > CACHE_LIMIT:
+                    cache.clear()
+            if contextual:
+                self._context_vecs.update(zip((keys[i] for i in todo), ctx, strict=True))
+            if whole:
+                self._sentence_vecs.update(zip((sentences[i] for i in todo), sent, strict=True))
+        return ([self._context_vecs[k] for k in keys] if contextual else [],
+                np.stack([self._sentence_vecs[t] for t in sentences]) if whole else None)
 
     @property
     def parser(self) -> Parser:
@@ -160,10 +179,10 @@ class TextPipeline:
         path = Path(cache_dir) / f"vectors-{digest.hexdigest()[:16]}.npz"
         def compute() -> Vectors:
             logger.info("computing frozen vectors of %d sentences", len(sentences))
-            ctx = encode_words_in_context([list(k) for k in keys], device=self.device) if contextual else []
+            ctx, sent = encode_texts(list(sentences), [list(k) for k in keys], contextual=contextual,
+                                     whole=self.cfg.sentence_fragment, device=self.device)
             tokens = np.concatenate(ctx) if ctx else np.zeros((0, self.words.dim), np.float32)
             offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
-            sent = encode_sentences(list(sentences), device=self.device) if self.cfg.sentence_fragment else tokens[:0]
             return tokens, offsets, sent
 
         def read(file: Path) -> Vectors:
@@ -212,12 +231,7 @@ class TextPipeline:
         contextual = self.cfg.word_vectors == "contextual"
         extra: list[np.ndarray] = []
         n_extra = 0
-        ctx: list[np.ndarray] = []
-        if contextual:
-            ctx = self._cached(self._context_vecs, [tuple(p.tokens) or ("",) for p in parsed],
-                               lambda keys: encode_words_in_context([list(k) for k in keys], device=self.device))
-        sent_vecs = (np.stack(self._cached(self._sentence_vecs, list(sentences), lambda keys: list(
-            encode_sentences(keys, device=self.device)))) if self.cfg.sentence_fragment and len(sentences) else None)
+        ctx, sent_vecs = self.frozen_vectors(parsed, sentences)
         tree_mode = self.cfg.fragments == "tree"
         enc = EncodedSentences([], [], [], [], trees=[] if tree_mode else None)
         for li, p in enumerate(parsed):
@@ -281,19 +295,18 @@ class TextPipeline:
         """Parse and encode query sentences (`strict`: NoFragmentsError for one with nothing to match)."""
         return self.encode_parsed(self.parse(sentences), sentences, strict=strict)
 
-    def pool_of(self, enc: EncodedSentences, a: torch.Tensor, b: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The frozen vectors that ids a and b (any shape) point to: (U, d), and a, b re-pointed into it.
+    def pool_of(self, enc: EncodedSentences, a: np.ndarray, b: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The frozen vectors that ids a and b (any shape) point to: (U, d) float32, and a, b re-pointed into it.
 
         Ids below the word table's size are its rows, the others rows of ``enc.extra`` (the per-sentence
         vectors: contextual words, whole sentences); only the rows used are copied."""
-        used = torch.unique(torch.cat([a.reshape(-1), b.reshape(-1)]))  # sorted
-        ids = used.numpy()
+        ids = np.unique(np.concatenate([np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)]))  # sorted
         base = len(self.words)
         table = self.words.vectors
         rows = np.concatenate([table[ids[ids < base]], enc.extra[ids[ids >= base] - base]])
-        pool = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-        return pool, torch.searchsorted(used, a), torch.searchsorted(used, b)
+        pool = np.ascontiguousarray(rows, dtype=np.float32)
+        return pool, np.searchsorted(ids, a), np.searchsorted(ids, b)
 
 
 def parse_cached(parser: Parser, sentences: Sequence[str], cache_dir: Path) -> list[ParsedSentence]:

@@ -13,16 +13,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from PIL import Image
-from torchvision.ops import roi_align
 
-from model.backbone import BACKBONE_NAME, Backbone, preprocess, to_tensor
+from model.backbone import Backbone, backbone_graph, backbone_head
+from model.boxes import roi_align
 from model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
 from model.detector import N_CLASSES, Detector
+from model.graphs import BACKBONE_NAME, preprocess, to_array
 from model.proposals import (
     N_GRID_BOXES,
     PROPOSAL_COLUMNS,
@@ -69,15 +69,16 @@ class RegionExtractor:
       ``cfg.mirror`` (a training view) every crop is flipped left to right before its pass: the
       features of the mirrored image's mirrored boxes.
 
-    ``cfg.backbone_precision`` picks the float or the int8 backbone graph (``model/backbone.py``).
+    ``cfg.backbone_precision`` picks the float or the int8 backbone graph (``model/backbone.py``), run on
+    ONNX Runtime on ``device``; the rest (box operations, the ImageNet head, pooling) runs in NumPy.
     """
 
-    def __init__(self, cfg: ImageConfig, device: str | torch.device = "cpu", runtime: str = "auto") -> None:
+    def __init__(self, cfg: ImageConfig, device: str = "cpu", runtime: str = "auto") -> None:
         if cfg.region_features not in REGION_FEATURES:
             raise ValueError(f"region_features must be one of {REGION_FEATURES}, got {cfg.region_features!r}")
         if cfg.n_regions > N_GRID_BOXES:
             raise ValueError(f"n_regions must be at most {N_GRID_BOXES} (the fallback grid size)")
-        own = bool(cfg.backbone_weights) or cfg.backbone != BACKBONE_NAME  # features by another net than the ranker
+        own = own_backbone(cfg)  # features by another net than the ranker
         if own and cfg.region_features != "crop" and not cfg.full_frame_only:
             raise ValueError("a fine-tuned or larger backbone (backbone_weights, backbone) needs region_features "
                              "'crop': its regions are ranked by the ImageNet Lite0, its features are the crops'")
@@ -95,12 +96,13 @@ class RegionExtractor:
         self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights,
                                   name=cfg.backbone)
                          if own else self.ranker)  # the fragments' features
+        if ranks_proposals(cfg):
+            self.ranker.load_head()  # read now: a missing head file is an error at start-up, not at the first image
 
     def extract(self, image: Image.Image) -> ImageFragments:
         """One image → ImageFragments (boxes (F, 4), features (F, D))."""
         return self.extract_batch([image])[0]
 
-    @torch.inference_mode()
     def extract_batch(self, images: Sequence[Image.Image]) -> list[ImageFragments]:
         """Images → one ImageFragments each, F = cfg.n_fragments rows."""
         if not images:
@@ -108,7 +110,6 @@ class RegionExtractor:
         rgb = [_rgb(img) for img in images]
         return self.extract_proposed(rgb, [image_proposals(img, self.cfg, self.detector) for img in rgb])
 
-    @torch.inference_mode()
     def extract_proposed(self, images: Sequence[Image.Image], proposals: Sequence[np.ndarray]) -> list[ImageFragments]:
         """Images with their proposals (``image_proposals``: (P_k, 5) each, or (P_k, 4) boxes that the
         backbone ranks) → one ImageFragments each.
@@ -136,7 +137,7 @@ class RegionExtractor:
             scores = (1.0 + priors[k]).astype(np.float32)
             unranked = np.isnan(scores)
             if unranked.any() and maps is not None:
-                pooled = self._roi_pool(maps[k : k + 1], props[unranked], w, h, side, SCORE_SAMPLING)
+                pooled = self._roi_pool(maps[k], props[unranked], w, h, side, SCORE_SAMPLING)
                 scores[unranked] = self._objectness(pooled)
             regions, rows = select_regions(props, scores, w, h, cfg)
             boxes = np.concatenate([full_box(w, h), regions])
@@ -144,9 +145,10 @@ class RegionExtractor:
             if cfg.detector_classes:
                 classes.append(fragment_classes(proposals[k], rows))
             if cfg.region_features == "roi_align" and maps is not None:
-                fmap = maps[k : k + 1]
-                feats = torch.cat([fmap.mean(dim=(2, 3)), self._roi_pool(fmap, regions, w, h, side)])
-                out.append(ImageFragments(boxes, _numpy(feats), w, h))
+                fmap = maps[k]
+                feats = np.concatenate([fmap.mean(axis=(1, 2), dtype=np.float32)[None],
+                                        self._roi_pool(fmap, regions, w, h, side)])
+                out.append(ImageFragments(boxes, np.ascontiguousarray(feats, dtype=np.float32), w, h))
         if cfg.region_features == "crop":
             out = self._crop_features(rgb, chosen)
         if cfg.detector_classes:
@@ -157,34 +159,29 @@ class RegionExtractor:
     # -- internals -------------------------------------------------------------------------------
 
     def _maps(self, images: Sequence[Image.Image], side: int, backbone: Backbone | None = None,
-              mirror: bool = False) -> torch.Tensor:
-        x = torch.stack([preprocess(img, side) for img in images])
-        return (backbone or self.ranker).feature_map(x.flip(-1) if mirror else x)
+              mirror: bool = False) -> np.ndarray:
+        """Images warped to side² → their feature maps (B, 1280, side/32, side/32) (of the mirrored images with
+        ``mirror``)."""
+        x = np.stack([preprocess(img, side) for img in images])
+        return (backbone or self.ranker).feature_map(x[..., ::-1] if mirror else x)
 
     def _roi_pool(
-        self, fmap: torch.Tensor, boxes: np.ndarray, w: int, h: int, side: int, sampling: int = FEATURE_SAMPLING
-    ) -> torch.Tensor:
-        """fmap (1, 1280, h', w') of the image warped to side², boxes (N, 4) in image pixels → (N, 1280)."""
-        scaled = torch.from_numpy(boxes * np.asarray([side / w, side / h, side / w, side / h], np.float32))
-        rois = roi_align(
-            fmap,
-            [scaled.to(fmap.device)],
-            output_size=ROI_OUTPUT,
-            spatial_scale=fmap.shape[-1] / side,
-            sampling_ratio=sampling,
-            aligned=True,
-        )  # (N, 1280, 3, 3)
-        return rois.mean(dim=(2, 3))
+        self, fmap: np.ndarray, boxes: np.ndarray, w: int, h: int, side: int, sampling: int = FEATURE_SAMPLING
+    ) -> np.ndarray:
+        """fmap (1280, h', w') of the image warped to side², boxes (N, 4) in image pixels → (N, 1280)."""
+        scaled = boxes * np.asarray([side / w, side / h, side / w, side / h], np.float32)
+        rois = roi_align(fmap, scaled, output_size=ROI_OUTPUT, spatial_scale=fmap.shape[-1] / side,
+                         sampling_ratio=sampling, aligned=True)  # (N, 1280, 3, 3)
+        return rois.mean(axis=(2, 3), dtype=np.float32)
 
-    def _objectness(self, pooled: torch.Tensor) -> np.ndarray:
-        """(N, 1280) → (N,) max ImageNet softmax probability."""
-        probs = F.softmax(self.ranker.classify(pooled).float(), dim=1)
-        return probs.max(dim=1).values.cpu().numpy()
+    def _objectness(self, pooled: np.ndarray) -> np.ndarray:
+        """(N, 1280) → (N,) float32 max ImageNet softmax probability."""
+        return max_softmax(self.ranker.classify(pooled))
 
     def _full_frame(self, images: Sequence[Image.Image]) -> list[ImageFragments]:
         cfg = self.cfg
         side = cfg.backbone_size if cfg.region_features == "roi_align" else cfg.crop_size
-        pooled = _numpy(self._maps(images, side, self.backbone, mirror=cfg.mirror).mean(dim=(2, 3)))
+        pooled = self._maps(images, side, self.backbone, mirror=cfg.mirror).mean(axis=(2, 3), dtype=np.float32)
         return [
             ImageFragments(full_box(*img.size), pooled[k : k + 1], img.size[0], img.size[1])
             for k, img in enumerate(images)
@@ -192,15 +189,46 @@ class RegionExtractor:
 
     def _crop_features(self, images: Sequence[Image.Image], boxes: Sequence[np.ndarray]) -> list[ImageFragments]:
         """Warp every box of every image to crop_size² and pool the backbone on each crop."""
-        crops = torch.cat([region_crops(img, bx, self.cfg.crop_size) for img, bx in zip(images, boxes, strict=True)])
+        crops = np.concatenate([region_crops(img, bx, self.cfg.crop_size)
+                                for img, bx in zip(images, boxes, strict=True)])
         if self.cfg.mirror:
-            crops = crops.flip(-1)
-        pooled = _numpy(self.backbone.pooled(crops))
+            crops = crops[..., ::-1]
+        pooled = self.backbone.pooled(crops)
         out, start = [], 0
         for img, bx in zip(images, boxes, strict=True):
             out.append(ImageFragments(bx, pooled[start : start + len(bx)], img.size[0], img.size[1]))
             start += len(bx)
         return out
+
+
+def own_backbone(cfg: ImageConfig) -> bool:
+    """Whether the fragments' features come from another network than the proposal ranker (the ImageNet
+    Lite0): a fine-tuned or a larger backbone."""
+    return bool(cfg.backbone_weights) or cfg.backbone != BACKBONE_NAME
+
+
+def extractor_files(cfg: ImageConfig) -> list[Path]:
+    """The backbone files a RegionExtractor of ``cfg`` reads (the ranker's graph, the features' own graph, the
+    ranker's head), found or made now (model/backbone.py): what a pool makes once before its workers start."""
+    files = [backbone_graph(cfg.backbone_precision)]
+    if own_backbone(cfg):
+        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights))
+    if ranks_proposals(cfg):
+        files.append(backbone_head())
+    return files
+
+
+def ranks_proposals(cfg: ImageConfig) -> bool:
+    """Whether the extractor of ``cfg`` ranks proposals by the ImageNet head (selective search's boxes, alone or
+    topping up the detector's): whether it reads the head's arrays."""
+    return not cfg.full_frame_only and cfg.proposals != "detector"
+
+
+def max_softmax(logits: np.ndarray) -> np.ndarray:
+    """(N, K) logits → (N,) float32 largest softmax probability of each row."""
+    z = np.asarray(logits, np.float32)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).max(axis=1).astype(np.float32)
 
 
 def image_proposals(image: Image.Image, cfg: ImageConfig, detector: Detector | None = None) -> np.ndarray:
@@ -235,17 +263,13 @@ def _rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def region_crops(image: Image.Image, boxes: np.ndarray, size: int) -> torch.Tensor:
+def region_crops(image: Image.Image, boxes: np.ndarray, size: int) -> np.ndarray:
     """Each box (N, 4) [x0, y0, x1, y1] of an RGB image cropped and warped to size² → (N, 3, size, size)
-    in [-1, 1]: what the backbone sees of a region in "crop" mode."""
-    return torch.stack([
-        to_tensor(np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=_pil_box(b)))) for b in boxes
-    ])
+    float32 in [-1, 1]: what the backbone sees of a region in "crop" mode."""
+    crops = [to_array(np.asarray(image.resize((size, size), Image.Resampling.BILINEAR, box=_pil_box(b))))
+             for b in boxes]
+    return np.stack(crops) if crops else np.zeros((0, 3, size, size), np.float32)
 
 
 def _pil_box(b: np.ndarray) -> tuple[float, float, float, float]:
     return (float(b[0]), float(b[1]), float(b[2]), float(b[3]))
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    return np.ascontiguousarray(t.detach().float().cpu().numpy(), dtype=np.float32)

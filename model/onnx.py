@@ -1,29 +1,26 @@
-"""ONNX graphs of the frozen networks (the image backbone, MiniLM) and their ONNX Runtime sessions.
+"""ONNX Runtime sessions of the runtime's graphs (the image backbone, MiniLM), and where graphs are kept.
 
-A graph is exported from the packaged torch weights on first use into the graph folder
-($FRAGSEARCH_ARTIFACTS/cache/graphs), written atomically so that concurrent processes never read
-half a file, and run by ONNX Runtime on the CPU (or its CUDA provider where onnxruntime-gpu is
-installed). Float graphs give the torch outputs to ~1e-5 at a fraction of the CPU time.
+The runtime only runs graphs: a release ships the graphs its model needs (model/released/), and the
+graphs of other settings (a float backbone, a larger or fine-tuned one) are exported once into the graph
+folder ($FRAGSEARCH_ARTIFACTS/cache/graphs) by the torch side (model/nets/), where torch is installed.
+Sessions run on the CPU, or on ONNX Runtime's CUDA provider where onnxruntime-gpu is installed and the
+device policy (model/device.py) puts the model on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
-import warnings
-from collections.abc import Sequence
+import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from model.atomic import atomic_path
 from model.config import default_artifacts_dir
 
 logger = logging.getLogger(__name__)
 
 OPSET = 17
-_lock = threading.Lock()
+_threads: list[int] = []  # the process's intra-op thread count for new sessions (set_threads), empty: the CPUs
 
 
 def graph_dir() -> Path:
@@ -31,29 +28,61 @@ def graph_dir() -> Path:
     return default_artifacts_dir() / "cache" / "graphs"
 
 
-def export(module: torch.nn.Module, args: tuple[torch.Tensor, ...], path: Path, inputs: Sequence[str],
-           outputs: Sequence[str], dynamic: dict[str, dict[int, str]]) -> Path:
-    """``module`` traced on ``args`` into the ONNX file ``path``, unless it is there already."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _lock:
-        if not path.is_file():
-            logger.info("exporting %s to ONNX", path.name)
-            with atomic_path(path) as tmp, torch.inference_mode(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.onnx.export(module, args, str(tmp), input_names=list(inputs), output_names=list(outputs),
-                                  dynamic_axes=dynamic, opset_version=OPSET, dynamo=False)
-    return path
+def set_threads(n: int) -> None:
+    """Run new ONNX Runtime sessions and OpenCV on ``n`` threads (one per worker process when several share
+    the CPU); torch too, where this process has imported it (training)."""
+    n = max(1, int(n))
+    _threads[:] = [n]
+    with contextlib.suppress(ImportError):
+        import cv2
+
+        cv2.setNumThreads(n)
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
+        with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
+            torch.set_num_interop_threads(n)
 
 
-def session(path: Path, device: torch.device | str = "cpu", threads: int | None = None) -> Any:
-    """An ONNX Runtime session of ``path`` with ``threads`` intra-op threads (default: torch's count)."""
+def default_threads() -> int:
+    """Intra-op threads of a new session: `set_threads`' count, else the CPUs this process may use."""
+    if _threads:
+        return _threads[0]
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def providers(device: str = "cpu") -> list[str]:
+    """ONNX Runtime's execution providers for a device ('cpu', 'cuda', 'cuda:N'): the CUDA provider first
+    on a GPU where onnxruntime-gpu has it, the CPU provider always."""
+    import onnxruntime as ort
+
+    out = ["CPUExecutionProvider"]
+    if str(device).startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+        out.insert(0, "CUDAExecutionProvider")
+    return out
+
+
+def session_options(threads: int | None = None) -> Any:
+    """ONNX Runtime's session options of the project: ``threads`` intra-op threads (default:
+    `default_threads`), one inter-op thread, warnings and errors only."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = max(1, threads or torch.get_num_threads())
+    opts.intra_op_num_threads = max(1, threads or default_threads())
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    providers = ["CPUExecutionProvider"]
-    if torch.device(device).type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-        providers.insert(0, "CUDAExecutionProvider")
-    return ort.InferenceSession(str(path), opts, providers=providers)
+    return opts
+
+
+def session(path: Path | str | bytes, device: str = "cpu", threads: int | None = None, options: Any = None) -> Any:
+    """An ONNX Runtime session of the graph file ``path`` (or serialized graph bytes) on ``device``, with
+    ``options`` (default: `session_options(threads)`)."""
+    import onnxruntime as ort
+
+    model = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(model, options or session_options(threads), providers=providers(device))

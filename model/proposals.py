@@ -13,9 +13,8 @@ import logging
 
 import cv2
 import numpy as np
-import torch
-from torchvision.ops import box_iou, nms
 
+from model.boxes import box_iou, nms
 from model.config import PROPOSAL_MODES, ImageConfig
 from model.detector import CANDIDATE_FLOOR, N_CLASSES, Detector
 
@@ -195,18 +194,17 @@ def select_regions(
     kept = np.zeros((0, 4), np.float32)
     rows = np.zeros((0,), np.int64)
     if len(proposals):
-        b = torch.from_numpy(proposals)
-        s = torch.from_numpy(scores.astype(np.float32))
-        not_full = box_iou(b, torch.from_numpy(full_box(width, height)))[:, 0] <= FULL_FRAME_DUP_IOU
-        index = torch.nonzero(not_full)[:, 0]
-        keep = nms(b[index], s[index], cfg.nms_iou)[:n]
-        kept = b[index[keep]].numpy()
-        rows = index[keep].numpy().astype(np.int64)
+        b = np.asarray(proposals, np.float32).reshape(-1, 4)
+        s = np.asarray(scores, np.float32)
+        index = np.flatnonzero(box_iou(b, full_box(width, height))[:, 0] <= FULL_FRAME_DUP_IOU)
+        keep = nms(b[index], s[index], cfg.nms_iou, limit=n)
+        kept = b[index[keep]]
+        rows = index[keep].astype(np.int64)
     if len(kept) >= n:
         return kept[:n], rows[:n]
     grid = grid_boxes(width, height)
     if len(kept):
-        overlap = box_iou(torch.from_numpy(grid), torch.from_numpy(kept)).max(dim=1).values.numpy()
+        overlap = box_iou(grid, kept).max(axis=1)
         order = np.concatenate([np.flatnonzero(overlap < cfg.nms_iou), np.flatnonzero(overlap >= cfg.nms_iou)])
         grid = grid[order]
     filled = grid[: n - len(kept)]

@@ -1,11 +1,13 @@
 """The released model and the one answer to "which model is served".
 
-The served default's trained files ship with the project in `model/released/`: the checkpoint
-(`model.pt`: weights, word table, calibration references and relevance scale) and `manifest.json`,
-which says how it was made (the command and the commit, digests of the training split it saw, the
-image-feature graph and the CPU it was extracted on), what it measures (validation and dev), and the
-sha256 and size of every file. Loading a checkpoint that sits beside a manifest checks its file
-against it (`check_release`): a changed or truncated file is refused with its name, never served.
+The served default's trained files ship with the project in `model/released/`: the model in the runtime's
+form (`model.json` and `model.npz`: weights, vocabulary, calibration references and relevance scale;
+model/modelfile.py), the graphs it runs (the int8 image backbone and its ImageNet head, MiniLM's graph
+without its weights, which come from MiniLM's package) and `manifest.json`, which says how it was made
+(the command and the commit, digests of the training split it saw, the image-feature graph and the CPU it
+was extracted on), what it measures (validation and dev), and the sha256 and size of every file. Reading a
+file that sits beside a manifest checks it against it (`check_release`; a model.json with its model.npz):
+a changed or truncated file is refused with its name, never served.
 
 The manifest is written by `python -m training.release` only, never by hand.
 
@@ -24,7 +26,7 @@ from typing import Any
 from model.atomic import sha256_file_once
 
 RELEASE_DIR = Path(__file__).resolve().parent / "released"
-RELEASED_MODEL = RELEASE_DIR / "model.pt"
+RELEASED_MODEL = RELEASE_DIR / "model.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "fragsearch-release-1"
 
@@ -71,16 +73,35 @@ def read_manifest(folder: Path = RELEASE_DIR) -> dict[str, Any]:
 
 
 def check_release(path: Path) -> dict[str, Any] | None:
-    """For a checkpoint inside a release folder: check the file's size and sha256 against the manifest and
-    return the manifest (None for a checkpoint outside any release). ReleaseError naming the file when it
-    differs, is missing from the manifest, or the manifest is damaged."""
+    """For a file inside a release folder (a model.json: with the model.npz beside it): check its size and
+    sha256 against the manifest and return the manifest (None for a file outside any release). ReleaseError
+    naming the file when it differs, is missing from the manifest, or the manifest is damaged."""
     path = Path(path)
     if not is_released(path):
         return None
     manifest = read_manifest(path.parent)
+    _check_file(path, manifest)
+    if path.name == "model.json":
+        _check_file(path.parent / "model.npz", manifest)
+    return manifest
+
+
+def released_file(name: str, folder: Path = RELEASE_DIR) -> Path | None:
+    """The file `name` of a release folder, checked against its manifest (`check_release`), or None when the
+    release does not ship it."""
+    path = Path(folder) / name
+    if not path.is_file() or not is_released(path) or name not in read_manifest(folder)["files"]:
+        return None
+    check_release(path)
+    return path
+
+
+def _check_file(path: Path, manifest: dict[str, Any]) -> None:
     entry = manifest["files"].get(path.name)
     if not isinstance(entry, dict):
         raise ReleaseError(f"{path}: the release manifest {path.parent / MANIFEST} does not list this file")
+    if not path.is_file():
+        raise ReleaseError(f"{path}: missing from the release (restore it with git checkout)")
     size = path.stat().st_size
     if size != entry.get("bytes"):
         raise ReleaseError(f"{path}: {size} bytes where the release manifest records {entry.get('bytes')} "
@@ -91,4 +112,3 @@ def check_release(path: Path) -> dict[str, Any] | None:
         raise ReleaseError(f"{path}: sha256 {digest[:16]}… where the release manifest records "
                            f"{str(entry.get('sha256'))[:16]}… (the file was changed: restore it with git checkout, "
                            "or write a new release with python -m training.release)")
-    return manifest

@@ -18,6 +18,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -142,3 +143,13 @@ def cpu_info(path: Path = CPUINFO) -> CpuInfo:
         elif key == "cpu MHz" and math.isnan(mhz):
             mhz = float(value)
     return CpuInfo(model, flags, mhz)
+
+
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+              "avx512_bf16", "amx_int8")
+
+
+def cpu_record() -> dict[str, Any]:
+    """The CPU's model name and the SIMD flags that choose ONNX Runtime's kernels."""
+    cpu = cpu_info()
+    return {"model": cpu.model, "flags": [f for f in SIMD_FLAGS if f in cpu.flags]}

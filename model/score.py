@@ -1,6 +1,8 @@
 """The image–sentence score S_kl and fragment alignments: the one implementation.
 
-Training, evaluation, the index's re-rank and the service all call these functions.
+Training, evaluation, the index's re-rank and the service all call these functions. They are written once
+against the array API (model/arrays.py): NumPy arrays in the service and the index, torch tensors (with
+autograd, on any device) in training.
 
     S_kl = 1 / (|g_k| (|g_l| + n)) * sum_{i in g_k} sum_{j in g_l} max(0, v_i . s_j)
 
@@ -17,20 +19,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
+from array_api_compat import device as array_device
+
+from model.arrays import Array, contiguous, counts, namespace, segment_sum
 
 SMOOTHING = 5.0  # the paper's n
 
 
-def fragment_scores(img_frags: torch.Tensor, sent_frags: torch.Tensor) -> torch.Tensor:
+def fragment_scores(img_frags: Array, sent_frags: Array) -> Array:
     """Inner products v_i . s_j.
 
     img_frags: (K, F, h), sent_frags: (L, T, h) -> (K, F, L, T).
     """
+    xp = namespace(img_frags, sent_frags)
     k, f, h = img_frags.shape
     n_sent, t, _ = sent_frags.shape
-    flat = img_frags.reshape(k * f, h) @ sent_frags.reshape(n_sent * t, h).T
-    return flat.reshape(k, f, n_sent, t)
+    flat = xp.reshape(img_frags, (k * f, h)) @ xp.reshape(sent_frags, (n_sent * t, h)).T
+    return xp.reshape(flat, (k, f, n_sent, t))
 
 
 def block_slices(h: int, blocks: int) -> list[slice]:
@@ -41,17 +47,23 @@ def block_slices(h: int, blocks: int) -> list[slice]:
     return [slice(b * w, (b + 1) * w) for b in range(blocks)]
 
 
-def block_dots(v: torch.Tensor, s: torch.Tensor, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def positive(x: Array) -> Array:
+    """max(0, x), elementwise."""
+    return namespace(x).clip(x, min=0.0)
+
+
+def block_dots(v: Array, s: Array, blocks: int = 1) -> tuple[Array, Array]:
     """v: (I, h), s: (J, h) -> (v . s (I, J), sum_b max(0, v^b . s^b) (I, J)) over `blocks` equal slices of h:
     the raw inner products and the thresholded pair scores S_kl sums."""
+    xp = namespace(v, s)
     parts = block_slices(v.shape[-1], blocks)
     if blocks == 1:
         dots = v @ s.T
-        return dots, dots.clamp_min(0)
+        return dots, positive(dots)
     # s^b . v^b with v^b (the many rows) as the transposed operand: BLAS reads each slice of v in place
     # (v[:, sl] on the left is copied first, which made a 2-block query's S_kl 2-3x dearer than one block's)
-    per_block = torch.stack([s[:, sl] @ v[:, sl].T for sl in parts])  # (B, J, I)
-    return per_block.sum(0).T.contiguous(), per_block.clamp_min(0).sum(0).T.contiguous()
+    per_block = xp.stack([s[:, sl] @ v[:, sl].T for sl in parts])  # (B, J, I)
+    return contiguous(xp.sum(per_block, axis=0).T), contiguous(xp.sum(positive(per_block), axis=0).T)
 
 
 @dataclass(frozen=True)
@@ -59,97 +71,123 @@ class FlatFragments:
     """Real fragments of a batch, flattened: pairwise scores (I, J) and which item each row/column is of.
 
     img_of: (I,) image index of each image fragment; sent_of: (J,) sentence index of each sentence
-    fragment; n_images / n_sentences: how many items the batch has. `positive` (I, J): the thresholded
-    pair scores of a model of several blocks (None for one block: ``scores.clamp_min(0)``).
+    fragment (both ascending); n_images / n_sentences: how many items the batch has. `positive` (I, J): the
+    thresholded pair scores of a model of several blocks (None for one block: ``positive(scores)``).
+    `img_per` > 0: every image has that many rows (no padding was left out), so its sums are a reshape's.
     """
 
-    scores: torch.Tensor
-    img_of: torch.Tensor
-    sent_of: torch.Tensor
+    scores: Array
+    img_of: Array
+    sent_of: Array
     n_images: int
     n_sentences: int
-    positive: torch.Tensor | None = None
+    positive: Array | None = None
+    img_per: int = 0
 
 
-def flatten(img_frags: torch.Tensor, img_mask: torch.Tensor, sent_frags: torch.Tensor,
-            sent_mask: torch.Tensor, blocks: int = 1) -> FlatFragments:
+def _owners(n: int, per: int, like: Array) -> Array:
+    """(n * per,) ascending owner ids 0, 0, ..., 1, 1, ... of n items with `per` rows each, where `like` is."""
+    xp = namespace(like)
+    return xp.repeat(xp.arange(n, device=array_device(like)), per)
+
+
+def flatten(img_frags: Array, img_mask: Array, sent_frags: Array, sent_mask: Array, blocks: int = 1
+            ) -> FlatFragments:
     """Pairwise scores v_i . s_j of the real fragments only (padding never enters a product); with
     `blocks` > 1 also their slice-wise thresholded sums (`block_dots`)."""
+    xp = namespace(img_frags, sent_frags)
     k, f, h = img_frags.shape
     n_sent, t, _ = sent_frags.shape
-    img_real = img_mask.reshape(-1).bool()
-    sent_real = sent_mask.reshape(-1).bool()
-    v = img_frags.reshape(k * f, h)
-    s = sent_frags.reshape(n_sent * t, h)
-    img_of = torch.arange(k, device=img_frags.device).repeat_interleave(f)
-    sent_of = torch.arange(n_sent, device=img_frags.device).repeat_interleave(t)
-    if not bool(img_real.all()):  # selecting copies the fragments: skipped when none is padding
-        v, img_of = v[img_real], img_of[img_real]
-    if not bool(sent_real.all()):
+    img_real = xp.reshape(img_mask, (-1,)) > 0
+    sent_real = xp.reshape(sent_mask, (-1,)) > 0
+    v = xp.reshape(img_frags, (k * f, h))
+    s = xp.reshape(sent_frags, (n_sent * t, h))
+    img_of = _owners(k, f, img_frags)
+    sent_of = _owners(n_sent, t, img_frags)
+    img_per = f
+    if not bool(xp.all(img_real)):  # selecting copies the fragments: skipped when none is padding
+        v, img_of, img_per = v[img_real], img_of[img_real], 0
+    if not bool(xp.all(sent_real)):
         s, sent_of = s[sent_real], sent_of[sent_real]
     if blocks == 1:  # the training path: the thresholding is skl_from_flat's
-        return FlatFragments(v @ s.T, img_of, sent_of, k, n_sent)
+        return FlatFragments(v @ s.T, img_of, sent_of, k, n_sent, img_per=img_per)
     dots, pos = block_dots(v, s, blocks)
-    return FlatFragments(dots, img_of, sent_of, k, n_sent, pos)
+    return FlatFragments(dots, img_of, sent_of, k, n_sent, pos, img_per)
 
 
-def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING) -> torch.Tensor:
-    """S_kl (K, L) from the pairwise scores of real fragments: the thresholded sum, normalised."""
-    pos = flat.scores.clamp_min(0) if flat.positive is None else flat.positive  # (I, J)
-    if flat.n_sentences == 1:  # one sentence (a search): its fragments summed first, one add per image fragment
-        total = pos.new_zeros(flat.n_images).index_add(0, flat.img_of, pos.sum(1))[:, None]  # (K, 1)
+def _per_image(flat: FlatFragments, rows: Array) -> Array:
+    """Sums of `rows` (I, ...) per image (K, ...): a reshape's sum where every image has `img_per` rows."""
+    if flat.img_per:
+        xp = namespace(rows)
+        return xp.sum(xp.reshape(rows, (flat.n_images, flat.img_per, *rows.shape[1:])), axis=1)
+    return segment_sum(rows, flat.img_of, flat.n_images, axis=0)
+
+
+def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING, scratch: bool = False) -> Array:
+    """S_kl (K, L) from the pairwise scores of real fragments: the thresholded sum, normalised. `scratch`: the
+    caller needs `flat.scores` no more, so NumPy thresholds it in place (a copy less of the largest array)."""
+    if flat.positive is not None:
+        pos = flat.positive  # (I, J)
+    elif scratch and isinstance(flat.scores, np.ndarray):
+        pos = np.maximum(flat.scores, 0.0, out=flat.scores)
     else:
-        per_image = pos.new_zeros(flat.n_images, pos.shape[1]).index_add(0, flat.img_of, pos)  # (K, J)
-        total = pos.new_zeros(flat.n_images, flat.n_sentences).index_add(1, flat.sent_of, per_image)  # (K, L)
-    n_img = torch.bincount(flat.img_of, minlength=flat.n_images).to(pos.dtype).clamp_min(1)
-    n_sent = torch.bincount(flat.sent_of, minlength=flat.n_sentences).to(pos.dtype)
+        pos = positive(flat.scores)
+    xp = namespace(pos)
+    if flat.n_sentences == 1:  # one sentence (a search): its fragments summed first, one add per image fragment
+        total = _per_image(flat, xp.sum(pos, axis=1))[:, None]  # (K, 1)
+    else:
+        per_image = _per_image(flat, pos)  # (K, J)
+        total = segment_sum(per_image, flat.sent_of, flat.n_sentences, axis=1)  # (K, L)
+    n_img = xp.clip(counts(flat.img_of, flat.n_images, pos), min=1.0)
+    n_sent = counts(flat.sent_of, flat.n_sentences, pos)
     return total / (n_img[:, None] * (n_sent[None, :] + smoothing))
 
 
-def skl_of_items(dots: torch.Tensor, owner: torch.Tensor, n_items: int, smoothing: float = SMOOTHING
-                 ) -> torch.Tensor:
+def skl_of_items(dots: Array, owner: Array, n_items: int, smoothing: float = SMOOTHING) -> Array:
     """S_kl (n_items,) of items against one sentence from the inner products of the items' real
     fragments with the sentence's T fragments: dots (N, T), owner (N,) the item (0 .. n_items - 1) of
-    each row, every item with at least one row (one block). The form a search scores many candidates
-    in without padding them (index.codes)."""
-    sent_of = torch.zeros(dots.shape[1], dtype=torch.long, device=dots.device)
+    each row, ascending, every item with at least one row (one block). The form a search scores many
+    candidates in without padding them (index.codes)."""
+    xp = namespace(dots)
+    sent_of = xp.zeros(dots.shape[1], dtype=owner.dtype, device=array_device(dots))
     return skl_from_flat(FlatFragments(dots, owner, sent_of, n_items, 1), smoothing)[:, 0]
 
 
 def skl(
-    img_frags: torch.Tensor,
-    img_mask: torch.Tensor,
-    sent_frags: torch.Tensor,
-    sent_mask: torch.Tensor,
+    img_frags: Array,
+    img_mask: Array,
+    sent_frags: Array,
+    sent_mask: Array,
     smoothing: float = SMOOTHING,
     chunk: int | None = None,
     blocks: int = 1,
-) -> torch.Tensor:
+) -> Array:
     """Image–sentence scores S_kl for every image k and sentence l.
 
     img_frags: (K, F, h) with img_mask: (K, F) (1 = real fragment, 0 = padding);
-    sent_frags: (L, T, h) with sent_mask: (L, T). Returns (K, L). Differentiable.
+    sent_frags: (L, T, h) with sent_mask: (L, T). Returns (K, L). Differentiable (torch).
     `chunk` bounds memory by scoring at most that many sentences at a time; `blocks`: the model's
     (``ModelConfig.blocks``, see the module doc).
     """
     if chunk is not None and sent_frags.shape[0] > chunk:
+        xp = namespace(img_frags, sent_frags)
         parts = [
             skl(img_frags, img_mask, sent_frags[s : s + chunk], sent_mask[s : s + chunk], smoothing, blocks=blocks)
             for s in range(0, sent_frags.shape[0], chunk)
         ]
-        return torch.cat(parts, dim=1)
-    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks), smoothing)
+        return xp.concat(parts, axis=1)
+    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks), smoothing, scratch=True)
 
 
-def pair_contributions(img_frags: torch.Tensor, sent_frags: torch.Tensor,
-                       smoothing: float = SMOOTHING, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_contributions(img_frags: Array, sent_frags: Array,
+                       smoothing: float = SMOOTHING, blocks: int = 1) -> tuple[Array, Array]:
     """Each fragment pair's share of one pair's S_kl: (v_i . s_j (F, T), max(0, v_i . s_j) / (F (T + n)))
     (for several blocks the share is sum_b max(0, v_i^b . s_j^b) / (F (T + n))).
 
     img_frags: (F, h), sent_frags: (T, h), real fragments only; the shares sum to `skl` of the pair.
     """
     dots, pos = block_dots(img_frags, sent_frags, blocks)
-    norm = len(img_frags) * (len(sent_frags) + smoothing)
+    norm = img_frags.shape[0] * (sent_frags.shape[0] + smoothing)
     return dots, pos / norm
 
 
@@ -166,13 +204,17 @@ class Alignment:
     matched: list[bool]
 
 
-def align(img_frags: torch.Tensor, sent_frags: torch.Tensor, blocks: int = 1) -> Alignment:
+def align(img_frags: Array, sent_frags: Array, blocks: int = 1) -> Alignment:
     """Alignment of one pair. img_frags: (F, h), sent_frags: (T, h) (real fragments only).
 
     One block: the best v_i . s_j; several: the best thresholded pair score sum_b max(0, v_i^b . s_j^b),
-    the pair's share in S_kl (the same choice wherever one block's best score is positive)."""
+    the pair's share in S_kl (the same choice wherever one block's best score is positive). Ties go to the
+    first image fragment."""
+    xp = namespace(img_frags, sent_frags)
     dots, pos = block_dots(img_frags, sent_frags, blocks)  # (F, T)
-    best, idx = (dots if blocks == 1 else pos).max(dim=0)
+    chosen = dots if blocks == 1 else pos
+    idx = xp.argmax(chosen, axis=0)
+    best = xp.max(chosen, axis=0)
     return Alignment(
         image_fragment=[int(i) for i in idx],
         score=[float(s) for s in best],

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,11 @@ class TreeLevel:
     """The nodes of one height and the edges into them: child node, index of the parent in `nodes`,
     relation id and signed position of each edge (all (E,))."""
 
-    nodes: torch.Tensor
-    child: torch.Tensor
-    parent: torch.Tensor
-    rel: torch.Tensor
-    pos: torch.Tensor
+    nodes: Any  # NumPy arrays (the runtime), torch tensors (training: `TreeBatch.to`)
+    child: Any
+    parent: Any
+    rel: Any
+    pos: Any
 
 
 @dataclass
@@ -95,18 +95,19 @@ class TreeBatch:
     rows: (N,) pool rows (-1: no word vector); sent_of: (N,) sentence of each node; size: (N,) ℓ as
     float; levels: heights 0, 1, ... in order; root: (L,) root node of each sentence (-1: empty)."""
 
-    rows: torch.Tensor
-    sent_of: torch.Tensor
-    size: torch.Tensor
+    rows: Any
+    sent_of: Any
+    size: Any
     levels: list[TreeLevel]
-    root: torch.Tensor
+    root: Any
 
     @property
     def n_sentences(self) -> int:
         return int(self.root.shape[0])
 
     @classmethod
-    def of(cls, trees: Sequence[SentenceTree], device: torch.device | str = "cpu") -> TreeBatch:
+    def of(cls, trees: Sequence[SentenceTree], device: Any = None) -> TreeBatch:
+        """The forest of `trees` as NumPy arrays, or as torch tensors on `device` when one is given (training)."""
         lengths = np.array([len(t.rows) for t in trees], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
 
@@ -127,24 +128,25 @@ class TreeBatch:
             local = np.full(len(heads), -1, dtype=np.int64)
             local[nodes] = np.arange(len(nodes))
             child = child_all[height[heads[child_all]] == level]
-            levels.append(TreeLevel(*(torch.from_numpy(a).to(device) for a in (
-                nodes, child, local[heads[child]], rel[child], pos[child]))))
+            levels.append(TreeLevel(nodes, child, local[heads[child]], rel[child], pos[child]))
+        batch = cls(cat("rows"), np.repeat(np.arange(len(trees), dtype=np.int64), lengths),
+                    cat("size").astype(np.float32), levels, root)
+        return batch if device is None else batch.to(device)
 
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
+    def to(self, device: Any) -> TreeBatch:
+        """The same forest as torch tensors on `device` (training; imports torch)."""
+        import torch
 
-        return cls(t(cat("rows")), t(np.repeat(np.arange(len(trees), dtype=np.int64), lengths)),
-                   t(cat("size")).float(), levels, t(root))
+        def t(a: Any) -> Any:
+            return (torch.from_numpy(a) if isinstance(a, np.ndarray) else a).to(device)
 
-    def to(self, device: torch.device | str) -> TreeBatch:
-        levels = [TreeLevel(*(getattr(lv, f).to(device) for f in ("nodes", "child", "parent", "rel", "pos")))
+        levels = [TreeLevel(*(t(getattr(lv, f)) for f in ("nodes", "child", "parent", "rel", "pos")))
                   for lv in self.levels]
-        return TreeBatch(self.rows.to(device), self.sent_of.to(device), self.size.to(device), levels,
-                         self.root.to(device))
+        return TreeBatch(t(self.rows), t(self.sent_of), t(self.size), levels, t(self.root))
 
-    def with_rows(self, rows: torch.Tensor) -> TreeBatch:
+    def with_rows(self, rows: np.ndarray) -> TreeBatch:
         """The same forest reading its word vectors from other pool rows (-1 kept where there was none)."""
-        return TreeBatch(torch.where(self.rows >= 0, rows, -1), self.sent_of, self.size, self.levels, self.root)
+        return TreeBatch(np.where(self.rows >= 0, rows, -1), self.sent_of, self.size, self.levels, self.root)
 
 
 def position_ranges(trees: Sequence[SentenceTree]) -> tuple[int, int]:

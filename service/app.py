@@ -17,12 +17,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from model.onnx import set_threads
 from service import errors
 from service.admission import Gate, Gates
 from service.engine import Engine
@@ -61,8 +61,8 @@ def settle_heap(settings: Settings) -> None:
 
 def load_engine(settings: Settings) -> Engine:
     """Load (and optionally warm up) the engine; blocking."""
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    if settings.threads:
+        set_threads(settings.threads)
     engine = Engine.load(settings)
     if settings.warmup:
         engine.warm_up()
@@ -116,8 +116,8 @@ async def _load_in_background(app: FastAPI, settings: Settings, started: float, 
         if progress is None:
             engine = await asyncio.to_thread(load_engine, settings)
         else:
-            if settings.torch_threads:
-                torch.set_num_threads(settings.torch_threads)
+            if settings.threads:
+                set_threads(settings.threads)
             # a daemon thread: stopping the service does not wait for a preparation under way
             engine = await _in_daemon_thread(prepare_and_load, app, settings, progress)
     except Exception as e:  # reported by /readyz and the log; the process stays up for /healthz

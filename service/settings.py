@@ -160,7 +160,8 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     device: str = Field(default="auto", description="auto (cuda when available), cpu or cuda: model, "
                         "MiniLM, image backbone, training and FAISS (model/device.py)")
-    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads; default: torch's choice")
+    threads: int | None = Field(default=None, ge=1, description="intra-op threads of the model's graphs (ONNX Runtime) "
+                                "and OpenCV; default: the CPUs the process may use")
     warmup: bool = Field(default=True, description="run one search and one annotation before reporting ready")
     heavy_slots: int = Field(default=2, ge=1, description="image extractions (annotate, uploads) run at once; "
                              "more requests wait their turn")

@@ -184,14 +184,15 @@ def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPa
     """The shapes model calibrated on training images, its relevance scale fitted on 10 held-out ones
     (as training fits it on the validation part), over its own indexes."""
     from model.dataset import hold_out, load_split_data
+    from model.nets.checkpoint import Checkpoint
     from model.parsers import make_parser
     from training.calibrate import fit_calibration, fit_relevance
     from training.evaluate import evaluate_scores
 
-    bundle = Bundle.load(shapes_model.model_path)
-    train = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
+    ckpt = Checkpoint.load(shapes_model.model_path)
+    train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))
     rest, val = hold_out(train, 10, 0)
-    bundle.calibration = fit_calibration(bundle, rest, refs=20, seed=0)
-    _, scores = evaluate_scores(bundle, val)
-    bundle.calibration.relevance = fit_relevance(scores, val.pair_image)
-    return engine_over_dev(shapes_model, bundle, tmp_path_factory.mktemp("calibrated"))
+    ckpt.calibration = fit_calibration(ckpt, rest, refs=20, seed=0)
+    _, scores = evaluate_scores(ckpt, val)
+    ckpt.calibration.relevance = fit_relevance(scores, val.pair_image)
+    return engine_over_dev(shapes_model, ckpt.bundle(), tmp_path_factory.mktemp("calibrated"))

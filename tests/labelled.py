@@ -15,9 +15,11 @@ from PIL import Image
 from index import ImageIndex, IndexSettings
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, default_data_dir
-from model.encoders import FragmentModel, ModelConfig
+from model.encoders import ModelConfig
 from model.features import feature_dim
 from model.fragments import TextPipeline
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
 from model.text import RelationVocab
 from model.words import WordTable
 
@@ -45,7 +47,7 @@ def labelled_bundle() -> Bundle:
     relations = RelationVocab(["det", "amod", "nsubj", "num", "prep_on"], {}, 0.01)
     torch.manual_seed(0)
     model = FragmentModel(ModelConfig(h=16, img_dim=feature_dim(LABELLED_CFG), n_relations=len(relations)))
-    return Bundle(model.eval(), TextPipeline(TextConfig(), relations, words), LABELLED_CFG)
+    return Checkpoint(model.eval(), TextPipeline(TextConfig(), relations, words), LABELLED_CFG).bundle()
 
 
 def dog_index(root: Path, bundle: Bundle, photo: Path | None = None) -> tuple[ImageIndex, int]:

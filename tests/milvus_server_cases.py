@@ -306,7 +306,7 @@ def committed_rows_intact(root: Path, bundle: Bundle) -> int:
             rows = cand.client.query(cand.collection, filter=f"{ID} in {frags}", output_fields=[ID, VECTOR])
             got = {int(r[ID]): np.asarray(r[VECTOR], np.float32) for r in rows}
             assert sorted(got) == frags, f"item {item}: committed fragments missing from the server"
-            np.testing.assert_allclose(np.stack([got[f] for f in frags]), want[0, :n].numpy(), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(np.stack([got[f] for f in frags]), want[0, :n], rtol=1e-6, atol=1e-6)
         return len(items)
     finally:
         index.close()

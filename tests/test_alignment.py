@@ -19,6 +19,7 @@ from bench.alignment import (
     model_alignments,
     pointing_rates,
     rates_row,
+    top_classes,
     verified,
     wilson95,
     with_wilson,
@@ -118,6 +119,16 @@ def test_verified_fragments_at_top1_and_top2() -> None:
         [False, True, False], [False, True, False], [False, False, True], [False, False, True]]
     assert verified(top, trials, nouns, 2).tolist() == [
         [False, True, False], [False, True, False], [False, False, True], [True, False, True]]
+
+
+def test_the_top_classes_are_the_largest_logits_best_first_a_tie_to_the_lower_class() -> None:
+    logits = np.array([[0.1, 3.0, -2.0, 3.0, 1.5], [5.0, 4.0, 3.0, 2.0, 1.0]], np.float32)
+    assert top_classes(logits, 3).tolist() == [[1, 3, 4], [0, 1, 2]]
+    rng = np.random.default_rng(0)
+    many = rng.standard_normal((8, 1000)).astype(np.float32)
+    softmax = np.exp(many - many.max(1, keepdims=True))
+    softmax /= softmax.sum(1, keepdims=True)
+    np.testing.assert_array_equal(top_classes(many, 5), np.argsort(-softmax, axis=1)[:, :5])  # the softmax's order
 
 
 def test_largest_region_skips_the_whole_image_and_takes_the_first_on_ties() -> None:

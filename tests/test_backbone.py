@@ -1,20 +1,26 @@
-"""The backbone's runtimes and precisions, and what the upload decoder imports."""
+"""The backbone's graphs and precisions against torch eager, where its files come from, and what the upload
+decoder and the image extraction import."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image, ImageDraw
 
-from model.backbone import Backbone, calibration_images, onnx_graph, preprocess
+import model.graphs
+from model.backbone import Backbone, backbone_graph, backbone_head, read_head
 from model.config import ImageConfig
+from model.graphs import GraphMissing, calibration_images, graph_name, head_name, preprocess
 from model.image import RegionExtractor
+from model.nets.backbone import TorchBackbone, onnx_graph
+from model.release import ReleaseError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,41 +34,60 @@ def picture() -> Image.Image:
     return img
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
-    return torch.nn.functional.cosine_similarity(a, b, dim=1).numpy()
+def _normalized(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
 @pytest.fixture(scope="module")
-def torch_backbone() -> Backbone:
-    return Backbone("cpu", "fp32", "torch")
+def torch_backbone() -> TorchBackbone:
+    return TorchBackbone("cpu")
 
 
-def test_onnx_float_matches_torch(torch_backbone: Backbone) -> None:
-    x = torch.stack([preprocess(picture(), 224), preprocess(picture().rotate(90), 224)])
+def test_onnx_float_matches_torch(torch_backbone: TorchBackbone) -> None:
+    x = np.stack([preprocess(picture(), 224), preprocess(picture().rotate(90), 224)])
+    assert x.dtype == np.float32 and x.shape == (2, 3, 224, 224) and -1.0 <= x.min() <= x.max() <= 1.0
     onnx = Backbone("cpu", "fp32", "onnx")
     assert (onnx.runtime, torch_backbone.runtime) == ("onnx", "torch")
     a, b = torch_backbone.feature_map(x), onnx.feature_map(x)
-    assert a.shape == b.shape == (2, 1280, 7, 7)
-    torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+    assert a.shape == b.shape == (2, 1280, 7, 7) and b.dtype == np.float32
+    np.testing.assert_allclose(b, a, atol=1e-3, rtol=1e-3)
     big = preprocess(picture(), 448)[None]  # the graph takes any side
     assert onnx.feature_map(big).shape == (1, 1280, 14, 14)
-    np.testing.assert_array_equal(onnx.classify(a.mean(dim=(2, 3))).argmax(1).numpy(),
-                                  torch_backbone.classify(a.mean(dim=(2, 3))).argmax(1).numpy())
+    pooled = a.mean(axis=(2, 3))
+    np.testing.assert_array_equal(onnx.classify(pooled).argmax(1), torch_backbone.classify(pooled).argmax(1))
 
 
-def test_int8_features_stay_close_to_float(torch_backbone: Backbone) -> None:
+def test_the_numpy_head_is_torchs(torch_backbone: TorchBackbone) -> None:
+    """The ImageNet head's arrays are the torch weights, bit for bit, and the largest softmax probability (the
+    proposals' objectness) is torch's to ~1e-6."""
+    import torch
+
+    from model.image import max_softmax
+
+    weight, bias = read_head(backbone_head())
+    fc: Any = torch_backbone.net._fc
+    np.testing.assert_array_equal(weight, fc.weight.numpy())
+    np.testing.assert_array_equal(bias, fc.bias.numpy())
+    x = np.stack([preprocess(picture().rotate(a), 224) for a in (0, 90, 180, 270)])
+    pooled = Backbone("cpu", "int8").pooled(x)
+    logits = Backbone("cpu", "int8").classify(pooled)
+    assert logits.shape == (4, 1000) and logits.dtype == np.float32
+    want = torch.softmax(torch.from_numpy(torch_backbone.classify(pooled)), dim=1).max(dim=1).values.numpy()
+    np.testing.assert_allclose(max_softmax(logits), want, rtol=2e-6, atol=1e-7)
+
+
+def test_int8_features_stay_close_to_float(torch_backbone: TorchBackbone) -> None:
     crops = [picture().resize((224, 224), Image.Resampling.BILINEAR, box=box)
              for box in ((0, 0, 224, 224), (10, 20, 130, 140), (100, 90, 220, 210), (0, 112, 224, 224))]
-    x = torch.stack([preprocess(c, 224) for c in crops])
+    x = np.stack([preprocess(c, 224) for c in crops])
     int8 = Backbone("cpu", "int8")
     assert int8.runtime == "onnx"
-    cos = _cos(torch_backbone.pooled(x), int8.pooled(x))
+    f, q = _normalized(torch_backbone.pooled(x)), _normalized(int8.pooled(x))
+    cos = (f * q).sum(axis=1)
     assert cos.min() > 0.9, cos
     # and far from a wrong answer: the int8 features of one crop are closer to its own float
     # features than to another crop's
-    f, q = torch_backbone.pooled(x), int8.pooled(x)
-    sims = torch.nn.functional.normalize(q, dim=1) @ torch.nn.functional.normalize(f, dim=1).T
-    assert (sims.argmax(dim=1) == torch.arange(len(crops))).all()
+    assert ((q @ f.T).argmax(axis=1) == np.arange(len(crops))).all()
 
 
 def test_graphs_are_made_once_and_the_same_everywhere(tmp_path: Path) -> None:
@@ -72,6 +97,62 @@ def test_graphs_are_made_once_and_the_same_everywhere(tmp_path: Path) -> None:
     stamp = first.stat().st_mtime_ns
     assert onnx_graph("fp32", tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert not list(tmp_path.glob("*.tmp"))
+    assert first.name == graph_name("fp32") == "efficientnet-lite0-fp32-opset17.onnx"
+
+
+def test_the_int8_graph_is_the_released_one() -> None:
+    """The graph the runtime finds (or makes) for the served precision has the bytes the release manifest
+    records, under its recorded name."""
+    from model.atomic import sha256_file
+    from model.release import read_manifest
+
+    features = read_manifest()["features"]
+    graph = backbone_graph("int8")
+    assert graph.name == features["graph"] == graph_name("int8")
+    assert sha256_file(graph) == features["graph_sha256"]
+
+
+def write_manifest(folder: Path, names: list[str]) -> None:
+    """A release manifest in `folder` listing `names` with their size and sha256."""
+    from model.atomic import sha256_file
+    from model.release import MANIFEST, MANIFEST_FORMAT
+
+    files = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256_file(folder / n)} for n in names}
+    (folder / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}))
+
+
+def test_files_are_found_in_the_release_folder_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    release, graphs = tmp_path / "released", tmp_path / "graphs"
+    release.mkdir()
+    graphs.mkdir()
+    monkeypatch.setattr(model.graphs, "RELEASE_DIR", release)
+    (graphs / graph_name("int8")).write_bytes(b"in the graph folder")
+    assert backbone_graph("int8", folder=graphs) == graphs / graph_name("int8")
+    (release / graph_name("int8")).write_bytes(b"released")
+    assert backbone_graph("int8", folder=graphs) == graphs / graph_name("int8"), "a folder without a manifest"
+    write_manifest(release, [graph_name("int8")])
+    assert backbone_graph("int8", folder=graphs) == release / graph_name("int8")
+    (release / graph_name("int8")).write_bytes(b"released!")
+    # a released file is checked against its manifest
+    with pytest.raises(ReleaseError, match="bytes where the release manifest records"):
+        backbone_graph("int8", folder=graphs)
+    head = backbone_head(folder=graphs)  # made by the torch side where neither has it
+    assert head == graphs / head_name() == graphs / "efficientnet-lite0-head.npz"
+    made = head.read_bytes()
+    head.unlink()
+    assert backbone_head(folder=graphs).read_bytes() == made, "the head file's bytes depend on the weights only"
+
+
+def test_a_missing_graph_without_torch_names_the_graph_and_the_fix(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model.graphs, "RELEASE_DIR", tmp_path / "released")
+    monkeypatch.setitem(sys.modules, "model.nets.backbone", None)  # importing it raises ImportError, as without torch
+    with pytest.raises(GraphMissing, match="efficientnet-lite0-fp32-opset17.onnx") as info:
+        backbone_graph("fp32", folder=tmp_path / "graphs")
+    assert isinstance(info.value, FileNotFoundError)
+    assert "./run setup" in str(info.value) and str(tmp_path / "graphs") in str(info.value)
+    with pytest.raises(GraphMissing, match="efficientnet-lite0-head.npz"):
+        backbone_head(folder=tmp_path / "graphs")
 
 
 def test_unknown_precision_or_runtime_is_refused() -> None:
@@ -79,6 +160,8 @@ def test_unknown_precision_or_runtime_is_refused() -> None:
         Backbone("cpu", "fp8")
     with pytest.raises(ValueError, match="runtime"):
         Backbone("cpu", "fp32", "tensorrt")
+    with pytest.raises(ValueError, match="TorchBackbone"):  # torch eager is the trainer's
+        Backbone("cpu", "fp32", "torch")
 
 
 def test_int8_crop_extractor_gives_every_fragment() -> None:
@@ -94,6 +177,27 @@ def test_upload_decoding_imports_neither_opencv_nor_torch() -> None:
             "bad = [m for m in ('cv2', 'torch', 'torchvision') if m in sys.modules]; "
             "sys.exit(f'imported {bad}' if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("proposals", ["selective_search", "detector_topup"])
+def test_image_extraction_imports_no_torch(proposals: str, tmp_path: Path) -> None:
+    """model.image and the extraction of a picture with the graphs there (the served settings: the int8 graph,
+    the ranker's head, crops; and the detector's proposals topped up) load neither torch nor torchvision."""
+    cfg = ImageConfig(region_features="crop", backbone_precision="int8", proposal_resize=112, min_box_frac=0.25,
+                      backbone_size=224, proposals=proposals)
+    from model.image import extractor_files
+
+    extractor_files(cfg)  # made here (with torch) if missing, so that the child finds them
+    picture().save(tmp_path / "p.png")
+    code = ("import sys; from PIL import Image; from model.config import ImageConfig; "
+            "from model.image import RegionExtractor; "
+            f"cfg = ImageConfig(**{cfg.__dict__!r}); "
+            f"f = RegionExtractor(cfg).extract(Image.open({str(tmp_path / 'p.png')!r})); "
+            "assert f.features.shape == (20, 1280), f.features.shape; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')]; "
+            "sys.exit(f'imported {bad[:5]}' if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr + done.stdout
 
 
@@ -114,7 +218,7 @@ def test_the_backbone_is_in_the_feature_cache_key_and_lite0_keeps_its_key() -> N
 
 
 def test_a_larger_backbone_needs_crop_features_and_a_known_name() -> None:
-    from model.backbone import package_weights
+    from model.graphs import package_weights
 
     with pytest.raises(ValueError, match="crop"):
         RegionExtractor(ImageConfig(region_features="roi_align", backbone="efficientnet-lite2"))
@@ -128,10 +232,10 @@ def test_lite2_crops_are_1280_d_features_of_their_own_graph(tmp_path: Path) -> N
     lite2 = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path, name="efficientnet-lite2")
     x = preprocess(picture(), 260)[None]
     feats = lite2.pooled(x)
-    assert feats.shape == (1, 1280) and torch.isfinite(feats).all()
+    assert feats.shape == (1, 1280) and np.isfinite(feats).all()
     assert [p.name for p in tmp_path.glob("*.onnx")] == ["efficientnet-lite2-fp32-opset17.onnx"]
     ref = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path).pooled(preprocess(picture(), 224)[None])
-    assert not torch.allclose(feats, ref)  # another network's features
+    assert not np.allclose(feats, ref)  # another network's features
 
 
 def test_the_int8_recipe_has_7_bit_weights_on_every_cpu(tmp_path: Path) -> None:

@@ -207,10 +207,10 @@ def test_detector_labels_reach_the_index_through_feature_and_embedded_shards(tmp
     assert embedded.labels == want.labels
     out = tmp_path / "embedded"
     with ShardWriter(out, labelled.LABELLED_CFG, embedded_by=index.fingerprint, dim=bundle.dim) as writer:
-        writer.add_vectors("k", photo.name, str(photo), embedded.vectors.numpy(), embedded.boxes, embedded.width,
+        writer.add_vectors("k", photo.name, str(photo), embedded.vectors, embedded.boxes, embedded.width,
                            embedded.height, embedded.labels)
         with pytest.raises(ValueError, match="labels for"):
-            writer.add_vectors("k2", "other.jpg", "/other.jpg", embedded.vectors.numpy(), embedded.boxes, 1, 1,
+            writer.add_vectors("k2", "other.jpg", "/other.jpg", embedded.vectors, embedded.boxes, 1, 1,
                                embedded.labels[:3])
     stored = read_shard(shard_files(out)[0])
     assert stored.labels is not None and stored.labels_of(0) == want.labels

@@ -10,6 +10,7 @@ import torch
 
 from model.bundle import Bundle
 from model.calibration import Calibration, Relevance
+from model.nets.checkpoint import Checkpoint
 from model.score import align, skl
 from tests.conftest import ShapesModel
 from training.calibrate import fit_calibration, fit_relevance, per_item_ms, true_and_random_pairs
@@ -98,17 +99,16 @@ def test_fit_on_the_shapes_model_and_round_trip(shapes_model: ShapesModel, tmp_p
     cal = evaluate(bundle, dev)
     chance = 100 * (1 + 5 + 10) / len(dev.names) * 2
     assert cal["rsum"] > 2 * chance and raw["rsum"] > 2 * chance
-    bundle.save(tmp_path / "m.pt")
-    again = Bundle.load(tmp_path / "m.pt")
+    bundle.save(tmp_path / "m")
+    again = Bundle.load(tmp_path / "m")
     assert again.calibration is not None
     enc = bundle.text.encode_parsed(dev.parsed, dev.sentences)
-    with torch.no_grad():
-        a = score_split(bundle, dev.feats, enc)
-        b = score_split(again, dev.feats, enc)
-        uncal = bundle.scores(bundle.embed_images(dev.feats, calibrated=False), torch.ones(len(dev.names), 20),
-                              *bundle.embed_sentences(enc, calibrated=False))
+    a = score_split(bundle, dev.feats, enc)
+    b = score_split(again, dev.feats, enc)
+    uncal = bundle.scores(bundle.embed_images(dev.feats, calibrated=False), np.ones((len(dev.names), 20), np.float32),
+                          *bundle.embed_sentences(enc, calibrated=False))
     np.testing.assert_allclose(b, a, rtol=2e-2, atol=1e-6)  # references are stored at half precision
-    assert not np.allclose(a, uncal.numpy())
+    assert not np.allclose(a, uncal)
 
 
 def test_per_item_cost_is_measured_for_both_sides_with_and_without_scales(shapes_model: ShapesModel) -> None:
@@ -142,33 +142,39 @@ def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_wit
         shapes_model: ShapesModel, tmp_path: Path) -> None:
     cal = _random_calibration()
     cal.relevance = Relevance(3.0, -1.5)
-    again = Calibration.from_state(cal.to_state())
+    again = Calibration.from_arrays(cal.to_arrays(), cal.settings())
     assert again.relevance == Relevance(3.0, -1.5)
-    older = cal.to_state()
+    older = cal.settings()
     del older["relevance"]  # a checkpoint from before the scale
-    assert Calibration.from_state(older).relevance is None
+    assert Calibration.from_arrays(cal.to_arrays(), older).relevance is None
     bundle = Bundle.load(shapes_model.model_path)
     assert bundle.relevance is None  # uncalibrated: no scale
     bundle.calibration = fit_calibration(bundle, shapes_model.dev, refs=10, seed=0)
     assert bundle.relevance is None
     bundle.calibration.relevance = Relevance(3.0, -1.5)
-    bundle.save(tmp_path / "m.pt")
-    assert Bundle.load(tmp_path / "m.pt").relevance == Relevance(3.0, -1.5)
+    bundle.save(tmp_path / "m")
+    assert Bundle.load(tmp_path / "m").relevance == Relevance(3.0, -1.5)
+    ckpt = Checkpoint.load(shapes_model.model_path)  # and in the trainer's checkpoint
+    ckpt.calibration = bundle.calibration
+    ckpt.save(tmp_path / "m.pt")
+    relevance = Relevance(3.0, -1.5)
+    assert Bundle.load(tmp_path / "m.pt").relevance == Checkpoint.load(tmp_path / "m.pt").relevance == relevance
 
 
 def test_a_calibration_is_stored_without_its_padding_and_loads_as_before() -> None:
     """The reference sentences' padding is left out of a checkpoint; one saved with it still loads the same."""
     from model.calibration import Calibration
 
-    g = torch.Generator().manual_seed(0)
-    mask = (torch.rand(6, 5, generator=g) > 0.4).float()
+    rng = np.random.default_rng(0)
+    mask = (rng.random((6, 5)) > 0.4).astype(np.float32)
     mask[:, 0] = 1.0
-    cal = Calibration(torch.randn(4, 3, 8, generator=g), torch.randn(6, 5, 8, generator=g) * mask[..., None], mask)
-    state = cal.to_state()
-    assert "ref_sentences" not in state and state["ref_sentence_rows"].shape == (int(mask.sum()), 8)
-    again = Calibration.from_state(state)
-    old = Calibration.from_state({**{k: v for k, v in state.items() if k != "ref_sentence_rows"},
-                                  "ref_sentences": cal.ref_sentences.half()})
+    sentences = rng.standard_normal((6, 5, 8)).astype(np.float32) * mask[..., None]
+    cal = Calibration(rng.standard_normal((4, 3, 8)).astype(np.float32), sentences, mask)
+    arrays = cal.to_arrays()
+    assert "ref_sentences" not in arrays and arrays["ref_sentence_rows"].shape == (int(mask.sum()), 8)
+    again = Calibration.from_arrays(arrays, cal.settings())
+    old = Calibration.from_arrays({**{k: v for k, v in arrays.items() if k != "ref_sentence_rows"},
+                                   "ref_sentences": sentences.astype(np.float16)}, cal.settings())
     for loaded in (again, old):
-        assert torch.equal(loaded.ref_sentences, cal.ref_sentences.half().float())
-        assert torch.equal(loaded.ref_sentence_mask, mask)
+        assert np.array_equal(loaded.ref_sentences, sentences.astype(np.float16).astype(np.float32))
+        assert np.array_equal(loaded.ref_sentence_mask, mask)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import index.codes
 import index.store
@@ -81,9 +80,9 @@ def test_codes_prescore_keeps_the_exact_ranking_reading_only_the_rerank_items(tm
     # the codes' approximate score is S_kl of the projected vectors: close to the exact one
     sent = embed_sentence(bundle, QUERIES[1])[0]
     items = ix.ids()
-    approx = ix.codes.scores(ix.items, items, sent.numpy(), skl_of_items)
+    approx = ix.codes.scores(ix.items, items, sent, skl_of_items)
     vecs, mask = ix.stored.vectors(items)
-    exact = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0].numpy()
+    exact = bundle.scores(vecs, mask, sent[None], np.ones((1, len(sent)), np.float32))[:, 0]
     assert np.corrcoef(approx, exact)[0, 1] > 0.95
     # without codes the same re-rank limit keeps the candidates by their partial score instead
     plain = ImageIndex.create(tmp_path / "plain", bundle, IndexSettings.of(store_dtype="float16"))
@@ -118,7 +117,7 @@ def test_add_codes_derives_them_for_an_index_built_without_and_every_save_keeps_
     assert agreement(again) >= 0.9
     # rows added since the last save have no codes yet: they are scored exactly, so they are found
     vecs, boxes, sizes, names, paths = images(1, seed=99)
-    target = embed_sentence(bundle, QUERIES[2])[0].numpy()
+    target = embed_sentence(bundle, QUERIES[2])[0]
     vecs[0] = np.resize(target, (F, H)) * 1000  # an image made of the query's fragments: the best match
     new = again.add(embedded_images(vecs, boxes, sizes), names, paths, read_places=False)[0]
     assert again.search(QUERIES[2], 1).hits[0].image_id == new
@@ -232,9 +231,9 @@ def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: 
     sent = embed_sentence(bundle, QUERIES[1])[0]
     items = ix.ids()
     vecs, mask = ix.stored.vectors(items)
-    exact = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0].numpy()
-    alone = codes.scores(ix.items, items, sent.numpy(), skl_of_items)
-    refined = codes.scores(ix.items, items, sent.numpy(), skl_of_items, refined=True)
+    exact = bundle.scores(vecs, mask, sent[None], np.ones((1, len(sent)), np.float32))[:, 0]
+    alone = codes.scores(ix.items, items, sent, skl_of_items)
+    refined = codes.scores(ix.items, items, sent, skl_of_items, refined=True)
     assert np.abs(refined - exact).mean() < 0.5 * np.abs(alone - exact).mean()
 
     scored: list[tuple[int, bool]] = []
@@ -312,7 +311,7 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
     own = codes.store.decode(codes.store.gather_rows(t.seg[[item]], t.off[[item]], t.n[[item]]))
     np.testing.assert_allclose(means[3], own.mean(0), rtol=1e-5, atol=1e-6)
     # the score: the linear and the thresholded sums of the means' products, each standardised
-    sent = embed_sentence(bundle, QUERIES[2])[0].numpy()
+    sent = embed_sentence(bundle, QUERIES[2])[0]
     got_ids, got = codes.summary_scores(ix.items, sent)
     dots = np.concatenate([m for _, m in per_segment]) @ codes.project(sent).T
     z = [(x - x.mean()) / x.std() for x in (dots.sum(1), np.maximum(dots, 0).sum(1))]

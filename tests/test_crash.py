@@ -130,7 +130,7 @@ def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
             # searches return committed items only
             for probe in probes:
                 vecs, _ = index.stored.vectors(np.asarray([probe]))
-                assert {h.image_id for h in index.search(EmbeddedSentence(vecs[0, :3].clone()),
+                assert {h.image_id for h in index.search(EmbeddedSentence(vecs[0, :3].copy()),
                                                          len(ids)).hits} <= set(rows)
             journal_state(log, gen + 1, expected)
             index.save()  # the first write reconciles the collection with the committed state
@@ -140,7 +140,7 @@ def check_committed_state(root: Path, shapes: ShapesModel, log: Path) -> int:
         # every live item is recalled and ranked by the exact score, as the scan over every item ranks it
         for probe in probes:
             vecs, _ = index.stored.vectors(np.asarray([probe]))
-            query = vecs[0, :3].clone()
+            query = vecs[0, :3].copy()
             hits = index.search(EmbeddedSentence(query), len(ids)).hits
             exact = index.search(EmbeddedSentence(query), len(ids), exhaustive=True).hits
             assert ranking(hits) == ranking(exact), "the candidates missed a live item"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,8 +32,8 @@ def test_device_names_are_checked_and_normalised() -> None:
 
 
 def test_auto_is_the_gpu_only_when_there_is_one() -> None:
-    assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
@@ -56,15 +57,15 @@ def test_service_with_cuda_and_no_gpu_stops_at_start_with_one_line(module: str, 
     assert not (tmp_path / "models").exists()  # nothing was prepared
 
 
-def test_bundle_loads_on_the_cpu_and_hands_back_cpu_tensors(shapes_model: ShapesModel) -> None:
+def test_bundle_loads_on_the_cpu_and_hands_back_numpy_arrays(shapes_model: ShapesModel) -> None:
     bundle = Bundle.load(shapes_model.model_path, device="auto")
     assert bundle.device == resolve_device("auto")
-    assert bundle.text.device == str(bundle.device)
+    assert bundle.text.device == bundle.device
     enc = bundle.text.encode(["a red circle", "a blue square"])
     sent, mask = bundle.embed_sentences(enc)
     img = bundle.embed_images(shapes_model.dev.feats[:3])
-    scores = bundle.scores(img, torch.ones(img.shape[:2]), sent, mask)
-    assert {t.device.type for t in (sent, mask, img, scores)} == {"cpu"}
+    scores = bundle.scores(img, np.ones(img.shape[:2], np.float32), sent, mask)
+    assert all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in (sent, mask, img, scores))
     assert scores.shape == (3, 2)
 
 

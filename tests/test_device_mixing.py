@@ -22,17 +22,15 @@ from PIL import Image, ImageDraw
 
 import model.backbone
 import training.train
-from index import ImageIndex, IndexSettings, SentenceIndex
-from index.images import embedded_images, exact_top_k
-from model.bundle import Bundle
 from model.calibration import Calibration
 from model.config import ImageConfig, TextConfig
 from model.data import Split
 from model.dataset import SplitData
-from model.embed import EmbeddedImage
-from model.encoders import GLOBAL_KINDS, DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
-from model.fragments import TextPipeline
+from model.encoders import GLOBAL_KINDS, ModelConfig
+from model.fragments import TextPipeline, pad
 from model.image import RegionExtractor
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
 from model.parsers import make_parser
 from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_from_flat
 from model.text import RelationVocab
@@ -214,9 +212,11 @@ SCORING: dict[str, Callable[[dict[str, torch.Tensor]], object]] = {
 
 
 def _calibration(b: dict[str, torch.Tensor]) -> Calibration:
+    """References on the batch's device (a trainer fitting scales on its device holds them there)."""
     g = torch.Generator().manual_seed(5)
-    cal = Calibration(torch.randn(4, 3, H, generator=g), torch.randn(6, 2, H, generator=g).relu(), torch.ones(6, 2))
-    return cal.to(b["img"].device)
+    dev = b["img"].device
+    return Calibration(torch.randn(4, 3, H, generator=g).to(dev), torch.randn(6, 2, H, generator=g).relu().to(dev),
+                       torch.ones(6, 2).to(dev))
 
 
 @pytest.mark.parametrize("name", list(SCORING))
@@ -225,14 +225,14 @@ def test_scoring_runs_on_another_device(name: str) -> None:
     assert_same(cpu, there)
 
 
-# -- the bundle and the indexes -----------------------------------------------------------------------
+# -- the runtime against the modules on the device ------------------------------------------------------
 @pytest.fixture(scope="module")
 def words() -> WordTable:
     return WordTable(WORDS, np.random.default_rng(0).standard_normal((len(WORDS), WORD_DIM)).astype(np.float32))
 
 
-def _bundle(kind: str, words: WordTable) -> Bundle:
-    """An untrained bundle of `kind` on the CPU, calibrated when it is a fragment model."""
+def _checkpoint(kind: str, words: WordTable) -> Checkpoint:
+    """An untrained model of `kind` on the CPU, calibrated when it is a fragment model."""
     cfg = TextConfig(fragments="tree") if kind in ("dt-rnn", "sdt-rnn", "devise") else \
         TextConfig(sentence_fragment=kind == "two-branch")
     relations = RelationVocab(TextPipeline.relation_names(cfg, RELATIONS), {}, 0.01)
@@ -240,85 +240,52 @@ def _bundle(kind: str, words: WordTable) -> Bundle:
     h = WORD_DIM if kind == "devise" else H
     model = build_model(ModelConfig(kind=kind, h=h, img_dim=1280, word_dim=WORD_DIM, n_relations=len(relations),
                                     hidden=32, tree_left=3, tree_right=3))
-    bundle = Bundle(model.eval(), TextPipeline(cfg, relations, words), IMAGE_CFG)
+    ckpt = Checkpoint(model.eval(), TextPipeline(cfg, relations, words), IMAGE_CFG)
     if kind == "fragment":
-        g = torch.Generator().manual_seed(3)
-        bundle.calibration = Calibration(torch.randn(4, 5, H, generator=g), torch.randn(6, 3, H, generator=g).relu(),
-                                         torch.ones(6, 3))
-    return bundle
-
-
-def _on(bundle: Bundle, dev: torch.device) -> Bundle:
-    """The same bundle with its model (and calibration) on `dev`."""
-    moved = Bundle(copy.deepcopy(bundle.model).to(dev), bundle.text, bundle.image_cfg, bundle.meta)
-    moved.calibration = bundle.calibration
-    return moved
+        rng = np.random.default_rng(3)
+        ckpt.calibration = Calibration(rng.standard_normal((4, 5, H)).astype(np.float32),
+                                       np.maximum(rng.standard_normal((6, 3, H)), 0).astype(np.float32),
+                                       np.ones((6, 3), np.float32))
+    return ckpt
 
 
 @pytest.mark.parametrize("kind", ["fragment", *GLOBAL_KINDS])
-def test_bundle_embeds_and_scores_on_another_device(kind: str, words: WordTable) -> None:
-    bundle = _bundle(kind, words)
-    enc = bundle.text.encode(SENTENCES)
+def test_the_modules_on_the_device_embed_as_the_runtime_does(kind: str, words: WordTable) -> None:
+    """The torch modules training moves to the device embed what the runtime's NumPy encoders embed from their
+    weights (the service's path: model/bundle.py), images and sentences, for every kind."""
+    ckpt = _checkpoint(kind, words)
+    runtime = ckpt.bundle()
+    enc = runtime.text.encode(SENTENCES)
     feats = np.random.default_rng(1).standard_normal((3, 5, 1280)).astype(np.float32)
 
-    def compute(dev: torch.device) -> tuple[torch.Tensor, ...]:
-        b = _on(bundle, dev)
+    def compute(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        model = copy.deepcopy(ckpt.model).to(dev)
         with torch.inference_mode():
-            img = b.embed_images(feats)
-            sent, mask = b.embed_sentences(enc)
-            out = img, sent, mask, b.scores(img, torch.ones(img.shape[:2]), sent, mask, chunk=2)
-        assert all(t.device.type == "cpu" and not on_device(t) for t in out)  # a Bundle hands back CPU tensors
-        return out
+            if kind == "fragment":
+                img = model.embed_images(torch.from_numpy(feats).to(dev))
+                rel, a, b, mask = pad(enc)
+                pool, a, b = runtime.text.pool_of(enc, a, b)
+                sent = model.embed_sentences(*(torch.from_numpy(x).to(dev) for x in (pool, rel, a, b, mask)))
+            else:
+                img = model.embed_images(torch.from_numpy(feats[:, 0]).to(dev))
+                if kind == "two-branch":
+                    sent = model.embed_text(torch.from_numpy(enc.extra).to(dev))
+                else:
+                    assert enc.trees is not None
+                    batch = TreeBatch.of(enc.trees)
+                    pool, rows, _ = runtime.text.pool_of(enc, np.maximum(batch.rows, 0), batch.rows[:0])
+                    sent = model.embed_sentences(torch.from_numpy(pool).to(dev), batch.with_rows(rows).to(dev))
+        return img, sent
 
-    cpu = compute(torch.device("cpu"))
-    with other_device() as dev:
-        there = compute(dev)
+    cpu, there = on_both(compute)
     assert_same(cpu, there)
-
-
-@pytest.mark.parametrize("kind", ["fragment", "two-branch"])
-def test_index_searches_with_the_model_on_another_device(kind: str, words: WordTable, tmp_path: Path) -> None:
-    """Search, region search, explain, exhaustive ranking and annotation of indexes built on the CPU,
-    searched by a model on the device: the same answers."""
-    bundle = _bundle(kind, words)
-    rng = np.random.default_rng(2)
-    feats = rng.standard_normal((12, 5, 1280)).astype(np.float32)
-    with torch.inference_mode():
-        vecs = bundle.embed_images(feats).numpy()
-    f = vecs.shape[1]
-    boxes = np.tile(np.array([0, 0, 50, 40], np.float32), (12, f, 1))
-    images = ImageIndex.create(tmp_path / "images", bundle, IndexSettings.of(exact_below=0))
-    images.add(embedded_images(vecs, boxes, np.tile([50, 40], (12, 1))), [f"{i}.jpg" for i in range(12)],
-               [f"/p/{i}.jpg" for i in range(12)], read_places=False)
-    sentences = SentenceIndex.create(tmp_path / "sentences", bundle, IndexSettings.of(k_prime=0, rerank=2,
-                                                                                  exact_below=0))
-    sentences.add(SENTENCES * 2)
-
-    def answers(b: Bundle) -> list[object]:
-        images.bundle = sentences.bundle = b
-        img = b.embed_images(feats[:1])[0]
-        explained = images.explain(3, SENTENCES[0])
-        assert explained is not None
-        return [[(h.image_id, round(h.score, 5), [m.fragment for m in h.alignment]) for h in images.search(s, 4).hits]
-                for s in SENTENCES] + [
-            [(h.image_id, h.fragment, round(h.score, 5)) for h in images.search_fragments("red dog", 3).hits],
-            (explained.rank, round(explained.score, 5), [round(p.contribution, 5) for p in explained.pairs]),
-            exact_top_k(images, [b.embed_sentences(b.text.encode([s]))[0][0] for s in SENTENCES], 3),
-            [(h.sentence_id, round(h.score, 5)) for h in sentences.annotate(EmbeddedImage(img, boxes[0], 0, 0),
-                                                                            4).hits],
-            [(h.sentence_id, round(h.score, 5)) for h in sentences.annotate(EmbeddedImage(img, boxes[0], 0, 0), 4,
-                                                                            exhaustive=True).hits],
-        ]
-
-    try:
-        cpu = answers(bundle)
-        with other_device() as dev:
-            there = answers(_on(bundle, dev))
-    finally:
-        images.bundle = sentences.bundle = bundle
-    assert there == cpu
-    images.close()
-    sentences.close()
+    img = runtime.embed_images(feats, calibrated=False)
+    sent, mask = runtime.embed_sentences(enc, calibrated=False)
+    want_img = there[0].numpy() if kind == "fragment" else there[0].numpy()[:, None]  # type: ignore[index]
+    want_sent = there[1].numpy() if kind == "fragment" else there[1].numpy()[:, None]  # type: ignore[index]
+    np.testing.assert_allclose(img, want_img, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sent, want_sent, rtol=1e-5, atol=1e-5)
+    assert all(isinstance(x, np.ndarray) for x in (img, sent, mask))
 
 
 # -- training -----------------------------------------------------------------------------------------
@@ -366,17 +333,18 @@ def test_training_runs_on_another_device(variant: str, tiny_split: SplitData, tm
 # -- image fragments ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("features", ["roi_align", "crop", "full frame"])
 def test_image_extraction_runs_on_another_device(features: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Proposals, the torch backbone, objectness and region features on the device: the CPU's regions
-    and features (the backbone's device check is told the device is there)."""
+    """The extractor made for the device (the backbone's device check is told the device is there): its graphs
+    on ONNX Runtime's providers for it (the CPU's where onnxruntime-gpu is missing), proposals, objectness and
+    region features in NumPy, no torch tensor anywhere: the CPU's regions and features."""
     cfg = dataclasses.replace(IMAGE_CFG, region_features="crop" if features == "crop" else "roi_align",
                               full_frame_only=features == "full frame")
     image = Image.new("RGB", (160, 120), (240, 240, 240))
     ImageDraw.Draw(image).ellipse((40, 30, 120, 90), fill=(200, 30, 30))
-    cpu = RegionExtractor(cfg, "cpu", runtime="torch").extract(image)
-    monkeypatch.setattr(model.backbone, "resolve_device", torch.device)
-    with other_device() as dev:
-        extractor = RegionExtractor(cfg, dev, runtime="torch")
-        assert extractor.backbone.runtime == "torch" and on_device(next(extractor.backbone.head.parameters()))
+    cpu = RegionExtractor(cfg, "cpu").extract(image)
+    monkeypatch.setattr(model.backbone, "resolve_device", str)
+    with other_device():
+        extractor = RegionExtractor(cfg, "cuda")
+        assert extractor.backbone.runtime == "onnx" and extractor.backbone.device == "cuda"
         there = extractor.extract(image)
     np.testing.assert_array_equal(there.boxes, cpu.boxes)
     np.testing.assert_allclose(there.features, cpu.features, rtol=1e-5, atol=1e-5)

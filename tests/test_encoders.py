@@ -1,4 +1,5 @@
-"""The fragment encoders' options: global encoders for the whole image / whole sentence, input dropout."""
+"""The fragment encoders' options (global encoders for the whole image / whole sentence, input dropout), and the
+runtime's NumPy encoders held to the torch modules' numbers for every kind."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import torch
 
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
-from model.encoders import FragmentModel, InputDropout, ModelConfig
+from model.encoders import Encoders, ModelConfig
 from model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel, InputDropout, arrays, build_model
 from model.text import RelationVocab
+from model.trees import SentenceTree, TreeBatch
 from model.words import WordTable
 from training.train import make_run
 
@@ -121,13 +125,16 @@ def test_checkpoint_with_global_encoders_round_trips(tmp_path: Path) -> None:
     assert sid is not None and rels.index(WORD_REL) is not None
     model = FragmentModel(ModelConfig(h=H, n_relations=len(rels.kept), img_dim=IMG_DIM, word_dim=WORD_DIM,
                                       global_hidden=16, sentence_relation=sid, input_dropout=0.2)).eval()
-    bundle = Bundle(model, TextPipeline(text_cfg, rels, words), ImageConfig())
-    bundle.save(tmp_path / "m.pt")
+    ckpt = Checkpoint(model, TextPipeline(text_cfg, rels, words), ImageConfig())
+    ckpt.save(tmp_path / "m.pt")
     again = Bundle.load(tmp_path / "m.pt")
-    assert again.cfg == bundle.cfg
-    feats = torch.randn(3, 20, IMG_DIM)
-    with torch.no_grad():
-        assert torch.equal(again.embed_images(feats), bundle.embed_images(feats))
+    assert again.cfg == ckpt.cfg
+    feats = np.random.default_rng(1).normal(size=(3, 20, IMG_DIM)).astype(np.float32)
+    assert np.array_equal(again.embed_images(feats), ckpt.embed_images(feats))
+    again.save(tmp_path / "exported")  # the runtime's form holds the same model
+    exported = Bundle.load(tmp_path / "exported")
+    assert np.array_equal(exported.embed_images(feats), ckpt.embed_images(feats))
+    assert Checkpoint.load(tmp_path / "exported").cfg == ckpt.cfg
 
 
 def test_model_options_reach_the_run_from_variant_and_flags() -> None:
@@ -166,7 +173,7 @@ def test_region_flags_override_only_what_is_given() -> None:
 
 
 def test_the_train_step_bench_turns_both_choices_off_in_its_before_arm() -> None:
-    import model.encoders as encoders
+    import model.nets.encoders as encoders
     from bench.train_step import ARMS, arm
     from training.epochs import optimizer
 
@@ -177,3 +184,74 @@ def test_the_train_step_bench_turns_both_choices_off_in_its_before_arm() -> None
     with arm(ARMS[1]):
         assert optimizer(TrainConfig(), list(_model().parameters())).defaults["fused"] is True
         assert encoders.host_masks(cpu)
+
+
+KIND_SHAPES = {
+    "fragment": {},
+    "fragment-hidden": {"image_hidden": 16},
+    "fragment-global": {"global_hidden": 16},
+    "two-branch": {"kind": "two-branch", "hidden": 16},
+    "dt-rnn": {"kind": "dt-rnn", "tree_left": 2, "tree_right": 1},
+    "sdt-rnn": {"kind": "sdt-rnn"},
+    "devise": {"kind": "devise", "h": WORD_DIM},
+}
+
+
+def _trees() -> list[SentenceTree]:
+    """Three small parse trees over pool rows 0..9 (one word without a vector, one empty sentence)."""
+    return [SentenceTree.build([1, 2, 3, 4], [1, -1, 1, 2], [0, 1, 2, 0], root_rel=1),
+            SentenceTree.build([5, -1, 6], [-1, 0, 0], [1, 2, 0], root_rel=1),
+            SentenceTree.build([], [], [], root_rel=1)]
+
+
+@pytest.mark.parametrize("name", sorted(KIND_SHAPES))
+def test_the_runtimes_numpy_encoders_give_the_torch_modules_numbers(name: str) -> None:
+    """The service embeds with NumPy (model/encoders.py) what training optimised as torch modules
+    (model/nets/encoders.py): the same weights give the same fragments to float rounding, for every kind and
+    option, batch norm's running statistics and padding included."""
+    torch.manual_seed(0)
+    shape = dict(KIND_SHAPES[name])
+    cfg = ModelConfig(**{"h": H, "n_relations": 3, "img_dim": IMG_DIM, "word_dim": WORD_DIM,
+                         "sentence_relation": 2, **shape})  # type: ignore[arg-type]
+    model = build_model(cfg)
+    model.train()  # move batch norm's running statistics off their initial values
+    for p in model.parameters():
+        p.data.normal_()
+    if cfg.kind == "two-branch":
+        with torch.no_grad():
+            for _ in range(3):
+                model.embed_images(torch.randn(16, IMG_DIM) * 3 + 1)
+                model.embed_text(torch.randn(16, WORD_DIM) * 2 - 1)
+    model.eval()
+    enc = Encoders(cfg, arrays(model))
+    rng = np.random.default_rng(0)
+    pool = rng.normal(size=(10, WORD_DIM)).astype(np.float32)
+    with torch.no_grad():
+        if cfg.kind == "fragment":
+            feats = rng.normal(size=(3, 5, IMG_DIM)).astype(np.float32)
+            want_img = model.embed_images(torch.from_numpy(feats)).numpy()
+            _, rel, a, b, mask = _sentences()
+            want = model.embed_sentences(torch.from_numpy(pool), rel, a, b, mask).numpy()
+            got = enc.embed_fragments(pool, rel.numpy(), a.numpy(), b.numpy(), mask.numpy())
+        else:
+            feats = rng.normal(size=(4, IMG_DIM)).astype(np.float32)
+            want_img = model.embed_images(torch.from_numpy(feats)).numpy()
+            if cfg.kind == "two-branch":
+                vecs = rng.normal(size=(4, WORD_DIM)).astype(np.float32)
+                want, got = model.embed_text(torch.from_numpy(vecs)).numpy(), enc.embed_text(vecs)
+            else:
+                batch = TreeBatch.of(_trees())
+                want = model.embed_sentences(torch.from_numpy(pool), batch.to("cpu")).numpy()
+                got = enc.embed_trees(pool, batch)
+    np.testing.assert_allclose(enc.embed_images(feats), want_img, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert set(enc.arrays()) <= set(model.state_dict())
+
+
+def test_encoders_refuse_weights_of_another_shape() -> None:
+    cfg = ModelConfig(h=H, n_relations=2, img_dim=IMG_DIM, word_dim=WORD_DIM)
+    weights = arrays(build_model(cfg))
+    with pytest.raises(ValueError, match="w_rel.1"):
+        Encoders(cfg, {k: v for k, v in weights.items() if k != "w_rel.1"})
+    with pytest.raises(ValueError, match="image.weight"):
+        Encoders(dataclasses.replace(cfg, img_dim=IMG_DIM + 1), weights)

@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from bench.report import selection_label
-from model.backbone import Backbone, Top, Trunk, efficientnet, onnx_graph, preprocess, weights_digest
+from model.backbone import Backbone
 from model.bundle import Bundle
 from model.config import ImageConfig
 from model.dataset import load_split_data
 from model.features import config_key, config_payload
+from model.graphs import preprocess, weights_digest
 from model.image import RegionExtractor, region_crops
+from model.nets.backbone import Top, Trunk, efficientnet, onnx_graph
+from model.nets.checkpoint import Checkpoint
 from model.parsers import make_parser
 from tests.synthetic import make_dataset
 from tests.test_backbone import picture
@@ -59,7 +62,7 @@ def test_cache_key_follows_the_weights_not_their_path(tmp_path: Path, monkeypatc
 
 def test_trunk_and_top_compose_to_the_backbone() -> None:
     net = efficientnet()
-    x = torch.stack([preprocess(picture(), 224)])
+    x = torch.from_numpy(np.stack([preprocess(picture(), 224)]))
     with torch.no_grad():
         whole = net.extract_features(x).mean(dim=(2, 3))  # type: ignore[operator]
         for cut in (14, 16):
@@ -73,7 +76,7 @@ def test_a_fine_tuned_backbone_has_its_own_graphs_and_features(tmp_path: Path) -
     x = preprocess(picture(), 224)[None]
     ft = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path / "graphs", weights=str(path)).pooled(x)
     ref = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path / "graphs").pooled(x)
-    assert not torch.allclose(ft, ref, atol=1e-3)
+    assert not np.allclose(ft, ref, atol=1e-3)
     with pytest.raises(ValueError, match="crop"):
         RegionExtractor(dataclasses.replace(ImageConfig(), backbone_weights=str(path)))
 
@@ -121,7 +124,7 @@ def test_cut_point_store_is_complete_resumable_and_matches_the_served_features(t
 
 def test_the_top_trains_with_the_fragment_model_on_the_activations(tiny: dict[str, object]) -> None:
     run, tr, store = tiny["run"], tiny["tr"], tiny["store"]
-    bundle = Bundle.load(Path(str(tiny["root"])) / "init" / "model.pt")
+    bundle = Checkpoint.load(Path(str(tiny["root"])) / "init" / "model.pt")
     net, top = make_top(16)
     before = [p.detach().clone() for p in top.parameters()]
     feats = CutFeatures(store, list(tr.names), top)  # type: ignore[attr-defined,arg-type]
@@ -138,7 +141,7 @@ def test_the_top_trains_with_the_fragment_model_on_the_activations(tiny: dict[st
 
 def test_finetune_keeps_the_best_epoch_on_the_validation_part(tiny: dict[str, object]) -> None:
     root = Path(str(tiny["root"]))
-    bundle = Bundle.load(root / "init" / "model.pt")
+    bundle = Checkpoint.load(root / "init" / "model.pt")
     out = root / "ft"
     run = tiny["run"]
     run = dataclasses.replace(run, train=dataclasses.replace(run.train, device="auto"))  # type: ignore[attr-defined]
@@ -162,4 +165,4 @@ def test_finetune_keeps_the_best_epoch_on_the_validation_part(tiny: dict[str, ob
     ref = RegionExtractor(CFG).extract(img)
     np.testing.assert_array_equal(frag.boxes, ref.boxes)
     crops = region_crops(img, frag.boxes, 224)
-    np.testing.assert_allclose(frag.features, ext.backbone.pooled(crops).numpy(), atol=1e-5)
+    np.testing.assert_allclose(frag.features, ext.backbone.pooled(crops), atol=1e-5)

@@ -31,9 +31,9 @@ def test_a_model_at_the_later_settings_defaults_keeps_its_earlier_fingerprint() 
 def test_the_later_settings_change_the_fingerprint_when_used() -> None:
     base = make_bundle(WordTable.build(WORDS))
     blocks = make_bundle(WordTable.build(WORDS))
-    blocks.model.cfg = dataclasses.replace(blocks.model.cfg, blocks=2)
-    lite2 = Bundle(base.model, base.text, dataclasses.replace(base.image_cfg, backbone="efficientnet-lite2"))
-    detector = Bundle(base.model, base.text, dataclasses.replace(base.image_cfg, proposals="detector"))
-    classes = Bundle(base.model, base.text, dataclasses.replace(detector.image_cfg, detector_classes=True))
+    blocks.encoders.cfg = dataclasses.replace(blocks.encoders.cfg, blocks=2)
+    lite2 = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg, backbone="efficientnet-lite2"))
+    detector = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg, proposals="detector"))
+    classes = Bundle(base.encoders, base.text, dataclasses.replace(detector.image_cfg, detector_classes=True))
     seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector, classes)}
     assert len(seen) == 5

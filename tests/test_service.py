@@ -18,6 +18,7 @@ from PIL import Image
 
 from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
 from model.bundle import Bundle
+from model.nets.checkpoint import Checkpoint
 from model.release import RELEASED_MODEL
 from model.text import Triplet
 from service.app import STATIC, create_app
@@ -522,7 +523,7 @@ def test_prepare_rebuilds_indexes_built_with_another_model(service_env: ServiceE
     settings = service_env.settings_for(tmp_path, image_index=None, sentence_index=None, workers=1,
                                         model_path=model_path)
     prepare(settings)
-    retrained = Bundle.load(model_path)
+    retrained = Checkpoint.load(model_path)
     with torch.no_grad():
         next(retrained.model.parameters()).add_(0.01)  # another checkpoint: different weights
     retrained.save(model_path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from model.bundle import Bundle
@@ -41,9 +41,8 @@ def test_a_global_variant_is_trained_indexed_and_served(service_env: ServiceEnv,
         dev = load_split(service_env.shapes.data, "dev")
         cache = feature_cache(service_env.shapes.cache, bundle.image_cfg)
         feats, _ = cache.load_arrays([dev.image_path(hits[0]["name"])])
-        with torch.no_grad():
-            v = bundle.model.embed_images(torch.as_tensor(feats[:, 0], dtype=torch.float32))[0]
-            s, _ = bundle.embed_sentences(bundle.text.encode([sentence]))
+        v = bundle.encoders.embed_images(np.asarray(feats[:, 0], np.float32))[0]
+        s, _ = bundle.embed_sentences(bundle.text.encode([sentence]))
         assert hits[0]["score"] == pytest.approx(max(0.0, float(v @ s[0, 0])) / (1 + SMOOTHING), rel=1e-4)
 
         r = c.post("/annotate", files={"file": ("x.jpg", service_env.jpeg(), "image/jpeg")}, data={"k": "5"})

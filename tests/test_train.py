@@ -13,7 +13,8 @@ import torch
 from model.bundle import Bundle
 from model.config import ImageConfig, TrainConfig
 from model.dataset import SplitData, hold_out, load_split_data
-from model.encoders import build_model
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import build_model
 from model.parsers import make_parser
 from model.variants import VariantError
 from tests.conftest import ShapesModel
@@ -36,7 +37,7 @@ def test_training_lowers_the_loss_and_beats_the_untrained_model(shapes_model: Sh
     assert history[-1]["loss"] < history[10]["loss"]
     trained = shapes_model.bundle
     torch.manual_seed(0)
-    untrained = Bundle(build_model(trained.cfg).eval(), trained.text, trained.image_cfg)
+    untrained = Checkpoint(build_model(trained.cfg).eval(), trained.text, trained.image_cfg).bundle()
     before, after = evaluate(untrained, shapes_model.dev), evaluate(trained, shapes_model.dev)
     # 20 dev images: chance R-sum is about 2 * (5 + 25 + 50) = 160
     assert after["rsum"] > before["rsum"] + 100, (before["rsum"], after["rsum"])

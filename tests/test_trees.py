@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.encoders import DeViSE, ModelConfig, TreeRNN
+from model.encoders import Encoders, ModelConfig
+from model.nets.encoders import DeViSE, TreeRNN, arrays
 from model.parsers import SpacyParser
 from model.trees import SentenceTree, TreeBatch, position_ranges
 from training.objectives import global_loss
@@ -26,8 +27,13 @@ def _set(model: TreeRNN, wv: np.ndarray, mats: list[np.ndarray]) -> None:
 
 
 def _embed(model: TreeRNN | DeViSE, pool: np.ndarray, trees: list[SentenceTree]) -> np.ndarray:
+    """The sentence vectors of the torch module (training's) and of the runtime's NumPy encoders over its
+    weights, checked to agree; the torch module's returned."""
     with torch.no_grad():
-        return model.embed_sentences(torch.tensor(pool, dtype=torch.float32), TreeBatch.of(trees)).numpy()
+        out = model.embed_sentences(torch.tensor(pool, dtype=torch.float32), TreeBatch.of(trees, "cpu")).numpy()
+    runtime = Encoders(model.cfg, arrays(model)).embed_trees(np.asarray(pool, np.float32), TreeBatch.of(trees))
+    np.testing.assert_allclose(runtime, out, rtol=1e-5, atol=1e-6)
+    return out
 
 
 # "Students ride bikes at night" (the paper's running example, Fig. 3): edges (child, parent) =

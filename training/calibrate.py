@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from model.bundle import Bundle
 from model.calibration import Calibration, Relevance
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, hold_out, load_split_data
+from model.nets.checkpoint import Checkpoint
+from model.onnx import default_threads
 from model.parsers import make_parser
 from model.score import block_slices
 from training.evaluate import evaluate, evaluate_scores
@@ -45,23 +46,20 @@ def reference_draw(n_images: int, n_sentences: int, refs: int, seed: int = 0) ->
     return img_idx, sent_idx
 
 
-def fit_calibration(bundle: Bundle, data: SplitData, refs: int, seed: int = 0) -> Calibration:
+def fit_calibration(bundle: Checkpoint, data: SplitData, refs: int, seed: int = 0) -> Calibration:
     """Reference sets of `refs` images and `refs` sentences drawn from `data` (the training split),
     embedded by the bundle's model without calibration; floors from the references' own scales (of every
     block of a merged model)."""
     img_idx, sent_idx = reference_draw(len(data.names), len(data.sentences), refs, seed)
     enc = bundle.text.encode_parsed([data.parsed[i] for i in sent_idx], [data.sentences[i] for i in sent_idx])
-    was_training = bundle.model.training
-    bundle.model.eval()
-    with torch.no_grad():
-        img = bundle.embed_images(data.feats[img_idx], calibrated=False)
-        sent, mask = bundle.embed_sentences(enc, calibrated=False)
-    bundle.model.train(was_training)
-    cal = Calibration(img, sent, mask).to(bundle.device)
+    img = bundle.embed_images(data.feats[img_idx], calibrated=False)
+    sent, mask = bundle.embed_sentences(enc, calibrated=False)
+    cal = Calibration(img, sent, mask)
     parts = block_slices(img.shape[-1], bundle.blocks)
-    cal.floor_image = FLOOR * float(torch.cat([cal.image_scales(cal.ref_images[..., p], p) for p in parts]).median())
+    cal.floor_image = FLOOR * float(np.median(np.concatenate([cal.image_scales(cal.ref_images[..., p], p)
+                                                              for p in parts])))
     sent_scales = [cal.sentence_scales(cal.ref_sentences[..., p], cal.ref_sentence_mask, p) for p in parts]
-    cal.floor_sentence = FLOOR * float(torch.cat(sent_scales).median())
+    cal.floor_sentence = FLOOR * float(np.median(np.concatenate(sent_scales)))
     return cal
 
 
@@ -100,7 +98,7 @@ def fit_relevance(scores: np.ndarray, pair_image: np.ndarray, seed: int = 0, ste
     return Relevance(float(w[0]), float(w[1]))
 
 
-def validation_part(bundle: Bundle, data: SplitData) -> SplitData:
+def validation_part(bundle: Checkpoint, data: SplitData) -> SplitData:
     """The training images the checkpoint's --selection val held out (model selection's part)."""
     train = bundle.meta.get("train", {})
     if train.get("selection") != "val":
@@ -114,16 +112,14 @@ def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float
     the calibration scale, measured interleaved on the first `n` items of `data`."""
     enc = bundle.text.encode_parsed(data.parsed[:n], data.sentences[:n])
     times: dict[str, list[float]] = {k: [] for k in ("image", "image_calibrated", "sentence", "sentence_calibrated")}
-    bundle.model.eval()
-    with torch.no_grad():
-        for i in range(min(n, len(data.names), len(enc.rel))):
-            for cal in (False, True):
-                t = time.perf_counter()
-                bundle.embed_images(data.feats[i : i + 1], calibrated=cal)
-                times["image_calibrated" if cal else "image"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                bundle.embed_sentences(enc, [i], calibrated=cal)
-                times["sentence_calibrated" if cal else "sentence"].append(time.perf_counter() - t)
+    for i in range(min(n, len(data.names), len(enc.rel))):
+        for cal in (False, True):
+            t = time.perf_counter()
+            bundle.embed_images(data.feats[i : i + 1], calibrated=cal)
+            times["image_calibrated" if cal else "image"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            bundle.embed_sentences(enc, [i], calibrated=cal)
+            times["sentence_calibrated" if cal else "sentence"].append(time.perf_counter() - t)
     return {k: round(1000 * float(np.median(v)), 2) for k, v in times.items() if v}
 
 
@@ -146,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bundle = Bundle.load(args.model, device=args.device)
+    bundle = Checkpoint.load(args.model, device=args.device)
     device = str(bundle.device)
     if bundle.cfg.kind != "fragment":
         raise SystemExit(f"{args.model}: only fragment models are calibrated (this one is {bundle.cfg.kind!r})")
@@ -185,15 +181,14 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("dev without calibration: %s", json.dumps({k: round(before[k], 1) for k in keys} if before else {}))
         logger.info("dev with calibration:    %s", json.dumps({k: round(after[k], 1) for k in keys}))
         if bundle.calibration is not None:
-            cost = per_item_ms(bundle, dev)
+            cost = per_item_ms(bundle.bundle(), dev)
             bundle.meta["calibration"]["ms_per_item"] = cost
-            logger.info("median ms to embed one item (dev, torch threads: %d): %s", torch.get_num_threads(),
-                        json.dumps(cost))
+            logger.info("median ms to embed one item (dev, %d threads): %s", default_threads(), json.dumps(cost))
     bundle.save(out)
     logger.info("wrote %s", out)
 
 
-def fit_relevance_on_validation(bundle: Bundle, train: SplitData, cache: Path) -> None:
+def fit_relevance_on_validation(bundle: Checkpoint, train: SplitData, cache: Path) -> None:
     """Fit the relevance scale on the validation part of `train` and store it with the calibration."""
     val = validation_part(bundle, train)
     bundle.text.warm(val.parsed, val.sentences, cache / "vectors")
@@ -201,7 +196,7 @@ def fit_relevance_on_validation(bundle: Bundle, train: SplitData, cache: Path) -
     store_relevance(bundle, fit_relevance(scores, val.pair_image), len(val.names))
 
 
-def store_relevance(bundle: Bundle, rel: Relevance, images: int) -> None:
+def store_relevance(bundle: Checkpoint, rel: Relevance, images: int) -> None:
     """Put the relevance scale beside the calibration's reference sets (and its numbers in the meta)."""
     assert bundle.calibration is not None
     bundle.calibration.relevance = rel

@@ -27,14 +27,15 @@ import torch
 from tqdm import tqdm
 
 from model.atomic import atomic_file
-from model.backbone import Trunk, cut_shape, efficientnet, set_torch_threads
 from model.config import ImageConfig, default_artifacts_dir, default_data_dir
 from model.data import check_data_dir, load_split
 from model.dataset import feature_cache, held_out_indices
 from model.features import read_entry
 from model.image import region_crops
 from model.imageio import load_image
-from model.onnx import export, session
+from model.nets.backbone import Trunk, cut_shape, efficientnet
+from model.nets.onnx import export
+from model.onnx import session, set_threads
 from model.variants import load_variant
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def extract(data_root: Path, splits: Sequence[str], image_cfg: ImageConfig, cach
     Order: the first split's validation part first (``val_images`` drawn with ``val_seed``, as
     ``--selection val`` holds them out), then with ``order_seed`` the rest of the first split in a
     seeded random order (so a store stopped early holds a random subset of it), then the other splits."""
-    set_torch_threads(threads)
+    set_threads(threads)
     root = check_data_dir(data_root)
     paths: dict[str, Path] = {}
     first = 0
@@ -154,7 +155,7 @@ def extract(data_root: Path, splits: Sequence[str], image_cfg: ImageConfig, cach
             name = store.names[k]
             entry = read_entry(cache.path(paths[name]))
             img = load_image(paths[name].read_bytes(), name=name)
-            crops = region_crops(img.convert("RGB"), entry.boxes, image_cfg.crop_size).numpy()
+            crops = region_crops(img.convert("RGB"), entry.boxes, image_cfg.crop_size)
             acts[k] = sess.run(None, {"x": crops})[0].astype(np.float16)  # type: ignore[attr-defined]
             done[k] = True
             bar.update(1)

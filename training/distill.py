@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.bundle import Bundle
 from model.config import ImageConfig
 from model.dataset import cached_features
-from model.encoders import FragmentModel
 from model.fragments import TextPipeline
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
 from model.score import skl
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class Teacher:
         self.parts: list[_Part] = []
         by_cfg: dict[ImageConfig, torch.Tensor] = {image: feats}  # each feature set read once
         for path in [Path(paths)] if isinstance(paths, str | Path) else [Path(p) for p in paths]:
-            bundle = Bundle.load(path, device=device)
+            bundle = Checkpoint.load(path, device=device)
             model = bundle.model
             if not isinstance(model, FragmentModel):
                 raise ValueError(f"teacher {path}: a {type(model).__name__}, not a fragment model")

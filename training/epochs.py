@@ -15,8 +15,8 @@ from model.config import (
 )
 from model.dataset import SplitData
 from model.device import fused_optimizer
-from model.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from model.fragments import EncodedSentences, TextPipeline, pad_rows
+from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from model.score import flatten, skl_from_flat
 from model.trees import TreeBatch
 from training.distill import Teacher

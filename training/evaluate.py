@@ -14,20 +14,33 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
-import torch
 
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
-from model.fragments import EncodedSentences
+from model.fragments import EncodedSentences, TextPipeline
 from model.parsers import make_parser
 from model.release import served_model_from_env
 
 logger = logging.getLogger(__name__)
 
 KS = (1, 5, 10)
+
+
+class Scorer(Protocol):
+    """What evaluation reads of a model: the runtime's Bundle, or a Checkpoint in training (which embeds
+    through the same runtime)."""
+
+    @property
+    def text(self) -> TextPipeline: ...
+    def embed_images(self, feats: np.ndarray, calibrated: bool = True) -> np.ndarray: ...
+    def embed_sentences(self, enc: EncodedSentences, idx: list[int] | None = None, calibrated: bool = True
+                        ) -> tuple[np.ndarray, np.ndarray]: ...
+    def scores(self, img: np.ndarray, img_mask: np.ndarray, sent: np.ndarray, sent_mask: np.ndarray,
+               chunk: int | None = None, blocks: int | None = None) -> np.ndarray: ...
 
 
 def annotation_ranks(scores: np.ndarray, pair_image: np.ndarray) -> np.ndarray:
@@ -76,14 +89,12 @@ def metrics_from_scores(scores: np.ndarray, pair_image: np.ndarray) -> dict[str,
     return m
 
 
-@torch.no_grad()
-def score_split(bundle: Bundle, feats: np.ndarray, enc: EncodedSentences, chunk: int = 250) -> np.ndarray:
+def score_split(bundle: Scorer, feats: np.ndarray, enc: EncodedSentences, chunk: int = 250) -> np.ndarray:
     """(N_images, L) scores of every image against every sentence with the bundle's score."""
-    bundle.model.eval()
     img = bundle.embed_images(feats)
-    img_mask = torch.ones(img.shape[:2])
+    img_mask = np.ones(img.shape[:2], np.float32)
     sent, sent_mask = bundle.embed_sentences(enc)
-    return bundle.scores(img, img_mask, sent, sent_mask, chunk=chunk).numpy()
+    return bundle.scores(img, img_mask, sent, sent_mask, chunk=chunk)
 
 
 def split_metrics(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float]:
@@ -97,12 +108,12 @@ def split_metrics(scores: np.ndarray, pair_image: np.ndarray) -> dict[str, float
     return metrics
 
 
-def evaluate(bundle: Bundle, data: SplitData) -> dict[str, float]:
+def evaluate(bundle: Scorer, data: SplitData) -> dict[str, float]:
     """Metrics on a split (all 5 sentences per image) plus the Hodosh (*) first-sentence variant."""
     return evaluate_scores(bundle, data)[0]
 
 
-def evaluate_scores(bundle: Bundle, data: SplitData) -> tuple[dict[str, float], np.ndarray]:
+def evaluate_scores(bundle: Scorer, data: SplitData) -> tuple[dict[str, float], np.ndarray]:
     """`evaluate`'s metrics and the (N_images, L) score matrix they were computed from."""
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
     scores = score_split(bundle, data.feats, enc)

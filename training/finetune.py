@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_file
-from model.backbone import Top, efficientnet, onnx_graph, set_torch_threads
-from model.bundle import Bundle
 from model.config import TrainConfig, default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data, select_images
 from model.device import fused_optimizer
-from model.encoders import FragmentModel
-from model.onnx import graph_dir
+from model.nets.backbone import Top, efficientnet, onnx_graph
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
+from model.onnx import graph_dir, set_threads
 from model.parsers import make_parser
 from training.calibrate import fit_calibration, reference_draw
 from training.cutpoint import CutStore
@@ -115,7 +115,8 @@ def _weights_setting(path: Path) -> str:
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
-def finetune(bundle: Bundle, run: Run, tr: SplitData, val: SplitData, store: CutStore, out: Path, cache_root: Path, *,
+def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store: CutStore, out: Path,
+             cache_root: Path, *,
              epochs: int = 3, anneal_epochs: int = 1, lr: float = 1e-4, cnn_lr: float = 1e-4,
              captions_per_image: int = 1, device: str = "cpu",
              graphs: Sequence[str] = ("fp32", "int8")) -> dict[str, Any]:
@@ -177,7 +178,7 @@ def finetune(bundle: Bundle, run: Run, tr: SplitData, val: SplitData, store: Cut
         history.append(row)
         logger.info("fine-tuning epoch %d: %s", epoch + 1, json.dumps({k: round(v, 4) for k, v in row.items()}))
     assert best is not None
-    kept = Bundle.load(out / "model.pt")
+    kept = Checkpoint.load(out / "model.pt")
     if kept.image_cfg.backbone_weights:  # the served graphs, made now: float, and int8 by the same recipe
         for precision in graphs:
             onnx_graph(precision, graph_dir(), weights=kept.image_cfg.backbone_weights)
@@ -206,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="train on the training images whose activations are stored (a store stopped early)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    set_torch_threads(args.threads)
-    bundle = Bundle.load(args.init)
+    set_threads(args.threads)
+    bundle = Checkpoint.load(args.init)
     train_cfg = dataclasses.replace(_train_config(bundle), device="cpu")
     variant = str(bundle.meta.get("variant", "full"))
     run = make_run(variant, {k: getattr(train_cfg, k) for k in ("selection", "val_images", "val_seed", "seed",
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("kept fine-tuning epoch %d (val R-sum %.2f)", summary["selection"]["epoch"], summary["best"]["rsum"])
 
 
-def _train_config(bundle: Bundle) -> TrainConfig:
+def _train_config(bundle: Checkpoint) -> TrainConfig:
     saved = dict(bundle.meta.get("train", {}))
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in saved.items() if k in known})

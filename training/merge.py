@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from model.bundle import Bundle
 from model.config import TrainConfig, default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
-from model.encoders import FragmentModel
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import FragmentModel
 from model.parsers import make_parser
 from training.calibrate import fit_calibration, fit_relevance, store_relevance
 from training.evaluate import evaluate_scores
@@ -87,7 +87,7 @@ def _linear(model: FragmentModel) -> torch.nn.Linear:
     return model.image
 
 
-def merge_bundles(bundles: Sequence[Bundle], threshold: str = "blocks") -> Bundle:
+def merge_bundles(bundles: Sequence[Checkpoint], threshold: str = "blocks") -> Checkpoint:
     """The merged model with the first member's text pipeline and image settings (all must agree)."""
     first = bundles[0]
     for b in bundles[1:]:
@@ -100,12 +100,12 @@ def merge_bundles(bundles: Sequence[Bundle], threshold: str = "blocks") -> Bundl
     if not all(isinstance(m, FragmentModel) for m in models):
         raise ValueError("only fragment models can be merged")
     merged = merge_models([m for m in models if isinstance(m, FragmentModel)], threshold)
-    return Bundle(merged, first.text, first.image_cfg, meta={"variant": first.meta.get("variant"),
+    return Checkpoint(merged, first.text, first.image_cfg, meta={"variant": first.meta.get("variant"),
                                                              "train": first.meta.get("train", {})})
 
 
-def merge_selected(bundles: Sequence[Bundle], folders: Sequence[Path], tr: SplitData, val: SplitData | None,
-                   cfg: TrainConfig, cache: Path, threshold: str = "blocks") -> tuple[Bundle, dict[str, Any]]:
+def merge_selected(bundles: Sequence[Checkpoint], folders: Sequence[Path], tr: SplitData, val: SplitData | None,
+                   cfg: TrainConfig, cache: Path, threshold: str = "blocks") -> tuple[Checkpoint, dict[str, Any]]:
     """The members merged (`merge_bundles`), calibrated anew on `tr` (cfg.calibrate references, as training
     draws them) and, with a validation part, evaluated on it beside each member's own selection numbers (their
     folders' history.json), its relevance scale fitted there; returns the merged bundle (not saved) and the
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.members) < 2:
         ap.error("a merge needs at least two --members")
     start = time.perf_counter()
-    bundles = [Bundle.load(folder / "model.pt") for folder in args.members]
+    bundles = [Checkpoint.load(folder / "model.pt") for folder in args.members]
     try:  # members that cannot be merged are refused before the training data is loaded (a merge takes milliseconds)
         merge_bundles(bundles, args.threshold)
     except ValueError as e:

@@ -1,23 +1,30 @@
-"""Write the released model: a trained checkpoint saved into model/released/ with its manifest.
+"""Write the released model: a trained checkpoint exported into model/released/ in the runtime's form, with the
+graphs it runs and its manifest.
 
     python -m training.release --model artifacts/models/release-full-2x256/model.pt
 
 The one way a release is made (model/release.py reads and checks it). The checkpoint must carry a
 relevance scale (a model trained with --selection val: the scale is fitted on its validation part)
-and its validation metrics; the command evaluates it once on dev through the served feature path
-(the int8 graph of model/backbone.py) and writes manifest.json beside the saved checkpoint:
+and its validation metrics; the command evaluates it once on dev through the served path (the runtime's
+NumPy encoders and S_kl, the graphs it ships) and writes the release folder:
 
-- `name` (the variant: the recipe) and `row` (the model folder's name: its row in docs/results);
-- `made_by`: this command line, the commit (and whether the work tree had changes), the date, and
-  the training command from the model folder's history.json; for a distilled model `teacher`: the
-  teacher's checkpoint and the command that made it (from its folder's history.json; a teacher of several
-  checkpoints: the lists of both);
-- `training`: the split it was trained on, as digests (sha256 over every image's name and content,
-  and over its captions), and the validation part held out of it;
-- `features`: the backbone, its precision and quantisation recipe, the int8 graph's sha256, the
-  ONNX Runtime version, and the CPU the features were extracted on (model name and SIMD flags);
-- `metrics`: validation (from the checkpoint) and dev (measured here);
-- `files`: size and sha256 of every file in the folder, checked at every load.
+- model.json and model.npz: the model in the runtime's form (model/bundle.py; NumPy reads it, no torch);
+- the image backbone's graph for the model's precision (the int8 graph) and its ImageNet head's arrays, and
+  MiniLM's graph without its weights (they are read from MiniLM's package at load): everything the service
+  runs but the parser and MiniLM's weights, which come from their pinned packages;
+- manifest.json:
+  - `name` (the variant: the recipe) and `row` (the model folder's name: its row in docs/results);
+  - `made_by`: this command line, the commit (and whether the work tree had changes), the date, and
+    the training command from the model folder's history.json; for a distilled model `teacher`: the
+    teacher's checkpoint and the command that made it (from its folder's history.json; a teacher of several
+    checkpoints: the lists of both). A model released before (`--model` inside a release folder) keeps its
+    recorded training provenance, and `made_by.exported_from` names the release it came from;
+  - `training`: the split it was trained on, as digests (sha256 over every image's name and content,
+    and over its captions), and the validation part held out of it;
+  - `features`: the backbone, its precision and quantisation recipe, the int8 graph's sha256, the
+    ONNX Runtime version, and the CPU the features were extracted on (model name and SIMD flags);
+  - `metrics`: validation (from the checkpoint) and dev (measured here);
+  - `files`: size and sha256 of every file in the folder, checked at every load.
 """
 
 from __future__ import annotations
@@ -28,21 +35,24 @@ import hashlib
 import json
 import logging
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from model.atomic import atomic_path, sha256_file
-from model.backbone import BACKBONE_NAME, onnx_graph, quant_recipe
-from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
+from model.backbone import backbone_graph, backbone_head
+from model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
+from model.config import ImageConfig, default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import load_split_data
+from model.graphs import BACKBONE_NAME, quant_recipe
+from model.minilm import minilm_graph
 from model.onnx import graph_dir
 from model.parsers import make_parser
-from model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, read_manifest
-from model.resources import cpu_info
+from model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
+from model.resources import cpu_record
 from training.distill import teacher_paths
 from training.evaluate import evaluate
 
@@ -50,15 +60,7 @@ logger = logging.getLogger(__name__)
 
 REPORTED = ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10", "annot_medr",
             "search_medr")
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
-              "avx512_bf16", "amx_int8")
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_record() -> dict[str, Any]:
-    """The CPU's model name and the SIMD flags that choose ONNX Runtime's kernels."""
-    cpu = cpu_info()
-    return {"model": cpu.model, "flags": [f for f in SIMD_FLAGS if f in cpu.flags]}
 
 
 def split_digests(data: Path, split: str) -> dict[str, Any]:
@@ -107,6 +109,16 @@ def teacher_of(model: Path) -> dict[str, Any]:
     return {"teacher": {"model": parts, "command": commands}}
 
 
+def released_before(model: Path) -> dict[str, Any] | None:
+    """The manifest of the release `model` is a file of (a model released before, exported again), else None."""
+    if not is_released(model):
+        return None
+    try:
+        return read_manifest(model.parent)
+    except ReleaseError:
+        return None
+
+
 def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], command: str) -> dict[str, Any]:
     """Everything but `files` (added once the folder is written)."""
     history = model.parent / "history.json"
@@ -119,44 +131,76 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
                                 "region_features": cfg.region_features, "regions": cfg.n_regions,
                                 "onnxruntime": onnxruntime.__version__, "cpu": cpu_record()}
     if cfg.backbone_precision == "int8":
-        graph = onnx_graph("int8", graph_dir(), weights=cfg.backbone_weights, backbone=cfg.backbone)
+        graph = backbone_graph("int8", cfg.backbone, cfg.backbone_weights, graph_dir())
         features.update(quantization=quant_recipe(), graph=graph.name, graph_sha256=sha256_file(graph))
     rel = bundle.relevance
+    made_by: dict[str, Any] = {"command": command, **git_commit(),
+                               "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                               "training_command": trained.get("command"),
+                               "member_epochs": trained.get("member_epochs"), **teacher_of(model)}
+    before = released_before(model)
+    name, row = str(bundle.meta.get("variant") or model.parent.name), model.parent.name
+    training = {**split_digests(data, "train"),
+                "validation_part": {k: selection[k] for k in ("rule", "images", "seed") if k in selection}}
+    if before is not None:  # a release exported again: its training provenance stays what it recorded
+        was = before.get("made_by", {})
+        made_by.update({k: was[k] for k in ("training_command", "member_epochs", "teacher") if k in was},
+                       exported_from={k: was.get(k) for k in ("command", "commit", "date")})
+        name, row = before.get("name", name), before.get("row", row)
+        training = {**training, "validation_part": before.get("training", {}).get("validation_part",
+                                                                                training["validation_part"])}
     return {
         "format": MANIFEST_FORMAT,
-        "name": str(bundle.meta.get("variant") or model.parent.name),
-        "row": model.parent.name,
-        "made_by": {"command": command, **git_commit(),
-                    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "training_command": trained.get("command"), "member_epochs": trained.get("member_epochs"),
-                    **teacher_of(model)},
+        "name": name,
+        "row": row,
+        "made_by": made_by,
         "model": {"h": bundle.dim, "blocks": bundle.blocks, "words": len(bundle.text.words.words),
                   "relevance": None if rel is None else rel.to_state()},
-        "training": {**split_digests(data, "train"),
-                     "validation_part": {k: selection[k] for k in ("rule", "images", "seed") if k in selection}},
+        "training": training,
         "features": features,
         "metrics": {"validation": rounded(selection.get("val", {})), "dev": rounded(dev)},
     }
 
 
+def runtime_files(cfg: ImageConfig) -> list[Path]:
+    """The graphs a model of these image settings runs, made where missing (the graph folder): its crops'
+    backbone and the proposal ranker (ImageNet Lite0) at its precision, the ranker's head, and MiniLM's graph."""
+    files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", graph_dir()),
+             backbone_head(BACKBONE_NAME, "", graph_dir())]
+    if cfg.backbone != BACKBONE_NAME or cfg.backbone_weights:
+        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, graph_dir()))
+    files.append(minilm_graph(graph_dir()))
+    return files
+
+
 def write_release(bundle: Bundle, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Save the checkpoint into `out` as model.pt (in the current format: the calibration's padding left
-    out) and write the manifest with every file's size and sha256 (each write atomic: a crash leaves the
-    previous release whole, or the new file beside the old manifest, which then refuses it by name)."""
+    """Export the model into `out` in the runtime's form, copy the graphs it runs beside it, and write the
+    manifest with every file's size and sha256 (each write atomic: a crash leaves the previous release whole,
+    or new files beside the old manifest, which then refuses them by name). Files of an earlier release that
+    this one does not ship are removed once the manifest is written."""
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "model.pt"
-    bundle.save(target)
-    files = {"model.pt": {"bytes": target.stat().st_size, "sha256": sha256_file(target)}}
+    graphs = runtime_files(bundle.image_cfg)
+    bundle.save(out)
+    for src in graphs:
+        if src.resolve() != (out / src.name).resolve():
+            with atomic_path(out / src.name) as tmp:
+                shutil.copyfile(src, tmp)
+    names = [MODEL_JSON, MODEL_ARRAYS, *(g.name for g in graphs)]
+    files = {n: {"bytes": (out / n).stat().st_size, "sha256": sha256_file(out / n)} for n in names}
     manifest = {**manifest, "files": files}
     with atomic_path(out / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     read_manifest(out)  # what was written reads back as a release
+    for old in out.iterdir():
+        if old.is_file() and old.name not in files and old.name != MANIFEST:
+            old.unlink()
     return manifest
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="the trained checkpoint (model.pt) to release")
+    ap.add_argument("--model", type=Path, required=True,
+                    help="the trained checkpoint (model.pt), or a model in the runtime's form, to release")
     ap.add_argument("--out", type=Path, default=RELEASE_DIR, help="the release folder (default: model/released)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
@@ -164,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bundle = Bundle.load(args.model)
+    bundle = Bundle.load(args.model, device="cpu")
     if bundle.relevance is None or not bundle.meta.get("selection", {}).get("val"):
         ap.error(f"{args.model} has no relevance scale or no validation metrics: a release is trained with "
                  "--selection val (python -m training.train --selection val ...)")
@@ -178,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
                 dev["search_r1"])
     command = "python -m training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
     manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command))
-    Bundle.load(args.out / "model.pt")  # the release loads, checked against its manifest
+    Bundle.load(args.out)  # the release loads, checked against its manifest
     logger.info("released %s into %s: %s", manifest["name"], args.out,
                 ", ".join(f"{n} {f['bytes'] / 1e6:.1f} MB" for n, f in manifest["files"].items()))
 

