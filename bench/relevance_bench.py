@@ -1,47 +1,59 @@
-"""Can a person trust the relevance scale? Measured once on dev (the scale was fitted on the validation
-part of the training data, never on dev):
+"""Can a person trust the relevance scale? Measured on dev (the scale is fitted on the validation part of
+the training data, never on dev), for a model and, side by side, a baseline (another scale of the same
+score, e.g. the release before its scale was refitted):
 
-    python -m bench.relevance_bench --model artifacts/models/full-val-relevance/model.pt
+    python -m bench.relevance_bench --model model/released/model.json --baseline /tmp/old-release/model.json
 
-Every dev sentence with its own image (a true pair) and with one other dev image drawn at random (a
-random pair), as many of each, the way the scale was fitted. Writes
+What a match is, on dev: the sentence's own image, or another image one of whose captions says what the
+sentence says (training.calibrate.described_alike, the rule the scale is fitted with). The pairs judged are
+the ones searches show: the 10 best images of every dev caption in the 1,000 dev images, and the 10 best
+captions of every dev image among the 5,000, each with the relevance the service gives it for that
+collection. Writes
 
-- docs/results/relevance-dev.csv: the reliability table, per bin of predicted relevance: the pairs in
-  it, their mean predicted relevance and the observed share of true pairs (a reliable scale has the
-  two equal);
-- docs/results/relevance-dev-cutoffs.csv: precision and recall of true pairs at cut-offs 0.1 … 0.9
-  (the default, 0.5, marked), and for search as served: the share of dev sentences whose own image is
-  the top result and clears the cut-off, and the share whose top result is cut;
-- docs/results/relevance-dev.png: the reliability diagram and the two score histograms.
-Each CSV row carries the command and the machine.
+- docs/results/relevance-dev.csv: the reliability table: per bin of predicted relevance, per model and
+  direction, the pairs in it, their mean relevance and the observed share of matches;
+- docs/results/relevance-dev-no-good-match.csv: per model and case, how often the default cut-off answers
+  "no good match": every dev caption with its own image taken out of the collection (all of them, and those
+  whose best remaining image is no match), captions of training images about an object no dev caption names
+  (a noun found in no dev caption), and the share of true pairs that still clear the cut-off;
+- docs/results/relevance-dev.json: the summary (expected calibration error, precision of the pairs shown
+  at relevance >= 0.5, the shares above) and docs/results/relevance-dev.png: the reliability diagram.
+Each row carries the command and the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
+import re
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bench import machine, parse_run
 from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF
+from model.calibration import CAPTIONS_PER_IMAGE, DEFAULT_CUTOFF, Relevance
 from model.config import default_artifacts_dir, default_data_dir
-from model.dataset import load_split_data
+from model.data import load_split
+from model.dataset import SplitData, load_split_data
 from model.parsers import make_parser
 from model.release import served_model_from_env
-from training.calibrate import true_and_random_pairs
-from training.evaluate import evaluate_scores
+from training.calibrate import matches_of
+from training.evaluate import evaluate_scores, score_split
 
 logger = logging.getLogger("bench.relevance_bench")
 BINS = 10
-CUTOFFS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+SHOWN = 10  # results of each query judged
+ABSENT_SENTENCES = 500  # training captions about an object no dev caption names
+NOUN_LABELS = ("nsubj", "dobj", "obj", "pobj", "conj", "compound")  # where a caption's objects sit in its tree
 
 
 def reliability(pred: np.ndarray, truth: np.ndarray, bins: int = BINS) -> list[dict[str, float]]:
-    """Per equal-width bin of predicted relevance: pairs, mean prediction, observed share of true pairs."""
+    """Per equal-width bin of predicted relevance: pairs, mean prediction, observed share of matches."""
     edges = np.linspace(0.0, 1.0, bins + 1)
     which = np.clip(np.digitize(pred, edges[1:-1]), 0, bins - 1)
     rows = []
@@ -54,86 +66,173 @@ def reliability(pred: np.ndarray, truth: np.ndarray, bins: int = BINS) -> list[d
     return rows
 
 
-def precision_recall(pred: np.ndarray, truth: np.ndarray, cutoff: float) -> tuple[float, float]:
-    kept = pred >= cutoff
-    tp = float((kept & truth).sum())
-    return tp / max(1.0, float(kept.sum())), tp / max(1.0, float(truth.sum()))
+def calibration_error(table: list[dict[str, float]]) -> float:
+    total = sum(r["pairs"] for r in table)
+    return float(sum(r["pairs"] * abs(r["predicted"] - r["observed"]) for r in table if r["pairs"]) / max(1, total))
+
+
+def shown_pairs(scores: np.ndarray, matches: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(score, match) of the `SHOWN` best results of each query: 'search' (images for each caption) and
+    'annotate' (captions for each image)."""
+    n, n_sent = scores.shape
+    top = np.argsort(-scores, axis=0, kind="stable")[:SHOWN]
+    cols = np.broadcast_to(np.arange(n_sent), top.shape)
+    side = np.argsort(-scores, axis=1, kind="stable")[:, :SHOWN]
+    rows = np.broadcast_to(np.arange(n)[:, None], side.shape)
+    return {"search": (scores[top, cols].ravel(), matches[top, cols].ravel()),
+            "annotate": (scores[rows, side].ravel(), matches[rows, side].ravel())}
+
+
+def absent_object_captions(train: Any, dev: SplitData, parser: Any, seed: int) -> tuple[list[str], list[str]]:
+    """Up to `ABSENT_SENTENCES` training captions naming an object (a noun of the parse: a subject, object
+    or prepositional object) that occurs in no dev caption in any form, and the nouns they name."""
+    dev_words = {t for p in dev.parsed for t in p.tokens}
+
+    def known(word: str) -> bool:
+        return any(form in dev_words for form in (word, word + "s", word + "es", word.rstrip("s")))
+
+    captions = [c for caps in train.captions for c in caps]
+    counts = Counter(w for c in captions for w in re.findall(r"[a-z]+", c.lower()))
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(captions))
+    picked: list[str] = []
+    nouns: list[str] = []
+    for start in range(0, len(order), 2000):
+        chunk = [captions[i] for i in order[start : start + 2000]]
+        candidates = [c for c in chunk if any(not known(w) and counts[w] >= 3 and len(w) > 2
+                                              for w in re.findall(r"[a-z]+", c.lower()))]
+        for text, parsed in zip(candidates, parser.parse(candidates), strict=True):
+            absent = [t for t, lab in zip(parsed.tokens, parsed.labels, strict=False)
+                      if (lab in NOUN_LABELS or lab.startswith("prep")) and t.isalpha() and len(t) > 2
+                      and not known(t) and counts[t] >= 3]
+            if absent:
+                picked.append(text)
+                nouns.append(absent[0])
+            if len(picked) >= ABSENT_SENTENCES:
+                return picked, nouns
+    return picked, nouns
+
+
+def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image: np.ndarray,
+            absent: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The summary and the reliability rows of one scale on dev's score matrix."""
+    n, n_sent = scores.shape
+    search, annotate = rel.for_items(n), rel.for_items(round(n_sent / CAPTIONS_PER_IMAGE))
+    out: dict[str, Any] = {"scale": rel.to_state()}
+    rows: list[dict[str, Any]] = []
+    preds, truths = [], []
+    for side, (s, y) in shown_pairs(scores, matches).items():
+        p = (search if side == "search" else annotate)(s)
+        table = reliability(p, y)
+        rows += [{"direction": side, **r} for r in table]
+        shown = p >= DEFAULT_CUTOFF
+        out[side] = {"pairs": int(len(p)), "match_share": round(float(y.mean()), 4),
+                     "ece": round(calibration_error(table), 4),
+                     "shown_at_cutoff": int(shown.sum()),
+                     "precision_at_cutoff": round(float(y[shown].mean()), 4) if shown.any() else None}
+        preds.append(p)
+        truths.append(y)
+    both = reliability(np.concatenate(preds), np.concatenate(truths))
+    rows += [{"direction": "both", **r} for r in both]
+    out["ece_both"] = round(calibration_error(both), 4)
+    cols = np.arange(n_sent)
+    true_rel = search(scores[pair_image, cols])
+    rest = scores.copy()
+    rest[pair_image, cols] = -np.inf
+    best = rest.argmax(axis=0)
+    best_rel = search(rest[best, cols])  # the own image out: one image fewer would not move the scale
+    best_match = matches[best, cols]
+    absent_best = search(absent.max(axis=0)) if absent.size else np.zeros(0)
+    out["no_good_match"] = {
+        "own_image_removed": round(float((best_rel < DEFAULT_CUTOFF).mean()), 4),
+        "own_image_removed_best_no_match": round(float((best_rel[~best_match] < DEFAULT_CUTOFF).mean()), 4),
+        "own_image_removed_best_is_match_kept": round(float((best_rel[best_match] >= DEFAULT_CUTOFF).mean()), 4)
+        if best_match.any() else None,
+        "absent_object": round(float((absent_best < DEFAULT_CUTOFF).mean()), 4) if absent.size else None,
+        "true_pairs_clearing": round(float((true_rel >= DEFAULT_CUTOFF).mean()), 4),
+        "best_remaining_median_relevance": round(float(np.median(best_rel)), 4),
+        "best_remaining_is_match": round(float(best_match.mean()), 4),
+        "cutoff_score": round(search.score_at(DEFAULT_CUTOFF), 3),
+    }
+    return out, rows
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
-                    help="a checkpoint with a relevance scale")
+    ap.add_argument("--model", type=Path, default=served_model_from_env(a), help="a model with a relevance scale")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a model of the same score with another relevance scale, measured beside it")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--split", default="dev", help="the split measured on")
     ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature, parse and vector cache")
-    ap.add_argument("--seed", type=int, default=1, help="seed of the random pairs")
+    ap.add_argument("--seed", type=int, default=1, help="seed of the absent-object captions' draw")
     ap.add_argument("--out", type=Path, default=Path("docs/results/relevance-dev.csv"), help="the table written")
     args, command = parse_run(ap, argv, "bench.relevance_bench")
     bundle = Bundle.load(args.model)
-    rel = bundle.relevance
-    if rel is None:
-        raise SystemExit(f"{args.model} has no relevance scale: python -m training.calibrate --relevance-only")
-    data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, make_parser(bundle.text.cfg.parser))
+    scales = {"model": bundle.relevance}
+    if args.baseline is not None:
+        scales["baseline"] = Bundle.load(args.baseline).relevance
+    missing = [name for name, rel in scales.items() if rel is None]
+    if missing:
+        raise SystemExit(f"no relevance scale in the {' and '.join(missing)}: python -m training.calibrate "
+                         "--relevance-only")
+    parser = make_parser(bundle.text.cfg.parser)
+    data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser)
     bundle.text.warm(data.parsed, data.sentences, args.cache / "vectors")
-    _, scores = evaluate_scores(bundle, data)
-    true, rand = true_and_random_pairs(scores, data.pair_image, args.seed)
-    pred = rel(np.concatenate([true, rand]))
-    truth = np.concatenate([np.ones(len(true), bool), np.zeros(len(rand), bool)])
+    metrics, scores = evaluate_scores(bundle, data)
+    matches = matches_of(data)
+    texts, nouns = absent_object_captions(load_split(args.data, "train"), data, parser, args.seed)
+    absent = (score_split(bundle, data.feats, bundle.text.encode(texts, strict=False)) if texts
+              else np.zeros((len(data.names), 0)))
+    logger.info("%d training captions about an object no dev caption names (%s, ...)", len(texts),
+                ", ".join(sorted(set(nouns))[:12]))
     where = {"machine": machine(), "command": command}
-
-    table = reliability(pred, truth)
+    summary: dict[str, Any] = {"split": args.split, "images": len(data.names), "sentences": len(data.sentences),
+                               "rsum": round(metrics["rsum"], 2), "absent_object_captions": len(texts),
+                               "absent_object_nouns": sorted(set(nouns)), "cutoff": DEFAULT_CUTOFF, **where}
+    rows: list[dict[str, Any]] = []
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for name, rel in scales.items():
+        assert rel is not None
+        out, table = measure(rel, scores, matches, data.pair_image, absent)
+        summary[name] = out
+        tables[name] = table
+        rows += [{"scale": name, **r} for r in table]
+        logger.info("%s: %s", name, json.dumps(out))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*table[0], "machine", "command"])
+        w = csv.DictWriter(f, fieldnames=[*rows[0], "machine", "command"])
         w.writeheader()
-        w.writerows({**r, **where} for r in table)
-    gap = float(np.nansum([r["pairs"] * abs(r["predicted"] - r["observed"]) for r in table]) / len(pred))
-    logger.info("reliability (expected calibration error %.4f): %s", gap, table)
-
-    # search as served: each sentence's ranking of all dev images
-    top = scores.argmax(axis=0)
-    top_rel = rel(scores[top, np.arange(scores.shape[1])])
-    own_top = top == data.pair_image
-    rows = []
-    for c in CUTOFFS:
-        p, r = precision_recall(pred, truth, c)
-        rows.append({"cutoff": c, "default": c == DEFAULT_CUTOFF, "precision": round(p, 4), "recall": round(r, 4),
-                     "search_top1_right_and_kept": round(float((own_top & (top_rel >= c)).mean()), 4),
-                     "search_top1_cut": round(float((top_rel < c).mean()), 4),
-                     "score_at_cutoff": round(rel.score_at(c), 4), **where})
-    cut_path = args.out.with_name(args.out.stem + "-cutoffs.csv")
-    with cut_path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writerows({**r, **where} for r in rows)
+    ngm = args.out.with_name(args.out.stem + "-no-good-match.csv")
+    with ngm.open("w", newline="") as f:
+        keys = list(summary["model"]["no_good_match"])
+        w = csv.DictWriter(f, fieldnames=["scale", *keys, "machine", "command"])
         w.writeheader()
-        w.writerows(rows)
-    logger.info("cut-offs: %s", [{k: v for k, v in r.items() if k not in where} for r in rows])
-    plot(table, rel(true), rel(rand), args.out.with_suffix(".png"), gap)
-    logger.info("wrote %s, %s and the plot", args.out, cut_path)
+        w.writerows({"scale": name, **summary[name]["no_good_match"], **where} for name in scales)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(tables, summary, args.out.with_suffix(".png"))
+    logger.info("wrote %s, %s, the summary and the plot", args.out, ngm)
 
 
-def plot(table: list[dict[str, float]], true: np.ndarray, rand: np.ndarray, path: Path, gap: float) -> None:
+def plot(tables: dict[str, list[dict[str, Any]]], summary: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
-    filled = [r for r in table if r["pairs"]]
-    left.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfectly reliable")
-    left.plot([r["predicted"] for r in filled], [r["observed"] for r in filled], marker="o", label="dev")
-    left.set_xlabel("predicted relevance (bin mean)")
-    left.set_ylabel("observed share of true pairs")
-    left.set_title(f"reliability on dev (ECE {gap:.3f})")
-    left.legend()
-    bins = np.linspace(0, 1, 21)
-    right.hist(rand, bins=bins, alpha=0.6, label="random pairs")
-    right.hist(true, bins=bins, alpha=0.6, label="true pairs")
-    right.axvline(DEFAULT_CUTOFF, color="black", linewidth=1, label=f"default cut-off {DEFAULT_CUTOFF}")
-    right.set_xlabel("relevance")
-    right.set_ylabel("pairs")
-    right.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, side in zip(axes, ("search", "annotate"), strict=True):
+        ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="perfectly reliable")
+        for name, table in tables.items():
+            filled = [r for r in table if r["direction"] == side and r["pairs"]]
+            ax.plot([r["predicted"] for r in filled], [r["observed"] for r in filled], marker="o",
+                    label=f"{name} (ECE {summary[name][side]['ece']:.3f})")
+        ax.set_xlabel("relevance shown (bin mean)")
+        ax.set_ylabel("observed share of matches")
+        ax.set_title(f"{side}: the {SHOWN} best results of each dev query")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

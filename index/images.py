@@ -154,7 +154,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                 return None
             p = self.payloads([image_id])[image_id]
         return ImageRecord(image_id, p.name, self.photos.real_path(p.path), p.width, p.height, p.boxes.tolist(),
-                           p.labels)
+                           p.labels, p.path)
 
     def fragments(self, image_id: int) -> tuple[np.ndarray, np.ndarray] | None:
         """An indexed image's embedded fragments (F, h) and their boxes (F, 4), or None."""
@@ -181,7 +181,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
                                               exhaustive, allowed, skl_of_items)  # codes: one block (the
         # projection mixes a merged model's member slices)
         return Page([ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s,
-                              matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place)
+                              matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place,
+                              p.path)
                      for item, s, p, frags in ranked[offset:]], offset, considered)
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
@@ -229,10 +230,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
             order = np.lexsort((frags, items, -rank_key(scores)))[offset : offset + k]
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())
-        hits = [RegionHit(int(items[o]), payloads[int(items[o])].name,
-                          [float(v) for v in payloads[int(items[o])].boxes[frags[o]]], int(frags[o]), float(scores[o]),
-                          label_at(payloads[int(items[o])].labels, int(frags[o])))
-                for o in order]
+        hits = []
+        for o in order:
+            p = payloads[int(items[o])]
+            hits.append(RegionHit(int(items[o]), p.name, [float(v) for v in p.boxes[frags[o]]], int(frags[o]),
+                                  float(scores[o]), label_at(p.labels, int(frags[o])), p.width, p.height, p.path))
         return Page(hits, offset, int(np.count_nonzero(scores > 0)))
 
     # -- SQLite rows ------------------------------------------------------------------------------

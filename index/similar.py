@@ -85,7 +85,8 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
         frags, frag_boxes = found
         alignment = (matches(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels)
                      if sent is not None else [])
-        hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment))
+        hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment,
+                             file=rec.file))
     return Similar(described, hits, offset, len(ids))
 
 

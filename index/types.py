@@ -244,6 +244,7 @@ class ImageHit:
     score: float
     alignment: list[FragmentMatch] = field(default_factory=list)
     place: Place | None = None  # when and where it was taken (EXIF), None when not read
+    file: str = ""  # the path as stored: relative to the collection folder when under it (POSIX), else absolute
 
 
 @dataclass
@@ -264,6 +265,9 @@ class RegionHit:
     fragment: int
     score: float
     label: str | None = None  # the region's detector label (FragmentMatch.label)
+    width: int = 0  # the image's size (the box is in its pixels)
+    height: int = 0
+    file: str = ""  # the path as stored (as ImageHit.file)
 
 
 H = TypeVar("H")
@@ -334,6 +338,7 @@ class ImageRecord:
     height: int
     boxes: list[list[float]]
     labels: tuple[str | None, ...] = ()
+    file: str = ""  # the path as stored: relative to the collection folder when under it (POSIX), else absolute
 
 
 @dataclass

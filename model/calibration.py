@@ -15,10 +15,19 @@ of a new image or sentence is computed from its own fragments when it is embedde
 retrieval literature: querybank normalisation, a remedy for hubness.)
 
 The relevance scale (`Relevance`) maps a calibrated S_kl to a number a person can read: the
-probability that the image and the sentence are a true pair (a caption written for that image) rather
-than a random one, with as many of each. It is a logistic curve in S_kl fitted on the validation part
-of the training data (never dev) and stored beside the reference sets; a checkpoint without it (made
-before it existed, or an uncalibrated model) serves scores without a relevance.
+probability that a person would call the result a match for the query, in the collection being searched.
+A match is either the item the query was written for (one among the collection's N items: the odds that
+it is this one fall as 1/(N - 1)) or another item that is described the same way (its share does not
+depend on N). Both odds grow exponentially in S_kl, so
+
+    odds(S, N) = exp(own_slope * S + own_intercept) / (N - 1) + exp(slope * S + intercept),
+
+relevance = odds / (1 + odds): a monotone map of S_kl for a given collection, so it never changes a
+ranking. The four numbers are fitted on the validation part of the training data (never dev) and stored
+beside the reference sets (training/calibrate.py `fit_relevance`); a scale stored with the two numbers
+of the described-alike part only reads as a plain logistic curve, and a checkpoint without any (made
+before it existed, or an uncalibrated model) serves scores without a relevance. For a sentence collection N
+counts the images its captions describe (`CAPTIONS_PER_IMAGE` captions an image, as in Flickr8K).
 
 The scales are computed with the one S_kl (model/score.py), on NumPy arrays in the service and on torch
 tensors in training alike (the array API: model/arrays.py). Fitting the references and the relevance, timing
@@ -27,7 +36,7 @@ them and the command line are training/calibrate.py's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,35 +47,77 @@ from model.score import block_slices, skl
 BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
 
 
-DEFAULT_CUTOFF = 0.5  # relevance at which a true pair and a random one are equally likely
+DEFAULT_CUTOFF = 0.5  # relevance at which a match is as likely as not: below it, "no good match"
+CAPTIONS_PER_IMAGE = 5  # a sentence collection of N captions describes about N / 5 images (Flickr8K's count)
+
+
+def _exp(z: np.ndarray) -> np.ndarray:
+    return np.exp(np.clip(z, -60.0, 60.0))
 
 
 @dataclass(frozen=True)
 class Relevance:
-    """relevance(S) = 1 / (1 + exp(-(slope * S + intercept))): the probability that a pair with the
-    calibrated score S is a true pair (equal numbers of true and random pairs); slope > 0, so it
-    ranks as S does."""
+    """relevance(S) = odds / (1 + odds), odds = exp(slope * S + intercept) + exp(own_slope * S +
+    own_intercept) / (items - 1): the probability that a person calls a result with the calibrated
+    score S a match, in a collection of `items` items (`for_items`). own_slope > 0 and slope >= 0, so
+    it ranks as S does. Without the own part (`own_slope` None: a scale fitted before it) it is the logistic
+    curve of slope and intercept."""
 
     slope: float
     intercept: float
+    own_slope: float | None = None
+    own_intercept: float | None = None
+    items: int = 2
+
+    def for_items(self, items: int) -> Relevance:
+        """This scale for a collection of `items` items (images; for sentences, the images they describe)."""
+        return replace(self, items=max(2, int(items)))
+
+    def log_odds(self, score: float | np.ndarray) -> np.ndarray:
+        s = np.asarray(score, dtype=np.float64)
+        z = self.slope * s + self.intercept
+        if self.own_slope is None or self.own_intercept is None:
+            return np.asarray(z)
+        own = self.own_slope * s + self.own_intercept - np.log(self.items - 1)
+        return np.asarray(np.logaddexp(z, own))
 
     def __call__(self, score: float | np.ndarray) -> np.ndarray:
-        z = self.slope * np.asarray(score, dtype=np.float64) + self.intercept
-        return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))))
+        return np.asarray(1.0 / (1.0 + _exp(-self.log_odds(score))))
 
     def of(self, score: float) -> float:
         return float(self(score))
 
     def score_at(self, relevance: float) -> float:
         """The score whose relevance is `relevance` (0 < relevance < 1): the cut-off in S_kl."""
-        return float((np.log(relevance / (1.0 - relevance)) - self.intercept) / self.slope)
+        target = float(np.log(relevance / (1.0 - relevance)))
+        alone = [(target - self.intercept) / self.slope] if self.slope > 0 else []  # each part alone gets there
+        if self.own_slope is None or self.own_intercept is None:
+            return float(alone[0])
+        hi = min([*alone, (target - self.own_intercept + np.log(self.items - 1)) / self.own_slope])
+        lo = hi - 1.0
+        while float(self.log_odds(lo)) > target:  # log-odds rise with S: bracket the cut-off, then bisect
+            lo = hi - 2.0 * (hi - lo)
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if float(self.log_odds(mid)) < target:
+                lo = mid
+            else:
+                hi = mid
+        return float(0.5 * (lo + hi))
 
     def to_state(self) -> dict[str, float]:
-        return {"slope": self.slope, "intercept": self.intercept}
+        state = {"slope": self.slope, "intercept": self.intercept}
+        if self.own_slope is not None and self.own_intercept is not None:
+            state.update(own_slope=self.own_slope, own_intercept=self.own_intercept)
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Relevance | None:
-        return None if not state else cls(float(state["slope"]), float(state["intercept"]))
+        if not state:
+            return None
+        own = state.get("own_slope"), state.get("own_intercept")
+        return cls(float(state["slope"]), float(state["intercept"]),
+                   None if own[0] is None else float(own[0]), None if own[1] is None else float(own[1]))
 
 
 @dataclass

@@ -62,20 +62,27 @@ def hold_out(data: SplitData, n: int, seed: int) -> tuple[SplitData, SplitData]:
     return select_images(data, np.flatnonzero(~held)), select_images(data, np.flatnonzero(held))
 
 
+def held_out_split(split: Split, n: int, seed: int) -> Split:
+    """The `n` images (with their captions) that `hold_out` holds out of `split` with `seed`, in split order:
+    the validation part without reading the rest's features."""
+    keep = np.sort(held_out_indices(len(split.images), n, seed))
+    return Split(split.root, tuple(split.images[k] for k in keep), tuple(split.captions[k] for k in keep))
+
+
 def feature_cache(cache_root: Path, image_cfg: ImageConfig, device: str = "cpu") -> FeatureCache:
     """The shared feature cache: always the full 1 + n_regions fragments (full-frame models slice row 0)."""
     return FeatureCache(Path(cache_root) / "features", dataclasses.replace(image_cfg, full_frame_only=False),
                         device=device)
 
 
-def load_split_data(root: Path, split: str | Path, image_cfg: ImageConfig, cache_root: Path,
+def load_split_data(root: Path, split: str | Path | Split, image_cfg: ImageConfig, cache_root: Path,
                     parser: Parser, workers: int = 1, limit: int | None = None, device: str = "cpu") -> SplitData:
     """Extract (or reuse, the backbone on `device`) the features of a split's images and parse (or reuse)
-    its captions.
+    its captions (`split`: a name, a split list's path, or a Split read already).
 
     Unreadable images are skipped and counted, with their captions.
     """
-    sp = load_split(root, split)
+    sp = split if isinstance(split, Split) else load_split(root, split)
     if limit is not None:
         sp = sp.subset(limit)
     cache = feature_cache(cache_root, image_cfg, device)

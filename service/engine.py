@@ -28,6 +28,7 @@ from index.places import PlaceFilter
 from index.similar import Similar, similar_to_image, similar_to_indexed
 from index.sync import SyncReport, sync_folder
 from model.bundle import Bundle
+from model.calibration import CAPTIONS_PER_IMAGE, Relevance
 from model.dataset import feature_cache
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
@@ -136,6 +137,16 @@ class Engine:
 
     def sentence_count(self) -> int:
         return len(self.sentences) if self.sentences is not None else 0
+
+    def relevance(self, side: str) -> Relevance | None:
+        """The model's relevance scale for a search of the images ('images') or the sentences ('sentences')
+        at the collection's size now (None: the model has none). A sentence collection counts the images
+        its captions describe (model.calibration)."""
+        rel = self.bundle.relevance
+        if rel is None:
+            return None
+        items = len(self.images) if side == "images" else round(self.sentence_count() / CAPTIONS_PER_IMAGE)
+        return rel.for_items(items)
 
     def warm_up(self) -> float:
         """One search and one annotation, so that lazily loaded parts (parser, backbone) are ready."""

@@ -22,9 +22,13 @@ _IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
           "relevance": 0.83, "alignment": [_MATCH]}
 _SENTENCE = {"id": 2051, "text": "A black dog runs through the grass .", "score": 0.0794, "relevance": 0.79,
              "alignment": [_MATCH]}
-RELEVANCE_TEXT = ("how likely the pair is a true match, 0 to 1: the probability that a caption written for the "
-                  "image scores this high rather than a random one (the model's relevance scale, fitted on its "
-                  "validation data); null when the model has none (a checkpoint made before the scale existed)")
+PATH_DOC = ("the image file's path as the index holds it: relative to the collection folder (POSIX form) for a file "
+            "under it, else absolute")
+RELEVANCE_TEXT = ("how likely a person would call this result a match for the query, 0 to 1, in the collection "
+                  "searched (its size counts: the best of many is not a good match by being the best); a "
+                  "monotone map of the score, fitted on the model's validation data; below the default cut-off "
+                  "0.5 a match is less likely than not. null when the model has none (a checkpoint made before "
+                  "the scale existed)")
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -69,7 +73,7 @@ def _not_blank(value: str, what: str) -> str:
 
 def _min_relevance_field() -> Any:
     return Field(default=None, ge=0.0, le=1.0, description="leave out results whose relevance is below this "
-                 "(0 to 1; 0.5 = as likely a true match as not); no result left -> an empty list and a `reason`")
+                 "(0 to 1; 0.5 = a match as likely as not); no result left -> an empty list and a `reason`")
 
 
 def _offset_field() -> Any:
@@ -186,7 +190,8 @@ class FragmentMatchOut(BaseModel):
 class ImageResult(BaseModel):
     id: int
     name: str
-    url: str = Field(description="where the image file is served")
+    path: str = Field(default="", description=PATH_DOC)
+    url: str = Field(description="where the original image file is served")
     thumbnail: str = Field(description="a thumbnail of it (GET /images/{id}/thumbnail?size=...)")
     width: int
     height: int
@@ -232,6 +237,7 @@ class ExplainResponse(BaseModel):
     height: int
     sentence: str
     score: float = Field(description="the image-sentence score S_kl, as searches compute it")
+    relevance: float | None = Field(default=None, description=RELEVANCE_TEXT)
     rank: int = Field(description="the image's place by the exact score among the images ranked (1 = first; "
                       "ties to the smaller id)")
     images: int = Field(description="how many images were ranked")
@@ -332,7 +338,11 @@ class DuplicatesResponse(BaseModel):
 class RegionResult(BaseModel):
     image_id: int
     name: str
-    url: str
+    path: str = Field(default="", description=PATH_DOC)
+    url: str = Field(description="where the original image file is served")
+    thumbnail: str = Field(default="", description="a thumbnail of it (GET /images/{id}/thumbnail?size=...)")
+    width: int = Field(default=0, description="the original's width in pixels (the box is in its pixels)")
+    height: int = Field(default=0, description="the original's height in pixels")
     box: Box
     fragment: int
     score: float = Field(description="fragment score v_i . s")
@@ -355,6 +365,7 @@ class ImageOut(BaseModel):
 
     id: int
     name: str
+    path: str = Field(default="", description=PATH_DOC)
     url: str
     width: int
     height: int

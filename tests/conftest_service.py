@@ -186,7 +186,7 @@ def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPa
     from model.dataset import hold_out, load_split_data
     from model.nets.checkpoint import Checkpoint
     from model.parsers import make_parser
-    from training.calibrate import fit_calibration, fit_relevance
+    from training.calibrate import fit_calibration, fit_relevance, matches_of
     from training.evaluate import evaluate_scores
 
     ckpt = Checkpoint.load(shapes_model.model_path)
@@ -194,5 +194,5 @@ def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPa
     rest, val = hold_out(train, 10, 0)
     ckpt.calibration = fit_calibration(ckpt, rest, refs=20, seed=0)
     _, scores = evaluate_scores(ckpt, val)
-    ckpt.calibration.relevance = fit_relevance(scores, val.pair_image)
+    ckpt.calibration.relevance = fit_relevance(scores, val.pair_image, matches_of(val))
     return engine_over_dev(shapes_model, ckpt.bundle(), tmp_path_factory.mktemp("calibrated"))

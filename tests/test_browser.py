@@ -442,3 +442,50 @@ def test_filters_on_the_page(served: str, page: Page) -> None:
     page.click("#search-form button[type=submit]")
     page.wait_for_function("document.querySelectorAll('#results .card').length === 4")
     assert "taken_after" not in page.evaluate("location.search")
+
+
+def test_each_result_names_its_file_copies_it_and_opens_the_original(served: str, browser: Browser) -> None:
+    """A card shows the path the index holds (the API's `path`), its button puts it on the clipboard and
+    its link opens the original; region mode loads thumbnails and shows the path too."""
+    import httpx
+
+    context = browser.new_context(viewport=VIEWPORT, permissions=["clipboard-read", "clipboard-write"])
+    context.set_default_timeout(60_000)
+    try:
+        page = context.new_page()
+        show(page, page_url(served, "a red circle", k="3"))
+        api = httpx.post(f"{served}/search/images", json={"sentence": "a red circle", "k": 3}).json()["results"]
+        paths = page.evaluate("[...document.querySelectorAll('#results .card .file .path')].map(p => p.textContent)")
+        assert paths == [r["path"] for r in api] and all(p.endswith(".jpg") for p in paths), (paths, api)
+        page.locator("#results .card .file .copy").first.click()
+        page.wait_for_function("document.querySelector('#results .card .file .copy').textContent === 'copied'")
+        assert page.evaluate("navigator.clipboard.readText()") == paths[0]
+        href = page.get_attribute("#results .card .file a.open", "href")
+        assert href == api[0]["url"]
+        original = httpx.get(f"{served}{href}")
+        assert original.status_code == 200 and original.headers["content-type"].startswith("image/")
+
+        show(page, page_url(served, "red circle", mode="regions", k="3"))
+        srcs = page.evaluate("[...document.querySelectorAll('#results .card img')].map(i => i.getAttribute('src'))")
+        assert len(srcs) == 3 and all("/thumbnail" in s for s in srcs), srcs
+        assert page.locator("#results .card .file .path").count() == 3
+    finally:
+        context.close()
+
+
+def test_sort_by_date_taken_from_the_page(served_calibrated: str, page: Page) -> None:
+    """The sort control sends `"sort": "taken"` (with the page's cut-off), keeps it in the address, and the
+    page shows what the API answers for that request."""
+    import httpx
+
+    show(page, page_url(served_calibrated, "a red circle", k="4", min_relevance="0"))
+    page.select_option("#sort", "taken")
+    page.click("#search-form button[type=submit]")
+    page.wait_for_function("new URLSearchParams(location.search).get('sort') === 'taken'")
+    page.wait_for_function("document.body.dataset.state === 'done'")
+    shown = page.evaluate("[...document.querySelectorAll('#results .card')].map(c => Number(c.dataset.id))")
+    api = httpx.post(f"{served_calibrated}/search/images",
+                     json={"sentence": "a red circle", "k": 4, "sort": "taken", "min_relevance": 0}).json()
+    assert shown == [r["id"] for r in api["results"]] and len(shown) == 4
+    show(page, page.url)  # the address keeps the sort
+    assert page.input_value("#sort") == "taken"

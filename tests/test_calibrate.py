@@ -13,7 +13,13 @@ from model.calibration import Calibration, Relevance
 from model.nets.checkpoint import Checkpoint
 from model.score import align, skl
 from tests.conftest import ShapesModel
-from training.calibrate import fit_calibration, fit_relevance, per_item_ms, true_and_random_pairs
+from training.calibrate import (
+    described_alike,
+    fit_calibration,
+    fit_relevance,
+    per_item_ms,
+    true_and_random_pairs,
+)
 from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
 
 
@@ -119,23 +125,78 @@ def test_per_item_cost_is_measured_for_both_sides_with_and_without_scales(shapes
     assert all(v > 0 for v in cost.values())
 
 
-def test_relevance_fit_recovers_the_probability_of_a_true_pair() -> None:
-    """True pairs' scores ~ N(2, 1), random pairs' ~ N(0, 1): with equal numbers of each, the probability
-    that a pair is true given its score is exactly the logistic curve with slope 2 and intercept -2."""
-    rng = np.random.default_rng(0)
-    n_img, per = 800, 5
-    scores = rng.normal(0.0, 1.0, size=(n_img, n_img * per))
+def _mixture_scores(rng: np.random.Generator, n_img: int, per: int, alike: float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scores of a world where a non-match scores ~ N(0, 1), an image described alike ~ N(2.5, 1) (a share
+    `alike` of the other pairs) and a sentence's own image ~ N(4, 1)."""
     pair = np.repeat(np.arange(n_img), per)
-    scores[pair, np.arange(len(pair))] = rng.normal(2.0, 1.0, size=len(pair))
+    cols = np.arange(len(pair))
+    scores = rng.normal(0.0, 1.0, size=(n_img, len(pair)))
+    matches = rng.random(scores.shape) < alike
+    scores[matches] = rng.normal(2.5, 1.0, size=int(matches.sum()))
+    matches[pair, cols] = True
+    scores[pair, cols] = rng.normal(4.0, 1.0, size=len(pair))
+    return scores, pair, matches
+
+
+def test_relevance_fit_recovers_the_probability_of_a_match_in_collections_of_any_size() -> None:
+    """In that world the probability of a match given S among N images is known: odds = (exp(4S - 8) +
+    (N - 1) a exp(2.5S - 3.125)) / ((N - 1)(1 - a)). The fit (on the top results only) recovers it, for
+    collections smaller and larger than the one it saw, and a larger collection lowers the relevance of
+    the same score."""
+    rng = np.random.default_rng(0)
+    alike = 0.01
+    scores, pair, matches = _mixture_scores(rng, 400, 5, alike)
     true, rand = true_and_random_pairs(scores, pair, seed=3)
-    assert np.allclose(true, scores[pair, np.arange(len(pair))])
+    assert np.allclose(true, scores[pair, np.arange(len(pair))]) and not np.allclose(true, rand)
+    rel = fit_relevance(scores, pair, matches)
+    grid = np.linspace(1.0, 6.0, 11)
+    for n in (100, 400, 2000):
+        odds = (np.exp(4 * grid - 8) + (n - 1) * alike * np.exp(2.5 * grid - 3.125)) / ((n - 1) * (1 - alike))
+        expected = odds / (1 + odds)
+        got = rel.for_items(n)(grid)
+        assert np.abs(got - expected).max() < 0.06, (n, got.round(3), expected.round(3))
+        assert np.all(np.diff(got) > 0)  # a monotone map of the score: rankings stay
+        cut = rel.for_items(n).score_at(0.5)
+        assert abs(rel.for_items(n).of(cut) - 0.5) < 1e-6
+    assert rel.for_items(2000).of(4.0) < rel.for_items(100).of(4.0)  # the best of many is not a match by that
+    with pytest.raises(ValueError, match="does not rise"):  # a score that says the opposite
+        fit_relevance(-scores, pair, matches)
+
+
+def test_relevance_with_the_true_pairs_alone_and_a_scale_of_two_numbers() -> None:
+    """Without other matches the fit has the own part alone; a scale stored as two numbers (the
+    logistic curve of older checkpoints) reads as that curve, whatever the collection."""
+    rng = np.random.default_rng(1)
+    scores, pair, _ = _mixture_scores(rng, 200, 5, 0.0)
     rel = fit_relevance(scores, pair)
-    assert abs(rel.slope - 2.0) < 0.15 and abs(rel.intercept + 2.0) < 0.15
-    assert abs(rel.score_at(0.5) - 1.0) < 0.05  # halfway between the two means
-    grid = np.linspace(-3, 5, 50)
-    assert np.all(np.diff(rel(grid)) > 0) and 0 < rel.of(-3) < rel.of(5) < 1
-    with pytest.raises(ValueError, match="does not separate"):  # a score that says the opposite
-        fit_relevance(-scores, pair)
+    assert rel.own_slope is not None and 3.0 < rel.own_slope < 5.0 and rel.for_items(200).of(-60.0) < 1e-6
+    old = Relevance.from_state({"slope": 2.0, "intercept": -2.0})
+    assert old == Relevance(2.0, -2.0) and old.to_state() == {"slope": 2.0, "intercept": -2.0}
+    assert old.for_items(10).of(1.0) == old.for_items(10_000).of(1.0) == 0.5
+    assert abs(old.score_at(0.5) - 1.0) < 1e-9
+    assert Relevance.from_state(rel.to_state()) == Relevance(rel.slope, rel.intercept, rel.own_slope,
+                                                              rel.own_intercept)
+
+
+def test_described_alike_marks_the_own_image_and_captions_as_close_as_its_own() -> None:
+    """Sentences near their own image's others are matched to the own image; a caption repeated word for
+    word under another image makes that image a match too; unrelated images are not."""
+    rng = np.random.default_rng(2)
+    n_img, per, dim = 20, 5, 32
+    centres = rng.normal(size=(n_img, dim))
+    vecs = np.repeat(centres, per, axis=0) + 0.3 * rng.normal(size=(n_img * per, dim))
+    vecs[7 * per] = vecs[3 * per + 1]  # image 7's first caption says what image 3's second says
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    pair = np.repeat(np.arange(n_img), per)
+    for seed in range(5):  # whichever caption of image 7 is left out, most draws keep the copy
+        m = described_alike(vecs, pair, seed=seed)
+        assert m[pair, np.arange(len(pair))].all()
+        unrelated = m.copy()
+        unrelated[pair, np.arange(len(pair))] = False
+        unrelated[7, 3 * per + 1] = unrelated[3, 7 * per] = False
+        assert not unrelated.any()
+    assert sum(described_alike(vecs, pair, seed=seed)[7, 3 * per + 1] for seed in range(10)) >= 5
 
 
 def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_without_it(

@@ -4,6 +4,7 @@ list, an empty list says why; a model without the scale serves without it and re
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -85,3 +86,28 @@ def test_a_model_without_the_scale_serves_without_it_and_refuses_a_cut_off(uncal
 def test_a_bad_cut_off_is_a_422(calibrated: TestClient, value: object) -> None:
     r = calibrated.post("/search/images", json={"sentence": SENTENCE, "min_relevance": value})
     assert r.status_code == 422 and "min_relevance" in r.text
+
+
+def test_the_default_cut_off_answers_no_good_match_for_what_the_collection_does_not_hold(
+        calibrated: TestClient, shapes_model: ShapesModel) -> None:
+    """A sentence about two shapes that no collection picture holds together (each is in some picture, with
+    another shape) gets "no good match" at the page's default cut-off, while a picture's own caption finds
+    pictures there."""
+    import json
+
+    from model.calibration import DEFAULT_CUTOFF
+    from tests.synthetic import COLOURS, SHAPES
+
+    objects = json.loads((shapes_model.data / "objects.json").read_text())
+    dev = load_split(shapes_model.data, "dev")
+    pairs = {frozenset(((a["colour"], a["shape"]), (b["colour"], b["shape"])))
+             for name in dev.images for a, b in [objects[Path(name).name]]}
+    absent = next(((c1, s1), (c2, s2)) for c1 in sorted(COLOURS) for s1 in SHAPES for c2 in sorted(COLOURS)
+                  for s2 in SHAPES if c1 != c2 and s1 != s2 and frozenset(((c1, s1), (c2, s2))) not in pairs)
+    (c1, s1), (c2, s2) = absent
+    body = calibrated.post("/search/images", json={"sentence": f"a {c1} {s1} beside a {c2} {s2}", "k": 5,
+                                                   "min_relevance": DEFAULT_CUTOFF}).json()
+    assert body["results"] == [] and body["reason"].startswith("no good match"), body
+    own = dev.captions[0][0]
+    found = calibrated.post("/search/images", json={"sentence": own, "k": 5, "min_relevance": DEFAULT_CUTOFF}).json()
+    assert found["results"], found

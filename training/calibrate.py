@@ -3,10 +3,16 @@ the data and its maths), timing it, and the command line that calibrates a train
 
 The reference sets are drawn from the training split (`fit_calibration`), embedded by the
 uncalibrated model and stored in the checkpoint; `per_item_ms` measures what the scale costs a query.
-The relevance scale (`fit_relevance`) is a logistic curve of the calibrated S_kl fitted on the
-validation part of the training data (the images --selection val held out, never dev): training
-fits it at every evaluated epoch, this command refits it for a checkpoint (`--relevance-only` keeps
-the reference sets, e.g. to add the scale to a checkpoint made before it existed).
+The relevance scale (`fit_relevance`, its form in model/calibration.py) is the probability that a person
+would call a result a match, fitted on the validation part of the training data (the images --selection
+val held out, never dev). A pair is a match when the sentence was written for the image, or when one of
+the image's captions says what the sentence says as closely as the sentence's own image's other captions
+typically do (`described_alike`: MiniLM sentence vectors, the median of each sentence's best cosine to its
+own image's other captions as the bar). The curve is fitted on what searches show: the top `FIT_TOP_K` of
+every query, both ways (images for a sentence, sentences for an image), in collections of several sizes
+drawn from the validation part, so the best of many is not taken for a random pair. Training fits it at
+every evaluated epoch; this command refits it for a checkpoint or a model in the runtime's form
+(`--relevance-only` keeps the reference sets, e.g. to add the scale to a checkpoint made before it existed).
 
     python -m training.calibrate --model artifacts/models/full/model.pt --refs 1000
     python -m training.calibrate --model artifacts/models/full-val/model.pt --relevance-only \
@@ -26,7 +32,8 @@ import numpy as np
 from model.bundle import Bundle
 from model.calibration import Calibration, Relevance
 from model.config import default_artifacts_dir, default_data_dir
-from model.dataset import SplitData, hold_out, load_split_data
+from model.data import load_split
+from model.dataset import SplitData, held_out_split, hold_out, load_split_data
 from model.nets.checkpoint import Checkpoint
 from model.onnx import default_threads
 from model.parsers import make_parser
@@ -63,7 +70,11 @@ def fit_calibration(bundle: Checkpoint, data: SplitData, refs: int, seed: int = 
     return cal
 
 
-RIDGE = 1e-3  # L2 penalty of the logistic fit (keeps it finite when the two kinds of pairs separate)
+RIDGE = 1e-3  # L2 penalty of the relevance fit (keeps it finite when the kinds of pairs separate)
+FIT_TOP_K = 10  # results of each query the relevance is fitted on (what a search shows)
+FIT_SIZES = (0.2, 0.5, 1.0)  # collection sizes the fit draws, as shares of the validation part's images
+FIT_DRAWS = 3  # collections drawn at each size below the whole part
+ALIKE_QUANTILE = 0.5  # the bar of `described_alike`: this quantile of the own image's other captions' best cosine
 
 
 def true_and_random_pairs(scores: np.ndarray, pair_image: np.ndarray, seed: int = 0
@@ -77,25 +88,124 @@ def true_and_random_pairs(scores: np.ndarray, pair_image: np.ndarray, seed: int 
     return scores[pair_image, cols], scores[other, cols]
 
 
-def fit_relevance(scores: np.ndarray, pair_image: np.ndarray, seed: int = 0, steps: int = 50) -> Relevance:
-    """The logistic curve P(true pair | S) fitted by Newton's method on the true pairs and as many
-    random ones of a score matrix (the validation part's): equal numbers, so 0.5 is even odds."""
-    true, rand = true_and_random_pairs(scores, pair_image, seed)
-    x = np.concatenate([true, rand]).astype(np.float64)
-    y = np.concatenate([np.ones(len(true)), np.zeros(len(rand))])
-    design = np.stack([x, np.ones_like(x)], axis=1)
-    w = np.zeros(2)
+def described_alike(vectors: np.ndarray, pair_image: np.ndarray, quantile: float = ALIKE_QUANTILE,
+                    seed: int = 0) -> np.ndarray:
+    """Which pairs are a match (N_images, L) bool: sentence l's own image, and every image one of whose
+    captions is as close to l (cosine of unit `vectors` (L, d)) as the bar: the `quantile` of each
+    sentence's best cosine to its own image's other captions. An image's captions are compared one
+    short (one left out at random) so that it has as many as a sentence's own image has others."""
+    vectors = np.asarray(vectors, dtype=np.float32)
+    pair_image = np.asarray(pair_image)
+    n, n_sent = int(pair_image.max()) + 1, len(pair_image)
+    rng = np.random.default_rng(seed)
+    cos = vectors @ vectors.T
+    np.fill_diagonal(cos, -np.inf)  # a sentence is not its own paraphrase
+    captions = [np.flatnonzero(pair_image == k) for k in range(n)]
+    own_best = np.array([cos[i, captions[pair_image[i]]].max() for i in range(n_sent)])
+    finite = own_best[np.isfinite(own_best)]  # images with one caption have no others
+    bar = float(np.quantile(finite, quantile)) if len(finite) else np.inf
+    best = np.full((n, n_sent), -np.inf, dtype=np.float32)
+    for k, caps in enumerate(captions):
+        kept = caps if len(caps) < 2 else np.delete(caps, rng.integers(len(caps)))
+        if len(kept):
+            best[k] = cos[:, kept].max(axis=1)
+    out = best >= bar
+    out[pair_image, np.arange(n_sent)] = True
+    return out
+
+
+def _shown_pairs(scores: np.ndarray, matches: np.ndarray, own: np.ndarray, k: int, per_image: float
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The top-k pairs of every query both ways: (score, match, own, items), items the collection size
+    the query ranks (images; for sentences, the images they describe)."""
+    n, n_sent = scores.shape
+    top = np.argsort(-scores, axis=0, kind="stable")[: min(k, n)]  # images for each sentence
+    cols = np.broadcast_to(np.arange(n_sent), top.shape)
+    side = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n_sent)]  # sentences for each image
+    rows = np.broadcast_to(np.arange(n)[:, None], side.shape)
+    r, c = np.concatenate([top.ravel(), rows.ravel()]), np.concatenate([cols.ravel(), side.ravel()])
+    items = np.concatenate([np.full(top.size, n, np.float64), np.full(side.size, max(2.0, n_sent / per_image))])
+    return scores[r, c].astype(np.float64), matches[r, c], own[r, c], items
+
+
+def _mixture(w: np.ndarray, s: np.ndarray, log_items: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Log-odds of a match and the shares of its two parts (the own item, the described-alike ones)."""
+    own = w[0] * s + w[1] - log_items
+    alike = w[2] * s + w[3]
+    z = np.logaddexp(own, alike)
+    return z, np.exp(own - z), np.exp(alike - z)
+
+
+def _nll(w: np.ndarray, s: np.ndarray, y: np.ndarray, log_items: np.ndarray) -> float:
+    z = _mixture(w, s, log_items)[0]
+    return float(np.sum(np.logaddexp(0.0, z) - y * z) + RIDGE * w @ w / 2)
+
+
+def fit_relevance(scores: np.ndarray, pair_image: np.ndarray, matches: np.ndarray | None = None,
+                  seed: int = 0, steps: int = 200) -> Relevance:
+    """The relevance scale (model.calibration.Relevance) fitted on a score matrix (N_images, L) of the
+    validation part: `matches` (N_images, L) says which pairs are a match (`described_alike`; default: the
+    true pairs only). Fitted by maximum likelihood (Gauss-Newton with step halving) on the `FIT_TOP_K`
+    results of every query both ways, in collections of `FIT_SIZES` of the images. ValueError when the
+    score does not rise with the odds of a match."""
+    scores = np.asarray(scores, dtype=np.float64)
+    pair_image = np.asarray(pair_image)
+    n, n_sent = scores.shape
+    own = np.zeros((n, n_sent), bool)
+    own[pair_image, np.arange(n_sent)] = True
+    matches = own if matches is None else np.asarray(matches, bool) | own
+    per_image = n_sent / n
+    rng = np.random.default_rng(seed)
+    parts = []
+    for share in FIT_SIZES:
+        size = max(2, round(share * n))
+        for _ in range(1 if size >= n else FIT_DRAWS):
+            images = np.arange(n) if size >= n else np.sort(rng.choice(n, size, replace=False))
+            sents = np.flatnonzero(np.isin(pair_image, images))
+            if len(sents) < 2:
+                continue
+            sub = np.ix_(images, sents)
+            parts.append(_shown_pairs(scores[sub], matches[sub], own[sub], FIT_TOP_K, per_image))
+    s, y, is_own, items = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    y = y.astype(np.float64)
+    log_items = np.log(items - 1)
+    alike = bool(((y == 1) & ~is_own).any())  # without another match: the own part alone, the other nil
+    w = _gauss_newton(np.array([0.0, 0.0, 0.0, 0.0 if alike else -60.0]), s, y, log_items, steps, not alike)
+    if w[0] <= 0 or w[2] < 0:
+        raise ValueError("the score does not rise with the odds of a match: no relevance scale")
+    return Relevance(float(w[2]), float(w[3]), float(w[0]), float(w[1]))
+
+
+def _gauss_newton(w: np.ndarray, s: np.ndarray, y: np.ndarray, log_items: np.ndarray, steps: int,
+                  fixed_alike: bool) -> np.ndarray:
+    free = np.array([True, True, not fixed_alike, not fixed_alike])
+    f = _nll(w, s, y, log_items)
     for _ in range(steps):
-        p = 1.0 / (1.0 + np.exp(-np.clip(design @ w, -60, 60)))
-        grad = design.T @ (p - y) + RIDGE * w
-        hess = (design * (p * (1 - p))[:, None]).T @ design + RIDGE * np.eye(2)
-        step = np.linalg.solve(hess, grad)
-        w -= step
-        if np.abs(step).max() < 1e-10:
+        z, a, b = _mixture(w, s, log_items)
+        p = 1.0 / (1.0 + np.exp(-np.clip(z, -60, 60)))
+        jac = np.stack([a * s, a, b * s, b], axis=1)[:, free]
+        grad = jac.T @ (p - y) + RIDGE * w[free]
+        hess = (jac * (p * (1 - p))[:, None]).T @ jac + RIDGE * np.eye(int(free.sum()))
+        step = np.zeros_like(w)
+        step[free] = np.linalg.solve(hess, grad)
+        t = 1.0
+        while t > 1e-6 and _nll(w - t * step, s, y, log_items) > f:
+            t /= 2
+        if t <= 1e-6:
             break
-    if w[0] <= 0:
-        raise ValueError("the score does not separate true pairs from random ones: no relevance scale")
-    return Relevance(float(w[0]), float(w[1]))
+        w = w - t * step
+        f_new = _nll(w, s, y, log_items)
+        if f - f_new < 1e-10 * max(1.0, abs(f)):
+            break
+        f = f_new
+    return w
+
+
+def matches_of(data: SplitData) -> np.ndarray:
+    """`described_alike` of a split's sentences (their MiniLM sentence vectors)."""
+    from model.words import encode_sentences
+
+    return described_alike(encode_sentences(data.sentences), data.pair_image)
 
 
 def validation_part(bundle: Checkpoint, data: SplitData) -> SplitData:
@@ -142,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.relevance_only:
+        refit_relevance(args.model, args.out or args.model, args.data, args.cache, args.workers, args.device)
+        return
     bundle = Checkpoint.load(args.model, device=args.device)
     device = str(bundle.device)
     if bundle.cfg.kind != "fragment":
@@ -152,15 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     if dev is not None:
         bundle.text.warm(dev.parsed, dev.sentences, args.cache / "vectors")
     train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers,
-                            device=device) if args.refs > 0 or args.relevance_only else None
+                            device=device) if args.refs > 0 else None
     out = args.out or args.model
-    if args.relevance_only:
-        if bundle.calibration is None or train is None:
-            raise SystemExit(f"{args.model} is not calibrated: calibrate it first (without --relevance-only)")
-        fit_relevance_on_validation(bundle, train, args.cache)
-        bundle.save(out)
-        logger.info("wrote %s", out)
-        return
     bundle.calibration = None
     before = evaluate(bundle, dev) if dev is not None else None
     if args.refs > 0 and train is not None:
@@ -193,17 +299,39 @@ def fit_relevance_on_validation(bundle: Checkpoint, train: SplitData, cache: Pat
     val = validation_part(bundle, train)
     bundle.text.warm(val.parsed, val.sentences, cache / "vectors")
     _, scores = evaluate_scores(bundle, val)
-    store_relevance(bundle, fit_relevance(scores, val.pair_image), len(val.names))
+    store_relevance(bundle, fit_relevance(scores, val.pair_image, matches_of(val)), len(val.names))
 
 
-def store_relevance(bundle: Checkpoint, rel: Relevance, images: int) -> None:
+def refit_relevance(model: Path, out: Path, data: Path, cache: Path, workers: int = 1, device: str = "auto") -> None:
+    """Refit the relevance scale of a calibrated checkpoint (.pt) or a model in the runtime's form (its folder
+    or model.json; written as a folder) on its validation part alone (only those images' features are read)."""
+    runtime = Path(model).suffix != ".pt"
+    bundle: Bundle | Checkpoint = (Bundle.load(model, device=device) if runtime
+                                   else Checkpoint.load(model, device=device))
+    if bundle.calibration is None:
+        raise SystemExit(f"{model} is not calibrated: calibrate it first (without --relevance-only)")
+    train = bundle.meta.get("train", {})
+    if train.get("selection") != "val":
+        raise SystemExit(f"{model} was not trained with --selection val: it has no validation part to fit the "
+                         "relevance scale on (retrain with --selection val)")
+    part = held_out_split(load_split(data, "train"), int(train["val_images"]), int(train["val_seed"]))
+    val = load_split_data(data, part, bundle.image_cfg, cache, make_parser(bundle.text.cfg.parser), workers,
+                          device=str(bundle.device))
+    bundle.text.warm(val.parsed, val.sentences, cache / "vectors")
+    _, scores = evaluate_scores(bundle, val)
+    store_relevance(bundle, fit_relevance(scores, val.pair_image, matches_of(val)), len(val.names))
+    written = bundle.save(Path(out).parent if runtime and Path(out).suffix == ".json" else out)
+    logger.info("wrote %s", written or out)
+
+
+def store_relevance(bundle: Checkpoint | Bundle, rel: Relevance, images: int) -> None:
     """Put the relevance scale beside the calibration's reference sets (and its numbers in the meta)."""
     assert bundle.calibration is not None
     bundle.calibration.relevance = rel
     bundle.meta["calibration"] = {**bundle.meta.get("calibration", {}), "relevance": {
         **rel.to_state(), "images": images, "split": "validation part"}}
-    logger.info("relevance scale on %d validation images: slope %.4f, intercept %.4f (S at 0.5: %.4f)",
-                images, rel.slope, rel.intercept, rel.score_at(0.5))
+    logger.info("relevance scale on %d validation images: %s (S at 0.5 among 1,000 images: %.4f)",
+                images, json.dumps(rel.to_state()), rel.for_items(1000).score_at(0.5))
 
 
 if __name__ == "__main__":

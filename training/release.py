@@ -119,8 +119,10 @@ def released_before(model: Path) -> dict[str, Any] | None:
         return None
 
 
-def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], command: str) -> dict[str, Any]:
-    """Everything but `files` (added once the folder is written)."""
+def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], command: str,
+                before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything but `files` (added once the folder is written); `before`: the manifest of the release this
+    one replaces (default: the one `model` is a file of), whose training provenance it keeps."""
     history = model.parent / "history.json"
     trained = json.loads(history.read_text()) if history.is_file() else {}
     selection = dict(bundle.meta.get("selection", {}))
@@ -138,7 +140,7 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
                                "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                                "training_command": trained.get("command"),
                                "member_epochs": trained.get("member_epochs"), **teacher_of(model)}
-    before = released_before(model)
+    before = before if before is not None else released_before(model)
     name, row = str(bundle.meta.get("variant") or model.parent.name), model.parent.name
     training = {**split_digests(data, "train"),
                 "validation_part": {k: selection[k] for k in ("rule", "images", "seed") if k in selection}}
@@ -206,8 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
     ap.add_argument("--dev-split", default="dev", help="the split the release's dev metrics are measured on")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
+    ap.add_argument("--provenance", type=Path, default=None,
+                    help="the manifest.json of the release this model was made from (e.g. its relevance scale "
+                         "refitted by training.calibrate --relevance-only): its training provenance is kept")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    before = json.loads(args.provenance.read_text()) if args.provenance else None
     bundle = Bundle.load(args.model, device="cpu")
     if bundle.relevance is None or not bundle.meta.get("selection", {}).get("val"):
         ap.error(f"{args.model} has no relevance scale or no validation metrics: a release is trained with "
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("dev R-sum %.2f (annotation R@1 %.1f, search R@1 %.1f)", dev["rsum"], dev["annot_r1"],
                 dev["search_r1"])
     command = "python -m training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
-    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command))
+    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command, before))
     Bundle.load(args.out)  # the release loads, checked against its manifest
     logger.info("released %s into %s: %s", manifest["name"], args.out,
                 ", ".join(f"{n} {f['bytes'] / 1e6:.1f} MB" for n, f in manifest["files"].items()))

@@ -61,7 +61,7 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
-from training.calibrate import fit_calibration, fit_relevance, store_relevance
+from training.calibrate import fit_calibration, fit_relevance, matches_of, store_relevance
 from training.distill import Teacher, teacher_paths
 from training.epochs import (
     FragmentBatches,
@@ -195,6 +195,7 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         {"rule": "last", "epochs": cfg.epochs} if val_data is None else
         {"rule": "val", "epochs": cfg.epochs, "images": len(val_data.names), "seed": cfg.val_seed})
     out.mkdir(parents=True, exist_ok=True)
+    val_matches = None  # the validation part's matching pairs (training.calibrate.described_alike), made once
     for epoch in range(cfg.epochs):
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, epoch)
@@ -209,8 +210,10 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         if evaluated and val_data is not None:
             m, val_scores = evaluate_scores(bundle, val_data)
             if bundle.calibration is not None:  # the relevance scale of this epoch's calibrated score
+                val_matches = matches_of(val_data) if val_matches is None else val_matches
                 try:
-                    store_relevance(bundle, fit_relevance(val_scores, val_data.pair_image), len(val_data.names))
+                    store_relevance(bundle, fit_relevance(val_scores, val_data.pair_image, val_matches),
+                                    len(val_data.names))
                 except ValueError as e:  # a score that does not separate yet: this epoch has no scale
                     logger.warning("epoch %d: %s", epoch + 1, e)
             row.update({f"val_{k}": m[k] for k in VAL_METRICS})

@@ -109,7 +109,7 @@ def phrase_of(relation: str, words: tuple[str, str]) -> str:
 def image_result(hit: ImageHit, relevance: Relevance | None = None) -> ImageResult:
     pl = hit.place or Place()
     taken = None if pl.taken is None else datetime.fromtimestamp(pl.taken, UTC).replace(tzinfo=None).isoformat()
-    return ImageResult(id=hit.image_id, name=hit.name, url=image_url(hit.image_id),
+    return ImageResult(id=hit.image_id, name=hit.name, path=hit.file, url=image_url(hit.image_id),
                        thumbnail=thumbnail_url(hit.image_id), width=hit.width,
                        height=hit.height, score=float(hit.score), relevance=relevance_of(hit.score, relevance),
                        taken=taken, lat=pl.lat, lon=pl.lon, alignment=[match_out(m) for m in hit.alignment])
@@ -128,18 +128,21 @@ def sentence_result(hit: SentenceHit, relevance: Relevance | None = None) -> Sen
 
 
 def region_result(hit: RegionHit) -> RegionResult:
-    return RegionResult(image_id=hit.image_id, name=hit.name, url=image_url(hit.image_id), box=_box(hit.box),
+    return RegionResult(image_id=hit.image_id, name=hit.name, path=hit.file, url=image_url(hit.image_id),
+                        thumbnail=thumbnail_url(hit.image_id), width=hit.width, height=hit.height, box=_box(hit.box),
                         fragment=int(hit.fragment), score=float(hit.score), label=hit.label)
 
 
 def image_out(rec: ImageRecord) -> ImageOut:
-    return ImageOut(id=rec.image_id, name=rec.name, url=image_url(rec.image_id), width=rec.width, height=rec.height)
+    return ImageOut(id=rec.image_id, name=rec.name, path=rec.file, url=image_url(rec.image_id), width=rec.width,
+                    height=rec.height)
 
 
-def explain_out(e: Explanation, sentence: str, took_ms: float) -> ExplainResponse:
+def explain_out(e: Explanation, sentence: str, took_ms: float, relevance: Relevance | None = None) -> ExplainResponse:
     return ExplainResponse(
         image_id=e.image_id, name=e.name, url=image_url(e.image_id), thumbnail=thumbnail_url(e.image_id),
-        width=e.width, height=e.height, sentence=sentence, score=e.score, rank=e.rank, images=e.images,
+        width=e.width, height=e.height, sentence=sentence, score=e.score,
+        relevance=relevance_of(e.score, relevance), rank=e.rank, images=e.images,
         scope=e.scope, recalled=e.recalled,
         image_fragments=e.image_fragments, sentence_fragments=e.sentence_fragments,
         alignment=[match_out(m) for m in e.alignment],

@@ -53,7 +53,7 @@ async def search_images(body: SearchImagesRequest, engine: EngineDep, s: Setting
     t0 = time.perf_counter()
     k, offset = bounds.page(body.k, body.offset)
     sentence = bounds.text(body.sentence, "sentence")
-    rel = engine.bundle.relevance
+    rel = engine.relevance("images")
     min_relevance = check_min_relevance(body.min_relevance, rel)
     where = place_filter(body)
     if body.sort == "taken":  # every result above the cut-off (to the deepest rank), then by date
@@ -101,7 +101,7 @@ async def explain(body: ExplainRequest, engine: EngineDep, gates: GatesDep, boun
     found = await gates.search.run(engine.explain, body.image_id, sentence)
     if found is None:
         raise ApiError(404, "not_found", f"no image with id {body.image_id}")
-    return explain_out(found, sentence, _ms(t0))
+    return explain_out(found, sentence, _ms(t0), engine.relevance("images"))
 
 
 @router.post("/search/similar", response_model=SimilarResponse,
@@ -132,8 +132,9 @@ async def search_similar(
         data = await read_upload(file)
         decoded, result = await gates.heavy.run(engine.similar_to_upload, data, k, offset)
         width, height = decoded.width, decoded.height
+    rel = engine.relevance("sentences")
     return SimilarResponse(image_id=image_id, width=width, height=height,
-                           described_by=[sentence_result(h, engine.bundle.relevance) for h in result.described_by],
+                           described_by=[sentence_result(h, rel) for h in result.described_by],
                            results=[image_result(h) for h in result.hits],
                            **paging(offset, k, len(result.hits), result.considered, s), took_ms=_ms(t0))
 
@@ -150,7 +151,7 @@ async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG,
     to the upload's regions (boxes in the upload's pixels)."""
     t0 = time.perf_counter()
     k, offset = bounds.page(k, offset)
-    rel = engine.bundle.relevance
+    rel = engine.relevance("sentences")
     min_relevance = check_min_relevance(min_relevance, rel)
     data = await read_upload(file)
     decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)

@@ -171,6 +171,10 @@ async function filters() {
   const ready = await info();
   const cut = Number($("min-relevance").value);
   if (ready.relevance && cut > 0) out.min_relevance = cut;
+  if ($("sort").value === "taken" && $("mode").value === "images" && ready.relevance) {
+    out.sort = "taken";  // the API orders by date the results that reach a cut-off: 0 when none is set
+    if (out.min_relevance === undefined) out.min_relevance = 0;
+  }
   if ($("taken-after").value) out.taken_after = $("taken-after").value;
   if ($("taken-before").value) out.taken_before = $("taken-before").value;
   const [lat, lon, km] = ["near-lat", "near-lon", "near-km"].map((id) => $(id).value);
@@ -229,6 +233,23 @@ function moreButton(nextOffset, load) {
   $("results").after(button);
 }
 
+// The file of a result: its path as the index holds it (relative to the collection folder), a button
+// that copies it and a link that opens the original.
+function fileLine(hit, url) {
+  const path = hit.path || hit.name;
+  const copy = el("button", { type: "button", class: "copy", title: "copy the path" }, "copy path");
+  copy.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(path);
+      copy.textContent = "copied";
+    } catch (err) {
+      copy.textContent = "select the path to copy it";  // the clipboard needs a secure context
+    }
+  });
+  return el("div", { class: "file" }, el("code", { class: "path", title: path }, path), copy,
+    el("a", { class: "open", href: url, target: "_blank", rel: "noopener" }, "open original"));
+}
+
 // Result cards: the thumbnail with its alignment, and the "why?" (POST /explain, when there is a
 // sentence) and "more like this" (POST /search/similar) buttons.
 function showImages(hits, sentence, offset = 0) {
@@ -244,7 +265,7 @@ function showImages(hits, sentence, offset = 0) {
     const caption = el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · `,
       sentence ? `S = ${hit.score.toFixed(4)}` : `cosine ${hit.score.toFixed(3)}`,
       hit.taken ? ` · ${hit.taken.slice(0, 10)}` : "");
-    const card = el("figure", { class: "card", "data-id": hit.id }, frame, caption,
+    const card = el("figure", { class: "card", "data-id": hit.id }, frame, caption, fileLine(hit, hit.url),
       ...(hit.relevance !== null && hit.relevance !== undefined ? [relevanceBar(hit.relevance)] : []),
       legend(hit.alignment, { top, folded }), el("div", { class: "actions" }, why, like));
     if (folded.length) {
@@ -330,15 +351,13 @@ async function searchRegions(phrase, k, offset = 0) {
   moreButton(data.next_offset, (next) => searchRegions(phrase, k, next));
   data.results.forEach((hit, i) => {
     const rank = offset + i;
-    const img = el("img", { class: "result-img", src: hit.url, alt: hit.name, loading: "lazy" });
-    const overlay = el("div", { class: "overlay" });
-    const frame = el("div", { class: "frame" }, img, overlay);
+    // the thumbnail, the box drawn in the original's pixels (width, height)
+    const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);
     const label = [{ text: `${data.query} ${hit.score.toFixed(2)}`, colour: PALETTE[0] }];
-    const draw = () => overlay.replaceChildren(
-      boxDiv(hit.box, img.naturalWidth, img.naturalHeight, label, hit.fragment === 0, hit.label || null));
-    if (img.complete && img.naturalWidth) draw(); else img.addEventListener("load", draw);
+    overlay.replaceChildren(boxDiv(hit.box, hit.width, hit.height, label, hit.fragment === 0, hit.label || null));
     results.append(el("figure", { class: "card", "data-id": hit.image_id }, frame,
-      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · region ${hit.fragment}${hit.label ? ` (${hit.label})` : ""}`)));
+      el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · region ${hit.fragment}${hit.label ? ` (${hit.label})` : ""}`),
+      fileLine(hit, hit.url)));
   });
   const shown = offset + data.results.length;
   return `${shown} regions for “${data.query}” (of ${data.considered} matching) in ${data.took_ms.toFixed(0)} ms`;
@@ -404,6 +423,7 @@ const FILTER_PARAMS = [["min_relevance", "min-relevance"], ["taken_after", "take
 $("search-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const params = new URLSearchParams({ q: $("q").value, mode: $("mode").value, k: $("k").value });
+  if ($("sort").value !== "score") params.set("sort", $("sort").value);
   for (const [param, id] of FILTER_PARAMS) if ($(id).value) params.set(param, $(id).value);
   const near = ["near-lat", "near-lon", "near-km"].map((id) => $(id).value);
   if (near.some((v) => v !== "")) params.set("near", near.join(","));
@@ -422,6 +442,7 @@ $("annotate-form").addEventListener("submit", (e) => {
   const params = new URLSearchParams(location.search);
   if (params.get("mode") === "regions") $("mode").value = "regions";
   if (params.get("k")) $("k").value = params.get("k");
+  if (params.get("sort") === "taken") $("sort").value = "taken";
   const ready = await info();
   const cut = $("min-relevance");
   cut.disabled = !ready.relevance;
