@@ -11,8 +11,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import psutil
-
 from model.bundle import Bundle
 from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
@@ -21,10 +19,10 @@ from model.resources import cpu_info
 
 
 def machine() -> str:
-    """CPU model (from /proc/cpuinfo: psutil does not name it) and logical core count."""
+    """CPU model (from /proc/cpuinfo) and logical core count."""
     name = cpu_info().model
     model = "unknown CPU" if name == "unknown" else name
-    return f"{model} x {psutil.cpu_count(logical=True) or os.cpu_count()} cores"
+    return f"{model} x {os.cpu_count()} cores"
 
 
 def parse_run(ap: argparse.ArgumentParser, argv: list[str] | None, module: str) -> tuple[argparse.Namespace, str]:

@@ -9,7 +9,7 @@
 # Needs a container engine with the Docker API (Docker, or `podman system service`, which this
 # script starts when DOCKER_HOST is unset and podman is there) and a Compose v2 client
 # (`docker compose`, or the `docker-compose` of the project's venv). First it tries the default build
-# (the Dockerfile's own arguments: VARIANT=gpu, torch +cu126 from PyTorch's index) and records the
+# (the Dockerfile's own arguments: VARIANT=gpu, onnxruntime-gpu and faiss-gpu-cuvs with CUDA 13) and records the
 # step where it stopped, if it did; then it builds the CPU image it runs. Settings (environment):
 #   SMOKE_LIMIT=100          FRAGSEARCH_LIMIT of the run: images of each split prepared
 #   SMOKE_PORT=18000         where the service listens (loopback)
@@ -17,8 +17,7 @@
 #   SMOKE_BUILD_MOUNTS=""    what the builds need from this machine, not build arguments, e.g. where
 #                            only a registry mirror is reachable: "-v /etc/pip.conf:/etc/pip.conf:ro
 #                            -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro ..."
-#   SMOKE_BUILD_ARGS=""      extra arguments of the CPU build, e.g. "--build-arg TORCH_INDEX_URL="
-#                            (torch from the pip configuration's indexes when PyTorch's is unreachable)
+#   SMOKE_BUILD_ARGS=""      extra arguments of the CPU build, e.g. "--build-arg EXTRAS=milvus"
 #   SMOKE_TRY_DEFAULT=1      0: skip the default-build attempt
 #   SMOKE_BUILDER=podman     podman (uses --format docker, --pull=never) or docker
 #   SMOKE_TIMEOUT=3600       seconds to wait for readiness

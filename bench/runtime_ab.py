@@ -10,7 +10,8 @@ released model and its image index and then times `bench.query_bench.run` (the s
 query goes through: parse, word vectors, encoders, calibration scale, retrieval, response) for each query it
 is sent. The queries go to the two workers in turn, so a busy machine slows both alike; the rows give each
 side's median and p90 per stage and the ratio before / after, with the CPU's model and SIMD flags. Both
-sides must rank alike: the top k ids of every query are compared and the share that agree is written too.
+sides must rank alike: the top k images of every query (by file name: two indexes may number them apart)
+are compared and the share that agree is written too.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ print(json.dumps({"ready": True, "model": str(RELEASED_MODEL), "images": len(ind
 for line in sys.stdin:
     text = json.loads(line)
     times = run(bundle, index, [text], k)
-    top = [h.image_id for h in index.search(text, k).hits]
+    top = [h.name for h in index.search(text, k).hits]
     print(json.dumps({"ms": {s: v[0] for s, v in times.items()}, "top": top}), flush=True)
 """
 

@@ -130,6 +130,7 @@ class FragmentIndex(Generic[P]):
         if shared is not None:
             for i in index.items.live().tolist():
                 shared.add(i, index.stored.rows(i))
+            index.store.release_all()  # the pass read every stored row: none of them stays resident
             if candidates.NAME == "faiss" and candidates.supports_remove and candidates.ntotal != len(shared):
                 raise IndexLoadError(f"index at {opened.root}: FAISS file holds {candidates.ntotal} fragments, "
                                      f"the store {len(shared)} distinct ones")

@@ -372,6 +372,9 @@ class VectorStore:
         count = len(seg)
         f_max = int(n.max()) if count else 1
         mask = np.arange(f_max)[None, :] < n[:, None]
+        view = self._run_view(seg, off, n, f_max)
+        if view is not None:
+            return view, mask
         out = np.zeros((count, f_max, self.dim), dtype=np.float32)
         raw = self.gather_rows(seg, off, n)
         if mask.all():  # every item has f_max rows: the output is the rows one after another
@@ -379,6 +382,23 @@ class VectorStore:
         else:
             out[mask] = self.decode(raw)
         return out, mask
+
+    def _run_view(self, seg: np.ndarray, off: np.ndarray, n: np.ndarray, f_max: int) -> np.ndarray | None:
+        """The items as a read-only view (C, F, dim) of a saved float32 segment, without a copy, where they are
+        one run of it: the same segment, each right after the one before, all with F rows (an exact scan of
+        a collection in file order). None otherwise."""
+        if self.dtype != np.float32 or not len(seg) or int(seg[0]) >= len(self.segments):
+            return None
+        seg, off, n = np.asarray(seg), np.asarray(off, dtype=np.int64), np.asarray(n, dtype=np.int64)
+        if not (np.all(seg == seg[0]) and np.all(n == f_max) and np.all(np.diff(off) == f_max)):
+            return None
+        segment = self.segments[int(seg[0])]
+        first = int(off[0])
+        if first < 0 or first + len(n) * f_max > len(segment):
+            raise IndexError(f"rows beyond the {len(segment)} of segment {int(seg[0])}")
+        view = np.asarray(segment[first : first + len(n) * f_max]).reshape(len(n), f_max, self.dim)
+        view.flags.writeable = False
+        return view
 
     def dots(self, raw: np.ndarray, queries: np.ndarray) -> np.ndarray:
         """Inner products (N, t) float32 of stored rows `raw` (N, cols), decoded, with queries (t, dim) float32;

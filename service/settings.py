@@ -124,8 +124,9 @@ class Settings(BaseSettings):
 
     # where the parts are: each path has one name, derived from the settings above when left unset
     model_path: Path = Field(default_factory=lambda v: served_model_path(v["artifacts"], v["variant"]),
-                             description="the checkpoint served; default: the released model "
-                             "(model/released/model.pt, checked against its manifest), or "
+                             description="the model served (a runtime-form folder or its model.json; a trainer's "
+                             "model.pt where torch is installed); default: the released model "
+                             "(model/released/model.json, checked against its manifest), or "
                              "<artifacts>/models/<variant>/model.pt when a variant is named")
     image_index: Path = Field(
         default_factory=lambda v: (collection_index(v["artifacts"], v["collection"]) if v["collection"] is not None

@@ -277,6 +277,33 @@ def test_gather_rows_returns_each_items_rows_in_the_given_order_across_segments_
         store.gather_rows(np.zeros(1, np.int64), np.asarray([10_000]), np.asarray([2]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_run_of_equal_items_is_gathered_as_a_view_of_the_mapped_segment(tmp_path: Path, dtype: str):
+    """Items one after another in a saved float32 segment, each with the same number of rows (an exact
+    scan in file order), come back as a read-only view of the mapping, equal to the copy `gather` makes
+    otherwise; items out of order, of other sizes or of another precision are copied as before."""
+    rng = np.random.default_rng(6)
+    dim, per = 8, 4
+    store = VectorStore(dim, dtype)
+    locs = [store.append(rng.standard_normal((per, dim)).astype(np.float32)) for _ in range(10)]
+    locs.append(store.append(rng.standard_normal((per - 1, dim)).astype(np.float32)))
+    rows = store.write_live(tmp_path / "seg0.npy")
+    store.commit(["seg0.npy"], [VectorStore.open_segment(tmp_path / "seg0.npy", dim, store.dtype, rows)])
+    expected = [store.rows(seg, off, per if i < 10 else per - 1).astype(np.float32)
+                for i, (seg, off) in enumerate(locs)]
+    seg = np.asarray([s for s, _ in locs], np.int64)
+    off = np.asarray([o for _, o in locs], np.int64)
+    n = np.asarray([per] * 10 + [per - 1], np.int64)
+    vecs, mask = store.gather(seg[2:7], off[2:7], n[2:7])
+    np.testing.assert_array_equal(vecs.reshape(-1, dim), np.concatenate(expected[2:7]))
+    viewed = dtype == "float32"
+    assert mask.all() and np.shares_memory(vecs, store.segments[0]) == viewed and vecs.flags.writeable != viewed
+    for pick in ([4, 2, 3], [8, 9, 10], [1, 3]):  # out of order, an item of other size, a gap
+        v, m = store.gather(seg[pick], off[pick], n[pick])
+        assert not np.shares_memory(v, store.segments[0])
+        np.testing.assert_array_equal(v[m], np.concatenate([expected[i] for i in pick]))
+
+
 def test_a_merge_writes_through_a_buffer_and_drops_the_rows_it_read_from_its_mapping(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """`VectorStore.write_items` (the saves' compaction) gives a file with the items' rows one after
