@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=200, help="queries: the first N dev captions")
     ap.add_argument("--k", type=int, default=10, help="results per query")
     ap.add_argument("--threads", type=int, default=1, help="threads of each side's model")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
     sentences, _ = load_split(args.data, "dev").sentences()

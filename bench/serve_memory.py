@@ -3,8 +3,8 @@ in this process, over indexes built already (a first start's, e.g. `bench.first_
 
     python -m bench.serve_memory --artifacts /tmp/kept-artifacts --out docs/results/serve-memory.json
 
-Run it in the runtime's environment (`./run serve` makes it; no torch there, as in the service: where torch
-is installed, spaCy's thinc imports it and adds about 500 MB). Steps: the imports, the released model, one
+The steps run in a child process that torch is kept out of, as the runtime environment has it (where torch is
+installed, spaCy's thinc imports it and adds about 500 MB). Steps: the imports, the released model, one
 sentence encoded, the image index, the sentence index, then one search and one annotation. Writes the rows
 with the machine and the command.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +27,32 @@ logger = logging.getLogger("bench.serve_memory")
 
 
 def resident_mb() -> float:
-    """This process's resident set in MB (VmRSS)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    """This process's resident set in MB."""
+    import psutil
+
+    return float(psutil.Process().memory_info().rss) / 2**20
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifacts", type=Path, default=default_artifacts_dir(),
-                    help="the folder holding index/images-dev and index/sentences-train")
-    ap.add_argument("--model", type=Path, default=None, help="the model (default: the served one)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder (the annotated image)")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/serve-memory.json"), help="the rows written")
-    args, command = parse_run(ap, argv, "bench.serve_memory")
-    steps: list[dict[str, Any]] = [{"step": "python", "rss_mb": round(resident_mb(), 1)}]
+# the child: `import torch` made to fail (a finder ahead of the others) before anything else is imported
+CHILD = """
+import json, sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is not in the runtime environment")
+sys.meta_path.insert(0, NoTorch())
+from bench.serve_memory import steps
+print(json.dumps(steps(*json.loads(sys.argv[1]))))
+"""
+
+
+def steps(artifacts: str, model: str | None, data: str) -> list[dict[str, Any]]:
+    """The resident set after each part a start loads (run by the child process)."""
+    rows: list[dict[str, Any]] = [{"step": "python", "rss_mb": round(resident_mb(), 1)}]
 
     def step(name: str) -> None:
-        steps.append({"step": name, "rss_mb": round(resident_mb(), 1)})
-        logger.info("%-40s %8.1f MB", name, steps[-1]["rss_mb"])
-
-    import importlib.util
+        rows.append({"step": name, "rss_mb": round(resident_mb(), 1)})
+        logger.info("%-40s %8.1f MB", name, rows[-1]["rss_mb"])
 
     import faiss  # noqa: F401
     import fastapi  # noqa: F401
@@ -59,21 +65,40 @@ def main(argv: list[str] | None = None) -> None:
     from model.bundle import Bundle
 
     step("imports")
-    bundle = Bundle.load(args.model or served_model_from_env(args.artifacts))
+    root = Path(artifacts)
+    bundle = Bundle.load(Path(model) if model else served_model_from_env(root))
     step("the released model")
     bundle.text.encode(["a dog runs on the grass"], strict=False)
     step("one sentence encoded")
-    images = ImageIndex.load(args.artifacts / "index" / "images-dev", bundle)
+    images = ImageIndex.load(root / "index" / "images-dev", bundle)
     step(f"the image index ({len(images)} images)")
-    sentences = SentenceIndex.load(args.artifacts / "index" / "sentences-train", bundle)
+    sentences = SentenceIndex.load(root / "index" / "sentences-train", bundle)
     step(f"the sentence index ({len(sentences)} sentences)")
     images.search("a black dog runs through the grass", k=10)
     step("one search")
-    first = (args.data / "dev.txt").read_text().split()[0]
-    sentences.annotate(Image.open(args.data / "images" / first).convert("RGB"), k=5)
+    first = (Path(data) / "dev.txt").read_text().split()[0]
+    sentences.annotate(Image.open(Path(data) / "images" / first).convert("RGB"), k=5)
     step("one annotation")
-    out = {"steps": steps, "torch_importable": importlib.util.find_spec("torch") is not None,
-           "machine": machine(), "command": command}
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifacts", type=Path, default=default_artifacts_dir(),
+                    help="the folder holding index/images-dev and index/sentences-train")
+    ap.add_argument("--model", type=Path, default=None, help="the model (default: the served one)")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder (the annotated image)")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/serve-memory.json"), help="the rows written")
+    args, command = parse_run(ap, argv, "bench.serve_memory")
+    params = [str(args.artifacts), str(args.model) if args.model else None, str(args.data)]
+    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(params)], capture_output=True, text=True,
+                           check=False, cwd=Path(__file__).resolve().parent.parent)
+    if child.returncode:
+        raise SystemExit(f"the measuring process failed:\n{child.stderr[-4000:]}")
+    rows = json.loads(child.stdout.strip().splitlines()[-1])
+    for row in rows:
+        logger.info("%-40s %8.1f MB", row["step"], row["rss_mb"])
+    out = {"steps": rows, "machine": machine(), "command": command}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     logger.info("wrote %s", args.out)

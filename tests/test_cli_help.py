@@ -15,7 +15,7 @@ COMMANDS = ["training.train", "training.extract", "model.flickr8k", "training.ca
             "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report", "bench.channels",
             "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate",
             "bench.relevance_bench", "bench.duplicates_bench", "index.duplicates", "training.release",
-            "bench.first_start", "bench.feature_paths"]
+            "bench.first_start", "bench.feature_paths", "bench.serve_memory", "bench.photo_decode", "bench.runtime_ab"]
 
 
 class Captured(Exception):
