@@ -208,7 +208,7 @@ function noMatch(reason) {
 
 function relevanceBar(relevance) {
   const value = Math.max(0, Math.min(1, relevance));
-  return el("div", { class: "relevance", title: "how likely this is a true match (0 to 1)" },
+  return el("div", { class: "relevance", title: "how likely a person would call this a match (0 to 1)" },
     el("div", { class: "track" }, el("div", { class: "fill", style: { width: `${(100 * value).toFixed(1)}%` } })),
     el("span", { class: "value" }, value.toFixed(2)));
 }
