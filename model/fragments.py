@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from spacy.lang.en.stop_words import STOP_WORDS
 
 from model.atomic import cached_file
 from model.config import TextConfig
-from model.parsers import make_parser
+from model.parsers import make_parser, stop_words
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
 from model.trees import SentenceTree
 from model.words import WordTable, encode_texts
+
+STOP_WORDS = stop_words()
 
 logger = logging.getLogger(__name__)
 

@@ -79,6 +79,19 @@ def test_the_served_modules_import_no_training_stack() -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_serving_loads_no_torch_where_it_is_installed() -> None:
+    """Where torch is installed (this environment), importing the served modules and parsing a sentence with
+    spaCy leave it unloaded: thinc's own try of torch is refused while spaCy is imported (model/parsers.py),
+    so a service run from the dev environment does not hold torch's 500 MB."""
+    pytest.importorskip("torch")
+    code = (f"import importlib, sys\nfor m in {SERVED_MODULES!r}: importlib.import_module(m)\n"
+            "from model.parsers import make_parser\nmake_parser('spacy').parse(['a dog runs on the grass'])\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = _python(code, {"HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_module_that_pulls_torch_in_is_caught() -> None:
     """The watch above names a project file that imports torch (the torch side, model/nets/)."""
     found = project_imports_of(TRAINING_STACK, ("model.nets.encoders",))
