@@ -42,7 +42,7 @@ from model.data import load_split
 from model.dataset import SplitData, load_split_data
 from model.parsers import make_parser
 from model.release import served_model_from_env
-from training.calibrate import matches_of
+from training.calibrate import matches_of, shown_pairs
 from training.evaluate import evaluate_scores, score_split
 
 logger = logging.getLogger("bench.relevance_bench")
@@ -69,18 +69,6 @@ def reliability(pred: np.ndarray, truth: np.ndarray, bins: int = BINS) -> list[d
 def calibration_error(table: list[dict[str, float]]) -> float:
     total = sum(r["pairs"] for r in table)
     return float(sum(r["pairs"] * abs(r["predicted"] - r["observed"]) for r in table if r["pairs"]) / max(1, total))
-
-
-def shown_pairs(scores: np.ndarray, matches: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """(score, match) of the `SHOWN` best results of each query: 'search' (images for each caption) and
-    'annotate' (captions for each image)."""
-    n, n_sent = scores.shape
-    top = np.argsort(-scores, axis=0, kind="stable")[:SHOWN]
-    cols = np.broadcast_to(np.arange(n_sent), top.shape)
-    side = np.argsort(-scores, axis=1, kind="stable")[:, :SHOWN]
-    rows = np.broadcast_to(np.arange(n)[:, None], side.shape)
-    return {"search": (scores[top, cols].ravel(), matches[top, cols].ravel()),
-            "annotate": (scores[rows, side].ravel(), matches[rows, side].ravel())}
 
 
 def absent_object_captions(train: Any, dev: SplitData, parser: Any, seed: int) -> tuple[list[str], list[str]]:
@@ -121,8 +109,9 @@ def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image:
     out: dict[str, Any] = {"scale": rel.to_state()}
     rows: list[dict[str, Any]] = []
     preds, truths = [], []
-    for side, (s, y) in shown_pairs(scores, matches).items():
-        p = (search if side == "search" else annotate)(s)
+    for side, (r, c) in shown_pairs(scores, SHOWN).items():
+        y = matches[r, c]
+        p = (search if side == "search" else annotate)(scores[r, c])
         table = reliability(p, y)
         rows += [{"direction": side, **r} for r in table]
         shown = p >= DEFAULT_CUTOFF

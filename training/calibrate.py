@@ -77,17 +77,6 @@ FIT_DRAWS = 3  # collections drawn at each size below the whole part
 ALIKE_QUANTILE = 0.5  # the bar of `described_alike`: this quantile of the own image's other captions' best cosine
 
 
-def true_and_random_pairs(scores: np.ndarray, pair_image: np.ndarray, seed: int = 0
-                          ) -> tuple[np.ndarray, np.ndarray]:
-    """Scores of every sentence with its own image, and with one other image drawn at random:
-    scores (N_images, L), pair_image (L,) -> (true (L,), random (L,))."""
-    n, n_sent = scores.shape
-    cols = np.arange(n_sent)
-    rng = np.random.default_rng(seed)
-    other = (pair_image + rng.integers(1, n, size=n_sent)) % n  # never the sentence's own image
-    return scores[pair_image, cols], scores[other, cols]
-
-
 def described_alike(vectors: np.ndarray, pair_image: np.ndarray, quantile: float = ALIKE_QUANTILE,
                     seed: int = 0) -> np.ndarray:
     """Which pairs are a match (N_images, L) bool: sentence l's own image, and every image one of whose
@@ -114,17 +103,26 @@ def described_alike(vectors: np.ndarray, pair_image: np.ndarray, quantile: float
     return out
 
 
-def _shown_pairs(scores: np.ndarray, matches: np.ndarray, own: np.ndarray, k: int, per_image: float
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The top-k pairs of every query both ways: (score, match, own, items), items the collection size
+def shown_pairs(scores: np.ndarray, k: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(rows, columns) of a score matrix (N_images, L) that searches show: the k best images of every
+    sentence ('search') and the k best sentences of every image ('annotate')."""
+    n, n_sent = scores.shape
+    top = np.argsort(-scores, axis=0, kind="stable")[: min(k, n)]
+    side = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n_sent)]
+    return {"search": (top.ravel(), np.broadcast_to(np.arange(n_sent), top.shape).ravel()),
+            "annotate": (np.broadcast_to(np.arange(n)[:, None], side.shape).ravel(), side.ravel())}
+
+
+def _fit_rows(scores: np.ndarray, matches: np.ndarray, own: np.ndarray, per_image: float
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The `FIT_TOP_K` shown pairs of one collection: (score, match, own, items), items the collection size
     the query ranks (images; for sentences, the images they describe)."""
     n, n_sent = scores.shape
-    top = np.argsort(-scores, axis=0, kind="stable")[: min(k, n)]  # images for each sentence
-    cols = np.broadcast_to(np.arange(n_sent), top.shape)
-    side = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n_sent)]  # sentences for each image
-    rows = np.broadcast_to(np.arange(n)[:, None], side.shape)
-    r, c = np.concatenate([top.ravel(), rows.ravel()]), np.concatenate([cols.ravel(), side.ravel()])
-    items = np.concatenate([np.full(top.size, n, np.float64), np.full(side.size, max(2.0, n_sent / per_image))])
+    parts = shown_pairs(scores, FIT_TOP_K)
+    r = np.concatenate([parts["search"][0], parts["annotate"][0]])
+    c = np.concatenate([parts["search"][1], parts["annotate"][1]])
+    items = np.concatenate([np.full(len(parts["search"][0]), n, np.float64),
+                            np.full(len(parts["annotate"][0]), max(2.0, n_sent / per_image))])
     return scores[r, c].astype(np.float64), matches[r, c], own[r, c], items
 
 
@@ -165,7 +163,7 @@ def fit_relevance(scores: np.ndarray, pair_image: np.ndarray, matches: np.ndarra
             if len(sents) < 2:
                 continue
             sub = np.ix_(images, sents)
-            parts.append(_shown_pairs(scores[sub], matches[sub], own[sub], FIT_TOP_K, per_image))
+            parts.append(_fit_rows(scores[sub], matches[sub], own[sub], per_image))
     s, y, is_own, items = (np.concatenate([p[i] for p in parts]) for i in range(4))
     y = y.astype(np.float64)
     log_items = np.log(items - 1)
