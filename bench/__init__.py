@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
 from model.parsers import make_parser
 from model.resources import cpu_info
+from model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 
 
 def machine() -> str:
@@ -39,7 +39,7 @@ def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:
                     help="folder of trained models, one <name>/model.pt each")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--split", default="dev", help="split evaluated on (reported, never used to choose a model)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="the feature, parse and vector cache")
     ap.add_argument("--out", type=Path, default=out, help="the results file written")
     ap.add_argument("--merge", action="store_true",

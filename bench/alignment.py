@@ -53,13 +53,13 @@ from bench import SplitDataByConfig, add_model_args, kept_rows
 from index.matches import matches
 from model.backbone import Backbone
 from model.bundle import Bundle
-from model.config import default_artifacts_dir
 from model.dataset import SplitData
 from model.embed import embed_encoded
 from model.fragments import SENTENCE_REL
 from model.image import region_crops
 from model.imageio import load_image
 from model.onnx import set_threads
+from model.settings import default_artifacts_dir
 
 if TYPE_CHECKING:
     from model.nets.backbone import TorchBackbone

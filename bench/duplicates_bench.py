@@ -29,10 +29,9 @@ from tqdm import tqdm
 
 from bench import machine, parse_run
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.image import RegionExtractor
-from model.release import served_model_from_env
+from model.settings import default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.duplicates_bench")
 STEP = 0.005
@@ -65,8 +64,7 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the checkpoint; default: the served model (model/release.py)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--images", type=int, default=400, help="the first N dev images")

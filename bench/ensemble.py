@@ -28,8 +28,8 @@ import numpy as np
 
 from bench import SplitDataByConfig, machine
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, hold_out
+from model.settings import default_cache_dir, default_data_dir
 from training.evaluate import metrics_from_scores, score_split
 
 logger = logging.getLogger("bench.ensemble")
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--train-split", default="train", help="the split the validation part is drawn from")
     ap.add_argument("--split", default="dev", help="the split reported (never used to choose)")
     ap.add_argument("--val-images", type=int, default=500, help="validation part: images held out of training")

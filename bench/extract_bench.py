@@ -38,11 +38,12 @@ from PIL import Image
 from bench import machine
 from model.backbone import RUNTIMES, Backbone
 from model.cache import ExtractionPool
-from model.config import PROPOSAL_MODES, ImageConfig, default_data_dir
+from model.config import PROPOSAL_MODES, ImageConfig
 from model.graphs import preprocess, to_array
 from model.imageio import load_image
 from model.onnx import set_threads
 from model.proposals import propose_boxes
+from model.settings import default_data_dir
 from model.variants import load_variant, variant_names
 
 if TYPE_CHECKING:

@@ -36,7 +36,6 @@ from PIL import Image
 from bench import write_result
 from model.backbone import backbone_graph
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import load_split_data
 from model.image import RegionExtractor, image_proposals, region_crops
@@ -44,6 +43,7 @@ from model.onnx import graph_dir, session, set_threads
 from model.parsers import make_parser
 from model.release import RELEASED_MODEL
 from model.resources import cpu_record
+from model.settings import default_cache_dir, default_data_dir
 from training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images", type=int, default=4, help="dev images compared across instruction sets")
     ap.add_argument("--rsum", action="store_true", help="also the dev R-sum through the int8 and float graphs")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes (--rsum)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--dump", type=Path, default=None, help=argparse.SUPPRESS)  # one side of part 1

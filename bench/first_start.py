@@ -29,8 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from model.config import default_data_dir
 from model.resources import cpu_record
+from model.settings import default_data_dir
 from training.release import ROOT, git_commit
 
 logger = logging.getLogger(__name__)

@@ -43,10 +43,9 @@ from tqdm import tqdm
 
 from index import ImageIndex, IndexSettings, SentenceIndex
 from index.ann import FaissCandidates
-from index.candidates import BACKENDS, BackendOptions
 from index.images import embedded_images, exact_top_k
 from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig, default_artifacts_dir, default_data_dir
+from model.config import ImageConfig, TextConfig
 from model.data import Split, load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence, embed_sentence
@@ -54,7 +53,14 @@ from model.encoders import Encoders, ModelConfig
 from model.fragments import WORD_REL, TextPipeline, parse_cached
 from model.modelfile import model_file
 from model.onnx import set_threads
-from model.release import served_model_from_env
+from model.settings import (
+    BACKENDS,
+    BackendOptions,
+    default_artifacts_dir,
+    default_cache_dir,
+    default_data_dir,
+    default_model_path,
+)
 from model.text import RelationVocab
 from model.words import WordTable
 
@@ -442,13 +448,13 @@ def plot(rows: Sequence[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the model (a model folder or a trainer's model.pt); default: the served model "
                          "(model/release.py: the released one unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT "
                          "names another)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workdir", type=Path, default=default_artifacts_dir() / "bench" / "index",
                     help="where the benchmark's indexes are built (removed after)")

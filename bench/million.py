@@ -58,11 +58,11 @@ from index.images import exact_top_k
 from index.shards import ShardWriter, load_shards, shard_settings
 from index.store import VectorStore
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence, embed_sentence
 from model.onnx import set_threads
+from model.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.million")
 

@@ -52,17 +52,21 @@ from bench.index_bench import N_FRAGMENTS, K, Synthetic, agreement, dev_queries,
 from bench.milvus_local import LocalServer, isolated, loopback_up, own_namespace
 from index import ImageIndex, IndexSettings
 from index import ids as fid
-from index.candidates import BackendOptions
 from index.images import embedded_images, exact_top_k
 from index.milvus import VECTOR, MilvusCandidates
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence
 from model.onnx import set_threads
-from model.release import served_model_from_env
 from model.resources import cpu_info
+from model.settings import (
+    BackendOptions,
+    default_artifacts_dir,
+    default_cache_dir,
+    default_data_dir,
+    default_model_path,
+)
 
 logger = logging.getLogger("bench.milvus_server")
 
@@ -258,10 +262,10 @@ def restarts(server: LocalServer, root: Path, bundle: Bundle, query: np.ndarray,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the checkpoint (model.pt); default: the served model")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--workdir", type=Path, default=default_artifacts_dir() / "bench" / "milvus-server",
                     help="the server's data and the indexes (removed first)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/milvus-server.json"), help="the JSON written")

@@ -31,11 +31,11 @@ from PIL import Image, ImageOps
 
 from bench import machine, parse_run, write_rows
 from model.bundle import Bundle
-from model.config import default_data_dir
 from model.data import load_split
 from model.image import ImageFragments, RegionExtractor
 from model.imageio import load_image
 from model.release import RELEASED_MODEL
+from model.settings import default_data_dir
 
 logger = logging.getLogger("bench.photo_decode")
 SIZES_MP = (12, 24, 48)

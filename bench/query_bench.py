@@ -31,12 +31,12 @@ from tqdm import tqdm
 from bench import machine
 from index.images import ImageIndex
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.embed import EmbeddedSentence, row_triplets
 from model.modelfile import model_file
 from model.onnx import set_threads
-from model.release import RELEASED_MODEL, read_manifest, served_model_from_env
+from model.release import RELEASED_MODEL, read_manifest
+from model.settings import default_artifacts_dir, default_data_dir, default_model_path
 from service.routes.convert import image_result
 from service.schemas import SearchImagesResponse
 
@@ -97,7 +97,7 @@ def model_name(path: Path, bundle: Bundle) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, nargs="+", default=[served_model_from_env(art)],
+    ap.add_argument("--model", type=Path, nargs="+", default=[default_model_path()],
                     help="the models (a model folder or a trainer's model.pt), measured side by side; default: the "
                          "served model (model/release.py: the released one unless FRAGSEARCH_MODEL_PATH or "
                          "FRAGSEARCH_VARIANT names another)")

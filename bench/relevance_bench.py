@@ -37,11 +37,10 @@ import numpy as np
 from bench import machine, parse_run
 from model.bundle import Bundle
 from model.calibration import CAPTIONS_PER_IMAGE, DEFAULT_CUTOFF, Relevance
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import SplitData, load_split_data
 from model.parsers import make_parser
-from model.release import served_model_from_env
+from model.settings import default_artifacts_dir, default_data_dir, default_model_path
 from training.calibrate import matches_of, shown_pairs
 from training.evaluate import evaluate_scores, score_split
 
@@ -149,7 +148,7 @@ def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=served_model_from_env(a), help="a model with a relevance scale")
+    ap.add_argument("--model", type=Path, default=default_model_path(), help="a model with a relevance scale")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="a model of the same score with another relevance scale, measured beside it")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")

@@ -31,9 +31,9 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import machine
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.resources import cpu_info
+from model.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.runtime_ab")
 

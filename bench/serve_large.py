@@ -29,7 +29,7 @@ import httpx
 import psutil
 
 from bench import machine
-from model.config import default_artifacts_dir
+from model.settings import default_artifacts_dir
 
 logger = logging.getLogger("bench.serve_large")
 

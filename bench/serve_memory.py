@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import machine, parse_run
-from model.config import default_artifacts_dir, default_data_dir
-from model.release import served_model_from_env
+from model.settings import Settings, default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.serve_memory")
 
@@ -66,7 +65,7 @@ def steps(artifacts: str, model: str | None, data: str) -> list[dict[str, Any]]:
 
     step("imports")
     root = Path(artifacts)
-    bundle = Bundle.load(Path(model) if model else served_model_from_env(root))
+    bundle = Bundle.load(Path(model) if model else Settings(artifacts=root).model_path)
     step("the released model")
     bundle.text.encode(["a dog runs on the grass"], strict=False)
     step("one sentence encoded")

@@ -38,12 +38,11 @@ from bench import machine
 from index import ImageIndex, SentenceIndex
 from index.similar import describe, more_like_this
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import feature_cache
 from model.embed import EmbeddedSentence
 from model.onnx import set_threads
-from model.release import served_model_from_env
+from model.settings import default_artifacts_dir, default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.similar_bench")
 K = 10
@@ -97,7 +96,7 @@ def measure(name: str, rank: Callable[[int], list[int]], words: list[set[str]], 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = default_artifacts_dir()
-    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the checkpoint; default: the served model (model/release.py)")
     ap.add_argument("--images", type=Path, default=a / "index" / "images-dev", help="the dev image index")
     ap.add_argument("--sentences", type=Path, default=a / "index" / "sentences-train",

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import shlex
 import sys
@@ -48,7 +47,7 @@ from bench.load_bench import (
     tally_size,
     write_csv,
 )
-from model.config import default_data_dir
+from model.settings import current, default_data_dir
 
 logger = logging.getLogger("bench.soak_bench")
 
@@ -187,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    key = os.environ.get("FRAGSEARCH_API_KEY", "")
+    secret = current().api_key  # the server's key: FRAGSEARCH_API_KEY, .env or fragsearch.toml
+    key = secret.get_secret_value() if secret is not None else ""
     if not key:
         ap.error("set FRAGSEARCH_API_KEY to the server's key (the soak adds and deletes images)")
     if args.clients < 1 or args.duration <= 0 or not 0 <= args.warmup_share < 1:

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from bench import machine, parse_run
-from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import load_split_data
 from model.parsers import make_parser
+from model.settings import default_cache_dir, default_data_dir
 from training.train import make_run, train
 
 logger = logging.getLogger("bench.train_step")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", default="full")
     ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir())
     ap.add_argument("--images", type=int, default=2000, help="the first N training images")
     ap.add_argument("--pairs", type=int, default=3, help="turns of each arm")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")

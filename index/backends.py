@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from index.ann import FaissCandidates
-from index.candidates import BackendOptions, CandidateBackend
+from index.candidates import CandidateBackend
 from index.milvus import MilvusCandidates
 from index.types import IndexLoadError, IndexSettings
+from model.settings import BackendOptions
 
 
 def require_milvus(where: str) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 from index import ids as fid
 from index import loading, saving
 from index.backends import create_backend
-from index.candidates import BackendOptions, CandidateBackend
+from index.candidates import CandidateBackend
 from index.catalogue import Catalogue, built_fingerprint
 from index.codes import PrescoreCodes
 from index.fingerprint import model_fingerprint
@@ -49,6 +49,7 @@ from index.store import VectorStore
 from index.stored import StoredFragments
 from index.types import IndexLoadError, IndexSettings
 from model.bundle import Bundle
+from model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from index.candidates import BACKENDS, BackendOptions
 from index.catalogue import is_index
 from index.files import list_images
 from index.images import ImageIndex
@@ -31,11 +30,10 @@ from index.sentences import SentenceIndex
 from index.types import STORE_DTYPES, IndexSettings
 from model.bundle import Bundle
 from model.cache import FeatureCache
-from model.config import default_artifacts_dir
 from model.data import read_captions, read_split_list
 from model.dataset import feature_cache
 from model.fragments import parse_cached
-from model.release import served_model_from_env
+from model.settings import BACKENDS, BackendOptions, default_artifacts_dir, default_cache_dir, default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +163,7 @@ def settings_from_args(args: argparse.Namespace) -> IndexSettings:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
                          "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
@@ -178,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split", type=Path, help="only the captions of the images named in this list")
     ap.add_argument("--sentences-out", type=Path,
                     help="sentence index folder (default: beside --out, sentences-<split name>)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="feature / parse cache shared with the trainer")
     ap.add_argument("--no-cache", action="store_true", help="extract features without the shared cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")

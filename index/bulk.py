@@ -46,14 +46,14 @@ from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shard
 from index.types import STORE_DTYPES, IndexSettings
 from model.bundle import Bundle
 from model.cache import FeatureCache, content_key
-from model.config import ImageConfig, add_region_flags, default_artifacts_dir, with_region_flags
+from model.config import ImageConfig, add_region_flags, with_region_flags
 from model.dataset import feature_cache
 from model.detector import Detector
 from model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
 from model.imageio import ImageReadError, load_image
 from model.onnx import set_threads
 from model.proposals import proposal_columns
-from model.release import served_model_from_env
+from model.settings import default_cache_dir, default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -306,10 +306,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="local: extraction processes; ray: backbone actors")
     ap.add_argument("--address", default=None, help="ray: the cluster to join (host:port of its head); "
                     "default: start Ray on this machine")
-    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the model whose image settings are used (and that embeds the fragments with --index)")
     add_region_flags(ap, None)
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="feature cache: images in it are not extracted again (local: where entries are stored)")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the feature cache")
     ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="images per shard")

@@ -29,24 +29,8 @@ from model.device import CODES_CPU, EXACT_CPU
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("faiss", "milvus")
 
 Batches = Iterable[tuple[np.ndarray, np.ndarray]]  # (fragment ids (N,), vectors (N, dim) float32)
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """Where a backend keeps its vectors: `backend` "faiss" or "milvus"; `uri` of a Milvus server
-    ("http://host:19530") or a milvus-lite folder ("path/file.db"); None: the index's default (for
-    Milvus, the URI it was built with, or `milvus.db` inside the index folder)."""
-
-    backend: str = "faiss"
-    uri: str | None = None
-    token: str | None = None  # a Milvus server's credentials ("user:password" or an API key)
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
 
 
 @dataclass

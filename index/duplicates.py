@@ -19,8 +19,7 @@ import numpy as np
 
 from index.images import ImageIndex
 from model.bundle import Bundle
-from model.config import default_artifacts_dir
-from model.release import served_model_from_env
+from model.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +73,23 @@ def duplicate_groups(images: ImageIndex, threshold: float = THRESHOLD) -> list[l
     return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: (-len(g), g[0]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = default_artifacts_dir()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("index", type=Path, help="an image index folder (e.g. the one ./run index made)")
-    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
-                    help="its checkpoint; default: the served model (model/release.py)")
-    ap.add_argument("--collection-root", type=Path, default=None, help="the folder its relative paths are under")
+# the settings `fragsearch duplicates` reads (its flags): which index, of which folder, with which model
+DUPLICATES_SETTINGS = ("model_path", "variant", "artifacts", "collection", "image_index", "image_split", "data")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("index", type=Path, nargs="?", default=None,
+                    help="an image index folder; default: the served one (the `image_index` setting: the "
+                         "`collection`'s index, e.g. the one fragsearch index made, else the image split's)")
     ap.add_argument("--threshold", type=float, default=THRESHOLD, help="cosine at or above which two are duplicates")
     ap.add_argument("--json", type=Path, default=None, help="also write the groups (paths) as JSON here")
+    add_setting_flags(ap, DUPLICATES_SETTINGS)
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args, **({} if args.index is None else {"image_index": args.index}))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    images = ImageIndex.load(args.index, Bundle.load(args.model), collection_root=args.collection_root)
+    images = ImageIndex.load(settings.image_index, Bundle.load(settings.model_path),
+                             collection_root=settings.collection_root)
     try:
         total = len(images)
         groups = duplicate_groups(images, args.threshold)

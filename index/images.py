@@ -19,7 +19,6 @@ import numpy as np
 from PIL import Image
 
 from index.base import FragmentIndex
-from index.candidates import BackendOptions
 from index.image_vectors import KeptVectors
 from index.matches import label_at, matches
 from index.photos import Photos
@@ -47,6 +46,7 @@ from model.embed import (
 )
 from model.image import ImageFragments
 from model.score import block_dots, pair_contributions, skl_of_items
+from model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from index.backends import open_backend
-from index.candidates import BackendOptions, CandidateBackend
+from index.candidates import CandidateBackend
 from index.catalogue import FORMAT, Catalogue, committed_generation
 from index.codes import CodesInfo, PrescoreCodes
 from index.fingerprint import model_fingerprint
 from index.store import VectorStore
 from index.types import IndexLoadError, IndexSettings
 from model.bundle import Bundle
+from model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

@@ -63,9 +63,10 @@ import numpy as np
 from tqdm import tqdm
 
 from index import ids as fid
-from index.candidates import BackendOptions, CandidateBackend, Sources
+from index.candidates import CandidateBackend, Sources
 from index.types import IndexFullError, IndexLoadError, IndexSettings
 from model.atomic import fsync_dir
+from model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.base import FragmentIndex
-from index.candidates import BackendOptions
 from index.matches import matches
 from index.ranker import exact_score
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
@@ -27,6 +26,7 @@ from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_ima
 from model.fragments import EncodedSentences
 from model.image import ImageFragments
 from model.score import SMOOTHING
+from model.settings import BackendOptions
 from model.text import ParsedSentence, Triplet
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Keep an image index in step with a folder of photos: one command, safe to re-run and to interrupt.
 
-    python -m index.sync ~/Pictures                      # or: ./run index ~/Pictures
-    python -m index.sync ~/Pictures --out artifacts/index/my-photos --workers 2
+    fragsearch index ~/Pictures                          # or: python -m index.sync ~/Pictures
+    fragsearch index ~/Pictures --image-index artifacts/index/my-photos --workers 2
 
 The folder is walked recursively, leaving out hidden files and folders, the folders NAS systems and
 file managers keep beside photos (`@eaDir`, `#recycle`, `$RECYCLE.BIN`, ...) and what the gitignore-style
@@ -29,19 +29,20 @@ manifest does not know yet.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import functools
 import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from index.candidates import BackendOptions
 from index.catalogue import is_index
 from index.files import sha256_file
 from index.images import ImageIndex
@@ -49,10 +50,10 @@ from index.shards import commit_interval
 from index.types import IndexSettings
 from model.atomic import atomic_file
 from model.bundle import Bundle
-from model.config import collection_index, default_artifacts_dir
 from model.dataset import feature_cache
+from model.device import device_name
 from model.imageio import IMAGE_SUFFIXES
-from model.release import served_model_from_env
+from model.settings import BackendOptions, Settings, add_setting_flags, settings_of, use
 
 logger = logging.getLogger(__name__)
 
@@ -286,44 +287,65 @@ def open_index(out: Path, bundle: Bundle, folder: Path, cache_dir: Path, setting
     return ImageIndex.create(out, bundle, settings, cache=cache, collection_root=folder, backend=backend)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = default_artifacts_dir()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", type=Path, help="the folder of photos (searched recursively)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="the index folder (default: artifacts/index/collection-<name>-<hash of the path>)")
-    ap.add_argument("--model", type=Path, default=served_model_from_env(a),
-                    help="the checkpoint; default: the served model (model/release.py)")
-    ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature cache (keyed by image content)")
-    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
-                    help="images added between two commits (at least; a quarter of a larger index's size)")
-    ap.add_argument("--index-kind", default="flat", help="FAISS index kind of a new index (flat, hnsw, ivf, ivfpq)")
-    ap.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                    help=f"leave out what a gitignore-style pattern matches (repeatable; also read from the "
-                         f"folder's {IGNORE_FILE})")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.folder.is_dir():
-        logger.error("not a folder: %s", args.folder)
-        return 2
-    if not args.model.is_file():
-        logger.error("no model at %s: leave --model, FRAGSEARCH_MODEL_PATH and FRAGSEARCH_VARIANT unset to use the "
-                     "released model (model/released/), or train one with ./run train", args.model)
-        return 2
-    folder = args.folder.resolve()
-    out = args.out or collection_index(a, folder)
-    bundle = Bundle.load(args.model)
-    index = open_index(out, bundle, folder, args.cache, IndexSettings.of(kind=args.index_kind))
+def new_index_settings(settings: Settings, base: IndexSettings | None = None) -> IndexSettings:
+    """The index settings of a new index: `base` (default IndexSettings()) with the `index_kind` setting's kind
+    and the device the `device` setting names."""
+    chosen = base or IndexSettings()
+    return IndexSettings(dataclasses.replace(chosen.shape, kind=settings.index_kind),
+                         dataclasses.replace(chosen.search, use_gpu=device_name(settings.device).startswith("cuda")))
+
+
+def sync_collection(settings: Settings, bundle: Bundle, save_every: int = SAVE_EVERY) -> SyncReport:
+    """Sync the `collection` setting's folder into its index (`image_index`, made when missing) as every
+    command does it: `fragsearch index` and the service's start read the same settings (cache, workers,
+    exclude, index kind, backend), so neither undoes what the other did."""
+    folder = settings.collection
+    if folder is None:
+        raise ValueError("no collection folder is set")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"the collection folder {folder} does not exist")
+    index = open_index(settings.image_index, bundle, folder, settings.cache, new_index_settings(settings),
+                       backend=settings.backend)
     try:
-        report = sync_folder(index, folder, workers=args.workers, save_every=args.save_every, exclude=args.exclude)
+        return sync_folder(index, folder, workers=settings.worker_count, save_every=save_every,
+                           exclude=settings.exclude)
     finally:
         index.close()
+
+
+# the settings `fragsearch index` reads (its flags); every other one comes from the same places too
+INDEX_SETTINGS = ("collection", "model_path", "variant", "artifacts", "cache", "image_index", "workers", "exclude",
+                  "index_kind", "index_backend", "milvus_uri", "device")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path, nargs="?", default=None,
+                    help="the folder of photos (searched recursively); default: the `collection` setting")
+    ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
+                    help="images added between two commits (at least; a quarter of a larger index's size)")
+    add_setting_flags(ap, INDEX_SETTINGS)
+    args = ap.parse_args(argv)
+    fixed = {} if args.folder is None else {"collection": args.folder}
+    settings = settings_of(ap, args, **fixed)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.collection is None:
+        ap.error("name the folder of photos (or set `collection` in fragsearch.toml, FRAGSEARCH_COLLECTION)")
+    if not settings.collection.is_dir():
+        sys.stderr.write(f"{ap.prog}: not a folder: {settings.collection}\n")
+        return 2
+    if not settings.model_path.exists():
+        sys.stderr.write(f"{ap.prog}: no model at {settings.model_path}: leave model_path and variant unset to use "
+                         "the released model (model/released/), or train one with fragsearch train\n")
+        return 2
+    with use(settings):
+        report = sync_collection(settings, Bundle.load(settings.model_path, device=settings.device),
+                                 save_every=args.save_every)
     for rel, reason in report.unreadable:
         logger.warning("unreadable: %s (%s)", rel, reason)
     for rel in report.unsupported:
         logger.warning("unsupported format (Pillow cannot open it): %s", rel)
-    logger.info("%s -> %s: %s", folder, out, report.summary())
+    logger.info("%s -> %s: %s", settings.collection, settings.image_index, report.summary())
     return 0
 
 

@@ -9,22 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
-
-DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "flickr8k"
-DEFAULT_ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
-
-
-def default_data_dir() -> Path:
-    """The data folder: $FRAGSEARCH_DATA, else ../shared/data/flickr8k beside the checkout."""
-    return Path(os.environ.get("FRAGSEARCH_DATA", str(DEFAULT_DATA)))
-
-
-def default_artifacts_dir() -> Path:
-    """Where weights, caches and indexes live (git-ignored): $FRAGSEARCH_ARTIFACTS or ./artifacts."""
-    return Path(os.environ.get("FRAGSEARCH_ARTIFACTS", str(DEFAULT_ARTIFACTS)))
 
 
 def collection_index(artifacts: Path, folder: Path) -> Path:

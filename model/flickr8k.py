@@ -282,8 +282,8 @@ def log_report(report: Report) -> None:
                     report.folder.resolve())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path, help="the official download, the CSV mirror, or a project-layout folder "
                     "(then it is checked only)")
     ap.add_argument("dest", type=Path, nargs="?", help="where the project's layout is written (needed unless SRC "

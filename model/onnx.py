@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from model.config import default_artifacts_dir
+from model.settings import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _threads: list[int] = []  # the process's intra-op thread count for new sessions
 
 def graph_dir() -> Path:
     """Where exported graphs are kept: $FRAGSEARCH_ARTIFACTS/cache/graphs."""
-    return default_artifacts_dir() / "cache" / "graphs"
+    return default_cache_dir() / "graphs"
 
 
 def set_threads(n: int) -> None:

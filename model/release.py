@@ -11,15 +11,14 @@ a changed or truncated file is refused with its name, never served.
 
 The manifest is written by `python -m training.release` only, never by hand.
 
-Every command that needs "the served model" asks `served_model_path`: the setting
-FRAGSEARCH_MODEL_PATH when given, else `artifacts/models/<FRAGSEARCH_VARIANT>/model.pt` when a variant
-is named (a model trained here, `./run train`), else the released model.
+Every command that needs "the served model" asks `served_model_path` (through the settings' `model_path`,
+model/settings.py): the `model_path` setting when given, else `artifacts/models/<variant>/model.pt` when a
+variant is named (a model trained here, `fragsearch train`), else the released model.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +42,6 @@ def served_model_path(artifacts: Path, variant: str | None = None, model_path: s
     if variant:
         return Path(artifacts) / "models" / variant / "model.pt"
     return RELEASED_MODEL
-
-
-def served_model_from_env(artifacts: Path) -> Path:
-    """`served_model_path` from the service's environment variables (FRAGSEARCH_MODEL_PATH,
-    FRAGSEARCH_VARIANT): the default `--model` of the offline commands (index.build, index.sync, ...)."""
-    return served_model_path(artifacts, os.environ.get("FRAGSEARCH_VARIANT") or None,
-                             os.environ.get("FRAGSEARCH_MODEL_PATH") or None)
 
 
 def is_released(path: Path) -> bool:

@@ -4,7 +4,7 @@ GET /healthz answers from the first second; GET /readyz answers 503 with what is
 (stage, items done / total, estimated time left) until the model and both indexes are loaded, and
 searches are served as soon as the image index is.
 
-    python -m service [--host H] [--port P] [--no-prepare] [--config FILE] [--SETTING VALUE ...]
+    fragsearch serve [--host H] [--port P] [--no-prepare] [--config FILE] [--SETTING VALUE ...]
 
 Every setting has a flag (`--help` lists them, docs/operations/settings.md is their table); the flags override
 the FRAGSEARCH_* environment variables, `.env` and the settings file (./fragsearch.toml,
@@ -43,8 +43,8 @@ def process_started() -> float:
         return time.perf_counter()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap, cli = settings_parser("python -m service", __doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
+    ap, cli = settings_parser(prog, __doc__)
     ap.add_argument("--version", action="version", version=f"fragsearch {__version__}")
     args = ap.parse_args(argv)
     started = process_started()

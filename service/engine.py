@@ -81,6 +81,16 @@ class Decoded:
     height: int
 
 
+def relevance_at(bundle: Bundle, side: str, count: int) -> Relevance | None:
+    """The model's relevance scale for a search of `count` images ('images') or of `count` sentences
+    ('sentences': a sentence collection counts the images its captions describe, model.calibration);
+    None: the model has none."""
+    rel = bundle.relevance
+    if rel is None:
+        return None
+    return rel.for_items(count if side == "images" else round(count / CAPTIONS_PER_IMAGE))
+
+
 class Engine:
     """Model + image index + sentence index, loaded once and shared by all requests."""
 
@@ -142,11 +152,7 @@ class Engine:
         """The model's relevance scale for a search of the images ('images') or the sentences ('sentences')
         at the collection's size now (None: the model has none). A sentence collection counts the images
         its captions describe (model.calibration)."""
-        rel = self.bundle.relevance
-        if rel is None:
-            return None
-        items = len(self.images) if side == "images" else round(self.sentence_count() / CAPTIONS_PER_IMAGE)
-        return rel.for_items(items)
+        return relevance_at(self.bundle, side, len(self.images) if side == "images" else self.sentence_count())
 
     def warm_up(self) -> float:
         """One search and one annotation, so that lazily loaded parts (parser, backbone) are ready."""

@@ -22,7 +22,6 @@ the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): service/se
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import sys
@@ -34,14 +33,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from index import IndexSettings
 from index.backends import require_milvus
 from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
 from index.catalogue import built_backend, is_index
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
-from index.sync import open_index, sync_folder
+from index.sync import new_index_settings, sync_collection
 from model.bundle import Bundle
 from model.data import DataError, Split, load_split
 from model.dataset import feature_cache
@@ -178,14 +176,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     settings.collection folder, synced with it at every start."""
     target = settings.image_index
     if settings.collection is not None:
-        if not settings.collection.is_dir():
-            raise FileNotFoundError(f"the collection folder {settings.collection} does not exist")
-        index = open_index(target, bundle, settings.collection, settings.cache, _index_settings(settings),
-                           backend=settings.backend)
-        try:
-            sync_folder(index, settings.collection, workers=settings.worker_count, exclude=settings.exclude)
-        finally:
-            index.close()
+        sync_collection(settings, bundle)
         return target
     if image_index_ready(target):
         logger.info("image index: reusing %s", target)
@@ -198,7 +189,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     marker.touch()
     cache = feature_cache(settings.cache, bundle.image_cfg, device=str(bundle.device))
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
-                              _index_settings(settings), cache=cache, workers=settings.worker_count,
+                              new_index_settings(settings), cache=cache, workers=settings.worker_count,
                               collection_root=settings.data, backend=settings.backend)
     marker.unlink()
     logger.info("image index: %d images in %.0fs", len(index), time.perf_counter() - t0)
@@ -241,19 +232,12 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path | None:
         source = f"{settings.sentence_split} captions"
     logger.info("sentence index: %d sentences (%s) into %s", len(sentences), source, target)
     t0 = time.perf_counter()
-    index = build_sentence_index(bundle, sentences, target, _index_settings(settings, SENTENCE_DEFAULTS),
+    index = build_sentence_index(bundle, sentences, target, new_index_settings(settings, SENTENCE_DEFAULTS),
                                  parse_dir=settings.cache / "parses", rebuild=target.exists(),
                                  vectors_dir=settings.cache / "vectors", backend=settings.backend)
     logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
     index.close()
     return target
-
-
-def _index_settings(settings: Settings, base: IndexSettings | None = None) -> IndexSettings:
-    """The index settings of a new index: `base` (default IndexSettings()) with the kind and device set."""
-    chosen = base or IndexSettings()
-    return IndexSettings(dataclasses.replace(chosen.shape, kind=settings.index_kind),
-                         dataclasses.replace(chosen.search, use_gpu=device_name(settings.device).startswith("cuda")))
 
 
 def _set_aside_if_stale(root: Path, fingerprint: str, backend: str) -> Path | None:

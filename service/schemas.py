@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from index.types import ExplainScope
+from model.settings import DEFAULT_K
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
-DEFAULT_K = 10  # images or regions a search returns when it names no k (settings.k_max may not be smaller)
 EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or phrase (service/errors.py: its code)
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).

@@ -21,10 +21,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from index import ImageIndex, IndexSettings, SentenceIndex
-from index.candidates import BackendOptions
 from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import feature_cache
+from model.settings import BackendOptions
 from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings

@@ -14,12 +14,13 @@ from PIL import Image
 
 from index import ImageIndex, IndexSettings
 from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig, default_data_dir
+from model.config import ImageConfig, TextConfig
 from model.encoders import ModelConfig
 from model.features import feature_dim
 from model.fragments import TextPipeline
 from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel
+from model.settings import default_data_dir
 from model.text import RelationVocab
 from model.words import WordTable
 

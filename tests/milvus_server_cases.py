@@ -31,12 +31,12 @@ import pytest
 from bench.milvus_local import LocalServer, isolated, links, loopback_up
 from index import ImageIndex, IndexSettings, SentenceIndex
 from index import ids as fid
-from index.candidates import BackendOptions
 from index.images import embedded_images
 from index.milvus import ID, VECTOR, MilvusCandidates, search_collection
 from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import feature_cache
+from model.settings import BackendOptions
 from service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import IMAGE_SETTINGS, SENTENCE_SETTINGS, ServiceEnv, make_settings

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 
-from model.config import default_artifacts_dir
+from model.settings import default_artifacts_dir
 from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings

@@ -38,12 +38,12 @@ import pytest
 from index import ImageIndex, IndexFullError, IndexSettings
 from index import ids as fid
 from index.ann import FaissCandidates
-from index.candidates import BackendOptions
 from index.images import embedded_images
 from index.milvus import ID as MILVUS_ID
 from index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
 from index.milvus import MilvusCandidates
 from model.embed import EmbeddedSentence
+from model.settings import BackendOptions
 from service.app import create_app
 from service.engine import Engine
 from tests.crash_writer import journal_state, live_items, random_images

@@ -80,7 +80,7 @@ def test_altered_copies_are_the_nearest_duplicates(shapes_model: ShapesModel, tm
     images.close()
 
     out = tmp_path / "groups.json"
-    assert main([str(tmp_path / "index"), "--model", str(shapes_model.model_path), "--collection-root", str(folder),
+    assert main([str(tmp_path / "index"), "--model-path", str(shapes_model.model_path), "--collection", str(folder),
                  "--threshold", str(cut), "--json", str(out)]) == 0
     groups = json.loads(out.read_text())["groups"]
     assert any({str(folder / c) for c in copies} <= set(g) for g in groups)

@@ -19,9 +19,10 @@ import model.detector
 import model.image
 import model.proposals
 from model.backbone import Backbone
-from model.config import ImageConfig, default_data_dir
+from model.config import ImageConfig
 from model.image import ImageFragments, RegionExtractor
 from model.release import read_manifest
+from model.settings import default_data_dir
 from model.variants import load_variant
 
 torch = pytest.importorskip("torch")

@@ -21,7 +21,6 @@ from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list
 from index import ids as fid
 from index.base import FragmentIndex
 from index.build import main as build_main
-from index.candidates import BackendOptions
 from index.catalogue import is_index
 from index.images import embedded_images
 from index.ranker import Ranker
@@ -34,6 +33,7 @@ from model.fragments import WORD_REL, TextPipeline
 from model.image import RegionExtractor
 from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel
+from model.settings import BackendOptions
 from model.text import RelationVocab
 from model.words import WordTable
 

@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 
 logger = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("model", "index", "service", "training")  # pyproject.toml's packages
+PACKAGES = ("fragsearch", "model", "index", "service", "training")  # pyproject.toml's packages
 SERVE_TIMEOUT = 900.0  # seconds for a service to prepare the shapes indexes (never reached when it works)
 
 
@@ -54,7 +54,8 @@ def file_packages() -> list[str]:
 def source_copy(dest: Path) -> Path:
     """pyproject.toml and the packages, copied: pip builds there, leaving no build/ or egg-info here."""
     dest.mkdir()
-    shutil.copy(ROOT / "pyproject.toml", dest)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):  # the metadata names the readme and the licence
+        shutil.copy(ROOT / name, dest)
     for package in PACKAGES:
         shutil.copytree(ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
@@ -146,6 +147,9 @@ def test_pip_install_serves_on_faiss_and_with_the_milvus_extra_on_milvus(shapes_
                                    "from model.release import RELEASED_MODEL as m; Bundle.load(m); print(m)"],
                                   cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert released.returncode == 0 and str(venv) in released.stdout, released.stderr[-2000:]  # in the package
+        listed = subprocess.run([str(venv / "bin" / "fragsearch"), "--help"], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=300)
+        assert listed.returncode == 0 and "search" in listed.stdout and "index" in listed.stdout, listed.stderr
 
         # the shapes model in the runtime's form: the installed runtime has no torch to read a .pt
         model = Bundle.load(shapes_model.model_path).save(tmp_path / "shapes-model")

@@ -14,9 +14,9 @@ import pytest
 
 from index import ImageIndex, IndexSettings, SentenceIndex
 from index import ids as fid
-from index.candidates import BackendOptions
 from index.milvus import DIRTY_MARKER, ITEM, LITE_FILE, MilvusCandidates, among, index_spec, stored_count
 from model.bundle import Bundle
+from model.settings import BackendOptions
 from model.words import WordTable
 from tests.test_index import QUERIES, SENTENCES, WORDS, make_bundle, random_images, ranking, recall_all
 

@@ -17,10 +17,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from index import ImageIndex, IndexSettings
-from index.candidates import BackendOptions
 from index.catalogue import DB_FILE
 from index.places import Near, Place, PlaceFilter, distance_km, read_place
 from model.dataset import feature_cache
+from model.settings import BackendOptions
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:

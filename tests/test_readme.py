@@ -1,8 +1,9 @@
-"""The README's `curl` examples, run as written (by curl, through bash) against the service on a real
-socket, and each answer checked for the shape the README shows.
+"""The README's `curl` examples and the API page's, run as written (by curl, through bash) against the
+service on a real socket, and each answer checked for the shape the page shows.
 
-The examples are the README's ```bash blocks that start with `curl`, each followed by a ```json
-block: the answer, trimmed from a real one of the served model on Flickr8K. Here the service serves
+The examples are the ```bash blocks that start with `curl`, each followed by a ```json block (the
+answer, trimmed from a real one of the served model on Flickr8K), of the README (the main routes)
+and then of docs/api/index.md (the others: more like this, /explain, add, duplicates, delete). Here the service serves
 the synthetic shapes collection (tests/conftest_service.py), whose model knows circles and squares,
 not dogs: each sentence of the README is replaced by one in that vocabulary (TEXTS; an example with
 a sentence missing there fails), uploads (`-F file=@name.jpg`) are shapes images written under that
@@ -34,6 +35,8 @@ pytest_plugins = ["tests.conftest_service"]
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+API_PAGE = ROOT / "docs" / "api" / "index.md"
+EXAMPLE_PAGES = (README, API_PAGE)  # in this order: the add example's id is used by the pages after it
 CURL = shutil.which("curl")
 # skipped without curl, but failed under CI (.ci/run installs it): the README's examples must run there
 pytestmark = pytest.mark.required(CURL is not None, reason="curl is absent (apt-get install curl)")
@@ -48,15 +51,20 @@ HOST = re.compile(r"\b(?:localhost|127\.0\.0\.1):8000\b")
 UPLOAD = re.compile(r"file=@([\w.-]+)")
 
 
-def readme_examples() -> list[tuple[str, Any]]:
+def page_examples(page: Path) -> list[tuple[str, Any]]:
     """(command, answer shown) for every ```bash block starting with curl, with the ```json block after it."""
-    blocks = re.findall(r"^```(\w+)\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```", page.read_text(), flags=re.M | re.S)
     out = []
     for (lang, body), (next_lang, answer) in zip(blocks, blocks[1:], strict=False):
         if lang == "bash" and body.lstrip().startswith("curl"):
-            assert next_lang == "json", f"the README shows no answer after {body.strip()!r}"
+            assert next_lang == "json", f"{page.name} shows no answer after {body.strip()!r}"
             out.append((body.strip(), json.loads(answer)))
     return out
+
+
+def readme_examples() -> list[tuple[str, Any]]:
+    """The README's examples, then the API page's."""
+    return [example for page in EXAMPLE_PAGES for example in page_examples(page)]
 
 
 def assert_same_shape(shown: Any, got: Any, where: str = "answer") -> None:
@@ -81,11 +89,14 @@ def assert_same_shape(shown: Any, got: Any, where: str = "answer") -> None:
         assert isinstance(got, type(shown)), f"{where}: {got!r} is not a {type(shown).__name__}"
 
 
-def test_the_readme_has_an_example_of_every_route() -> None:
+def test_the_readme_and_the_api_page_have_an_example_of_every_route() -> None:
     commands = [command for command, _ in readme_examples()]
     for route in ("/search/images", "/annotate", "/search/fragments", "/search/similar", "/explain", "/images"):
         assert any(re.search(rf"8000{re.escape(route)}\b", c) for c in commands), route
     assert any("-X DELETE" in c for c in commands)
+    in_readme = [command for command, _ in page_examples(README)]
+    for route in ("/search/images", "/annotate"):  # the main routes are shown in the README itself
+        assert any(re.search(rf"8000{re.escape(route)}\b", c) for c in in_readme), route
 
 
 def test_the_shape_check_tells_a_renamed_field() -> None:

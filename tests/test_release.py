@@ -48,15 +48,17 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
 
 def test_the_released_model_is_what_every_command_serves_by_default(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
-    from model.release import served_model_from_env
+    from model.settings import default_model_path
 
-    for name in ("FRAGSEARCH_MODEL_PATH", "FRAGSEARCH_VARIANT"):
+    monkeypatch.chdir(tmp_path)  # no .env, no fragsearch.toml
+    for name in ("FRAGSEARCH_MODEL_PATH", "FRAGSEARCH_VARIANT", "FRAGSEARCH_CONFIG"):
         monkeypatch.delenv(name, raising=False)
-    assert served_model_from_env(tmp_path) == RELEASED_MODEL
+    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
+    assert default_model_path() == RELEASED_MODEL
     monkeypatch.setenv("FRAGSEARCH_VARIANT", "paper")
-    assert served_model_from_env(tmp_path) == tmp_path / "models" / "paper" / "model.pt"
+    assert default_model_path() == tmp_path / "models" / "paper" / "model.pt"
     monkeypatch.setenv("FRAGSEARCH_MODEL_PATH", str(tmp_path / "mine.pt"))
-    assert served_model_from_env(tmp_path) == tmp_path / "mine.pt"
+    assert default_model_path() == tmp_path / "mine.pt"
     assert served_model_path(tmp_path) == RELEASED_MODEL
 
 
@@ -139,3 +141,12 @@ def test_the_release_command_refuses_a_model_without_a_relevance_scale(shapes_mo
                       "--data", str(shapes_model.data), "--cache", str(shapes_model.cache)])
     assert exc.value.code == 2 and "--selection val" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_new_released_model_is_a_new_version() -> None:
+    """service/version.py names the weights the version ships: a release without a new version fails here."""
+    from model.release import read_manifest
+    from service.version import RELEASED_MODEL
+
+    assert read_manifest()["files"]["model.npz"]["sha256"] == RELEASED_MODEL, \
+        "model/released/ changed: set a new __version__ and RELEASED_MODEL in service/version.py (and CHANGELOG.md)"

@@ -65,7 +65,8 @@ def test_json_log_lines() -> None:
 def test_version_flag_and_openapi_agree_with_the_project(client: TestClient,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    assert __version__ == pyproject["project"]["version"]
+    assert pyproject["project"]["dynamic"] == ["version"]  # read from service/version.py at build time
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "service.version.__version__"}
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"fragsearch {__version__}"

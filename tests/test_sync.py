@@ -87,14 +87,15 @@ def test_the_command_indexes_a_folder(shapes_model: ShapesModel, tmp_path: Path)
     for n in range(3):
         picture(photos / f"p{n}.jpg", 20 + n)
     out = tmp_path / "index"
-    args = [str(photos), "--out", str(out), "--model", str(shapes_model.model_path),
+    args = [str(photos), "--image-index", str(out), "--model-path", str(shapes_model.model_path),
             "--cache", str(shapes_model.cache / "sync-features"), "--workers", "1"]
     assert main(args) == 0
     assert main(args) == 0  # a second run finds everything in place
     index = ImageIndex.load(out, shapes_model.bundle, collection_root=photos)
     assert len(index) == 3 and index.search("a red circle", 1).hits
     index.close()
-    assert main([str(tmp_path / "missing"), "--out", str(out), "--model", str(shapes_model.model_path)]) == 2
+    missing = [str(tmp_path / "missing"), "--image-index", str(out), "--model-path", str(shapes_model.model_path)]
+    assert main(missing) == 2
 
 
 def test_commits_grow_with_the_index(shapes_model: ShapesModel, tmp_path: Path) -> None:

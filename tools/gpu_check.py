@@ -344,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else args.device
     images = args.images or (8 if args.dry_run else 50)
     workers = args.workers or len(os.sched_getaffinity(0))
-    data = args.data or Path(os.environ.get("FRAGSEARCH_DATA") or ROOT.parent / "shared" / "data" / "flickr8k")
+    if args.data is None:
+        from model.settings import default_data_dir  # the `data` setting (FRAGSEARCH_DATA, .env, fragsearch.toml)
+
+        args.data = default_data_dir()
+    data = args.data
     out = args.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
     logs = out.with_suffix(".logs")

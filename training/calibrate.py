@@ -31,13 +31,13 @@ import numpy as np
 
 from model.bundle import Bundle
 from model.calibration import Calibration, Relevance
-from model.config import default_artifacts_dir, default_data_dir
 from model.data import load_split
 from model.dataset import SplitData, held_out_split, hold_out, load_split_data
 from model.nets.checkpoint import Checkpoint
 from model.onnx import default_threads
 from model.parsers import make_parser
 from model.score import block_slices
+from model.settings import default_cache_dir, default_data_dir
 from training.evaluate import evaluate, evaluate_scores
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split", default="train", help="where the reference items are drawn from")
     ap.add_argument("--dev-split", default="dev",
                     help="evaluated before and after ('' to skip)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the reference draw")

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from model.atomic import atomic_file
-from model.config import ImageConfig, default_artifacts_dir, default_data_dir
+from model.config import ImageConfig
 from model.data import check_data_dir, load_split
 from model.dataset import feature_cache, held_out_indices
 from model.features import read_entry
@@ -36,6 +36,7 @@ from model.imageio import load_image
 from model.nets.backbone import Trunk, cut_shape, efficientnet
 from model.nets.onnx import export
 from model.onnx import session, set_threads
+from model.settings import default_cache_dir, default_data_dir
 from model.variants import load_variant
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--splits", nargs="+", default=["train", "dev"], help="the splits whose images are stored")
     ap.add_argument("--variant", default="full", help="the variant whose regions (feature cache boxes) are used")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--cut", type=int, default=DEFAULT_CUT, help="MBConv blocks below the cut (Lite0 has 16)")
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
     ap.add_argument("--out", type=Path, required=True, help="the store's folder")

@@ -10,9 +10,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model.config import (
-    TrainConfig,
-)
+from model.config import TrainConfig
 from model.dataset import SplitData
 from model.device import fused_optimizer
 from model.fragments import EncodedSentences, TextPipeline, pad_rows

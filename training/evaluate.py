@@ -19,11 +19,10 @@ from typing import Protocol
 import numpy as np
 
 from model.bundle import Bundle
-from model.config import default_artifacts_dir, default_data_dir
 from model.dataset import SplitData, load_split_data
 from model.fragments import EncodedSentences, TextPipeline
 from model.parsers import make_parser
-from model.release import served_model_from_env
+from model.settings import default_cache_dir, default_data_dir, default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -123,16 +122,16 @@ def evaluate_scores(bundle: Scorer, data: SplitData) -> tuple[dict[str, float], 
     return metrics, scores
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--split", default="dev",
                     help="split name (DATA/<name>.txt) or path of a split list")
-    ap.add_argument("--model", type=Path, default=served_model_from_env(default_artifacts_dir()),
+    ap.add_argument("--model", type=Path, default=default_model_path(),
                     help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
                          "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--limit", type=int, default=None, help="only the first N images of the split")

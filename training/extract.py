@@ -16,9 +16,10 @@ import argparse
 import logging
 from pathlib import Path
 
-from model.config import ImageConfig, add_region_flags, default_artifacts_dir, default_data_dir, with_region_flags
+from model.config import ImageConfig, add_region_flags, with_region_flags
 from model.data import check_data_dir, load_split
 from model.dataset import feature_cache
+from model.settings import default_cache_dir, default_data_dir
 from model.variants import VariantError, load_variant
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--splits", nargs="*", default=["train", "dev"],
                     help="split names or lists; none = every file in images/")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--variant", default=None,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_file
-from model.config import TrainConfig, default_artifacts_dir, default_data_dir
+from model.config import TrainConfig
 from model.dataset import SplitData, load_split_data, select_images
 from model.device import fused_optimizer
 from model.nets.backbone import Top, efficientnet, onnx_graph
@@ -45,6 +45,7 @@ from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel
 from model.onnx import graph_dir, set_threads
 from model.parsers import make_parser
+from model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from training.calibrate import fit_calibration, reference_draw
 from training.cutpoint import CutStore
 from training.epochs import FragmentBatches, train_fragment_epoch
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--acts", type=Path, required=True, help="the cut-point activations (training/cutpoint.py)")
     ap.add_argument("--out", type=Path, required=True, help="the folder model.pt, backbone.pt, history.json go to")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs (each image once per epoch)")
     ap.add_argument("--anneal-epochs", type=int, default=1, help="last fine-tuning epochs at lr x 0.1")
     ap.add_argument("--lr", type=float, default=1e-4, help="the fragment model's learning rate (Adam)")

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from model.config import TrainConfig, default_artifacts_dir, default_data_dir
+from model.config import TrainConfig
 from model.dataset import SplitData, load_split_data
 from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel
 from model.parsers import make_parser
+from model.settings import default_cache_dir, default_data_dir
 from training.calibrate import fit_calibration, fit_relevance, matches_of, store_relevance
 from training.evaluate import evaluate_scores
 from training.selection import VAL_METRICS, split_for_selection
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="blocks: each member's fragment scores thresholded apart (an ensemble's score); "
                          "sum: their sum thresholded (one block)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if len(args.members) < 2:

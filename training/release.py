@@ -44,7 +44,7 @@ from typing import Any
 from model.atomic import atomic_path, sha256_file
 from model.backbone import backbone_graph, backbone_head
 from model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
-from model.config import ImageConfig, default_artifacts_dir, default_data_dir
+from model.config import ImageConfig
 from model.data import load_split
 from model.dataset import load_split_data
 from model.graphs import BACKBONE_NAME, quant_recipe
@@ -53,6 +53,7 @@ from model.onnx import graph_dir
 from model.parsers import make_parser
 from model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
 from model.resources import cpu_record
+from model.settings import default_cache_dir, default_data_dir
 from training.distill import teacher_paths
 from training.evaluate import evaluate
 
@@ -199,13 +200,13 @@ def write_release(bundle: Bundle, out: Path, manifest: dict[str, Any]) -> dict[s
     return manifest
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True,
                     help="the trained checkpoint (model.pt), or a model in the runtime's form, to release")
     ap.add_argument("--out", type=Path, default=RELEASE_DIR, help="the release folder (default: model/released)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache", help="the feature cache")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--dev-split", default="dev", help="the split the release's dev metrics are measured on")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--provenance", type=Path, default=None,

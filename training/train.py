@@ -33,16 +33,7 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from model.config import (
-    SELECTIONS,
-    ImageConfig,
-    TextConfig,
-    TrainConfig,
-    add_region_flags,
-    default_artifacts_dir,
-    default_data_dir,
-    with_region_flags,
-)
+from model.config import SELECTIONS, ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
 from model.dataset import SplitData, load_split_data, with_mirrored
 from model.device import device_name
 from model.encoders import ModelConfig
@@ -50,6 +41,7 @@ from model.fragments import SENTENCE_REL, TextPipeline
 from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
 from model.parsers import make_parser
+from model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from model.trees import position_ranges
 from model.variants import (
     MODEL_SHAPE,
@@ -355,8 +347,8 @@ def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache:
     return train_on(run, data, out, cache, flags, workers=workers, limit=limit)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
     ap.add_argument("--resolved", action="store_true",
                     help="print every field of every variant (of --variant when given) as resolved, as TOML, "
@@ -366,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")
     ap.add_argument("--out", type=Path, default=None,
                     help="default: artifacts/models/<variant>")
-    ap.add_argument("--cache", type=Path, default=default_artifacts_dir() / "cache",
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--train-split", default="train", help="split whose images and captions are trained on")
     ap.add_argument("--dev-split", default=None,

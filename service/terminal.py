@@ -1,0 +1,166 @@
+"""Search and annotate from a terminal, from the saved indexes, without a server.
+
+    fragsearch search "a dog jumps over a log"                  # relevance and path of the best images
+    fragsearch search "a dog on a beach" -f | xargs -d '\\n' open  # paths only, one a line, best first
+    fragsearch search "a laptop on a desk" --min-relevance 0.5  # only likely matches; none: exit status 1
+    fragsearch search "a laptop on a desk" --min-relevance 0.5  # only likely matches; none: exit status 1
+    fragsearch search "two children" --json --k 20              # the service's answer: scores, alignments
+    fragsearch annotate photo.jpg                              # the collection's sentences for a photo
+
+The index searched is the served one (the `image_index` setting: the `collection` folder's index, made by
+`fragsearch index DIR` or the service's first start, else the image split's); annotation ranks the sentence
+index (`sentence_index`). Each line is a result's relevance (the probability a person would call it a match,
+model.calibration) and its path, best first; with `--min-relevance 0.5` results less likely a match than not
+are left out, and when none is left the reason goes to stderr and the exit status is 1, as grep's is when
+nothing matches. Paths are absolute (the collection folder joined with the path the index keeps). The
+answers are those of POST /search/images and POST /annotate: the same engine, scale and cut-off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from index.catalogue import is_index
+from index.sentences import SentenceIndex
+from model.bundle import Bundle
+from model.calibration import DEFAULT_CUTOFF
+from model.imageio import ImageReadError, load_image
+from model.settings import Settings, add_setting_flags, settings_of, use
+from service.engine import Engine, relevance_at
+from service.errors import ApiError
+from service.routes.convert import check_min_relevance, cut_off, image_result, sentence_result
+
+logger = logging.getLogger(__name__)
+
+# what search and annotate read (their flags): which index, of which folder, with which model, where
+READ_SETTINGS = ("collection", "image_index", "sentence_index", "model_path", "variant", "artifacts", "data",
+                 "image_split", "sentence_split", "index_backend", "milvus_uri", "device", "threads")
+NO_INDEX = 2  # exit status: nothing to search (no index, bad input)
+NOTHING_FOUND = 1  # exit status: no result reaches the cut-off
+
+
+def _parser(prog: str | None, what: str, doc: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k", type=int, default=10, help=f"number of {what} (default 10)")
+    ap.add_argument("--min-relevance", type=float, default=None, metavar="R",
+                    help=f"leave out {what} whose relevance is below R (0 to 1; {DEFAULT_CUTOFF}: as likely a "
+                         "match as not, where the page starts); default: none, the k best")
+    out = ap.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the service's JSON answer (scores, alignments)")
+    return ap
+
+
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.k < 1:
+        ap.error("--k must be at least 1")
+    if args.min_relevance is not None and not 0.0 <= args.min_relevance <= 1.0:
+        ap.error("--min-relevance must be between 0 and 1")
+
+
+def _model(settings: Settings) -> Bundle:
+    return Bundle.load(settings.model_path, device=settings.device)
+
+
+def _print_json(answer: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(answer, indent=1, ensure_ascii=False) + "\n")
+
+
+def _refused(message: str) -> int:
+    sys.stderr.write(f"fragsearch: {message}\n")
+    return NO_INDEX
+
+
+def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """`fragsearch search SENTENCE`: the images of the served index for a sentence."""
+    ap = _parser(prog, "images", __doc__ or "")
+    ap.add_argument("sentence", help="what to look for, in English")
+    ap.add_argument("-f", "--paths", action="store_true", help="print only the paths, one a line (for pipes)")
+    add_setting_flags(ap, READ_SETTINGS)
+    args = ap.parse_args(argv)
+    _checked(ap, args)
+    if args.json and args.paths:
+        ap.error("--json and --paths exclude each other")
+    settings = settings_of(ap, args)
+    if not is_index(settings.image_index):
+        where = f"the collection {settings.collection}" if settings.collection is not None else "the image split"
+        return _refused(f"no image index at {settings.image_index} ({where}): make it with `fragsearch index DIR` "
+                        "or `fragsearch serve`, or name the folder with --collection")
+    t0 = time.perf_counter()
+    with use(settings):
+        engine = Engine.load(settings, with_sentences=False)
+        try:
+            rel = engine.relevance("images")
+            try:
+                check_min_relevance(args.min_relevance, rel)
+                page = engine.search_images(args.sentence, args.k)
+            except ApiError as e:
+                return _refused(e.message)
+            hits, cut = cut_off(page.hits, rel, args.min_relevance, "image")
+        finally:
+            engine.images.close()
+    root = settings.collection_root
+    if args.json:
+        results = [{**image_result(h, rel).model_dump(mode="json"), "file": str(root / h.file)} for h in hits]
+        _print_json({"sentence": args.sentence, "results": results, **cut,
+                     "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
+    else:
+        for h in hits:
+            path = str(root / h.file)
+            shown = "" if rel is None else f"{rel.of(h.score):.3f}\t"
+            sys.stdout.write(f"{path}\n" if args.paths else f"{shown}{path}\n")
+    if not hits:
+        sys.stderr.write(f"{cut['reason'] or 'no image in the index'}\n")
+        return NOTHING_FOUND
+    return 0
+
+
+def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """`fragsearch annotate IMAGE`: the sentences of the sentence index for a photo."""
+    ap = _parser(prog, "sentences", __doc__ or "")
+    ap.add_argument("image", type=Path, help="a photo (JPEG, PNG, HEIC, ...)")
+    add_setting_flags(ap, READ_SETTINGS)
+    args = ap.parse_args(argv)
+    _checked(ap, args)
+    settings = settings_of(ap, args)
+    if not is_index(settings.sentence_index):
+        return _refused(f"no sentence index at {settings.sentence_index}: `fragsearch serve` builds it from the "
+                        "data folder's captions (or the `captions` setting's file) on its first start")
+    try:
+        image = load_image(args.image.read_bytes(), max_pixels=settings.max_pixels)
+    except OSError as e:
+        return _refused(f"cannot read {args.image}: {e.strerror or e}")
+    except ImageReadError as e:
+        return _refused(f"{args.image}: {e}")
+    t0 = time.perf_counter()
+    with use(settings):
+        bundle = _model(settings)
+        sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)
+        try:
+            rel = relevance_at(bundle, "sentences", len(sentences))
+            try:
+                check_min_relevance(args.min_relevance, rel)
+            except ApiError as e:
+                return _refused(e.message)
+            page = sentences.annotate(image, args.k)
+        finally:
+            sentences.close()
+    hits, cut = cut_off(page.hits, rel, args.min_relevance, "sentence")
+    if args.json:
+        _print_json({"image": str(args.image), "width": image.size[0], "height": image.size[1],
+                     "results": [sentence_result(h, rel).model_dump(mode="json") for h in hits], **cut,
+                     "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
+    else:
+        for h in hits:
+            shown = "" if rel is None else f"{rel.of(h.score):.3f}\t"
+            sys.stdout.write(f"{shown}{h.text}\n")
+    if not hits:
+        sys.stderr.write(f"{cut['reason'] or 'no sentence in the index'}\n")
+        return NOTHING_FOUND
+    return 0
