@@ -24,10 +24,11 @@ from pathlib import Path
 
 from index.catalogue import is_index
 from index.files import list_images
+from index.flags import add_index_flags, index_settings_of
 from index.images import ImageIndex
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sentences import SentenceIndex
-from index.types import STORE_DTYPES, IndexSettings
+from index.types import IndexSettings
 from model.bundle import Bundle
 from model.cache import FeatureCache
 from model.data import read_captions, read_split_list
@@ -153,14 +154,6 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     return SentenceIndex.load(out, bundle, backend=backend)
 
 
-def settings_from_args(args: argparse.Namespace) -> IndexSettings:
-    return IndexSettings.of(kind=args.kind, nlist=args.nlist, m=args.m, nbits=args.nbits, nprobe=args.nprobe,
-                         k_prime=args.k_prime, rerank=args.rerank, ef_search=args.ef_search, hnsw_m=args.hnsw_m,
-                         pretransform=args.pretransform, store_dtype=args.store_dtype, use_gpu=args.gpu,
-                         codes=args.codes, prescore=args.prescore, refine_codes=args.refine_codes,
-                         refine=args.refine, summaries=args.summaries)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=default_model_path(),
@@ -184,43 +177,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="build anew instead of extending what is at --out")
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
                     help="images added between two commits of the index (an interrupted build resumes from the last)")
-    defaults = IndexSettings()
-    ap.add_argument("--kind", default=defaults.shape.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
-                    help="FAISS index kind of the candidate stage")
-    ap.add_argument("--nlist", type=int, default=defaults.shape.nlist, help="IVF lists (ivf, ivfpq)")
-    ap.add_argument("--m", type=int, default=defaults.shape.m, help="PQ sub-vectors (ivfpq)")
-    ap.add_argument("--nbits", type=int, default=defaults.shape.nbits, help="bits per PQ code (4: fast-scan)")
-    ap.add_argument("--nprobe", type=int, default=defaults.search.nprobe, help="IVF lists searched per query fragment")
-    ap.add_argument("--k-prime", type=int, default=defaults.search.k_prime, help="neighbours per query fragment")
-    ap.add_argument("--rerank", type=int, default=defaults.search.rerank,
-                    help="score exactly only the R candidates with the best partial score (0: all)")
-    ap.add_argument("--ef-search", type=int, default=defaults.search.ef_search,
-                    help="HNSW search breadth")
-    ap.add_argument("--hnsw-m", type=int, default=defaults.shape.hnsw_m, help="HNSW neighbours per node")
-    ap.add_argument("--pretransform", default=defaults.shape.pretransform, help='e.g. "PCA256" before hnsw / ivf')
-    ap.add_argument("--store-dtype", default=defaults.shape.store_dtype, choices=STORE_DTYPES,
-                    help="precision of the re-rank store of fragment vectors")
-    ap.add_argument("--codes", type=int, default=defaults.shape.codes,
-                    help="dimensions of the prescore codes of every stored fragment (0: none; large collections: 64)")
-    ap.add_argument("--prescore", type=int, default=defaults.search.prescore,
-                    help="with --codes and --rerank: candidates (by partial score) whose codes are scored (0: all)")
-    ap.add_argument("--refine-codes", type=int, default=defaults.shape.refine_codes,
-                    help="with --codes: dimensions of a second, refining code of every fragment (0: none)")
-    ap.add_argument("--refine", type=int, default=defaults.search.refine,
-                    help="with --refine-codes: candidates (by the first code's score) scored on both codes (0: none)")
-    ap.add_argument("--summaries", type=int, default=defaults.search.summaries,
-                    help="with --codes and --rerank: the first cut is a scan of every item's summary (its mean "
-                         "code) keeping this many, instead of the candidate backend's (0: the backend's)")
-    ap.add_argument("--gpu", action="store_true", help="search on a GPU (faiss-gpu)")
+    add_index_flags(ap, IndexSettings())
     ap.add_argument("--backend", default="faiss", choices=BACKENDS,
                     help="where candidate vectors are searched: in-process FAISS, or Milvus")
     ap.add_argument("--uri", default=None,
                     help="Milvus: a server (http://host:19530) or a milvus-lite folder (file.db); default: "
                          "milvus.db inside each index folder")
-    ap.add_argument("--sentence-k-prime", type=int, default=SENTENCE_DEFAULTS.search.k_prime,
-                    help="sentence index: neighbours per image fragment (0: every positive one)")
-    ap.add_argument("--sentence-rerank", type=int, default=SENTENCE_DEFAULTS.search.rerank,
-                    help="sentence index: candidates scored exactly")
+    add_index_flags(ap, SENTENCE_DEFAULTS, ("k_prime", "rerank"), prefix="sentence-", what="sentence index: ")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.images is None and args.captions is None:
@@ -231,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--uri needs --backend milvus")
     backend = BackendOptions(args.backend, args.uri)
     bundle = Bundle.load(args.model)
-    settings = settings_from_args(args)
+    try:
+        settings = index_settings_of(args, IndexSettings())
+        sentence_settings = index_settings_of(args, settings, prefix="sentence-")
+    except ValueError as e:
+        ap.error(str(e))
     if args.images is not None:
         paths = list_images(args.images)
         if args.image_list is not None:
@@ -250,8 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             out = base / f"sentences-{args.split.stem if args.split else 'all'}"
         sentences = read_sentences(args.captions, args.split)
         parse_dir = None if args.no_cache else args.cache / "parses"
-        ssettings = settings.with_search(k_prime=args.sentence_k_prime, rerank=args.sentence_rerank)
-        sindex = build_sentence_index(bundle, sentences, out, ssettings, parse_dir, args.rebuild,
+        sindex = build_sentence_index(bundle, sentences, out, sentence_settings, parse_dir, args.rebuild,
                                       None if args.no_cache else args.cache / "vectors", backend)
         logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)
 

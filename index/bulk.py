@@ -41,9 +41,10 @@ from tqdm import tqdm
 
 from index.catalogue import is_index
 from index.files import list_images
+from index.flags import add_index_flags, index_settings_of
 from index.images import ImageIndex
 from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shards, shard_settings, shard_summary
-from index.types import STORE_DTYPES, IndexSettings
+from index.types import IndexSettings
 from model.bundle import Bundle
 from model.cache import FeatureCache, content_key
 from model.config import ImageConfig, add_region_flags, with_region_flags
@@ -316,11 +317,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="images per task / actor call")
     ap.add_argument("--index", type=Path, default=None,
                     help="then add the shards' images to this image index (created when missing)")
-    ap.add_argument("--kind", default=IndexSettings().shape.kind, choices=("flat", "hnsw", "ivf", "ivfpq"),
-                    help="kind of a new --index")
-    ap.add_argument("--store-dtype", default="float16", choices=STORE_DTYPES,
-                    help="re-rank store precision of a new --index (float16: half of float32's disk and reads, "
-                    "the choice for large collections; int8: a quarter + 4 bytes a fragment)")
+    # a new --index's settings (float16 store: half of float32's disk and reads, the choice for large collections)
+    add_index_flags(ap, IndexSettings.of(store_dtype="float16"), what="a new --index: ")
     ap.add_argument("--remove-loaded", action="store_true",
                     help="with --index: delete each shard once a commit of the index holds its images")
     ap.add_argument("--collection-root", type=Path, default=None, help="as in index.build")
@@ -328,6 +326,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.images is None and args.index is None:
         ap.error("give --images (extract) and/or --index (load)")
+    try:
+        new_settings = index_settings_of(args, IndexSettings())
+    except ValueError as e:
+        ap.error(str(e))
     bundle = Bundle.load(args.model) if args.index is not None or args.model.is_file() else None
     if bundle is None and not any(getattr(args, k) is not None for k in ("region_features", "backbone_precision")):
         ap.error(f"{args.model} does not exist: give --model, or the region flags of the features wanted")
@@ -344,8 +346,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if is_index(args.index):
             index = ImageIndex.load(args.index, bundle, collection_root=args.collection_root)
         else:
-            index = ImageIndex.create(args.index, bundle, IndexSettings.of(kind=args.kind,
-                                                                           store_dtype=args.store_dtype),
+            index = ImageIndex.create(args.index, bundle, new_settings,
                                       collection_root=args.collection_root)
         try:
             load_shards(index, args.shards, remove_loaded=args.remove_loaded)

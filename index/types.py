@@ -13,6 +13,11 @@ KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
 
 
+def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of an index's settings with what its command-line flag says (index.flags makes the flags)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 class IndexLoadError(ValueError):
     """An index folder is missing, corrupt, or was built for another model or dimension."""
 
@@ -42,17 +47,20 @@ class IndexShape:
     leaves out, also in memory), for `SearchSettings.refine`.
     """
 
-    kind: str = "flat"
-    nlist: int = 1024  # inverted lists (ivf, ivfpq)
-    m: int = 32  # product-quantiser sub-vectors (ivfpq); must divide the (pre-transformed) dimension
-    nbits: int = 4  # bits per sub-vector code (ivfpq); 4 uses FAISS fast-scan codes
-    hnsw_m: int = 32  # graph degree (hnsw)
-    ef_construction: int = 40  # hnsw build beam
-    pretransform: str = ""
-    store_dtype: str = "float32"
-    train_size: int = 0  # vectors needed before ivf / ivfpq is trained; 0: 39 per list (and 39 * 2^nbits)
-    codes: int = 0  # dimensions of the prescore codes (0: none)
-    refine_codes: int = 0  # dimensions of the refining codes (0: none; only with codes)
+    kind: str = _setting("flat", "FAISS index kind of the candidate stage", choices=KINDS)
+    nlist: int = _setting(1024, "inverted lists (ivf, ivfpq)")
+    m: int = _setting(32, "product-quantiser sub-vectors (ivfpq); must divide the (pre-transformed) dimension")
+    nbits: int = _setting(4, "bits per sub-vector code (ivfpq); 4 uses FAISS fast-scan codes")
+    hnsw_m: int = _setting(32, "HNSW neighbours per node")
+    ef_construction: int = _setting(40, "HNSW build beam")
+    pretransform: str = _setting("", 'FAISS pre-transform before hnsw / ivf / ivfpq, e.g. "PCA256"')
+    store_dtype: str = _setting("float32", "precision of the re-rank store of fragment vectors",
+                                choices=STORE_DTYPES)
+    train_size: int = _setting(0, "vectors collected before ivf / ivfpq is trained (0: 39 per list, and "
+                               "39 * 2^nbits)")
+    codes: int = _setting(0, "dimensions of the prescore codes of every stored fragment (0: none; large "
+                          "collections: 64)")
+    refine_codes: int = _setting(0, "with codes: dimensions of a second, refining code of every fragment (0: none)")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -121,15 +129,19 @@ class SearchSettings:
     search and agrees with the exact ranking by definition); 0 always uses the candidates.
     """
 
-    ef_search: int = 128  # hnsw search beam
-    nprobe: int = 32  # inverted lists visited per query fragment (ivf, ivfpq)
-    k_prime: int = 128
-    rerank: int = 0  # exact re-rank of every candidate (0), or of the R with the best partial FAISS score
-    use_gpu: bool = False  # search on a GPU copy where faiss-gpu and a GPU are present
-    exact_below: int = 50_000  # live fragments under which a search scans every item exactly
-    prescore: int = 0  # candidates (by partial score) whose codes are scored, with codes and rerank (0: all)
-    refine: int = 0  # candidates (by the first code's score) scored on both codes (0: no second step)
-    summaries: int = 0  # items kept by the scan of every item's summary as the first cut (0: the candidates')
+    ef_search: int = _setting(128, "HNSW search beam")
+    nprobe: int = _setting(32, "IVF lists searched per query fragment (ivf, ivfpq)")
+    k_prime: int = _setting(128, "neighbours per query fragment (0: every one with a positive score)")
+    rerank: int = _setting(0, "score exactly only the R candidates with the best partial score (0: all)")
+    use_gpu: bool = _setting(False, "search on a GPU copy where faiss-gpu and a GPU are present")
+    exact_below: int = _setting(50_000, "live fragments under which a search scans every item exactly "
+                                "(0: always the candidates)")
+    prescore: int = _setting(0, "with codes and rerank: candidates (by partial score) whose codes are scored "
+                             "(0: all)")
+    refine: int = _setting(0, "with refine_codes: candidates (by the first code's score) scored on both codes "
+                           "(0: none)")
+    summaries: int = _setting(0, "with codes and rerank: the first cut is a scan of every item's summary (its "
+                              "mean code) keeping this many, instead of the candidate backend's (0: the backend's)")
 
     def __post_init__(self) -> None:
         for name in ("ef_search", "nprobe"):

@@ -124,7 +124,7 @@ class Settings(BaseSettings):
                        "default ../shared/data/flickr8k beside a checkout, <user data directory>/flickr8k elsewhere")
     data_mounted_from: str | None = Field(
         default=None, description="the host folder mounted as the data folder (docker-compose.yml sets it from "
-        "FRAGSEARCH_DATA_HOST), named when the data folder is unusable")
+        "FRAGSEARCH_DATA_HOST; empty when it mounted none), named when the data folder is unusable")
     artifacts: Path = Field(default=DEFAULT_ARTIFACTS, description="weights, caches and indexes; "
                             "default artifacts/ in a checkout (git-ignored), the user's data directory elsewhere "
                             "(~/.local/share/fragsearch on Linux)")
@@ -137,7 +137,7 @@ class Settings(BaseSettings):
     image_split: str = Field(default="dev", description="split whose images are indexed")
     collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
                                     "image split: indexed on the first start and synced (new, changed, renamed, "
-                                    "deleted files) at every start (index/sync.py)")
+                                    "deleted files) at every start (index/sync.py); empty: none")
     exclude: list[str] = Field(default_factory=list, description="gitignore-style patterns of the collection's "
                                "files and folders to leave out (also read from its .fragsearchignore), e.g. "
                                "[\"Screenshots/\", \"*.png\"]")
@@ -235,7 +235,7 @@ class Settings(BaseSettings):
                             "so every indexed photo gets its thumbnail")
     max_json_bytes: int = Field(default=64 * 1024, ge=1024, description="largest JSON request body")
 
-    @field_validator("limit", "workers", "variant", mode="before")
+    @field_validator("limit", "workers", "variant", "collection", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value  # FRAGSEARCH_LIMIT= (compose)
@@ -266,9 +266,15 @@ class Settings(BaseSettings):
         return self
 
     def data_hint(self) -> str:
-        """What to change when the data folder is missing or unusable: FRAGSEARCH_DATA_HOST on the host when
-        compose mounted it, else FRAGSEARCH_DATA."""
+        """What to change when the data folder is missing or unusable: FRAGSEARCH_DATA_HOST (or
+        FRAGSEARCH_COLLECTION_HOST) on the host when compose started the service (it sets data_mounted_from,
+        empty when it mounted none), else FRAGSEARCH_DATA."""
         make = "./run data SRC DEST makes one from the Flickr8K download and checks it"
+        if self.data_mounted_from == "":  # compose, with neither FRAGSEARCH_DATA_HOST nor a collection set
+            return ("compose mounted no data folder (FRAGSEARCH_DATA_HOST is not set) and no photos "
+                    "(FRAGSEARCH_COLLECTION_HOST is not set): set FRAGSEARCH_COLLECTION_HOST to a folder of your "
+                    "photos, or FRAGSEARCH_DATA_HOST to a Flickr8K folder in the project's layout (images/, "
+                    f"captions.txt, train.txt, dev.txt); {make}")
         if self.data_mounted_from:
             return (f"{self.data} is the host folder {self.data_mounted_from} that compose mounts: set "
                     f"FRAGSEARCH_DATA_HOST to a Flickr8K folder in the project's layout (images/, captions.txt, "

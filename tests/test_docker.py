@@ -46,8 +46,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(autouse=True)
 def _data_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """compose needs FRAGSEARCH_DATA_HOST (it refuses to start without a data folder)."""
+    """The Flickr8K folder compose serves unless a test says otherwise (no collection of one's own)."""
     monkeypatch.setenv("FRAGSEARCH_DATA_HOST", "/srv/flickr8k")
+    monkeypatch.delenv("FRAGSEARCH_COLLECTION_HOST", raising=False)
 
 
 def _config(*files: str, profile: str | None = None) -> dict[str, Any]:
@@ -102,17 +103,73 @@ def test_compose_cpu_override_is_valid_and_drops_the_gpu() -> None:
         assert services[name]["image"] == "fragsearch:cpu"
 
 
-def test_compose_refuses_a_missing_data_folder_naming_FRAGSEARCH_DATA_HOST(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
-    r = _run(_tool("docker-compose"), "-f", "docker-compose.yml", "config", "-q")
-    assert r.returncode != 0 and "FRAGSEARCH_DATA_HOST" in r.stderr and "./run data" in r.stderr, r.stderr
+def test_compose_mounts_a_missing_data_folder_as_it_is_never_an_empty_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FRAGSEARCH_DATA_HOST", str(ROOT / "no-such-folder"))
     for name, service in _config("docker-compose.yml")["services"].items():
+        if name not in ("prepare", "fragsearch"):
+            continue
         (data,) = [v for v in service["volumes"] if v["target"] == "/data"]
         assert data["source"] == str(ROOT / "no-such-folder"), name
         assert data["bind"]["create_host_path"] is False, name  # never an empty folder made in its place
         assert service["environment"]["FRAGSEARCH_DATA_MOUNTED_FROM"] == str(ROOT / "no-such-folder")
+        assert service["environment"]["FRAGSEARCH_COLLECTION"] == ""  # the data folder's dev images
         assert service["environment"]["FRAGSEARCH_WORKERS"] == ""  # one extraction process per usable CPU
+
+
+@pytest.mark.parametrize("override", [None, "docker-compose.cpu.yml"])
+def test_compose_serves_your_own_photos_with_no_data_folder(monkeypatch: pytest.MonkeyPatch,
+                                                            override: str | None, tmp_path: Path) -> None:
+    """FRAGSEARCH_COLLECTION_HOST alone: the photos read-only at /photos, the data folder the empty
+    docker/unset, and the settings the services read from that environment serve the photos with no
+    sentences (tests/test_newcomer.py serves such settings)."""
+    from model.settings import Settings
+
+    monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
+    photos = tmp_path / "Pictures"
+    photos.mkdir()
+    monkeypatch.setenv("FRAGSEARCH_COLLECTION_HOST", str(photos))
+    files = ("docker-compose.yml", *([override] if override else []))
+    services = _config(*files)["services"]
+    for key in [k for k in os.environ if k.startswith("FRAGSEARCH_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)  # no .env, no fragsearch.toml
+    for name in ("prepare", "fragsearch"):
+        mounts = {v["target"]: v for v in services[name]["volumes"]}
+        assert mounts["/photos"]["source"] == str(photos) and mounts["/photos"]["read_only"] is True
+        assert mounts["/photos"]["bind"]["create_host_path"] is False
+        assert mounts["/data"]["source"] == str(ROOT / "docker" / "unset") and mounts["/data"]["read_only"]
+        env = services[name]["environment"]
+        assert env["FRAGSEARCH_COLLECTION"] == "/photos" and env["FRAGSEARCH_DATA_MOUNTED_FROM"] == ""
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                if key.startswith("FRAGSEARCH_") and value is not None:
+                    m.setenv(key, value)
+            m.setenv("FRAGSEARCH_DATA", str(ROOT / "docker" / "unset"))  # what /data holds then
+            m.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path / "artifacts"))
+            settings = Settings()
+        assert settings.collection == Path("/photos").resolve() and settings.collection_root == settings.collection
+        assert not settings.has_sentences and settings.variant is None and settings.workers is None
+
+
+def test_compose_with_nothing_to_serve_starts_and_prepare_names_both_variables(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Neither FRAGSEARCH_DATA_HOST nor FRAGSEARCH_COLLECTION_HOST: compose starts (both mounts the empty
+    docker/unset) and `prepare` stops with one line naming both, as it would in the container."""
+    monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
+    monkeypatch.delenv("FRAGSEARCH_COLLECTION_HOST", raising=False)
+    service = _config("docker-compose.yml")["services"]["prepare"]
+    assert {v["target"]: v["source"] for v in service["volumes"] if v["type"] == "bind"} == {
+        "/data": str(ROOT / "docker" / "unset"), "/photos": str(ROOT / "docker" / "unset")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FRAGSEARCH_")}
+    env.update({k: v for k, v in service["environment"].items() if k.startswith("FRAGSEARCH_") and v is not None})
+    env.update(FRAGSEARCH_DEVICE="cpu", FRAGSEARCH_ARTIFACTS=str(tmp_path / "artifacts"),
+               FRAGSEARCH_DATA=str(ROOT / "docker" / "unset"), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "service.prepare"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    (error,) = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert "FRAGSEARCH_COLLECTION_HOST is not set" in error and "FRAGSEARCH_DATA_HOST is not set" in error
+    assert "./run data SRC DEST" in error
 
 
 @pytest.mark.parametrize(("module", "mounted_from"), [("service.prepare", "/srv/photos/flickr8k"), ("service", None)])
@@ -520,12 +577,17 @@ def test_the_image_installs_the_runtime_lock_and_the_extras_named() -> None:
 
 
 def test_run_installs_from_the_lock() -> None:
-    """./run test (and every command but serve and index) installs the dev lock; serve and index the runtime
-    lock unless the dev environment is there; each environment is named by the hash of what it installs."""
+    """./run test (and every command but those that read saved indexes) installs the dev lock; serve, index,
+    search, annotate and duplicates the runtime lock unless the dev environment is there; each environment is
+    named by the hash of what it installs."""
     text = (ROOT / "run").read_text()
     assert 'pip" install -q --no-deps --no-compile -r "$2"' in text
     assert 'setup() { make_venv "$DEV_VENV" requirements-dev.lock;' in text
     assert 'make_venv "$RUNTIME_VENV" requirements.lock' in text
     assert "venv-$(lock_hash requirements.lock requirements-dev.lock)" in text
     assert "venv-runtime-$(lock_hash requirements.lock)" in text
-    assert "serve) setup_runtime;" in text and "index) setup_runtime;" in text and "test)\n    setup\n" in text
+    cases = {name: body for names, body in re.findall(r"^  ([a-z|]+)\)\s*(\S+)", text, re.M)
+             for name in names.split("|")}
+    assert {c for c, body in cases.items() if body.startswith("setup_runtime")} == {
+        "serve", "index", "search", "annotate", "duplicates"}
+    assert cases["test"] == "setup" and cases["train"].startswith("setup;")

@@ -6,9 +6,11 @@ The environment is made by `python -m venv` and filled by pip with this machine'
 find-links and indexes, then PyPI), the project's runtime lock as constraint (`-c requirements.lock`,
 `-c requirements-milvus.lock`): pip resolves pyproject.toml's requirements itself, at the versions the
 locks pin, so that nothing is resolved afresh and the wheels already on the machine are used. The
-installed service runs from a folder outside the repository (the installed package, not the source
-tree), prepares its indexes of the shapes collection with the shapes model, listens on 127.0.0.1 only
-and answers a search. The extra is installed into the same environment after the plain install (a
+installed `fragsearch` command runs from a folder outside the repository (the installed package, not
+the source tree): `fragsearch index` and `fragsearch search` index a folder of the shapes photos into
+the user's data directory and search it from the terminal; `fragsearch serve` prepares its indexes of
+the shapes collection with the shapes model, listens on 127.0.0.1 only and answers a search. The extra
+is installed into the same environment after the plain install (a
 fresh environment for each would install the same runtime twice). Slow (a 7 GB environment: about
 5 minutes on the 2-core machine, docs/results/fresh-install.json); CI runs it (.ci/run):
 
@@ -87,14 +89,27 @@ def get(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, An
         return e.code, json.loads(e.read() or b"{}")
 
 
+def user_env(home: Path) -> dict[str, str]:
+    """This environment without the project's settings, with `home` as the user's home (its data directory
+    ~/.local/share, platformdirs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAGSEARCH_", "PYTHON", "XDG_"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOME=str(home))
+    return env
+
+
+def fragsearch(venv: Path, *args: str, cwd: Path, home: Path) -> subprocess.CompletedProcess[str]:
+    """The installed `fragsearch` command, run from `cwd` (outside the repository)."""
+    return subprocess.run([str(venv / "bin" / "fragsearch"), *args], cwd=cwd, env=user_env(home),
+                          capture_output=True, text=True, timeout=900)
+
+
 def serve(venv: Path, shapes: ShapesModel, model: Path, root: Path, backend: str) -> dict[str, Any]:
-    """`python -m service` of the environment, preparing the shapes collection's indexes in `root` with the
+    """`fragsearch serve` of the environment, preparing the shapes collection's indexes in `root` with the
     index backend `backend`: its readiness and its answer to one search."""
     root.mkdir()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FRAGSEARCH_", "PYTHON"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    command = [str(venv / "bin" / "python"), "-m", "service", "--host", "127.0.0.1", "--port", str(port),
+    env = user_env(root / "home")
+    command = [str(venv / "bin" / "fragsearch"), "serve", "--host", "127.0.0.1", "--port", str(port),
                "--data", str(shapes.data), "--model-path", str(model), "--cache", str(shapes.cache),
                "--artifacts", str(root), "--image-index", str(root / "images"),
                "--sentence-index", str(root / "sentences"), "--index-backend", backend, "--no-warmup",
@@ -153,6 +168,24 @@ def test_pip_install_serves_on_faiss_and_with_the_milvus_extra_on_milvus(shapes_
 
         # the shapes model in the runtime's form: the installed runtime has no torch to read a .pt
         model = Bundle.load(shapes_model.model_path).save(tmp_path / "shapes-model")
+
+        # a folder of photos indexed and searched from the terminal, the index in the user's data directory
+        home, photos = tmp_path / "home", tmp_path / "Pictures"
+        photos.mkdir(parents=True)
+        for name in shapes_model.dev.names[:5]:
+            shutil.copy(shapes_model.data / "images" / name, photos / name)
+        (home / "work").mkdir(parents=True)
+        mine = ["--model-path", str(model), "--cache", str(shapes_model.cache)]
+        indexed = fragsearch(venv, "index", str(photos), *mine, "--workers", "1", "--device", "cpu",
+                             cwd=home / "work", home=home)
+        assert indexed.returncode == 0, indexed.stderr[-3000:]
+        assert list((home / ".local" / "share" / "fragsearch").rglob("sync-manifest.json")), "not in the data dir"
+        found = fragsearch(venv, "search", "a red circle beside a blue square", "--collection", str(photos),
+                           "--model-path", str(model), "-f", "--k", "3", cwd=home / "work", home=home)
+        assert found.returncode == 0, found.stderr[-3000:]
+        paths = found.stdout.splitlines()
+        assert len(paths) == 3 and all(Path(p).parent == photos for p in paths), found.stdout
+        assert len(set(paths)) == 3
         faiss = serve(venv, shapes_model, model, tmp_path / "faiss", "faiss")
         assert faiss["ready"]["images"] == len(shapes_model.dev.names) and len(faiss["results"]) == 3
         assert all(r["alignment"] for r in faiss["results"])

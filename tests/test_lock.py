@@ -133,7 +133,7 @@ def test_the_environment_is_the_development_lock() -> None:
 
 
 def test_the_distribution_holds_every_module_and_file_the_service_reads() -> None:
-    """`pip install .` installs what the packages find: every folder of Python modules of the four packages
+    """`pip install .` installs what the packages find: every folder of Python modules of the five packages
     (a subpackage left out gave a service that failed on import), the page and the variants."""
     import tomllib
 
@@ -141,7 +141,8 @@ def test_the_distribution_holds_every_module_and_file_the_service_reads() -> Non
 
     setuptools_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = set(find_packages(where=str(ROOT), **setuptools_cfg["packages"]["find"]))
-    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("model", "index", "service", "training")
+    tops = ("fragsearch", "model", "index", "service", "training")
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in tops
                for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
     assert folders == found
     data = setuptools_cfg["package-data"]
