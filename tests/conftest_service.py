@@ -180,9 +180,9 @@ def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path) -> Engine:
 
 
 @pytest.fixture(scope="session")
-def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Engine:
-    """The shapes model calibrated on training images, its relevance scale fitted on 10 held-out ones
-    (as training fits it on the validation part), over its own indexes."""
+def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shapes model calibrated on training images, its relevance scale fitted on 10 held-out ones (as
+    training fits it on the validation part), saved."""
     from model.dataset import hold_out, load_split_data
     from model.nets.checkpoint import Checkpoint
     from model.parsers import make_parser
@@ -195,4 +195,16 @@ def calibrated_engine(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPa
     ckpt.calibration = fit_calibration(ckpt, rest, refs=20, seed=0)
     _, scores = evaluate_scores(ckpt, val)
     ckpt.calibration.relevance = fit_relevance(scores, val.pair_image, matches_of(val))
+    path = tmp_path_factory.mktemp("calibrated-model") / "model.pt"
+    ckpt.save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def calibrated_engine(shapes_model: ShapesModel, calibrated_checkpoint: Path,
+                      tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """The calibrated shapes model (`calibrated_checkpoint`) over its own indexes."""
+    from model.nets.checkpoint import Checkpoint
+
+    ckpt = Checkpoint.load(calibrated_checkpoint)
     return engine_over_dev(shapes_model, ckpt.bundle(), tmp_path_factory.mktemp("calibrated"))

@@ -107,11 +107,11 @@ def test_search_and_annotate_answer_from_the_saved_indexes(shapes_model: ShapesM
     assert code == 2 and "fragsearch index" in err
 
 
-def test_a_cut_off_nothing_reaches_says_so(service_env: ServiceEnv, calibrated_model: Path, tmp_path: Path,
+def test_a_cut_off_nothing_reaches_says_so(service_env: ServiceEnv, calibrated_checkpoint: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str], clean: Path) -> None:
     """--min-relevance 1.0: no result, the reason on stderr, exit status 1 (as grep's when nothing matches);
     0 keeps the k best, each with its relevance."""
-    common = ["--model-path", str(calibrated_model), "--image-index", str(service_env.root / "images"),
+    common = ["--model-path", str(calibrated_checkpoint), "--image-index", str(service_env.root / "images"),
               "--data", str(service_env.shapes.data), "--index-backend", service_env.settings.index_backend]
     code, out, err = fragsearch(["search", "a red circle beside a blue square", "--min-relevance", "1.0", *common],
                                 capsys)
@@ -129,26 +129,6 @@ def test_a_cut_off_nothing_reaches_says_so(service_env: ServiceEnv, calibrated_m
     code, _, err = fragsearch(["annotate", str(tmp_path / "missing.jpg"), "--sentence-index",
                                str(service_env.root / "sentences"), *common], capsys)
     assert code == 2 and "cannot read" in err
-
-
-@pytest.fixture(scope="session")
-def calibrated_model(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shapes model with a relevance scale fitted on 10 held-out training images, saved."""
-    from model.dataset import hold_out, load_split_data
-    from model.nets.checkpoint import Checkpoint
-    from model.parsers import make_parser
-    from training.calibrate import fit_calibration, fit_relevance, matches_of
-    from training.evaluate import evaluate_scores
-
-    ckpt = Checkpoint.load(shapes_model.model_path)
-    train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))
-    rest, val = hold_out(train, 10, 0)
-    ckpt.calibration = fit_calibration(ckpt, rest, refs=20, seed=0)
-    _, scores = evaluate_scores(ckpt, val)
-    ckpt.calibration.relevance = fit_relevance(scores, val.pair_image, matches_of(val))
-    path = tmp_path_factory.mktemp("calibrated-cli") / "model.pt"
-    ckpt.save(path)
-    return path
 
 
 def test_the_settings_file_reaches_fragsearch_index(shapes_model: ShapesModel, tmp_path: Path,
