@@ -14,6 +14,15 @@ reference sets are drawn from the training split and stored, embedded, in the ch
 of a new image or sentence is computed from its own fragments when it is embedded. (In the
 retrieval literature: querybank normalisation, a remedy for hubness.)
 
+A local scale (`local_k`, `local_power`; `Calibration.localised`, chosen on the validation part by
+training/calibrate.py) divides each item further by m^p, m the mean of its `local_k` best calibrated scores
+against the references, summed over a merged model's blocks as the score is: the spread says how widely an
+item's scores vary, m how close it comes to its nearest references, so an item near many (a hub) is scaled
+down by more than its spread says (cross-domain local scaling, CSLS, in its multiplicative form). Still a
+positive per-item factor: the same S_kl, one side's factor leaving the other side's rankings and every
+alignment alone, and nothing more to compute per query than the scores against the references the spread
+needs. The references' own spreads it uses (`ref_image_scales`, `ref_sentence_scales`) are stored with them.
+
 The relevance scale (`Relevance`) maps a calibrated S_kl to a number a person can read: the
 probability that a person would call the result a match for the query, in the collection being searched.
 A match is either the item the query was written for (one among the collection's N items: the odds that
@@ -40,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from array_api_compat import device as array_device
 
 from model.arrays import Array, contiguous, namespace, to_numpy
 from model.score import block_slices, skl
@@ -135,6 +145,10 @@ class Calibration:
     floor_image: float = 0.0
     floor_sentence: float = 0.0
     relevance: Relevance | None = None  # fitted on the validation part; None in older checkpoints
+    local_k: int = 0  # with local_power: how many of an item's best reference scores its local scale averages
+    local_power: float = 0.0  # 0: the spread alone (checkpoints before it); p: the local scale's weight
+    ref_image_scales: Array | None = None  # (blocks, R_i): the reference images' own spreads (with local_power)
+    ref_sentence_scales: Array | None = None  # (blocks, R_s): the reference sentences' own spreads
     _parts: dict[tuple[str, int | None, int | None], Array] = field(default_factory=dict, init=False,
                                                                      repr=False, compare=False)
 
@@ -149,40 +163,82 @@ class Calibration:
             self._parts[key] = contiguous(ref[..., part])
         return self._parts[key]
 
-    def image_scales(self, img: Array, part: slice = slice(None)) -> Array:
-        """img: (K, F, h') uncalibrated image fragments -> (K,) sigma_k; with `part`, img holds that slice of
-        h only (one block of a merged model) and is scored against the references' same slice."""
+    def image_scores(self, img: Array, part: slice = slice(None)) -> Array:
+        """img: (K, F, h') uncalibrated image fragments -> (K, R_s) their S_kl against the reference sentences;
+        with `part`, img holds that slice of h only (one block of a merged model), scored against the
+        references' same slice."""
         ref = self.reference("sentences", part)
         xp = namespace(img, ref)
-        out = [xp.std(skl(img[k : k + BLOCK], xp.ones(img[k : k + BLOCK].shape[:2], dtype=img.dtype),
-                          ref, self.ref_sentence_mask, chunk=BLOCK), axis=1, correction=0)
+        ones = xp.ones(img.shape[:2], dtype=img.dtype, device=array_device(img))
+        out = [skl(img[k : k + BLOCK], ones[k : k + BLOCK], ref, self.ref_sentence_mask, chunk=BLOCK)
                for k in range(0, img.shape[0], BLOCK)]
-        scales = xp.concat(out) if out else xp.zeros(0, dtype=img.dtype)
-        return xp.clip(scales, min=self.floor_image)
+        return xp.concat(out, axis=0) if out else xp.zeros((0, ref.shape[0]), dtype=img.dtype)
 
-    def sentence_scales(self, sent: Array, mask: Array, part: slice = slice(None)) -> Array:
-        """sent: (L, T, h') uncalibrated sentence fragments, mask (L, T) -> (L,) tau_l (`part`: as in
-        `image_scales`)."""
+    def sentence_scores(self, sent: Array, mask: Array, part: slice = slice(None)) -> Array:
+        """sent: (L, T, h') uncalibrated sentence fragments, mask (L, T) -> (L, R_i) their S_kl against the
+        reference images (`part`: as in `image_scores`)."""
         ref = self.reference("images", part)
         xp = namespace(sent, ref)
-        ones = xp.ones(ref.shape[:2], dtype=ref.dtype)
-        out = [xp.std(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]), axis=0, correction=0)
+        ones = xp.ones(ref.shape[:2], dtype=ref.dtype, device=array_device(ref))
+        out = [xp.permute_dims(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]), (1, 0))
                for s in range(0, sent.shape[0], BLOCK)]
-        scales = xp.concat(out) if out else xp.zeros(0, dtype=sent.dtype)
-        return xp.clip(scales, min=self.floor_sentence)
+        return xp.concat(out, axis=0) if out else xp.zeros((0, ref.shape[0]), dtype=sent.dtype)
+
+    def image_scales(self, img: Array, part: slice = slice(None)) -> Array:
+        """(K,) sigma_k: the spread of each image's S_kl against the reference sentences (`image_scores`)."""
+        xp = namespace(img)
+        return xp.clip(xp.std(self.image_scores(img, part), axis=1, correction=0), min=self.floor_image)
+
+    def sentence_scales(self, sent: Array, mask: Array, part: slice = slice(None)) -> Array:
+        """(L,) tau_l: the spread of each sentence's S_kl against the reference images."""
+        xp = namespace(sent)
+        return xp.clip(xp.std(self.sentence_scores(sent, mask, part), axis=1, correction=0),
+                       min=self.floor_sentence)
+
+    def localised(self, k: int, power: float, blocks: int = 1) -> Calibration:
+        """This calibration with a local scale (`local_k`, `local_power`), and the references' own spreads it
+        needs (computed here, stored with it)."""
+        xp = namespace(self.ref_images)
+        parts = block_slices(self.ref_images.shape[-1], blocks)
+        images = xp.stack([self.image_scales(self.ref_images[..., p], p) for p in parts])
+        sentences = xp.stack([self.sentence_scales(self.ref_sentences[..., p], self.ref_sentence_mask, p)
+                              for p in parts])
+        return replace(self, local_k=int(k), local_power=float(power), ref_image_scales=images,
+                       ref_sentence_scales=sentences)
+
+    def _calibrate(self, items: Array, scores: list[Array], floor: float, ref_scales: Array | None) -> Array:
+        """items (n, ., h) by blocks, `scores` each block's (n, R) S_kl against the other side's references:
+        each block divided by its spread, and with `local_power` p all blocks by the local scale^p, the mean
+        of the item's `local_k` best calibrated reference scores (summed over the blocks, as the score is):
+        an item close to many references, a hub, is scaled down more than its spread says."""
+        xp = namespace(items)
+        spreads = [xp.clip(xp.std(r, axis=1, correction=0), min=floor) for r in scores]
+        parts = block_slices(items.shape[-1], len(scores))
+        if self.local_power > 0 and self.local_k > 0 and items.shape[0]:
+            if ref_scales is None or ref_scales.shape[0] != len(scores):
+                raise ValueError("a local scale needs the references' own spreads (Calibration.localised)")
+            calibrated = sum(r / (s[:, None] * ref_scales[b][None, :])
+                             for b, (r, s) in enumerate(zip(scores, spreads, strict=True)))
+            k = min(self.local_k, calibrated.shape[1])
+            local = xp.mean(xp.sort(calibrated, axis=1)[:, -k:], axis=1)
+            factor = xp.clip(local, min=1e-6) ** self.local_power
+            spreads = [s * factor for s in spreads]
+        return xp.concat([items[..., p] / s[:, None, None] for p, s in zip(parts, spreads, strict=True)], axis=-1)
 
     def calibrate_images(self, img: Array, blocks: int = 1) -> Array:
-        """img (K, F, h) divided by sigma_k; for a merged model (`blocks` > 1) each block by its own sigma_k^b,
-        so the S_kl of model/score.py becomes the sum of the members' calibrated S_kl."""
-        xp = namespace(img)
-        return xp.concat([img[..., p] / self.image_scales(img[..., p], p)[:, None, None]
-                          for p in block_slices(img.shape[-1], blocks)], axis=-1)
+        """img (K, F, h) divided by sigma_k (and the local scale); for a merged model (`blocks` > 1) each
+        block by its own sigma_k^b, so the S_kl of model/score.py becomes the sum of the members' calibrated
+        S_kl."""
+        parts = block_slices(img.shape[-1], blocks)
+        return self._calibrate(img, [self.image_scores(img[..., p], p) for p in parts], self.floor_image,
+                               self.ref_sentence_scales)
 
     def calibrate_sentences(self, sent: Array, mask: Array, blocks: int = 1) -> Array:
-        """sent (L, T, h) divided by tau_l, block by block for a merged model (as `calibrate_images`)."""
-        xp = namespace(sent)
-        return xp.concat([sent[..., p] / self.sentence_scales(sent[..., p], mask, p)[:, None, None]
-                          for p in block_slices(sent.shape[-1], blocks)], axis=-1)
+        """sent (L, T, h) divided by tau_l (and the local scale), block by block for a merged model (as
+        `calibrate_images`)."""
+        parts = block_slices(sent.shape[-1], blocks)
+        return self._calibrate(sent, [self.sentence_scores(sent[..., p], mask, p) for p in parts],
+                               self.floor_sentence, self.ref_image_scales)
 
     def numpy(self) -> Calibration:
         """The same references as float32 NumPy arrays (self when they are already)."""
@@ -190,20 +246,28 @@ class Calibration:
             return self
         images, sentences, mask = (np.asarray(to_numpy(x), dtype=np.float32) for x in
                                    (self.ref_images, self.ref_sentences, self.ref_sentence_mask))
-        return Calibration(images, sentences, mask, self.floor_image, self.floor_sentence, self.relevance)
+        own = [None if x is None else np.asarray(to_numpy(x), dtype=np.float32)
+               for x in (self.ref_image_scales, self.ref_sentence_scales)]
+        return Calibration(images, sentences, mask, self.floor_image, self.floor_sentence, self.relevance,
+                           self.local_k, self.local_power, own[0], own[1])
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The references as stored, at half precision (the scales are spreads: 3 significant digits are
         plenty): the reference sentences' real fragments only (`ref_sentence_rows`, in mask order: padding is
         two thirds of the padded array and never scored)."""
         mask = to_numpy(self.ref_sentence_mask) > 0
+        own = {name: to_numpy(x).astype(np.float32) for name, x in (("ref_image_scales", self.ref_image_scales),
+                                                                   ("ref_sentence_scales", self.ref_sentence_scales))
+               if x is not None}
         return {"ref_images": to_numpy(self.ref_images).astype(np.float16),
                 "ref_sentence_rows": to_numpy(self.ref_sentences)[mask].astype(np.float16),
-                "ref_sentence_mask": mask}
+                "ref_sentence_mask": mask, **own}
 
     def settings(self) -> dict[str, Any]:
-        """What is stored beside the arrays: the floors and the relevance scale."""
-        return {"floor_image": self.floor_image, "floor_sentence": self.floor_sentence,
+        """What is stored beside the arrays: the floors, the local scale (when it is used) and the relevance
+        scale."""
+        local = {"local_k": self.local_k, "local_power": self.local_power} if self.local_power > 0 else {}
+        return {"floor_image": self.floor_image, "floor_sentence": self.floor_sentence, **local,
                 "relevance": None if self.relevance is None else self.relevance.to_state()}
 
     @classmethod
@@ -219,4 +283,7 @@ class Calibration:
             sentences = np.asarray(arrays["ref_sentences"], dtype=np.float32)
         return cls(np.asarray(arrays["ref_images"], dtype=np.float32), sentences, mask.astype(np.float32),
                    float(settings["floor_image"]), float(settings["floor_sentence"]),
-                   Relevance.from_state(settings.get("relevance")))
+                   Relevance.from_state(settings.get("relevance")), int(settings.get("local_k", 0)),
+                   float(settings.get("local_power", 0.0)),
+                   *(np.asarray(arrays[n], dtype=np.float32) if n in arrays else None
+                     for n in ("ref_image_scales", "ref_sentence_scales")))

@@ -91,11 +91,13 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         description.update(meta=state.get("meta", {}), weights=state.get("weights"), calibration=None)
         cal = state.get("calibration")
         if cal is not None:
-            for key in ("ref_images", "ref_sentence_rows", "ref_sentence_mask", "ref_sentences"):
+            for key in ("ref_images", "ref_sentence_rows", "ref_sentence_mask", "ref_sentences", "ref_image_scales",
+                        "ref_sentence_scales"):
                 if key in cal:
                     t = cal[key]
                     out[f"cal/{key}"] = t.numpy() if t.dtype == torch.bool else t.float().numpy()
-            description["calibration"] = {k: cal.get(k) for k in ("floor_image", "floor_sentence", "relevance")}
+            description["calibration"] = {k: cal[k] for k in ("floor_image", "floor_sentence", "local_k",
+                                                               "local_power", "relevance") if k in cal}
     except (KeyError, AttributeError, TypeError) as exc:
         raise CheckpointError(f"{path}: a damaged or incompatible fragsearch checkpoint: {exc}") from exc
     return description, out

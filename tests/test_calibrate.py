@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -236,3 +237,71 @@ def test_a_calibration_is_stored_without_its_padding_and_loads_as_before() -> No
     for loaded in (again, old):
         assert np.array_equal(loaded.ref_sentences, sentences.astype(np.float16).astype(np.float32))
         assert np.array_equal(loaded.ref_sentence_mask, mask)
+
+
+def _local_by_hand(cal: Calibration, img: torch.Tensor, blocks: int) -> torch.Tensor:
+    """calibrate_images with a local scale, written out: every block over its spread, then all blocks over the
+    local scale^p, the mean of the image's k best summed calibrated scores against the reference sentences."""
+    h = img.shape[-1] // blocks
+    parts = [slice(b * h, (b + 1) * h) for b in range(blocks)]
+    im = torch.ones(img.shape[:2])
+    raws = [skl(img[..., p], im, cal.ref_sentences[..., p], cal.ref_sentence_mask) for p in parts]
+    spreads = [r.std(dim=1, unbiased=False).clamp_min(cal.floor_image) for r in raws]
+    own = []
+    for p in parts:  # each reference sentence's spread against the reference images, on the block's slice
+        ref = cal.ref_images[..., p]
+        own.append(skl(ref, torch.ones(ref.shape[:2]), cal.ref_sentences[..., p], cal.ref_sentence_mask)
+                   .std(dim=0, unbiased=False).clamp_min(cal.floor_sentence))
+    summed = sum(r / (s[:, None] * t[None, :]) for r, s, t in zip(raws, spreads, own, strict=True))
+    assert isinstance(summed, torch.Tensor)
+    local = summed.topk(cal.local_k, dim=1).values.mean(dim=1) ** cal.local_power
+    return torch.cat([img[..., p] / (s * local)[:, None, None] for p, s in zip(parts, spreads, strict=True)], -1)
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_local_scale_divides_every_block_by_the_items_best_reference_scores(blocks: int) -> None:
+    cal = _random_calibration().localised(5, 0.75, blocks)
+    assert cal.ref_sentence_scales is not None and cal.ref_sentence_scales.shape == (blocks, 40)
+    g = torch.Generator().manual_seed(3)
+    img, sent = torch.randn(9, 4, 6, generator=g), torch.randn(7, 3, 6, generator=g).relu()
+    torch.testing.assert_close(cal.calibrate_images(img, blocks), _local_by_hand(cal, img, blocks))
+    # the spread alone is what a calibration without it gives, and the local scale moves the ranking
+    spread = _random_calibration()
+    plain = spread.calibrate_images(img, blocks)
+    assert not torch.allclose(cal.calibrate_images(img, blocks), plain)
+    ratio = cal.calibrate_images(img, blocks) / plain  # one factor per image, the same in every block
+    assert torch.allclose(ratio, ratio[:, :1, :1].expand_as(ratio), rtol=1e-4)
+    sm = torch.ones(7, 3)
+    assert cal.calibrate_sentences(sent, sm, blocks).shape == sent.shape
+    # an image that never scores gets the floors, not a division by zero
+    assert torch.isfinite(cal.calibrate_images(torch.zeros(2, 4, 6), blocks)).all()
+
+
+def test_a_local_scale_is_stored_with_the_references_and_loads_as_it_was() -> None:
+    cal = _random_calibration().localised(4, 0.5, 2)
+    arrays, settings = cal.to_arrays(), cal.settings()
+    assert settings["local_k"] == 4 and settings["local_power"] == 0.5
+    assert arrays["ref_image_scales"].shape == (2, 30) and arrays["ref_sentence_scales"].shape == (2, 40)
+    back = Calibration.from_arrays(arrays, settings)
+    img = torch.randn(5, 4, 6, generator=torch.Generator().manual_seed(4))
+    np.testing.assert_allclose(back.calibrate_images(img.numpy(), 2), cal.calibrate_images(img, 2).numpy(),
+                               rtol=2e-2, atol=1e-5)  # the references are stored at half precision
+    # a calibration without it stores what it stored before, and one saved before loads without it
+    plain = _random_calibration()
+    assert "local_k" not in plain.settings() and "ref_image_scales" not in plain.to_arrays()
+    old = Calibration.from_arrays(plain.to_arrays(), plain.settings())
+    assert old.local_power == 0.0 and old.ref_image_scales is None
+    needs = Calibration(plain.ref_images, plain.ref_sentences, plain.ref_sentence_mask, local_k=3, local_power=0.5)
+    with pytest.raises(ValueError, match="localised"):
+        needs.calibrate_images(img, 1)
+
+
+def test_a_local_scale_keeps_to_the_device_of_its_inputs() -> None:
+    """The local scale on torch's `meta` device (no data: shapes and devices only), from the blocks' scores
+    against the references: every array it makes stays on the inputs' device, as it would on a GPU."""
+    cal = _random_calibration().localised(5, 0.75, 2)
+    assert cal.ref_sentence_scales is not None
+    meta = replace(cal, ref_sentence_scales=cal.ref_sentence_scales.to("meta"))
+    scores = [torch.empty(3, 40, device="meta") for _ in range(2)]
+    out = meta._calibrate(torch.empty(3, 4, 6, device="meta"), scores, meta.floor_image, meta.ref_sentence_scales)
+    assert out.device.type == "meta" and out.shape == (3, 4, 6)

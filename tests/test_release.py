@@ -88,6 +88,8 @@ def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_mod
     bundle = shapes_model.bundle
     dev = {"rsum": 123.456, "annot_r1": 1.0}
     manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "python -m training.release x")
+    assert manifest["row"] == shapes_model.model_path.parent.name  # the model folder's name, unless --row
+    assert manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "x", override="mine")["row"] == "mine"
     release = tmp_path / "release"
     (release).mkdir()
     (release / "model.pt").write_bytes(b"an earlier release's file")

@@ -17,6 +17,8 @@ every evaluated epoch; this command refits it for a checkpoint or a model in the
     python -m training.calibrate --model artifacts/models/full/model.pt --refs 1000
     python -m training.calibrate --model artifacts/models/full-val/model.pt --relevance-only \
         --out artifacts/models/full-val-relevance/model.pt
+    python -m training.calibrate --model model/released --relevance-only --local-k 5,10,20,50 \
+        --out artifacts/models/release-local   # a local scale chosen on the validation part, then the curve
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import argparse
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -246,12 +250,27 @@ def main(argv: list[str] | None = None) -> None:
                     help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the reference draw")
+    ap.add_argument("--local-k", default=None, metavar="K[,K...]",
+                    help="with --relevance-only: choose a local scale on the validation part among these k (the "
+                    "reference scores an item's local scale averages) and --local-power, or the spread alone")
+    ap.add_argument("--local-power", default="0.5,0.75,1.0", metavar="P[,P...]",
+                    help="with --local-k: the local scale's weights tried (default 0.5,0.75,1.0)")
     ap.add_argument("--workers", type=int, default=1, help="feature extraction processes")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    local = None
+    if args.local_k is not None:
+        if not args.relevance_only:
+            ap.error("--local-k is chosen on the validation part: give it with --relevance-only")
+        try:
+            local = ([int(k) for k in args.local_k.split(",")], [float(p) for p in args.local_power.split(",")])
+        except ValueError:
+            ap.error("--local-k and --local-power take comma-separated numbers (20 or 10,20; 0.5,0.75)")
+        if any(k < 1 for k in local[0]) or any(p <= 0 for p in local[1]):
+            ap.error("--local-k values must be >= 1 and --local-power values > 0")
     if args.relevance_only:
-        refit_relevance(args.model, args.out or args.model, args.data, args.cache, args.workers, args.device)
+        refit_relevance(args.model, args.out or args.model, args.data, args.cache, args.workers, args.device, local)
         return
     bundle = Checkpoint.load(args.model, device=args.device)
     device = str(bundle.device)
@@ -300,9 +319,37 @@ def fit_relevance_on_validation(bundle: Checkpoint, train: SplitData, cache: Pat
     store_relevance(bundle, fit_relevance(scores, val.pair_image, matches_of(val)), len(val.names))
 
 
-def refit_relevance(model: Path, out: Path, data: Path, cache: Path, workers: int = 1, device: str = "auto") -> None:
+def choose_local_scale(bundle: Checkpoint | Bundle, val: SplitData, ks: list[int], powers: list[float]
+                       ) -> dict[str, Any]:
+    """The local scale (model/calibration.py `Calibration.localised`) of the best validation R-sum among
+    `ks` x `powers` and the spread alone (power 0; the first of equals is kept), set on the bundle's
+    calibration: what was chosen, the validation metrics with it and every candidate's R-sum."""
+    assert bundle.calibration is not None
+    base = bundle.calibration
+    if base.local_power > 0:
+        base = replace(base, local_k=0, local_power=0.0)
+    grid: list[dict[str, Any]] = []
+    best: tuple[float, Calibration, dict[str, float]] | None = None
+    for k, power in [(0, 0.0), *((k, p) for k in ks for p in powers if p > 0 and k > 0)]:
+        bundle.calibration = base.localised(k, power, bundle.blocks) if power > 0 else base
+        metrics = evaluate(bundle, val)
+        grid.append({"local_k": k, "local_power": power, "val_rsum": round(metrics["rsum"], 2)})
+        logger.info("local scale k=%d power=%.2f: validation R-sum %.2f", k, power, metrics["rsum"])
+        if best is None or metrics["rsum"] > best[0]:
+            best = (metrics["rsum"], bundle.calibration, metrics)
+    assert best is not None
+    bundle.calibration = best[1]
+    chosen = {"local_k": best[1].local_k, "local_power": best[1].local_power}
+    logger.info("chosen on the validation part: %s (R-sum %.2f)", json.dumps(chosen), best[0])
+    return {**chosen, "val": best[2], "grid": grid}
+
+
+def refit_relevance(model: Path, out: Path, data: Path, cache: Path, workers: int = 1, device: str = "auto",
+                    local: tuple[list[int], list[float]] | None = None) -> None:
     """Refit the relevance scale of a calibrated checkpoint (.pt) or a model in the runtime's form (its folder
-    or model.json; written as a folder) on its validation part alone (only those images' features are read)."""
+    or model.json; written as a folder) on its validation part alone (only those images' features are read);
+    with `local` (k values, powers), first choose the local scale on that part (`choose_local_scale`): the
+    validation metrics the model carries are then those of the chosen scale."""
     runtime = Path(model).suffix != ".pt"
     bundle: Bundle | Checkpoint = (Bundle.load(model, device=device) if runtime
                                    else Checkpoint.load(model, device=device))
@@ -316,6 +363,14 @@ def refit_relevance(model: Path, out: Path, data: Path, cache: Path, workers: in
     val = load_split_data(data, part, bundle.image_cfg, cache, make_parser(bundle.text.cfg.parser), workers,
                           device=str(bundle.device))
     bundle.text.warm(val.parsed, val.sentences, cache / "vectors")
+    if local is not None:
+        chosen = choose_local_scale(bundle, val, *local)
+        bundle.meta["calibration"] = {**bundle.meta.get("calibration", {}),
+                                      "local": {k: chosen[k] for k in ("local_k", "local_power", "grid")}}
+        selection = bundle.meta.setdefault("selection", {})
+        selection["val"] = chosen["val"]
+        selection["local_scale"] = "best validation R-sum (training.calibrate --local-k/--local-power)"
+        bundle.meta.pop("dev", None)  # measured with the previous scales
     _, scores = evaluate_scores(bundle, val)
     store_relevance(bundle, fit_relevance(scores, val.pair_image, matches_of(val)), len(val.names))
     written = bundle.save(Path(out).parent if runtime and Path(out).suffix == ".json" else out)

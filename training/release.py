@@ -121,9 +121,10 @@ def released_before(model: Path) -> dict[str, Any] | None:
 
 
 def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], command: str,
-                before: dict[str, Any] | None = None) -> dict[str, Any]:
+                before: dict[str, Any] | None = None, override: str | None = None) -> dict[str, Any]:
     """Everything but `files` (added once the folder is written); `before`: the manifest of the release this
-    one replaces (default: the one `model` is a file of), whose training provenance it keeps."""
+    one replaces (default: the one `model` is a file of), whose training provenance it keeps; `override`:
+    the results row it is (default: the model folder's name, or `before`'s)."""
     history = model.parent / "history.json"
     trained = json.loads(history.read_text()) if history.is_file() else {}
     selection = dict(bundle.meta.get("selection", {}))
@@ -155,7 +156,7 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
     return {
         "format": MANIFEST_FORMAT,
         "name": name,
-        "row": row,
+        "row": override or row,
         "made_by": made_by,
         "model": {"h": bundle.dim, "blocks": bundle.blocks, "words": len(bundle.text.words.words),
                   "relevance": None if rel is None else rel.to_state()},
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--dev-split", default="dev", help="the split the release's dev metrics are measured on")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
+    ap.add_argument("--row", default=None,
+                    help="the row of docs/results/flickr8k-dev.csv this release is (default: the model folder's "
+                         "name, or for a model made from an earlier release that release's row)")
     ap.add_argument("--provenance", type=Path, default=None,
                     help="the manifest.json of the release this model was made from (e.g. its relevance scale "
                          "refitted by training.calibrate --relevance-only): its training provenance is kept")
@@ -228,7 +232,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     logger.info("dev R-sum %.2f (annotation R@1 %.1f, search R@1 %.1f)", dev["rsum"], dev["annot_r1"],
                 dev["search_r1"])
     command = "python -m training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
-    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command, before))
+    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command, before,
+                                                           args.row))
     Bundle.load(args.out)  # the release loads, checked against its manifest
     logger.info("released %s into %s: %s", manifest["name"], args.out,
                 ", ".join(f"{n} {f['bytes'] / 1e6:.1f} MB" for n, f in manifest["files"].items()))
