@@ -1,6 +1,6 @@
 """Can a person trust the relevance scale? Measured on dev (the scale is fitted on the validation part of
-the training data, never on dev), for a model and, side by side, a baseline (another scale of the same
-score, e.g. the release before its scale was refitted):
+the training data, never on dev), for a model and, side by side, a baseline (another model, or another
+scale of the same score; each is measured on its own scores):
 
     python -m bench.relevance_bench --model model/released/model.json --baseline /tmp/old-release/model.json
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     a = default_artifacts_dir()
     ap.add_argument("--model", type=Path, default=default_model_path(), help="a model with a relevance scale")
     ap.add_argument("--baseline", type=Path, default=None,
-                    help="a model of the same score with another relevance scale, measured beside it")
+                    help="another model (or the same score with another relevance scale), measured beside it")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
     ap.add_argument("--split", default="dev", help="the split measured on")
     ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature, parse and vector cache")
@@ -158,9 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/results/relevance-dev.csv"), help="the table written")
     args, command = parse_run(ap, argv, "bench.relevance_bench")
     bundle = Bundle.load(args.model)
-    scales = {"model": bundle.relevance}
+    models = {"model": bundle}
     if args.baseline is not None:
-        scales["baseline"] = Bundle.load(args.baseline).relevance
+        models["baseline"] = Bundle.load(args.baseline)
+    scales = {name: b.relevance for name, b in models.items()}
     missing = [name for name, rel in scales.items() if rel is None]
     if missing:
         raise SystemExit(f"no relevance scale in the {' and '.join(missing)}: python -m training.calibrate "
@@ -168,11 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = make_parser(bundle.text.cfg.parser)
     data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser)
     bundle.text.warm(data.parsed, data.sentences, args.cache / "vectors")
-    metrics, scores = evaluate_scores(bundle, data)
     matches = matches_of(data)
     texts, nouns = absent_object_captions(load_split(args.data, "train"), data, parser, args.seed)
-    absent = (score_split(bundle, data.feats, bundle.text.encode(texts, strict=False)) if texts
-              else np.zeros((len(data.names), 0)))
+    scored: dict[str, tuple[dict[str, float], np.ndarray, np.ndarray]] = {}
+    for name, b in models.items():  # each model's own scores: a baseline may be another score, not only a scale
+        metrics, scores = evaluate_scores(b, data)
+        absent = (score_split(b, data.feats, b.text.encode(texts, strict=False)) if texts
+                  else np.zeros((len(data.names), 0)))
+        scored[name] = (metrics, scores, absent)
+    metrics = scored["model"][0]
     logger.info("%d training captions about an object no dev caption names (%s, ...)", len(texts),
                 ", ".join(sorted(set(nouns))[:12]))
     where = {"machine": machine(), "command": command}
@@ -183,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     tables: dict[str, list[dict[str, Any]]] = {}
     for name, rel in scales.items():
         assert rel is not None
-        out, table = measure(rel, scores, matches, data.pair_image, absent)
+        out, table = measure(rel, scored[name][1], matches, data.pair_image, scored[name][2])
+        out["rsum"] = round(scored[name][0]["rsum"], 2)
         summary[name] = out
         tables[name] = table
         rows += [{"scale": name, **r} for r in table]

@@ -26,7 +26,8 @@ def _settings(part: str, cfg: Any) -> dict[str, object]:
 
 
 def model_fingerprint(bundle: Bundle) -> str:
-    """sha256 (first 20 hex digits) of the model's settings, relations, word table and weights."""
+    """sha256 (first 20 hex digits) of the model's settings, relations, word table and weights, and of its
+    calibration's local scale where it has one."""
     cached = _cache.get(bundle)
     if cached is not None:
         return cached
@@ -48,6 +49,12 @@ def model_fingerprint(bundle: Bundle) -> str:
     for name, array in sorted((k[4:], v) for k, v in stored.items() if k.startswith("enc/")):
         h.update(name.encode())
         h.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
+    cal = bundle.calibration
+    if cal is not None and cal.local_power > 0:  # a local scale (added later) divides every stored vector too:
+        # its settings and the references' own spreads it reads
+        h.update(json.dumps({"local_k": cal.local_k, "local_power": cal.local_power}, sort_keys=True).encode())
+        for own in (cal.ref_image_scales, cal.ref_sentence_scales):
+            h.update(np.ascontiguousarray(own, dtype=np.float32).tobytes())
     digest = h.hexdigest()[:20]
     _cache[bundle] = digest
     return digest

@@ -228,17 +228,24 @@ class Calibration:
     def calibrate_images(self, img: Array, blocks: int = 1) -> Array:
         """img (K, F, h) divided by sigma_k (and the local scale); for a merged model (`blocks` > 1) each
         block by its own sigma_k^b, so the S_kl of model/score.py becomes the sum of the members' calibrated
-        S_kl."""
+        S_kl. `BLOCK` images at a time (their scores against the references are all held at once)."""
         parts = block_slices(img.shape[-1], blocks)
-        return self._calibrate(img, [self.image_scores(img[..., p], p) for p in parts], self.floor_image,
+        xp = namespace(img)
+        out = [self._calibrate(chunk, [self.image_scores(chunk[..., p], p) for p in parts], self.floor_image,
                                self.ref_sentence_scales)
+               for chunk in (img[k : k + BLOCK] for k in range(0, img.shape[0], BLOCK))]
+        return xp.concat(out, axis=0) if out else img
 
     def calibrate_sentences(self, sent: Array, mask: Array, blocks: int = 1) -> Array:
         """sent (L, T, h) divided by tau_l (and the local scale), block by block for a merged model (as
-        `calibrate_images`)."""
+        `calibrate_images`), `BLOCK` sentences at a time."""
         parts = block_slices(sent.shape[-1], blocks)
-        return self._calibrate(sent, [self.sentence_scores(sent[..., p], mask, p) for p in parts],
-                               self.floor_sentence, self.ref_image_scales)
+        xp = namespace(sent)
+        out = [self._calibrate(sent[s : s + BLOCK],
+                               [self.sentence_scores(sent[s : s + BLOCK, :, p], mask[s : s + BLOCK], p)
+                                for p in parts], self.floor_sentence, self.ref_image_scales)
+               for s in range(0, sent.shape[0], BLOCK)]
+        return xp.concat(out, axis=0) if out else sent
 
     def numpy(self) -> Calibration:
         """The same references as float32 NumPy arrays (self when they are already)."""

@@ -259,7 +259,9 @@ def _local_by_hand(cal: Calibration, img: torch.Tensor, blocks: int) -> torch.Te
 
 
 @pytest.mark.parametrize("blocks", [1, 2])
-def test_a_local_scale_divides_every_block_by_the_items_best_reference_scores(blocks: int) -> None:
+def test_a_local_scale_divides_every_block_by_the_items_best_reference_scores(blocks: int,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("model.calibration.BLOCK", 4)  # the 9 images and 7 sentences below in several chunks
     cal = _random_calibration().localised(5, 0.75, blocks)
     assert cal.ref_sentence_scales is not None and cal.ref_sentence_scales.shape == (blocks, 40)
     g = torch.Generator().manual_seed(3)

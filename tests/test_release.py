@@ -40,7 +40,13 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
     assert len(features["graph_sha256"]) == 64 and "avx2" in features["cpu"]["flags"]
     assert manifest["metrics"]["validation"]["rsum"] > 0 and manifest["metrics"]["dev"]["rsum"] > 0
     assert manifest["model"]["relevance"]["slope"] > 0, "a relevance scale: min_relevance works on the default"
-    assert manifest["row"] == "full-2x256-distill", "the row of docs/results/rows.md the release is"
+    assert manifest["row"] == "full-2x256-distill-local", "the row of docs/results/rows.md the release is"
+    rows = (RELEASE_DIR.parent.parent / "docs" / "results" / "flickr8k-dev.csv").read_text().splitlines()
+    (row,) = [r.split(",") for r in rows if r.startswith(manifest["row"] + ",")]
+    dev = manifest["metrics"]["dev"]
+    assert [float(x) for x in row[1:3]] == [round(dev["annot_r1"], 1), round(dev["annot_r5"], 1)], \
+        "the results table holds the release's dev numbers"
+    assert made["exported_from"]["command"].startswith("python -m training.release ")  # made from a release
     teacher = made["teacher"]  # distilled: the teacher's checkpoint and the command that made it
     assert "--distill-from " + teacher["model"] in made["training_command"]
     assert teacher["command"].startswith("python -m training.merge --members ")
