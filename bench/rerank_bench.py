@@ -24,7 +24,6 @@ prints it.
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import logging
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import machine, parse_run
+from bench import machine, parse_run, write_rows
 from model.bundle import Bundle
 from model.data import load_split
 from model.dataset import SplitData, held_out_split, load_split_data
@@ -134,12 +133,7 @@ def main(argv: list[str] | None = None) -> None:
                      "machine": machine(), "command": command})
         logger.info("%s, %s: k=%d lambda=%.2f: val %.2f -> %.2f, dev %.2f -> %.2f", bank, direction, k, lam,
                     base["val"], val, base["dev"], dev)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    logger.info("wrote %s", args.out)
+    write_rows(args.out, list(rows[0]), rows)
 
 
 if __name__ == "__main__":

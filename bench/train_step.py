@@ -13,7 +13,6 @@ on both arms. Writes docs/results/train-step.csv (one row per turn) and logs the
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import logging
 import tempfile
@@ -25,7 +24,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from bench import machine, parse_run
+from bench import machine, parse_run, write_rows
 from model.dataset import load_split_data
 from model.parsers import make_parser
 from model.settings import default_cache_dir, default_data_dir
@@ -80,12 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("epoch seconds, median: %.1f (%s) vs %.1f (%s); before / after per pair: %s (median %.2f)",
                 float(np.median(before)), ARMS[0], float(np.median(after)), ARMS[1],
                 ", ".join(f"{r:.2f}" for r in ratio), float(np.median(ratio)))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    logger.info("wrote %s", args.out)
+    write_rows(args.out, list(rows[0]), rows)
 
 
 if __name__ == "__main__":
