@@ -307,3 +307,38 @@ def test_a_local_scale_keeps_to_the_device_of_its_inputs() -> None:
     scores = [torch.empty(3, 40, device="meta") for _ in range(2)]
     out = meta._calibrate(torch.empty(3, 4, 6, device="meta"), scores, meta.floor_image, meta.ref_sentence_scales)
     assert out.device.type == "meta" and out.shape == (3, 4, 6)
+
+
+def test_the_calibrate_command_chooses_a_local_scale_on_the_validation_part(shapes_model: ShapesModel,
+                                                                            tmp_path: Path) -> None:
+    """`python -m training.calibrate --relevance-only --local-k … --local-power …` (the released model's
+    recipe): the best validation R-sum among the spread alone and each (k, p), the relevance refitted, the
+    validation metrics the checkpoint carries those of the choice."""
+    from model.data import load_split
+    from model.dataset import held_out_split, hold_out, load_split_data
+    from model.parsers import make_parser
+    from training.calibrate import main as calibrate_main
+
+    ckpt = Checkpoint.load(shapes_model.model_path)
+    train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))
+    rest, _ = hold_out(train, 20, 0)
+    ckpt.calibration = fit_calibration(ckpt, rest, refs=20, seed=0)
+    ckpt.meta["train"] = {**ckpt.meta.get("train", {}), "selection": "val", "val_images": 20, "val_seed": 0}
+    ckpt.save(tmp_path / "model.pt")
+    common = ["--data", str(shapes_model.data), "--cache", str(shapes_model.cache), "--device", "cpu"]
+    calibrate_main(["--model", str(tmp_path / "model.pt"), "--relevance-only", "--local-k", "2,4",
+                    "--local-power", "0.5,0.75", "--out", str(tmp_path / "local.pt"), *common])
+    out = Checkpoint.load(tmp_path / "local.pt")
+    assert out.calibration is not None and out.relevance is not None
+    grid = out.meta["calibration"]["local"]["grid"]
+    assert [(g["local_k"], g["local_power"]) for g in grid] == [(0, 0.0), (2, 0.5), (2, 0.75), (4, 0.5), (4, 0.75)]
+    best = max(grid, key=lambda g: g["val_rsum"])  # the first of equals
+    assert (out.calibration.local_k, out.calibration.local_power) == (best["local_k"], best["local_power"])
+    assert round(out.meta["selection"]["val"]["rsum"], 2) == best["val_rsum"]
+    val = load_split_data(shapes_model.data, held_out_split(load_split(shapes_model.data, "train"), 20, 0),
+                          out.image_cfg, shapes_model.cache, make_parser("spacy"))
+    assert round(evaluate(out, val)["rsum"], 2) == best["val_rsum"], "the saved model scores as chosen"
+    with pytest.raises(SystemExit):  # chosen on the validation part only
+        calibrate_main(["--model", str(tmp_path / "model.pt"), "--local-k", "2", *common])
+    with pytest.raises(SystemExit):
+        calibrate_main(["--model", str(tmp_path / "model.pt"), "--relevance-only", "--local-k", "0", *common])

@@ -372,7 +372,12 @@ def refit_relevance(model: Path, out: Path, data: Path, cache: Path, workers: in
         selection["local_scale"] = "best validation R-sum (training.calibrate --local-k/--local-power)"
         bundle.meta.pop("dev", None)  # measured with the previous scales
     _, scores = evaluate_scores(bundle, val)
-    store_relevance(bundle, fit_relevance(scores, val.pair_image, matches_of(val)), len(val.names))
+    try:
+        rel = fit_relevance(scores, val.pair_image, matches_of(val))
+    except ValueError as e:
+        raise SystemExit(f"{model}: no relevance scale on its validation part of {len(val.names)} images ({e}); "
+                         "nothing written") from e
+    store_relevance(bundle, rel, len(val.names))
     written = bundle.save(Path(out).parent if runtime and Path(out).suffix == ".json" else out)
     logger.info("wrote %s", written or out)
 
