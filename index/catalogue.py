@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import sqlite3
 import threading
 import time
@@ -65,6 +66,27 @@ def built_backend(root: Path) -> str | None:
     the folder has no readable database."""
     readable, value = _created_info(root, "backend")
     return None if not readable else "faiss" if value is None else str(value)
+
+
+def set_aside_if_stale(root: Path, fingerprint: str, backend: str) -> Path | None:
+    """Move an index folder built with another model (another `fingerprint`), or keeping its candidates in
+    another backend than `backend`, to `<root>.stale` (one kept: an earlier one is replaced), so that it is
+    built anew; returns where it went (None: nothing to set aside)."""
+    built = built_fingerprint(root)
+    if built is None:
+        return None
+    if built != fingerprint:
+        why = f"was built with another model (fingerprint {built}, this model {fingerprint})"
+    elif (kept := built_backend(root)) not in (None, backend):
+        why = (f"keeps its candidates in {kept} and FRAGSEARCH_INDEX_BACKEND is {backend}"
+               + (" (its Milvus collections stay on the server)" if kept == "milvus" else ""))
+    else:
+        return None
+    stale = root.with_name(root.name + ".stale")
+    logger.warning("%s %s: rebuilding it", root, why)
+    shutil.rmtree(stale, ignore_errors=True)
+    root.rename(stale)
+    return stale
 
 
 def committed_generation(root: Path) -> Any:

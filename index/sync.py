@@ -43,8 +43,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from index.catalogue import is_index
+from index.catalogue import is_index, set_aside_if_stale
 from index.files import sha256_file
+from index.fingerprint import model_fingerprint
 from index.images import ImageIndex
 from index.shards import commit_interval
 from index.types import IndexSettings
@@ -304,6 +305,8 @@ def sync_collection(settings: Settings, bundle: Bundle, save_every: int = SAVE_E
         raise ValueError("no collection folder is set")
     if not folder.is_dir():
         raise FileNotFoundError(f"the collection folder {folder} does not exist")
+    # an index of an earlier model (a new release) is built anew: the features come back from the cache
+    set_aside_if_stale(settings.image_index, model_fingerprint(bundle), settings.index_backend)
     index = open_index(settings.image_index, bundle, folder, settings.cache, new_index_settings(settings),
                        backend=settings.backend)
     try:

@@ -34,9 +34,8 @@ from typing import Any
 from tqdm import tqdm
 
 from index.backends import require_milvus
-from index.base import built_fingerprint
 from index.build import build_image_index, build_sentence_index
-from index.catalogue import built_backend, is_index
+from index.catalogue import is_index, set_aside_if_stale
 from index.fingerprint import model_fingerprint
 from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from index.sync import new_index_settings, sync_collection
@@ -241,23 +240,10 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path | None:
 
 
 def _set_aside_if_stale(root: Path, fingerprint: str, backend: str) -> Path | None:
-    """Move an index built with another model, or with its candidates in another backend than `backend`,
-    to `<root>.stale`; returns where it went."""
-    built = built_fingerprint(root)
-    if built is None:
-        return None
-    if built != fingerprint:
-        why = f"was built with another model (fingerprint {built}, this model {fingerprint})"
-    elif (kept := built_backend(root)) not in (None, backend):
-        why = (f"keeps its candidates in {kept} and FRAGSEARCH_INDEX_BACKEND is {backend}"
-               + (" (its Milvus collections stay on the server)" if kept == "milvus" else ""))
-    else:
-        return None
-    stale = root.with_name(root.name + ".stale")
-    logger.warning("%s %s: rebuilding it", root, why)
-    shutil.rmtree(stale, ignore_errors=True)
-    root.rename(stale)
-    _partial_marker(root).unlink(missing_ok=True)
+    """`set_aside_if_stale`, and the unfinished build's marker of the folder set aside removed."""
+    stale = set_aside_if_stale(root, fingerprint, backend)
+    if stale is not None:
+        _partial_marker(root).unlink(missing_ok=True)
     return stale
 
 

@@ -159,6 +159,35 @@ def test_the_settings_file_reaches_fragsearch_index(shapes_model: ShapesModel, t
     assert code == 2 and "exlude" in err
 
 
+def test_an_index_of_another_model_is_built_anew(shapes_model: ShapesModel, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str], clean: Path) -> None:
+    """After a new release (another model fingerprint), `fragsearch index` sets the folder's index aside and
+    builds it anew, as the service's start does, rather than failing on it."""
+    from index.catalogue import built_fingerprint
+    from index.fingerprint import model_fingerprint
+    from model.bundle import Bundle
+    from training.calibrate import fit_calibration
+
+    photos = tmp_path / "Pictures"
+    for n in range(3):
+        picture(photos / f"p{n}.jpg", 70 + n)
+    local = Bundle.load(shapes_model.model_path)
+    local.calibration = fit_calibration(local, shapes_model.dev, refs=10, seed=0).localised(3, 0.75)
+    other = local.save(tmp_path / "other-model")
+    common = ["--artifacts", str(tmp_path / "a"), "--cache", str(shapes_model.cache), "--workers", "1"]
+    assert fragsearch(["index", str(photos), "--model-path", str(shapes_model.model_path), *common], capsys)[0] == 0
+    index_dir = Settings(collection=photos, artifacts=tmp_path / "a").image_index
+    assert built_fingerprint(index_dir) == model_fingerprint(shapes_model.bundle)
+    code, _, err = fragsearch(["index", str(photos), "--model-path", str(other), *common], capsys)
+    assert code == 0, err
+    new = model_fingerprint(Bundle.load(other))
+    assert built_fingerprint(index_dir) == new != model_fingerprint(shapes_model.bundle)
+    assert index_dir.with_name(index_dir.name + ".stale").is_dir(), "the earlier index set aside, not deleted"
+    images = ImageIndex.load(index_dir, Bundle.load(other), collection_root=photos)
+    assert len(images) == 3
+    images.close()
+
+
 def test_flags_over_the_environment_over_the_file(clean: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (clean / "fragsearch.toml").write_text('variant = "from-file"\nport = 8100\n')
     assert current().variant == "from-file" and current().port == 8100

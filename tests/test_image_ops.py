@@ -1,7 +1,9 @@
 """The extractor's NumPy box operations, head and pooling (model/boxes.py, model/image.py) give the fragments the
 torch path gave (torchvision's roi_align, nms and box_iou, the torch head and softmax, torch's means) on real
-Flickr8K dev photos: the same boxes, features equal to 1e-5. The torch path is kept here, as monkeypatches of
-the extractor's operations, for this comparison only (torchvision is the trainer's; the dev environment has it)."""
+Flickr8K dev photos: the same boxes, features equal to 1e-5 (both ranking the proposals by the NumPy head's
+objectness, the torch head's checked against it to 1e-4: a near tie would otherwise swap two regions). The
+torch path is kept here, as monkeypatches of the extractor's operations, for this comparison only
+(torchvision is the trainer's; the dev environment has it)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import model.image
 import model.proposals
 from model.backbone import Backbone
 from model.config import ImageConfig
-from model.image import ImageFragments, RegionExtractor
+from model.image import ImageFragments, RegionExtractor, image_proposals
 from model.release import read_manifest
 from model.settings import default_data_dir
 from model.variants import load_variant
@@ -65,10 +67,21 @@ def _torch_pooled(self: Backbone, x: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def torch_ops(calls: Counter[str] | None = None) -> Iterator[None]:
+def torch_ops(calls: Counter[str] | None = None, ranked_by: list[np.ndarray] | None = None) -> Iterator[None]:
     """The extractor's box operations, head, softmax and pooling as the torch path computed them (each call
-    counted in ``calls`` by name)."""
+    counted in ``calls`` by name). With ``ranked_by`` (the NumPy path's objectness of each call, in order), the
+    torch head's objectness is checked against it and the regions are ranked by it: proposals whose scores
+    differ in the last bits (a near tie) would otherwise swap places between the two paths, whichever is
+    right."""
     counted = Counter[str]() if calls is None else calls
+
+    def objectness(self: RegionExtractor, pooled: np.ndarray) -> np.ndarray:
+        theirs = _tv_objectness(self, pooled)
+        if ranked_by is None:
+            return theirs
+        want = ranked_by.pop(0)
+        np.testing.assert_allclose(theirs, want, rtol=1e-4, atol=1e-6)
+        return want
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -82,7 +95,7 @@ def torch_ops(calls: Counter[str] | None = None) -> Iterator[None]:
         mp.setattr(model.proposals, "box_iou", spy("box_iou", _tv_box_iou))
         mp.setattr(model.detector, "nms", spy("detector nms", _tv_nms))
         mp.setattr(RegionExtractor, "_roi_pool", spy("roi_align", _tv_roi_pool))
-        mp.setattr(RegionExtractor, "_objectness", spy("objectness", _tv_objectness))
+        mp.setattr(RegionExtractor, "_objectness", spy("objectness", objectness))
         mp.setattr(Backbone, "pooled", spy("pooled", _torch_pooled))
         yield
 
@@ -97,11 +110,29 @@ def photos(n: int = PHOTOS) -> list[Image.Image]:
 
 def both(cfg: ImageConfig, images: list[Image.Image], calls: Counter[str] | None = None
          ) -> tuple[list[ImageFragments], list[ImageFragments]]:
-    """(NumPy, torch) fragments of the images with one extractor."""
+    """(NumPy, torch) fragments of the images with one extractor, the regions ranked by the NumPy path's
+    objectness in both (the torch head's checked against it: `torch_ops`)."""
     extractor = RegionExtractor(cfg)
-    mine = extractor.extract_batch(images)
-    with torch_ops(calls):
-        theirs = extractor.extract_batch(images)
+    scores: list[np.ndarray] = []
+    numpy_objectness = RegionExtractor._objectness
+
+    def recorded(self: RegionExtractor, pooled: np.ndarray) -> np.ndarray:
+        out = numpy_objectness(self, pooled)
+        scores.append(out)
+        return out
+
+    # selective search orders its boxes by the C library's rand(), seeded for each image: another thread of
+    # this process calling rand() meanwhile (a client library's) reorders them, so both paths extract from the
+    # proposals made once; the torch path makes its own too (the detector's NMS in torch) and must make as many
+    proposals = [image_proposals(img, cfg, extractor.detector) for img in images]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RegionExtractor, "_objectness", recorded)
+        mine = extractor.extract_proposed(images, proposals)
+    with torch_ops(calls, ranked_by=scores):
+        again = [image_proposals(img, cfg, extractor.detector) for img in images]
+        assert [p.shape for p in again] == [p.shape for p in proposals]
+        theirs = extractor.extract_proposed(images, proposals)
+    assert not scores, "the torch path ranked as many proposal sets as the NumPy path"
     return mine, theirs
 
 
