@@ -184,16 +184,19 @@ class Calibration:
                for s in range(0, sent.shape[0], BLOCK)]
         return xp.concat(out, axis=0) if out else xp.zeros((0, ref.shape[0]), dtype=sent.dtype)
 
+    @staticmethod
+    def _spread(scores: Array, floor: float) -> Array:
+        """(n,) each item's scale from its (n, R) scores against the references: their spread, at least `floor`."""
+        xp = namespace(scores)
+        return xp.clip(xp.std(scores, axis=1, correction=0), min=floor)
+
     def image_scales(self, img: Array, part: slice = slice(None)) -> Array:
         """(K,) sigma_k: the spread of each image's S_kl against the reference sentences (`image_scores`)."""
-        xp = namespace(img)
-        return xp.clip(xp.std(self.image_scores(img, part), axis=1, correction=0), min=self.floor_image)
+        return self._spread(self.image_scores(img, part), self.floor_image)
 
     def sentence_scales(self, sent: Array, mask: Array, part: slice = slice(None)) -> Array:
         """(L,) tau_l: the spread of each sentence's S_kl against the reference images."""
-        xp = namespace(sent)
-        return xp.clip(xp.std(self.sentence_scores(sent, mask, part), axis=1, correction=0),
-                       min=self.floor_sentence)
+        return self._spread(self.sentence_scores(sent, mask, part), self.floor_sentence)
 
     def localised(self, k: int, power: float, blocks: int = 1) -> Calibration:
         """This calibration with a local scale (`local_k`, `local_power`), and the references' own spreads it
@@ -212,7 +215,7 @@ class Calibration:
         of the item's `local_k` best calibrated reference scores (summed over the blocks, as the score is):
         an item close to many references, a hub, is scaled down more than its spread says."""
         xp = namespace(items)
-        spreads = [xp.clip(xp.std(r, axis=1, correction=0), min=floor) for r in scores]
+        spreads = [self._spread(r, floor) for r in scores]
         parts = block_slices(items.shape[-1], len(scores))
         if self.local_power > 0 and self.local_k > 0 and items.shape[0]:
             if ref_scales is None or ref_scales.shape[0] != len(scores):

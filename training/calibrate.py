@@ -328,10 +328,11 @@ def choose_local_scale(bundle: Checkpoint | Bundle, val: SplitData, ks: list[int
     base = bundle.calibration
     if base.local_power > 0:
         base = replace(base, local_k=0, local_power=0.0)
+    local = base.localised(1, 1.0, bundle.blocks)  # the references' own spreads, whatever k and p
     grid: list[dict[str, Any]] = []
     best: tuple[float, Calibration, dict[str, float]] | None = None
     for k, power in [(0, 0.0), *((k, p) for k in ks for p in powers if p > 0 and k > 0)]:
-        bundle.calibration = base.localised(k, power, bundle.blocks) if power > 0 else base
+        bundle.calibration = replace(local, local_k=k, local_power=power) if power > 0 else base
         metrics = evaluate(bundle, val)
         grid.append({"local_k": k, "local_power": power, "val_rsum": round(metrics["rsum"], 2)})
         logger.info("local scale k=%d power=%.2f: validation R-sum %.2f", k, power, metrics["rsum"])
