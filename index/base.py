@@ -92,8 +92,18 @@ class FragmentIndex(Generic[P]):
         self.ranker: Ranker[P] = Ranker(self)
 
     # -- creation and loading -------------------------------------------------------------------------
+    @staticmethod
+    def _servable(bundle: Bundle) -> None:
+        """ValueError for a model whose S_kl the index's re-rank does not compute: one pooling over ranks
+        (ModelConfig.pool_ranks: its candidates are scored item by item, without the image's ranked
+        fragments)."""
+        if bundle.pool is not None:
+            raise ValueError("a model whose S_kl pools over ranks (pool_ranks > 0) is evaluated, not indexed: "
+                             "serve a model with the mean's S_kl")
+
     @classmethod
     def _create(cls, root: Path, bundle: Bundle, settings: IndexSettings, backend: BackendOptions | None) -> Any:
+        cls._servable(bundle)
         backend = backend or BackendOptions()
         info = {"kind": cls.KIND, "dim": bundle.dim, "fingerprint": model_fingerprint(bundle),
                 "settings": settings.to_dict(), "segments": [], "backend": backend.backend}
@@ -114,6 +124,7 @@ class FragmentIndex(Generic[P]):
     def _load(cls, root: Path, bundle: Bundle, search: dict[str, Any] | None = None,
               backend: BackendOptions | None = None) -> Any:
         """The index saved at `root` (index.loading), its items and shared fragments in memory."""
+        cls._servable(bundle)
         index = loading.load(root, bundle, cls.KIND, cls.COLUMNS, search, backend,
                              lambda opened: cls._from_opened(bundle, opened))
         index.summarise()

@@ -166,7 +166,11 @@ class Bundle:
 
     @calibration.setter
     def calibration(self, cal: Calibration | None) -> None:
-        self._calibration = None if cal is None else cal.numpy()
+        if cal is not None:
+            cal = cal.numpy()
+            if self.encoders.pool is not None:  # the references are scored with the model's own S_kl
+                cal = dataclasses.replace(cal, pool=self.encoders.pool)
+        self._calibration = cal
 
     @property
     def relevance(self) -> Relevance | None:
@@ -176,6 +180,11 @@ class Bundle:
     @property
     def cfg(self) -> ModelConfig:
         return self.encoders.cfg
+
+    @property
+    def pool(self) -> np.ndarray | None:
+        """S_kl's weights over an image's ranked fragment scores (model/score.py), None for the mean."""
+        return self.encoders.pool
 
     @property
     def dim(self) -> int:
@@ -254,7 +263,7 @@ class Bundle:
         f32 = np.float32
         return np.asarray(skl(np.asarray(img, f32), np.asarray(img_mask, f32), np.asarray(sent, f32),
                               np.asarray(sent_mask, f32), chunk=chunk,
-                              blocks=self.blocks if blocks is None else blocks))
+                              blocks=self.blocks if blocks is None else blocks, pool=self.pool))
 
     # -- persistence -------------------------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:

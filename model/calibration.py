@@ -149,6 +149,8 @@ class Calibration:
     local_power: float = 0.0  # 0: the spread alone (checkpoints before it); p: the local scale's weight
     ref_image_scales: Array | None = None  # (blocks, R_i): the reference images' own spreads (with local_power)
     ref_sentence_scales: Array | None = None  # (blocks, R_s): the reference sentences' own spreads
+    pool: Array | None = None  # the model's S_kl weights over ranks (model/score.py; None: the mean), not stored:
+    # the model's own (model.bundle), so that the references are scored with its S_kl
     _parts: dict[tuple[str, int | None, int | None], Array] = field(default_factory=dict, init=False,
                                                                      repr=False, compare=False)
 
@@ -170,7 +172,7 @@ class Calibration:
         ref = self.reference("sentences", part)
         xp = namespace(img, ref)
         ones = xp.ones(img.shape[:2], dtype=img.dtype, device=array_device(img))
-        out = [skl(img[k : k + BLOCK], ones[k : k + BLOCK], ref, self.ref_sentence_mask, chunk=BLOCK)
+        out = [skl(img[k : k + BLOCK], ones[k : k + BLOCK], ref, self.ref_sentence_mask, chunk=BLOCK, pool=self.pool)
                for k in range(0, img.shape[0], BLOCK)]
         return xp.concat(out, axis=0) if out else xp.zeros((0, ref.shape[0]), dtype=img.dtype)
 
@@ -180,7 +182,7 @@ class Calibration:
         ref = self.reference("images", part)
         xp = namespace(sent, ref)
         ones = xp.ones(ref.shape[:2], dtype=ref.dtype, device=array_device(ref))
-        out = [xp.permute_dims(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK]), (1, 0))
+        out = [xp.permute_dims(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK], pool=self.pool), (1, 0))
                for s in range(0, sent.shape[0], BLOCK)]
         return xp.concat(out, axis=0) if out else xp.zeros((0, ref.shape[0]), dtype=sent.dtype)
 

@@ -60,6 +60,8 @@ class ModelConfig:
     tree_right: int = 0  # DT-RNN: right-child position matrices
     blocks: int = 1  # fragment model merged from this many members (training/merge.py): h is their equal slices,
     # thresholded apart in S_kl (model/score.py); 1 = one model, the paper's S_kl
+    pool_ranks: int = 0  # fragment model: >0 = S_kl pools each sentence fragment's scores over the image's
+    # fragments (that many) with learned weights over their ranks (model/score.py); 0 = their mean (the paper)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -97,6 +99,8 @@ class Encoders:
             for r in range(cfg.n_relations):
                 want[f"w_rel.{r}"] = (2 * cfg.word_dim, cfg.h)
                 want[f"b_rel.{r}"] = (cfg.h,)
+            if cfg.pool_ranks > 0:
+                want["pool_logits"] = (cfg.pool_ranks,)
             if cfg.image_hidden <= 0:
                 want["image.weight"] = (cfg.h, cfg.img_dim)
             else:
@@ -119,6 +123,16 @@ class Encoders:
     def arrays(self) -> dict[str, np.ndarray]:
         """The weights by state-dict name (what a checkpoint or a release stores)."""
         return dict(self.weights)
+
+    @property
+    def pool(self) -> np.ndarray | None:
+        """The S_kl's weights over an image's ranked fragment scores (softmax of `pool_logits`, model/score.py),
+        None for the mean."""
+        logits = self.weights.get("pool_logits")
+        if logits is None:
+            return None
+        e = np.exp(logits - logits.max())
+        return np.asarray(e / e.sum(), dtype=np.float32)
 
     # -- layers ------------------------------------------------------------------------------------
     def _linear(self, name: str, x: np.ndarray) -> np.ndarray:

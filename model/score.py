@@ -13,6 +13,15 @@ A merged model (training/merge.py) is B members' embeddings side by side: h = B 
 
 so its S_kl is the sum of the members' S_kl (with per-slice calibration, of their calibrated S_kl).
 One block (every trained model) is the formula above, computed exactly as before.
+
+Pooling over ranks (``ModelConfig.pool_ranks``, `pool`: weights w_1..w_F summing to 1): for each sentence
+fragment j, the image's F thresholded pair scores sorted from the largest, p_(1)j >= ... >= p_(F)j, are summed
+with the weights in place of their mean,
+
+    S_kl = 1 / (|g_l| + n) * sum_{j in g_l} sum_r w_r p_(r)j,
+
+the mean's S_kl when every w_r = 1 / F (a max over the image's fragments when w_1 = 1). It needs every image
+to have its F fragments (no padding).
 """
 
 from __future__ import annotations
@@ -123,9 +132,24 @@ def _per_image(flat: FlatFragments, rows: Array) -> Array:
     return segment_sum(rows, flat.img_of, flat.n_images, axis=0)
 
 
-def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING, scratch: bool = False) -> Array:
+def pooled(flat: FlatFragments, pos: Array, pool: Array) -> Array:
+    """(K, J): each image's thresholded pair scores with each sentence fragment (`pos` (I, J)), sorted from the
+    largest over the image's fragments and summed with the weights `pool` (F,) (see the module doc)."""
+    f = flat.img_per
+    if not f:
+        raise ValueError("pooling over ranks needs every image with all its fragments (no padding)")
+    if pool.shape[0] != f:
+        raise ValueError(f"the pooling weighs {pool.shape[0]} ranks, the images have {f} fragments")
+    xp = namespace(pos, pool)
+    ranked = -xp.sort(-xp.reshape(pos, (flat.n_images, f, pos.shape[1])), axis=1)
+    return xp.sum(ranked * xp.reshape(pool, (1, f, 1)), axis=1)
+
+
+def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING, scratch: bool = False,
+                  pool: Array | None = None) -> Array:
     """S_kl (K, L) from the pairwise scores of real fragments: the thresholded sum, normalised. `scratch`: the
-    caller needs `flat.scores` no more, so NumPy thresholds it in place (a copy less of the largest array)."""
+    caller needs `flat.scores` no more, so NumPy thresholds it in place (a copy less of the largest array).
+    `pool`: the model's weights over ranks (`pooled`), None for the mean."""
     if flat.positive is not None:
         pos = flat.positive  # (I, J)
     elif scratch and isinstance(flat.scores, np.ndarray):
@@ -133,6 +157,11 @@ def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING, scratch: bo
     else:
         pos = positive(flat.scores)
     xp = namespace(pos)
+    if pool is not None:
+        per_image = pooled(flat, pos, pool)  # (K, J), the image's own normalisation in the weights
+        total = (xp.sum(per_image, axis=1)[:, None] if flat.n_sentences == 1
+                 else segment_sum(per_image, flat.sent_of, flat.n_sentences, axis=1))
+        return total / (counts(flat.sent_of, flat.n_sentences, pos)[None, :] + smoothing)
     if flat.n_sentences == 1:  # one sentence (a search): its fragments summed first, one add per image fragment
         total = _per_image(flat, xp.sum(pos, axis=1))[:, None]  # (K, 1)
     else:
@@ -161,22 +190,25 @@ def skl(
     smoothing: float = SMOOTHING,
     chunk: int | None = None,
     blocks: int = 1,
+    pool: Array | None = None,
 ) -> Array:
     """Image–sentence scores S_kl for every image k and sentence l.
 
     img_frags: (K, F, h) with img_mask: (K, F) (1 = real fragment, 0 = padding);
     sent_frags: (L, T, h) with sent_mask: (L, T). Returns (K, L). Differentiable (torch).
     `chunk` bounds memory by scoring at most that many sentences at a time; `blocks`: the model's
-    (``ModelConfig.blocks``, see the module doc).
+    (``ModelConfig.blocks``, see the module doc); `pool`: its weights over ranks (None: the mean).
     """
     if chunk is not None and sent_frags.shape[0] > chunk:
         xp = namespace(img_frags, sent_frags)
         parts = [
-            skl(img_frags, img_mask, sent_frags[s : s + chunk], sent_mask[s : s + chunk], smoothing, blocks=blocks)
+            skl(img_frags, img_mask, sent_frags[s : s + chunk], sent_mask[s : s + chunk], smoothing, blocks=blocks,
+                pool=pool)
             for s in range(0, sent_frags.shape[0], chunk)
         ]
         return xp.concat(parts, axis=1)
-    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks), smoothing, scratch=True)
+    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks), smoothing, scratch=True,
+                         pool=pool)
 
 
 def pair_contributions(img_frags: Array, sent_frags: Array,

@@ -62,6 +62,7 @@ EXPECTED |= {
     "full-mirror": {**EXPECTED["full"], "train": {**ROI["train"], "mirror_views": 0.5}},
     "full-nce": {**EXPECTED["full"], "train": {**ROI["train"], "nce_scale": 20.0}},
     "full-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "image_hidden": 1024}},
+    "full-pool": {**EXPECTED["full"], "model": {**ROI["model"], "pool_ranks": 20}},
     "full-global-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "global_hidden": 1024}},
     "full-2x256": {**EXPECTED["full"], "model": {**ROI["model"], "h": 256}, "train": {**ROI["train"], "members": 2}},
 }
@@ -239,7 +240,7 @@ def test_list_resolved_prints_every_field_of_every_variant_as_toml() -> None:
         assert printed[name]["model"] == {**printed[name]["model"], **v.model, "kind": v.model_kind}, name
         assert (printed[name]["description"], printed[name].get("base")) == (v.description, v.base), name
     assert printed["paper"]["model"] == {"kind": "fragment", "h": 256, "image_hidden": 0, "global_hidden": 0,
-                                         "dropout": 0.5, "input_dropout": 0.0}
+                                         "dropout": 0.5, "input_dropout": 0.0, "pool_ranks": 0}
     assert printed["full"]["model"]["input_dropout"] == 0.2 and printed["full"]["image"]["backbone_precision"] == "int8"
     assert printed["fragment+global"]["train"]["objective"] == "fragment+global"
 

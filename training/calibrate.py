@@ -65,7 +65,7 @@ def fit_calibration(bundle: Checkpoint, data: SplitData, refs: int, seed: int = 
     enc = bundle.text.encode_parsed([data.parsed[i] for i in sent_idx], [data.sentences[i] for i in sent_idx])
     img = bundle.embed_images(data.feats[img_idx], calibrated=False)
     sent, mask = bundle.embed_sentences(enc, calibrated=False)
-    cal = Calibration(img, sent, mask)
+    cal = Calibration(img, sent, mask, pool=bundle.pool)
     parts = block_slices(img.shape[-1], bundle.blocks)
     cal.floor_image = FLOOR * float(np.median(np.concatenate([cal.image_scales(cal.ref_images[..., p], p)
                                                               for p in parts])))

@@ -151,7 +151,7 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         if use_frag:
             loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
         if use_glob or soft is not None:
-            scores = skl_from_flat(flat)
+            scores = skl_from_flat(flat, pool=model.pool())
             if use_glob:
                 loss = loss + cfg.beta * (contrastive_global_loss(scores, pos, local, cfg.nce_scale)
                                           if cfg.nce_scale > 0 else global_loss(scores, pos, local, cfg.margin, top_k))

@@ -62,6 +62,12 @@ class Checkpoint:
         return self.model.cfg.h
 
     @property
+    def pool(self) -> np.ndarray | None:
+        """`Bundle.pool` of the current weights."""
+        pool = self.model.pool() if isinstance(self.model, FragmentModel) else None
+        return None if pool is None else pool.detach().cpu().numpy().astype(np.float32)
+
+    @property
     def blocks(self) -> int:
         return self.model.cfg.blocks
 

@@ -34,10 +34,16 @@ class FragmentModel(nn.Module):
         self.drop = InputDropout(cfg.input_dropout)
         self.global_image: nn.Module | None = None
         self.global_sentence: nn.Module | None = None
+        # S_kl's weights over the ranks of an image's fragment scores: zeros = equal weights, the mean's S_kl
+        self.pool_logits = nn.Parameter(torch.zeros(cfg.pool_ranks)) if cfg.pool_ranks > 0 else None
         if cfg.global_hidden > 0:
             self.global_image = _mlp(cfg.img_dim, cfg.global_hidden, cfg.h, cfg.dropout)
             if 0 <= cfg.sentence_relation < cfg.n_relations:
                 self.global_sentence = _mlp(2 * cfg.word_dim, cfg.global_hidden, cfg.h, cfg.dropout)
+
+    def pool(self) -> torch.Tensor | None:
+        """S_kl's weights over ranks (model/score.py; the runtime's `Encoders.pool`), None for the mean."""
+        return None if self.pool_logits is None else torch.softmax(self.pool_logits, dim=0)
 
     def embed_images(self, feats: torch.Tensor) -> torch.Tensor:
         """feats: (K, F, img_dim), row 0 the whole image -> image fragments (K, F, h)."""
