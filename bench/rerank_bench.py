@@ -10,9 +10,14 @@ Two banks of the other side, each a re-rank a service could run over its top can
   in the model): m of an image is the mean of its k best scores against the reference sentences (search),
   m of a sentence that against the reference images (annotation). Known for every item when it is
   embedded, as its scale is.
-- `collection` (annotation only): m of a sentence is the mean of its k best scores against the images
-  of the collection searched, the query image left out (an upload is not in the collection). The
-  service would keep it per sentence of its sentence index against its image collection.
+- `collection`: m of a sentence is the mean of its k best scores against the images of the collection
+  searched, the query image left out (an upload is not in the collection); m of an image that against
+  the collection's sentences, the query sentence left out. Here every caption's own image is in the
+  collection and every image's own captions are among its sentences: the evaluation's structure.
+- `other`: the same against another collection of the same kind that lacks that structure: for the
+  validation part, the dev images and captions; for dev, the validation part's. What a collection
+  re-rank is worth where the other side does not hold the items' own matches (a photo collection
+  ranked against a caption bank of other photos).
 
 k and lambda are chosen on the validation part (the training images the model was trained without) by
 R-sum of the direction the bank acts on, no re-rank (k = 0) among the candidates; dev is evaluated once
@@ -64,6 +69,11 @@ def top_mean_leaving_out_each(scores: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def top_mean_leaving_out_each_sentence(scores: np.ndarray, k: int) -> np.ndarray:
+    """(N, L): for image i and sentence l, the mean of i's k best scores over the sentences other than l."""
+    return top_mean_leaving_out_each(scores.T, k).T
+
+
 def rsum(ranks: np.ndarray) -> float:
     table = recall_table(ranks, "x")
     return float(sum(table[f"x_r{k}"] for k in KS))
@@ -73,8 +83,8 @@ def direction_rsum(matrix: np.ndarray, pair: np.ndarray, direction: str) -> floa
     return rsum(search_ranks(matrix, pair) if direction == "search" else annotation_ranks(matrix, pair))
 
 
-def densities(bundle: Bundle, data: SplitData) -> dict[str, np.ndarray]:
-    """The score matrix and the other side's banks of a split."""
+def densities(bundle: Bundle, data: SplitData, other: SplitData) -> dict[str, np.ndarray]:
+    """The score matrix and the other side's banks of a split (`other`: the collection of the `other` bank)."""
     cal = bundle.calibration
     assert cal is not None
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
@@ -85,7 +95,10 @@ def densities(bundle: Bundle, data: SplitData) -> dict[str, np.ndarray]:
     ref_img = cal.calibrate_images(cal.ref_images, bundle.blocks)
     vs_ref_sentences = bundle.scores(img, np.ones(img.shape[:2], np.float32), ref_sent, cal.ref_sentence_mask)
     vs_ref_images = bundle.scores(ref_img, np.ones(ref_img.shape[:2], np.float32), sent, mask)
-    return {"scores": scores, "ref_sentences": vs_ref_sentences, "ref_images": vs_ref_images}
+    other_enc = bundle.text.encode_parsed(other.parsed, other.sentences)
+    return {"scores": scores, "ref_sentences": vs_ref_sentences, "ref_images": vs_ref_images,
+            "other_sentences": score_split(bundle, data.feats, other_enc),
+            "other_images": score_split(bundle, other.feats, enc)}
 
 
 def reranked(m: dict[str, np.ndarray], bank: str, direction: str, k: int, lam: float) -> np.ndarray:
@@ -94,6 +107,12 @@ def reranked(m: dict[str, np.ndarray], bank: str, direction: str, k: int, lam: f
         return s - lam * top_mean(m["ref_sentences"], k, 1)[:, None]
     if bank == "references":
         return s - lam * top_mean(m["ref_images"], k, 0)[None, :]
+    if bank == "other" and direction == "search":
+        return s - lam * top_mean(m["other_sentences"], k, 1)[:, None]
+    if bank == "other":
+        return s - lam * top_mean(m["other_images"], k, 0)[None, :]
+    if direction == "search":
+        return s - lam * top_mean_leaving_out_each_sentence(s, k)
     return s - lam * top_mean_leaving_out_each(s, k)
 
 
@@ -114,12 +133,15 @@ def main(argv: list[str] | None = None) -> None:
              "dev": load_split(args.data, "dev")}
     mats: dict[str, dict[str, np.ndarray]] = {}
     pairs: dict[str, np.ndarray] = {}
+    datas = {}
     for name, split in parts.items():
-        data = load_split_data(args.data, split, bundle.image_cfg, args.cache, parser, args.workers)
-        bundle.text.warm(data.parsed, data.sentences, args.cache / "vectors")
-        mats[name], pairs[name] = densities(bundle, data), data.pair_image
+        datas[name] = load_split_data(args.data, split, bundle.image_cfg, args.cache, parser, args.workers)
+        bundle.text.warm(datas[name].parsed, datas[name].sentences, args.cache / "vectors")
+    for name, other in (("val", "dev"), ("dev", "val")):
+        mats[name], pairs[name] = densities(bundle, datas[name], datas[other]), datas[name].pair_image
     rows: list[dict[str, Any]] = []
-    for bank, direction in (("references", "search"), ("references", "annotation"), ("collection", "annotation")):
+    for bank, direction in (("references", "search"), ("references", "annotation"), ("collection", "annotation"),
+                            ("collection", "search"), ("other", "annotation"), ("other", "search")):
         base = {p: direction_rsum(mats[p]["scores"], pairs[p], direction) for p in parts}
         grid = {(0, 0.0): base["val"]}  # no re-rank: chosen when nothing beats it
         grid.update({(k, lam): direction_rsum(reranked(mats["val"], bank, direction, k, lam), pairs["val"], direction)
