@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     split_data = SplitDataByConfig(args.data, args.split, args.cache)
     for name in args.only:
         bundle = Bundle.load(args.models / name / "model.pt")
-        if bundle.cfg.kind != "fragment" or bundle.image_cfg.full_frame_only:
-            logger.info("%s: not a fragment model with regions, skipped", name)
+        if bundle.cfg.kind != "fragment" or bundle.image_cfg.full_frame_only or bundle.pool is not None:
+            logger.info("%s: not a fragment model with regions and the mean's S_kl, skipped", name)
             continue
         data = split_data.get(bundle)
         enc = bundle.text.encode_parsed(data.parsed, data.sentences)

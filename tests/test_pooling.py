@@ -114,3 +114,11 @@ def test_a_pooled_model_trains_saves_and_evaluates_and_the_index_refuses_it(
     assert 0 <= metrics["search_r1"] <= 100
     with pytest.raises(ValueError, match="pools over ranks"):
         ImageIndex.create(tmp_path / "index", bundle)
+
+
+def test_pooled_members_are_not_merged() -> None:
+    from training.merge import merge_models
+
+    cfg = ModelConfig(img_dim=10, word_dim=4, h=H, pool_ranks=F)
+    with pytest.raises(ValueError, match="pooled over ranks"):
+        merge_models([FragmentModel(cfg), FragmentModel(cfg)])

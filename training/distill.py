@@ -109,7 +109,8 @@ class Teacher:
             for part in self.parts:
                 img = part.images[torch.from_numpy(imgs).to(part.images.device)]
                 sent = part.model.embed_sentences(pool, rel, a, b, mask)
-                s = skl(img, torch.ones(img.shape[:2], device=img.device), sent, mask, blocks=part.blocks)
+                s = skl(img, torch.ones(img.shape[:2], device=img.device), sent, mask, blocks=part.blocks,
+                        pool=part.model.pool())  # a teacher pooled over ranks scores as it was trained
                 total = s if total is None else total + s
             assert total is not None
             return total.clone()

@@ -66,6 +66,8 @@ def merge_models(models: Sequence[FragmentModel], threshold: str = "blocks") -> 
             raise ValueError("only linear fragment models (image_hidden = global_hidden = 0) can be merged")
         if m.cfg.blocks != 1:
             raise ValueError("a merged model cannot be a member: merge its members instead")
+        if m.cfg.pool_ranks > 0:
+            raise ValueError("members pooled over ranks cannot be merged: their blocks would share one pooling")
         if dataclasses.replace(m.cfg, h=first.h, input_dropout=first.input_dropout) != first:
             raise ValueError(f"members differ in shape: {m.cfg} vs {first}")
         if threshold == "blocks" and m.cfg.h != first.h:
