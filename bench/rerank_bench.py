@@ -18,6 +18,12 @@ Two banks of the other side, each a re-rank a service could run over its top can
   validation part, the dev images and captions; for dev, the validation part's. What a collection
   re-rank is worth where the other side does not hold the items' own matches (a photo collection
   ranked against a caption bank of other photos).
+- `collection-kept`: `collection` with the query kept in each density (what a service that cannot tell
+  the query among its items would compute).
+- `neighbours` (search only): the same side instead, a boost: S + lambda * the mean score of the image's k
+  nearest images of the collection (cosine of their whole-image CNN features), database-side
+  augmentation. (In annotation a sentence's nearest sentences would be its own image's other captions:
+  the evaluation's structure again.)
 
 k and lambda are chosen on the validation part (the training images the model was trained without) by
 R-sum of the direction the bank acts on, no re-rank (k = 0) among the candidates; dev is evaluated once
@@ -95,10 +101,14 @@ def densities(bundle: Bundle, data: SplitData, other: SplitData) -> dict[str, np
     ref_img = cal.calibrate_images(cal.ref_images, bundle.blocks)
     vs_ref_sentences = bundle.scores(img, np.ones(img.shape[:2], np.float32), ref_sent, cal.ref_sentence_mask)
     vs_ref_images = bundle.scores(ref_img, np.ones(ref_img.shape[:2], np.float32), sent, mask)
+    whole = data.feats[:, 0] / np.maximum(np.linalg.norm(data.feats[:, 0], axis=1, keepdims=True), 1e-12)
+    cosine = whole @ whole.T
+    np.fill_diagonal(cosine, -np.inf)  # an image is not its own neighbour
     other_enc = bundle.text.encode_parsed(other.parsed, other.sentences)
     return {"scores": scores, "ref_sentences": vs_ref_sentences, "ref_images": vs_ref_images,
             "other_sentences": score_split(bundle, data.feats, other_enc),
-            "other_images": score_split(bundle, other.feats, enc)}
+            "other_images": score_split(bundle, other.feats, enc),
+            "neighbours": np.argsort(-cosine, axis=1, kind="stable")[:, : max(KS_DENSITY)]}
 
 
 def reranked(m: dict[str, np.ndarray], bank: str, direction: str, k: int, lam: float) -> np.ndarray:
@@ -111,6 +121,12 @@ def reranked(m: dict[str, np.ndarray], bank: str, direction: str, k: int, lam: f
         return s - lam * top_mean(m["other_sentences"], k, 1)[:, None]
     if bank == "other":
         return s - lam * top_mean(m["other_images"], k, 0)[None, :]
+    if bank == "collection-kept" and direction == "search":
+        return s - lam * top_mean(s, k, 1)[:, None]
+    if bank == "collection-kept":
+        return s - lam * top_mean(s, k, 0)[None, :]
+    if bank == "neighbours":
+        return s + lam * s[m["neighbours"][:, :k]].mean(axis=1)
     if direction == "search":
         return s - lam * top_mean_leaving_out_each_sentence(s, k)
     return s - lam * top_mean_leaving_out_each(s, k)
@@ -141,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         mats[name], pairs[name] = densities(bundle, datas[name], datas[other]), datas[name].pair_image
     rows: list[dict[str, Any]] = []
     for bank, direction in (("references", "search"), ("references", "annotation"), ("collection", "annotation"),
-                            ("collection", "search"), ("other", "annotation"), ("other", "search")):
+                            ("collection", "search"), ("other", "annotation"), ("other", "search"),
+                            ("collection-kept", "annotation"), ("collection-kept", "search"), ("neighbours", "search")):
         base = {p: direction_rsum(mats[p]["scores"], pairs[p], direction) for p in parts}
         grid = {(0, 0.0): base["val"]}  # no re-rank: chosen when nothing beats it
         grid.update({(k, lam): direction_rsum(reranked(mats["val"], bank, direction, k, lam), pairs["val"], direction)
