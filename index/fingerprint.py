@@ -17,8 +17,8 @@ _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
 # settings added after indexes were built: left out at their default, so that a model which does not
 # use them keeps the fingerprint its indexes were built with (a merged model's blocks, the crops' CNN, the
 # mirrored training view, the source of the regions, the detector's class scores beside the features, the
-# S_kl's pooling over ranks)
-LATER = {"model": ("blocks", "pool_ranks"),
+# S_kl's pooling over ranks, a model's own top layers of MiniLM)
+LATER = {"model": ("blocks", "pool_ranks", "text_layers"),
          "image": ("backbone", "mirror", "proposals", "detector_floor", "detector_classes")}
 
 

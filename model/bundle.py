@@ -157,6 +157,7 @@ class Bundle:
         self.weights = weights
         self.device = device  # where the graphs run (MiniLM, the backbone); the NumPy parts run on the CPU
         text.device = device
+        text.use_layers(encoders.text_layers)  # a model's own top layers of MiniLM, where it trains them
         self._extractor: RegionExtractor | None = None
         self._extractor_lock = threading.Lock()
 

@@ -9,7 +9,9 @@ Options beyond the paper (each off by default): a hidden layer for every image f
 (`image_hidden`); a hidden layer for the two global fragments only, the whole image and the whole
 sentence (`global_hidden`: their encoders become the two-branch model's MLP branches while the
 regions and triplets keep the paper's encoders); dropout on the frozen inputs while training
-(`input_dropout`). None of them changes how fragments are scored.
+(`input_dropout`); MiniLM's last `text_layers` layers as the model's own, trained with the fragment objective
+(model/textlayers.py: the words in context and the sentence vector then come from one pass of the caption's
+words through MiniLM cut below them and these layers). None of them changes how fragments are scored.
 
 The global models embed one vector per image and per sentence: a fragment model's special case of
 one fragment per side (model/bundle.py scores them with the same S_kl).
@@ -33,6 +35,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from model.textlayers import PREFIX, TextLayers, first_layer
+from model.textlayers import shapes as textlayer_shapes
 from model.trees import TreeBatch
 
 GLOBAL_KINDS = ("two-branch", "dt-rnn", "sdt-rnn", "devise")
@@ -62,6 +66,8 @@ class ModelConfig:
     # thresholded apart in S_kl (model/score.py); 1 = one model, the paper's S_kl
     pool_ranks: int = 0  # fragment model: >0 = S_kl pools each sentence fragment's scores over the image's
     # fragments (that many) with learned weights over their ranks (model/score.py); 0 = their mean (the paper)
+    text_layers: int = 0  # fragment model: >0 = MiniLM's last that many layers are the model's own, trained with
+    # the fragment objective (model/textlayers.py); 0 = MiniLM frozen, as the paper keeps We
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -90,6 +96,9 @@ class Encoders:
         if cfg.kind == "fragment":  # (n_relations, 2d, h) and (n_relations, h): one matrix per relation
             self._w_rel = [self.weights[f"w_rel.{r}"] for r in range(cfg.n_relations)]
             self._b_rel = [self.weights[f"b_rel.{r}"] for r in range(cfg.n_relations)]
+        # the model's own top layers of MiniLM, which its words and sentences are read through (None: frozen)
+        self.text_layers = (TextLayers.from_arrays(self.weights, cfg.text_layers)
+                            if cfg.kind == "fragment" and cfg.text_layers > 0 else None)
 
     def _check(self) -> None:
         """ValueError when a weight the kind reads is missing or of the wrong shape."""
@@ -101,6 +110,10 @@ class Encoders:
                 want[f"b_rel.{r}"] = (cfg.h,)
             if cfg.pool_ranks > 0:
                 want["pool_logits"] = (cfg.pool_ranks,)
+            if cfg.text_layers > 0:
+                first_layer(cfg.text_layers)  # ValueError past MiniLM's layers
+                want.update({f"{PREFIX}.{i}.{name}": shape for i in range(cfg.text_layers)
+                             for name, shape in textlayer_shapes(cfg.word_dim, 4 * cfg.word_dim).items()})
             if cfg.image_hidden <= 0:
                 want["image.weight"] = (cfg.h, cfg.img_dim)
             else:

@@ -22,8 +22,9 @@ from model.atomic import cached_file
 from model.config import TextConfig
 from model.parsers import make_parser, stop_words
 from model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
+from model.textlayers import TextLayers
 from model.trees import SentenceTree
-from model.words import WordTable, encode_texts
+from model.words import WordTable, encode_texts, encode_tuned
 
 STOP_WORDS = stop_words()
 
@@ -102,26 +103,46 @@ class TextPipeline:
         self.words = words
         self._parser = parser
         self.device = "cpu"  # where MiniLM runs (the bundle's device once loaded)
+        # a model's own trained top layers of MiniLM (ModelConfig.text_layers; set by the Bundle from the model's
+        # weights, `use_layers`): its words in context and sentence vectors come from them (`encode_tuned`)
+        self.layers: TextLayers | None = None
         self._sentence_vecs: dict[str, np.ndarray] = {}  # MiniLM sentence vectors already computed
         self._context_vecs: dict[tuple[str, ...], np.ndarray] = {}  # contextual word vectors, per token list
         # held around encoding by callers that share the pipeline between threads (the parser and the
         # caches above are not made for threads)
         self.lock = threading.Lock()
 
+    def use_layers(self, layers: TextLayers | None) -> None:
+        """Read words and sentences through a model's trained top layers (None: MiniLM's own); the vectors kept
+        in memory are dropped when the layers' weights change."""
+        if (None if layers is None else layers.digest) != (None if self.layers is None else self.layers.digest):
+            self.forget()
+        self.layers = layers
+
+    def _encode(self, sentences: Sequence[str], token_lists: Sequence[Sequence[str]], contextual: bool,
+                whole: bool) -> tuple[list[np.ndarray], np.ndarray]:
+        """MiniLM's vectors of these sentences (`encode_texts`), or the model's trained layers' (`encode_tuned`:
+        words and sentence from the one pass of the token list)."""
+        if self.layers is None:
+            return encode_texts(list(sentences), [list(k) for k in token_lists], contextual=contextual, whole=whole,
+                                device=self.device)
+        ctx, sent = encode_tuned(token_lists, self.layers, device=self.device)
+        return (ctx if contextual else [], sent if whole else sent[:0])
+
     def frozen_vectors(self, parsed: Sequence[ParsedSentence], sentences: Sequence[str]
                        ) -> tuple[list[np.ndarray], np.ndarray | None]:
         """The per-sentence frozen vectors these settings read: the words in context ((T_l, d) per sentence, or
         [] for static words) and the whole-sentence vectors ((L, d), or None without the whole-sentence
         fragment). What the in-memory caches miss is computed in one MiniLM call (`encode_texts`: one pass for
-        both where the inputs allow); the caches are bounded (cleared past CACHE_LIMIT entries)."""
+        both where the inputs allow; a model with trained layers: `encode_tuned`); the caches are bounded
+        (cleared past CACHE_LIMIT entries)."""
         contextual, whole = self.cfg.word_vectors == "contextual", self.cfg.sentence_fragment and len(sentences) > 0
         keys = [tuple(p.tokens) or ("",) for p in parsed]
         todo = sorted({i for i, k in enumerate(keys) if contextual and k not in self._context_vecs}
                       | {i for i, t in enumerate(sentences) if whole and t not in self._sentence_vecs})
         if todo:
             todo = list({(keys[i], sentences[i]): i for i in todo}.values())  # each (words, text) once
-            ctx, sent = encode_texts([sentences[i] for i in todo], [list(keys[i]) for i in todo],
-                                     contextual=contextual, whole=whole, device=self.device)
+            ctx, sent = self._encode([sentences[i] for i in todo], [keys[i] for i in todo], contextual, whole)
             for cache, kind in ((self._context_vecs, contextual), (self._sentence_vecs, whole)):
                 if kind and len(cache) + len(todo) > CACHE_LIMIT:
                     cache.clear()
@@ -176,12 +197,15 @@ class TextPipeline:
         if not (contextual or self.cfg.sentence_fragment) or not len(sentences):
             return
         keys = [tuple(p.tokens) or ("",) for p in parsed]
-        digest = hashlib.sha1(json.dumps([contextual, self.cfg.sentence_fragment, keys, list(sentences)]).encode())
+        what: list[Any] = [contextual, self.cfg.sentence_fragment, keys, list(sentences)]
+        if self.layers is not None:  # a model's trained layers: their own vectors
+            what.append(self.layers.digest)
+        digest = hashlib.sha1(json.dumps(what).encode())
         path = Path(cache_dir) / f"vectors-{digest.hexdigest()[:16]}.npz"
+
         def compute() -> Vectors:
             logger.info("computing frozen vectors of %d sentences", len(sentences))
-            ctx, sent = encode_texts(list(sentences), [list(k) for k in keys], contextual=contextual,
-                                     whole=self.cfg.sentence_fragment, device=self.device)
+            ctx, sent = self._encode(sentences, keys, contextual, self.cfg.sentence_fragment)
             tokens = np.concatenate(ctx) if ctx else np.zeros((0, self.words.dim), np.float32)
             offsets = np.cumsum([0] + [len(c) for c in ctx]) if ctx else np.zeros(1, np.int64)
             return tokens, offsets, sent

@@ -34,10 +34,10 @@ import numpy as np
 from model.graphs import GraphMissing, find, search_dirs
 from model.minilm_files import (
     DISTRIBUTION,
-    GRAPH_NAME,
     HEADER_DIGEST_KEY,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
+    graph_name,
     header_digest,
     max_pieces,
     package_dir,
@@ -53,10 +53,11 @@ class GraphMismatch(ValueError):
     """MiniLM's graph does not fit the installed weight file (another header, or ONNX Runtime refuses them)."""
 
 
-def minilm_graph(folder: Path | None = None) -> Path:
-    """MiniLM's graph file: the release folder's, else ``folder``'s (default: the graph folder), else made there
-    now by the torch side (`GraphMissing` without torch)."""
-    found = find(GRAPH_NAME, folder)
+def minilm_graph(folder: Path | None = None, upto: int | None = None) -> Path:
+    """MiniLM's graph file (`graph_name(upto)`): the release folder's, else ``folder``'s (default: the graph
+    folder), else made there now by the torch side (`GraphMissing` without torch)."""
+    name = graph_name(upto)
+    found = find(name, folder)
     if found is not None:
         return found
     release, target = search_dirs(folder)
@@ -65,10 +66,11 @@ def minilm_graph(folder: Path | None = None) -> Path:
     except ImportError as e:
         places = f"{release} nor {target}"
         raise GraphMissing(
-            f"MiniLM's graph {GRAPH_NAME} is in neither {places}, and making it needs torch ({e}). Make it once in "
-            f"the trainer's environment (./run setup, then ./run python -m model.nets.minilm: it writes it into "
-            f"{target}), or serve a release that ships it in {release}") from e
-    made: Path = nets.export_graph(target)
+            f"MiniLM's graph {name} is in neither {places}, and making it needs torch ({e}). Make it once in "
+            f"the trainer's environment (./run setup, then ./run python -m model.nets.minilm"
+            f"{'' if upto is None else f' --upto {upto}'}: it writes it into {target}), or serve a release that "
+            f"ships it in {release}") from e
+    made: Path = nets.export_graph(target, upto)
     return made
 
 
@@ -99,10 +101,12 @@ class MiniLM:
     callers (the tokenizer is set up once; ONNX Runtime's ``run`` is thread-safe). `minilm` keeps one per
     process and device."""
 
-    def __init__(self, device: str = "cpu", folder: Path | None = None, threads: int | None = None) -> None:
+    def __init__(self, device: str = "cpu", folder: Path | None = None, threads: int | None = None,
+                 upto: int | None = None) -> None:
         from tokenizers import Tokenizer
 
         self.device = str(device)
+        self.upto = upto  # None: the whole transformer; else its hidden states after its first `upto` layers
         self.folder = package_dir()
         self.weights = self.folder / WEIGHTS_FILE
         self.max_pieces = max_pieces(self.folder)
@@ -110,7 +114,7 @@ class MiniLM:
         tokenizer.no_padding()  # the file pads to 128: a batch is padded here, to its longest input
         tokenizer.enable_truncation(self.max_pieces, stride=0, strategy="longest_first", direction="right")
         self.tokenizer = tokenizer
-        self.graph = minilm_graph(folder)
+        self.graph = minilm_graph(folder, upto)
         self._session = self._open(threads)
         logger.info("MiniLM: %s with the weights of %s on %s", self.graph, self.weights,
                     self._session.get_providers()[0])
@@ -147,16 +151,18 @@ class MiniLM:
 
     def hidden(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """The transformer: ids (B, T) and mask (B, T) (1 for a piece, 0 for padding) -> last hidden states
-        (B, T, 384) float32."""
+        (B, T, 384) float32 (after layer `upto` for a cut graph)."""
         out = self._session.run(None, {"ids": np.ascontiguousarray(ids, dtype=np.int64),
                                        "mask": np.ascontiguousarray(mask, dtype=np.int64)})[0]
         return np.asarray(out, dtype=np.float32)
 
     def each_hidden(self, inputs: Sequence[Pieces], visit: Callable[[int, np.ndarray], None], batch_size: int = 64,
-                    desc: str = "MiniLM") -> None:
+                    desc: str = "MiniLM", top: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
         """Run every input through the transformer and call ``visit(i, hidden)`` with input i's hidden states
-        (len(inputs[i]), 384), once per input. The inputs are batched by length (longest first, ties in input
-        order), so a batch carries little padding; a progress bar shows for long jobs."""
+        (len(inputs[i]), 384), once per input; with `top`, the hidden states of each padded batch (B, T, 384)
+        and its mask (B, T) go through ``top(hidden, mask)`` first (a model's own top layers after a cut graph:
+        model/textlayers.py). The inputs are batched by length (longest first, ties in input order), so a batch
+        carries little padding; a progress bar shows for long jobs."""
         from tqdm import tqdm
 
         n = len(inputs)
@@ -174,20 +180,23 @@ class MiniLM:
                 ids[b, : lengths[i]] = inputs[i].ids
                 mask[b, : lengths[i]] = 1
             hidden = self.hidden(ids, mask)
+            if top is not None:
+                hidden = top(hidden, mask)
             for b, i in enumerate(rows):
                 visit(int(i), hidden[b, : lengths[i]])
 
 
-_loaded: dict[str, MiniLM] = {}
+_loaded: dict[tuple[str, int | None], MiniLM] = {}
 _load_lock = threading.Lock()
 
 
-def minilm(device: str = "cpu") -> MiniLM:
-    """The process's MiniLM on ``device`` (loaded once per process and device; safe to share between threads)."""
-    key = str(device)
+def minilm(device: str = "cpu", upto: int | None = None) -> MiniLM:
+    """The process's MiniLM on ``device``, whole or cut after `upto` layers (loaded once per process, device and
+    cut; safe to share between threads)."""
+    key = (str(device), upto)
     with _load_lock:
         if key not in _loaded:
-            _loaded[key] = MiniLM(key)
+            _loaded[key] = MiniLM(key[0], upto=upto)
         return _loaded[key]
 
 

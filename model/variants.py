@@ -29,7 +29,7 @@ SECTIONS = ("model", "text", "image", "train")
 # ModelConfig fields a variant may set (the others follow from the data: img_dim, word_dim, n_relations,
 # sentence_relation); the shape options are also trainer flags of the same name
 MODEL_SHAPE: dict[str, type] = {"image_hidden": int, "global_hidden": int, "dropout": float, "input_dropout": float,
-                                 "pool_ranks": int}
+                                 "pool_ranks": int, "text_layers": int}
 MODEL_FIELDS: dict[str, type] = {"kind": str, "h": int, **MODEL_SHAPE}
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
 

@@ -19,6 +19,7 @@ import numpy as np
 from model.atomic import atomic_file
 from model.minilm import MiniLM, Pieces, minilm
 from model.minilm_files import HIDDEN
+from model.textlayers import TextLayers
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,48 @@ def encode_texts(sentences: Sequence[str] | None, token_lists: Sequence[Sequence
     model.each_hidden([p for p, _, _ in inputs], visit, batch_size, what)
     log.debug("MiniLM: %d sentences in %d passes", n, len(inputs))
     return words, sent
+
+
+def encode_tuned(token_lists: Sequence[Sequence[str]], layers: TextLayers, batch_size: int = 64,
+                 device: str = "cpu") -> tuple[list[np.ndarray], np.ndarray]:
+    """What a model with trained top layers (model/textlayers.py) reads of N token lists, from one pass each:
+    MiniLM's graph cut after its first ``layers.first`` layers, then `layers`. (the in-context word vectors, an
+    array (len(token_lists[k]), 384) per list, each word the unit-norm mean of its own pieces' outputs; the
+    sentence vectors (N, 384), each the unit-norm mean over all its pieces, [CLS] and [SEP] included). The
+    trainer computes the same from the same cut (training/epochs.py `TunedText`)."""
+    lists = [list(toks) for toks in token_lists]
+    words = [np.zeros((len(toks), WORD_DIM), dtype=np.float32) for toks in lists]
+    sent = np.zeros((len(lists), WORD_DIM), dtype=np.float32)
+    if not lists:
+        return words, sent
+    model = minilm(device, upto=layers.first)
+    split = model.word_pieces(lists)
+
+    def visit(i: int, hidden: np.ndarray) -> None:
+        sent[i] = _unit(hidden.mean(axis=0))
+        words[i] = _word_means(hidden, split[i], len(lists[i]), True)
+
+    model.each_hidden(split, visit, batch_size, "caption vectors", top=layers.forward)
+    return words, sent
+
+
+def cut_hidden(token_lists: Sequence[Sequence[str]], upto: int, batch_size: int = 64, device: str = "cpu"
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MiniLM's hidden states after its first `upto` layers for N token lists, one pass each (the input of a
+    model's trained layers, `encode_tuned`): (every list's pieces' states one after another (P, 384) float32,
+    offsets (N + 1,) of each list's first piece, the word of each piece (P,): -1 for [CLS] and [SEP])."""
+    model = minilm(device, upto=upto)
+    split = model.word_pieces([list(toks) for toks in token_lists])
+    offsets = np.zeros(len(split) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in split])
+    hidden = np.zeros((int(offsets[-1]), WORD_DIM), dtype=np.float32)
+
+    def visit(i: int, h: np.ndarray) -> None:
+        hidden[offsets[i] : offsets[i + 1]] = h
+
+    model.each_hidden(split, visit, batch_size, f"MiniLM to layer {upto}")
+    words = np.concatenate([p.words for p in split]) if split else np.zeros(0, np.int64)
+    return hidden, offsets, words
 
 
 def encode_sentences(sentences: Sequence[str], batch_size: int = 64, device: str = "cpu") -> np.ndarray:

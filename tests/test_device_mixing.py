@@ -305,17 +305,19 @@ def tiny_split(tmp_path_factory: pytest.TempPathFactory) -> SplitData:
                      np.repeat(np.arange(len(CAPTIONS)), 2), make_parser("spacy").parse(sentences))
 
 
-@pytest.mark.parametrize("variant", ["paper", "two-branch", "dt-rnn", "sdt-rnn", "devise"])
+@pytest.mark.parametrize("variant", ["paper", "two-branch", "dt-rnn", "sdt-rnn", "devise", "contextual-text1"])
 def test_training_runs_on_another_device(variant: str, tiny_split: SplitData, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two epochs and the calibration of each model kind on the device: the CPU's losses and weights.
+    """Two epochs and the calibration of each model kind on the device: the CPU's losses and weights; and a
+    model training its own top layer of MiniLM (their input, MiniLM cut below them, from the CPU run's cache).
     (The trainer checks that a GPU is there: here the device is the other one, so the check is told so;
     the word and sentence vectors come from the CPU run's cache, MiniLM stays on the CPU.)"""
     h = WORD_DIM if variant == "devise" else H
+    name, shape = ("contextual", {"text_layers": 1}) if variant == "contextual-text1" else (variant, {})
 
     def run(device: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-        cfg = make_run(variant, {"epochs": 2, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 4, "h": h,
-                                 "device": device, "calibrate": 4})
+        cfg = make_run(name, {"epochs": 2, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 4, "h": h,
+                              "device": device, "calibrate": 4, "text_lr": 1e-3}, shape)
         summary = train(cfg, tiny_split, None, tmp_path / device, tmp_path / "cache")
         state = torch.load(tmp_path / device / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
         return [e["loss"] for e in summary["history"]], state

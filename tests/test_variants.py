@@ -63,6 +63,7 @@ EXPECTED |= {
     "full-nce": {**EXPECTED["full"], "train": {**ROI["train"], "nce_scale": 20.0}},
     "full-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "image_hidden": 1024}},
     "full-pool": {**EXPECTED["full"], "model": {**ROI["model"], "pool_ranks": 20}},
+    **{f"full-text{n}": {**EXPECTED["full"], "model": {**ROI["model"], "text_layers": n}} for n in (1, 2, 6)},
     "full-global-mlp": {**EXPECTED["full"], "model": {**ROI["model"], "global_hidden": 1024}},
     "full-2x256": {**EXPECTED["full"], "model": {**ROI["model"], "h": 256}, "train": {**ROI["train"], "members": 2}},
 }
@@ -120,7 +121,8 @@ def test_variant_resolves_to_the_rows_settings(name: str) -> None:
 
 def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
-                      "optimizer": "adam", "lr": 0.001, "momentum": 0.9, "weight_decay": 1e-6, "grad_clip": 0.0,
+                      "optimizer": "adam", "lr": 0.001, "text_lr": 2e-5, "momentum": 0.9, "weight_decay": 1e-6,
+                      "grad_clip": 0.0,
                       "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
                       "nce_scale": 0.0, "mirror_views": 0.0,
                       "distill_from": "", "distill_weight": 1.0, "distill_scale": 3.0,
@@ -240,7 +242,8 @@ def test_list_resolved_prints_every_field_of_every_variant_as_toml() -> None:
         assert printed[name]["model"] == {**printed[name]["model"], **v.model, "kind": v.model_kind}, name
         assert (printed[name]["description"], printed[name].get("base")) == (v.description, v.base), name
     assert printed["paper"]["model"] == {"kind": "fragment", "h": 256, "image_hidden": 0, "global_hidden": 0,
-                                         "dropout": 0.5, "input_dropout": 0.0, "pool_ranks": 0}
+                                         "dropout": 0.5, "input_dropout": 0.0, "pool_ranks": 0,
+                                         "text_layers": 0}
     assert printed["full"]["model"]["input_dropout"] == 0.2 and printed["full"]["image"]["backbone_precision"] == "int8"
     assert printed["fragment+global"]["train"]["objective"] == "fragment+global"
 

@@ -82,6 +82,9 @@ class Teacher:
             model = bundle.model
             if not isinstance(model, FragmentModel):
                 raise ValueError(f"teacher {path}: a {type(model).__name__}, not a fragment model")
+            if model.text_layers is not None:
+                raise ValueError(f"teacher {path} reads words through its own MiniLM layers: a teacher reads the "
+                                 "student's frozen vectors")
             if bundle.text.words.words != text.words.words or bundle.text.relations.kept != text.relations.kept:
                 raise ValueError(f"teacher {path} was trained on other words or relations than the student's "
                                  "(train both on the same split)")

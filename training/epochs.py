@@ -4,12 +4,17 @@ the learning-rate schedule, the optimizer and fragment dropout (training/train.p
 
 from __future__ import annotations
 
-from typing import Protocol
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
+from model.atomic import cached_file
 from model.config import TrainConfig
 from model.dataset import SplitData
 from model.device import fused_optimizer
@@ -17,16 +22,31 @@ from model.fragments import EncodedSentences, TextPipeline, pad_rows
 from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from model.score import flatten, skl_from_flat
 from model.trees import TreeBatch
+from model.words import cut_hidden
 from training.distill import Teacher
 from training.objectives import contrastive_global_loss, distill_loss, fragment_loss, global_loss, two_branch_loss
 
 
-def lr_at(cfg: TrainConfig, epoch: int) -> float:
-    return cfg.lr * (0.1 if epoch >= cfg.epochs - cfg.anneal_epochs else 1.0)
+def lr_at(cfg: TrainConfig, epoch: int, base: float | None = None) -> float:
+    """The learning rate of 0-based `epoch`: `base` (default cfg.lr) x 0.1 in the last `anneal_epochs`."""
+    return (cfg.lr if base is None else base) * (0.1 if epoch >= cfg.epochs - cfg.anneal_epochs else 1.0)
 
 
-def optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    fused = fused_optimizer(params)
+def param_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: the encoders at `lr`, a fragment model's own top layers of MiniLM
+    (ModelConfig.text_layers) at `text_lr`; each group's `base_lr` is what the schedule scales (`lr_at`)."""
+    text = [p for n, p in model.named_parameters() if n.startswith("text_layers.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("text_layers.")]
+    groups = [{"params": rest, "lr": cfg.lr, "base_lr": cfg.lr}]
+    if text:
+        groups.append({"params": text, "lr": cfg.text_lr, "base_lr": cfg.text_lr})
+    return groups
+
+
+def optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter] | list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """Adam or SGD over `params` (parameters, or `param_groups`' groups)."""
+    flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
+    fused = fused_optimizer(list(flat))
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.optimizer == "adam":
@@ -34,10 +54,85 @@ def optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: 'adam' or 'sgd'")
 
 
+class TunedText:
+    """The training sentences' words in context and sentence vectors through the model's own top layers of
+    MiniLM (ModelConfig.text_layers), with gradients: what `encode_tuned` gives the runtime, from the same
+    input, MiniLM's hidden states after its first `first` layers (computed once, kept in `cache`).
+
+    A sentence's rows of the frozen encoding's extra rows (`TextPipeline.encode_parsed`) are one per token
+    (`tokens[l]` of them), then its sentence row (`whole`); a batch's pool holds the same rows, from the layers,
+    sentence after sentence, and `pool` points the batch's fragments into it."""
+
+    def __init__(self, keys: list[tuple[str, ...]], tokens: np.ndarray, whole: bool, first: int, base: int,
+                 shift: int, cache: Path, device: str) -> None:
+        digest = hashlib.sha1(json.dumps([first, keys]).encode()).hexdigest()[:16]
+        hidden, offsets, words = cached_file(
+            cache / f"cut{first}-{digest}.npz", lambda: cut_hidden(keys, first),
+            lambda v, fh: np.savez(fh, hidden=v[0], offsets=v[1], words=v[2]), _read_cut)
+        self.hidden = torch.from_numpy(hidden).to(device)
+        self.offsets, self.words, self.pieces = offsets, words, np.diff(offsets)
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.whole = whole
+        n_rows = self.tokens + int(whole)
+        self.start = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).astype(np.int64)  # first row in enc.extra
+        self.base, self.shift, self.device = base, shift, device
+
+    def _t(self, x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x).to(self.device)
+
+    def pool(self, layers: torch.nn.Module, sent: np.ndarray, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pool of the batch's sentences `sent` through `layers`, and their padded fragments' rows a, b
+        (rows of the frozen pool, the unigram form's included: FragmentBatches) pointed into it."""
+        lens = self.pieces[sent]
+        steps = np.arange(int(lens.max()))
+        real = steps[None, :] < lens[:, None]  # (B, T)
+        at = np.where(real, self.offsets[sent][:, None] + steps[None, :], 0)
+        real_t = self._t(real)
+        x = self.hidden[self._t(at)] * real_t[..., None].to(self.hidden.dtype)
+        out = layers(x, real_t.long())[real_t]  # (N, d): the batch's pieces, sentence after sentence
+        tokens = self.tokens[sent]
+        n_rows = tokens + int(self.whole)
+        first_row = np.concatenate([[0], np.cumsum(n_rows)[:-1]]).astype(np.int64)  # in the batch's pool
+        of_piece = np.repeat(np.arange(len(sent)), lens)
+        word = self.words[at[real]]
+        targets, sources = [], []
+        kept = np.flatnonzero((word >= 0) & (word < tokens[of_piece]))  # a word's pieces: its row
+        targets.append(first_row[of_piece[kept]] + word[kept])
+        sources.append(out[self._t(kept)])
+        if self.whole:  # every piece, [CLS] and [SEP] included: the sentence row
+            targets.append(first_row[of_piece] + tokens[of_piece])
+            sources.append(out)
+        target = self._t(np.concatenate(targets))
+        total = int(n_rows.sum())
+        sums = out.new_zeros(total, out.shape[1]).index_add(0, target, torch.cat(sources))
+        counts = torch.bincount(target, minlength=total).clamp_min(1).to(out.dtype)
+        pool = F.normalize(sums / counts[:, None], dim=-1)
+        start, first = self._t(self.start[sent])[:, None], self._t(first_row)[:, None]
+
+        def point(rows: torch.Tensor) -> torch.Tensor:
+            r = rows - self.base
+            r = torch.where(r >= self.shift, r - self.shift, r)  # the unigram form's rows: the same layout
+            return torch.where(mask > 0, first + r - start, torch.zeros_like(r))
+
+        return pool, point(a), point(b)
+
+
+def _read_cut(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    with np.load(path) as z:
+        return z["hidden"], z["offsets"], z["words"]
+
+
 class FragmentBatches:
     """Training sentences as ids in one pool, with their unigram form for the fallback's share."""
 
-    def __init__(self, text: TextPipeline, data: SplitData, unigram_prob: float, device: str) -> None:
+    def __init__(self, text: TextPipeline, data: SplitData, unigram_prob: float, device: str,
+                 tuned_from: int | None = None, cache: Path | None = None) -> None:
+        """`tuned_from`: the model trains MiniLM's layers from that one on (`TunedText`, its input kept in
+        `cache`); the frozen pool stays what a teacher reads."""
+        if tuned_from is not None and text.cfg.word_vectors != "contextual":
+            raise ValueError("a model that trains MiniLM's top layers reads words in context: word_vectors "
+                             "'contextual'")
         enc = text.encode_parsed(data.parsed, data.sentences)
         self.enc = enc
         self.uni: EncodedSentences | None = None
@@ -52,6 +147,14 @@ class FragmentBatches:
         self.pool = torch.from_numpy(np.concatenate([text.words.vectors, *extras])).float().to(device)
         self.unigram_prob = unigram_prob
         self.device = device
+        self.tuned: TunedText | None = None
+        if tuned_from is not None:
+            if cache is None:
+                raise ValueError("a model that trains MiniLM's top layers needs a cache folder for their input")
+            self.tuned = TunedText([tuple(p.tokens) or ("",) for p in data.parsed],
+                                   np.array([len(p.tokens) for p in data.parsed], dtype=np.int64),
+                                   text.cfg.sentence_fragment, tuned_from, len(text.words), len(enc.extra), cache,
+                                   device)
 
     def sentences(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[torch.Tensor, ...]:
         use_uni = rng.random(len(idx)) < self.unigram_prob if self.uni is not None else np.zeros(len(idx), bool)
@@ -141,7 +244,11 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         img = model.embed_images(feats[torch.from_numpy(imgs)].to(cfg.device))
         img_mask = torch.ones(img.shape[:2], device=img.device)
         rel, a, b, mask = batches.sentences(idx, rng)
-        sent = model.embed_sentences(batches.pool, rel, a, b, mask)
+        if batches.tuned is not None and model.text_layers is not None:  # words through the model's own layers
+            pool, sa, sb = batches.tuned.pool(model.text_layers, idx, a, b, mask)
+            sent = model.embed_sentences(pool, rel, sa, sb, mask)
+        else:
+            sent = model.embed_sentences(batches.pool, rel, a, b, mask)
         soft = teacher.scores(imgs, batches.pool, rel, a, b, mask) if teacher is not None else None
         if cfg.fragment_drop > 0:
             img_mask = drop_fragments(img_mask, cfg.fragment_drop, rng)

@@ -68,6 +68,9 @@ def merge_models(models: Sequence[FragmentModel], threshold: str = "blocks") -> 
             raise ValueError("a merged model cannot be a member: merge its members instead")
         if m.cfg.pool_ranks > 0:
             raise ValueError("members pooled over ranks cannot be merged: their blocks would share one pooling")
+        if m.cfg.text_layers > 0:
+            raise ValueError("members with their own MiniLM layers cannot be merged: each reads its words through "
+                             "its own layers, a merged model through one")
         if dataclasses.replace(m.cfg, h=first.h, input_dropout=first.input_dropout) != first:
             raise ValueError(f"members differ in shape: {m.cfg} vs {first}")
         if threshold == "blocks" and m.cfg.h != first.h:

@@ -44,7 +44,6 @@ from typing import Any
 from model.atomic import atomic_path, sha256_file
 from model.backbone import backbone_graph, backbone_head
 from model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
-from model.config import ImageConfig
 from model.data import load_split
 from model.dataset import load_split_data
 from model.graphs import BACKBONE_NAME, quant_recipe
@@ -166,14 +165,18 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
     }
 
 
-def runtime_files(cfg: ImageConfig) -> list[Path]:
-    """The graphs a model of these image settings runs, made where missing (the graph folder): its crops'
-    backbone and the proposal ranker (ImageNet Lite0) at its precision, the ranker's head, and MiniLM's graph."""
+def runtime_files(bundle: Bundle) -> list[Path]:
+    """The graphs a model runs, made where missing (the graph folder): its crops' backbone and the proposal
+    ranker (ImageNet Lite0) at its precision, the ranker's head, MiniLM's graph, and for a model with its own
+    top layers of MiniLM the graph cut below them (the layers themselves are the model's weights)."""
+    cfg = bundle.image_cfg
     files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", graph_dir()),
              backbone_head(BACKBONE_NAME, "", graph_dir())]
     if cfg.backbone != BACKBONE_NAME or cfg.backbone_weights:
         files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, graph_dir()))
     files.append(minilm_graph(graph_dir()))
+    if bundle.text.layers is not None:
+        files.append(minilm_graph(graph_dir(), upto=bundle.text.layers.first))
     return files
 
 
@@ -183,7 +186,7 @@ def write_release(bundle: Bundle, out: Path, manifest: dict[str, Any]) -> dict[s
     or new files beside the old manifest, which then refuses them by name). Files of an earlier release that
     this one does not ship are removed once the manifest is written."""
     out.mkdir(parents=True, exist_ok=True)
-    graphs = runtime_files(bundle.image_cfg)
+    graphs = runtime_files(bundle)
     bundle.save(out)
     for src in graphs:
         if src.resolve() != (out / src.name).resolve():

@@ -61,6 +61,7 @@ from training.epochs import (
     MirroredViews,
     lr_at,
     optimizer,
+    param_groups,
     train_fragment_epoch,
     train_global_epoch,
     train_two_branch_epoch,
@@ -147,12 +148,15 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     mcfg = ModelConfig(kind=run.model_kind, h=cfg.h, n_relations=len(text.relations),
                        img_dim=train_data.feats.shape[-1], word_dim=text.words.dim,
                        sentence_relation=-1 if sid is None else sid, **shape)
-    model = build_model(mcfg).to(cfg.device)
+    model = build_model(mcfg)
+    if isinstance(model, FragmentModel) and model.text_layers is not None:
+        model.text_layers.load_minilm()  # trained from MiniLM's own weights of those layers
+    model = model.to(cfg.device)
     bundle = Checkpoint(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
     feats = torch.from_numpy(train_data.feats)
     if run.image.full_frame_only:
         feats = feats[:, :1].contiguous()
-    opt = optimizer(cfg, list(model.parameters()))
+    opt = optimizer(cfg, param_groups(cfg, model))
     t0 = time.perf_counter()
     if isinstance(model, TwoBranch):
         enc = text.encode_parsed(train_data.parsed, train_data.sentences)
@@ -165,7 +169,8 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         global_model = model
         step = lambda e: train_global_epoch(global_model, cfg, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
     else:
-        batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device)
+        tuned = model.text_layers.first if isinstance(model, FragmentModel) and model.text_layers is not None else None
+        batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device, tuned, cache_root / "vectors")
         views: ImageFeatures = feats
         if cfg.mirror_views > 0:
             if train_data.mirrored is None:
@@ -190,7 +195,7 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     val_matches = None  # the validation part's matching pairs (training.calibrate.described_alike), made once
     for epoch in range(cfg.epochs):
         for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, epoch)
+            g["lr"] = lr_at(cfg, epoch, g["base_lr"])
         t_ep = time.perf_counter()
         loss = step(epoch)
         row: dict[str, float] = {"epoch": epoch + 1, "loss": loss, "seconds": time.perf_counter() - t_ep}
@@ -237,7 +242,7 @@ def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, o
     cfg = run.train
     if cfg.members < 2:
         raise ValueError(f"members must be at least 2 to merge, not {cfg.members}")
-    hidden = [k for k in ("image_hidden", "global_hidden") if int(run.model_overrides.get(k, 0)) > 0]
+    hidden = [k for k in ("image_hidden", "global_hidden", "text_layers") if int(run.model_overrides.get(k, 0)) > 0]
     if run.model_kind != "fragment" or hidden:  # what training.merge can stack, checked before any training
         raise ValueError(f"members are merged as linear fragment models; {run.variant} is a {run.model_kind} model"
                          + (f" with {', '.join(hidden)}" if hidden else ""))

@@ -14,6 +14,7 @@ from torch import nn
 
 from model.device import host_masks
 from model.encoders import GLOBAL_KINDS, ModelConfig
+from model.nets.textlayers import TextLayers
 from model.trees import TreeBatch
 
 
@@ -36,6 +37,8 @@ class FragmentModel(nn.Module):
         self.global_sentence: nn.Module | None = None
         # S_kl's weights over the ranks of an image's fragment scores: zeros = equal weights, the mean's S_kl
         self.pool_logits = nn.Parameter(torch.zeros(cfg.pool_ranks)) if cfg.pool_ranks > 0 else None
+        # MiniLM's last `text_layers` layers as the model's own (trained from MiniLM's weights: load_minilm)
+        self.text_layers = TextLayers(cfg.text_layers) if cfg.text_layers > 0 else None
         if cfg.global_hidden > 0:
             self.global_image = _mlp(cfg.img_dim, cfg.global_hidden, cfg.h, cfg.dropout)
             if 0 <= cfg.sentence_relation < cfg.n_relations:

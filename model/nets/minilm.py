@@ -33,10 +33,10 @@ from model.atomic import atomic_file
 from model.graphs import search_dirs
 from model.minilm_files import (
     DISTRIBUTION,
-    GRAPH_NAME,
     HEADER_DIGEST_KEY,
     WEIGHTS_FILE,
     WEIGHTS_KEY,
+    graph_name,
     header_digest,
     package_dir,
     read_header,
@@ -74,12 +74,18 @@ def load_minilm(device: str = "cpu") -> SentenceTransformer:
     return model
 
 
-def bert() -> torch.nn.Module:
-    """MiniLM's transformer (transformers' ``BertModel``) from the package's files, in evaluation mode."""
+def bert(upto: int | None = None) -> torch.nn.Module:
+    """MiniLM's transformer (transformers' ``BertModel``) from the package's files, in evaluation mode; with
+    `upto`, only its first `upto` layers (its last hidden states are then those after layer `upto`)."""
     set_offline()
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(str(package_dir()), local_files_only=True)
+    if upto is not None:
+        layers = model.encoder.layer
+        if not 0 <= upto <= len(layers):
+            raise ValueError(f"MiniLM has {len(layers)} layers: it cannot be cut after {upto}")
+        model.encoder.layer = torch.nn.ModuleList(list(layers)[:upto])
     model.eval()
     return model
 
@@ -90,9 +96,13 @@ class Hidden(torch.nn.Module):
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__()
         self.bert = transformer
+        model: Any = transformer
+        self.layers = len(model.encoder.layer)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        if self.layers == 0:  # the embeddings alone read no mask: padding zeroed, so the graph keeps its inputs
+            out = out * mask[..., None].to(out.dtype)
         return out
 
 
@@ -156,20 +166,21 @@ def strip_weights(model: Any, weights: Path) -> Any:
     return model
 
 
-def export_graph(folder: Path | None = None) -> Path:
-    """MiniLM's graph (model/minilm.py ``GRAPH_NAME``) in ``folder`` (default: the graph folder), made now unless
-    it is there: exported from the package's weights without constant folding, its weights turned into
-    references to ``model.safetensors``, checked against torch on the sample, written atomically."""
+def export_graph(folder: Path | None = None, upto: int | None = None) -> Path:
+    """MiniLM's graph (model/minilm_files.py ``graph_name(upto)``: the whole transformer, or its first `upto`
+    layers) in ``folder`` (default: the graph folder), made now unless it is there: exported from the package's
+    weights without constant folding, its weights turned into references to ``model.safetensors``, checked
+    against torch on the sample, written atomically."""
     import onnx
 
     target = search_dirs(folder)[1]
-    path = target / GRAPH_NAME
+    path = target / graph_name(upto)
     target.mkdir(parents=True, exist_ok=True)
     with _lock:
         if path.is_file():
             return path
         weights = package_dir() / WEIGHTS_FILE
-        module = Hidden(bert())
+        module = Hidden(bert(upto))
         ids, mask = sample()
         with torch.inference_mode():  # before the export, which leaves the traced module changed
             want = module(ids, mask).numpy()
@@ -192,9 +203,11 @@ def export_graph(folder: Path | None = None) -> Path:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Make MiniLM's graph (without its weights) that the runtime runs.")
     ap.add_argument("--folder", type=Path, default=None, help="where it is written (default: the graph folder)")
+    ap.add_argument("--upto", type=int, default=None,
+                    help="only MiniLM's first UPTO layers (the graph a model that trains the others reads)")
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    logger.info("%s", export_graph(args.folder))
+    logger.info("%s", export_graph(args.folder, args.upto))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""MiniLM's top transformer layers as a model trains them (``ModelConfig.text_layers``), in NumPy.
+
+A model with ``text_layers = n`` trains a copy of MiniLM's last n layers with the fragment objective: its
+words in context and its sentence vector are read from MiniLM's first 6 - n layers (the package's weights, an
+ONNX graph cut after that layer: model/minilm.py ``MiniLM(upto=...)``) followed by these layers with the
+model's own weights, stored with the model's encoders as ``text_layers.layers.<i>.<part>.weight|bias``. Only those
+layers are shipped; the rest of MiniLM stays the package's.
+
+A layer is BERT's post-norm transformer layer as MiniLM has it (12 heads of 32, exact GELU, LayerNorm eps 1e-12):
+    y = LN1(x + O(attention(Q x, K x, V x)));  out = LN2(y + OUT(gelu(INTER y)))
+The trainer's torch twin is model/nets/textlayers.py; the two agree to float32 rounding (tests/test_textlayers.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+LAYERS = 6  # MiniLM-L6's transformer layers
+HEADS = 12
+LN_EPS = 1e-12
+PREFIX = "text_layers.layers"  # the encoder arrays' names of the layers: <PREFIX>.<i>.<part>
+# a layer's parts: our name -> MiniLM's (transformers' BertLayer) name in the package's weight file
+PARTS = {"q": "attention.self.query", "k": "attention.self.key", "v": "attention.self.value",
+         "o": "attention.output.dense", "ln1": "attention.output.LayerNorm", "inter": "intermediate.dense",
+         "out": "output.dense", "ln2": "output.LayerNorm"}
+
+
+def shapes(width: int, inner: int) -> dict[str, tuple[int, ...]]:
+    """Each part's weight and bias shape (torch's Linear: weight (out, in))."""
+    out: dict[str, tuple[int, ...]] = {}
+    for part in PARTS:
+        w = {"inter": (inner, width), "out": (width, inner)}.get(part, (width, width))
+        out[f"{part}.weight"] = (width,) if part.startswith("ln") else w
+        out[f"{part}.bias"] = (w[0],) if not part.startswith("ln") else (width,)
+    return out
+
+
+def first_layer(n: int) -> int:
+    """The index of MiniLM's first trained layer when its last `n` are trained (ValueError outside 1..6)."""
+    if not 1 <= n <= LAYERS:
+        raise ValueError(f"text_layers must be between 1 and {LAYERS} (MiniLM's layers), not {n}")
+    return LAYERS - n
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf to within 1.5e-7 (Abramowitz & Stegun 7.1.26), float32: NumPy has none of its own."""
+    sign = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.asarray(sign * (1.0 - poly * np.exp(-a * a)), dtype=np.float32)
+
+
+def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return np.asarray((x - mean) / np.sqrt(var + LN_EPS) * w + b, dtype=np.float32)
+
+
+class TextLayers:
+    """The trained layers of a model: `forward` maps MiniLM's hidden states after layer `first` to its last ones.
+
+    ``weights[i]``: layer first + i's parts by `PARTS` name (``q.weight``, ...), float32."""
+
+    def __init__(self, first: int, weights: list[dict[str, np.ndarray]]) -> None:
+        if first + len(weights) != LAYERS or not weights:
+            raise ValueError(f"{len(weights)} trained layers from layer {first} do not end at MiniLM's {LAYERS}")
+        width = int(weights[0]["q.weight"].shape[0])
+        inner = int(weights[0]["inter.weight"].shape[0])
+        want = shapes(width, inner)
+        for i, layer in enumerate(weights):
+            for name, shape in want.items():
+                got = layer.get(name)
+                if got is None or tuple(got.shape) != shape:
+                    found = "missing" if got is None else f"of shape {tuple(got.shape)}"
+                    raise ValueError(f"text layer {first + i}'s {name} is {found}, expected {shape}")
+        self.first = first
+        # copies: the vectors these layers give are keyed by `digest`, so the weights never change under it
+        self.weights = [{k: np.array(v, dtype=np.float32, order="C") for k, v in layer.items()} for layer in weights]
+        self._digest: str | None = None
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray], n: int) -> TextLayers:
+        """The `n` layers of a model's encoder arrays (``<PREFIX>.<i>.<part>...``)."""
+        layers = [{k[len(f"{PREFIX}.{i}."):]: v for k, v in arrays.items() if k.startswith(f"{PREFIX}.{i}.")}
+                  for i in range(n)]
+        return cls(first_layer(n), layers)
+
+    @property
+    def digest(self) -> str:
+        """sha256 (first 16 hex digits) of the layers' weights: what the vectors they give are keyed by."""
+        if self._digest is None:
+            h = hashlib.sha256(str(self.first).encode())
+            for layer in self.weights:
+                for name in sorted(layer):
+                    h.update(name.encode())
+                    h.update(layer[name].tobytes())
+            self._digest = h.hexdigest()[:16]
+        return self._digest
+
+    def forward(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """hidden (B, T, d) after layer `first`, mask (B, T) (1 for a piece, 0 for padding) -> (B, T, d) after
+        MiniLM's last layer."""
+        x = np.asarray(hidden, dtype=np.float32)
+        bias = np.where(np.asarray(mask)[:, None, None, :] > 0, 0.0, np.finfo(np.float32).min).astype(np.float32)
+        for layer in self.weights:
+            x = _layer(layer, x, bias)
+        return x
+
+
+def _layer(w: dict[str, np.ndarray], x: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """One post-norm BERT layer; `bias` (B, 1, 1, T) is added to the attention logits (padding: float32 min)."""
+    b, t, d = x.shape
+    hd = d // HEADS
+
+    def lin(name: str, z: np.ndarray) -> np.ndarray:
+        return np.asarray(z @ w[f"{name}.weight"].T + w[f"{name}.bias"], dtype=np.float32)
+
+    def heads(z: np.ndarray) -> np.ndarray:
+        return z.reshape(b, t, HEADS, hd).transpose(0, 2, 1, 3)
+
+    logits = heads(lin("q", x)) @ heads(lin("k", x)).transpose(0, 1, 3, 2) / np.float32(math.sqrt(hd)) + bias
+    logits -= logits.max(axis=-1, keepdims=True)
+    att = np.exp(logits)
+    att /= att.sum(axis=-1, keepdims=True)
+    ctx = (att @ heads(lin("v", x))).transpose(0, 2, 1, 3).reshape(b, t, d)
+    y = _layer_norm(lin("o", ctx) + x, w["ln1.weight"], w["ln1.bias"])
+    inner = lin("inter", y)
+    inner = np.asarray(0.5 * inner * (1.0 + _erf(inner / np.float32(math.sqrt(2.0)))), dtype=np.float32)
+    return _layer_norm(lin("out", inner) + y, w["ln2.weight"], w["ln2.bias"])

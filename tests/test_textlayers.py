@@ -1,0 +1,193 @@
+"""A model's own top layers of MiniLM (ModelConfig.text_layers, model/textlayers.py): the runtime's NumPy layers
+and the trainer's torch twin give the same numbers; at MiniLM's own weights they give MiniLM's vectors; the
+trainer's batch pool is the runtime's vectors of the same sentences; a model trains them, saves them and
+serves with them; a merge and a teacher refuse them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model.bundle import Bundle
+from model.dataset import load_split_data
+from model.encoders import Encoders, ModelConfig
+from model.fragments import SENTENCE_REL, TextPipeline
+from model.minilm import minilm
+from model.nets.encoders import FragmentModel, arrays
+from model.nets.textlayers import TextLayers as TorchLayers
+from model.parsers import make_parser
+from model.textlayers import PREFIX, TextLayers, first_layer
+from model.words import cut_hidden, encode_texts, encode_tuned
+from tests.conftest import ShapesModel
+from training.epochs import FragmentBatches
+from training.evaluate import evaluate
+from training.release import manifest_of, write_release
+from training.train import Run, make_run, train
+
+LISTS = [["a", "dog", "runs", "through", "the", "grass"], ["two", "men"], ["a", "skateboarder", "jumps"],
+         ["unbelievably", "colourful", "parrots", "squawk"]]
+
+
+def _minilm_layers(n: int) -> TorchLayers:
+    return TorchLayers(n).load_minilm().eval()
+
+
+def _numpy(layers: TorchLayers) -> TextLayers:
+    return TextLayers.from_arrays({f"text_layers.{k}": v for k, v in arrays(layers).items()}, len(layers.layers))
+
+
+@pytest.mark.parametrize("n", [0, 7])
+def test_a_count_of_layers_outside_minilms_is_refused(n: int) -> None:
+    with pytest.raises(ValueError, match="between 1 and 6"):
+        first_layer(n)
+
+
+def test_numpy_layers_give_the_torch_twins_numbers_with_padding() -> None:
+    torch.manual_seed(0)
+    layers = TorchLayers(2).eval()
+    for p in layers.parameters():  # away from MiniLM's weights: any weights agree
+        p.data.add_(0.02 * torch.randn_like(p))
+    x = torch.randn(3, 7, 384)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[2, 2:] = 0
+    with torch.no_grad():
+        want = layers(x, mask).numpy()
+    got = _numpy(layers).forward(x.numpy(), mask.numpy())
+    real = mask.numpy() > 0
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 6])
+def test_minilms_own_layers_after_the_cut_give_minilms_vectors(n: int) -> None:
+    words, sent = encode_tuned(LISTS, _numpy(_minilm_layers(n)))
+    frozen, _ = encode_texts(None, LISTS, contextual=True, whole=False)
+    for got, want in zip(words, frozen, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-4)
+    # the sentence vector: the mean over the one pass of the words, [CLS] and [SEP] included
+    model = minilm()
+    pieces = model.word_pieces(LISTS)
+    for k, p in enumerate(pieces):
+        hidden = model.hidden(p.ids[None], np.ones((1, len(p)), np.int64))[0]
+        want = hidden.mean(axis=0) / np.linalg.norm(hidden.mean(axis=0))
+        np.testing.assert_allclose(sent[k], want, atol=2e-4)
+
+
+def test_the_cut_graph_is_minilms_hidden_states_after_that_layer() -> None:
+    from model.nets.minilm import bert
+
+    hidden, offsets, words = cut_hidden(LISTS[:2], 4)
+    model = bert()
+    p = minilm().word_pieces(LISTS[:1])[0]
+    with torch.no_grad():
+        out = model(input_ids=torch.from_numpy(p.ids[None]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                    output_hidden_states=True).hidden_states[4][0].numpy()
+    np.testing.assert_allclose(hidden[offsets[0] : offsets[1]], out, atol=1e-4)
+    assert offsets[-1] == len(hidden) == len(words)
+    assert words[0] == -1 and words[offsets[1] - 1] == -1  # [CLS] ... [SEP]
+
+
+def _tuned_run(shapes_model: ShapesModel, n: int, **train: object) -> Run:
+    run = make_run("contextual", {"epochs": 2, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 20, "h": 32,
+                                  "lr": 3e-3, "text_lr": 1e-3, "eval_every": 0, "calibrate": 20, **train},
+                   {"text_layers": n})
+    return dataclasses.replace(run, image=shapes_model.bundle.image_cfg,
+                               text=dataclasses.replace(run.text, sentence_fragment=True))
+
+
+def test_the_trainers_batch_pool_is_the_runtimes_vectors(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    run = _tuned_run(shapes_model, 1)
+    data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+    text = TextPipeline.fit(run.text, data.parsed, shapes_model.cache / "words")
+    sid = text.relations.index(SENTENCE_REL)
+    assert sid is not None
+    cfg = ModelConfig(h=16, n_relations=len(text.relations), img_dim=data.feats.shape[-1], sentence_relation=sid,
+                      text_layers=1)
+    model = FragmentModel(cfg)
+    assert model.text_layers is not None
+    model.text_layers.load_minilm()
+    torch.manual_seed(1)
+    for p in model.text_layers.parameters():  # trained away from MiniLM's weights
+        p.data.add_(0.002 * torch.randn_like(p))
+    model.eval()
+    batches = FragmentBatches(text, data, 0.5, "cpu", model.text_layers.first, tmp_path)
+    assert batches.tuned is not None
+    idx = np.array([3, 0, 17, 8, 11])
+    rel, a, b, mask = batches.sentences(idx, np.random.default_rng(0))  # half of them in their unigram form
+    with torch.no_grad():
+        pool, sa, sb = batches.tuned.pool(model.text_layers, idx, a, b, mask)
+    text.use_layers(Encoders(cfg, arrays(model)).text_layers)
+    ctx, sent = text.frozen_vectors([data.parsed[i] for i in idx], [data.sentences[i] for i in idx])
+    assert sent is not None
+    want = np.concatenate([np.concatenate([c, s[None]]) for c, s in zip(ctx, sent, strict=True)])
+    np.testing.assert_allclose(pool.numpy(), want, atol=2e-4)
+    # every fragment reads the word or sentence it read in the frozen pool, now through the layers (close to
+    # MiniLM's own vectors: the layers moved a little), and padding reads row 0
+    frozen = batches.pool.numpy()
+    m = mask.numpy() > 0
+    for ids, tuned in ((a, sa), (b, sb)):
+        got, was = pool.numpy()[tuned.numpy()[m]], frozen[ids.numpy()[m]]
+        cos = (got * was).sum(1)
+        assert cos.min() > 0.97, cos
+        assert (got @ was.T).diagonal().mean() > np.median(got @ was.T) + 0.1  # not any row
+        assert tuned.numpy()[~m].max(initial=0) == 0
+
+
+def test_a_model_trains_its_layers_saves_them_and_serves_with_them(shapes_model: ShapesModel, tmp_path: Path
+                                                                   ) -> None:
+    run = _tuned_run(shapes_model, 1)
+    data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+    train(run, data, None, tmp_path / "model", shapes_model.cache)
+    bundle = Bundle.load(tmp_path / "model" / "model.pt")
+    layers = bundle.text.layers
+    assert layers is not None and layers.first == 5
+    minilms = _numpy(_minilm_layers(1))
+    assert not np.allclose(layers.weights[0]["q.weight"], minilms.weights[0]["q.weight"])  # trained
+    assert f"{PREFIX}.0.q.weight" in bundle.encoders.arrays()
+    release = tmp_path / "release"  # a release ships the graph cut below the model's layers beside MiniLM's
+    files = write_release(bundle, release, manifest_of(bundle, tmp_path / "model" / "model.pt", shapes_model.data,
+                                                       {"rsum": 1.0}, "python -m training.release x"))["files"]
+    assert {"minilm-l6-fp32-opset17-noweights.onnx", "minilm-l6-upto5-fp32-opset17-noweights.onnx"} <= set(files)
+    served = Bundle.load(release)
+    assert served.text.layers is not None and served.text.layers.digest == layers.digest
+    enc = served.text.encode(["a red circle beside a blue square"])
+    want, _ = encode_tuned([["a", "red", "circle", "beside", "a", "blue", "square"]], layers)
+    np.testing.assert_allclose(enc.extra[:7], want[0], atol=1e-5)
+    frozen, _ = encode_texts(None, [["a", "red", "circle", "beside", "a", "blue", "square"]], whole=False)
+    assert not np.allclose(enc.extra[:7], frozen[0], atol=1e-3)  # not MiniLM's own vectors
+    metrics = evaluate(served, shapes_model.dev)
+    assert metrics == evaluate(bundle, shapes_model.dev)
+    assert 0 <= metrics["search_r1"] <= 100
+
+
+def test_a_frozen_models_vectors_are_not_read_through_anothers_layers(shapes_model: ShapesModel) -> None:
+    shapes = shapes_model.bundle.text
+    text = TextPipeline(dataclasses.replace(shapes.cfg, word_vectors="contextual"), shapes.relations, shapes.words)
+    parsed = shapes.parse(["a red circle"])
+    before = text.frozen_vectors(parsed, ["a red circle"])[0][0].copy()
+    layers = _numpy(_minilm_layers(1))
+    for w in layers.weights[0].values():
+        w += 0.01
+    text.use_layers(TextLayers(layers.first, layers.weights))
+    try:
+        assert not np.allclose(text.frozen_vectors(parsed, ["a red circle"])[0][0], before, atol=1e-3)
+    finally:
+        text.use_layers(None)
+    np.testing.assert_array_equal(text.frozen_vectors(parsed, ["a red circle"])[0][0], before)
+
+
+def test_members_and_teachers_with_their_own_layers_are_refused(tmp_path: Path) -> None:
+    from training.merge import merge_models
+
+    cfg = ModelConfig(img_dim=10, word_dim=384, h=8, text_layers=1)
+    with pytest.raises(ValueError, match="own MiniLM layers"):
+        merge_models([FragmentModel(cfg), FragmentModel(cfg)])
+    run = make_run("full-2x256", {}, {"text_layers": 1})
+    from training.train import train_members
+
+    with pytest.raises(ValueError, match="text_layers"):
+        train_members(run, None, None, tmp_path, tmp_path)  # type: ignore[arg-type]
