@@ -36,38 +36,18 @@ import numpy as np
 
 from bench import machine, parse_run
 from model.bundle import Bundle
-from model.calibration import CAPTIONS_PER_IMAGE, DEFAULT_CUTOFF, Relevance
+from model.calibration import DEFAULT_CUTOFF, RELEVANCE_TOP, Relevance
 from model.data import load_split
 from model.dataset import SplitData, load_split_data
 from model.parsers import make_parser
 from model.settings import default_artifacts_dir, default_data_dir, default_model_path
-from training.calibrate import matches_of, shown_pairs
+from training.calibrate import Shown, best_of, calibration_error, matches_of, reliability, shown
 from training.evaluate import evaluate_scores, score_split
 
 logger = logging.getLogger("bench.relevance_bench")
-BINS = 10
 SHOWN = 10  # results of each query judged
 ABSENT_SENTENCES = 500  # training captions about an object no dev caption names
 NOUN_LABELS = ("nsubj", "dobj", "obj", "pobj", "conj", "compound")  # where a caption's objects sit in its tree
-
-
-def reliability(pred: np.ndarray, truth: np.ndarray, bins: int = BINS) -> list[dict[str, float]]:
-    """Per equal-width bin of predicted relevance: pairs, mean prediction, observed share of matches."""
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    which = np.clip(np.digitize(pred, edges[1:-1]), 0, bins - 1)
-    rows = []
-    for b in range(bins):
-        sel = which == b
-        n = int(sel.sum())
-        rows.append({"bin_low": round(float(edges[b]), 2), "bin_high": round(float(edges[b + 1]), 2), "pairs": n,
-                     "predicted": round(float(pred[sel].mean()), 4) if n else float("nan"),
-                     "observed": round(float(truth[sel].mean()), 4) if n else float("nan")})
-    return rows
-
-
-def calibration_error(table: list[dict[str, float]]) -> float:
-    total = sum(r["pairs"] for r in table)
-    return float(sum(r["pairs"] * abs(r["predicted"] - r["observed"]) for r in table if r["pairs"]) / max(1, total))
 
 
 def absent_object_captions(train: Any, dev: SplitData, parser: Any, seed: int) -> tuple[list[str], list[str]]:
@@ -102,35 +82,38 @@ def absent_object_captions(train: Any, dev: SplitData, parser: Any, seed: int) -
 
 def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image: np.ndarray,
             absent: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The summary and the reliability rows of one scale on dev's score matrix."""
+    """The summary and the reliability rows of one scale on dev's score matrix (each result's relevance for
+    its query in the collection searched)."""
     n, n_sent = scores.shape
-    search, annotate = rel.for_items(n), rel.for_items(round(n_sent / CAPTIONS_PER_IMAGE))
     out: dict[str, Any] = {"scale": rel.to_state()}
     rows: list[dict[str, Any]] = []
     preds, truths = [], []
-    for side, (r, c) in shown_pairs(scores, SHOWN).items():
-        y = matches[r, c]
-        p = (search if side == "search" else annotate)(scores[r, c])
+    for side, part in (("search", shown(scores.T, matches.T, True, SHOWN)),
+                       ("annotate", shown(scores, matches, False, SHOWN))):
+        y, p = part.match, part.relevance(rel)
         table = reliability(p, y)
         rows += [{"direction": side, **r} for r in table]
-        shown = p >= DEFAULT_CUTOFF
+        at = p >= DEFAULT_CUTOFF
         out[side] = {"pairs": int(len(p)), "match_share": round(float(y.mean()), 4),
                      "ece": round(calibration_error(table), 4),
-                     "shown_at_cutoff": int(shown.sum()),
-                     "precision_at_cutoff": round(float(y[shown].mean()), 4) if shown.any() else None}
+                     "shown_at_cutoff": int(at.sum()),
+                     "precision_at_cutoff": round(float(y[at].mean()), 4) if at.any() else None,
+                     "mean_relevance_at_cutoff": round(float(p[at].mean()), 4) if at.any() else None}
         preds.append(p)
         truths.append(y)
     both = reliability(np.concatenate(preds), np.concatenate(truths))
     rows += [{"direction": "both", **r} for r in both]
     out["ece_both"] = round(calibration_error(both), 4)
     cols = np.arange(n_sent)
-    true_rel = search(scores[pair_image, cols])
+    true = Shown(scores[pair_image, cols].astype(np.float64), np.ones(n_sent, bool), np.ones(n_sent, bool), cols,
+                 best_of(scores.T.astype(np.float64), RELEVANCE_TOP + 1), np.full(n_sent, n))
+    true_rel = true.relevance(rel)
     rest = scores.copy()
     rest[pair_image, cols] = -np.inf
-    best = rest.argmax(axis=0)
-    best_rel = search(rest[best, cols])  # the own image out: one image fewer would not move the scale
-    best_match = matches[best, cols]
-    absent_best = search(absent.max(axis=0)) if absent.size else np.zeros(0)
+    gone = shown(rest.T, matches.T, True, 1)  # the best remaining image, in the collection without the own one
+    best_rel, best_match = gone.relevance(rel), gone.match
+    absent_best = (shown(absent.T, np.zeros(absent.T.shape, bool), True, 1).relevance(rel) if absent.size
+                   else np.zeros(0))
     out["no_good_match"] = {
         "own_image_removed": round(float((best_rel < DEFAULT_CUTOFF).mean()), 4),
         "own_image_removed_best_no_match": round(float((best_rel[~best_match] < DEFAULT_CUTOFF).mean()), 4),
@@ -140,7 +123,6 @@ def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image:
         "true_pairs_clearing": round(float((true_rel >= DEFAULT_CUTOFF).mean()), 4),
         "best_remaining_median_relevance": round(float(np.median(best_rel)), 4),
         "best_remaining_is_match": round(float(best_match.mean()), 4),
-        "cutoff_score": round(search.score_at(DEFAULT_CUTOFF), 3),
     }
     return out, rows
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
@@ -31,9 +31,11 @@ from index.shared import SharedFragments
 from index.stored import StoredFragments
 from index.types import ExplainScope, IndexSettings
 from model.bundle import Bundle
+from model.calibration import RELEVANCE_TOP
 
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
 SHORTLIST = 8  # with summaries S: the thresholded summary score only for the 8 S best by the linear one
+CONTEXT = RELEVANCE_TOP + 1  # the best scores of a ranking kept beside its page (a result's relevance reads them)
 FILTERED_EXACT = 20_000  # a filtered search scores at most this many allowed items exactly, without candidates
 SEARCH_PATHS = ("scan", "candidates")  # how a search found what it ranks (Ranker.searches)
 
@@ -133,6 +135,7 @@ class Placement:
     considered: int
     scope: ExplainScope
     recalled: bool
+    best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the best scores of those ranked (`CONTEXT`)
 
 
 class Ranker(Generic[P]):
@@ -157,7 +160,8 @@ class Ranker(Generic[P]):
 
     # -- ranking -------------------------------------------------------------------------------------
     def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
-             allowed: np.ndarray | None = None, approx: ApproxScore | None = None) -> tuple[list[Ranked[P]], int]:
+             allowed: np.ndarray | None = None, approx: ApproxScore | None = None
+             ) -> tuple[list[Ranked[P]], int, np.ndarray]:
         """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C, 1): one
         query, `exact_score`), and how many items the exact score ranked (the candidates, or every live item).
 
@@ -166,31 +170,34 @@ class Ranker(Generic[P]):
         scored exactly when they are at most FILTERED_EXACT (or the collection is scanned anyway),
         else their candidates. `approx` is the same score against other query fragments
         ((C, F, d), mask, queries (t, d) -> (C,)): given, the candidates are prescored on their codes.
-        Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id.
+        Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id, how many items the
+        exact score ranked, and the best `CONTEXT` of their scores, best first (what a result's relevance
+        compares it with: model.calibration.Relevance.for_query).
         """
         index = self.index
         with index.reading():
             if allowed is not None and len(allowed):
                 allowed = allowed[index.items.live_among(allowed)]
             if allowed is not None and not len(allowed):  # nothing passes the filter: nothing to rank
-                return [], 0
+                return [], 0, np.zeros(0)
             if allowed is not None and not (exhaustive or self.small() or len(allowed) <= FILTERED_EXACT):
-                candidates = self.candidates(queries, allowed, approx)
-                return self._top_of(candidates, score, k), len(candidates)
+                return self._ranked(self.candidates(queries, allowed, approx), score, k)
             if exhaustive or self.small() or allowed is not None:
                 best: list[tuple[int, float]] = []
                 considered = 0
                 for part, vecs, mask in self._scan(items=allowed):
-                    best = merge_top_k(best, part, score(vecs, mask)[:, 0], k)
+                    best = merge_top_k(best, part, score(vecs, mask)[:, 0], max(k, CONTEXT))
                     considered += len(part)
+                context = np.asarray([s for _, s in best[:CONTEXT]], dtype=np.float64)
+                best = best[:k]
                 items = np.asarray([i for i, _ in best], dtype=np.int64)
                 vecs, mask = index.stored.vectors(items)
             else:
                 candidates = self.candidates(queries, approx=approx)
-                return self._top_of(candidates, score, k), len(candidates)
+                return self._ranked(candidates, score, k)
             payloads = index.payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
-                for row, (item, s) in enumerate(best)], considered
+                for row, (item, s) in enumerate(best)], considered, context
 
     def rank_many(self, score: Score, n_queries: int, k: int) -> list[list[tuple[int, float]]]:
         """Exact top k (item, score) of n queries in one pass over the store; `score` maps stored
@@ -226,7 +233,8 @@ class Ranker(Generic[P]):
         keys = rank_key(all_scores)
         key = keys[all_ids == item][0]
         ahead = (keys > key) | ((keys == key) & (all_ids < item))
-        return Placement(mine, 1 + int(np.count_nonzero(ahead)), len(all_ids), scope, recalled)
+        return Placement(mine, 1 + int(np.count_nonzero(ahead)), len(all_ids), scope, recalled,
+                         -np.sort(-all_scores.astype(np.float64))[:CONTEXT])
 
     def small(self) -> bool:
         """At most `SearchSettings.exact_below` live fragments: the exact scan is the cheaper search."""
@@ -375,11 +383,16 @@ class Ranker(Generic[P]):
             part = items[start : start + chunk]
             yield (part, *self.index.stored.vectors(part))
 
-    def _top_of(self, items: np.ndarray, score: Score, k: int) -> list[Ranked[P]]:
-        """The k best of candidate `items` by `score` (the exact re-rank), as `rank` returns them."""
+    def _ranked(self, items: np.ndarray, score: Score, k: int) -> tuple[list[Ranked[P]], int, np.ndarray]:
+        """The k best of candidate `items` by `score` (the exact re-rank), how many, and their best `CONTEXT`
+        scores, as `rank` returns them."""
+        considered = len(items)
         vecs, mask = self.index.stored.vectors(items)
-        top = top_k(score(vecs, mask)[:, 0], items, k)
+        scores = score(vecs, mask)[:, 0]
+        context = -np.sort(-np.asarray(scores, dtype=np.float64))[:CONTEXT]
+        top = top_k(scores, items, k)
         keep = np.asarray([pos for pos, _, _ in top], dtype=np.int64)
         vecs, mask, items = vecs[keep], mask[keep], items[keep]
         payloads = self.index.payloads(items.tolist())
-        return [(i, s, payloads[i], vecs[row, : int(mask[row].sum())]) for row, (_, i, s) in enumerate(top)]
+        return ([(i, s, payloads[i], vecs[row, : int(mask[row].sum())]) for row, (_, i, s) in enumerate(top)],
+                considered, context)

@@ -15,7 +15,7 @@ where. Only the results shown are aligned; the sentences never change the rankin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
@@ -23,7 +23,7 @@ from PIL import Image
 from index.images import ImageIndex
 from index.matches import matches
 from index.sentences import SentenceIndex
-from index.types import ImageHit, ImageRecord, SentenceHit
+from index.types import ImageHit, ImageRecord, Page, SentenceHit
 from model.embed import EmbeddedImage, embed_image, embed_texts
 from model.text import Triplet
 
@@ -38,6 +38,8 @@ class Similar:
     hits: list[ImageHit]
     offset: int = 0
     considered: int = 0  # images ranked (the query's own left out when it is indexed)
+    # the best scores of the sentences ranked for the query image: what a description's relevance reads
+    described_best: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 def unit_mean(img: np.ndarray) -> np.ndarray:
@@ -58,15 +60,15 @@ def rank_like(images: ImageIndex, img: np.ndarray, exclude: int | None = None) -
 
 
 def describe(sentences: SentenceIndex, images: ImageIndex, img: np.ndarray, boxes: np.ndarray,
-             descriptions: int) -> tuple[list[SentenceHit], np.ndarray | None, list[Triplet]]:
+             descriptions: int) -> tuple[Page[SentenceHit], np.ndarray | None, list[Triplet]]:
     """The query's best `descriptions` sentences, and their fragments (T, h) with triplets, together."""
-    described = sentences.annotate(EmbeddedImage(img, boxes, 0, 0), descriptions).hits  # no size needed to rank
-    if not described:
-        return [], None, []
-    parts = [(s, t) for s, t in embed_texts(images.bundle, [h.text for h in described]) if len(s)]
+    page = sentences.annotate(EmbeddedImage(img, boxes, 0, 0), descriptions)  # no size needed to rank
+    if not page.hits:
+        return page, None, []
+    parts = [(s, t) for s, t in embed_texts(images.bundle, [h.text for h in page.hits]) if len(s)]
     if not parts:
-        return described, None, []
-    return described, np.concatenate([s for s, _ in parts]), [t for _, ts in parts for t in ts]
+        return page, None, []
+    return page, np.concatenate([s for s, _ in parts]), [t for _, ts in parts for t in ts]
 
 
 def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.ndarray, boxes: np.ndarray,
@@ -76,7 +78,7 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
     collection); `exclude` (the query's own id, when it is indexed) is left out."""
     ids, sims = rank_like(images, img, exclude)
     described, sent, triplets = (describe(sentences, images, img, boxes, descriptions) if sentences is not None
-                                 else ([], None, []))
+                                 else (Page([], 0, 0), None, []))
     hits: list[ImageHit] = []
     for image_id, cosine in zip(ids[offset : offset + k].tolist(), sims[offset : offset + k].tolist(), strict=True):
         rec, found = images.get(image_id), images.fragments(image_id)
@@ -87,7 +89,7 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
                      if sent is not None else [])
         hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment,
                              file=rec.file))
-    return Similar(described, hits, offset, len(ids))
+    return Similar(described.hits, hits, offset, len(ids), described.best)
 
 
 def similar_to_indexed(images: ImageIndex, sentences: SentenceIndex | None, image_id: int, k: int,

@@ -7,6 +7,8 @@ import errno
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+import numpy as np
+
 from index.places import Place
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
@@ -293,6 +295,9 @@ class Page(Generic[H]):
     hits: list[H]
     offset: int
     considered: int
+    # the best scores of the considered items (up to model.calibration.RELEVANCE_TOP + 1), best first: what
+    # a result's relevance compares it with (Relevance.for_query)
+    best: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 @dataclass
@@ -336,6 +341,7 @@ class Explanation:
     pairs: list[PairShare]
     scope: ExplainScope = "collection"
     recalled: bool = True
+    best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the best scores of the images ranked
 
 
 @dataclass

@@ -25,18 +25,21 @@ needs. The references' own spreads it uses (`ref_image_scales`, `ref_sentence_sc
 
 The relevance scale (`Relevance`) maps a calibrated S_kl to a number a person can read: the
 probability that a person would call the result a match for the query, in the collection being searched.
-A match is either the item the query was written for (one among the collection's N items: the odds that
-it is this one fall as 1/(N - 1)) or another item that is described the same way (its share does not
-depend on N). Both odds grow exponentially in S_kl, so
+What makes a result likely a match is its score and how far it stands out of the collection for that query:
+the best of many close results is less likely the one than a result far ahead of the rest. So the scale
+reads the query's best scores in the collection (`for_query`: the ranking's best `RELEVANCE_TOP` + 1,
+which every search computes exactly) and, for a result of score S,
 
-    odds(S, N) = exp(own_slope * S + own_intercept) / (N - 1) + exp(slope * S + intercept),
+    x = beta S - log sum_j exp(beta S_j)      over the `RELEVANCE_TOP` best other items (`competition`)
+    relevance = 1 / (1 + exp(-(slope S + context x + intercept of the side)))
 
-relevance = odds / (1 + odds): a monotone map of S_kl for a given collection, so it never changes a
-ranking. The four numbers are fitted on the validation part of the training data (never dev) and stored
-beside the reference sets (training/calibrate.py `fit_relevance`); a scale stored with the two numbers
-of the described-alike part only reads as a plain logistic curve, and a checkpoint without any (made
-before it existed, or an uncalibrated model) serves scores without a relevance. For a sentence collection N
-counts the images its captions describe (`CAPTIONS_PER_IMAGE` captions an image, as in Flickr8K).
+x is the log-odds that the result is the one among them, as a softmax over the collection says; a
+collection with fewer items counts the missing ones at a typical score (`pad`). slope, context >= 0, so for
+one query the relevance is a monotone map of S_kl and never changes a ranking. The numbers are fitted on the
+validation part of the training data (never dev): its queries against collections of its items and of the
+other training items beside them, up to thousands of images (training/calibrate.py `fit_relevance`), and
+stored beside the reference sets; a checkpoint without a scale (made before it existed, an uncalibrated
+model, or one whose scale has an earlier form) serves scores without a relevance.
 
 The scales are computed with the one S_kl (model/score.py), on NumPy arrays in the service and on torch
 tensors in training alike (the array API: model/arrays.py). Fitting the references and the relevance, timing
@@ -58,38 +61,76 @@ BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F
 
 
 DEFAULT_CUTOFF = 0.5  # relevance at which a match is as likely as not: below it, "no good match"
-CAPTIONS_PER_IMAGE = 5  # a sentence collection of N captions describes about N / 5 images (Flickr8K's count)
+RELEVANCE_TOP = 100  # the best other items of a query's collection its relevance compares a result with
+RELEVANCE_FORM = "context-1"  # a stored relevance scale's form (an earlier one is not read: refit it)
 
 
 def _exp(z: np.ndarray) -> np.ndarray:
     return np.exp(np.clip(z, -60.0, 60.0))
 
 
+def competition(best: np.ndarray, scores: np.ndarray, beta: float, top: int, pad: float) -> np.ndarray:
+    """How far each score stands out of its query's collection: x = beta S - log sum_j exp(beta S_j) over the
+    `top` best other items of the collection, a collection with fewer counted as holding the rest at score `pad`
+    (the log-odds that the item is the one among them, as a softmax over the collection would say).
+
+    best: (Q, m) each of Q queries' best scores in its collection, best first (m >= top + 1 holds every other
+    item an item among them needs; -inf where a collection has fewer); scores: (Q, n) the scores to place,
+    each an item of its query's collection (an item is among `best` when its score reaches the last listed
+    one, and is then left out of its own sum). Increasing in each score for a given query. (Q, n) float64."""
+    b = np.asarray(best, dtype=np.float64)[:, : top + 1]
+    s = np.asarray(scores, dtype=np.float64)
+    have = np.isfinite(b).sum(axis=1)  # (Q,)
+    finite = np.where(np.isfinite(b), b, -np.inf)
+    shift = np.maximum(np.maximum(finite.max(axis=1, initial=-np.inf), pad), s.max(axis=1, initial=-np.inf))
+    e = np.where(np.isfinite(b), np.exp(beta * (finite - shift[:, None])), 0.0)
+    listed = np.minimum(have, top + 1)
+    last = np.where(listed > 0, b[np.arange(len(b)), np.maximum(listed - 1, 0)], np.inf)
+    inside = s >= last[:, None]
+    own = np.exp(beta * (s - shift[:, None]))
+    others = np.where(inside, e.sum(axis=1)[:, None] - own, e[:, :top].sum(axis=1)[:, None])
+    count = np.where(inside, (listed - 1)[:, None], np.minimum(have, top)[:, None])
+    others = np.maximum(others, 0.0) + (top - count) * np.exp(beta * (pad - shift))[:, None]
+    return np.asarray(beta * (s - shift[:, None]) - np.log(np.maximum(others, 1e-300)))
+
+
+SIDES = ("search", "annotate")  # images for a sentence; sentences for an image
+
+
 @dataclass(frozen=True)
 class Relevance:
-    """relevance(S) = odds / (1 + odds), odds = exp(slope * S + intercept) + exp(own_slope * S +
-    own_intercept) / (items - 1): the probability that a person calls a result with the calibrated
-    score S a match, in a collection of `items` items (`for_items`). own_slope > 0 and slope >= 0, so
-    it ranks as S does. Without the own part (`own_slope` None: a scale fitted before it) it is the logistic
-    curve of slope and intercept."""
+    """relevance = 1 / (1 + exp(-z)), z = slope * S + context * x + intercept of the side, x the score's
+    `competition` in its query's collection: the probability that a person calls a result with calibrated
+    score S a match, for the collection searched (`for_query`: the query's best scores there). slope >= 0 and
+    context >= 0, so for one query it ranks as S does."""
 
     slope: float
-    intercept: float
-    own_slope: float | None = None
-    own_intercept: float | None = None
-    items: int = 2
+    context: float
+    beta: float
+    search_intercept: float
+    annotate_intercept: float
+    pad: float  # the score of the competitors a collection of fewer than `top` other items lacks
+    top: int = RELEVANCE_TOP
+    side: str = "search"  # the query's side (SIDES)
+    best: tuple[float, ...] = ()  # the query's best `top` + 1 scores in the collection, best first
 
-    def for_items(self, items: int) -> Relevance:
-        """This scale for a collection of `items` items (images; for sentences, the images they describe)."""
-        return replace(self, items=max(2, int(items)))
+    def for_query(self, side: str, scores: np.ndarray | list[float]) -> Relevance:
+        """This scale for one query of `side` whose collection scores `scores` (any order; at least the best
+        `top` + 1 of them, or all the collection's)."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, not {side!r}")
+        s = np.asarray(scores, dtype=np.float64).reshape(-1)
+        s = s[np.isfinite(s)]
+        keep = -np.sort(-s)[: self.top + 1] if len(s) else s
+        return replace(self, side=side, best=tuple(float(v) for v in keep))
 
     def log_odds(self, score: float | np.ndarray) -> np.ndarray:
         s = np.asarray(score, dtype=np.float64)
-        z = self.slope * s + self.intercept
-        if self.own_slope is None or self.own_intercept is None:
-            return np.asarray(z)
-        own = self.own_slope * s + self.own_intercept - np.log(self.items - 1)
-        return np.asarray(np.logaddexp(z, own))
+        best = np.full((1, self.top + 1), -np.inf)
+        best[0, : len(self.best)] = self.best
+        x = competition(best, s.reshape(1, -1), self.beta, self.top, self.pad).reshape(s.shape)
+        intercept = self.search_intercept if self.side == "search" else self.annotate_intercept
+        return np.asarray(self.slope * s + self.context * x + intercept)
 
     def __call__(self, score: float | np.ndarray) -> np.ndarray:
         return np.asarray(1.0 / (1.0 + _exp(-self.log_odds(score))))
@@ -97,37 +138,20 @@ class Relevance:
     def of(self, score: float) -> float:
         return float(self(score))
 
-    def score_at(self, relevance: float) -> float:
-        """The score whose relevance is `relevance` (0 < relevance < 1): the cut-off in S_kl."""
-        target = float(np.log(relevance / (1.0 - relevance)))
-        alone = [(target - self.intercept) / self.slope] if self.slope > 0 else []  # each part alone gets there
-        if self.own_slope is None or self.own_intercept is None:
-            return float(alone[0])
-        hi = min([*alone, (target - self.own_intercept + np.log(self.items - 1)) / self.own_slope])
-        lo = hi - 1.0
-        while float(self.log_odds(lo)) > target:  # log-odds rise with S: bracket the cut-off, then bisect
-            lo = hi - 2.0 * (hi - lo)
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            if float(self.log_odds(mid)) < target:
-                lo = mid
-            else:
-                hi = mid
-        return float(0.5 * (lo + hi))
-
-    def to_state(self) -> dict[str, float]:
-        state = {"slope": self.slope, "intercept": self.intercept}
-        if self.own_slope is not None and self.own_intercept is not None:
-            state.update(own_slope=self.own_slope, own_intercept=self.own_intercept)
-        return state
+    def to_state(self) -> dict[str, Any]:
+        return {"form": RELEVANCE_FORM, "slope": self.slope, "context": self.context, "beta": self.beta,
+                "search_intercept": self.search_intercept, "annotate_intercept": self.annotate_intercept,
+                "pad": self.pad, "top": self.top}
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Relevance | None:
-        if not state:
+        """The scale stored; None for none, and for one of an earlier form (a curve of the score and the
+        collection's size alone: refit it with training.calibrate --relevance-only)."""
+        if not state or state.get("form") != RELEVANCE_FORM:
             return None
-        own = state.get("own_slope"), state.get("own_intercept")
-        return cls(float(state["slope"]), float(state["intercept"]),
-                   None if own[0] is None else float(own[0]), None if own[1] is None else float(own[1]))
+        return cls(float(state["slope"]), float(state["context"]), float(state["beta"]),
+                   float(state["search_intercept"]), float(state["annotate_intercept"]), float(state["pad"]),
+                   int(state["top"]))
 
 
 @dataclass

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
@@ -28,7 +29,7 @@ from index.places import PlaceFilter
 from index.similar import Similar, similar_to_image, similar_to_indexed
 from index.sync import SyncReport, sync_folder
 from model.bundle import Bundle
-from model.calibration import CAPTIONS_PER_IMAGE, Relevance
+from model.calibration import Relevance
 from model.dataset import feature_cache
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
@@ -81,14 +82,14 @@ class Decoded:
     height: int
 
 
-def relevance_at(bundle: Bundle, side: str, count: int) -> Relevance | None:
-    """The model's relevance scale for a search of `count` images ('images') or of `count` sentences
-    ('sentences': a sentence collection counts the images its captions describe, model.calibration);
-    None: the model has none."""
+def relevance_at(bundle: Bundle, side: str, best: np.ndarray) -> Relevance | None:
+    """The model's relevance scale for one query: a search of the images for a sentence ('images') or of the
+    sentences for an image ('sentences'), whose ranking's best scores are `best` (Page.best: the results are
+    compared with the rest of the collection); None: the model has none."""
     rel = bundle.relevance
     if rel is None:
         return None
-    return rel.for_items(count if side == "images" else round(count / CAPTIONS_PER_IMAGE))
+    return rel.for_query("search" if side == "images" else "annotate", best)
 
 
 class Engine:
@@ -148,11 +149,10 @@ class Engine:
     def sentence_count(self) -> int:
         return len(self.sentences) if self.sentences is not None else 0
 
-    def relevance(self, side: str) -> Relevance | None:
-        """The model's relevance scale for a search of the images ('images') or the sentences ('sentences')
-        at the collection's size now (None: the model has none). A sentence collection counts the images
-        its captions describe (model.calibration)."""
-        return relevance_at(self.bundle, side, len(self.images) if side == "images" else self.sentence_count())
+    def relevance(self, side: str, best: np.ndarray) -> Relevance | None:
+        """The model's relevance scale for one search of the images ('images') or the sentences ('sentences')
+        whose ranking's best scores are `best` (`relevance_at`); None: the model has none."""
+        return relevance_at(self.bundle, side, best)
 
     def warm_up(self) -> float:
         """One search and one annotation, so that lazily loaded parts (parser, backbone) are ready."""

@@ -96,12 +96,12 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     with use(settings):
         engine = Engine.load(settings, with_sentences=False)
         try:
-            rel = engine.relevance("images")
             try:
-                check_min_relevance(args.min_relevance, rel)
+                check_min_relevance(args.min_relevance, engine.bundle.relevance)
                 page = engine.search_images(args.sentence, args.k)
             except ApiError as e:
                 return _refused(e.message)
+            rel = engine.relevance("images", page.best)
             hits, cut = cut_off(page.hits, rel, args.min_relevance, "image")
         finally:
             engine.images.close()
@@ -143,14 +143,14 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
         bundle = _model(settings)
         sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)
         try:
-            rel = relevance_at(bundle, "sentences", len(sentences))
             try:
-                check_min_relevance(args.min_relevance, rel)
+                check_min_relevance(args.min_relevance, bundle.relevance)
             except ApiError as e:
                 return _refused(e.message)
             page = sentences.annotate(image, args.k)
         finally:
             sentences.close()
+    rel = relevance_at(bundle, "sentences", page.best)
     hits, cut = cut_off(page.hits, rel, args.min_relevance, "sentence")
     if args.json:
         _print_json({"image": str(args.image), "width": image.size[0], "height": image.size[1],

@@ -181,20 +181,18 @@ def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path) -> Engine:
 
 @pytest.fixture(scope="session")
 def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shapes model calibrated on training images, its relevance scale fitted on 10 held-out ones (as
-    training fits it on the validation part), saved."""
+    """The shapes model calibrated on training images, its relevance scale fitted on 20 held-out ones with the
+    rest beside them (as training fits it on the validation part), saved."""
     from model.dataset import hold_out, load_split_data
     from model.nets.checkpoint import Checkpoint
     from model.parsers import make_parser
-    from training.calibrate import fit_calibration, fit_relevance, matches_of
-    from training.evaluate import evaluate_scores
+    from training.calibrate import fit_calibration, fit_relevance, judge
 
     ckpt = Checkpoint.load(shapes_model.model_path)
     train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))
-    rest, val = hold_out(train, 10, 0)
+    rest, val = hold_out(train, 20, 0)
     ckpt.calibration = fit_calibration(ckpt, rest, refs=20, seed=0)
-    _, scores = evaluate_scores(ckpt, val)
-    ckpt.calibration.relevance = fit_relevance(scores, val.pair_image, matches_of(val))
+    ckpt.calibration.relevance = fit_relevance(judge(ckpt, val, rest))
     path = tmp_path_factory.mktemp("calibrated-model") / "model.pt"
     ckpt.save(path)
     return path

@@ -10,17 +10,23 @@ import pytest
 import torch
 
 from model.bundle import Bundle
-from model.calibration import Calibration, Relevance
+from model.calibration import Calibration, Relevance, competition
 from model.nets.checkpoint import Checkpoint
 from model.score import align, skl
 from tests.conftest import ShapesModel
 from training.calibrate import (
+    Judged,
+    alike_blocks,
     described_alike,
     fit_calibration,
     fit_relevance,
     per_item_ms,
+    reliability,
+    shown,
 )
 from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
+
+SCALE = Relevance(3.0, 0.5, 20.0, -1.5, -1.0, 0.1)
 
 
 def _random_calibration(h: int = 6, seed: int = 0) -> Calibration:
@@ -139,42 +145,66 @@ def _mixture_scores(rng: np.random.Generator, n_img: int, per: int, alike: float
     return scores, pair, matches
 
 
-def test_relevance_fit_recovers_the_probability_of_a_match_in_collections_of_any_size() -> None:
-    """In that world the probability of a match given S among N images is known: odds = (exp(4S - 8) +
-    (N - 1) a exp(2.5S - 3.125)) / ((N - 1)(1 - a)). The fit (on the top results only) recovers it, for
-    collections smaller and larger than the one it saw, and a larger collection lowers the relevance of
-    the same score."""
-    rng = np.random.default_rng(0)
-    alike = 0.01
-    scores, pair, matches = _mixture_scores(rng, 400, 5, alike)
-    rel = fit_relevance(scores, pair, matches)
-    grid = np.linspace(1.0, 6.0, 11)
-    for n in (100, 400, 2000):
-        odds = (np.exp(4 * grid - 8) + (n - 1) * alike * np.exp(2.5 * grid - 3.125)) / ((n - 1) * (1 - alike))
-        expected = odds / (1 + odds)
-        got = rel.for_items(n)(grid)
-        assert np.abs(got - expected).max() < 0.06, (n, got.round(3), expected.round(3))
-        assert np.all(np.diff(got) > 0)  # a monotone map of the score: rankings stay
-        cut = rel.for_items(n).score_at(0.5)
-        assert abs(rel.for_items(n).of(cut) - 0.5) < 1e-6
-    assert rel.for_items(2000).of(4.0) < rel.for_items(100).of(4.0)  # the best of many is not a match by that
-    with pytest.raises(ValueError, match="does not rise"):  # a score that says the opposite
-        fit_relevance(-scores, pair, matches)
+def _judged_world(seed: int, n_img: int = 1000, n_val: int = 300, alike: float = 0.01) -> Judged:
+    """A world of `_mixture_scores` whose first `n_val` images (and their captions) are the validation part
+    and the rest its distractors."""
+    scores, pair, matches = _mixture_scores(np.random.default_rng(seed), n_img, 5, alike)
+    lq = int(np.count_nonzero(pair < n_val))
+    return Judged(scores[:, :lq], matches[:, :lq], scores[:n_val], matches[:n_val], pair, n_val)
 
 
-def test_relevance_with_the_true_pairs_alone_and_a_scale_of_two_numbers() -> None:
-    """Without other matches the fit has the own part alone; a scale stored as two numbers (the
-    logistic curve of older checkpoints) reads as that curve, whatever the collection."""
-    rng = np.random.default_rng(1)
-    scores, pair, _ = _mixture_scores(rng, 200, 5, 0.0)
-    rel = fit_relevance(scores, pair)
-    assert rel.own_slope is not None and 3.0 < rel.own_slope < 5.0 and rel.for_items(200).of(-60.0) < 1e-6
-    old = Relevance.from_state({"slope": 2.0, "intercept": -2.0})
-    assert old == Relevance(2.0, -2.0) and old.to_state() == {"slope": 2.0, "intercept": -2.0}
-    assert old.for_items(10).of(1.0) == old.for_items(10_000).of(1.0) == 0.5
-    assert abs(old.score_at(0.5) - 1.0) < 1e-9
-    assert Relevance.from_state(rel.to_state()) == Relevance(rel.slope, rel.intercept, rel.own_slope,
-                                                              rel.own_intercept)
+def test_relevance_fit_is_calibrated_in_collections_of_any_size() -> None:
+    """In a world of known scores the fitted relevance says how often a result shown is a match: in another
+    draw of that world, collections smaller and larger than the validation part, both sides; it ranks as the
+    score does for a query, and a score that says the opposite has no scale."""
+    rel = fit_relevance(_judged_world(0))
+    assert rel.slope >= 0 and rel.context >= 0 and rel.beta > 0
+    world = _judged_world(1)
+    for n in (100, 1000):
+        images = np.arange(n)
+        caps = np.flatnonzero(world.caption_image < n)
+        for part in (shown(world.search[np.ix_(images, caps[caps < world.n_captions])].T,
+                           world.search_matches[np.ix_(images, caps[caps < world.n_captions])].T, True),
+                     shown(world.annotate[: min(n, world.n_images)][:, caps],
+                           world.annotate_matches[: min(n, world.n_images)][:, caps], False)):
+            p = part.relevance(rel)
+            for row in reliability(p, part.match):
+                if row["pairs"] >= 200:
+                    assert abs(row["predicted"] - row["observed"]) < 0.1, (n, row)
+    one = rel.for_query("search", world.search[:, 0])
+    grid = np.linspace(-1.0, 6.0, 15)
+    assert np.all(np.diff(one(grid)) > 0)  # a monotone map of the score: rankings stay
+    only_own = fit_relevance(_judged_world(2, alike=0.0))  # a caption's own image alone is a match: the more
+    assert only_own.context > 0  # images near the top, the less likely a result is the one
+    own = world.search  # each caption's own image (image 0 for the first five) among 50 images, then 1,000
+    small, large = ([only_own.for_query("search", own[:n, c]).of(own[0, c]) for c in range(5)] for n in (50, 1000))
+    assert all(a >= b for a, b in zip(small, large, strict=True)) and sum(small) > sum(large)
+    with pytest.raises(ValueError, match="no relevance scale"):
+        flipped = _judged_world(0)
+        fit_relevance(replace(flipped, search=-flipped.search, annotate=-flipped.annotate))
+
+
+def test_competition_is_the_log_odds_of_being_the_one_among_the_best_others() -> None:
+    """x = beta S - log sum exp(beta S_j) over the `top` best other items, a listed item left out of its own
+    sum, a collection of fewer counted with `pad` scores; increasing in S."""
+    best = np.array([[3.0, 2.0, 1.0, -np.inf]])
+    beta, top, pad = 2.0, 3, 0.5
+    got = competition(best, np.array([[3.0, 1.0, 0.7]]), beta, top, pad)[0]
+    lse = np.logaddexp.reduce
+    assert got[0] == pytest.approx(6.0 - lse([4.0, 2.0, 1.0]))  # 2 and 1, and one missing at the pad
+    assert got[1] == pytest.approx(2.0 - lse([6.0, 4.0, 1.0]))
+    assert got[2] == pytest.approx(1.4 - lse([6.0, 4.0, 2.0]))  # below the list: all three count
+    s = np.linspace(-2.0, 5.0, 50)[None]
+    assert np.all(np.diff(competition(np.array([[4.0, 3.5, 3.0, 1.0]]), s, 3.0, 3, 0.0)[0]) > 0)
+
+
+def test_a_relevance_scale_round_trips_and_an_earlier_form_is_not_read() -> None:
+    rel = Relevance(5.0, 0.8, 40.0, -0.3, 0.8, 0.07)
+    assert Relevance.from_state(rel.to_state()) == rel
+    assert Relevance.from_state({"slope": 2.0, "intercept": -2.0, "own_slope": 3.0, "own_intercept": 1.0}) is None
+    assert Relevance.from_state(None) is None
+    with pytest.raises(ValueError, match="side"):
+        rel.for_query("sideways", [1.0])
 
 
 def test_described_alike_marks_the_own_image_and_captions_as_close_as_its_own() -> None:
@@ -195,14 +225,22 @@ def test_described_alike_marks_the_own_image_and_captions_as_close_as_its_own() 
         unrelated[7, 3 * per + 1] = unrelated[3, 7 * per] = False
         assert not unrelated.any()
     assert sum(described_alike(vecs, pair, seed=seed)[7, 3 * per + 1] for seed in range(10)) >= 5
+    search, annotate = alike_blocks(vecs, pair, n_img, len(pair))  # every image and caption a query's
+    np.testing.assert_array_equal(search, described_alike(vecs, pair))
+    np.testing.assert_array_equal(annotate, search)
+    search, annotate = alike_blocks(vecs, pair, 10, 10 * per)  # the first ten images' queries
+    assert search.shape == (n_img, 10 * per) and annotate.shape == (10, len(pair))
+    copied = [alike_blocks(vecs, pair, 10, 10 * per, seed=seed) for seed in range(10)]  # seen from either side
+    assert sum(a[3, 7 * per] for _, a in copied) >= 5 and sum(s[7, 3 * per + 1] for s, _ in copied) >= 5
+    assert annotate[pair[: 10 * per], np.arange(10 * per)].all() and not annotate[:, pair >= 10].any()
 
 
 def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_without_it(
         shapes_model: ShapesModel, tmp_path: Path) -> None:
     cal = _random_calibration()
-    cal.relevance = Relevance(3.0, -1.5)
+    cal.relevance = SCALE
     again = Calibration.from_arrays(cal.to_arrays(), cal.settings())
-    assert again.relevance == Relevance(3.0, -1.5)
+    assert again.relevance == SCALE
     older = cal.settings()
     del older["relevance"]  # a checkpoint from before the scale
     assert Calibration.from_arrays(cal.to_arrays(), older).relevance is None
@@ -210,13 +248,13 @@ def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_wit
     assert bundle.relevance is None  # uncalibrated: no scale
     bundle.calibration = fit_calibration(bundle, shapes_model.dev, refs=10, seed=0)
     assert bundle.relevance is None
-    bundle.calibration.relevance = Relevance(3.0, -1.5)
+    bundle.calibration.relevance = SCALE
     bundle.save(tmp_path / "m")
-    assert Bundle.load(tmp_path / "m").relevance == Relevance(3.0, -1.5)
+    assert Bundle.load(tmp_path / "m").relevance == SCALE
     ckpt = Checkpoint.load(shapes_model.model_path)  # and in the trainer's checkpoint
     ckpt.calibration = bundle.calibration
     ckpt.save(tmp_path / "m.pt")
-    relevance = Relevance(3.0, -1.5)
+    relevance = SCALE
     assert Bundle.load(tmp_path / "m.pt").relevance == Checkpoint.load(tmp_path / "m.pt").relevance == relevance
 
 

@@ -222,6 +222,38 @@ def test_small_collections_are_scanned_exactly(tmp_path: Path, bundle: Bundle, m
     small.close()
 
 
+def test_a_page_carries_the_best_scores_of_the_items_it_ranked(tmp_path: Path, bundle: Bundle,
+                                                                monkeypatch: pytest.MonkeyPatch):
+    """Every page, and an explanation, carries the best `CONTEXT` scores of what the exact score ranked (the
+    collection scanned whole, or the recalled candidates), best first, whatever the page's offset and size:
+    what a result's relevance compares it with."""
+    from index.ranker import CONTEXT
+
+    monkeypatch.undo()  # the real policy: scanned whole under exact_below fragments
+    index = ImageIndex.create(tmp_path / "best", bundle, IndexSettings.of(k_prime=1))
+    random_images(index, 60, seed=5)
+    query = QUERIES[0]
+    sent, _ = embed_sentence(bundle, query)
+    vecs, mask = index.stored.vectors(index.ids())
+    every = np.sort(bundle.scores(vecs, mask, sent[None], np.ones((1, len(sent)), np.float32))[:, 0])[::-1]
+    for k, offset in ((3, 0), (2, 5)):
+        page = index.search(query, k, offset)
+        np.testing.assert_allclose(page.best, every[:CONTEXT], rtol=1e-5)  # scanned: all 60
+    e = index.explain(index.search(query, 1).hits[0].image_id, query)
+    assert e is not None
+    np.testing.assert_allclose(e.best, every[:CONTEXT], rtol=1e-5)
+    index.set_search(exact_below=0)  # the candidates: their scores only
+    recalled = index.ranker.candidates(sent)
+    assert 0 < len(recalled) < 60
+    page = index.search(query, 3)
+    assert page.considered == len(recalled) == len(page.best)
+    rv, rm = index.stored.vectors(recalled)
+    mine = np.sort(bundle.scores(rv, rm, sent[None], np.ones((1, len(sent)), np.float32))[:, 0])[::-1]
+    np.testing.assert_allclose(page.best, mine[:CONTEXT], rtol=1e-5)
+    assert [h.score for h in page.hits] == pytest.approx(page.best[:3].tolist(), rel=1e-5)
+    index.close()
+
+
 def test_explain_ranks_the_collection_or_the_candidates_as_a_search_does(tmp_path: Path, bundle: Bundle,
                                                                           monkeypatch: pytest.MonkeyPatch):
     monkeypatch.undo()  # the real policy: scanned whole under exact_below fragments

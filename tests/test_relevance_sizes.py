@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.relevance_bench import reliability
 from bench.relevance_sizes import shown_relevance, subset
+from training.calibrate import reliability
 
 
 def test_a_drawn_collection_keeps_its_images_captions_renumbered() -> None:

@@ -43,7 +43,7 @@ from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel
 from model.parsers import make_parser
 from model.settings import default_cache_dir, default_data_dir
-from training.calibrate import fit_calibration, fit_relevance, matches_of, store_relevance
+from training.calibrate import distractors_of, fit_calibration, fit_relevance, judge, store_relevance
 from training.evaluate import evaluate_scores
 from training.selection import VAL_METRICS, split_for_selection
 
@@ -138,7 +138,8 @@ def merge_selected(bundles: Sequence[Checkpoint], folders: Sequence[Path], tr: S
         rows["merged"] = {k: m[k] for k in VAL_METRICS}
         if merged.calibration is not None:  # the merged score's relevance scale, as training fits a member's
             try:
-                store_relevance(merged, fit_relevance(scores, val.pair_image, matches_of(val)), len(val.names))
+                store_relevance(merged, fit_relevance(judge(merged, val, distractors_of(tr, seed=cfg.seed), scores)),
+                                len(val.names))
             except ValueError as e:
                 logger.warning("no relevance scale for the merged model: %s", e)
         logger.info("merged on the validation part: R-sum %.2f (members: %s)", m["rsum"],

@@ -53,7 +53,7 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
-from training.calibrate import fit_calibration, fit_relevance, matches_of, store_relevance
+from training.calibrate import distractors_of, fit_calibration, fit_relevance, judge, store_relevance
 from training.distill import Teacher, teacher_paths
 from training.epochs import (
     FragmentBatches,
@@ -192,7 +192,6 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         {"rule": "last", "epochs": cfg.epochs} if val_data is None else
         {"rule": "val", "epochs": cfg.epochs, "images": len(val_data.names), "seed": cfg.val_seed})
     out.mkdir(parents=True, exist_ok=True)
-    val_matches = None  # the validation part's matching pairs (training.calibrate.described_alike), made once
     for epoch in range(cfg.epochs):
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, epoch, g["base_lr"])
@@ -206,13 +205,6 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             bundle.meta["calibration"] = {"refs": cfg.calibrate, "split": "train", "seed": cfg.seed}
         if evaluated and val_data is not None:
             m, val_scores = evaluate_scores(bundle, val_data)
-            if bundle.calibration is not None:  # the relevance scale of this epoch's calibrated score
-                val_matches = matches_of(val_data) if val_matches is None else val_matches
-                try:
-                    store_relevance(bundle, fit_relevance(val_scores, val_data.pair_image, val_matches),
-                                    len(val_data.names))
-                except ValueError as e:  # a score that does not separate yet: this epoch has no scale
-                    logger.warning("epoch %d: %s", epoch + 1, e)
             row.update({f"val_{k}": m[k] for k in VAL_METRICS})
             if best is None or m["rsum"] > best["rsum"]:
                 best = {**m, "epoch": float(epoch + 1)}
@@ -224,6 +216,14 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         history.append(row)
         logger.info("epoch %d: %s", epoch + 1, json.dumps({k: round(v, 4) for k, v in row.items()}))
     selection["epoch"] = int(best["epoch"]) if best is not None else cfg.epochs
+    if val_data is not None and best is not None and cfg.calibrate > 0 and isinstance(model, FragmentModel):
+        kept = Checkpoint.load(out / "model.pt", device=cfg.device)  # the epoch kept gets its relevance scale
+        try:
+            store_relevance(kept, fit_relevance(judge(kept, val_data, distractors_of(train_data, seed=cfg.seed))),
+                            len(val_data.names))
+            kept.save(out / "model.pt")
+        except ValueError as e:  # a score that does not separate: the model has no scale
+            logger.warning("no relevance scale: %s", e)
     summary = {"variant": run.variant, "selection": selection, "best": best, "history": history,
                "train_images": len(train_data.names), "train_sentences": len(train_data.sentences),
                "train_seconds": time.perf_counter() - t0,

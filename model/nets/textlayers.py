@@ -27,18 +27,21 @@ class TextLayer(nn.Module):
         self.out = nn.Linear(inner, width)
         self.ln2 = nn.LayerNorm(width, eps=LN_EPS)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (B, T, d), mask (B, T) (1 for a piece) -> (B, T, d)."""
-        b, t, d = x.shape
+    def forward(self, x: torch.Tensor, real: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """x (N, d): the batch's pieces packed (padding left out), `real` (B, T) bool: where they sit in the
+        padded batch, `bias` (B, 1, 1, T): the attention logits' mask (padding: the dtype's minimum) -> (N, d).
+        Only the attention reads the padded batch; every product of a piece alone runs on the pieces."""
+        b, t = real.shape
+        d = x.shape[-1]
         hd = d // HEADS
 
         def heads(z: torch.Tensor) -> torch.Tensor:
-            return z.view(b, t, HEADS, hd).transpose(1, 2)
+            padded = z.new_zeros(b, t, d)
+            padded[real] = z
+            return padded.view(b, t, HEADS, hd).transpose(1, 2)
 
-        bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(mask[..., :] <= 0,
-                                                                                   torch.finfo(x.dtype).min)
-        logits = heads(self.q(x)) @ heads(self.k(x)).transpose(-1, -2) / math.sqrt(hd) + bias[:, None, None, :]
-        ctx = (logits.softmax(dim=-1) @ heads(self.v(x))).transpose(1, 2).reshape(b, t, d)
+        logits = heads(self.q(x)) @ heads(self.k(x)).transpose(-1, -2) / math.sqrt(hd) + bias
+        ctx = (logits.softmax(dim=-1) @ heads(self.v(x))).transpose(1, 2).reshape(b, t, d)[real]
         y = self.ln1(self.o(ctx) + x)
         out: torch.Tensor = self.ln2(self.out(F.gelu(self.inter(y))) + y)
         return out
@@ -53,9 +56,16 @@ class TextLayers(nn.Module):
         self.layers = nn.ModuleList(TextLayer() for _ in range(n))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, T, d) after layer `first`, mask (B, T) (1 for a piece) -> (B, T, d) after MiniLM's last layer
+        (zeros at padding)."""
+        real = mask > 0
+        bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~real, torch.finfo(x.dtype).min)
+        packed = x[real]
         for layer in self.layers:
-            x = layer(x, mask)
-        return x
+            packed = layer(packed, real, bias[:, None, None, :])
+        out = x.new_zeros(x.shape)
+        out[real] = packed
+        return out
 
     def load_minilm(self) -> TextLayers:
         """These layers with the package's weights of MiniLM's layers first .. 5 (trained from there)."""
