@@ -7,7 +7,7 @@ from the validation part (what the scale is fitted on, up to its 500 images) and
 A collection of N images is N images drawn at random (seeded; `--draws` of them below the split's size, the
 split itself at its size) with their captions; each is measured as bench.relevance_bench measures dev (the 10
 best results of every query both ways, a match by training.calibrate.described_alike), with the relevance the
-service gives for that collection size. Writes one row per split and size: the means over the draws, with the
+service gives each result in that collection. Writes one row per split and size: the means over the draws, with the
 mean relevance of the pairs shown at >= 0.5 beside the share of them that are matches.
 """
 
