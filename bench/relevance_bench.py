@@ -2,7 +2,7 @@
 the training data, never on dev), for a model and, side by side, a baseline (another model, or another
 scale of the same score; each is measured on its own scores):
 
-    python -m bench.relevance_bench --model model/released/model.json --baseline /tmp/old-release/model.json
+    python -m bench.relevance_bench --model model/released/model.json [--baseline OTHER/model.json]
 
 What a match is, on dev: the sentence's own image, or another image one of whose captions says what the
 sentence says (training.calibrate.described_alike, the rule the scale is fitted with). The pairs judged are

@@ -177,13 +177,13 @@ class ImageIndex(FragmentIndex[StoredImage]):
             query = EmbeddedSentence(*embed_sentence(self.bundle, query))
         sent = np.asarray(query.vectors, dtype=np.float32)
         allowed = self.photos.allowed(where) if where else None
-        ranked, considered, best = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"), offset + k,
+        ranked, considered, best, held = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"), offset + k,
                                                     exhaustive, allowed, skl_of_items)  # codes: one block (the
         # projection mixes a merged model's member slices)
         return Page([ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place,
                               p.path)
-                     for item, s, p, frags in ranked[offset:]], offset, considered, best)
+                     for item, s, p, frags in ranked[offset:]], offset, considered, best, held)
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         """Why image `image_id` scores what it does for `sentence` (None when it is not indexed): its
@@ -210,7 +210,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
                            placed.considered, len(frags), len(sent),
                            matches(frags, sent, triplets, payload.boxes, self.bundle.blocks, payload.labels),
-                           pairs, placed.scope, placed.recalled, placed.best)
+                           pairs, placed.scope, placed.recalled, placed.best, placed.collection)
 
     def search_fragments(self, phrase: str, k: int = 10, offset: int = 0) -> Page[RegionHit]:
         """Image regions ranked offset + 1 .. offset + k for a phrase or a triplet "rel(w1, w2)" (paper Fig. 5).

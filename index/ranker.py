@@ -136,6 +136,7 @@ class Placement:
     scope: ExplainScope
     recalled: bool
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the best scores of those ranked (`CONTEXT`)
+    collection: int = 0  # the live items of the collection
 
 
 class Ranker(Generic[P]):
@@ -161,7 +162,7 @@ class Ranker(Generic[P]):
     # -- ranking -------------------------------------------------------------------------------------
     def rank(self, queries: np.ndarray, score: Score, k: int, exhaustive: bool = False,
              allowed: np.ndarray | None = None, approx: ApproxScore | None = None
-             ) -> tuple[list[Ranked[P]], int, np.ndarray]:
+             ) -> tuple[list[Ranked[P]], int, np.ndarray, int]:
         """The k best items by `score` of their stored fragments ((C, F, h), mask (C, F) -> (C, 1): one
         query, `exact_score`), and how many items the exact score ranked (the candidates, or every live item).
 
@@ -171,17 +172,19 @@ class Ranker(Generic[P]):
         else their candidates. `approx` is the same score against other query fragments
         ((C, F, d), mask, queries (t, d) -> (C,)): given, the candidates are prescored on their codes.
         Returns (item, score, payload, fragments (n, h)) best first, ties to the smaller id, how many items the
-        exact score ranked, and the best `CONTEXT` of their scores, best first (what a result's relevance
-        compares it with: model.calibration.Relevance.for_query).
+        exact score ranked, the best `CONTEXT` of their scores, best first, and how many items the collection
+        searched holds (every live item, or those passing the filter): what a result's relevance reads
+        (model.calibration.Relevance.for_query).
         """
         index = self.index
         with index.reading():
             if allowed is not None and len(allowed):
                 allowed = allowed[index.items.live_among(allowed)]
             if allowed is not None and not len(allowed):  # nothing passes the filter: nothing to rank
-                return [], 0, np.zeros(0)
+                return [], 0, np.zeros(0), 0
+            held = index.items.count if allowed is None else len(allowed)
             if allowed is not None and not (exhaustive or self.small() or len(allowed) <= FILTERED_EXACT):
-                return self._ranked(self.candidates(queries, allowed, approx), score, k)
+                return (*self._ranked(self.candidates(queries, allowed, approx), score, k), held)
             if exhaustive or self.small() or allowed is not None:
                 best: list[tuple[int, float]] = []
                 considered = 0
@@ -194,10 +197,10 @@ class Ranker(Generic[P]):
                 vecs, mask = index.stored.vectors(items)
             else:
                 candidates = self.candidates(queries, approx=approx)
-                return self._ranked(candidates, score, k)
+                return (*self._ranked(candidates, score, k), held)
             payloads = index.payloads(items.tolist())
         return [(item, s, payloads[item], vecs[row, : int(mask[row].sum())])
-                for row, (item, s) in enumerate(best)], considered, context
+                for row, (item, s) in enumerate(best)], considered, context, held
 
     def rank_many(self, score: Score, n_queries: int, k: int) -> list[list[tuple[int, float]]]:
         """Exact top k (item, score) of n queries in one pass over the store; `score` maps stored
@@ -234,7 +237,7 @@ class Ranker(Generic[P]):
         key = keys[all_ids == item][0]
         ahead = (keys > key) | ((keys == key) & (all_ids < item))
         return Placement(mine, 1 + int(np.count_nonzero(ahead)), len(all_ids), scope, recalled,
-                         -np.sort(-all_scores.astype(np.float64))[:CONTEXT])
+                         -np.sort(-all_scores.astype(np.float64))[:CONTEXT], self.index.items.count)
 
     def small(self) -> bool:
         """At most `SearchSettings.exact_below` live fragments: the exact scan is the cheaper search."""

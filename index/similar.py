@@ -40,6 +40,7 @@ class Similar:
     considered: int = 0  # images ranked (the query's own left out when it is indexed)
     # the best scores of the sentences ranked for the query image: what a description's relevance reads
     described_best: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    described_collection: int = 0  # the sentences of the collection they were ranked in
 
 
 def unit_mean(img: np.ndarray) -> np.ndarray:
@@ -89,7 +90,7 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
                      if sent is not None else [])
         hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment,
                              file=rec.file))
-    return Similar(described.hits, hits, offset, len(ids), described.best)
+    return Similar(described.hits, hits, offset, len(ids), described.best, described.collection)
 
 
 def similar_to_indexed(images: ImageIndex, sentences: SentenceIndex | None, image_id: int, k: int,

@@ -298,6 +298,7 @@ class Page(Generic[H]):
     # the best scores of the considered items (up to model.calibration.RELEVANCE_TOP + 1), best first: what
     # a result's relevance compares it with (Relevance.for_query)
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    collection: int = 0  # the items of the collection searched (every live one, or those passing a filter)
 
 
 @dataclass
@@ -342,6 +343,7 @@ class Explanation:
     scope: ExplainScope = "collection"
     recalled: bool = True
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the best scores of the images ranked
+    collection: int = 0  # the live images of the collection
 
 
 @dataclass

@@ -25,21 +25,22 @@ needs. The references' own spreads it uses (`ref_image_scales`, `ref_sentence_sc
 
 The relevance scale (`Relevance`) maps a calibrated S_kl to a number a person can read: the
 probability that a person would call the result a match for the query, in the collection being searched.
-What makes a result likely a match is its score and how far it stands out of the collection for that query:
-the best of many close results is less likely the one than a result far ahead of the rest. So the scale
-reads the query's best scores in the collection (`for_query`: the ranking's best `RELEVANCE_TOP` + 1,
-which every search computes exactly) and, for a result of score S,
+What makes a result likely a match is its score, how far it stands out of the collection for that query (the
+best of many close results is less likely the one than a result far ahead of the rest) and how many items the
+collection holds (the more there are, the more can look the part without being it). So the scale reads the
+query's best scores in the collection (`for_query`: the ranking's best `RELEVANCE_TOP` + 1, which every search
+computes exactly) and the collection's size N, and for a result of score S
 
     x = beta S - log sum_j exp(beta S_j)      over the `RELEVANCE_TOP` best other items (`competition`)
-    relevance = 1 / (1 + exp(-(slope S + context x + intercept of the side)))
+    relevance = 1 / (1 + exp(-(slope S + context x + size of the side * log N + intercept of the side)))
 
 x is the log-odds that the result is the one among them, as a softmax over the collection says; a
 collection with fewer items counts the missing ones at a typical score (`pad`). slope, context >= 0, so for
 one query the relevance is a monotone map of S_kl and never changes a ranking. The numbers are fitted on the
 validation part of the training data (never dev): its queries against collections of its items and of the
-other training items beside them, up to thousands of images (training/calibrate.py `fit_relevance`), and
-stored beside the reference sets; a checkpoint without a scale (made before it existed, an uncalibrated
-model, or one whose scale has an earlier form) serves scores without a relevance.
+other training items beside them, from a hundred to thousands of images (training/calibrate.py
+`fit_relevance`), and stored beside the reference sets; a checkpoint without a scale (made before it existed,
+an uncalibrated model, or one whose scale has an earlier form) serves scores without a relevance.
 
 The scales are computed with the one S_kl (model/score.py), on NumPy arrays in the service and on torch
 tensors in training alike (the array API: model/arrays.py). Fitting the references and the relevance, timing
@@ -62,7 +63,7 @@ BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F
 
 DEFAULT_CUTOFF = 0.5  # relevance at which a match is as likely as not: below it, "no good match"
 RELEVANCE_TOP = 100  # the best other items of a query's collection its relevance compares a result with
-RELEVANCE_FORM = "context-1"  # a stored relevance scale's form (an earlier one is not read: refit it)
+RELEVANCE_FORM = "context-2"  # a stored relevance scale's form (an earlier one is not read: refit it)
 
 
 def _exp(z: np.ndarray) -> np.ndarray:
@@ -99,10 +100,10 @@ SIDES = ("search", "annotate")  # images for a sentence; sentences for an image
 
 @dataclass(frozen=True)
 class Relevance:
-    """relevance = 1 / (1 + exp(-z)), z = slope * S + context * x + intercept of the side, x the score's
-    `competition` in its query's collection: the probability that a person calls a result with calibrated
-    score S a match, for the collection searched (`for_query`: the query's best scores there). slope >= 0 and
-    context >= 0, so for one query it ranks as S does."""
+    """relevance = 1 / (1 + exp(-z)), z = slope * S + context * x + size of the side * log N + intercept of the
+    side, x the score's `competition` in its query's collection of N items: the probability that a person calls
+    a result with calibrated score S a match, for the collection searched (`for_query`: the query's best scores
+    there and the collection's size). slope >= 0 and context >= 0, so for one query it ranks as S does."""
 
     slope: float
     context: float
@@ -110,27 +111,33 @@ class Relevance:
     search_intercept: float
     annotate_intercept: float
     pad: float  # the score of the competitors a collection of fewer than `top` other items lacks
+    search_size: float = 0.0  # log-odds per log of the items a search ranks
+    annotate_size: float = 0.0
     top: int = RELEVANCE_TOP
     side: str = "search"  # the query's side (SIDES)
     best: tuple[float, ...] = ()  # the query's best `top` + 1 scores in the collection, best first
+    items: int = 1  # the items of the query's collection
 
-    def for_query(self, side: str, scores: np.ndarray | list[float]) -> Relevance:
-        """This scale for one query of `side` whose collection scores `scores` (any order; at least the best
-        `top` + 1 of them, or all the collection's)."""
+    def for_query(self, side: str, scores: np.ndarray | list[float], items: int | None = None) -> Relevance:
+        """This scale for one query of `side` whose collection of `items` items (None: as many as `scores`)
+        scores `scores` (any order; at least the best `top` + 1 of them, or all the collection's)."""
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, not {side!r}")
         s = np.asarray(scores, dtype=np.float64).reshape(-1)
         s = s[np.isfinite(s)]
         keep = -np.sort(-s)[: self.top + 1] if len(s) else s
-        return replace(self, side=side, best=tuple(float(v) for v in keep))
+        n = len(s) if items is None else int(items)
+        return replace(self, side=side, best=tuple(float(v) for v in keep), items=max(1, n, len(keep)))
 
     def log_odds(self, score: float | np.ndarray) -> np.ndarray:
         s = np.asarray(score, dtype=np.float64)
         best = np.full((1, self.top + 1), -np.inf)
         best[0, : len(self.best)] = self.best
         x = competition(best, s.reshape(1, -1), self.beta, self.top, self.pad).reshape(s.shape)
-        intercept = self.search_intercept if self.side == "search" else self.annotate_intercept
-        return np.asarray(self.slope * s + self.context * x + intercept)
+        search = self.side == "search"
+        intercept = self.search_intercept if search else self.annotate_intercept
+        size = self.search_size if search else self.annotate_size
+        return np.asarray(self.slope * s + self.context * x + size * np.log(self.items) + intercept)
 
     def __call__(self, score: float | np.ndarray) -> np.ndarray:
         return np.asarray(1.0 / (1.0 + _exp(-self.log_odds(score))))
@@ -141,17 +148,19 @@ class Relevance:
     def to_state(self) -> dict[str, Any]:
         return {"form": RELEVANCE_FORM, "slope": self.slope, "context": self.context, "beta": self.beta,
                 "search_intercept": self.search_intercept, "annotate_intercept": self.annotate_intercept,
-                "pad": self.pad, "top": self.top}
+                "pad": self.pad, "search_size": self.search_size, "annotate_size": self.annotate_size,
+                "top": self.top}
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Relevance | None:
         """The scale stored; None for none, and for one of an earlier form (a curve of the score and the
-        collection's size alone: refit it with training.calibrate --relevance-only)."""
+        collection's size alone, or of the score and its competition alone: refit it with training.calibrate
+        --relevance-only)."""
         if not state or state.get("form") != RELEVANCE_FORM:
             return None
         return cls(float(state["slope"]), float(state["context"]), float(state["beta"]),
                    float(state["search_intercept"]), float(state["annotate_intercept"]), float(state["pad"]),
-                   int(state["top"]))
+                   float(state["search_size"]), float(state["annotate_size"]), int(state["top"]))
 
 
 @dataclass

@@ -82,14 +82,15 @@ class Decoded:
     height: int
 
 
-def relevance_at(bundle: Bundle, side: str, best: np.ndarray) -> Relevance | None:
+def relevance_at(bundle: Bundle, side: str, best: np.ndarray, items: int) -> Relevance | None:
     """The model's relevance scale for one query: a search of the images for a sentence ('images') or of the
-    sentences for an image ('sentences'), whose ranking's best scores are `best` (Page.best: the results are
-    compared with the rest of the collection); None: the model has none."""
+    sentences for an image ('sentences') in a collection of `items` items, whose ranking's best scores are
+    `best` (Page.best and Page.collection: the results are compared with the rest of the collection); None:
+    the model has none."""
     rel = bundle.relevance
     if rel is None:
         return None
-    return rel.for_query("search" if side == "images" else "annotate", best)
+    return rel.for_query("search" if side == "images" else "annotate", best, items)
 
 
 class Engine:
@@ -149,10 +150,11 @@ class Engine:
     def sentence_count(self) -> int:
         return len(self.sentences) if self.sentences is not None else 0
 
-    def relevance(self, side: str, best: np.ndarray) -> Relevance | None:
+    def relevance(self, side: str, best: np.ndarray, items: int) -> Relevance | None:
         """The model's relevance scale for one search of the images ('images') or the sentences ('sentences')
-        whose ranking's best scores are `best` (`relevance_at`); None: the model has none."""
-        return relevance_at(self.bundle, side, best)
+        in a collection of `items` items whose ranking's best scores are `best` (`relevance_at`); None: the
+        model has none."""
+        return relevance_at(self.bundle, side, best, items)
 
     def warm_up(self) -> float:
         """One search and one annotation, so that lazily loaded parts (parser, backbone) are ready."""

@@ -101,7 +101,7 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
                 page = engine.search_images(args.sentence, args.k)
             except ApiError as e:
                 return _refused(e.message)
-            rel = engine.relevance("images", page.best)
+            rel = engine.relevance("images", page.best, page.collection)
             hits, cut = cut_off(page.hits, rel, args.min_relevance, "image")
         finally:
             engine.images.close()
@@ -150,7 +150,7 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
             page = sentences.annotate(image, args.k)
         finally:
             sentences.close()
-    rel = relevance_at(bundle, "sentences", page.best)
+    rel = relevance_at(bundle, "sentences", page.best, page.collection)
     hits, cut = cut_off(page.hits, rel, args.min_relevance, "sentence")
     if args.json:
         _print_json({"image": str(args.image), "width": image.size[0], "height": image.size[1],

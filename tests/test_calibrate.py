@@ -26,7 +26,7 @@ from training.calibrate import (
 )
 from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
 
-SCALE = Relevance(3.0, 0.5, 20.0, -1.5, -1.0, 0.1)
+SCALE = Relevance(3.0, 0.5, 20.0, -1.5, -1.0, 0.1, -0.2, -0.4)
 
 
 def _random_calibration(h: int = 6, seed: int = 0) -> Calibration:
@@ -199,12 +199,26 @@ def test_competition_is_the_log_odds_of_being_the_one_among_the_best_others() ->
 
 
 def test_a_relevance_scale_round_trips_and_an_earlier_form_is_not_read() -> None:
-    rel = Relevance(5.0, 0.8, 40.0, -0.3, 0.8, 0.07)
+    rel = Relevance(5.0, 0.8, 40.0, -0.3, 0.8, 0.07, -0.1, -0.5)
     assert Relevance.from_state(rel.to_state()) == rel
     assert Relevance.from_state({"slope": 2.0, "intercept": -2.0, "own_slope": 3.0, "own_intercept": 1.0}) is None
+    assert Relevance.from_state({**rel.to_state(), "form": "context-1"}) is None  # no size terms: refit
     assert Relevance.from_state(None) is None
     with pytest.raises(ValueError, match="side"):
         rel.for_query("sideways", [1.0])
+
+
+def test_a_larger_collection_moves_the_relevance_by_its_sides_size_term_alone() -> None:
+    """The same best scores in a collection of more items: the log-odds move by the side's size term times
+    the log of the ratio, the ranking stays; without a count the scores given are the collection."""
+    rel = Relevance(5.0, 0.8, 40.0, -0.3, 0.8, 0.07, -0.2, -0.5)
+    best = np.linspace(0.3, -0.2, 101)
+    for side, size in (("search", rel.search_size), ("annotate", rel.annotate_size)):
+        small, large = rel.for_query(side, best, 200), rel.for_query(side, best, 20_000)
+        np.testing.assert_allclose(large.log_odds(best[:5]) - small.log_odds(best[:5]), size * np.log(100.0))
+        assert np.all(np.diff(large(best[:10])) < 0)
+    assert rel.for_query("search", best).items == 101
+    assert rel.for_query("search", best, 0).items == 101  # never fewer than the scores it was given
 
 
 def test_described_alike_marks_the_own_image_and_captions_as_close_as_its_own() -> None:

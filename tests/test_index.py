@@ -225,8 +225,8 @@ def test_small_collections_are_scanned_exactly(tmp_path: Path, bundle: Bundle, m
 def test_a_page_carries_the_best_scores_of_the_items_it_ranked(tmp_path: Path, bundle: Bundle,
                                                                 monkeypatch: pytest.MonkeyPatch):
     """Every page, and an explanation, carries the best `CONTEXT` scores of what the exact score ranked (the
-    collection scanned whole, or the recalled candidates), best first, whatever the page's offset and size:
-    what a result's relevance compares it with."""
+    collection scanned whole, or the recalled candidates), best first, whatever the page's offset and size,
+    and the size of the collection searched: what a result's relevance reads."""
     from index.ranker import CONTEXT
 
     monkeypatch.undo()  # the real policy: scanned whole under exact_below fragments
@@ -239,14 +239,17 @@ def test_a_page_carries_the_best_scores_of_the_items_it_ranked(tmp_path: Path, b
     for k, offset in ((3, 0), (2, 5)):
         page = index.search(query, k, offset)
         np.testing.assert_allclose(page.best, every[:CONTEXT], rtol=1e-5)  # scanned: all 60
+        assert page.collection == 60
     e = index.explain(index.search(query, 1).hits[0].image_id, query)
-    assert e is not None
+    assert e is not None and e.collection == 60
     np.testing.assert_allclose(e.best, every[:CONTEXT], rtol=1e-5)
+    index.remove(int(index.ids()[0]))
+    assert index.search(query, 3).collection == 59  # the live items
     index.set_search(exact_below=0)  # the candidates: their scores only
     recalled = index.ranker.candidates(sent)
     assert 0 < len(recalled) < 60
     page = index.search(query, 3)
-    assert page.considered == len(recalled) == len(page.best)
+    assert page.considered == len(recalled) == len(page.best) and page.collection == 59
     rv, rm = index.stored.vectors(recalled)
     mine = np.sort(bundle.scores(rv, rm, sent[None], np.ones((1, len(sent)), np.float32))[:, 0])[::-1]
     np.testing.assert_allclose(page.best, mine[:CONTEXT], rtol=1e-5)

@@ -194,6 +194,9 @@ def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_p
         assert len(everything) == 5
         paris = names(near={"lat": PARIS[0], "lon": PARIS[1], "km": 5})
         assert paris == [n for n in everything if n.startswith("paris")]  # the same order as unfiltered
+        near_paris = PlaceFilter(near=Near(*PARIS, km=5))
+        assert images.search("a red circle", 1, where=near_paris).collection == 2  # what a relevance reads
+        assert images.search("a red circle", 1).collection == 5
         summer = names(taken_after="2024-06-01", taken_before="2024-09-01")
         assert summer == [n for n in everything if n in ("paris-july.jpg", "paris-august.jpg", "dated.jpg")]
         assert names(taken_after="2024-07-14T10:30:00", taken_before="2024-07-14T10:30:01") == ["paris-july.jpg"]

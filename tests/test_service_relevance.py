@@ -45,16 +45,17 @@ def test_every_result_carries_its_relevance_in_rank_order(calibrated: TestClient
 
 def test_a_results_relevance_is_the_scale_for_its_query_in_the_collection(calibrated: TestClient,
                                                                          calibrated_engine: Engine) -> None:
-    """A result's relevance reads the query's best scores in the collection searched (model.calibration
-    Relevance.for_query): the same on every page, and what the model's scale gives over all the collection's
-    scores for that sentence."""
+    """A result's relevance reads the query's best scores in the collection searched and its size
+    (model.calibration Relevance.for_query): the same on every page, and what the model's scale gives over all
+    the collection's scores for that sentence."""
     whole = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 6}).json()["results"]
     fourth = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 1, "offset": 3}).json()["results"]
     assert fourth[0]["id"] == whole[3]["id"] and fourth[0]["relevance"] == whole[3]["relevance"]
-    page = calibrated_engine.images.search(SENTENCE, 60, exhaustive=True)
+    held = len(calibrated_engine.images)
+    page = calibrated_engine.images.search(SENTENCE, held, exhaustive=True)
     scale = calibrated_engine.bundle.relevance
-    assert scale is not None
-    rel = scale.for_query("search", [h.score for h in page.hits])
+    assert scale is not None and page.collection == held == len(page.hits)
+    rel = scale.for_query("search", [h.score for h in page.hits])  # every score of the collection: its size
     assert [r["relevance"] for r in whole] == pytest.approx([rel.of(h.score) for h in page.hits[:6]], abs=1e-4)
 
 

@@ -89,7 +89,7 @@ BETAS = (0.35, 0.7, 1.4, 2.8)
 # the share of the validation part's queries also asked of their collection without what they were written for
 # (searches for what a collection does not hold; chosen on the released model's validation part as the largest
 # of 0.1, 0.25 and 0.5 whose relevance stays within 0.05 calibration error on the queries whose collection holds
-# it, each side: 0.013 / 0.035 at 0.25, 0.020 / 0.057 at 0.5; docs/results/relevance.md)
+# it, each side: 0.013 / 0.033 at 0.25, 0.020 / 0.054 at 0.5; docs/results/relevance.md)
 WITHOUT_OWN = 0.25
 RELIABILITY_BINS = 10  # equal-width bins of relevance in a reliability table
 ALIKE_QUANTILE = 0.5  # the bar of `described_alike`: this quantile of the own image's other captions' best cosine
@@ -179,7 +179,7 @@ class Shown:
     search: np.ndarray  # bool: a search's pair (else an annotation's)
     query: np.ndarray  # the row of `best` of each pair's query
     best: np.ndarray
-    items: np.ndarray  # the size of each pair's collection
+    items: np.ndarray  # the items of each pair's query's collection
 
     def competition(self, rel: Relevance | None = None, beta: float = 0.0, pad: float = 0.0) -> np.ndarray:
         """Each pair's `model.calibration.competition` (with `rel`'s beta and pad, or these)."""
@@ -212,6 +212,7 @@ class Shown:
     def relevance(self, rel: Relevance) -> np.ndarray:
         """Each pair's relevance by `rel` for its query."""
         z = (rel.slope * self.score + rel.context * self.competition(rel)
+             + np.where(self.search, rel.search_size, rel.annotate_size) * np.log(self.items)
              + np.where(self.search, rel.search_intercept, rel.annotate_intercept))
         return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60, 60))))
 
@@ -233,9 +234,9 @@ def shown(scores: np.ndarray, matches: np.ndarray, search: bool, k: int = FIT_TO
     q = np.repeat(np.arange(len(scores)), idx.shape[1])
     top = np.take_along_axis(scores, idx, 1).ravel().astype(np.float64)
     real = np.isfinite(top)  # an item left out of a query's collection scores -inf
+    held = np.isfinite(scores).sum(axis=1)  # the items of each query's collection
     return Shown(top[real], np.take_along_axis(matches, idx, 1).ravel()[real], np.full(int(real.sum()), search),
-                 q[real], best_of(scores.astype(np.float64), RELEVANCE_TOP + 1),
-                 np.full(int(real.sum()), scores.shape[1]))
+                 q[real], best_of(scores.astype(np.float64), RELEVANCE_TOP + 1), held[q[real]])
 
 
 def joined(parts: list[Shown]) -> Shown:
@@ -339,17 +340,18 @@ def _fit(pairs: Shown, pad: float) -> Relevance:
     """The likeliest scale of these pairs, its beta the likeliest of `BETAS` (over the scores' spread)."""
     y = pairs.match.astype(np.float64)
     sides = np.stack([pairs.search, ~pairs.search], axis=1).astype(np.float64)
+    sizes = sides * np.log(pairs.items)[:, None]
     best: tuple[float, Relevance] | None = None
     spread = float(np.std(pairs.score)) or 1.0
     for beta in (b / spread for b in BETAS):
         x = pairs.competition(beta=beta, pad=pad)
-        w, f = _logistic(np.column_stack([pairs.score, x, sides]), y)
-        if w[1] < 0:  # the competition would lower a better score's odds: the score alone
-            w, f = _logistic(np.column_stack([pairs.score, sides]), y)
-            w = np.array([w[0], 0.0, w[1], w[2]])
+        w, f = _logistic(np.column_stack([pairs.score, x, sides, sizes]), y)
+        if w[1] < 0:  # the competition would lower a better score's odds: the score and the size alone
+            w, f = _logistic(np.column_stack([pairs.score, sides, sizes]), y)
+            w = np.concatenate([w[:1], [0.0], w[1:]])
         if w[0] < 0:
             continue
-        rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad)
+        rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad, float(w[4]), float(w[5]))
         logger.debug("relevance with beta %.3g: negative log-likelihood %.1f", beta, f)
         if best is None or f < best[0]:
             best = (f, rel)

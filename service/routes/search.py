@@ -57,13 +57,13 @@ async def search_images(body: SearchImagesRequest, engine: EngineDep, s: Setting
     where = place_filter(body)
     if body.sort == "taken":  # every result above the cut-off (to the deepest rank), then by date
         page = await gates.search.run(engine.search_images, sentence, s.max_rank, 0, where)
-        rel = engine.relevance("images", page.best)
+        rel = engine.relevance("images", page.best, page.collection)
         kept, cut = cut_off(page.hits, rel, min_relevance, "image")
         hits = by_date_taken(kept)[offset : offset + k]
         pages = paging(offset, k, len(hits), len(kept), s)
     else:
         page = await gates.search.run(engine.search_images, sentence, k, offset, where)
-        rel = engine.relevance("images", page.best)
+        rel = engine.relevance("images", page.best, page.collection)
         hits, cut = cut_off(page.hits, rel, min_relevance, "image")
         pages = paging(offset, k, len(hits), page.considered, s)
     if where and page.considered == 0:
@@ -102,7 +102,7 @@ async def explain(body: ExplainRequest, engine: EngineDep, gates: GatesDep, boun
     found = await gates.search.run(engine.explain, body.image_id, sentence)
     if found is None:
         raise ApiError(404, "not_found", f"no image with id {body.image_id}")
-    return explain_out(found, sentence, _ms(t0), engine.relevance("images", found.best))
+    return explain_out(found, sentence, _ms(t0), engine.relevance("images", found.best, found.collection))
 
 
 @router.post("/search/similar", response_model=SimilarResponse,
@@ -133,7 +133,7 @@ async def search_similar(
         data = await read_upload(file)
         decoded, result = await gates.heavy.run(engine.similar_to_upload, data, k, offset)
         width, height = decoded.width, decoded.height
-    rel = engine.relevance("sentences", result.described_best)
+    rel = engine.relevance("sentences", result.described_best, result.described_collection)
     return SimilarResponse(image_id=image_id, width=width, height=height,
                            described_by=[sentence_result(h, rel) for h in result.described_by],
                            results=[image_result(h) for h in result.hits],
@@ -155,7 +155,7 @@ async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG,
     min_relevance = check_min_relevance(min_relevance, engine.bundle.relevance)
     data = await read_upload(file)
     decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)
-    rel = engine.relevance("sentences", page.best)
+    rel = engine.relevance("sentences", page.best, page.collection)
     hits, cut = cut_off(page.hits, rel, min_relevance, "sentence")
     return AnnotateResponse(width=decoded.width, height=decoded.height,
                             results=[sentence_result(h, rel) for h in hits], **cut,
