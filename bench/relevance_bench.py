@@ -17,7 +17,8 @@ collection. Writes
   whose best remaining image is no match), captions of training images about an object no dev caption names
   (a noun found in no dev caption), and the share of true pairs that still clear the cut-off;
 - docs/results/relevance-dev.json: the summary (expected calibration error, precision of the pairs shown
-  at relevance >= 0.5, the shares above) and docs/results/relevance-dev.png: the reliability diagram.
+  at relevance >= 0.5, the shares above, and the best image of a few searches for what dev does not hold,
+  `EXAMPLES`, with its relevance) and docs/results/relevance-dev.png: the reliability diagram.
 Each row carries the command and the machine.
 """
 
@@ -46,6 +47,8 @@ from training.evaluate import evaluate_scores, score_split
 
 logger = logging.getLogger("bench.relevance_bench")
 SHOWN = 10  # results of each query judged
+# searches a new user tries for what dev does not hold: each one's best image and its relevance are reported
+EXAMPLES = ("a laptop on a wooden desk", "a plate of spaghetti with tomato sauce", "a red sports car parked in a garage")
 ABSENT_SENTENCES = 500  # training captions about an object no dev caption names
 NOUN_LABELS = ("nsubj", "dobj", "obj", "pobj", "conj", "compound")  # where a caption's objects sit in its tree
 
@@ -127,6 +130,22 @@ def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image:
     return out, rows
 
 
+def best_images(bundle: Bundle, data: SplitData, sentences: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each sentence's best image in the split's collection, its score, the next image's and its relevance
+    there (what a search with the default cut-off shows or withholds)."""
+    rel = bundle.relevance
+    assert rel is not None
+    scores = score_split(bundle, data.feats, bundle.text.encode(list(sentences), strict=False))
+    out = []
+    for j, sentence in enumerate(sentences):
+        col = scores[:, j]
+        first, second = np.lexsort((np.arange(len(col)), -col))[:2]
+        scale = rel.for_query("search", col, len(col))
+        out.append({"sentence": sentence, "best": data.names[first], "score": round(float(col[first]), 4),
+                    "next_score": round(float(col[second]), 4), "relevance": round(scale.of(float(col[first])), 4)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = default_artifacts_dir()
@@ -154,11 +173,13 @@ def main(argv: list[str] | None = None) -> None:
     matches = matches_of(data)
     texts, nouns = absent_object_captions(load_split(args.data, "train"), data, parser, args.seed)
     scored: dict[str, tuple[dict[str, float], np.ndarray, np.ndarray]] = {}
+    examples: dict[str, list[dict[str, Any]]] = {}
     for name, b in models.items():  # each model's own scores: a baseline may be another score, not only a scale
         metrics, scores = evaluate_scores(b, data)
         absent = (score_split(b, data.feats, b.text.encode(texts, strict=False)) if texts
                   else np.zeros((len(data.names), 0)))
         scored[name] = (metrics, scores, absent)
+        examples[name] = best_images(b, data, EXAMPLES)
     metrics = scored["model"][0]
     logger.info("%d training captions about an object no dev caption names (%s, ...)", len(texts),
                 ", ".join(sorted(set(nouns))[:12]))
@@ -172,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         assert rel is not None
         out, table = measure(rel, scored[name][1], matches, data.pair_image, scored[name][2])
         out["rsum"] = round(scored[name][0]["rsum"], 2)
+        out["examples"] = examples[name]
         summary[name] = out
         tables[name] = table
         rows += [{"scale": name, **r} for r in table]
