@@ -48,7 +48,8 @@ from training.evaluate import evaluate_scores, score_split
 logger = logging.getLogger("bench.relevance_bench")
 SHOWN = 10  # results of each query judged
 # searches a new user tries for what dev does not hold: each one's best image and its relevance are reported
-EXAMPLES = ("a laptop on a wooden desk", "a plate of spaghetti with tomato sauce", "a red sports car parked in a garage")
+EXAMPLES = ("a laptop on a wooden desk", "a plate of spaghetti with tomato sauce",
+            "a red sports car parked in a garage")
 ABSENT_SENTENCES = 500  # training captions about an object no dev caption names
 NOUN_LABELS = ("nsubj", "dobj", "obj", "pobj", "conj", "compound")  # where a caption's objects sit in its tree
 
