@@ -16,6 +16,8 @@ from model.score import align, skl
 from tests.conftest import ShapesModel
 from training.calibrate import (
     Judged,
+    _fit,
+    _logistic,
     alike_blocks,
     described_alike,
     fit_calibration,
@@ -182,6 +184,29 @@ def test_relevance_fit_is_calibrated_in_collections_of_any_size() -> None:
     with pytest.raises(ValueError, match="no relevance scale"):
         flipped = _judged_world(0)
         fit_relevance(replace(flipped, search=-flipped.search, annotate=-flipped.annotate))
+
+
+def test_a_score_that_adds_nothing_beside_its_competition_leaves_the_competition_alone() -> None:
+    """Queries whose scores all run high or low (an offset of the query), a match told by how far the best
+    stands out and more likely for a low query: beside the competition the score's own weight comes out
+    negative, so the scale is the competition's and the size's alone (slope 0): still a monotone map of
+    the score for a query, not "no scale"."""
+    rng = np.random.default_rng(0)
+    offset = rng.normal(0.0, 2.0, (3000, 1))
+    scores = offset + rng.normal(0.0, 1.0, (3000, 50))
+    margin = rng.uniform(0.0, 3.0, 3000)
+    scores[:, 0] = scores[:, 1:].max(axis=1) + margin
+    matches = np.zeros(scores.shape, bool)
+    matches[:, 0] = rng.random(3000) < 1.0 / (1.0 + np.exp(-(2.0 * margin - 1.5 * offset[:, 0])))
+    pairs = shown(scores, matches, True)
+    pad = float(scores.min())
+    x = pairs.competition(beta=1.0, pad=pad)
+    free, _ = _logistic(np.column_stack([pairs.score, x, np.ones_like(x)]), pairs.match.astype(np.float64))
+    assert free[0] < 0 < free[1]  # the case: the score's own weight against the match
+    rel = _fit(pairs, pad)
+    assert rel.slope == 0.0 and rel.context > 0
+    one = rel.for_query("search", scores[0])
+    assert np.all(np.diff(one(np.sort(scores[0]))) > 0)
 
 
 def test_competition_is_the_log_odds_of_being_the_one_among_the_best_others() -> None:

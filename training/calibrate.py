@@ -349,7 +349,10 @@ def _fit(pairs: Shown, pad: float) -> Relevance:
         if w[1] < 0:  # the competition would lower a better score's odds: the score and the size alone
             w, f = _logistic(np.column_stack([pairs.score, sides, sizes]), y)
             w = np.concatenate([w[:1], [0.0], w[1:]])
-        if w[0] < 0:
+        elif w[0] < 0:  # the score beside its competition would: the competition (of the score) and the size
+            w, f = _logistic(np.column_stack([x, sides, sizes]), y)
+            w = np.concatenate([[0.0], w])
+        if w[0] < 0 or w[1] < 0 or not (w[0] > 0 or w[1] > 0):
             continue
         rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad, float(w[4]), float(w[5]))
         logger.debug("relevance with beta %.3g: negative log-likelihood %.1f", beta, f)
