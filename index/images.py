@@ -177,9 +177,9 @@ class ImageIndex(FragmentIndex[StoredImage]):
             query = EmbeddedSentence(*embed_sentence(self.bundle, query))
         sent = np.asarray(query.vectors, dtype=np.float32)
         allowed = self.photos.allowed(where) if where else None
-        ranked, considered, best, held = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"), offset + k,
-                                                    exhaustive, allowed, skl_of_items)  # codes: one block (the
-        # projection mixes a merged model's member slices)
+        ranked, considered, best, held = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"),
+                                                          offset + k, exhaustive, allowed, skl_of_items)
+        # (codes: one block; the projection mixes a merged model's member slices)
         return Page([ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s,
                               matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place,
                               p.path)

@@ -117,8 +117,8 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         elif isinstance(image, ImageFragments):
             image = embed_extracted(self.bundle, [image])[0]
         img = np.asarray(image.vectors, dtype=np.float32)
-        ranked, considered, best, held = self.ranker.rank(img, exact_score(self.bundle, [img], "sentences"), offset + k,
-                                                    exhaustive)
+        ranked, considered, best, held = self.ranker.rank(img, exact_score(self.bundle, [img], "sentences"),
+                                                          offset + k, exhaustive)
         return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, image.boxes, self.bundle.blocks))
                      for item, s, p, frags in ranked[offset:]], offset, considered, best, held)
 

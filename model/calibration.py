@@ -70,6 +70,11 @@ def _exp(z: np.ndarray) -> np.ndarray:
     return np.exp(np.clip(z, -60.0, 60.0))
 
 
+def probability(z: np.ndarray) -> np.ndarray:
+    """The logistic function of log-odds z."""
+    return np.asarray(1.0 / (1.0 + _exp(-np.asarray(z, dtype=np.float64))))
+
+
 def competition(best: np.ndarray, scores: np.ndarray, beta: float, top: int, pad: float) -> np.ndarray:
     """How far each score stands out of its query's collection: x = beta S - log sum_j exp(beta S_j) over the
     `top` best other items of the collection, a collection with fewer counted as holding the rest at score `pad`
@@ -134,13 +139,17 @@ class Relevance:
         best = np.full((1, self.top + 1), -np.inf)
         best[0, : len(self.best)] = self.best
         x = competition(best, s.reshape(1, -1), self.beta, self.top, self.pad).reshape(s.shape)
-        search = self.side == "search"
-        intercept = self.search_intercept if search else self.annotate_intercept
-        size = self.search_size if search else self.annotate_size
-        return np.asarray(self.slope * s + self.context * x + size * np.log(self.items) + intercept)
+        return self.log_odds_of(s, x, np.asarray(self.side == "search"), np.asarray(self.items))
+
+    def log_odds_of(self, score: np.ndarray, x: np.ndarray, search: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """z of scores with their `competition` x, side (`search`: bool, else an annotation's) and collection's
+        items, element by element: the one formula of the scale, for one query or for many pairs at once."""
+        return np.asarray(self.slope * score + self.context * x
+                          + np.where(search, self.search_size, self.annotate_size) * np.log(items)
+                          + np.where(search, self.search_intercept, self.annotate_intercept))
 
     def __call__(self, score: float | np.ndarray) -> np.ndarray:
-        return np.asarray(1.0 / (1.0 + _exp(-self.log_odds(score))))
+        return probability(self.log_odds(score))
 
     def of(self, score: float) -> float:
         return float(self(score))

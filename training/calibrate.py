@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from model.bundle import Bundle
-from model.calibration import RELEVANCE_TOP, Calibration, Relevance, competition
+from model.calibration import RELEVANCE_TOP, Calibration, Relevance, competition, probability
 from model.dataset import SplitData, hold_out, load_split_data, select_images
 from model.nets.checkpoint import Checkpoint
 from model.onnx import default_threads
@@ -159,16 +159,6 @@ def described_alike(vectors: np.ndarray, pair_image: np.ndarray, quantile: float
     return alike_blocks(vectors, pair_image, int(pair_image.max()) + 1, len(pair_image), quantile, seed)[0]
 
 
-def shown_pairs(scores: np.ndarray, k: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """(rows, columns) of a score matrix (N_images, L) that searches show: the k best images of every
-    sentence ('search') and the k best sentences of every image ('annotate')."""
-    n, n_sent = scores.shape
-    top = np.argsort(-scores, axis=0, kind="stable")[: min(k, n)]
-    side = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, n_sent)]
-    return {"search": (top.ravel(), np.broadcast_to(np.arange(n_sent), top.shape).ravel()),
-            "annotate": (np.broadcast_to(np.arange(n)[:, None], side.shape).ravel(), side.ravel())}
-
-
 @dataclass
 class Shown:
     """The pairs queries show (their `FIT_TOP_K` best) in collections: each pair's score, whether it is a match,
@@ -211,10 +201,7 @@ class Shown:
 
     def relevance(self, rel: Relevance) -> np.ndarray:
         """Each pair's relevance by `rel` for its query."""
-        z = (rel.slope * self.score + rel.context * self.competition(rel)
-             + np.where(self.search, rel.search_size, rel.annotate_size) * np.log(self.items)
-             + np.where(self.search, rel.search_intercept, rel.annotate_intercept))
-        return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60, 60))))
+        return probability(rel.log_odds_of(self.score, self.competition(rel), self.search, self.items))
 
 
 def best_of(scores: np.ndarray, k: int) -> np.ndarray:
@@ -318,7 +305,7 @@ def _logistic(x: np.ndarray, y: np.ndarray, steps: int = 100) -> tuple[np.ndarra
 
     f = nll(w)
     for _ in range(steps):
-        p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -60, 60)))
+        p = probability(x @ w)
         grad = x.T @ (p - y) + RIDGE * w
         hess = (x * (p * (1 - p))[:, None]).T @ x + RIDGE * np.eye(len(w))
         step = np.linalg.solve(hess, grad)
