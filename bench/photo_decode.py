@@ -1,44 +1,69 @@
-"""What a photo user meets when indexing: decoding and extraction per photo at camera sizes, with and
-without decoding a JPEG at reduced size (Pillow's `draft()`, the decoder's DCT scaling), on the CPU.
+"""What a photo user meets when indexing: decoding and extraction per photo at camera sizes, read at the
+picture's own size and at the model's reading side (``ImageConfig.decode_side``: a JPEG decoded at a
+reduced size with Pillow's `draft()`, then reduced to that side), the rate of indexing a folder of them,
+and whether the reading side keeps the answers.
 
-    python -m bench.photo_decode --images 12 --out docs/results/photo-decode.csv
+    python -m bench.photo_decode --images 6 --folder 300 --out docs/results/photo-decode.csv \
+        --folder-out docs/results/photo-index.csv
 
-The photos are made for the run in a temporary folder (removed after): the first --images dev pictures
-scaled up to 12, 24 and 48 megapixels (Lanczos) and saved as JPEG (quality 90) and, where pillow-heif is
-installed, as HEIC (quality 90, --heic-megapixels; `draft()` does not apply to it). For each photo, in one
-process with the extraction's threads: the seconds to decode it fully (EXIF orientation applied) and to extract its
-fragments with the released model's extractor, and the same with `draft("RGB", (--side, --side))` (the
-decoded photo's sides at least --side, a power-of-two reduction), the boxes scaled back to the photo's
-pixels. What reduced decoding changes is shown on the features: the cosine between the whole-photo
-fragment of the two decodes, and the share of the full decode's region boxes that the reduced decode
-finds again (IoU >= 0.7, boxes in the photo's pixels). Upscaled pictures are smoother than a camera's, so
-the agreement here is an upper bound of what real photos give. Rows carry the machine and the command.
+The photos are made for the run in a temporary folder (removed after): dev pictures scaled up to 12, 24
+and 48 megapixels (Lanczos) and saved as JPEG (quality 90) and, where pillow-heif is installed, as HEIC
+(quality 90, --heic-megapixels). Two settings of the released model's extractor, side by side:
+``own size`` (decode_side 0: the full decode, proposals and crops read from it) and ``side N`` (the
+default, N = the model's decode_side).
+
+- Per photo (--images of each size, one process with the extraction's threads): the seconds to decode and to
+  extract; what the reading side changes in the features: the cosine between the whole-photo fragments of
+  the two settings, and the share of the own-size regions found again (IoU >= 0.7, in the photo's pixels).
+- A folder (--folder dev pictures as 12 MP JPEGs): extracted as `fragsearch index` extracts a folder (the
+  feature cache's pool of --workers processes, one thread each), photos per second including the pool's
+  start; then ranked as dev is (R-sum of search and annotation over those pictures and their captions) from
+  the features of each setting and from the dev pictures themselves.
+
+Upscaled pictures are smoother than a camera's, so agreement here is an upper bound of what real photos
+give. Rows carry the machine, its CPU flags and the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import logging
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from bench import machine, parse_run, write_rows
 from model.bundle import Bundle
+from model.cache import FeatureCache
+from model.config import ImageConfig
 from model.data import load_split
+from model.dataset import load_split_data, select_images
 from model.image import ImageFragments, RegionExtractor
-from model.imageio import load_image
+from model.imageio import read_image
+from model.parsers import make_parser
 from model.release import RELEASED_MODEL
-from model.settings import default_data_dir
+from model.resources import cpu_info
+from model.settings import default_cache_dir, default_data_dir
+from training.evaluate import evaluate_scores
 
 logger = logging.getLogger("bench.photo_decode")
 SIZES_MP = (12, 24, 48)
+FOLDER_MP = 12
+FLAGS = ("avx2", "avx512f", "avx512_vnni", "amx_tile")
+
+
+def cpu_flags() -> str:
+    """The instruction sets that matter to the extraction's graphs, as this CPU has them."""
+    have = cpu_info().flags
+    return " ".join(f for f in FLAGS if f in have) or "none of " + " ".join(FLAGS)
 
 
 def make_photo(src: Path, megapixels: int, fmt: str) -> bytes:
@@ -49,24 +74,6 @@ def make_photo(src: Path, megapixels: int, fmt: str) -> bytes:
     buf = io.BytesIO()
     big.save(buf, format=fmt, quality=90)
     return buf.getvalue()
-
-
-def decode_reduced(data: bytes, side: int) -> tuple[Image.Image, tuple[int, int]]:
-    """The photo decoded at reduced size (JPEG: `draft`), orientation applied, and its full size."""
-    img = Image.open(io.BytesIO(data))
-    full = img.size
-    img.draft("RGB", (side, side))
-    img.load()
-    out = ImageOps.exif_transpose(img) or img
-    if out.size != img.size and out.size[0] == img.size[1]:  # rotated by the EXIF orientation
-        full = (full[1], full[0])
-    return out.convert("RGB"), full
-
-
-def scaled(frag: ImageFragments, size: tuple[int, int]) -> ImageFragments:
-    """Fragments of a reduced decode with their boxes in the photo's own pixels."""
-    fx, fy = size[0] / frag.width, size[1] / frag.height
-    return ImageFragments(frag.boxes * np.asarray([fx, fy, fx, fy], np.float32), frag.features, size[0], size[1])
 
 
 def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -80,78 +87,135 @@ def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return inter / np.maximum(area(a)[:, None] + area(b)[None, :] - inter, 1e-9)
 
 
-def measure(extractor: RegionExtractor, data: bytes, side: int, reduce: bool) -> tuple[float, float, ImageFragments]:
-    """(decode seconds, extraction seconds, fragments in the photo's pixels)."""
+def measure(extractor: RegionExtractor, data: bytes) -> tuple[float, float, ImageFragments]:
+    """(decode seconds, extraction seconds, fragments in the photo's pixels) under the extractor's setting."""
     t0 = time.perf_counter()
-    if reduce:
-        img, full = decode_reduced(data, side)
-    else:
-        img = load_image(data, max_pixels=10**9)
-        full = img.size
+    photo = read_image(data, max_pixels=10**9, side=extractor.cfg.decode_side)
     t1 = time.perf_counter()
-    frag = extractor.extract(img)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, scaled(frag, full) if reduce else frag
+    frag = extractor.extract(photo)
+    return t1 - t0, time.perf_counter() - t1, frag
+
+
+def setting_name(cfg: ImageConfig) -> str:
+    return f"side {cfg.decode_side}" if cfg.decode_side else "own size"
+
+
+def per_photo(settings: list[ImageConfig], pictures: list[Path], formats: list[str], heic_mp: list[int],
+              tmp: Path, stamp: dict[str, str]) -> list[dict[str, Any]]:
+    """The per-photo rows: each photo read under each setting in turn (a busy machine slows both alike)."""
+    extractors = [RegionExtractor(cfg) for cfg in settings]
+    for ex in extractors:  # sessions made before the clock runs
+        ex.extract(Image.open(pictures[0]).convert("RGB"))
+    rows: list[dict[str, Any]] = []
+    for fmt in formats:
+        for mp in (SIZES_MP if fmt == "JPEG" else heic_mp):
+            dec: list[list[float]] = [[] for _ in settings]
+            ext: list[list[float]] = [[] for _ in settings]
+            cos, found = [], []
+            for src in pictures:
+                data = make_photo(src, mp, fmt)
+                frags = []
+                for k, ex in enumerate(extractors):
+                    d, e, f = measure(ex, data)
+                    dec[k].append(d)
+                    ext[k].append(e)
+                    frags.append(f)
+                ref, frag = frags[0], frags[-1]
+                a, b = ref.features[0], frag.features[0]
+                cos.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+                found.append(float((iou(ref.boxes[1:], frag.boxes[1:]).max(axis=1) >= 0.7).mean()))
+            for k, cfg in enumerate(settings):
+                per = statistics.median(d + e for d, e in zip(dec[k], ext[k], strict=True))
+                last = k == len(settings) - 1
+                row = {"format": fmt, "megapixels": mp, "read": setting_name(cfg), "photos": len(pictures),
+                       "decode_s": round(statistics.median(dec[k]), 4),
+                       "extract_s": round(statistics.median(ext[k]), 4),
+                       "photos_per_s": round(1 / per, 2),
+                       "whole_photo_cosine_min": round(min(cos), 4) if last else "",
+                       "regions_found_again": round(statistics.mean(found), 3) if last else "", **stamp}
+                rows.append(row)
+                logger.info("%s", {k: v for k, v in row.items() if k not in stamp})
+    return rows
+
+
+def folder(settings: list[ImageConfig], args: argparse.Namespace, bundle: Bundle, tmp: Path,
+           stamp: dict[str, str]) -> list[dict[str, Any]]:
+    """The folder rows: the dev pictures as 12 MP JPEGs, extracted as `fragsearch index` does, then ranked."""
+    dev = load_split_data(args.data, "dev", bundle.image_cfg, args.cache, make_parser(bundle.text.cfg.parser),
+                          workers=args.workers, limit=args.folder, device="cpu")
+    dev = select_images(dev, np.arange(min(args.folder, len(dev.names))))
+    photos_dir = tmp / "photos"
+    photos_dir.mkdir()
+
+    def make(name: str) -> Path:
+        path = photos_dir / name
+        path.write_bytes(make_photo(dev.split.image_path(name), FOLDER_MP, "JPEG"))
+        return path
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        paths = list(pool.map(make, dev.names))
+    rows: list[dict[str, Any]] = []
+
+    def ranked(read: str, feats: np.ndarray, seconds: float | None, rate: float | None) -> None:
+        metrics, _ = evaluate_scores(bundle, dataclasses.replace(dev, feats=feats))
+        row = {"read": read, "photos": len(dev.names), "workers": args.workers,
+               "index_s": "" if seconds is None else round(seconds, 1),
+               "photos_per_s": "" if rate is None else round(rate, 2), "rsum": round(metrics["rsum"], 1),
+               **{k: round(metrics[k], 1) for k in ("annot_r1", "annot_r5", "annot_r10",
+                                                    "search_r1", "search_r5", "search_r10")}, **stamp}
+        rows.append(row)
+        logger.info("%s", {k: v for k, v in row.items() if k not in stamp})
+
+    ranked(f"the dev pictures ({dev.split.image_path(dev.names[0]).suffix} as given)", dev.feats, None, None)
+    for cfg in settings:
+        cache = FeatureCache(tmp / f"cache-{cfg.decode_side}", cfg)
+        report = cache.ensure(paths, workers=args.workers, progress=False)
+        if report.failed:
+            raise RuntimeError(f"photos that failed: {report.failed[:3]}")
+        feats = np.stack([f.features for f in cache.load(paths)]).astype(np.float32)
+        ranked(f"{FOLDER_MP} MP JPEG, {setting_name(cfg)}", feats, report.seconds, report.images_per_s)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=int, default=12, help="dev pictures made into photos of each size")
+    ap.add_argument("--images", type=int, default=6,
+                    help="dev pictures made into photos of each size (per photo; 0: no per-photo rows)")
     ap.add_argument("--heic-megapixels", type=int, nargs="*", default=[12],
                     help="the HEIC sizes made (encoding a 48 MP HEIC takes minutes)")
-    ap.add_argument("--side", type=int, default=1024, help="the reduced decode's smallest side (at least)")
+    ap.add_argument("--folder", type=int, default=300, help="dev pictures in the indexed folder (0: no folder rows)")
+    ap.add_argument("--sides", type=int, nargs="*", default=[],
+                    help="more reading sides for the folder rows, beside own size and the model's")
+    ap.add_argument("--workers", type=int, default=2, help="extraction processes for the folder (`fragsearch index`'s)")
     ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/photo-decode.csv"), help="the rows written")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the dev pictures' feature cache")
+    ap.add_argument("--out", type=Path, default=Path("docs/results/photo-decode.csv"), help="the per-photo rows")
+    ap.add_argument("--folder-out", type=Path, default=Path("docs/results/photo-index.csv"), help="the folder rows")
     args, command = parse_run(ap, argv, "bench.photo_decode")
     bundle = Bundle.load(RELEASED_MODEL)
-    extractor = RegionExtractor(bundle.image_cfg)
+    settings = [dataclasses.replace(bundle.image_cfg, decode_side=0), bundle.image_cfg]
+    if not bundle.image_cfg.decode_side:
+        raise SystemExit("the released model reads every picture at its own size: nothing to compare")
     pictures = [args.data / "images" / name for name in load_split(args.data, "dev").images[: args.images]]
     formats = ["JPEG"]
     try:
-        import pillow_heif
+        import pillow_heif  # noqa: F401  (model.imageio registers its opener)
 
-        pillow_heif.register_heif_opener()
         formats.append("HEIF")
     except ImportError:
         logger.warning("pillow-heif is not installed: no HEIC rows")
-    extractor.extract(Image.open(pictures[0]).convert("RGB"))  # sessions made before the clock runs
-    rows: list[dict[str, Any]] = []
+    stamp = {"machine": machine(), "cpu_flags": cpu_flags(), "command": command}
     with tempfile.TemporaryDirectory() as tmp:
-        for fmt in formats:
-            for mp in (SIZES_MP if fmt == "JPEG" else args.heic_megapixels):
-                photos = []
-                for k, src in enumerate(pictures):
-                    path = Path(tmp) / f"{k}-{mp}.{fmt.lower()}"
-                    path.write_bytes(make_photo(src, mp, fmt))
-                    photos.append(path)
-                ways = [False, True] if fmt == "JPEG" else [False]
-                dec: dict[bool, list[float]] = {w: [] for w in ways}
-                ext: dict[bool, list[float]] = {w: [] for w in ways}
-                cos, found = [], []
-                for path in photos:  # each photo decoded both ways in turn: a busy machine slows both alike
-                    data = path.read_bytes()
-                    frags = {}
-                    for reduce in ways:
-                        d, e, frags[reduce] = measure(extractor, data, args.side, reduce)
-                        dec[reduce].append(d)
-                        ext[reduce].append(e)
-                    if True in frags:
-                        ref, frag = frags[False], frags[True]
-                        a, b = ref.features[0], frag.features[0]
-                        cos.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
-                        found.append(float((iou(ref.boxes[1:], frag.boxes[1:]).max(axis=1) >= 0.7).mean()))
-                for reduce in ways:
-                    per = statistics.median(d + e for d, e in zip(dec[reduce], ext[reduce], strict=True))
-                    row = {"format": fmt, "megapixels": mp, "decode": f"draft >= {args.side} px" if reduce else "full",
-                           "photos": len(photos), "decode_s": round(statistics.median(dec[reduce]), 4),
-                           "extract_s": round(statistics.median(ext[reduce]), 4), "photos_per_s": round(1 / per, 2),
-                           "whole_photo_cosine_min": round(min(cos), 4) if reduce else "",
-                           "regions_found_again": round(statistics.mean(found), 3) if reduce else "",
-                           "machine": machine(), "command": command}
-                    rows.append(row)
-                    logger.info("%s", {k: v for k, v in row.items() if k not in ("machine", "command")})
-    write_rows(args.out, list(rows[0]), rows)
-    logger.info("wrote %s", args.out)
+        if args.images:
+            rows = per_photo(settings, pictures, formats, args.heic_megapixels, Path(tmp), stamp)
+            write_rows(args.out, list(rows[0]), rows)
+            logger.info("wrote %s", args.out)
+        if args.folder:
+            more = [dataclasses.replace(bundle.image_cfg, decode_side=side) for side in args.sides
+                    if side not in (0, bundle.image_cfg.decode_side)]
+            frows = folder(settings + more, args, bundle, Path(tmp), stamp)
+            write_rows(args.folder_out, list(frows[0]), frows)
+            logger.info("wrote %s", args.folder_out)
 
 
 if __name__ == "__main__":

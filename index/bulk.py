@@ -51,7 +51,7 @@ from model.config import ImageConfig, add_region_flags, with_region_flags
 from model.dataset import feature_cache
 from model.detector import Detector
 from model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
-from model.imageio import ImageReadError, load_image
+from model.imageio import ImageReadError, read_image
 from model.onnx import set_threads
 from model.proposals import proposal_columns
 from model.settings import default_cache_dir, default_model_path
@@ -97,8 +97,8 @@ def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, n
         data, key, boxes, error = b"", "", np.zeros((0, proposal_columns(cfg)), np.float32), ""
         try:
             data = Path(path).read_bytes()
-            key = content_key(data)
-            boxes = image_proposals(load_image(data, name=path), cfg, detector)
+            key = content_key(data, cfg.decode_side)
+            boxes = image_proposals(read_image(data, name=path, side=cfg.decode_side).image, cfg, detector)
         except OSError as e:
             error = f"{path}: cannot open ({e.strerror or e})"
         except ImageReadError as e:
@@ -129,7 +129,8 @@ class BackboneStage:
             if errors[k]:
                 continue
             try:
-                images.append(load_image(bytes(batch["data"][k]), name=str(batch["path"][k])))
+                images.append(read_image(bytes(batch["data"][k]), name=str(batch["path"][k]),
+                                         side=self.cfg.decode_side))
             except ImageReadError as e:
                 errors[k] = str(e)
                 continue

@@ -25,6 +25,7 @@ from model.bundle import Bundle
 from model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image
 from model.fragments import EncodedSentences
 from model.image import ImageFragments
+from model.imageio import Photo
 from model.score import SMOOTHING
 from model.settings import BackendOptions
 from model.text import ParsedSentence, Triplet
@@ -107,12 +108,12 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
             p = self.payloads([sentence_id])[sentence_id]
         return SentenceRecord(sentence_id, p.text, [t.text() for t in p.triplets])
 
-    def annotate(self, image: Image.Image | ImageFragments | EmbeddedImage, k: int = 10, offset: int = 0,
+    def annotate(self, image: Image.Image | Photo | ImageFragments | EmbeddedImage, k: int = 10, offset: int = 0,
                  exhaustive: bool = False) -> Page[SentenceHit]:
         """Sentences ranked offset + 1 .. offset + k for an image: decoded, extracted (features (F, 1280),
         boxes (F, 4)) or embedded; alignment boxes are in the image's own pixels. `exhaustive` ranks
         every sentence by the exact score (no candidate stage)."""
-        if isinstance(image, Image.Image):
+        if isinstance(image, Image.Image | Photo):
             image = embed_image(self.bundle, image)
         elif isinstance(image, ImageFragments):
             image = embed_extracted(self.bundle, [image])[0]

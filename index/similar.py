@@ -25,6 +25,7 @@ from index.matches import matches
 from index.sentences import SentenceIndex
 from index.types import ImageHit, ImageRecord, Page, SentenceHit
 from model.embed import EmbeddedImage, embed_image, embed_texts
+from model.imageio import Photo
 from model.text import Triplet
 
 DESCRIPTIONS = 5
@@ -103,7 +104,7 @@ def similar_to_indexed(images: ImageIndex, sentences: SentenceIndex | None, imag
     return rec, more_like_this(images, sentences, *found, k=k, exclude=image_id, offset=offset)
 
 
-def similar_to_image(images: ImageIndex, sentences: SentenceIndex | None, image: Image.Image, k: int,
+def similar_to_image(images: ImageIndex, sentences: SentenceIndex | None, image: Image.Image | Photo, k: int,
                      offset: int = 0) -> Similar:
     """The images like an image that is not indexed (an upload); the descriptions' alignments are in
     its pixels."""

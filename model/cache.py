@@ -74,7 +74,7 @@ class FeatureCache:
         memo = (str(path), st.st_size, st.st_mtime_ns)
         key = self._keys.get(memo)
         if key is None:
-            key = self._keys[memo] = content_key(Path(path).read_bytes())
+            key = self._keys[memo] = content_key(Path(path).read_bytes(), self.cfg.decode_side)
         return key
 
     def path(self, image: str | Path) -> Path:

@@ -63,6 +63,12 @@ class ImageConfig:
     # row the largest score of each class over its detected regions), a learned input of the image encoder.
     # Needs detector proposals; in the feature cache key when set.
     detector_classes: bool = False
+    # a picture whose longer side exceeds this is read at this side (model/image.py working_image; a JPEG is
+    # also decoded at a reduced size, model/imageio.py read_image): proposals and features see at most 448 px
+    # of it, so a camera's 12 to 48 MP only cost time. Boxes stay in the picture's own pixels. 0: every picture
+    # at its own size. Not in the cache folder's key: an entry of a larger picture is keyed by its bytes and
+    # this side (model/features.py content_key), so the entries of pictures within it stay as they were.
+    decode_side: int = 1024
 
     @property
     def n_fragments(self) -> int:

@@ -24,6 +24,7 @@ from model.bundle import Bundle
 from model.features import fragment_labels
 from model.fragments import SENTENCE_REL, EncodedSentences
 from model.image import ImageFragments
+from model.imageio import Photo
 from model.text import Triplet
 
 # "rel(w1, w2)", the form a triplet is written in
@@ -137,6 +138,6 @@ def embed_extracted(bundle: Bundle, frags: Sequence[ImageFragments]) -> list[Emb
             for f, v in zip(frags, vecs, strict=True)]
 
 
-def embed_image(bundle: Bundle, image: Image.Image) -> EmbeddedImage:
-    """An image's regions (the bundle's region extractor) embedded."""
+def embed_image(bundle: Bundle, image: Image.Image | Photo) -> EmbeddedImage:
+    """An image's regions (the bundle's region extractor) embedded; boxes in the picture's own pixels."""
     return embed_extracted(bundle, [bundle.extractor.extract(image)])[0]

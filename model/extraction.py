@@ -11,14 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
 from tqdm import tqdm
 
 from model.config import ImageConfig
 from model.device import extraction_device
 from model.features import content_key, entry_name, write_entry
 from model.image import ImageFragments, RegionExtractor, extractor_files
-from model.imageio import ImageReadError, load_image
+from model.imageio import ImageReadError, Photo, read_image
 from model.onnx import set_threads
 
 
@@ -29,11 +28,12 @@ def _extract_chunk(
 
     With out_dir, each image is stored as ``<out_dir>/<content key>.npz``."""
     failed: list[tuple[str, str]] = []
-    good: list[tuple[str, str, Image.Image]] = []
+    good: list[tuple[str, str, Photo]] = []
+    side = extractor.cfg.decode_side
     for p in paths:
         try:
             data = Path(p).read_bytes()
-            good.append((entry_name(p), content_key(data), load_image(data, name=str(p))))
+            good.append((entry_name(p), content_key(data, side), read_image(data, name=str(p), side=side)))
         except OSError as e:
             failed.append((entry_name(p), f"{p}: cannot open ({e.strerror or e})"))
         except ImageReadError as e:

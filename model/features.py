@@ -18,6 +18,7 @@ from model.config import ImageConfig
 from model.detector import DETECTOR_NAME, N_CLASSES, label_of
 from model.graphs import FEATURE_DIM, quant_recipe, weights_digest
 from model.image import ImageFragments
+from model.imageio import longer_side
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
 
@@ -32,6 +33,7 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     mirror = image.pop("mirror")  # in the payload only for the mirrored view: the other keys stay
     proposals = image.pop("proposals")  # the region source and its floor: only when not selective search
     floor = image.pop("detector_floor")
+    image.pop("decode_side")  # in the entries' keys of the pictures it reduces (content_key), not here
     if image.pop("detector_classes"):  # in the payload only when set: the other keys stay
         image["detector_classes"] = True
     if proposals != "selective_search":
@@ -72,9 +74,14 @@ def config_key(cfg: ImageConfig) -> str:
     return hashlib.sha256(json.dumps(config_payload(cfg), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def content_key(data: bytes) -> str:
-    """The name of an image's entry: a hash of its file's bytes."""
-    return hashlib.sha256(data).hexdigest()[:32]
+def content_key(data: bytes, decode_side: int = 0) -> str:
+    """The name of an image's entry: a hash of its file's bytes; of a picture whose longer side exceeds
+    ``decode_side`` (``ImageConfig.decode_side``: read at that side), a hash of its bytes and the side, so
+    its entries at two sides never mix and the entries of smaller pictures keep their keys."""
+    digest = hashlib.sha256(data)
+    if decode_side and longer_side(data) > decode_side:
+        digest.update(f"\0decode_side={decode_side}".encode())
+    return digest.hexdigest()[:32]
 
 
 def entry_name(item: str | Path) -> str:

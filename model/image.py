@@ -6,6 +6,10 @@ the ImageNet head on its pooled feature (an objectness proxy), followed by NMS. 
 ``ImageConfig.proposals`` "detector" / "detector_topup" they are the COCO detector's boxes
 (``model/detector.py``), ranked by its scores, above every selective-search box that tops them up.
 Boxes are ``[x0, y0, x1, y1]`` floats in the image's own pixels.
+
+A picture whose longer side exceeds ``ImageConfig.decode_side`` is read at that side (``working_image``):
+everything here sees at most 448 px of it (the backbone pass; crops and selective search less), so the
+full size costs time and buys nothing. The boxes are still given in the picture's own pixels.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from model.boxes import roi_align
 from model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
 from model.detector import N_CLASSES, Detector
 from model.graphs import BACKBONE_NAME, preprocess, to_array
+from model.imageio import Photo
 from model.proposals import (
     N_GRID_BOXES,
     PROPOSAL_COLUMNS,
@@ -99,27 +104,37 @@ class RegionExtractor:
         if ranks_proposals(cfg):
             self.ranker.load_head()  # read now: a missing head file is an error at start-up, not at the first image
 
-    def extract(self, image: Image.Image) -> ImageFragments:
-        """One image → ImageFragments (boxes (F, 4), features (F, D))."""
+    def extract(self, image: Image.Image | Photo) -> ImageFragments:
+        """One picture → ImageFragments (boxes (F, 4), features (F, D))."""
         return self.extract_batch([image])[0]
 
-    def extract_batch(self, images: Sequence[Image.Image]) -> list[ImageFragments]:
-        """Images → one ImageFragments each, F = cfg.n_fragments rows."""
+    def extract_batch(self, images: Sequence[Image.Image | Photo]) -> list[ImageFragments]:
+        """Pictures (decoded images, or Photos read at a reduced size) → one ImageFragments each,
+        F = cfg.n_fragments rows, boxes in each picture's own pixels."""
         if not images:
             return []
-        rgb = [_rgb(img) for img in images]
-        return self.extract_proposed(rgb, [image_proposals(img, self.cfg, self.detector) for img in rgb])
+        decoded = [img.image if isinstance(img, Photo) else img for img in images]
+        return self.extract_proposed(images, [image_proposals(img, self.cfg, self.detector) for img in decoded])
 
-    def extract_proposed(self, images: Sequence[Image.Image], proposals: Sequence[np.ndarray]) -> list[ImageFragments]:
-        """Images with their proposals (``image_proposals``: (P_k, 5) each, or (P_k, 4) boxes that the
-        backbone ranks) → one ImageFragments each.
+    def extract_proposed(self, images: Sequence[Image.Image | Photo], proposals: Sequence[np.ndarray]
+                         ) -> list[ImageFragments]:
+        """Pictures with their proposals (``image_proposals`` of the decoded image: (P_k, 5) each, or (P_k, 4)
+        boxes that the backbone ranks, in the decoded image's pixels) → one ImageFragments each, boxes in
+        each picture's own pixels.
 
         The backbone half of ``extract_batch``: a pipeline that computes the proposals in other
         processes (a CPU stage) gets the same fragments. A proposal with a prior score (a detection)
         ranks by 1 + that score, above every proposal the backbone ranks (at most 1)."""
         if not images:
             return []
-        rgb = [_rgb(img) for img in images]
+        photos = [img if isinstance(img, Photo) else Photo(img, *img.size) for img in images]
+        rgb = [working_image(p.image, self.cfg) for p in photos]
+        proposals = [_rescaled(b, p.image.size, w.size) for b, p, w in zip(proposals, photos, rgb, strict=True)]
+        return [f if (f.width, f.height) == (p.width, p.height) else _at_size(f, p.width, p.height)
+                for f, p in zip(self._extract_working(rgb, proposals), photos, strict=True)]
+
+    def _extract_working(self, rgb: Sequence[Image.Image], proposals: Sequence[np.ndarray]) -> list[ImageFragments]:
+        """``extract_proposed`` on the working images (RGB, at most decode_side), proposals in their pixels."""
         cfg = self.cfg
         if cfg.full_frame_only:
             return self._full_frame(rgb)
@@ -234,13 +249,42 @@ def max_softmax(logits: np.ndarray) -> np.ndarray:
 def image_proposals(image: Image.Image, cfg: ImageConfig, detector: Detector | None = None) -> np.ndarray:
     """The proposals of one image (P, 5) float32: boxes in its pixels and their prior scores (NaN: ranked
     by the backbone; model/proposals.py ``with_priors``): the CPU half of ``RegionExtractor.extract_batch``
-    (none with ``cfg.full_frame_only``). Detector proposals use ``detector`` (one is loaded when None)."""
+    (none with ``cfg.full_frame_only``), found on its ``working_image``. Detector proposals use ``detector``
+    (one is loaded when None)."""
     if cfg.full_frame_only:
         return np.zeros((0, 5), np.float32)
-    rgb = np.asarray(_rgb(image))
-    if cfg.proposals == "selective_search":
-        return with_priors(propose_boxes(rgb, cfg))
-    return detected_proposals(rgb, cfg, detector or Detector())
+    work = working_image(image, cfg)
+    rgb = np.asarray(work)
+    found = (with_priors(propose_boxes(rgb, cfg)) if cfg.proposals == "selective_search"
+             else detected_proposals(rgb, cfg, detector or Detector()))
+    return _rescaled(found, work.size, image.size)
+
+
+def working_image(image: Image.Image, cfg: ImageConfig) -> Image.Image:
+    """The image (RGB) as regions are found and read in it: its longer side reduced to ``cfg.decode_side``
+    when larger (antialiased bilinear; sides rounded), as it is otherwise."""
+    rgb = _rgb(image)
+    side = cfg.decode_side
+    w, h = rgb.size
+    if not side or max(w, h) <= side:
+        return rgb
+    fit = side / max(w, h)
+    return rgb.resize((max(1, round(w * fit)), max(1, round(h * fit))), Image.Resampling.BILINEAR)
+
+
+def _rescaled(proposals: np.ndarray, size: tuple[int, int], to: tuple[int, int]) -> np.ndarray:
+    """Proposals (P, >= 4) with boxes in an image of `size` → the same with boxes in an image of `to`."""
+    if size == to:
+        return proposals
+    out = np.array(proposals, dtype=np.float32)
+    out[:, :4] *= np.asarray([to[0] / size[0], to[1] / size[1]] * 2, np.float32)
+    return out
+
+
+def _at_size(frag: ImageFragments, width: int, height: int) -> ImageFragments:
+    """Fragments of a working image with their boxes in the pixels of the picture itself (width x height)."""
+    boxes = _rescaled(frag.boxes, (frag.width, frag.height), (width, height))
+    return ImageFragments(boxes, frag.features, width, height)
 
 
 def fragment_classes(proposals: np.ndarray, rows: np.ndarray) -> np.ndarray:

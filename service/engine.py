@@ -15,7 +15,6 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ from model.calibration import Relevance
 from model.dataset import feature_cache
 from model.device import is_gpu
 from model.fragments import NoFragmentsError
-from model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, load_image
+from model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo, read_image
 from service.errors import ApiError
 from service.settings import Settings
 from service.thumbnails import thumbnail
@@ -73,13 +72,6 @@ def safe_name(filename: str | None, fallback: str) -> str:
     base = re.split(r"[\\/]", filename or "")[-1]
     base = re.sub(r"[^A-Za-z0-9._ -]", "_", base).strip(" .")[:MAX_NAME_CHARS]
     return base or fallback
-
-
-@dataclass
-class Decoded:
-    image: Image.Image
-    width: int
-    height: int
 
 
 def relevance_at(bundle: Bundle, side: str, best: np.ndarray, items: int) -> Relevance | None:
@@ -191,10 +183,10 @@ class Engine:
         rec, similar = found
         return (rec.width, rec.height), similar
 
-    def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Similar]:
+    def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Photo, Similar]:
         """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
-        decoded = self.decode(data)
-        return decoded, similar_to_image(self.images, self.sentences, decoded.image, k, offset)
+        photo = self.read(data)
+        return photo, similar_to_image(self.images, self.sentences, photo, k, offset)
 
     def duplicates(self, image_id: int, threshold: float) -> list[Duplicate] | None:
         """Near-duplicates of an indexed image, or None when there is no such image."""
@@ -212,14 +204,16 @@ class Engine:
         otherwise its words are read as a phrase."""
         return self.search_fragments(f"{relation}({w1}, {w2})", k, offset)
 
-    def decode(self, data: bytes) -> Decoded:
+    def read(self, data: bytes, full: bool = False) -> Photo:
+        """An upload decoded for reading (a large JPEG at a reduced size: the model's decode_side), or in full
+        (``full``: to be stored); a 4xx ApiError when it cannot be."""
+        side = 0 if full else self.bundle.image_cfg.decode_side
         try:
-            img = load_image(data, max_pixels=self.settings.max_pixels)
+            return read_image(data, max_pixels=self.settings.max_pixels, side=side)
         except ImageReadError as e:
             raise image_error(e) from e
-        return Decoded(img, img.size[0], img.size[1])
 
-    def annotate(self, data: bytes, k: int, offset: int = 0) -> tuple[Decoded, Page[SentenceHit]]:
+    def annotate(self, data: bytes, k: int, offset: int = 0) -> tuple[Photo, Page[SentenceHit]]:
         """Sentences ranked offset + 1 .. offset + k for an uploaded image."""
         if self.sentences is None:
             if not self.settings.has_sentences:
@@ -227,8 +221,8 @@ class Engine:
                                "file (FRAGSEARCH_CAPTIONS, one sentence a line) or a data folder with captions.txt "
                                f"(FRAGSEARCH_DATA; {self.settings.data} has none)")
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
-        decoded = self.decode(data)
-        return decoded, self.sentences.annotate(decoded.image, k, offset)
+        photo = self.read(data)
+        return photo, self.sentences.annotate(photo, k, offset)
 
     def thumbnail_file(self, image_id: int, size: int | None) -> Path | None:
         """The cached thumbnail of an indexed image (made when missing; size None: a full-size JPEG rendition),
@@ -261,7 +255,7 @@ class Engine:
 
     def add_image(self, data: bytes, filename: str | None) -> ImageRecord:
         """Decode, store under the uploads folder, index and save; on failure nothing changes."""
-        decoded = self.decode(data)
+        decoded = self.read(data, full=True).image
         uploads = self.settings.uploads
         uploads.mkdir(parents=True, exist_ok=True)
         stem = uuid.uuid4().hex
@@ -270,8 +264,8 @@ class Engine:
         with self._write_lock:
             image_id: int | None = None
             try:
-                decoded.image.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)
-                [image_id] = self.images.add([decoded.image], [name], [path])
+                decoded.save(path, UPLOAD_FORMAT, quality=UPLOAD_QUALITY)
+                [image_id] = self.images.add([decoded], [name], [path])
                 self.images.save()
             except BaseException as e:
                 if image_id is not None:

@@ -31,7 +31,7 @@ from index.catalogue import is_index
 from index.sentences import SentenceIndex
 from model.bundle import Bundle
 from model.calibration import DEFAULT_CUTOFF
-from model.imageio import ImageReadError, load_image
+from model.imageio import ImageReadError, read_image
 from model.settings import Settings, add_setting_flags, settings_of, use
 from service.engine import Engine, relevance_at
 from service.errors import ApiError
@@ -133,14 +133,16 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
         return _refused(f"no sentence index at {settings.sentence_index}: `fragsearch serve` builds it from the "
                         "data folder's captions (or the `captions` setting's file) on its first start")
     try:
-        image = load_image(args.image.read_bytes(), max_pixels=settings.max_pixels)
+        data = args.image.read_bytes()
     except OSError as e:
         return _refused(f"cannot read {args.image}: {e.strerror or e}")
-    except ImageReadError as e:
-        return _refused(f"{args.image}: {e}")
     t0 = time.perf_counter()
     with use(settings):
         bundle = _model(settings)
+        try:  # a large JPEG decoded at the model's reading side, as the service reads an upload
+            image = read_image(data, max_pixels=settings.max_pixels, side=bundle.image_cfg.decode_side)
+        except ImageReadError as e:
+            return _refused(f"{args.image}: {e}")
         sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)
         try:
             try:
@@ -153,7 +155,7 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
     rel = relevance_at(bundle, "sentences", page.best, page.collection)
     hits, cut = cut_off(page.hits, rel, args.min_relevance, "sentence")
     if args.json:
-        _print_json({"image": str(args.image), "width": image.size[0], "height": image.size[1],
+        _print_json({"image": str(args.image), "width": image.width, "height": image.height,
                      "results": [sentence_result(h, rel).model_dump(mode="json") for h in hits], **cut,
                      "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
     else:

@@ -16,7 +16,7 @@ from typing import BinaryIO
 from PIL import Image
 
 from model.atomic import cached_file
-from model.imageio import load_image
+from model.imageio import read_image
 
 SIZES = (64, 128, 256, 512)
 QUALITY = 85
@@ -44,7 +44,7 @@ def thumbnail(source: Path, size: int | None, cache_dir: Path, max_pixels: int) 
     out = cache_dir / f"{key}.jpg"
 
     def make() -> Image.Image | None:
-        img = load_image(source, max_pixels=max_pixels)
+        img = read_image(source, max_pixels=max_pixels, side=size or 0).image  # a JPEG at a reduced size
         if size is not None:
             img.thumbnail((size, size), Image.Resampling.LANCZOS)
         return img

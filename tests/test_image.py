@@ -20,8 +20,8 @@ from PIL import Image, ImageDraw
 from model.cache import ExtractionPool, FeatureCache, config_key, content_key, read_entry
 from model.config import ImageConfig
 from model.graphs import FEATURE_DIM
-from model.image import RegionExtractor
-from model.imageio import ImageReadError, load_image
+from model.image import ImageFragments, RegionExtractor, working_image
+from model.imageio import ImageReadError, Photo, load_image, read_image
 from model.onnx import set_threads
 from model.proposals import propose_boxes
 from model.release import read_manifest
@@ -191,6 +191,84 @@ def test_proposals_find_the_square() -> None:
     boxes = propose_boxes(np.asarray(shapes_picture()), ImageConfig())
     assert boxes.shape[1] == 4 and len(boxes) <= ImageConfig().max_proposals
     assert max(iou(b, SQUARE) for b in boxes) > 0.7
+
+
+# -- the reading side (ImageConfig.decode_side) ---------------------------------------------------------
+
+
+def big_picture(width: int, height: int) -> Image.Image:
+    """The shapes picture stretched to width x height (a camera-sized picture of the same scene)."""
+    return shapes_picture().resize((width, height), Image.Resampling.BILINEAR)
+
+
+def exif_rotated_jpeg(img: Image.Image) -> bytes:
+    """A JPEG of `img` stored sideways, with the EXIF orientation (6: turn 90 degrees clockwise) that
+    puts it upright."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    img.transpose(Image.Transpose.ROTATE_90).save(buf, format="JPEG", quality=90, exif=exif)
+    return buf.getvalue()
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_size_no_smaller_than_the_side() -> None:
+    data = jpeg_bytes(big_picture(1600, 1200))
+    photo = read_image(data, side=300)
+    assert (photo.width, photo.height) == (1600, 1200)
+    assert photo.image.size == (400, 300)  # 1/4: the smallest decode whose longer side is still >= 300
+    assert read_image(data, side=500).image.size == (800, 600)  # 1/4 would be 400 < 500
+    assert read_image(data).image.size == (1600, 1200) == read_image(data, side=1600).image.size
+    png = io.BytesIO()
+    big_picture(1600, 1200).save(png, format="PNG")
+    assert read_image(png.getvalue(), side=300).image.size == (1600, 1200)  # no reduced decode: the reader reduces
+
+
+def test_a_sideways_jpeg_read_at_a_reduced_size_keeps_its_upright_size() -> None:
+    photo = read_image(exif_rotated_jpeg(big_picture(1600, 1200)), side=300)
+    assert (photo.width, photo.height) == (1600, 1200)
+    assert photo.image.size == (400, 300)
+    assert load_image(exif_rotated_jpeg(big_picture(1600, 1200))).size == (1600, 1200)
+
+
+def test_a_picture_larger_than_the_side_is_read_at_it_with_boxes_in_its_own_pixels() -> None:
+    cfg = ImageConfig(region_features="crop", decode_side=448)
+    big = big_picture(1792, 896)
+    work = working_image(big, cfg)
+    assert work.size == (448, 224)
+    extractor = RegionExtractor(cfg)
+    frag = extractor.extract(big)
+    at_side = extractor.extract(work)
+    check_fragments(frag, cfg.n_fragments, 1792, 896)
+    np.testing.assert_array_equal(frag.features, at_side.features)  # what is read is the picture at the side
+    np.testing.assert_allclose(frag.boxes, at_side.boxes * 4, rtol=1e-6)  # given back in the picture's pixels
+    assert frag.boxes[0].tolist() == [0, 0, 1792, 896]
+    own = RegionExtractor(dataclasses.replace(cfg, decode_side=0)).extract(big)
+    assert not np.array_equal(own.features, frag.features)  # side 0: read at its own size
+    small = big_picture(400, 200)
+    np.testing.assert_array_equal(extractor.extract(small).features,
+                                  RegionExtractor(dataclasses.replace(cfg, decode_side=0)).extract(small).features)
+
+
+def test_a_photo_read_at_a_reduced_size_gives_boxes_in_the_photos_pixels() -> None:
+    cfg = ImageConfig(region_features="crop", decode_side=448)
+    photo = read_image(jpeg_bytes(big_picture(1792, 1344)), side=cfg.decode_side)
+    assert photo.image.size == (448, 336)
+    frag = RegionExtractor(cfg).extract(photo)
+    assert isinstance(frag, ImageFragments)
+    check_fragments(frag, cfg.n_fragments, 1792, 1344)
+    assert frag.boxes[0].tolist() == [0, 0, 1792, 1344]
+    assert frag.boxes[:, 2].max() > 448  # in the photo's pixels, not the decoded image's
+    at_decoded = RegionExtractor(cfg).extract(Photo(photo.image, *photo.image.size))
+    np.testing.assert_allclose(frag.boxes, at_decoded.boxes * 4, rtol=1e-6)
+
+
+def test_an_entry_of_a_picture_larger_than_the_side_is_keyed_by_the_side_too() -> None:
+    large, small = jpeg_bytes(big_picture(1600, 1200)), jpeg_bytes(shapes_picture())
+    assert content_key(small, 1024) == content_key(small) == content_key(small, 224) != content_key(small, 100)
+    assert content_key(large, 1024) != content_key(large) == content_key(large, 0) == content_key(large, 1600)
+    assert content_key(large, 1024) != content_key(large, 512)
+    assert content_key(b"not an image", 1024) == content_key(b"not an image")
+    assert config_key(ImageConfig(decode_side=512)) == config_key(ImageConfig())  # the folder's key stays
 
 
 # -- cache ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
 from model.bundle import Bundle
@@ -95,6 +95,22 @@ def test_annotate_boxes_are_in_the_uploads_pixels(client: TestClient, service_en
     assert (body["width"], body["height"]) == (400, 100)
     boxes = [m["box"] for h in body["results"] for m in h["alignment"]]
     assert boxes and all(_inside(b, 400, 100) for b in boxes)
+
+
+def test_a_camera_sized_jpeg_is_read_at_the_models_side_and_answered_in_its_own_pixels(
+        client: TestClient) -> None:
+    img = Image.new("RGB", (224, 112), "white")
+    draw = ImageDraw.Draw(img)
+    draw.ellipse((130, 20, 200, 90), fill=(220, 20, 20))
+    buf = io.BytesIO()
+    img.resize((1920, 960), Image.Resampling.BILINEAR).save(buf, format="JPEG", quality=85)
+    r = client.post("/annotate", files={"file": ("camera.jpg", buf.getvalue(), "image/jpeg")}, data={"k": "3"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["width"], body["height"]) == (1920, 960)  # the photo's size, not the size it was read at
+    boxes = [m["box"] for h in body["results"] for m in h["alignment"]]
+    assert boxes and all(_inside(b, 1920, 960) for b in boxes)
+    assert max(b[2] for b in boxes) > 1024  # in the photo's pixels (the circle is in its right half)
 
 
 def test_fragment_search_by_phrase_and_triplet(client: TestClient) -> None:
