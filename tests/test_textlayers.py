@@ -17,6 +17,7 @@ from model.dataset import load_split_data
 from model.encoders import Encoders, ModelConfig
 from model.fragments import SENTENCE_REL, TextPipeline
 from model.minilm import minilm
+from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel, arrays
 from model.nets.textlayers import TextLayers as TorchLayers
 from model.parsers import make_parser
@@ -162,6 +163,28 @@ def test_a_model_trains_its_layers_saves_them_and_serves_with_them(shapes_model:
     metrics = evaluate(served, shapes_model.dev)
     assert metrics == evaluate(bundle, shapes_model.dev)
     assert 0 <= metrics["search_r1"] <= 100
+
+
+def test_a_checkpoint_reads_through_its_layers_as_they_are_now(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """The trainer's and the calibration's Checkpoint: its first encoding after loading reads through the model's
+    layers (not MiniLM's own vectors), and one after the layers were trained further reads the new weights."""
+    run = _tuned_run(shapes_model, 1)
+    data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+    train(run, data, None, tmp_path / "model", shapes_model.cache)
+    words = [["a", "red", "circle", "beside", "a", "blue", "square"]]
+    ckpt = Checkpoint.load(tmp_path / "model" / "model.pt", device="cpu")
+    first = ckpt.text.encode(["a red circle beside a blue square"]).extra[:7].copy()
+    layers = Bundle.load(tmp_path / "model" / "model.pt").text.layers
+    assert layers is not None
+    np.testing.assert_allclose(first, encode_tuned(words, layers)[0][0], atol=1e-5)
+    model = ckpt.model
+    assert isinstance(model, FragmentModel) and model.text_layers is not None
+    with torch.no_grad():
+        for p in model.text_layers.parameters():  # an optimiser step, in place
+            p.add_(0.01 * torch.randn_like(p))
+    moved = ckpt.text.encode(["a red circle beside a blue square"]).extra[:7]
+    assert not np.allclose(moved, first, atol=1e-3)
+    np.testing.assert_allclose(moved, encode_tuned(words, ckpt.bundle().encoders.text_layers)[0][0], atol=1e-5)
 
 
 def test_a_frozen_models_vectors_are_not_read_through_anothers_layers(shapes_model: ShapesModel) -> None:

@@ -28,6 +28,7 @@ from model.modelfile import FORMAT, MODEL_JSON, CheckpointError, read_parts
 from model.nets.encoders import FragmentModel, GlobalModel, arrays, build_model, load_arrays
 from model.release import ReleaseError, check_release
 from model.text import RelationVocab
+from model.textlayers import TextLayers
 from model.words import WordTable
 
 
@@ -40,13 +41,23 @@ class Checkpoint:
     def __init__(self, model: FragmentModel | GlobalModel, text: TextPipeline, image_cfg: ImageConfig,
                  meta: dict[str, Any] | None = None, calibration: Calibration | None = None) -> None:
         self.model = model
-        self.text = text
+        self._text = text
         self.image_cfg = image_cfg
         self.meta = dict(meta or {})
         self.calibration = calibration  # fragment models only: per-item score scales (NumPy)
         # name -> sha256 of the weight files the model was trained with (weight_files); None: record the
         # installed ones at the first save (a model trained in this process)
         self.weights: dict[str, str] | None = None
+
+    @property
+    def text(self) -> TextPipeline:
+        """The text pipeline, reading words and sentences through the modules' trained top layers of MiniLM as
+        they are now, where the model has them: every encoding (evaluation, calibration, the relevance fit) sees
+        the current weights, never MiniLM's own or an earlier epoch's (the pipeline drops its kept vectors
+        when the layers change)."""
+        if isinstance(self.model, FragmentModel) and self.model.text_layers is not None:
+            self._text.use_layers(TextLayers.from_arrays(arrays(self.model), self.cfg.text_layers))
+        return self._text
 
     @property
     def device(self) -> torch.device:
