@@ -43,6 +43,7 @@ from model.minilm_files import (
     package_dir,
     session,
 )
+from model.textlayers import TextLayers
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,14 @@ class MiniLM:
     process and device."""
 
     def __init__(self, device: str = "cpu", folder: Path | None = None, threads: int | None = None,
-                 upto: int | None = None) -> None:
+                 upto: int | None = None, layers: TextLayers | None = None) -> None:
         from tokenizers import Tokenizer
 
+        if layers is not None and upto is not None:
+            raise ValueError("a model's own top layers replace MiniLM's last ones in the whole transformer, not a cut")
         self.device = str(device)
         self.upto = upto  # None: the whole transformer; else its hidden states after its first `upto` layers
+        self.layers = layers  # a model's own top layers in place of MiniLM's (their weights override the package's)
         self.folder = package_dir()
         self.weights = self.folder / WEIGHTS_FILE
         self.max_pieces = max_pieces(self.folder)
@@ -116,7 +120,8 @@ class MiniLM:
         self.tokenizer = tokenizer
         self.graph = minilm_graph(folder, upto)
         self._session = self._open(threads)
-        logger.info("MiniLM: %s with the weights of %s on %s", self.graph, self.weights,
+        logger.info("MiniLM: %s with the weights of %s%s on %s", self.graph, self.weights,
+                    "" if layers is None else f" and a model's own layers {layers.first}..5 ({layers.digest})",
                     self._session.get_providers()[0])
 
     def _open(self, threads: int | None) -> Any:
@@ -125,7 +130,8 @@ class MiniLM:
         fix = (f"restore it (git checkout {self.graph})" if self.graph.parent == search_dirs()[0] else
                "delete it to have it made again (needs torch: ./run setup)")
         try:
-            sess = session(self.graph.read_bytes(), self.folder, self.device, threads)
+            sess = session(self.graph.read_bytes(), self.folder, self.device, threads,
+                           None if self.layers is None else self.layers.graph_weights())
         except Exception as e:  # ONNX Runtime raises its own exception types
             raise GraphMismatch(f"MiniLM's graph {self.graph} does not load with the weights of {self.weights} "
                                 f"({e}): {fix}") from e
@@ -157,12 +163,10 @@ class MiniLM:
         return np.asarray(out, dtype=np.float32)
 
     def each_hidden(self, inputs: Sequence[Pieces], visit: Callable[[int, np.ndarray], None], batch_size: int = 64,
-                    desc: str = "MiniLM", top: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> None:
+                    desc: str = "MiniLM") -> None:
         """Run every input through the transformer and call ``visit(i, hidden)`` with input i's hidden states
-        (len(inputs[i]), 384), once per input; with `top`, the hidden states of each padded batch (B, T, 384)
-        and its mask (B, T) go through ``top(hidden, mask)`` first (a model's own top layers after a cut graph:
-        model/textlayers.py). The inputs are batched by length (longest first, ties in input order), so a batch
-        carries little padding; a progress bar shows for long jobs."""
+        (len(inputs[i]), 384), once per input. The inputs are batched by length (longest first, ties in input
+        order), so a batch carries little padding; a progress bar shows for long jobs."""
         from tqdm import tqdm
 
         n = len(inputs)
@@ -180,23 +184,22 @@ class MiniLM:
                 ids[b, : lengths[i]] = inputs[i].ids
                 mask[b, : lengths[i]] = 1
             hidden = self.hidden(ids, mask)
-            if top is not None:
-                hidden = top(hidden, mask)
             for b, i in enumerate(rows):
                 visit(int(i), hidden[b, : lengths[i]])
 
 
-_loaded: dict[tuple[str, int | None], MiniLM] = {}
+_loaded: dict[tuple[str, int | None, str | None], MiniLM] = {}
 _load_lock = threading.Lock()
 
 
-def minilm(device: str = "cpu", upto: int | None = None) -> MiniLM:
-    """The process's MiniLM on ``device``, whole or cut after `upto` layers (loaded once per process, device and
-    cut; safe to share between threads)."""
-    key = (str(device), upto)
+def minilm(device: str = "cpu", upto: int | None = None, layers: TextLayers | None = None) -> MiniLM:
+    """The process's MiniLM on ``device``: whole, cut after `upto` layers, or whole with a model's own top
+    `layers` in place of its last ones (loaded once per process, device, cut and layers' weights; safe to share
+    between threads)."""
+    key = (str(device), upto, None if layers is None else layers.digest)
     with _load_lock:
         if key not in _loaded:
-            _loaded[key] = MiniLM(key[0], upto=upto)
+            _loaded[key] = MiniLM(key[0], upto=upto, layers=layers)
         return _loaded[key]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +80,12 @@ def session_options(threads: int | None = None) -> Any:
     return opts
 
 
-def session(path: Path | str | bytes, device: str = "cpu", threads: int | None = None, options: Any = None) -> Any:
+def session(path: Path | str | bytes, device: str = "cpu", threads: int | None = None, options: Any = None,
+            disabled: Sequence[str] = ()) -> Any:
     """An ONNX Runtime session of the graph file ``path`` (or serialized graph bytes) on ``device``, with
-    ``options`` (default: `session_options(threads)`)."""
+    ``options`` (default: `session_options(threads)`), without the graph optimizers named in ``disabled``."""
     import onnxruntime as ort
 
     model = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(model, options or session_options(threads), providers=providers(device))
+    return ort.InferenceSession(model, options or session_options(threads), providers=providers(device),
+                                disabled_optimizers=list(disabled) or None)

@@ -1,20 +1,21 @@
-"""MiniLM's top transformer layers as a model trains them (``ModelConfig.text_layers``), in NumPy.
+"""MiniLM's top transformer layers as a model trains them (``ModelConfig.text_layers``): their weights.
 
 A model with ``text_layers = n`` trains a copy of MiniLM's last n layers with the fragment objective: its
-words in context and its sentence vector are read from MiniLM's first 6 - n layers (the package's weights, an
-ONNX graph cut after that layer: model/minilm.py ``MiniLM(upto=...)``) followed by these layers with the
-model's own weights, stored with the model's encoders as ``text_layers.layers.<i>.<part>.weight|bias``. Only those
-layers are shipped; the rest of MiniLM stays the package's.
+words in context and its sentence vector are read from MiniLM's first 6 - n layers (the package's weights)
+followed by these layers with the model's own weights, stored with the model's encoders as
+``text_layers.layers.<i>.<part>.weight|bias``. Only those layers are shipped; the rest of MiniLM stays the
+package's. The runtime runs MiniLM's own graph with these weights in place of the package's for those layers
+(model/minilm.py ``MiniLM(layers=...)``: ONNX Runtime, at MiniLM's own cost); the trainer runs its torch twin
+(model/nets/textlayers.py) after MiniLM's graph cut below them. The two agree to float32 rounding
+(tests/test_textlayers.py).
 
 A layer is BERT's post-norm transformer layer as MiniLM has it (12 heads of 32, exact GELU, LayerNorm eps 1e-12):
     y = LN1(x + O(attention(Q x, K x, V x)));  out = LN2(y + OUT(gelu(INTER y)))
-The trainer's torch twin is model/nets/textlayers.py; the two agree to float32 rounding (tests/test_textlayers.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -44,21 +45,6 @@ def first_layer(n: int) -> int:
     if not 1 <= n <= LAYERS:
         raise ValueError(f"text_layers must be between 1 and {LAYERS} (MiniLM's layers), not {n}")
     return LAYERS - n
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf to within 1.5e-7 (Abramowitz & Stegun 7.1.26), float32: NumPy has none of its own."""
-    sign = np.sign(x)
-    a = np.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return np.asarray(sign * (1.0 - poly * np.exp(-a * a)), dtype=np.float32)
-
-
-def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
-    mean = x.mean(axis=-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-    return np.asarray((x - mean) / np.sqrt(var + LN_EPS) * w + b, dtype=np.float32)
 
 
 class TextLayers:
@@ -102,33 +88,8 @@ class TextLayers:
             self._digest = h.hexdigest()[:16]
         return self._digest
 
-    def forward(self, hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """hidden (B, T, d) after layer `first`, mask (B, T) (1 for a piece, 0 for padding) -> (B, T, d) after
-        MiniLM's last layer."""
-        x = np.asarray(hidden, dtype=np.float32)
-        bias = np.where(np.asarray(mask)[:, None, None, :] > 0, 0.0, np.finfo(np.float32).min).astype(np.float32)
-        for layer in self.weights:
-            x = _layer(layer, x, bias)
-        return x
-
-
-def _layer(w: dict[str, np.ndarray], x: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """One post-norm BERT layer; `bias` (B, 1, 1, T) is added to the attention logits (padding: float32 min)."""
-    b, t, d = x.shape
-    hd = d // HEADS
-
-    def lin(name: str, z: np.ndarray) -> np.ndarray:
-        return np.asarray(z @ w[f"{name}.weight"].T + w[f"{name}.bias"], dtype=np.float32)
-
-    def heads(z: np.ndarray) -> np.ndarray:
-        return z.reshape(b, t, HEADS, hd).transpose(0, 2, 1, 3)
-
-    logits = heads(lin("q", x)) @ heads(lin("k", x)).transpose(0, 1, 3, 2) / np.float32(math.sqrt(hd)) + bias
-    logits -= logits.max(axis=-1, keepdims=True)
-    att = np.exp(logits)
-    att /= att.sum(axis=-1, keepdims=True)
-    ctx = (att @ heads(lin("v", x))).transpose(0, 2, 1, 3).reshape(b, t, d)
-    y = _layer_norm(lin("o", ctx) + x, w["ln1.weight"], w["ln1.bias"])
-    inner = lin("inter", y)
-    inner = np.asarray(0.5 * inner * (1.0 + _erf(inner / np.float32(math.sqrt(2.0)))), dtype=np.float32)
-    return _layer_norm(lin("out", inner) + y, w["ln2.weight"], w["ln2.bias"])
+    def graph_weights(self) -> dict[str, np.ndarray]:
+        """These layers' weights by the names MiniLM's graph gives the package's weights of those layers
+        (``encoder.layer.<first + i>.<MiniLM's part>.weight|bias``, the same layout)."""
+        return {f"encoder.layer.{self.first + i}.{PARTS[name.split('.')[0]]}.{name.split('.')[1]}": array
+                for i, layer in enumerate(self.weights) for name, array in layer.items()}

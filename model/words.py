@@ -189,23 +189,24 @@ def encode_texts(sentences: Sequence[str] | None, token_lists: Sequence[Sequence
 def encode_tuned(token_lists: Sequence[Sequence[str]], layers: TextLayers, batch_size: int = 64,
                  device: str = "cpu") -> tuple[list[np.ndarray], np.ndarray]:
     """What a model with trained top layers (model/textlayers.py) reads of N token lists, from one pass each:
-    MiniLM's graph cut after its first ``layers.first`` layers, then `layers`. (the in-context word vectors, an
-    array (len(token_lists[k]), 384) per list, each word the unit-norm mean of its own pieces' outputs; the
-    sentence vectors (N, 384), each the unit-norm mean over all its pieces, [CLS] and [SEP] included). The
-    trainer computes the same from the same cut (training/epochs.py `TunedText`)."""
+    MiniLM with `layers` in place of its last ones (model/minilm.py ``MiniLM(layers=...)``). (the in-context
+    word vectors, an array (len(token_lists[k]), 384) per list, each word the unit-norm mean of its own pieces'
+    outputs; the sentence vectors (N, 384), each the unit-norm mean over all its pieces, [CLS] and [SEP]
+    included). The trainer computes the same from MiniLM cut below the layers and their torch twin
+    (training/epochs.py `TunedText`)."""
     lists = [list(toks) for toks in token_lists]
     words = [np.zeros((len(toks), WORD_DIM), dtype=np.float32) for toks in lists]
     sent = np.zeros((len(lists), WORD_DIM), dtype=np.float32)
     if not lists:
         return words, sent
-    model = minilm(device, upto=layers.first)
+    model = minilm(device, layers=layers)
     split = model.word_pieces(lists)
 
     def visit(i: int, hidden: np.ndarray) -> None:
         sent[i] = _unit(hidden.mean(axis=0))
         words[i] = _word_means(hidden, split[i], len(lists[i]), True)
 
-    model.each_hidden(split, visit, batch_size, "caption vectors", top=layers.forward)
+    model.each_hidden(split, visit, batch_size, "caption vectors")
     return words, sent
 
 

@@ -47,20 +47,29 @@ def test_a_count_of_layers_outside_minilms_is_refused(n: int) -> None:
         first_layer(n)
 
 
-def test_numpy_layers_give_the_torch_twins_numbers_with_padding() -> None:
+def test_minilm_with_a_models_layers_gives_the_torch_twins_numbers_with_padding() -> None:
     torch.manual_seed(0)
-    layers = TorchLayers(2).eval()
+    layers = _minilm_layers(2)
     for p in layers.parameters():  # away from MiniLM's weights: any weights agree
         p.data.add_(0.02 * torch.randn_like(p))
-    x = torch.randn(3, 7, 384)
-    mask = torch.ones(3, 7, dtype=torch.long)
-    mask[1, 4:] = 0
-    mask[2, 2:] = 0
+    hidden, offsets, _ = cut_hidden(LISTS, layers.first)  # what the trainer's twin reads
+    lens = np.diff(offsets)
+    x = torch.zeros(len(LISTS), int(lens.max()), 384)
+    mask = torch.zeros(len(LISTS), int(lens.max()), dtype=torch.long)
+    for k, n in enumerate(lens):
+        x[k, :n] = torch.from_numpy(hidden[offsets[k] : offsets[k + 1]])
+        mask[k, :n] = 1
     with torch.no_grad():
         want = layers(x, mask).numpy()
-    got = _numpy(layers).forward(x.numpy(), mask.numpy())
-    real = mask.numpy() > 0
-    np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+    model = minilm(layers=_numpy(layers))  # MiniLM's graph, the layers' weights in place of the package's
+    got: dict[int, np.ndarray] = {}
+    model.each_hidden(model.word_pieces(LISTS), got.__setitem__)
+    assert sorted(got) == list(range(len(LISTS)))
+    for k, n in enumerate(lens):
+        np.testing.assert_allclose(got[k], want[k, :n], rtol=1e-4, atol=1e-4)
+    plain = {}
+    minilm().each_hidden(minilm().word_pieces(LISTS), plain.__setitem__)
+    assert not np.allclose(plain[0], got[0], atol=1e-2)  # not the package's own layers
 
 
 @pytest.mark.parametrize("n", [1, 2, 6])
@@ -149,10 +158,11 @@ def test_a_model_trains_its_layers_saves_them_and_serves_with_them(shapes_model:
     minilms = _numpy(_minilm_layers(1))
     assert not np.allclose(layers.weights[0]["q.weight"], minilms.weights[0]["q.weight"])  # trained
     assert f"{PREFIX}.0.q.weight" in bundle.encoders.arrays()
-    release = tmp_path / "release"  # a release ships the graph cut below the model's layers beside MiniLM's
+    release = tmp_path / "release"  # a release ships MiniLM's graph: the model's layers run in it
     files = write_release(bundle, release, manifest_of(bundle, tmp_path / "model" / "model.pt", shapes_model.data,
                                                        {"rsum": 1.0}, "python -m training.release x"))["files"]
-    assert {"minilm-l6-fp32-opset17-noweights.onnx", "minilm-l6-upto5-fp32-opset17-noweights.onnx"} <= set(files)
+    assert "minilm-l6-fp32-opset17-noweights.onnx" in files
+    assert not any("upto" in f for f in files)  # no graph cut below them
     served = Bundle.load(release)
     assert served.text.layers is not None and served.text.layers.digest == layers.digest
     enc = served.text.encode(["a red circle beside a blue square"])

@@ -167,16 +167,14 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
 
 def runtime_files(bundle: Bundle) -> list[Path]:
     """The graphs a model runs, made where missing (the graph folder): its crops' backbone and the proposal
-    ranker (ImageNet Lite0) at its precision, the ranker's head, MiniLM's graph, and for a model with its own
-    top layers of MiniLM the graph cut below them (the layers themselves are the model's weights)."""
+    ranker (ImageNet Lite0) at its precision, the ranker's head and MiniLM's graph (a model with its own top
+    layers of MiniLM runs that graph with them: the layers themselves are the model's weights)."""
     cfg = bundle.image_cfg
     files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", graph_dir()),
              backbone_head(BACKBONE_NAME, "", graph_dir())]
     if cfg.backbone != BACKBONE_NAME or cfg.backbone_weights:
         files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, graph_dir()))
     files.append(minilm_graph(graph_dir()))
-    if bundle.text.layers is not None:
-        files.append(minilm_graph(graph_dir(), upto=bundle.text.layers.first))
     return files
 
 
