@@ -94,7 +94,7 @@ def read_image(
             raise ImageTooLargeError(
                 f"{label}: image too large ({width}x{height} = {width * height} pixels > {max_pixels})"
             )
-        if side and max(width, height) > side and img.format == "JPEG":
+        if side and max(width, height) > side:  # JPEG and MPO (phones' JPEGs) reduce; other formats ignore it
             fit = side / max(width, height)  # the smallest decode that keeps the longer side >= side
             img.draft(None, (max(1, int(width * fit)), max(1, int(height * fit))))
         decoded = img.size

@@ -221,6 +221,10 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_size_no_smaller_than_the_side() ->
     png = io.BytesIO()
     big_picture(1600, 1200).save(png, format="PNG")
     assert read_image(png.getvalue(), side=300).image.size == (1600, 1200)  # no reduced decode: the reader reduces
+    mpo = io.BytesIO()  # a phone's JPEG: a multi-picture file (the photo and a smaller one)
+    big_picture(1600, 1200).save(mpo, format="MPO", save_all=True, append_images=[shapes_picture()])
+    assert Image.open(io.BytesIO(mpo.getvalue())).format == "MPO"
+    assert read_image(mpo.getvalue(), side=300).image.size == (400, 300)
 
 
 def test_a_sideways_jpeg_read_at_a_reduced_size_keeps_its_upright_size() -> None:
