@@ -48,7 +48,8 @@ def first_layer(n: int) -> int:
 
 
 class TextLayers:
-    """The trained layers of a model: `forward` maps MiniLM's hidden states after layer `first` to its last ones.
+    """The trained layers of a model, MiniLM's layers `first` .. 5 (their weights; `graph_weights` names them as
+    MiniLM's graph does).
 
     ``weights[i]``: layer first + i's parts by `PARTS` name (``q.weight``, ...), float32."""
 

@@ -93,7 +93,8 @@ class Checkpoint:
     def bundle(self) -> Bundle:
         """The runtime's Bundle over the modules' weights as they are now (views of them on the CPU)."""
         device = "cuda" if self.device.type == "cuda" else "cpu"
-        bundle = Bundle(Encoders(self.cfg, arrays(self.model)), self.text, self.image_cfg, self.meta,
+        # the pipeline itself: the Bundle sets its layers from the same weights (`text` would read them twice)
+        bundle = Bundle(Encoders(self.cfg, arrays(self.model)), self._text, self.image_cfg, self.meta,
                         self.calibration, self.weights, device)
         return bundle
 
