@@ -151,6 +151,8 @@ class TrainConfig:
     optimizer: str = "adam"  # "adam" or "sgd" (momentum 0.9, as in the paper)
     lr: float = 1e-3
     text_lr: float = 2e-5  # a model's own top layers of MiniLM (ModelConfig.text_layers): their learning rate
+    text_from: str = ""  # fragment models: a trained checkpoint whose own top layers of MiniLM this model reads,
+    # fixed (copied into it, not trained): the members after the first of a run with text_layers; "" = none
     momentum: float = 0.9
     weight_decay: float = 1e-6  # alpha
     grad_clip: float = 0.0  # > 0: the gradient's global norm is clipped to this before each step (0 = off)

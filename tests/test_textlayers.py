@@ -1,7 +1,8 @@
 """A model's own top layers of MiniLM (ModelConfig.text_layers, model/textlayers.py): the runtime's NumPy layers
 and the trainer's torch twin give the same numbers; at MiniLM's own weights they give MiniLM's vectors; the
 trainer's batch pool is the runtime's vectors of the same sentences; a model trains them, saves them and
-serves with them; a merge and a teacher refuse them."""
+serves with them; a run of members trains one set, read fixed by the members after the first, and merges
+it; a teacher refuses them."""
 
 from __future__ import annotations
 
@@ -213,14 +214,81 @@ def test_a_frozen_models_vectors_are_not_read_through_anothers_layers(shapes_mod
     np.testing.assert_array_equal(text.frozen_vectors(parsed, ["a red circle"])[0][0], before)
 
 
-def test_members_and_teachers_with_their_own_layers_are_refused(tmp_path: Path) -> None:
+def test_members_with_layers_of_their_own_merge_only_one_set(tmp_path: Path) -> None:
     from training.merge import merge_models
 
     cfg = ModelConfig(img_dim=10, word_dim=384, h=8, text_layers=1)
-    with pytest.raises(ValueError, match="own MiniLM layers"):
-        merge_models([FragmentModel(cfg), FragmentModel(cfg)])
-    run = make_run("full-2x256", {}, {"text_layers": 1})
+    a, b = FragmentModel(cfg), FragmentModel(cfg)
+    assert a.text_layers is not None and b.text_layers is not None
+    a.text_layers.load_minilm()
+    b.text_layers.load_minilm()
+    with torch.no_grad():
+        next(iter(b.text_layers.parameters())).add_(0.01)
+    with pytest.raises(ValueError, match="one set"):
+        merge_models([a, b])
+    b.text_layers.load_state_dict(a.text_layers.state_dict())
+    merged = merge_models([a, b])
+    assert merged.cfg.text_layers == 1 and merged.cfg.blocks == 2 and merged.text_layers is not None
+    for k, v in a.text_layers.state_dict().items():
+        assert torch.equal(merged.text_layers.state_dict()[k], v)
+    plain = ModelConfig(img_dim=10, word_dim=384, h=8)
+    with pytest.raises(ValueError, match="differ in shape|one set"):
+        merge_models([a, FragmentModel(plain)])
+
+
+def test_a_run_of_members_trains_one_set_of_layers_the_others_read_it_fixed(shapes_model: ShapesModel,
+                                                                           tmp_path: Path) -> None:
     from training.train import train_members
 
-    with pytest.raises(ValueError, match="text_layers"):
-        train_members(run, None, None, tmp_path, tmp_path)  # type: ignore[arg-type]
+    run = _tuned_run(shapes_model, 1, members=2)
+    data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+    summary = train_members(run, data, None, tmp_path / "run", shapes_model.cache)
+    assert summary["member_epochs"] == [2, 2]
+    first, second = (Checkpoint.load(tmp_path / "run" / f"member-{m}" / "model.pt") for m in (1, 2))
+    assert second.meta["train"]["text_from"] == str(tmp_path / "run" / "member-1" / "model.pt")
+    assert first.meta["train"]["text_from"] == ""
+    minilms = _numpy(_minilm_layers(1))
+    one, two = first.text.layers, second.text.layers
+    assert one is not None and two is not None
+    assert not np.allclose(one.weights[0]["q.weight"], minilms.weights[0]["q.weight"])  # the first trained them
+    assert two.digest == one.digest  # the second read them as they are, untrained
+    w1, w2 = arrays(first.model), arrays(second.model)
+    assert not np.allclose(w1["image.weight"], w2["image.weight"])  # its own encoders, trained
+    merged = Bundle.load(tmp_path / "run" / "model.pt")
+    assert merged.text.layers is not None and merged.text.layers.digest == one.digest
+    assert merged.encoders.cfg.blocks == 2 and merged.encoders.cfg.text_layers == 1
+    # the merged score is the members' scores summed block by block, every caption read through the one set
+    sentences = shapes_model.dev.sentences[:6]
+    img = shapes_model.dev.feats[:5]
+    total = np.zeros((len(img), len(sentences)))
+    for member in (first.bundle(), second.bundle()):
+        v = member.embed_images(img, calibrated=False)
+        s, sm = member.embed_sentences(member.text.encode(sentences), calibrated=False)
+        total += member.scores(v, np.ones(v.shape[:2], np.float32), s, sm)
+    v = merged.embed_images(img, calibrated=False)
+    s, sm = merged.embed_sentences(merged.text.encode(sentences), calibrated=False)
+    np.testing.assert_allclose(merged.scores(v, np.ones(v.shape[:2], np.float32), s, sm), total, atol=1e-4)
+
+
+def test_text_from_is_refused_without_layers_or_beside_a_teacher(shapes_model: ShapesModel, tmp_path: Path) -> None:
+    """A model to read layers from must have them, as many as asked; a student reading fixed layers takes no
+    teacher, and a teacher with layers of its own is refused (a teacher reads MiniLM's own vectors)."""
+    from training.distill import Teacher
+    from training.train import fixed_text_layers
+
+    run = _tuned_run(shapes_model, 1, text_from=str(shapes_model.model_path))
+    with pytest.raises(ValueError, match="no MiniLM layers of its own"):
+        fixed_text_layers(run.train, run)
+    data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
+    train(_tuned_run(shapes_model, 1), data, None, tmp_path / "model", shapes_model.cache)
+    src = str(tmp_path / "model" / "model.pt")
+    run = _tuned_run(shapes_model, 2, text_from=src)
+    with pytest.raises(ValueError, match="asks for 2"):
+        fixed_text_layers(run.train, run)
+    run = _tuned_run(shapes_model, 1, text_from=src, distill_from=str(shapes_model.model_path))
+    with pytest.raises(ValueError, match="teacher"):
+        fixed_text_layers(run.train, run)
+    text = TextPipeline.fit(run.text, data.parsed, shapes_model.cache / "words")
+    with pytest.raises(ValueError, match="its own MiniLM layers"):
+        Teacher(Path(src), text, run.image, torch.from_numpy(data.feats), "cpu")
+

@@ -121,7 +121,8 @@ def test_variant_resolves_to_the_rows_settings(name: str) -> None:
 
 def test_full_roi_and_two_branch_field_by_field() -> None:
     defaults_train = {"objective": "full", "epochs": 10, "dense_epochs": 4, "anneal_epochs": 2, "batch_size": 100,
-                      "optimizer": "adam", "lr": 0.001, "text_lr": 2e-5, "momentum": 0.9, "weight_decay": 1e-6,
+                      "optimizer": "adam", "lr": 0.001, "text_lr": 2e-5, "text_from": "", "momentum": 0.9,
+                      "weight_decay": 1e-6,
                       "grad_clip": 0.0,
                       "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
                       "nce_scale": 0.0, "mirror_views": 0.0,

@@ -35,8 +35,9 @@ def lr_at(cfg: TrainConfig, epoch: int, base: float | None = None) -> float:
 def param_groups(cfg: TrainConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
     """The optimizer's parameter groups: the encoders at `lr`, a fragment model's own top layers of MiniLM
     (ModelConfig.text_layers) at `text_lr`; each group's `base_lr` is what the schedule scales (`lr_at`)."""
-    text = [p for n, p in model.named_parameters() if n.startswith("text_layers.")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("text_layers.")]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # fixed layers (text_from): left out
+    text = [p for n, p in named if n.startswith("text_layers.")]
+    rest = [p for n, p in named if not n.startswith("text_layers.")]
     groups = [{"params": rest, "lr": cfg.lr, "base_lr": cfg.lr}]
     if text:
         groups.append({"params": text, "lr": cfg.text_lr, "base_lr": cfg.text_lr})

@@ -15,7 +15,9 @@ of an ensemble (bench/ensemble.py: the sum of the members' calibrated S_kl) in o
 score (the rows full-merge2/3/6). The merged model is calibrated anew (its own references, drawn as
 training draws them) and served as any checkpoint: one index of its fragments, at h = the sum of the
 members'. Members must share their text pipeline (relations, word table), image settings and h: the
-same variant trained on the same data.
+same variant trained on the same data. Members with MiniLM layers of their own (ModelConfig.text_layers)
+must share those too: the first member trains them and the others read them fixed (TrainConfig.text_from,
+what training.train does for a run of members), so the merged model reads each caption through one set.
 
 The validation part (the members' own held-out training images) is evaluated and written to the
 history beside each member alone, and the merged score's relevance scale is fitted on it (as training
@@ -68,9 +70,10 @@ def merge_models(models: Sequence[FragmentModel], threshold: str = "blocks") -> 
             raise ValueError("a merged model cannot be a member: merge its members instead")
         if m.cfg.pool_ranks > 0:
             raise ValueError("members pooled over ranks cannot be merged: their blocks would share one pooling")
-        if m.cfg.text_layers > 0:
-            raise ValueError("members with their own MiniLM layers cannot be merged: each reads its words through "
-                             "its own layers, a merged model through one")
+        if m.cfg.text_layers > 0 and not same_text_layers(m, models[0]):
+            raise ValueError("members with MiniLM layers of their own are merged only when the layers are one set "
+                             "(the first member's, read fixed by the others: TrainConfig.text_from): a merged model "
+                             "reads its words through one")
         if dataclasses.replace(m.cfg, h=first.h, input_dropout=first.input_dropout) != first:
             raise ValueError(f"members differ in shape: {m.cfg} vs {first}")
         if threshold == "blocks" and m.cfg.h != first.h:
@@ -84,7 +87,17 @@ def merge_models(models: Sequence[FragmentModel], threshold: str = "blocks") -> 
         for r in range(first.n_relations):
             merged.w_rel[r].copy_(torch.cat([m.w_rel[r] for m in models], dim=1))
             merged.b_rel[r].copy_(torch.cat([m.b_rel[r] for m in models]))
+        if merged.text_layers is not None and models[0].text_layers is not None:
+            merged.text_layers.load_state_dict(models[0].text_layers.state_dict())
     return merged.eval()
+
+
+def same_text_layers(a: FragmentModel, b: FragmentModel) -> bool:
+    """Whether two fragment models read words through the same MiniLM layers (both none, or equal weights)."""
+    if a.text_layers is None or b.text_layers is None:
+        return a.text_layers is None and b.text_layers is None
+    sa, sb = a.text_layers.state_dict(), b.text_layers.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 def _linear(model: FragmentModel) -> torch.nn.Linear:

@@ -137,11 +137,16 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     rng = np.random.default_rng(cfg.seed)
     text = TextPipeline.fit(run.text, train_data.parsed, cache_root / "words")
     text.device = cfg.device
+    fixed = fixed_text_layers(cfg, run) if cfg.text_from else None
+    if fixed is not None:  # words and sentences read through the fixed layers, as the merged model reads them
+        text.use_layers(fixed.text.layers)
     for data in (train_data, val_data):
         if data is not None:
             text.warm(data.parsed, data.sentences, cache_root / "vectors")
     sid = text.relations.index(SENTENCE_REL)
     shape = {k: v for k, v in run.model_overrides.items() if k in MODEL_OPTIONS}
+    if fixed is not None:
+        shape["text_layers"] = fixed.cfg.text_layers
     trees = text.encode_parsed(train_data.parsed, train_data.sentences) if run.text.fragments == "tree" else None
     if trees is not None and trees.trees is not None:
         shape["tree_left"], shape["tree_right"] = position_ranges(trees.trees)
@@ -150,7 +155,11 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
                        sentence_relation=-1 if sid is None else sid, **shape)
     model = build_model(mcfg)
     if isinstance(model, FragmentModel) and model.text_layers is not None:
-        model.text_layers.load_minilm()  # trained from MiniLM's own weights of those layers
+        if fixed is not None and isinstance(fixed.model, FragmentModel) and fixed.model.text_layers is not None:
+            model.text_layers.load_state_dict(fixed.model.text_layers.state_dict())
+            model.text_layers.requires_grad_(False)  # read, never trained (param_groups leaves them out)
+        else:
+            model.text_layers.load_minilm()  # trained from MiniLM's own weights of those layers
     model = model.to(cfg.device)
     bundle = Checkpoint(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
     feats = torch.from_numpy(train_data.feats)
@@ -169,7 +178,8 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         global_model = model
         step = lambda e: train_global_epoch(global_model, cfg, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
     else:
-        tuned = model.text_layers.first if isinstance(model, FragmentModel) and model.text_layers is not None else None
+        tuned = (model.text_layers.first if isinstance(model, FragmentModel) and model.text_layers is not None
+                 and fixed is None else None)  # fixed layers: the pipeline's vectors are read through them already
         batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device, tuned, cache_root / "vectors")
         views: ImageFeatures = feats
         if cfg.mirror_views > 0:
@@ -234,6 +244,24 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     return summary
 
 
+def fixed_text_layers(cfg: TrainConfig, run: Run) -> Checkpoint:
+    """The checkpoint of `cfg.text_from`, checked: a fragment model with its own MiniLM layers, as many as the
+    run's `text_layers` where it names them; its layers are read fixed (not trained) by the model being trained."""
+    src = Checkpoint.load(Path(cfg.text_from))
+    if not isinstance(src.model, FragmentModel) or src.model.text_layers is None:
+        raise ValueError(f"text_from {cfg.text_from}: the model has no MiniLM layers of its own to read")
+    asked = int(run.model_overrides.get("text_layers", 0))
+    if asked and asked != src.cfg.text_layers:
+        raise ValueError(f"text_from {cfg.text_from} has {src.cfg.text_layers} MiniLM layers of its own, the run "
+                         f"asks for {asked}")
+    if run.model_kind != "fragment":
+        raise ValueError(f"text_from: a {run.model_kind} model reads no MiniLM layers of its own")
+    if cfg.distill_from:
+        raise ValueError("text_from with distill_from: a teacher reads MiniLM's own vectors, the student's pipeline "
+                         "reads them through the fixed layers")
+    return src
+
+
 def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path,
                   cache_root: Path) -> dict[str, Any]:
     """`run.train.members` runs of `run` from seeds seed, seed + 1, ... (each `train`ed into out/member-<n>, its
@@ -242,17 +270,22 @@ def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, o
     cfg = run.train
     if cfg.members < 2:
         raise ValueError(f"members must be at least 2 to merge, not {cfg.members}")
-    hidden = [k for k in ("image_hidden", "global_hidden", "text_layers") if int(run.model_overrides.get(k, 0)) > 0]
+    hidden = [k for k in ("image_hidden", "global_hidden") if int(run.model_overrides.get(k, 0)) > 0]
+    own_layers = int(run.model_overrides.get("text_layers", 0)) > 0 and not cfg.text_from
     if run.model_kind != "fragment" or hidden:  # what training.merge can stack, checked before any training
         raise ValueError(f"members are merged as linear fragment models; {run.variant} is a {run.model_kind} model"
                          + (f" with {', '.join(hidden)}" if hidden else ""))
     t0 = time.perf_counter()
-    folders = []
+    folders: list[Path] = []
     kept = []
     for m in range(cfg.members):
         folder = out / f"member-{m + 1}"
         logger.info("member %d of %d (seed %d) into %s", m + 1, cfg.members, cfg.seed + m, folder)
-        member = dataclasses.replace(run, train=dataclasses.replace(cfg, seed=cfg.seed + m, members=1))
+        # with MiniLM layers of its own, the first member trains them and the others read them fixed (text_from):
+        # the merged model reads every caption through one set of layers
+        text_from = str(folders[0] / "model.pt") if own_layers and m > 0 else cfg.text_from
+        member = dataclasses.replace(run, train=dataclasses.replace(cfg, seed=cfg.seed + m, members=1,
+                                                                    text_from=text_from))
         kept.append(int(train(member, train_data, val_data, folder, cache_root)["selection"]["epoch"]))
         folders.append(folder)
     bundles = [Checkpoint.load(f / "model.pt") for f in folders]
