@@ -113,8 +113,9 @@ class RegionExtractor:
         F = cfg.n_fragments rows, boxes in each picture's own pixels."""
         if not images:
             return []
-        decoded = [img.image if isinstance(img, Photo) else img for img in images]
-        return self.extract_proposed(images, [image_proposals(img, self.cfg, self.detector) for img in decoded])
+        photos = [_photo(img) for img in images]
+        rgb = [working_image(p.image, self.cfg) for p in photos]
+        return self._given_back(photos, self._extract_working(rgb, [self._proposals(w) for w in rgb]))
 
     def extract_proposed(self, images: Sequence[Image.Image | Photo], proposals: Sequence[np.ndarray]
                          ) -> list[ImageFragments]:
@@ -127,11 +128,22 @@ class RegionExtractor:
         ranks by 1 + that score, above every proposal the backbone ranks (at most 1)."""
         if not images:
             return []
-        photos = [img if isinstance(img, Photo) else Photo(img, *img.size) for img in images]
+        photos = [_photo(img) for img in images]
         rgb = [working_image(p.image, self.cfg) for p in photos]
-        proposals = [_rescaled(b, p.image.size, w.size) for b, p, w in zip(proposals, photos, rgb, strict=True)]
+        proposals = [rescale_boxes(b, p.image.size, w.size) for b, p, w in zip(proposals, photos, rgb, strict=True)]
+        return self._given_back(photos, self._extract_working(rgb, proposals))
+
+    def _proposals(self, work: Image.Image) -> np.ndarray:
+        """The proposals of a working image (P, 5), in its pixels (``image_proposals`` without the resize)."""
+        if self.cfg.full_frame_only:
+            return np.zeros((0, 5), np.float32)
+        return _found(work, self.cfg, self.detector)
+
+    @staticmethod
+    def _given_back(photos: Sequence[Photo], fragments: list[ImageFragments]) -> list[ImageFragments]:
+        """Fragments of the working images with their boxes in each picture's own pixels."""
         return [f if (f.width, f.height) == (p.width, p.height) else _at_size(f, p.width, p.height)
-                for f, p in zip(self._extract_working(rgb, proposals), photos, strict=True)]
+                for f, p in zip(fragments, photos, strict=True)]
 
     def _extract_working(self, rgb: Sequence[Image.Image], proposals: Sequence[np.ndarray]) -> list[ImageFragments]:
         """``extract_proposed`` on the working images (RGB, at most decode_side), proposals in their pixels."""
@@ -254,10 +266,16 @@ def image_proposals(image: Image.Image, cfg: ImageConfig, detector: Detector | N
     if cfg.full_frame_only:
         return np.zeros((0, 5), np.float32)
     work = working_image(image, cfg)
+    return rescale_boxes(_found(work, cfg, detector or Detector()), work.size, image.size)
+
+
+def _found(work: Image.Image, cfg: ImageConfig, detector: Detector | None) -> np.ndarray:
+    """The proposals (P, 5) of a working image, in its pixels: selective search's (no detector needed), or
+    the detector's."""
     rgb = np.asarray(work)
-    found = (with_priors(propose_boxes(rgb, cfg)) if cfg.proposals == "selective_search"
-             else detected_proposals(rgb, cfg, detector or Detector()))
-    return _rescaled(found, work.size, image.size)
+    if cfg.proposals == "selective_search":
+        return with_priors(propose_boxes(rgb, cfg))
+    return detected_proposals(rgb, cfg, detector or Detector())
 
 
 def working_image(image: Image.Image, cfg: ImageConfig) -> Image.Image:
@@ -272,19 +290,31 @@ def working_image(image: Image.Image, cfg: ImageConfig) -> Image.Image:
     return rgb.resize((max(1, round(w * fit)), max(1, round(h * fit))), Image.Resampling.BILINEAR)
 
 
-def _rescaled(proposals: np.ndarray, size: tuple[int, int], to: tuple[int, int]) -> np.ndarray:
-    """Proposals (P, >= 4) with boxes in an image of `size` → the same with boxes in an image of `to`."""
-    if size == to:
-        return proposals
-    out = np.array(proposals, dtype=np.float32)
-    out[:, :4] *= np.asarray([to[0] / size[0], to[1] / size[1]] * 2, np.float32)
+def rescale_boxes(rows: np.ndarray, size: tuple[int, int], to: tuple[int, int]) -> np.ndarray:
+    """Rows (P, >= 4) whose first four columns are boxes in an image of ``size`` (width, height) → the same
+    rows with the boxes in an image of ``to``, clipped to it: the one place boxes move between a picture, its
+    decoded copy and its working image. Scaling in float32 can land a side a fraction of a pixel past the
+    edge (1,024 · (2,000 / 1,024) · (1,024 / 2,000) > 1,024); clipping keeps every box inside its picture.
+    The other columns (prior scores, class scores) are kept."""
+    out = np.array(rows, dtype=np.float32)
+    if not len(out):
+        return out
+    if tuple(size) != tuple(to):
+        out[:, :4] *= np.asarray([to[0] / size[0], to[1] / size[1]] * 2, np.float32)
+    limits = np.asarray([to[0], to[1], to[0], to[1]], np.float32)
+    out[:, :4] = np.clip(out[:, :4], np.float32(0), limits)
     return out
 
 
 def _at_size(frag: ImageFragments, width: int, height: int) -> ImageFragments:
     """Fragments of a working image with their boxes in the pixels of the picture itself (width x height)."""
-    boxes = _rescaled(frag.boxes, (frag.width, frag.height), (width, height))
+    boxes = rescale_boxes(frag.boxes, (frag.width, frag.height), (width, height))
     return ImageFragments(boxes, frag.features, width, height)
+
+
+def _photo(image: Image.Image | Photo) -> Photo:
+    """A picture as a Photo: a decoded image is its own size."""
+    return image if isinstance(image, Photo) else Photo(image, *image.size)
 
 
 def fragment_classes(proposals: np.ndarray, rows: np.ndarray) -> np.ndarray:
