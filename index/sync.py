@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if not settings.collection.is_dir():
         sys.stderr.write(f"{ap.prog}: not a folder: {settings.collection}\n")
         return 2
+    with os.scandir(settings.collection):  # PermissionError for a folder it cannot list: not an empty folder
+        pass
     if not settings.model_path.exists():
         sys.stderr.write(f"{ap.prog}: no model at {settings.model_path}: leave model_path and variant unset to use "
                          "the released model (model/released/), or train one with fragsearch train\n")

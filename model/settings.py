@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUseDefault
 from pydantic_settings import (
     BaseSettings,
@@ -411,11 +411,48 @@ def add_setting_flags(ap: argparse.ArgumentParser, names: Sequence[str]) -> None
 def settings_of(ap: argparse.ArgumentParser, args: argparse.Namespace, **fixed: Any) -> Settings:
     """The settings of a command line: the flags `add_setting_flags` made (and `fixed` values, e.g. a folder
     named as an argument) over the environment, .env, the settings file and the defaults. A bad value or
-    settings file exits like a bad flag (argparse's error, status 2)."""
+    settings file exits like a bad flag (status 2), with one line: `bad_setting`."""
     given = {name: getattr(args, f"setting_{name}") for name in getattr(args, "setting_names", ())
              if getattr(args, f"setting_{name}", None) is not None}
     with config_named(getattr(args, "config", None)):
         try:
             return Settings(**{**given, **fixed})
         except (SettingsFileError, ValueError) as e:
-            ap.error(str(e))
+            bad_setting(ap, e)
+
+
+SECRET_SETTINGS = ("api_key", "milvus_token")  # their values are never repeated in a message
+DEBUG_VARIABLE = "FRAGSEARCH_DEBUG"  # set (1, true, yes): a command's known failure shows its traceback too
+
+
+def settings_error_line(e: Exception, flags: Sequence[str] = ()) -> str:
+    """One line for a settings file or value the settings refuse: each bad setting's name, the value given
+    and why, and where it can be set (its flag where `flags`, a command's options, has it; its variable, .env,
+    the settings file)."""
+    if not isinstance(e, ValidationError):
+        return " ".join(str(e).split())
+    parts = []
+    for err in e.errors():
+        name = ".".join(str(p) for p in err["loc"])
+        why = str(err["msg"]).removeprefix("Value error, ")
+        if not name or name not in Settings.model_fields:
+            parts.append(why)
+            continue
+        given = err.get("input")
+        shown = f" = {given!r}" if isinstance(given, str | int | float) and name not in SECRET_SETTINGS else ""
+        flag = f"--{name.replace('_', '-')}"
+        parts.append(f"{name}{shown}: {why} (set by {flag + ', ' if flag in flags else ''}FRAGSEARCH_{name.upper()}, "
+                     f".env or {config_file()})")
+    return "bad setting " + "; ".join(parts)
+
+
+def bad_setting(ap: argparse.ArgumentParser, e: Exception) -> typing.NoReturn:
+    """Exit with status 2 (a usage error, as argparse's) and one line naming the setting at fault."""
+    flags = [option for action in ap._actions for option in action.option_strings]
+    ap.exit(2, f"{ap.prog}: error: {settings_error_line(e, flags)}\n")
+
+
+def debug_requested() -> bool:
+    """Whether FRAGSEARCH_DEBUG asks for tracebacks of known failures (`fragsearch --debug` does too). Read
+    from the environment itself, not the settings: a broken settings file must not hide it."""
+    return os.environ.get(DEBUG_VARIABLE, "").strip().lower() not in ("", "0", "false", "no", "off")

@@ -20,6 +20,7 @@ from model.settings import (
     CONFIG_FILE,
     Settings,
     SettingsFileError,
+    bad_setting,
     config_named,
 )
 
@@ -46,12 +47,12 @@ def settings_parser(prog: str = "python -m service", description: str | None = N
 
 def settings_from(ap: argparse.ArgumentParser, cli: CliSettingsSource[Any], args: argparse.Namespace) -> Settings:
     """Settings from parsed flags (over the environment, .env and the settings file); a bad value or
-    settings file exits like a bad flag (argparse's error, status 2)."""
+    settings file exits like a bad flag (status 2), with one line (model.settings.bad_setting)."""
     with config_named(args.config):
         try:
             return Settings(_cli_settings_source=cli(parsed_args=args))  # type: ignore[call-arg]
         except (SettingsFileError, ValueError) as e:
-            ap.error(str(e))
+            bad_setting(ap, e)
 
 
 def _type_name(annotation: Any) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from index.catalogue import is_index
 from index.sentences import SentenceIndex
+from index.types import IndexLoadError
 from model.bundle import Bundle
 from model.calibration import DEFAULT_CUTOFF
 from model.imageio import ImageReadError, read_image
@@ -42,8 +43,10 @@ logger = logging.getLogger(__name__)
 # what search and annotate read (their flags): which index, of which folder, with which model, where
 READ_SETTINGS = ("collection", "image_index", "sentence_index", "model_path", "variant", "artifacts", "data",
                  "image_split", "sentence_split", "index_backend", "milvus_uri", "device", "threads")
-NO_INDEX = 2  # exit status: nothing to search (no index, bad input)
+BAD_INPUT = 2  # exit status: a query or photo path the command cannot use (a usage error)
 NOTHING_FOUND = 1  # exit status: no result reaches the cut-off
+# a missing index (IndexLoadError) and an unreadable photo (ImageReadError) are raised: the `fragsearch` command
+# answers each with one line and its exit status (fragsearch/cli.py, KNOWN)
 
 
 def _parser(prog: str | None, what: str, doc: str) -> argparse.ArgumentParser:
@@ -74,7 +77,7 @@ def _print_json(answer: dict[str, Any]) -> None:
 
 def _refused(message: str) -> int:
     sys.stderr.write(f"fragsearch: {message}\n")
-    return NO_INDEX
+    return BAD_INPUT
 
 
 def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -90,8 +93,8 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
     settings = settings_of(ap, args)
     if not is_index(settings.image_index):
         where = f"the collection {settings.collection}" if settings.collection is not None else "the image split"
-        return _refused(f"no image index at {settings.image_index} ({where}): make it with `fragsearch index DIR` "
-                        "or `fragsearch serve`, or name the folder with --collection")
+        raise IndexLoadError(f"no image index at {settings.image_index} ({where}): make it with `fragsearch index "
+                             "DIR` or `fragsearch serve`, or name the folder with --collection")
     t0 = time.perf_counter()
     with use(settings):
         engine = Engine.load(settings, with_sentences=False)
@@ -129,20 +132,20 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
     args = ap.parse_args(argv)
     _checked(ap, args)
     settings = settings_of(ap, args)
-    if not is_index(settings.sentence_index):
-        return _refused(f"no sentence index at {settings.sentence_index}: `fragsearch serve` builds it from the "
-                        "data folder's captions (or the `captions` setting's file) on its first start")
-    try:
+    try:  # the photo named first: a path that is not there is a usage error, whatever the index
         data = args.image.read_bytes()
-    except OSError as e:
+    except (FileNotFoundError, NotADirectoryError) as e:
         return _refused(f"cannot read {args.image}: {e.strerror or e}")
+    if not is_index(settings.sentence_index):
+        raise IndexLoadError(f"no sentence index at {settings.sentence_index}: `fragsearch serve` builds it from "
+                             "the data folder's captions (or the `captions` setting's file) on its first start")
     t0 = time.perf_counter()
     with use(settings):
         bundle = _model(settings)
         try:  # a large JPEG decoded at the model's reading side, as the service reads an upload
             image = read_image(data, max_pixels=settings.max_pixels, side=bundle.image_cfg.decode_side)
         except ImageReadError as e:
-            return _refused(f"{args.image}: {e}")
+            raise type(e)(f"{args.image}: {e}") from e
         sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)
         try:
             try:

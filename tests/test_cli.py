@@ -104,7 +104,7 @@ def test_search_and_annotate_answer_from_the_saved_indexes(shapes_model: ShapesM
     assert code == 2 and "fragsearch:" in err
     code, _, err = fragsearch(["search", "a red circle", "--collection", str(tmp_path / "none"),
                                "--artifacts", str(tmp_path / "a")], capsys)
-    assert code == 2 and "fragsearch index" in err
+    assert code == 4 and "fragsearch index" in err  # no index: exit status 4 (tests/test_cli_errors.py)
 
 
 def test_a_cut_off_nothing_reaches_says_so(service_env: ServiceEnv, calibrated_checkpoint: Path, tmp_path: Path,
