@@ -45,7 +45,7 @@ from model.boxes import box_iou
 from model.bundle import Bundle
 from model.dataset import load_split_data
 from model.embed import embed_texts
-from model.entities import NOT_VISUAL, Caption, ImageEntities, Phrase, read_entities
+from model.entities import Phrase, read_entities
 from model.parsers import make_parser
 from model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
 from model.settings import default_cache_dir, default_data_dir
@@ -53,12 +53,6 @@ from model.settings import default_cache_dir, default_data_dir
 logger = logging.getLogger("bench.grounding")
 IOU = 0.5
 BATCH = 256  # captions embedded at a time
-
-
-def boxed_phrases(caption: Caption, ents: ImageEntities) -> list[Phrase]:
-    """The phrases of a caption that name something with a box in the image."""
-    return [p for p in caption.phrases
-            if p.chain != "0" and NOT_VISUAL not in p.types and p.chain in ents.boxes and p.words]
 
 
 @dataclass
@@ -153,7 +147,7 @@ def ground(bundle: Bundle, data: Path, entities: Path, cache: Path, workers: int
             width, height = int(round(float(fragments[0, 2]))), int(round(float(fragments[0, 3])))
             aligned = matches(vectors[k], sent, triplets, fragments, bundle.blocks)
             drawn = len(out.examples) >= examples or l % 97 != 0  # one phrase of every 97th caption is drawn
-            for phrase in boxed_phrases(caption, image):
+            for phrase in image.boxed(caption):
                 truth = image.boxes_at(phrase.chain, width, height)
                 answer = phrase_answer(phrase, aligned)
                 out.add("phrase", phrase.types, None if answer is None else answer.box, truth, fragments)

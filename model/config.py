@@ -167,6 +167,9 @@ class TrainConfig:
     # (ImageConfig.mirror: its crops flipped left to right, extracted once into their own cache) with this probability
     fragment_drop: float = 0.0  # training only: each image and sentence fragment is left out of a batch with this
     # probability (at least one kept per image and per sentence)
+    box_supervision: bool = False  # fragment models: the training captions' phrases that Flickr30k Entities boxes
+    # label their triplets' regions (+1 a fragment holding the box, -1 the image's others) in place of the MIL
+    # labels (training/boxes.py); read from flickr30k-entities beside the data folder
     distill_from: str = ""  # fragment models: a trained model's checkpoint (a merged ensemble), or several separated
     # by commas (summed, each reading its own image features), whose batch S_kl are soft targets beside the
     # objectives (training/distill.py); "" = none

@@ -88,6 +88,11 @@ class ImageEntities:
         scale = np.asarray([width / self.width, height / self.height] * 2, np.float32)
         return np.clip(b * scale, 0, np.asarray([width, height, width, height], np.float32)).astype(np.float32)
 
+    def boxed(self, caption: Caption) -> list[Phrase]:
+        """The phrases of one of its captions that name something with a box in the image."""
+        return [p for p in caption.phrases
+                if p.chain != "0" and NOT_VISUAL not in p.types and p.chain in self.boxes and p.words]
+
     def match(self, caption: str) -> Caption | None:
         """The Entities caption a Flickr8K caption is (see the module's note), None where none is alike."""
         want = normalise(caption)

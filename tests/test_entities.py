@@ -109,28 +109,36 @@ def test_a_tally_scores_answers_and_baselines_on_known_boxes() -> None:
     assert row["random_fragment"] == pytest.approx(33.3)  # one fragment of three holds it
 
 
+def shapes_entities(data: Path, root: Path) -> Path:
+    """Entities files for the shapes pictures of `data` (both splits): each caption's two shapes are its two
+    phrases, boxed where objects.json says they are drawn (1-based, as the release writes them)."""
+    files: dict[str, str] = {}
+    objects = json.loads((data / "objects.json").read_text())
+    for split in ("train", "dev"):
+        sp = load_split(data, split)
+        for name, captions in zip(sp.images, sp.captions, strict=True):
+            a, b = objects[name]
+            lines = []
+            for caption in captions:
+                line = " ".join(caption.split())
+                for chain, o in ((1, a), (2, b)):
+                    named = f"{o['colour']} {o['shape']}"
+                    line = line.replace(named, f"[/EN#{chain}/other {named}]")
+                lines.append(line)
+            files[f"Sentences/{image_id(name)}.txt"] = "\n".join(lines) + "\n"
+            boxes = "".join(f"<object><name>{n}</name><bndbox><xmin>{o['box'][0] + 1}</xmin><ymin>{o['box'][1] + 1}"
+                            f"</ymin><xmax>{o['box'][2] + 1}</xmax><ymax>{o['box'][3] + 1}</ymax></bndbox></object>"
+                            for n, o in ((1, a), (2, b)))
+            files[f"Annotations/{image_id(name)}.xml"] = (f"<annotation><size><width>224</width><height>224</height>"
+                                                           f"</size>{boxes}</annotation>")
+    return write_folder(root, files)
+
+
 def test_grounding_on_the_shapes_pictures(shapes_model: ShapesModel, tmp_path: Path) -> None:
     """Each shapes caption names two shapes; their boxes are known (objects.json). The whole image never holds
     a shape at IoU 0.5 (a shape is a ninth of it), the regions do; the answers are scored like the baselines."""
     dev = load_split(shapes_model.data, "dev")
-    files: dict[str, str] = {}
-    objects = json.loads((shapes_model.data / "objects.json").read_text())
-    for name, captions in zip(dev.images, dev.captions, strict=True):
-        a, b = objects[name]
-        lines = []
-        for caption in captions:
-            line = " ".join(caption.split())
-            for chain, o in ((1, a), (2, b)):
-                named = f"{o['colour']} {o['shape']}"
-                line = line.replace(named, f"[/EN#{chain}/other {named}]")
-            lines.append(line)
-        files[f"Sentences/{image_id(name)}.txt"] = "\n".join(lines) + "\n"
-        boxes = "".join(f"<object><name>{n}</name><bndbox><xmin>{o['box'][0] + 1}</xmin><ymin>{o['box'][1] + 1}"
-                        f"</ymin><xmax>{o['box'][2] + 1}</xmax><ymax>{o['box'][3] + 1}</ymax></bndbox></object>"
-                        for n, o in ((1, a), (2, b)))
-        files[f"Annotations/{image_id(name)}.xml"] = (f"<annotation><size><width>224</width><height>224</height>"
-                                                       f"</size>{boxes}</annotation>")
-    root = write_folder(tmp_path / "entities", files)
+    root = shapes_entities(shapes_model.data, tmp_path / "entities")
     result = ground(shapes_model.bundle, shapes_model.data, root, shapes_model.cache, workers=1, limit=None,
                     examples=2)
     assert result.matched == result.captions == sum(len(c) for c in dev.captions)

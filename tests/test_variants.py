@@ -74,6 +74,9 @@ EXPECTED["full-lite1-2x256"] = {**EXPECTED["full-2x256"], "image": EXPECTED["ful
 EXPECTED["full-lite2"] = {**EXPECTED["full"], "image": {**EXPECTED["full"]["image"], "backbone": "efficientnet-lite2",
                                                         "crop_size": 260}}
 # regions from the COCO detector: its 19 best boxes, or its confident ones topped up by selective search
+# full-2x256 with the training captions' phrase boxes (Flickr30k Entities) labelling their triplets' regions
+EXPECTED["full-2x256-boxes"] = {**EXPECTED["full-2x256"],
+                                "train": {**EXPECTED["full-2x256"]["train"], "box_supervision": True}}
 EXPECTED["full-det-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED["full"]["image"], "proposals": "detector"}}
 EXPECTED["full-dettop-2x256"] = {**EXPECTED["full-2x256"], "image": {**EXPECTED["full"]["image"],
                                                                      "proposals": "detector_topup",
@@ -125,7 +128,7 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
                       "weight_decay": 1e-6,
                       "grad_clip": 0.0,
                       "beta": 1.0, "margin": 0.05, "global_top_k": 0, "max_violation_from": 0, "fragment_drop": 0.0,
-                      "nce_scale": 0.0, "mirror_views": 0.0,
+                      "box_supervision": False, "nce_scale": 0.0, "mirror_views": 0.0,
                       "distill_from": "", "distill_weight": 1.0, "distill_scale": 3.0,
                       "rank_images": True, "balanced": True, "h": 256,
                       "calibrate": 0,

@@ -23,6 +23,7 @@ from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from model.score import flatten, skl_from_flat
 from model.trees import TreeBatch
 from model.words import cut_hidden
+from training.boxes import batch_labels
 from training.distill import Teacher
 from training.objectives import contrastive_global_loss, distill_loss, fragment_loss, global_loss, two_branch_loss
 
@@ -147,6 +148,7 @@ class FragmentBatches:
             extras.append(uni.extra)
         self.pool = torch.from_numpy(np.concatenate([text.words.vectors, *extras])).float().to(device)
         self.unigram_prob = unigram_prob
+        self.labels: list[np.ndarray | None] | None = None  # box supervision's, per sentence (training/boxes.py)
         self.device = device
         self.tuned: TunedText | None = None
         if tuned_from is not None:
@@ -158,11 +160,28 @@ class FragmentBatches:
                                    device)
 
     def sentences(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[torch.Tensor, ...]:
+        return self.draw(idx, rng)[0]
+
+    def draw(self, idx: np.ndarray, rng: np.random.Generator) -> tuple[tuple[torch.Tensor, ...], np.ndarray]:
+        """The sentences `idx` as padded (rel, a, b, mask), and which were drawn in their unigram form."""
         use_uni = rng.random(len(idx)) < self.unigram_prob if self.uni is not None else np.zeros(len(idx), bool)
         srcs = [self.uni if u and self.uni is not None else self.enc for u in use_uni]
         return pad_rows([s.rel[i] for s, i in zip(srcs, idx, strict=True)],
                         [s.a[i] for s, i in zip(srcs, idx, strict=True)],
-                        [s.b[i] for s, i in zip(srcs, idx, strict=True)], self.device)
+                        [s.b[i] for s, i in zip(srcs, idx, strict=True)], self.device), use_uni
+
+    def box_labels(self, idx: np.ndarray, local: torch.Tensor, n_images: int, n_fragments: int,
+                   sent_mask: torch.Tensor, img_mask: torch.Tensor, unigram: np.ndarray) -> torch.Tensor | None:
+        """The batch's box labels (training/boxes.py) over its real fragment pairs, as `flatten` keeps them
+        (I, J); None without box supervision or where the batch has none."""
+        if self.labels is None:
+            return None
+        dense = batch_labels(self.labels, idx, local.cpu().numpy(), n_images, n_fragments, int(sent_mask.shape[1]),
+                             unigram)
+        if dense is None:
+            return None
+        y = torch.from_numpy(dense).to(sent_mask.device)
+        return y[img_mask.reshape(-1) > 0][:, sent_mask.reshape(-1) > 0]
 
 
 def batch_images(pair_image: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
@@ -244,7 +263,7 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         local, pos = local.to(cfg.device), pos.to(cfg.device)
         img = model.embed_images(feats[torch.from_numpy(imgs)].to(cfg.device))
         img_mask = torch.ones(img.shape[:2], device=img.device)
-        rel, a, b, mask = batches.sentences(idx, rng)
+        (rel, a, b, mask), unigram = batches.draw(idx, rng)
         if batches.tuned is not None and model.text_layers is not None:  # words through the model's own layers
             pool, sa, sb = batches.tuned.pool(model.text_layers, idx, a, b, mask)
             sent = model.embed_sentences(pool, rel, sa, sb, mask)
@@ -257,7 +276,8 @@ def train_fragment_epoch(model: FragmentModel, cfg: TrainConfig, feats: ImageFea
         flat = flatten(img, img_mask, sent, mask)  # pairwise fragment scores, shared by both objectives
         loss = img.new_zeros(())
         if use_frag:
-            loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced)
+            boxes = batches.box_labels(idx, local, len(imgs), img.shape[1], mask, img_mask, unigram)
+            loss = loss + fragment_loss(flat, pos, mil=mil, balanced=cfg.balanced, boxes=boxes)
         if use_glob or soft is not None:
             scores = skl_from_flat(flat, pool=model.pool())
             if use_glob:

@@ -33,15 +33,19 @@ def mil_labels(scores: torch.Tensor, in_pair: torch.Tensor, mil: bool) -> torch.
     return torch.where(y_pos, 1.0, -1.0).to(scores.dtype)
 
 
-def fragment_loss(flat: FlatFragments, pos: torch.Tensor, mil: bool, balanced: bool = True) -> torch.Tensor:
+def fragment_loss(flat: FlatFragments, pos: torch.Tensor, mil: bool, balanced: bool = True,
+                  boxes: torch.Tensor | None = None) -> torch.Tensor:
     """Fragment alignment objective sum max(0, 1 - y_ij v_i . s_j) over all real fragment pairs of a batch.
 
     flat: the batch's pairwise fragment scores (model.score.flatten); pos: (K, L) correspondence.
     With `balanced`, positive and negative labels are averaged separately and added (a batch has
-    ~100x more negatives than positives); otherwise one mean.
+    ~100x more negatives than positives); otherwise one mean. `boxes` (I, J) in {-1, 0, +1}: labels that
+    people's boxes give (training/boxes.py), in place of the dense or MIL labels where not 0.
     """
     in_pair = pos[flat.img_of][:, flat.sent_of]
     y = mil_labels(flat.scores, in_pair, mil)
+    if boxes is not None:
+        y = torch.where(boxes != 0, boxes.to(y.dtype), y)
     hinge = torch.relu(1 - y * flat.scores)
     if not balanced:
         return hinge.mean()

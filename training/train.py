@@ -26,6 +26,7 @@ import resource
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,11 +38,13 @@ from model.config import SELECTIONS, ImageConfig, TextConfig, TrainConfig, add_r
 from model.dataset import SplitData, load_split_data, with_mirrored
 from model.device import device_name
 from model.encoders import ModelConfig
+from model.entities import read_entities
 from model.fragments import SENTENCE_REL, TextPipeline
 from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
 from model.parsers import make_parser
 from model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from model.text import Triplet
 from model.trees import position_ranges
 from model.variants import (
     MODEL_SHAPE,
@@ -53,6 +56,7 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
+from training.boxes import sentence_labels
 from training.calibrate import distractors_of, fit_calibration, fit_relevance, judge, store_relevance
 from training.distill import Teacher, teacher_paths
 from training.epochs import (
@@ -126,6 +130,16 @@ def list_resolved(out: TextIO, names: list[str]) -> None:
         out.write("\n")
 
 
+def box_labels(data: SplitData, triplets: Sequence[Sequence[Triplet]]) -> list[np.ndarray | None]:
+    """Box supervision's labels of the training sentences (training/boxes.py), from the Flickr30k Entities
+    annotations beside the data folder (``flickr30k-entities``)."""
+    root = Path(data.split.root).parent / "flickr30k-entities"
+    entities = read_entities(root, data.names)
+    if not entities:
+        raise ValueError(f"box_supervision: no Flickr30k Entities annotations of the training images in {root}")
+    return sentence_labels(triplets, data.sentences, data.pair_image, data.names, data.boxes, entities)
+
+
 def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path,
           cache_root: Path) -> dict[str, Any]:
     """Train; with `val_data` (a part held out of the training images, never dev: `hold_out`) evaluate
@@ -181,6 +195,8 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         tuned = (model.text_layers.first if isinstance(model, FragmentModel) and model.text_layers is not None
                  and fixed is None else None)  # fixed layers: the pipeline's vectors are read through them already
         batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device, tuned, cache_root / "vectors")
+        if cfg.box_supervision:
+            batches.labels = box_labels(train_data, batches.enc.triplets)
         views: ImageFeatures = feats
         if cfg.mirror_views > 0:
             if train_data.mirrored is None:
