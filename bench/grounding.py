@@ -3,6 +3,7 @@ Flickr30k Entities' boxes (model/entities.py)?
 
     python -m bench.grounding --out docs/results/grounding-dev.csv --types-out docs/results/grounding-dev-types.csv \
         --plot docs/results/grounding-dev.png
+    python -m bench.grounding --model artifacts/models/NAME/model.pt --merge   # another model's row beside it
 
 Every dev caption is aligned with its own image by the service's code (index/matches.py ``matches``: what
 ``/explain`` and every result's ``alignment`` return), on the model's fragments of the Flickr8K copy (224 px,
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench import machine, parse_run, write_rows
+from bench import kept_rows, machine, parse_run, write_rows
 from bench.photo_decode import cpu_flags
 from index.matches import matches
 from index.types import FragmentMatch
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/results/grounding-dev.csv"))
     ap.add_argument("--types-out", type=Path, default=Path("docs/results/grounding-dev-types.csv"))
     ap.add_argument("--plot", type=Path, default=None, help="a PNG of examples (boxes only)")
+    ap.add_argument("--merge", action="store_true", help="keep the rows of other models already in the results")
     args, command = parse_run(ap, argv, "bench.grounding")
     entities = args.entities or args.data.parent / "flickr30k-entities"
     bundle = Bundle.load(args.model)
@@ -223,11 +225,13 @@ def main(argv: list[str] | None = None) -> None:
            "pair_pointing": pair["pointing"], "pair_mean_iou": pair["mean_iou"],
            "pair_whole_image": pair["whole_image"], "pair_random_fragment": pair["random_fragment"],
            "pair_upper_bound": pair["upper_bound"], "captions": result.captions, "matched": result.matched, **stamp}
-    write_rows(args.out, list(row), [row])
+    rows: list[dict[str, Any]] = [*kept_rows(args.out, args.merge, [name]), row]
+    write_rows(args.out, list(row), rows)
     types = sorted({kind for unit, kind in result.tallies if kind != "all"})
     type_rows = [{"model": name, "unit": unit, "type": kind, **result.tallies[(unit, kind)].row()}
                  for unit in ("phrase", "pair") for kind in ("all", *types) if (unit, kind) in result.tallies]
-    write_rows(args.types_out, list(type_rows[0]), type_rows)
+    kept: list[dict[str, Any]] = [*kept_rows(args.types_out, args.merge, [name]), *type_rows]
+    write_rows(args.types_out, list(type_rows[0]), kept)
     for r in type_rows:
         logger.info("%s", r)
     if args.plot is not None and result.examples:
