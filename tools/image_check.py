@@ -102,8 +102,14 @@ def expected(locks: list[Path], variant: str, root: Path = ROOT) -> dict[str, st
     return pins
 
 
+def distributions() -> list[metadata.Distribution]:
+    """The distributions installed on the path, not the copies a package vendors (setuptools puts its
+    ``_vendor`` folder on sys.path once it is imported: those are part of setuptools, not installed)."""
+    return list(metadata.distributions(path=[p for p in sys.path if Path(p).name != "_vendor"]))
+
+
 def installed() -> dict[str, str]:
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
 
 
 def _heavy(name: str) -> bool:
@@ -131,7 +137,7 @@ def check_requirements(have: dict[str, str], variant: str, root: Path = ROOT) ->
     skip = {canonicalize_name(Requirement(r).name) for r in file_packages(root)}
     substitutes = {k: v for k, v in GPU_SWAP.items() if variant == "gpu"}
     problems = []
-    for dist in metadata.distributions():
+    for dist in distributions():
         name = canonicalize_name(dist.metadata["Name"])
         if name in skip:
             continue
