@@ -294,8 +294,8 @@ def rescale_boxes(rows: np.ndarray, size: tuple[int, int], to: tuple[int, int]) 
     """Rows (P, >= 4) whose first four columns are boxes in an image of ``size`` (width, height) → the same
     rows with the boxes in an image of ``to``, clipped to it: the one place boxes move between a picture, its
     decoded copy and its working image. Scaling in float32 can land a side a fraction of a pixel past the
-    edge (1,024 · (2,000 / 1,024) · (1,024 / 2,000) > 1,024); clipping keeps every box inside its picture.
-    The other columns (prior scores, class scores) are kept."""
+    edge (a 4,000 × 3,000 JPEG: 768 · (1,500 / 768) · (768 / 1,500) = 768.00006); clipping keeps every box
+    inside its picture. The other columns (prior scores, class scores) are kept."""
     out = np.array(rows, dtype=np.float32)
     if not len(out):
         return out
