@@ -166,8 +166,9 @@ def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 
     return buf.getvalue()
 
 
-def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path) -> Engine:
-    """An engine of `bundle` over indexes of the shapes dev images and training captions (FAISS)."""
+def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path, **overrides: object) -> Engine:
+    """An engine of `bundle` over indexes of the shapes dev images and training captions (FAISS); `overrides`:
+    settings other than the suite's (make_settings)."""
     dev = load_split(shapes.data, "dev")
     images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=feature_cache(shapes.cache,
                                                                                              bundle.image_cfg))
@@ -176,7 +177,7 @@ def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path) -> Engine:
     sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS)
     sentences.add(load_split(shapes.data, "train").sentences()[0])
     sentences.save()
-    return Engine(make_settings(shapes, root), bundle, images, sentences)
+    return Engine(make_settings(shapes, root, **overrides), bundle, images, sentences)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ from model.imageio import read_image
 from service.app import create_app
 from service.engine import Engine
 from tests.conftest import ShapesModel
-from tests.conftest_service import API_KEY, SENTENCE_SETTINGS, make_settings
+from tests.conftest_service import API_KEY, engine_over_dev, make_settings
 
 pillow_heif.register_heif_opener()
 
@@ -188,20 +188,9 @@ def test_the_served_folders_watcher_takes_every_photo_people_have(shapes_model: 
 def uploads(shapes_model: ShapesModel, tmp_path: Path) -> Iterator[tuple[TestClient, Engine]]:
     """A writable app over the shapes dev images and training captions that takes uploads of any size a camera
     makes (the suite's apps keep small limits)."""
-    from index import SentenceIndex
-    from model.data import load_split
-    from model.dataset import feature_cache
-
-    bundle = shapes_model.bundle
-    images = ImageIndex.create(tmp_path / "images", bundle, IndexSettings.of(exact_below=0, k_prime=4096),
-                               cache=feature_cache(shapes_model.cache, bundle.image_cfg))
-    dev = load_split(shapes_model.data, "dev")
-    images.photos.add([dev.image_path(n) for n in dev.images])
-    sentences = SentenceIndex.create(tmp_path / "sentences", bundle, SENTENCE_SETTINGS)
-    sentences.add(load_split(shapes_model.data, "train").sentences()[0])
-    settings = make_settings(shapes_model, tmp_path, max_upload_bytes=64_000_000, max_pixels=50_000_000)
-    engine = Engine(settings, bundle, images, sentences)
-    with TestClient(create_app(settings, engine=engine)) as c:
+    engine = engine_over_dev(shapes_model, shapes_model.bundle, tmp_path, max_upload_bytes=64_000_000,
+                             max_pixels=50_000_000)
+    with TestClient(create_app(engine.settings, engine=engine)) as c:
         yield c, engine
 
 
