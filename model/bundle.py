@@ -42,6 +42,7 @@ from model.calibration import Calibration, Relevance
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
 from model.encoders import Encoders, ModelConfig
+from model.evidence import REFERENCES, PhraseEvidence
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.graphs import BACKBONE_NAME, package_weights
 from model.image import RegionExtractor
@@ -177,11 +178,44 @@ class Bundle:
             if self.encoders.pool is not None:  # the references are scored with the model's own S_kl
                 cal = dataclasses.replace(cal, pool=self.encoders.pool)
         self._calibration = cal
+        self._evidence_cache: dict[str, Any] = {}
 
     @property
     def relevance(self) -> Relevance | None:
         """The relevance scale of the calibrated score (None: an older checkpoint, or no calibration)."""
         return None if self._calibration is None else self._calibration.relevance
+
+    def evidence_scale(self, weights: tuple[float, ...], intercept: float) -> PhraseEvidence:
+        """Phrase evidence with these weights, read against the calibration's reference images (the first
+        `REFERENCES`, calibrated as a collection's images are)."""
+        if self._calibration is None or self.is_global:
+            raise ValueError("phrase evidence needs a calibrated fragment model")
+        key = "references"
+        if key not in self._evidence_cache:
+            refs = np.asarray(self._calibration.ref_images[:REFERENCES], dtype=np.float32)
+            self._evidence_cache[key] = np.asarray(self._calibration.calibrate_images(refs, self.blocks),
+                                                   dtype=np.float32)
+        return PhraseEvidence(tuple(weights), float(intercept), self._evidence_cache[key], self.blocks)
+
+    @property
+    def evidence(self) -> PhraseEvidence | None:
+        """The fitted phrase evidence (model/evidence.py; None: a model without it, or not calibrated)."""
+        cal = self._calibration
+        if cal is None or self.is_global:
+            return None
+        if "scale" not in self._evidence_cache:
+            state = PhraseEvidence.from_state(cal.evidence, np.zeros((0, 0, 0)), self.blocks)
+            self._evidence_cache["scale"] = (None if state is None
+                                             else self.evidence_scale(state.weights, state.intercept))
+        scale = self._evidence_cache["scale"]
+        return scale if isinstance(scale, PhraseEvidence) else None
+
+    def set_evidence(self, scale: PhraseEvidence) -> None:
+        """Store fitted phrase evidence weights with the calibration."""
+        if self._calibration is None:
+            raise ValueError("phrase evidence needs a calibrated model")
+        self._calibration = dataclasses.replace(self._calibration, evidence=scale.to_state())
+        self._evidence_cache.pop("scale", None)
 
     @property
     def cfg(self) -> ModelConfig:

@@ -64,6 +64,7 @@ BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F
 DEFAULT_CUTOFF = 0.5  # relevance at which a match is as likely as not: below it, "no good match"
 RELEVANCE_TOP = 100  # the best other items of a query's collection its relevance compares a result with
 RELEVANCE_FORM = "context-2"  # a stored relevance scale's form (an earlier one is not read: refit it)
+EVIDENCE_RELEVANCE_FORM = "evidence-1"  # the same with the phrase evidence's terms (`Relevance.evidence`)
 
 
 def _exp(z: np.ndarray) -> np.ndarray:
@@ -119,6 +120,7 @@ class Relevance:
     search_size: float = 0.0  # log-odds per log of the items a search ranks
     annotate_size: float = 0.0
     top: int = RELEVANCE_TOP
+    evidence: tuple[float, float] = (0.0, 0.0)  # log-odds per logit of the weakest and of the mean thing found
     side: str = "search"  # the query's side (SIDES)
     best: tuple[float, ...] = ()  # the query's best `top` + 1 scores in the collection, best first
     items: int = 1  # the items of the query's collection
@@ -134,42 +136,59 @@ class Relevance:
         n = len(s) if items is None else int(items)
         return replace(self, side=side, best=tuple(float(v) for v in keep), items=max(1, n, len(keep)))
 
-    def log_odds(self, score: float | np.ndarray) -> np.ndarray:
+    @property
+    def uses_evidence(self) -> bool:
+        """Whether the scale reads the phrase evidence (a scale fitted with it, model/evidence.py)."""
+        return any(w != 0.0 for w in self.evidence)
+
+    def log_odds(self, score: float | np.ndarray, evidence: np.ndarray | None = None) -> np.ndarray:
         s = np.asarray(score, dtype=np.float64)
         best = np.full((1, self.top + 1), -np.inf)
         best[0, : len(self.best)] = self.best
         x = competition(best, s.reshape(1, -1), self.beta, self.top, self.pad).reshape(s.shape)
-        return self.log_odds_of(s, x, np.asarray(self.side == "search"), np.asarray(self.items))
+        return self.log_odds_of(s, x, np.asarray(self.side == "search"), np.asarray(self.items), evidence)
 
-    def log_odds_of(self, score: np.ndarray, x: np.ndarray, search: np.ndarray, items: np.ndarray) -> np.ndarray:
-        """z of scores with their `competition` x, side (`search`: bool, else an annotation's) and collection's
-        items, element by element: the one formula of the scale, for one query or for many pairs at once."""
-        return np.asarray(self.slope * score + self.context * x
-                          + np.where(search, self.search_size, self.annotate_size) * np.log(items)
-                          + np.where(search, self.search_intercept, self.annotate_intercept))
+    def log_odds_of(self, score: np.ndarray, x: np.ndarray, search: np.ndarray, items: np.ndarray,
+                    evidence: np.ndarray | None = None) -> np.ndarray:
+        """z of scores with their `competition` x, side (`search`: bool, else an annotation's), collection's
+        items and phrase evidence (`evidence` (..., 2): `evidence_terms` of each pair; None: none known, read as
+        the terms of a sentence that names nothing), element by element: the one formula of the scale, for one
+        query or for many pairs at once."""
+        z = (self.slope * score + self.context * x
+             + np.where(search, self.search_size, self.annotate_size) * np.log(items)
+             + np.where(search, self.search_intercept, self.annotate_intercept))
+        if evidence is not None and self.uses_evidence:
+            e = np.asarray(evidence, dtype=np.float64)
+            z = z + self.evidence[0] * e[..., 0] + self.evidence[1] * e[..., 1]
+        return np.asarray(z)
 
-    def __call__(self, score: float | np.ndarray) -> np.ndarray:
-        return probability(self.log_odds(score))
+    def __call__(self, score: float | np.ndarray, evidence: np.ndarray | None = None) -> np.ndarray:
+        return probability(self.log_odds(score, evidence))
 
-    def of(self, score: float) -> float:
-        return float(self(score))
+    def of(self, score: float, evidence: np.ndarray | None = None) -> float:
+        return float(self(score, evidence))
 
     def to_state(self) -> dict[str, Any]:
-        return {"form": RELEVANCE_FORM, "slope": self.slope, "context": self.context, "beta": self.beta,
-                "search_intercept": self.search_intercept, "annotate_intercept": self.annotate_intercept,
-                "pad": self.pad, "search_size": self.search_size, "annotate_size": self.annotate_size,
-                "top": self.top}
+        state = {"form": RELEVANCE_FORM, "slope": self.slope, "context": self.context, "beta": self.beta,
+                 "search_intercept": self.search_intercept, "annotate_intercept": self.annotate_intercept,
+                 "pad": self.pad, "search_size": self.search_size, "annotate_size": self.annotate_size,
+                 "top": self.top}
+        if self.uses_evidence:
+            state.update(form=EVIDENCE_RELEVANCE_FORM, evidence=list(self.evidence))
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> Relevance | None:
         """The scale stored; None for none, and for one of an earlier form (a curve of the score and the
         collection's size alone, or of the score and its competition alone: refit it with training.calibrate
         --relevance-only)."""
-        if not state or state.get("form") != RELEVANCE_FORM:
+        if not state or state.get("form") not in (RELEVANCE_FORM, EVIDENCE_RELEVANCE_FORM):
             return None
+        evidence = tuple(float(w) for w in state.get("evidence", (0.0, 0.0)))
         return cls(float(state["slope"]), float(state["context"]), float(state["beta"]),
                    float(state["search_intercept"]), float(state["annotate_intercept"]), float(state["pad"]),
-                   float(state["search_size"]), float(state["annotate_size"]), int(state["top"]))
+                   float(state["search_size"]), float(state["annotate_size"]), int(state["top"]),
+                   (evidence[0], evidence[1]))
 
 
 @dataclass
@@ -191,6 +210,7 @@ class Calibration:
     local_power: float = 0.0  # 0: the spread alone (checkpoints before it); p: the local scale's weight
     ref_image_scales: Array | None = None  # (blocks, R_i): the reference images' own spreads (with local_power)
     ref_sentence_scales: Array | None = None  # (blocks, R_s): the reference sentences' own spreads
+    evidence: dict[str, Any] | None = None  # the phrase evidence weights (model/evidence.py), as stored
     pool: Array | None = None  # the model's S_kl weights over ranks (model/score.py; None: the mean), not stored:
     # the model's own (model.bundle), so that the references are scored with its S_kl
     _parts: dict[tuple[str, int | None, int | None], Array] = field(default_factory=dict, init=False,
@@ -303,7 +323,7 @@ class Calibration:
         own = [None if x is None else np.asarray(to_numpy(x), dtype=np.float32)
                for x in (self.ref_image_scales, self.ref_sentence_scales)]
         return Calibration(images, sentences, mask, self.floor_image, self.floor_sentence, self.relevance,
-                           self.local_k, self.local_power, own[0], own[1])
+                           self.local_k, self.local_power, own[0], own[1], self.evidence)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The references as stored, at half precision (the scales are spreads: 3 significant digits are
@@ -318,11 +338,12 @@ class Calibration:
                 "ref_sentence_mask": mask, **own}
 
     def settings(self) -> dict[str, Any]:
-        """What is stored beside the arrays: the floors, the local scale (when it is used) and the relevance
-        scale."""
+        """What is stored beside the arrays: the floors, the local scale (when it is used), the relevance
+        scale and the phrase evidence weights (when fitted)."""
         local = {"local_k": self.local_k, "local_power": self.local_power} if self.local_power > 0 else {}
+        evidence = {"evidence": self.evidence} if self.evidence is not None else {}
         return {"floor_image": self.floor_image, "floor_sentence": self.floor_sentence, **local,
-                "relevance": None if self.relevance is None else self.relevance.to_state()}
+                "relevance": None if self.relevance is None else self.relevance.to_state(), **evidence}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], settings: dict[str, Any]) -> Calibration:
@@ -335,9 +356,9 @@ class Calibration:
             sentences[mask] = rows
         else:
             sentences = np.asarray(arrays["ref_sentences"], dtype=np.float32)
+        own = [np.asarray(arrays[n], dtype=np.float32) if n in arrays else None
+               for n in ("ref_image_scales", "ref_sentence_scales")]
         return cls(np.asarray(arrays["ref_images"], dtype=np.float32), sentences, mask.astype(np.float32),
                    float(settings["floor_image"]), float(settings["floor_sentence"]),
                    Relevance.from_state(settings.get("relevance")), int(settings.get("local_k", 0)),
-                   float(settings.get("local_power", 0.0)),
-                   *(np.asarray(arrays[n], dtype=np.float32) if n in arrays else None
-                     for n in ("ref_image_scales", "ref_sentence_scales")))
+                   float(settings.get("local_power", 0.0)), own[0], own[1], settings.get("evidence"))

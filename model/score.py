@@ -236,6 +236,13 @@ class Alignment:
     matched: list[bool]
 
 
+def alignment_scores(img_frags: Array, sent_frags: Array, blocks: int = 1) -> Array:
+    """(F, T) the score by which each sentence fragment picks its image fragment: v_i . s_j for one block, the
+    thresholded pair score sum_b max(0, v_i^b . s_j^b) for several (`align`; phrase evidence reads the same)."""
+    dots, pos = block_dots(img_frags, sent_frags, blocks)
+    return dots if blocks == 1 else pos
+
+
 def align(img_frags: Array, sent_frags: Array, blocks: int = 1) -> Alignment:
     """Alignment of one pair. img_frags: (F, h), sent_frags: (T, h) (real fragments only).
 
@@ -243,8 +250,7 @@ def align(img_frags: Array, sent_frags: Array, blocks: int = 1) -> Alignment:
     the pair's share in S_kl (the same choice wherever one block's best score is positive). Ties go to the
     first image fragment."""
     xp = namespace(img_frags, sent_frags)
-    dots, pos = block_dots(img_frags, sent_frags, blocks)  # (F, T)
-    chosen = dots if blocks == 1 else pos
+    chosen = alignment_scores(img_frags, sent_frags, blocks)  # (F, T)
     idx = xp.argmax(chosen, axis=0)
     best = xp.max(chosen, axis=0)
     return Alignment(

@@ -7,10 +7,11 @@ The read-only engine is shared by the session; tests that write get their own co
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,13 +167,14 @@ def png_bytes(width: int, height: int, colour: tuple[int, int, int] = (200, 30, 
     return buf.getvalue()
 
 
-def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path, **overrides: object) -> Engine:
-    """An engine of `bundle` over indexes of the shapes dev images and training captions (FAISS); `overrides`:
-    settings other than the suite's (make_settings)."""
+def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path, only: Sequence[str] | None = None,
+                    **overrides: object) -> Engine:
+    """An engine of `bundle` over indexes of the shapes dev images (`only`: these of them) and training captions
+    (FAISS); `overrides`: settings other than the suite's (make_settings)."""
     dev = load_split(shapes.data, "dev")
     images = ImageIndex.create(root / "images", bundle, IMAGE_SETTINGS, cache=feature_cache(shapes.cache,
                                                                                              bundle.image_cfg))
-    images.photos.add([dev.image_path(n) for n in dev.images])
+    images.photos.add([dev.image_path(n) for n in dev.images if only is None or n in only])
     images.save()
     sentences = SentenceIndex.create(root / "sentences", bundle, SENTENCE_SETTINGS)
     sentences.add(load_split(shapes.data, "train").sentences()[0])
@@ -207,3 +209,49 @@ def calibrated_engine(shapes_model: ShapesModel, calibrated_checkpoint: Path,
 
     ckpt = Checkpoint.load(calibrated_checkpoint)
     return engine_over_dev(shapes_model, ckpt.bundle(), tmp_path_factory.mktemp("calibrated"))
+
+
+@pytest.fixture(scope="session")
+def evidence_model(shapes_model: ShapesModel, calibrated_checkpoint: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The calibrated shapes model with phrase evidence fitted on its training images (no Entities annotations:
+    the things a caption names are present in its own picture) and its relevance refitted with the evidence on
+    the same 20 held-out images, saved as a folder (its path)."""
+    from model.dataset import hold_out, load_split_data
+    from model.nets.checkpoint import Checkpoint
+    from model.parsers import make_parser
+    from training.evidence import fit_evidence, fit_relevance_with_evidence
+
+    bundle = Checkpoint.load(calibrated_checkpoint).bundle()
+    train = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
+    rest, val = hold_out(train, 20, 0)
+    scale, report = fit_evidence(bundle, train, tmp_path_factory.mktemp("no-entities") / "absent")
+    assert report["fitted"]["auc"] > 0.8, report
+    bundle.set_evidence(scale)
+    relevance = fit_relevance_with_evidence(bundle, scale, val, rest)
+    assert bundle.calibration is not None
+    bundle.calibration = dataclasses.replace(bundle.calibration, relevance=relevance)
+    folder = tmp_path_factory.mktemp("evidence-model") / "model"
+    bundle.save(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def evidence_bundle(evidence_model: Path) -> Bundle:
+    """`evidence_model`, loaded."""
+    return Bundle.load(evidence_model)
+
+
+def without_shape(shapes: ShapesModel, shape: str) -> list[str]:
+    """The shapes dev images that hold no `shape`."""
+    dev = load_split(shapes.data, "dev")
+    return [n for n in dev.images if all(o["shape"] != shape for o in shapes.objects[n])]
+
+
+@pytest.fixture(scope="session")
+def evidence_engine(shapes_model: ShapesModel, evidence_model: Path, evidence_bundle: Bundle,
+                    tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    """The shapes model with phrase evidence over the dev images that hold no triangle (its settings name the
+    model's folder: a command reads the same)."""
+    return engine_over_dev(shapes_model, evidence_bundle, tmp_path_factory.mktemp("evidence"),
+                           only=without_shape(shapes_model, "triangle"), model_path=evidence_model)

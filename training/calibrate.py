@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,9 @@ class Shown:
     query: np.ndarray  # the row of `best` of each pair's query
     best: np.ndarray
     items: np.ndarray  # the items of each pair's query's collection
+    caption: np.ndarray | None = None  # each pair's caption and image (`Judged`'s numbering), where known
+    image: np.ndarray | None = None
+    evidence: np.ndarray | None = None  # (n, 2) each pair's phrase evidence terms (model/evidence.py), when read
 
     def competition(self, rel: Relevance | None = None, beta: float = 0.0, pad: float = 0.0) -> np.ndarray:
         """Each pair's `model.calibration.competition` (with `rel`'s beta and pad, or these)."""
@@ -197,11 +201,16 @@ class Shown:
 
     def of_pairs(self, sel: np.ndarray) -> Shown:
         """The pairs `sel` (bool) alone."""
-        return Shown(self.score[sel], self.match[sel], self.search[sel], self.query[sel], self.best, self.items[sel])
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[sel]
+
+        return Shown(self.score[sel], self.match[sel], self.search[sel], self.query[sel], self.best, self.items[sel],
+                     cut(self.caption), cut(self.image), cut(self.evidence))
 
     def relevance(self, rel: Relevance) -> np.ndarray:
         """Each pair's relevance by `rel` for its query."""
-        return probability(rel.log_odds_of(self.score, self.competition(rel), self.search, self.items))
+        return probability(rel.log_odds_of(self.score, self.competition(rel), self.search, self.items,
+                                           self.evidence))
 
 
 def best_of(scores: np.ndarray, k: int) -> np.ndarray:
@@ -214,25 +223,37 @@ def best_of(scores: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
-def shown(scores: np.ndarray, matches: np.ndarray, search: bool, k: int = FIT_TOP_K) -> Shown:
+def shown(scores: np.ndarray, matches: np.ndarray, search: bool, k: int = FIT_TOP_K,
+          rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> Shown:
     """What one collection's queries show: `scores` (Q, n) each query's scores for the collection's items,
-    `matches` (Q, n) which are a match."""
+    `matches` (Q, n) which are a match; `rows` and `cols`, where given, the queries' and the items' numbers
+    (captions and images of a search, images and captions of an annotation) the pairs then carry."""
     idx = np.argsort(-scores, axis=1, kind="stable")[:, : min(k, scores.shape[1])]
     q = np.repeat(np.arange(len(scores)), idx.shape[1])
     top = np.take_along_axis(scores, idx, 1).ravel().astype(np.float64)
     real = np.isfinite(top)  # an item left out of a query's collection scores -inf
     held = np.isfinite(scores).sum(axis=1)  # the items of each query's collection
+    caption = image = None
+    if rows is not None and cols is not None:
+        query_of, item_of = np.asarray(rows)[q[real]], np.asarray(cols)[idx.ravel()[real]]
+        caption, image = (query_of, item_of) if search else (item_of, query_of)
     return Shown(top[real], np.take_along_axis(matches, idx, 1).ravel()[real], np.full(int(real.sum()), search),
-                 q[real], best_of(scores.astype(np.float64), RELEVANCE_TOP + 1), held[q[real]])
+                 q[real], best_of(scores.astype(np.float64), RELEVANCE_TOP + 1), held[q[real]], caption, image)
 
 
 def joined(parts: list[Shown]) -> Shown:
     """The pairs of several collections' queries as one."""
     offsets = np.cumsum([0] + [len(p.best) for p in parts])[:-1]
+
+    def whole(name: str) -> np.ndarray | None:
+        got = [getattr(p, name) for p in parts]
+        return None if any(g is None for g in got) else np.concatenate(got)
+
     return Shown(np.concatenate([p.score for p in parts]), np.concatenate([p.match for p in parts]),
                  np.concatenate([p.search for p in parts]),
                  np.concatenate([p.query + o for p, o in zip(parts, offsets, strict=True)]),
-                 np.concatenate([p.best for p in parts]), np.concatenate([p.items for p in parts]))
+                 np.concatenate([p.best for p in parts]), np.concatenate([p.items for p in parts]),
+                 whole("caption"), whole("image"), whole("evidence"))
 
 
 def collections(judged: Judged, seed: int = 0) -> tuple[list[Shown], list[Shown]]:
@@ -268,9 +289,11 @@ def collections(judged: Judged, seed: int = 0) -> tuple[list[Shown], list[Shown]
         annotate_matches = judged.annotate_matches[np.ix_(mine, items)]
         own = judged.caption_image[queries][:, None] == images[None, :]
         mine_own = judged.caption_image[items][None, :] == mine[:, None]
-        present += [shown(search, search_matches, True), shown(annotate, annotate_matches, False)]
-        absent += [shown(np.where(own, -np.inf, search), search_matches & ~own, True),
-                   shown(np.where(mine_own, -np.inf, annotate), annotate_matches & ~mine_own, False)]
+        present += [shown(search, search_matches, True, rows=queries, cols=images),
+                    shown(annotate, annotate_matches, False, rows=mine, cols=items)]
+        absent += [shown(np.where(own, -np.inf, search), search_matches & ~own, True, rows=queries, cols=images),
+                   shown(np.where(mine_own, -np.inf, annotate), annotate_matches & ~mine_own, False, rows=mine,
+                         cols=items)]
     return present, absent
 
 
@@ -294,20 +317,22 @@ def calibration_error(table: list[dict[str, float]]) -> float:
     return float(sum(r["pairs"] * abs(r["predicted"] - r["observed"]) for r in table if r["pairs"]) / max(1, total))
 
 
-def _logistic(x: np.ndarray, y: np.ndarray, steps: int = 100) -> tuple[np.ndarray, float]:
-    """Maximum-likelihood weights of a logistic regression (Newton's method, ridge `RIDGE`) and the negative
-    log-likelihood they reach."""
+def _logistic(x: np.ndarray, y: np.ndarray, steps: int = 100, weights: np.ndarray | None = None
+              ) -> tuple[np.ndarray, float]:
+    """Maximum-likelihood weights of a logistic regression (Newton's method, ridge `RIDGE`; `weights`: each
+    row's weight in the likelihood, default 1) and the negative log-likelihood they reach."""
     w = np.zeros(x.shape[1])
+    c = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
 
     def nll(v: np.ndarray) -> float:
         z = x @ v
-        return float(np.sum(np.logaddexp(0.0, z) - y * z) + RIDGE * v @ v / 2)
+        return float(np.sum(c * (np.logaddexp(0.0, z) - y * z)) + RIDGE * v @ v / 2)
 
     f = nll(w)
     for _ in range(steps):
         p = probability(x @ w)
-        grad = x.T @ (p - y) + RIDGE * w
-        hess = (x * (p * (1 - p))[:, None]).T @ x + RIDGE * np.eye(len(w))
+        grad = x.T @ (c * (p - y)) + RIDGE * w
+        hess = (x * (c * p * (1 - p))[:, None]).T @ x + RIDGE * np.eye(len(w))
         step = np.linalg.solve(hess, grad)
         t = 1.0
         while t > 1e-6 and nll(w - t * step) > f:
@@ -324,15 +349,29 @@ def _logistic(x: np.ndarray, y: np.ndarray, steps: int = 100) -> tuple[np.ndarra
 
 
 def _fit(pairs: Shown, pad: float) -> Relevance:
-    """The likeliest scale of these pairs, its beta the likeliest of `BETAS` (over the scores' spread)."""
+    """The likeliest scale of these pairs, its beta the likeliest of `BETAS` (over the scores' spread); with
+    the pairs' phrase evidence (`Shown.evidence`), its two terms beside them."""
     y = pairs.match.astype(np.float64)
     sides = np.stack([pairs.search, ~pairs.search], axis=1).astype(np.float64)
     sizes = sides * np.log(pairs.items)[:, None]
     best: tuple[float, Relevance] | None = None
     spread = float(np.std(pairs.score)) or 1.0
+    terms = np.zeros((len(y), 0)) if pairs.evidence is None else np.asarray(pairs.evidence, dtype=np.float64)
     for beta in (b / spread for b in BETAS):
         x = pairs.competition(beta=beta, pad=pad)
-        w, f = _logistic(np.column_stack([pairs.score, x, sides, sizes]), y)
+        w, f = _logistic(np.column_stack([pairs.score, x, sides, sizes, terms]), y)
+        if terms.shape[1]:
+            evidence = (max(0.0, float(w[6])), max(0.0, float(w[7])))
+            if min(w[6], w[7]) < 0:  # a term that would lower the odds of a thing found: that term left out
+                keep = [n for n in range(2) if evidence[n] > 0]
+                w, f = _logistic(np.column_stack([pairs.score, x, sides, sizes, terms[:, keep]]), y)
+                evidence = tuple(float(w[6 + keep.index(n)]) if n in keep else 0.0 for n in range(2))  # type: ignore[assignment]
+            if w[0] >= 0 and w[1] >= 0 and (w[0] > 0 or w[1] > 0):
+                rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad, float(w[4]),
+                                float(w[5]), evidence=evidence)
+                if best is None or f < best[0]:
+                    best = (f, rel)
+            continue
         if w[1] < 0:  # the competition would lower a better score's odds: the score and the size alone
             w, f = _logistic(np.column_stack([pairs.score, sides, sizes]), y)
             w = np.concatenate([w[:1], [0.0], w[1:]])
@@ -350,10 +389,12 @@ def _fit(pairs: Shown, pad: float) -> Relevance:
     return best[1]
 
 
-def fit_relevance(judged: Judged, seed: int = 0) -> Relevance:
+def fit_relevance(judged: Judged, seed: int = 0,
+                  evidence_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> Relevance:
     """The relevance scale (model.calibration.Relevance) fitted by maximum likelihood on what the validation
     part's queries show (`collections`), a share (`WITHOUT_OWN`) of them also of the collection without what
-    they were written for.
+    they were written for; with `evidence_of` (captions, images -> (n, 2) phrase evidence terms, `Judged`'s
+    numbering), the scale reads the phrase evidence too.
     ValueError when the score does not rise with the odds of a match."""
     present, absent = collections(judged, seed)
     pairs = joined(present)
@@ -365,7 +406,11 @@ def fit_relevance(judged: Judged, seed: int = 0) -> Relevance:
     pad = float(np.median(np.nanmin(np.where(np.isfinite(kth), kth, np.nan), axis=1)))
     rng = np.random.default_rng(seed)
     asked = [p.of_queries(rng.random(len(p.best)) < WITHOUT_OWN) for p in absent]
-    return _fit(joined([*present, *asked]), pad)
+    fitted = joined([*present, *asked])
+    if evidence_of is not None:
+        assert fitted.caption is not None and fitted.image is not None
+        fitted = replace(fitted, evidence=evidence_of(fitted.caption, fitted.image))
+    return _fit(fitted, pad)
 
 
 def matches_of(data: SplitData) -> np.ndarray:

@@ -1,0 +1,231 @@
+"""Phrase evidence: for each thing a sentence names and each image, `found`, the probability that the thing is
+in the picture.
+
+A sentence's fragments are triplets; the things it names are its nouns (`named_things`: the words that head a
+determiner or modifier, or stand as a subject, an object or a preposition's object; a lone ``<word>`` fragment
+names its word). A thing is looked for through every triplet that holds it: "a dog runs" looks for the dog
+through ``det(dog, a)`` and ``nsubj(runs, dog)``.
+
+How well a triplet fits an image is its best region's alignment score (model/score.py
+``alignment_scores``: the score by which the alignment picks that region). That number alone says little: a
+triplet of common words fits every image a little, a rare one fits nothing well. So it is read against the
+same triplet's best region in each of `REFERENCES` reference images (training images, stored with the
+calibration; the typical image of the collection the model was trained for): where the image stands among
+them (`percentile`) and how many spreads above their mean (`standing`). A thing found in a picture stands
+out of the typical images through at least one of its triplets; a giraffe in a field of dogs does not.
+
+    found = 1 / (1 + exp(-(w . [max z, mean z, max logit q, mean logit q] + intercept)))
+
+over the thing's triplets, z their standings and q their percentiles. The weights are fitted on the
+validation part of the training images (training/evidence.py), never dev: a phrase of a caption with a
+Flickr30k Entities box in its own image is present; in another image it is present when one of that image's
+captions or boxed phrases names the same word, absent when none does.
+
+`PhraseEvidence` holds the fitted weights; `PhraseEvidence.for_sentence` reads one sentence's triplets against
+the references once (`SentenceEvidence`), and `SentenceEvidence.found` gives each thing's and each triplet's
+probability in any image (a search's results, an annotation's upload, one explanation). One implementation
+for search, annotation, explanation, region search and the command line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from model.fragments import SENTENCE_REL, WORD_REL
+from model.score import alignment_scores
+from model.text import Triplet
+
+EVIDENCE_FORM = "evidence-1"  # a stored evidence scale's form (an earlier one is not read: refit it)
+REFERENCES = 300  # reference images a sentence's triplets are read against
+FOUND = 0.5  # a thing is reported found (its region drawn) when its probability reaches this
+CLIP = 8.0  # log-odds are clipped to +-CLIP (a probability between 0.0003 and 0.9997)
+
+# relations whose first word is the thing (its determiner, modifier, count, owner)
+THING_FIRST = frozenset({"det", "amod", "nummod", "num", "poss", "predet", "quantmod", "compound", "nn", "det_predet"})
+# relations whose second word is the thing (subject, object, a preposition's object, an apposition)
+THING_SECOND = frozenset({"nsubj", "nsubjpass", "nsubj_pass", "dobj", "obj", "iobj", "agent", "pobj", "appos",
+                          "compound", "nn", "poss"})
+THING_SECOND_PREFIXES = ("prep_", "nmod", "obl")
+# nouns that name a place in the picture or the picture itself, not a thing in it
+NOT_THINGS = frozenset({"front", "top", "side", "middle", "background", "foreground", "edge", "bottom", "center",
+                        "centre", "picture", "photo", "image", "shot", "view", "way", "day", "time", "lot", "bunch",
+                        "kind", "sort", "type", "part", "end", "left", "right", "one", "ones", "something",
+                        "someone", "it", "each", "other", "another", "air", "distance"})
+
+
+def _second_is_thing(rel: str) -> bool:
+    return rel in THING_SECOND or rel.startswith(THING_SECOND_PREFIXES)
+
+
+def named_things(triplets: Sequence[Triplet]) -> list[str]:
+    """The things a sentence names, in the order its triplets first name them: the first word of a
+    `THING_FIRST` relation, the second of a `THING_SECOND` one (or a preposition's), a lone word's word; leaving
+    out `NOT_THINGS` and words that are not words (numbers, punctuation)."""
+    out: list[str] = []
+    for t in triplets:
+        words = ([t.w1] if t.rel == WORD_REL else
+                 [*([t.w1] if t.rel in THING_FIRST else []), *([t.w2] if _second_is_thing(t.rel) else [])])
+        for w in words:
+            if w.isalpha() and w not in NOT_THINGS and w not in out:
+                out.append(w)
+    return out
+
+
+def things_of(triplet: Triplet, things: Sequence[str]) -> list[str]:
+    """Which of the sentence's `things` one of its triplets holds (none for the whole-sentence fragment)."""
+    if triplet.rel == SENTENCE_REL:
+        return []
+    return [w for w in things if w in (triplet.w1, triplet.w2)]
+
+
+def logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(np.asarray(p, dtype=np.float64), 1e-6, 1 - 1e-6)
+    return np.asarray(np.clip(np.log(p) - np.log1p(-p), -CLIP, CLIP))
+
+
+def _probability(z: np.ndarray) -> np.ndarray:
+    return np.asarray(1.0 / (1.0 + np.exp(-np.clip(z, -60.0, 60.0))))
+
+
+FEATURES = ("max_standing", "mean_standing", "max_percentile", "mean_percentile")
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where fragments' best-region scores stand among the references: z (standing) and logit q (percentile),
+    both (..., T)."""
+
+    z: np.ndarray
+    q: np.ndarray
+
+
+def thing_features(st: Standing, members: Sequence[Sequence[int]]) -> np.ndarray:
+    """(..., n_things, len(FEATURES)): each thing's features over its triplets (`members`: the fragment rows of
+    each thing), from the fragments' standings (..., T)."""
+    out = np.zeros((*st.z.shape[:-1], len(members), len(FEATURES)))
+    for n, rows in enumerate(members):
+        z, q = st.z[..., list(rows)], st.q[..., list(rows)]
+        out[..., n, :] = np.stack([z.max(-1), z.mean(-1), q.max(-1), q.mean(-1)], axis=-1)
+    return out
+
+
+@dataclass(frozen=True)
+class PhraseEvidence:
+    """The fitted weights of `found` (over `FEATURES`) and the reference images' fragments its triplets are read
+    against: (R, F, h), calibrated as the collection's images are."""
+
+    weights: tuple[float, ...]
+    intercept: float
+    references: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros((0, 0, 0)))
+    blocks: int = 1
+
+    def to_state(self) -> dict[str, Any]:
+        return {"form": EVIDENCE_FORM, "weights": list(self.weights), "intercept": self.intercept,
+                "features": list(FEATURES)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None, references: np.ndarray, blocks: int) -> PhraseEvidence | None:
+        """The stored weights with the references (None: none stored, or of an earlier form: refit them with
+        training.evidence)."""
+        if not state or state.get("form") != EVIDENCE_FORM or tuple(state.get("features", ())) != FEATURES:
+            return None
+        return cls(tuple(float(w) for w in state["weights"]), float(state["intercept"]),
+                   np.asarray(references[:REFERENCES], dtype=np.float32), blocks)
+
+    def reference_best(self, sent: np.ndarray) -> np.ndarray:
+        """(R, T) each reference image's best region score for each sentence fragment (sent (T, h))."""
+        r, f, h = self.references.shape
+        scores = alignment_scores(self.references.reshape(r * f, h), sent, self.blocks)  # (R F, T)
+        return np.asarray(scores.reshape(r, f, -1).max(axis=1), dtype=np.float64)
+
+    def for_sentence(self, sent: np.ndarray, triplets: Sequence[Triplet]) -> SentenceEvidence:
+        """One sentence's fragments (T, h) and triplets, read against the references once."""
+        ref = np.sort(self.reference_best(sent), axis=0)  # (R, T) ascending
+        things = named_things(triplets)
+        members = [[j for j, t in enumerate(triplets) if w in things_of(t, things)] for w in things]
+        keep = [n for n, m in enumerate(members) if m]
+        return SentenceEvidence(self, np.asarray(sent, dtype=np.float32), list(triplets),
+                                [things[n] for n in keep], [members[n] for n in keep], ref,
+                                ref.mean(axis=0), ref.std(axis=0) + 1e-6)
+
+    def probability(self, features: np.ndarray) -> np.ndarray:
+        """found from `thing_features`' (..., len(FEATURES))."""
+        return _probability(features @ np.asarray(self.weights) + self.intercept)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A sentence's evidence in one image: each thing's probability (`things`, in `SentenceEvidence.things`
+    order) and each fragment's (the least of the things it holds; None for a fragment that holds none)."""
+
+    things: dict[str, float]
+    fragments: list[float | None]
+
+    @property
+    def missing(self) -> list[str]:
+        """The things not found (below `FOUND`), least likely first."""
+        return [w for w, p in sorted(self.things.items(), key=lambda kv: (kv[1], kv[0])) if p < FOUND]
+
+    @property
+    def weakest(self) -> float | None:
+        """The least likely thing's probability (None: the sentence names none)."""
+        return min(self.things.values()) if self.things else None
+
+    def terms(self) -> np.ndarray:
+        """(2,) what the relevance scale reads of it (model.calibration.Relevance): the logit of the weakest
+        thing's probability and the mean logit of all; (0, 0) for a sentence that names nothing."""
+        return evidence_terms(list(self.things.values()))
+
+
+def evidence_terms(found: Sequence[float]) -> np.ndarray:
+    """(2,) the logit of the least of the `found` probabilities and their mean logit ((0, 0) for none)."""
+    if not len(found):
+        return np.zeros(2)
+    z = logit(np.asarray(found, dtype=np.float64))
+    return np.asarray([z.min(), z.mean()])
+
+
+@dataclass(frozen=True)
+class SentenceEvidence:
+    """One sentence read against the references: its things, the fragment rows of each, and the references'
+    best scores per fragment (sorted, (R, T)) with their mean and spread."""
+
+    scale: PhraseEvidence
+    sent: np.ndarray
+    triplets: list[Triplet]
+    things: list[str]
+    members: list[list[int]]
+    reference: np.ndarray
+    mean: np.ndarray
+    spread: np.ndarray
+
+    def standing(self, best: np.ndarray) -> Standing:
+        """Standings of best-region scores (..., T)."""
+        best = np.asarray(best, dtype=np.float64)
+        r = self.reference.shape[0]
+        below = np.stack([np.searchsorted(self.reference[:, j], best[..., j], side="left")
+                          for j in range(best.shape[-1])], axis=-1) if best.shape[-1] else np.zeros(best.shape)
+        at = np.stack([np.searchsorted(self.reference[:, j], best[..., j], side="right")
+                       for j in range(best.shape[-1])], axis=-1) if best.shape[-1] else np.zeros(best.shape)
+        q = ((below + at) / 2 + 0.5) / (r + 1)
+        return Standing((best - self.mean) / self.spread, logit(q))
+
+    def best_in(self, img: np.ndarray) -> np.ndarray:
+        """(T,) each fragment's best region score in one image's fragments (F, h)."""
+        return np.asarray(alignment_scores(img, self.sent, self.scale.blocks).max(axis=0), dtype=np.float64)
+
+    def found(self, img: np.ndarray) -> Found:
+        """The evidence in one image (its fragments (F, h), calibrated as stored)."""
+        if not self.things:
+            return Found({}, [None] * len(self.triplets))
+        p = self.scale.probability(thing_features(self.standing(self.best_in(img)), self.members))
+        things = {w: float(v) for w, v in zip(self.things, p, strict=True)}
+        fragments: list[float | None] = []
+        for j in range(len(self.triplets)):
+            held = [things[w] for w, rows in zip(self.things, self.members, strict=True) if j in rows]
+            fragments.append(min(held) if held else None)
+        return Found(things, fragments)

@@ -1,0 +1,181 @@
+"""Phrase evidence (model/evidence.py): which things a sentence names, `found` read against reference images,
+the weights fitted on the shapes model's training images (training/evidence.py), and the answers that carry it:
+a shape no picture of a collection holds is reported not found, with the reason; one it holds is found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model.bundle import Bundle
+from model.calibration import Relevance
+from model.evidence import (
+    FOUND,
+    PhraseEvidence,
+    Standing,
+    evidence_terms,
+    named_things,
+    thing_features,
+    things_of,
+)
+from model.text import Triplet
+from service.engine import Engine
+from tests.conftest import ShapesModel
+from training.evidence import balance, evidence_rows, forms, names_in
+
+pytest_plugins = ["tests.conftest_service"]
+
+
+def t(rel: str, w1: str, w2: str) -> Triplet:
+    return Triplet(rel, w1, w2)
+
+
+def test_named_things_are_the_nouns_of_a_sentence() -> None:
+    triplets = [t("det", "dog", "a"), t("nsubj", "runs", "dog"), t("prep_through", "runs", "grass"),
+                t("det", "grass", "the"), t("aux", "running", "is"), t("<sentence>", "s", "s")]
+    assert named_things(triplets) == ["dog", "grass"]
+    assert things_of(triplets[1], ["dog", "grass"]) == ["dog"]
+    assert things_of(triplets[4], ["dog", "grass"]) == []
+    assert things_of(triplets[5], ["dog", "grass"]) == []  # the whole-sentence fragment names no one thing
+
+
+def test_places_in_the_picture_are_not_things() -> None:
+    triplets = [t("prep_in", "stands", "front"), t("prep_of", "front", "house"), t("det", "house", "a")]
+    assert named_things(triplets) == ["house"]
+
+
+def test_a_lone_word_names_itself() -> None:
+    assert named_things([t("<word>", "giraffe", "giraffe")]) == ["giraffe"]
+    assert named_things([t("<word>", "42", "42")]) == []
+
+
+def test_plural_and_singular_name_the_same_thing() -> None:
+    assert names_in({"dogs", "grass"}, "dog")
+    assert names_in({"men"}, "man") and names_in({"puppies"}, "puppy")
+    assert not names_in({"cat"}, "dog")
+    assert "women" in forms("woman")
+
+
+def references(rng: np.random.Generator, n: int = 64, f: int = 4, h: int = 8) -> np.ndarray:
+    return rng.normal(size=(n, f, h)).astype(np.float32)
+
+
+def test_found_rises_with_how_far_an_image_stands_out_of_the_references() -> None:
+    rng = np.random.default_rng(0)
+    scale = PhraseEvidence((1.0, 0.0, 0.0, 0.0), -1.0, references(rng))
+    dog = rng.normal(size=8).astype(np.float32)
+    sent = np.stack([dog, rng.normal(size=8).astype(np.float32)])
+    ev = scale.for_sentence(sent, [t("det", "dog", "a"), t("aux", "runs", "is")])
+    assert ev.things == ["dog"] and ev.members == [[0]]
+    holds = rng.normal(size=(4, 8)).astype(np.float32)
+    holds[2] = 3 * dog  # a region that is the dog
+    lacks = -np.abs(rng.normal(size=(4, 8))).astype(np.float32) * np.sign(dog)  # every region away from it
+    got, missed = ev.found(holds), ev.found(lacks)
+    assert got.things["dog"] > 0.9 and missed.things["dog"] < 0.1
+    assert got.fragments == [got.things["dog"], None]  # the auxiliary names nothing
+    assert missed.missing == ["dog"] and got.missing == []
+
+
+def test_features_of_a_thing_read_every_triplet_that_holds_it() -> None:
+    st = Standing(np.array([[1.0, 3.0, -2.0]]), np.array([[0.5, 1.0, -1.0]]))
+    out = thing_features(st, [[0, 1], [2]])
+    assert out.shape == (1, 2, 4)
+    np.testing.assert_allclose(out[0, 0], [3.0, 2.0, 1.0, 0.75])
+    np.testing.assert_allclose(out[0, 1], [-2.0, -2.0, -1.0, -1.0])
+
+
+def test_evidence_terms_read_the_weakest_thing() -> None:
+    terms = evidence_terms([0.9, 0.1])
+    assert terms[0] == pytest.approx(np.log(0.1 / 0.9))
+    assert terms[1] == pytest.approx(0.0, abs=1e-9)
+    assert evidence_terms([]).tolist() == [0.0, 0.0]
+
+
+def test_a_relevance_with_evidence_falls_when_a_thing_is_missing() -> None:
+    rel = Relevance(10.0, 0.0, 1.0, -1.0, -1.0, 0.0, evidence=(1.0, 0.5)).for_query("search", [0.3, 0.2, 0.1])
+    with_all = rel.of(0.3, evidence_terms([0.9, 0.9]))
+    one_missing = rel.of(0.3, evidence_terms([0.9, 0.05]))
+    assert with_all > 0.9 > 0.5 > one_missing
+    state = rel.to_state()
+    assert state["form"] == "evidence-1" and Relevance.from_state(state) is not None
+    older = {**state, "form": "context-2"}
+    del older["evidence"]
+    back = Relevance.from_state(older)
+    assert back is not None and not back.uses_evidence  # a scale without the terms reads as before
+
+
+def test_balance_weighs_present_and_absent_alike() -> None:
+    from training.evidence import Rows
+
+    y = np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 0], float)
+    own = np.array([1, 0, 0, 0, 0, 0, 0, 0, 0, 0], bool)
+    w = balance(Rows(np.zeros((10, 4)), y, own, np.zeros(10, np.int64)))
+    assert w[y > 0.5].sum() == pytest.approx(w[y < 0.5].sum())
+    assert w[own].sum() == pytest.approx(w[(y > 0.5) & ~own].sum())
+
+
+@pytest.fixture(scope="module")
+def shapes_evidence(evidence_bundle: Bundle) -> Bundle:
+    """The shapes model with phrase evidence (tests/conftest_service.py `evidence_bundle`)."""
+    return evidence_bundle
+
+
+def test_evidence_is_stored_with_the_model(shapes_evidence: Bundle) -> None:
+    scale = shapes_evidence.evidence
+    assert scale is not None and scale.references.shape[0] > 0
+    assert shapes_evidence.calibration is not None and shapes_evidence.calibration.evidence is not None
+
+
+def test_a_shape_a_picture_lacks_is_not_found_and_one_it_holds_is(shapes_evidence: Bundle,
+                                                                    shapes_model: ShapesModel) -> None:
+    from model.embed import embed_sentence
+
+    dev = shapes_model.dev
+    images = shapes_evidence.embed_images(dev.feats)
+    scale = shapes_evidence.evidence
+    assert scale is not None
+    holds: list[float] = []
+    lacks: list[float] = []
+    for shape in ("circle", "square", "triangle"):
+        sent, triplets = embed_sentence(shapes_evidence, f"a {shape}")
+        ev = scale.for_sentence(sent, triplets)
+        assert shape in ev.things
+        for k, name in enumerate(dev.names):
+            has = any(o["shape"] == shape for o in shapes_model.objects[name])
+            (holds if has else lacks).append(ev.found(images[k]).things[shape])
+    holds_a, lacks_a = np.array(holds), np.array(lacks)
+    # most pictures on the right side of FOUND, and the two kinds apart as a whole
+    assert (holds_a >= FOUND).mean() >= 0.8, holds_a
+    assert (lacks_a < FOUND).mean() >= 0.8, lacks_a
+    assert np.median(holds_a) - np.median(lacks_a) > 0.3
+
+
+def test_evidence_rows_label_own_and_other_pictures(shapes_evidence: Bundle, shapes_model: ShapesModel) -> None:
+    scale = shapes_evidence.evidence
+    assert scale is not None
+    rows = evidence_rows(shapes_evidence, scale, shapes_model.dev, {}, others=5)
+    assert rows.own.any() and (rows.y[rows.own] == 1).all()
+    assert 0 < rows.y[~rows.own].mean() < 1  # other pictures: some hold the thing, some do not
+
+
+def test_a_model_without_evidence_reads_as_before(calibrated_engine: Engine) -> None:
+    """A calibrated model made before phrase evidence: its answers carry no `found`, and every fragment without
+    a positive match is left out of the alignment, as before."""
+    bundle = calibrated_engine.bundle
+    cal = bundle.calibration
+    assert cal is not None and cal.evidence is None and bundle.evidence is None
+    assert PhraseEvidence.from_state({"form": "earlier"}, np.zeros((1, 1, 1)), 1) is None
+    page = calibrated_engine.images.search("a red circle", 3)
+    assert page.hits and all(h.found is None for h in page.hits)
+    assert all(m.found is None and m.score > 0 for h in page.hits for m in h.alignment)
+
+
+def test_the_released_model_reads_its_evidence() -> None:
+    from model.release import RELEASED_MODEL
+
+    bundle = Bundle.load(Path(RELEASED_MODEL))
+    if bundle.evidence is None:
+        pytest.skip("the released model carries no phrase evidence")
+    assert bundle.relevance is not None and bundle.relevance.uses_evidence

@@ -1,0 +1,306 @@
+"""Fitting phrase evidence (model/evidence.py): the weights of `found` on the validation part of the training
+images (the images --selection val held out; never dev), stored with the model's calibration.
+
+Labels, per thing a caption names and image:
+- in the caption's own image, a thing whose phrase has a Flickr30k Entities box there is present (for an image
+  without Entities annotations, every thing its caption names);
+- in another image of the part, a thing is present when one of that image's five captions, or one of its
+  boxed Entities phrases, names the same word (singular or plural), and absent when none does.
+Each caption is read against its own image, `OTHERS` other images drawn at random, and the images a search of
+the part shows first for it (its `SHOWN` best others, and its `SHOWN` best among the pictures that do not
+name each of its things: a search of a collection that lacks the thing), so that `found` is calibrated where it
+is read, on the results a search shows.
+
+    python -m training.evidence --model model/released --out artifacts/models/released-evidence
+    python -m training.evidence --model artifacts/models/NAME/model.json --out artifacts/models/NAME-evidence
+
+The model is written in the runtime's form (a folder) with the evidence weights beside its relevance scale;
+the validation measures (AUC of `found` on held-out images of the part, its calibration error) are logged and
+kept in the model's metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from model.bundle import Bundle
+from model.calibration import Relevance
+from model.dataset import SplitData
+from model.embed import embed_encoded
+from model.entities import ImageEntities, read_entities
+from model.evidence import FEATURES, FOUND, PhraseEvidence, thing_features
+
+logger = logging.getLogger("training.evidence")
+OTHERS = 40  # other images drawn at random each caption is read against
+SHOWN = 5  # and the best others a search of the part ranks first, with and without each thing's pictures
+BATCH = 256  # captions embedded at a time
+_WORD = re.compile(r"[a-z]+")
+
+
+def forms(word: str) -> set[str]:
+    """A noun's singular and plural spellings, as far as simple English endings go."""
+    out = {word, word + "s", word + "es"}
+    if word.endswith("ies"):
+        out.add(word[:-3] + "y")
+    if word.endswith("es"):
+        out.add(word[:-2])
+    if word.endswith("s"):
+        out.add(word[:-1])
+    if word.endswith("y"):
+        out.add(word[:-1] + "ies")
+    if word.endswith("man"):
+        out.add(word[:-3] + "men")
+    if word.endswith("men"):
+        out.add(word[:-3] + "man")
+    return out
+
+
+def image_words(data: SplitData, ents: dict[str, ImageEntities]) -> list[set[str]]:
+    """Per image of `data`: the words of its captions and its Entities phrases."""
+    out: list[set[str]] = [set() for _ in data.names]
+    for sentence, k in zip(data.sentences, data.pair_image, strict=True):
+        out[int(k)].update(_WORD.findall(sentence.lower()))
+    for k, name in enumerate(data.names):
+        image = ents.get(name)
+        for caption in image.captions if image is not None else ():
+            for phrase in caption.phrases:
+                out[k].update(phrase.words)
+    return out
+
+
+def names_in(words: set[str], thing: str) -> bool:
+    return bool(forms(thing) & words)
+
+
+@dataclass
+class Rows:
+    """The labelled (thing, image) pairs: features (n, len(FEATURES)), present (n,), whether the image is the
+    caption's own, and the image each pair is of (for image-disjoint parts)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    own: np.ndarray
+    image: np.ndarray
+
+
+def evidence_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, ents: dict[str, ImageEntities],
+                  others: int = OTHERS, seed: int = 0) -> Rows:
+    """The labelled pairs of `data`'s captions (see the module's note), read with `scale`'s references."""
+    rng = np.random.default_rng(seed)
+    images = np.concatenate([bundle.embed_images(data.feats[k : k + 256]) for k in range(0, len(data.names), 256)])
+    words = image_words(data, ents)
+    enc = bundle.text.encode_parsed(data.parsed, data.sentences)
+    xs: list[np.ndarray] = []
+    ys: list[float] = []
+    owns: list[bool] = []
+    of: list[int] = []
+    embedded = embed_encoded(bundle, enc)
+    scores = caption_scores(bundle, images, embedded)  # (N, L): what a search of `data` ranks by
+    for l, (sent, triplets) in enumerate(tqdm(embedded, desc="captions", unit="caption")):  # noqa: E741
+        if not len(sent):
+            continue
+        ev = scale.for_sentence(sent, triplets)
+        if not ev.things:
+            continue
+        k = int(data.pair_image[l])
+        image = ents.get(data.names[k])
+        caption = image.match(data.sentences[l]) if image is not None else None
+        # without Entities annotations for the image (a data set that has none), the things its own caption names
+        boxed = (set(ev.things) if image is None else
+                 {p.head for p in image.boxed(caption)} if caption is not None else set())
+        picks = rng.choice(len(data.names), size=min(others, len(data.names)), replace=False)
+        ranked = np.lexsort((np.arange(len(data.names)), -scores[:, l]))
+        ranked = ranked[ranked != k]
+        holders = {w: np.array([names_in(words[i], w) for i in range(len(data.names))]) for w in ev.things}
+        # what searches show: the best others, and the best of those that do not name each thing
+        shown = [ranked[:SHOWN], *(ranked[~holders[w][ranked]][:SHOWN] for w in ev.things)]
+        picks = np.unique(np.concatenate([picks, *shown]))
+        picks = picks[picks != k]
+        chosen = np.concatenate([[k], picks]).astype(np.int64)
+        best = np.stack([ev.best_in(images[i]) for i in chosen])  # (n, T)
+        feats = thing_features(ev.standing(best), ev.members)  # (n, things, features)
+        for n, thing in enumerate(ev.things):
+            if thing in boxed:
+                xs.append(feats[0, n])
+                ys.append(1.0)
+                owns.append(True)
+                of.append(k)
+            for row, i in enumerate(chosen[1:], start=1):
+                xs.append(feats[row, n])
+                ys.append(float(holders[thing][int(i)]))
+                owns.append(False)
+                of.append(int(i))
+    return Rows(np.asarray(xs).reshape(-1, len(FEATURES)), np.asarray(ys), np.asarray(owns, bool),
+                np.asarray(of, np.int64))
+
+
+def caption_scores(bundle: Bundle, images: np.ndarray, embedded: Sequence[tuple[np.ndarray, Sequence[object]]]
+                   ) -> np.ndarray:
+    """(N, L) the S_kl of every image (calibrated fragments (N, F, h)) for every embedded caption."""
+    t = max((len(sent) for sent, _ in embedded), default=1) or 1
+    sent = np.zeros((len(embedded), t, bundle.dim), np.float32)
+    mask = np.zeros((len(embedded), t), np.float32)
+    for n, (s, _) in enumerate(embedded):
+        sent[n, : len(s)], mask[n, : len(s)] = s, 1
+    ones = np.ones(images.shape[:2], np.float32)
+    return np.concatenate([bundle.scores(images, ones, sent[c : c + 500], mask[c : c + 500])
+                           for c in range(0, len(sent), 500)], axis=1) if len(sent) else np.zeros((len(images), 0))
+
+
+def auc(scores: np.ndarray, truth: np.ndarray) -> float:
+    """The area under the ROC curve (ties count half)."""
+    from scipy.stats import rankdata
+
+    pos = truth > 0.5
+    n1, n0 = int(pos.sum()), int((~pos).sum())
+    if not n1 or not n0:
+        return float("nan")
+    ranks = rankdata(scores)
+    return float((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def balance(rows: Rows) -> np.ndarray:
+    """Each row's weight in the fit: present and absent things weigh the same in all (an even prior: `found` says
+    how the picture moves the odds from as-likely-as-not), and among the present, own-image things (boxed in
+    the picture) as much as the other images' (named by their captions)."""
+    absent = rows.y < 0.5
+    own, other = rows.own & ~absent, ~rows.own & ~absent
+    n = float(absent.sum())
+    w = np.ones(len(rows.y))
+    if own.any() and other.any():
+        w[own], w[other] = n / 2 / own.sum(), n / 2 / other.sum()
+    elif (~absent).any():
+        w[~absent] = n / (~absent).sum()
+    return w
+
+
+def fit_weights(rows: Rows) -> tuple[tuple[float, ...], float]:
+    """The logistic weights of `found` over the rows, weighed by `balance`."""
+    from training.calibrate import _logistic
+
+    w, _ = _logistic(np.column_stack([rows.x, np.ones(len(rows.y))]), rows.y, weights=balance(rows))
+    return tuple(float(v) for v in w[:-1]), float(w[-1])
+
+
+def measures(scale: PhraseEvidence, rows: Rows) -> dict[str, Any]:
+    """AUC of `found`, the share of own-image things found, of absent things not found, and its calibration
+    error (equal-width bins)."""
+    from training.calibrate import calibration_error, reliability
+
+    p = scale.probability(rows.x)
+    absent = rows.y < 0.5
+    return {"pairs": len(rows.y), "auc": round(auc(p, rows.y), 4),
+            "own_found": round(float((p[rows.own] >= FOUND).mean()), 4) if rows.own.any() else None,
+            "absent_not_found": round(float((p[absent] < FOUND).mean()), 4) if absent.any() else None,
+            "ece": round(calibration_error(reliability(p, rows.y)), 4)}
+
+
+def fit_evidence(bundle: Bundle, val: SplitData, entities: Path, seed: int = 0
+                 ) -> tuple[PhraseEvidence, dict[str, Any]]:
+    """The evidence weights fitted on `val` (the validation part), with their measures on its held-out half
+    (fitted on the other half) and on the whole part (the weights kept)."""
+    base = bundle.evidence_scale(weights=(0.0,) * len(FEATURES), intercept=0.0)
+    ents = read_entities(entities, val.names) if Path(entities).exists() else {}
+    rows = evidence_rows(bundle, base, val, ents, seed=seed)
+    half = np.random.default_rng(seed).random(len(val.names)) < 0.5
+    first = half[rows.image]
+    part = Rows(rows.x[first], rows.y[first], rows.own[first], rows.image[first])
+    rest = Rows(rows.x[~first], rows.y[~first], rows.own[~first], rows.image[~first])
+    held = PhraseEvidence(*fit_weights(part), base.references, base.blocks)
+    weights, intercept = fit_weights(rows)
+    scale = PhraseEvidence(weights, intercept, base.references, base.blocks)
+    report = {"held_out_half": measures(held, rest), "fitted": measures(scale, rows),
+              "weights": dict(zip(FEATURES, weights, strict=True)), "intercept": intercept}
+    logger.info("phrase evidence on the validation part: %s", report)
+    return scale, report
+
+
+def pair_terms(bundle: Bundle, scale: PhraseEvidence, data: SplitData) -> Callable[[np.ndarray, np.ndarray],
+                                                                                     np.ndarray]:
+    """The phrase evidence terms (model/evidence.py `Found.terms`) of (caption, image) pairs of `data`, numbered
+    as `data` numbers them: what the relevance fit reads."""
+    def terms(captions: np.ndarray, image_ids: np.ndarray) -> np.ndarray:
+        # only the images and captions the pairs hold are embedded
+        wanted = np.unique(image_ids)
+        row = {int(k): n for n, k in enumerate(wanted)}
+        images = np.concatenate([bundle.embed_images(data.feats[wanted[k : k + 256]])
+                                 for k in range(0, len(wanted), 256)])
+        said = np.unique(captions)
+        enc = bundle.text.encode_parsed([data.parsed[int(c)] for c in said], [data.sentences[int(c)] for c in said])
+        embedded = dict(zip(said.tolist(), embed_encoded(bundle, enc), strict=True))
+        out = np.zeros((len(captions), 2))
+        order = np.argsort(captions, kind="stable")
+        bounds = np.flatnonzero(np.diff(captions[order])) + 1
+        for group in tqdm(np.split(order, bounds), desc="evidence of shown pairs", unit="caption"):
+            sent, triplets = embedded[int(captions[group[0]])]
+            if not len(sent):
+                continue
+            ev = scale.for_sentence(sent, triplets)
+            for n in group:
+                out[n] = ev.found(images[row[int(image_ids[n])]]).terms()
+        return out
+
+    return terms
+
+
+def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: SplitData, rest: SplitData) -> Relevance:
+    """The relevance scale refitted on the validation part (training/calibrate.py `fit_relevance`) with the
+    phrase evidence of the pairs its queries show."""
+    from model.dataset import SplitData as Data
+    from training.calibrate import distractors_of, fit_relevance, judge
+
+    others = distractors_of(rest)
+    both = Data(val.split, np.concatenate([val.feats, others.feats]), np.concatenate([val.boxes, others.boxes]),
+                [*val.sentences, *others.sentences],
+                np.concatenate([val.pair_image, others.pair_image + len(val.names)]), [*val.parsed, *others.parsed])
+    return fit_relevance(judge(bundle, val, others), evidence_of=pair_terms(bundle, scale, both))
+
+
+def argv_of(argv: Sequence[str] | None) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from model.dataset import load_split_data
+    from model.parsers import make_parser
+    from model.settings import default_cache_dir, default_data_dir
+    from training.calibrate import split_of
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
+    ap.add_argument("--out", type=Path, required=True, help="the folder the model is written to, with its evidence")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--entities", type=Path, default=None,
+                    help="the Flickr30k Entities folder (default: flickr30k-entities beside the Flickr8K folder)")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature and parse cache")
+    ap.add_argument("--workers", type=int, default=2, help="extraction processes for images not cached")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    bundle = Bundle.load(args.model)
+    parser = make_parser(bundle.text.cfg.parser)
+    train = load_split_data(args.data, "train", bundle.image_cfg, args.cache, parser, args.workers)
+    rest, val = split_of(bundle, train)
+    scale, report = fit_evidence(bundle, val, args.entities or args.data.parent / "flickr30k-entities")
+    bundle.set_evidence(scale)
+    relevance = fit_relevance_with_evidence(bundle, scale, val, rest)
+    logger.info("relevance with evidence: %s", relevance.to_state())
+    assert bundle.calibration is not None
+    bundle.calibration = replace(bundle.calibration, relevance=relevance)
+    command = " ".join(["python -m training.evidence", *argv_of(argv)])
+    bundle.meta["evidence"] = {"validation": report, "command": command}
+    bundle.save(args.out)
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
