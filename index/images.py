@@ -20,7 +20,7 @@ from PIL import Image
 
 from index.base import FragmentIndex
 from index.image_vectors import KeptVectors
-from index.matches import label_at, matches
+from index.matches import aligned, label_at, sentence_evidence
 from index.photos import Photos
 from index.places import Place, PlaceFilter, read_place
 from index.ranker import exact_score, rank_key
@@ -180,10 +180,13 @@ class ImageIndex(FragmentIndex[StoredImage]):
         ranked, considered, best, held = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"),
                                                           offset + k, exhaustive, allowed, skl_of_items)
         # (codes: one block; the projection mixes a merged model's member slices)
-        return Page([ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s,
-                              matches(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels), p.place,
-                              p.path)
-                     for item, s, p, frags in ranked[offset:]], offset, considered, best, held)
+        evidence = sentence_evidence(self.bundle, sent, query.triplets)
+        hits = []
+        for item, s, p, frags in ranked[offset:]:
+            alignment, found = aligned(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels, evidence)
+            hits.append(ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s, alignment,
+                                 p.place, p.path, found))
+        return Page(hits, offset, considered, best, held)
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
         """Why image `image_id` scores what it does for `sentence` (None when it is not indexed): its
@@ -207,10 +210,11 @@ class ImageIndex(FragmentIndex[StoredImage]):
                            [float(v) for v in payload.boxes[i]], float(dots[i, j]), bool(shares[i, j] > 0),
                            float(shares[i, j]), label_at(payload.labels, i))
                  for j in range(len(sent)) for i in range(len(frags))]
+        alignment, found = aligned(frags, sent, triplets, payload.boxes, self.bundle.blocks, payload.labels,
+                                   sentence_evidence(self.bundle, sent, names))
         return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
-                           placed.considered, len(frags), len(sent),
-                           matches(frags, sent, triplets, payload.boxes, self.bundle.blocks, payload.labels),
-                           pairs, placed.scope, placed.recalled, placed.best, placed.collection)
+                           placed.considered, len(frags), len(sent), alignment, pairs, placed.scope,
+                           placed.recalled, placed.best, placed.collection, found)
 
     def search_fragments(self, phrase: str, k: int = 10, offset: int = 0) -> Page[RegionHit]:
         """Image regions ranked offset + 1 .. offset + k for a phrase or a triplet "rel(w1, w2)" (paper Fig. 5).
@@ -220,7 +224,8 @@ class ImageIndex(FragmentIndex[StoredImage]):
         max(k', offset + k) regions per phrase fragment and those are scored exactly (regions
         scoring 0 are not matches and end the ranking).
         """
-        sent, _ = embed_phrase(self.bundle, phrase)
+        sent, triplets = embed_phrase(self.bundle, phrase)
+        evidence = sentence_evidence(self.bundle, sent, triplets)
         with self.reading():
             items, frags = self.ranker.nearest_fragments(sent, max(self.settings.search.k_prime, offset + k))
             if len(items) == 0:
@@ -230,11 +235,18 @@ class ImageIndex(FragmentIndex[StoredImage]):
             order = np.lexsort((frags, items, -rank_key(scores)))[offset : offset + k]
             order = order[scores[order] > 0]
             payloads = self.payloads(items[order].tolist())
+            found: dict[int, float | None] = {}
+            if evidence is not None and len(order):
+                shown = np.unique(items[order])
+                vecs, mask = self.stored.vectors(shown)
+                found = {int(i): evidence.found(vecs[n, : int(mask[n].sum())]).weakest
+                         for n, i in enumerate(shown.tolist())}
         hits = []
         for o in order:
             p = payloads[int(items[o])]
             hits.append(RegionHit(int(items[o]), p.name, [float(v) for v in p.boxes[frags[o]]], int(frags[o]),
-                                  float(scores[o]), label_at(p.labels, int(frags[o])), p.width, p.height, p.path))
+                                  float(scores[o]), label_at(p.labels, int(frags[o])), p.width, p.height, p.path,
+                                  found.get(int(items[o]))))
         return Page(hits, offset, int(np.count_nonzero(scores > 0)))
 
     # -- SQLite rows ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.base import FragmentIndex
-from index.matches import matches
+from index.matches import aligned, sentence_evidence
 from index.ranker import exact_score
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
@@ -120,8 +120,12 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         img = np.asarray(image.vectors, dtype=np.float32)
         ranked, considered, best, held = self.ranker.rank(img, exact_score(self.bundle, [img], "sentences"),
                                                           offset + k, exhaustive)
-        return Page([SentenceHit(item, p.text, s, matches(img, frags, p.triplets, image.boxes, self.bundle.blocks))
-                     for item, s, p, frags in ranked[offset:]], offset, considered, best, held)
+        hits = []
+        for item, s, p, frags in ranked[offset:]:
+            alignment, found = aligned(img, frags, p.triplets, image.boxes, self.bundle.blocks, image.labels,
+                                       sentence_evidence(self.bundle, frags, p.triplets))
+            hits.append(SentenceHit(item, p.text, s, alignment, found))
+        return Page(hits, offset, considered, best, held)
 
     # -- SQLite rows ------------------------------------------------------------------------------
     def row(self, payload: StoredSentence) -> tuple[Any, ...]:

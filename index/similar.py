@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from index.images import ImageIndex
-from index.matches import matches
+from index.matches import aligned, sentence_evidence
 from index.sentences import SentenceIndex
 from index.types import ImageHit, ImageRecord, Page, SentenceHit
 from model.embed import EmbeddedImage, embed_image, embed_texts
@@ -82,15 +82,16 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
     described, sent, triplets = (describe(sentences, images, img, boxes, descriptions) if sentences is not None
                                  else (Page([], 0, 0), None, []))
     hits: list[ImageHit] = []
+    evidence = None if sent is None else sentence_evidence(images.bundle, sent, triplets)
     for image_id, cosine in zip(ids[offset : offset + k].tolist(), sims[offset : offset + k].tolist(), strict=True):
-        rec, found = images.get(image_id), images.fragments(image_id)
-        if rec is None or found is None:  # removed meanwhile
+        rec, stored = images.get(image_id), images.fragments(image_id)
+        if rec is None or stored is None:  # removed meanwhile
             continue
-        frags, frag_boxes = found
-        alignment = (matches(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels)
-                     if sent is not None else [])
+        frags, frag_boxes = stored
+        alignment, found = (aligned(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels, evidence)
+                            if sent is not None else ([], None))
         hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment,
-                             file=rec.file))
+                             file=rec.file, found=found))
     return Similar(described.hits, hits, offset, len(ids), described.best, described.collection)
 
 

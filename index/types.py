@@ -10,6 +10,7 @@ from typing import Any, Generic, Literal, TypeVar
 import numpy as np
 
 from index.places import Place
+from model.evidence import Found
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
@@ -246,6 +247,7 @@ class FragmentMatch:
     fragment: int
     score: float
     label: str | None = None
+    found: float | None = None  # the probability that what it names is in the picture (model/evidence.py)
 
 
 @dataclass
@@ -259,6 +261,7 @@ class ImageHit:
     alignment: list[FragmentMatch] = field(default_factory=list)
     place: Place | None = None  # when and where it was taken (EXIF), None when not read
     file: str = ""  # the path as stored: relative to the collection folder when under it (POSIX), else absolute
+    found: Found | None = None  # the query's phrase evidence in it (None: the model has none)
 
 
 @dataclass
@@ -267,6 +270,7 @@ class SentenceHit:
     text: str
     score: float
     alignment: list[FragmentMatch] = field(default_factory=list)
+    found: Found | None = None  # its phrase evidence in the query image (None: the model has none)
 
 
 @dataclass
@@ -282,6 +286,7 @@ class RegionHit:
     width: int = 0  # the image's size (the box is in its pixels)
     height: int = 0
     file: str = ""  # the path as stored (as ImageHit.file)
+    found: float | None = None  # the probability that the phrase's things are in the image (model/evidence.py)
 
 
 H = TypeVar("H")
@@ -344,6 +349,7 @@ class Explanation:
     recalled: bool = True
     best: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the best scores of the images ranked
     collection: int = 0  # the live images of the collection
+    found: Found | None = None  # the sentence's phrase evidence in the image (None: the model has none)
 
 
 @dataclass

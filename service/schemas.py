@@ -16,19 +16,27 @@ EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or ph
 
 # Response examples shown in the OpenAPI document (tests/test_service.py validates each against its model).
 _MATCH = {"triplet": "amod(dog, black)", "phrase": "black dog", "relation": "amod", "words": ["dog", "black"],
-          "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412, "label": "dog"}
+          "box": [12.0, 40.5, 230.0, 310.0], "fragment": 3, "score": 0.412, "label": "dog", "found": 0.93}
 _IMAGE = {"id": 17, "name": "1000268201_693b08cb0e.jpg", "url": "/images/17",
           "thumbnail": "/images/17/thumbnail?size=256", "width": 500, "height": 375, "score": 0.0831,
-          "relevance": 0.83, "alignment": [_MATCH]}
+          "relevance": 0.83, "missing": [], "alignment": [_MATCH]}
 _SENTENCE = {"id": 2051, "text": "A black dog runs through the grass .", "score": 0.0794, "relevance": 0.79,
-             "alignment": [_MATCH]}
+             "missing": [], "alignment": [_MATCH]}
 PATH_DOC = ("the image file's path as the index holds it: relative to the collection folder (POSIX form) for a file "
             "under it, else absolute")
 RELEVANCE_TEXT = ("how likely a person would call this result a match for the query, 0 to 1, in the collection "
-                  "searched (its size counts: the best of many is not a good match by being the best); a "
-                  "monotone map of the score, fitted on the model's validation data; below the default cut-off "
-                  "0.5 a match is less likely than not. null when the model has none (a checkpoint made before "
-                  "the scale existed)")
+                  "searched (its size counts: the best of many is not a good match by being the best), from the "
+                  "score and, where the model has phrase evidence, whether each thing the sentence names is "
+                  "found in the picture (a missing one pulls it down); fitted on the model's validation data; "
+                  "below the default cut-off 0.5 a match is less likely than not. null when the model has none "
+                  "(a checkpoint made before the scale existed)")
+FOUND_DOC = ("the probability that what the fragment names is in the picture (phrase evidence: its best region "
+             "read against typical images), 0 to 1; at 0.5 or more the thing is found and `box` is its region, "
+             "below it is not found and `box` is null. null when the fragment names no thing (e.g. "
+             "'aux(running, is)') or the model has no phrase evidence")
+MISSING_DOC = ("the things the query names that are not found in the picture (phrase evidence), least likely "
+               "first: why a result that ranks well may still not be a match; empty when all are found or the "
+               "model has no phrase evidence")
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -181,10 +189,12 @@ class FragmentMatchOut(BaseModel):
                         "nsubj(jumps, dog), 'whole sentence' for the whole-sentence fragment)")
     relation: str
     words: list[str] = Field(description="[w1, w2]")
-    box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
-    fragment: int = Field(description="index of the image fragment (0 = whole image)")
-    score: float = Field(description="fragment score v_i . s_j")
+    box: Box | None = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels; null "
+                            "when what the fragment names is not found in the picture (`found` below 0.5)")
+    fragment: int | None = Field(description="index of the image fragment (0 = whole image); null with `box`")
+    score: float = Field(description="fragment score v_i . s_j (the best region's)")
     label: str | None = Field(default=None, description=LABEL_DOC)
+    found: float | None = Field(default=None, description=FOUND_DOC)
 
 
 class ImageResult(BaseModel):
@@ -201,6 +211,7 @@ class ImageResult(BaseModel):
                               "time zone); null when the photo has none")
     lat: float | None = Field(default=None, description="EXIF GPS latitude; null when the photo has none")
     lon: float | None = Field(default=None, description="EXIF GPS longitude")
+    missing: list[str] = Field(default_factory=list, description=MISSING_DOC)
     alignment: list[FragmentMatchOut]
 
 
@@ -217,6 +228,8 @@ class ExplainRequest(BaseModel):
 class PairOut(FragmentMatchOut):
     """One sentence fragment with one image fragment (not only its best)."""
 
+    box: Box = Field(description="the image fragment's region [x0, y0, x1, y1] in the image's pixels")
+    fragment: int = Field(description="index of the image fragment (0 = whole image)")
     cleared: bool = Field(description="v_i . s_j > 0: only such pairs count towards S_kl")
     contribution: float = Field(description="the pair's share of S_kl: max(0, v_i . s_j) / (|g_k| (|g_l| + n))")
 
@@ -238,6 +251,7 @@ class ExplainResponse(BaseModel):
     sentence: str
     score: float = Field(description="the image-sentence score S_kl, as searches compute it")
     relevance: float | None = Field(default=None, description=RELEVANCE_TEXT)
+    missing: list[str] = Field(default_factory=list, description=MISSING_DOC)
     rank: int = Field(description="the image's place by the exact score among the images ranked (1 = first; "
                       "ties to the smaller id)")
     images: int = Field(description="how many images were ranked")
@@ -264,12 +278,17 @@ class Paged(BaseModel):
                             "or the whole collection when it is scanned (regions, for a fragment search)")
 
 
+WEAKER_DOC = ("the page's results under the cut-off (`min_relevance`), in ranking order, each with what it "
+              "misses: shown after the good matches as weaker ones, never in `results`; empty without a cut-off")
+
+
 class CutOff(BaseModel):
     """The relevance cut-off of a ranked answer."""
 
     min_relevance: float | None = Field(default=None, description="the cut-off applied (null: none)")
     reason: str | None = Field(default=None, description="why the list is empty when it is (no result reaches "
-                               "the cut-off, or nothing passes the filters); null otherwise")
+                               "the cut-off, naming the thing no result holds where there is one; or nothing "
+                               "passes the filters); null otherwise")
 
 
 class SearchImagesResponse(Paged, CutOff):
@@ -277,6 +296,7 @@ class SearchImagesResponse(Paged, CutOff):
 
     sentence: str
     results: list[ImageResult]
+    weaker: list[ImageResult] = Field(default_factory=list, description=WEAKER_DOC)
     took_ms: float
 
 
@@ -285,6 +305,7 @@ class SentenceResult(BaseModel):
     text: str
     score: float = Field(description="image-sentence score S_kl")
     relevance: float | None = Field(default=None, description=RELEVANCE_TEXT)
+    missing: list[str] = Field(default_factory=list, description=MISSING_DOC)
     alignment: list[FragmentMatchOut]
 
 
@@ -294,6 +315,7 @@ class AnnotateResponse(Paged, CutOff):
     width: int = Field(description="width of the decoded upload (boxes are in its pixels)")
     height: int
     results: list[SentenceResult]
+    weaker: list[SentenceResult] = Field(default_factory=list, description=WEAKER_DOC)
     took_ms: float
 
 
@@ -347,6 +369,9 @@ class RegionResult(BaseModel):
     fragment: int
     score: float = Field(description="fragment score v_i . s")
     label: str | None = Field(default=None, description=LABEL_DOC)
+    found: float | None = Field(default=None, description="the probability that what the phrase names is in the "
+                                "image (phrase evidence, the least likely of its things); null when it names no "
+                                "thing or the model has no phrase evidence")
 
 
 class SearchFragmentsResponse(Paged):

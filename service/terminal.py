@@ -29,14 +29,21 @@ from typing import Any
 
 from index.catalogue import is_index
 from index.sentences import SentenceIndex
-from index.types import IndexLoadError
+from index.types import ImageHit, IndexLoadError, SentenceHit
 from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF
+from model.calibration import DEFAULT_CUTOFF, Relevance
 from model.imageio import ImageReadError, read_image
 from model.settings import Settings, add_setting_flags, settings_of, use
 from service.engine import Engine, relevance_at
 from service.errors import ApiError
-from service.routes.convert import check_min_relevance, cut_off, image_result, sentence_result
+from service.routes.convert import (
+    check_min_relevance,
+    cut_off,
+    image_result,
+    missing_of,
+    relevance_of,
+    sentence_result,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,23 +112,45 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
             except ApiError as e:
                 return _refused(e.message)
             rel = engine.relevance("images", page.best, page.collection)
-            hits, cut = cut_off(page.hits, rel, args.min_relevance, "image")
+            hits, weaker, cut = cut_off(page.hits, rel, args.min_relevance, "image", page.collection)
         finally:
             engine.images.close()
     root = settings.collection_root
-    if args.json:
-        results = [{**image_result(h, rel).model_dump(mode="json"), "file": str(root / h.file)} for h in hits]
-        _print_json({"sentence": args.sentence, "results": results, **cut,
-                     "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
-    else:
-        for h in hits:
-            path = str(root / h.file)
-            shown = "" if rel is None else f"{rel.of(h.score):.3f}\t"
-            sys.stdout.write(f"{path}\n" if args.paths else f"{shown}{path}\n")
     if not hits:
         sys.stderr.write(f"{cut['reason'] or 'no image in the index'}\n")
-        return NOTHING_FOUND
-    return 0
+    if args.json:
+        def out(h: ImageHit) -> dict[str, Any]:
+            return {**image_result(h, rel).model_dump(mode="json"), "file": str(root / h.file)}
+
+        _print_json({"sentence": args.sentence, "results": [out(h) for h in hits],
+                     "weaker": [out(h) for h in weaker], **cut,
+                     "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
+    elif args.paths:
+        for h in hits:
+            sys.stdout.write(f"{root / h.file}\n")
+    else:
+        _write_lines([(h, str(root / h.file)) for h in hits], [(h, str(root / h.file)) for h in weaker], rel,
+                     args.min_relevance)
+    return 0 if hits else NOTHING_FOUND
+
+
+def _write_lines(kept: Sequence[tuple[ImageHit | SentenceHit, str]],
+                 weaker: Sequence[tuple[ImageHit | SentenceHit, str]], rel: Relevance | None,
+                 cutoff: float | None) -> None:
+    """One line a result on stdout: its relevance (when the model has the scale), what it names, and the things
+    it misses; the results under the cut-off on stderr, after a line that says so (stdout holds only the results
+    that reach the cut-off: what a script reads)."""
+    def line(h: ImageHit | SentenceHit, what: str) -> str:
+        shown = "" if rel is None else f"{relevance_of(h.score, rel, h.found):.3f}\t"
+        lacks = missing_of(h.found)
+        return f"{shown}{what}" + (f"\t(not found: {', '.join(lacks)})" if lacks else "") + "\n"
+
+    for h, what in kept:
+        sys.stdout.write(line(h, what))
+    if weaker:
+        sys.stderr.write(f"-- weaker matches (relevance below {cutoff:.2f}) --\n")
+        for h, what in weaker:
+            sys.stderr.write(line(h, what))
 
 
 def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -156,16 +185,14 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
         finally:
             sentences.close()
     rel = relevance_at(bundle, "sentences", page.best, page.collection)
-    hits, cut = cut_off(page.hits, rel, args.min_relevance, "sentence")
-    if args.json:
-        _print_json({"image": str(args.image), "width": image.width, "height": image.height,
-                     "results": [sentence_result(h, rel).model_dump(mode="json") for h in hits], **cut,
-                     "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
-    else:
-        for h in hits:
-            shown = "" if rel is None else f"{rel.of(h.score):.3f}\t"
-            sys.stdout.write(f"{shown}{h.text}\n")
+    hits, weaker, cut = cut_off(page.hits, rel, args.min_relevance, "sentence", page.collection)
     if not hits:
         sys.stderr.write(f"{cut['reason'] or 'no sentence in the index'}\n")
-        return NOTHING_FOUND
-    return 0
+    if args.json:
+        _print_json({"image": str(args.image), "width": image.width, "height": image.height,
+                     "results": [sentence_result(h, rel).model_dump(mode="json") for h in hits],
+                     "weaker": [sentence_result(h, rel).model_dump(mode="json") for h in weaker], **cut,
+                     "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
+    else:
+        _write_lines([(h, h.text) for h in hits], [(h, h.text) for h in weaker], rel, args.min_relevance)
+    return 0 if hits else NOTHING_FOUND

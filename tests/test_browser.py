@@ -407,9 +407,12 @@ def test_relevance_bars_the_cut_off_and_no_good_match(served_calibrated: str, pa
 
     show(page, page_url(served_calibrated, "a red circle", k="6"))  # the default cut-off applies
     assert page.input_value("#min-relevance") == "0.5"
-    shown = page.evaluate("[...document.querySelectorAll('#results .card .relevance .value')]"
+    shown = page.evaluate("[...document.querySelectorAll('#results .card:not(.weaker) .relevance .value')]"
                           ".map(v => parseFloat(v.textContent))")
-    assert all(v >= 0.5 for v in shown), shown
+    assert shown and all(v >= 0.5 for v in shown), shown
+    weaker = page.evaluate("[...document.querySelectorAll('#results .card.weaker .relevance .value')]"
+                           ".map(v => parseFloat(v.textContent))")
+    assert all(v < 0.5 for v in weaker), weaker  # under the line, dimmed
 
     import httpx
 
@@ -420,10 +423,43 @@ def test_relevance_bars_the_cut_off_and_no_good_match(served_calibrated: str, pa
     cut = f"{best + 0.001:.4f}"
     show(page, page_url(served_calibrated, "a red circle", k="6", min_relevance=cut))
     assert page.evaluate("document.body.dataset.result") == "nomatch"
-    assert page.locator("#results .card").count() == 0
+    assert page.locator("#results .card:not(.weaker)").count() == 0
     text = page.text_content("#results .no-match") or ""
     assert text.startswith("no good match: no image reaches relevance"), text
+    # the ranking is still shown, under a line, dimmed: the page is never empty while images are ranked
+    assert page.locator("#results .weaker-line").count() == 1
+    assert page.locator("#results .card.weaker").count() == 6
     shoot(page, "page-no-good-match.png")
+
+
+@pytest.fixture(scope="module")
+def served_evidence(evidence_engine: Engine) -> Iterator[str]:
+    """A model with phrase evidence over shapes pictures none of which holds a triangle."""
+    with uvicorn_server(create_app(evidence_engine.settings, engine=evidence_engine)) as base:
+        yield base
+
+
+def test_a_phrase_not_found_on_the_page(served_evidence: str, page: Page) -> None:
+    """"a red triangle" where no picture holds one: the reason names it, the results follow as weaker matches,
+    each saying "triangle: not in this photo", its legend marking the triangle's fragments not found and no box
+    drawn for them; "a red circle" draws the circle's region."""
+    show(page, page_url(served_evidence, "a red triangle", k="4"))  # the page's default cut-off, 0.5
+    assert page.evaluate("document.body.dataset.result") == "nomatch"
+    assert "triangle" in (page.text_content("#results .no-match") or "")
+    assert page.locator("#results .card.weaker").count() == 4
+    missing = page.evaluate("[...document.querySelectorAll('#results .card .missing')].map(m => m.textContent)")
+    assert len(missing) == 4 and all("triangle: not in this photo" in m for m in missing), missing
+    legend = page.evaluate("[...document.querySelectorAll('#results .card .legend li.not-found')]"
+                           ".map(li => li.textContent)")
+    assert legend and all("not found" in t for t in legend), legend
+    drawn = page.evaluate("[...document.querySelectorAll('#results .card .overlay .label')].map(l => l.textContent)")
+    assert not any("triangle" in t for t in drawn), drawn
+    shoot(page, "page-not-found.png")
+
+    show(page, page_url(served_evidence, "a red circle", k="4", min_relevance="0"))
+    drawn = page.evaluate("[...document.querySelectorAll('#results .card:first-child .overlay .label')]"
+                          ".map(l => l.textContent)")
+    assert any("circle" in t for t in drawn), drawn
 
 
 def test_filters_on_the_page(served: str, page: Page) -> None:

@@ -65,6 +65,7 @@ def test_min_relevance_keeps_the_results_that_reach_it(calibrated: TestClient) -
     body = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 20, "min_relevance": cut}).json()
     expect = [r["id"] for r in full if r["relevance"] >= cut]
     assert [r["id"] for r in body["results"]] == expect and 3 <= len(expect) < 20
+    assert [r["id"] for r in body["weaker"]] == [r["id"] for r in full if r["relevance"] < cut]  # the rest
     assert body["min_relevance"] == cut and body["reason"] is None and body["next_offset"] is None
 
 
@@ -75,8 +76,10 @@ def test_no_good_match_is_an_empty_list_with_a_reason(calibrated: TestClient) ->
     r = calibrated.post("/search/images", json={"sentence": SENTENCE, "k": 5, "min_relevance": min(1.0, best + 1e-4)})
     assert r.status_code == 200
     body = r.json()
-    assert body["results"] == [] and body["next_offset"] is None
+    assert body["results"] == []
     assert body["reason"].startswith("no good match: no image reaches relevance")
+    # the ranking is not hidden: it follows as weaker matches, and its next page is there
+    assert len(body["weaker"]) == 5 and body["next_offset"] == 5
 
 
 def test_annotate_takes_the_cut_off_too(calibrated: TestClient, shapes_model: ShapesModel) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TypedDict, TypeVar
 
 from index import Explanation, FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
 from index.places import Near, Place, PlaceFilter
 from model.calibration import Relevance
+from model.evidence import FOUND, Found
 from model.text import Triplet
 from service.errors import ApiError
 from service.schemas import (
@@ -63,20 +65,43 @@ class CutOff(TypedDict):
     reason: str | None
 
 
-def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | None, what: str
-            ) -> tuple[list[H], CutOff]:
-    """The hits whose relevance reaches `min_relevance` (the ranking is by score and the scale is
-    increasing in it, so this keeps a prefix), and why the list is empty when the cut-off empties it.
-    Compared is the relevance a result shows, rounded as `relevance_of` rounds it."""
+def shown_relevance(score: float, relevance: Relevance, found: Found | None) -> float:
+    """The relevance a result shows (rounded): a shown value given back as the cut-off keeps its result."""
+    return round(relevance.of(score, None if found is None else found.terms()), 4)
+
+
+def missing_everywhere(hits: Sequence[ImageHit] | Sequence[SentenceHit]) -> list[str]:
+    """The things the query names that none of `hits` holds (phrase evidence), least likely first."""
+    founds = [h.found for h in hits]
+    if not founds or any(f is None or not f.things for f in founds):
+        return []
+    first = founds[0]
+    assert first is not None
+    return [w for w in first.missing if all(f is not None and w in f.missing for f in founds)]
+
+
+def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | None, what: str,
+            items: int | None = None) -> tuple[list[H], list[H], CutOff]:
+    """(the hits whose relevance reaches `min_relevance`, the hits under it, the cut-off and why the first list
+    is empty when it is), both lists in ranking order. The relevance reads each result's phrase evidence, so a
+    result under the cut-off may rank above one that reaches it. `items`: the collection's size, named in the
+    reason (the things no result holds: "nothing in the 60 images matches 'giraffe'")."""
     if min_relevance is None or relevance is None:
-        return hits, {"min_relevance": None, "reason": None}
-    # the relevance each result shows (rounded): a shown value given back as the cut-off keeps its results
-    kept = [h for h in hits if (relevance_of(h.score, relevance) or 0.0) >= min_relevance]
+        return hits, [], {"min_relevance": None, "reason": None}
+    shown = [shown_relevance(h.score, relevance, getattr(h, "found", None)) for h in hits]
+    kept = [h for h, r in zip(hits, shown, strict=True) if r >= min_relevance]
+    weaker = [h for h, r in zip(hits, shown, strict=True) if r < min_relevance]
     reason = None
     if hits and not kept:
-        best = relevance.of(max(h.score for h in hits))
-        reason = f"no good match: no {what} reaches relevance {min_relevance:.2f} (the best has {best:.2f})"
-    return kept, {"min_relevance": min_relevance, "reason": reason}
+        lacking = missing_everywhere([h for h in hits if isinstance(h, ImageHit | SentenceHit)])
+        where = f"the {items} {what}s" if items else f"the {len(hits)} best {what}s"
+        if lacking:
+            names = " or ".join(f"'{w}'" for w in lacking[:3])
+            reason = (f"no good match: nothing in {where} matches {names} (not found in the {len(hits)} best); "
+                      f"the best has relevance {max(shown):.2f}")
+        else:
+            reason = f"no good match: no {what} reaches relevance {min_relevance:.2f} (the best has {max(shown):.2f})"
+    return kept, weaker, {"min_relevance": min_relevance, "reason": reason}
 
 
 def by_date_taken(hits: list[ImageHit]) -> list[ImageHit]:
@@ -88,8 +113,12 @@ def by_date_taken(hits: list[ImageHit]) -> list[ImageHit]:
     return sorted(hits, key=key)
 
 
-def relevance_of(score: float, relevance: Relevance | None) -> float | None:
-    return None if relevance is None else round(relevance.of(score), 4)
+def relevance_of(score: float, relevance: Relevance | None, found: Found | None = None) -> float | None:
+    return None if relevance is None else shown_relevance(score, relevance, found)
+
+
+def missing_of(found: Found | None) -> list[str]:
+    return [] if found is None else found.missing
 
 
 def _box(box: list[float]) -> list[float]:
@@ -97,9 +126,13 @@ def _box(box: list[float]) -> list[float]:
 
 
 def match_out(m: FragmentMatch) -> FragmentMatchOut:
+    """An alignment entry: its region only where what it names is found (or where the model reads no evidence)."""
+    located = m.found is None or m.found >= FOUND
     return FragmentMatchOut(triplet=m.triplet, phrase=phrase_of(m.relation, m.words), relation=m.relation,
-                            words=list(m.words), box=_box(m.box), fragment=int(m.fragment), score=float(m.score),
-                            label=m.label)
+                            words=list(m.words), box=_box(m.box) if located else None,
+                            fragment=int(m.fragment) if located else None, score=float(m.score),
+                            label=m.label if located else None,
+                            found=None if m.found is None else round(float(m.found), 4))
 
 
 def phrase_of(relation: str, words: tuple[str, str]) -> str:
@@ -111,7 +144,8 @@ def image_result(hit: ImageHit, relevance: Relevance | None = None) -> ImageResu
     taken = None if pl.taken is None else datetime.fromtimestamp(pl.taken, UTC).replace(tzinfo=None).isoformat()
     return ImageResult(id=hit.image_id, name=hit.name, path=hit.file, url=image_url(hit.image_id),
                        thumbnail=thumbnail_url(hit.image_id), width=hit.width,
-                       height=hit.height, score=float(hit.score), relevance=relevance_of(hit.score, relevance),
+                       height=hit.height, score=float(hit.score),
+                       relevance=relevance_of(hit.score, relevance, hit.found), missing=missing_of(hit.found),
                        taken=taken, lat=pl.lat, lon=pl.lon, alignment=[match_out(m) for m in hit.alignment])
 
 
@@ -124,13 +158,15 @@ def place_filter(body: SearchImagesRequest) -> PlaceFilter:
 
 def sentence_result(hit: SentenceHit, relevance: Relevance | None = None) -> SentenceResult:
     return SentenceResult(id=hit.sentence_id, text=hit.text, score=float(hit.score),
-                          relevance=relevance_of(hit.score, relevance), alignment=[match_out(m) for m in hit.alignment])
+                          relevance=relevance_of(hit.score, relevance, hit.found), missing=missing_of(hit.found),
+                          alignment=[match_out(m) for m in hit.alignment])
 
 
 def region_result(hit: RegionHit) -> RegionResult:
     return RegionResult(image_id=hit.image_id, name=hit.name, path=hit.file, url=image_url(hit.image_id),
                         thumbnail=thumbnail_url(hit.image_id), width=hit.width, height=hit.height, box=_box(hit.box),
-                        fragment=int(hit.fragment), score=float(hit.score), label=hit.label)
+                        fragment=int(hit.fragment), score=float(hit.score), label=hit.label,
+                        found=None if hit.found is None else round(float(hit.found), 4))
 
 
 def image_out(rec: ImageRecord) -> ImageOut:
@@ -142,7 +178,8 @@ def explain_out(e: Explanation, sentence: str, took_ms: float, relevance: Releva
     return ExplainResponse(
         image_id=e.image_id, name=e.name, url=image_url(e.image_id), thumbnail=thumbnail_url(e.image_id),
         width=e.width, height=e.height, sentence=sentence, score=e.score,
-        relevance=relevance_of(e.score, relevance), rank=e.rank, images=e.images,
+        relevance=relevance_of(e.score, relevance, e.found), missing=missing_of(e.found), rank=e.rank,
+        images=e.images,
         scope=e.scope, recalled=e.recalled,
         image_fragments=e.image_fragments, sentence_fragments=e.sentence_fragments,
         alignment=[match_out(m) for m in e.alignment],

@@ -58,20 +58,21 @@ async def search_images(body: SearchImagesRequest, engine: EngineDep, s: Setting
     if body.sort == "taken":  # every result above the cut-off (to the deepest rank), then by date
         page = await gates.search.run(engine.search_images, sentence, s.max_rank, 0, where)
         rel = engine.relevance("images", page.best, page.collection)
-        kept, cut = cut_off(page.hits, rel, min_relevance, "image")
+        kept, below, cut = cut_off(page.hits, rel, min_relevance, "image", page.collection)
         hits = by_date_taken(kept)[offset : offset + k]
+        weaker = [] if hits or offset else below[:k]
         pages = paging(offset, k, len(hits), len(kept), s)
     else:
         page = await gates.search.run(engine.search_images, sentence, k, offset, where)
         rel = engine.relevance("images", page.best, page.collection)
-        hits, cut = cut_off(page.hits, rel, min_relevance, "image")
-        pages = paging(offset, k, len(hits), page.considered, s)
+        hits, weaker, cut = cut_off(page.hits, rel, min_relevance, "image", page.collection)
+        pages = paging(offset, k, len(hits) + len(weaker), page.considered, s)
     if where and page.considered == 0:
         cut["reason"] = "no photo passes the date and place filters (photos without an EXIF date or " \
                         "position are left out by a filter on it)"
     pages["considered"] = page.considered
-    return SearchImagesResponse(sentence=sentence, results=[image_result(h, rel) for h in hits], **cut,
-                                **pages, took_ms=_ms(t0))
+    return SearchImagesResponse(sentence=sentence, results=[image_result(h, rel) for h in hits],
+                                weaker=[image_result(h, rel) for h in weaker], **cut, **pages, took_ms=_ms(t0))
 
 
 @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
@@ -156,7 +157,8 @@ async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG,
     data = await read_upload(file)
     decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)
     rel = engine.relevance("sentences", page.best, page.collection)
-    hits, cut = cut_off(page.hits, rel, min_relevance, "sentence")
+    hits, weaker, cut = cut_off(page.hits, rel, min_relevance, "sentence", page.collection)
     return AnnotateResponse(width=decoded.width, height=decoded.height,
-                            results=[sentence_result(h, rel) for h in hits], **cut,
-                            **paging(offset, k, len(hits), page.considered, s), took_ms=_ms(t0))
+                            results=[sentence_result(h, rel) for h in hits],
+                            weaker=[sentence_result(h, rel) for h in weaker], **cut,
+                            **paging(offset, k, len(hits) + len(weaker), page.considered, s), took_ms=_ms(t0))

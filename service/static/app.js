@@ -81,7 +81,7 @@ const TOP_LABELS = 3;  // content triplets labelled on a card before "show all"
 function calm(alignment) {
   const best = new Map();
   alignment.forEach((m, j) => {
-    if (!(m.score > 0)) return;
+    if (!(m.score > 0) || !located(m)) return;
     const seen = best.get(m.triplet);
     if (!seen || m.score > seen.m.score) best.set(m.triplet, { m, j });
   });
@@ -92,7 +92,24 @@ function calm(alignment) {
 }
 
 function items(alignment) {
-  return alignment.map((m, j) => ({ m, j })).filter(({ m }) => m.score > 0);
+  return alignment.map((m, j) => ({ m, j })).filter(({ m }) => m.score > 0 && located(m));
+}
+
+// Phrase evidence (the API's `found`): a fragment whose thing is not found in the picture has no region
+// (`box` null) and is listed as not found, never drawn. A model without evidence gives `found` null.
+function located(m) {
+  return m.box !== null && m.box !== undefined;
+}
+
+function notFound(m) {
+  return m.found !== null && m.found !== undefined && !located(m);
+}
+
+// "giraffe: not in this photo", one line per thing the result misses (the API's `missing`).
+function missingLine(missing, where = "photo") {
+  if (!missing || !missing.length) return null;
+  return el("p", { class: "missing", title: "phrase evidence: these things are not found in the picture" },
+    missing.map((w) => `${w}: not in this ${where}`).join(" · "));
 }
 
 // Matched fragments grouped by image fragment: one box per region, one label per triplet; the
@@ -138,17 +155,20 @@ function legend(alignment, calmed = null) {
   const top = new Set(calmed ? calmed.top.map(({ j }) => j) : []);
   const folded = new Set(calmed ? calmed.folded.map(({ j }) => j) : []);
   const kind = (m, j) => {
+    if (notFound(m)) return "unmatched not-found";
     if (!calmed) return m.score > 0 ? "" : "unmatched";
     if (top.has(j)) return "";
     if (folded.has(j)) return "folded";
     return m.score > 0 ? "dup" : "folded unmatched";
   };
   alignment.forEach((m, j) => {
-    const matched = m.score > 0;
+    const matched = m.score > 0 && located(m);
+    const found = m.found !== null && m.found !== undefined ? ` · found ${m.found.toFixed(2)}` : "";
     list.append(el("li", { class: kind(m, j), tabindex: "0", title: notation(m),
       ...(matched && m.relation !== SENTENCE_REL ? { "data-fragment": String(m.fragment) } : {}) },
       el("span", { class: "swatch", style: { background: matched ? PALETTE[j % PALETTE.length] : "#ccc" } }),
-      `${fragmentText(m)}  ${m.score.toFixed(3)}`));
+      notFound(m) ? `${fragmentText(m)}: not found (${m.found.toFixed(2)})`
+        : `${fragmentText(m)}  ${m.score.toFixed(3)}${found}`));
   });
   return list;
 }
@@ -187,16 +207,39 @@ async function searchImages(sentence, k, offset = 0) {
     method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify({ sentence, k, offset, ...(await filters()) }),
   });
+  const weaker = data.weaker || [];
   showImages(data.results, data.sentence, offset);
-  moreButton(data.next_offset, (next) => searchImages(sentence, k, next));
-  if (!data.results.length && offset === 0) {
+  if (!data.results.length && !weaker.length && offset === 0) {
     noMatch(data.reason || `nothing found for “${data.sentence}”`);
+    moreButton(data.next_offset, (next) => searchImages(sentence, k, next));
     return data.reason || "no results";
   }
+  if (!data.results.length && offset === 0) noGoodMatch(data.reason);
+  if (weaker.length) {
+    weakerLine(data.min_relevance);
+    showImages(weaker, data.sentence, offset + data.results.length, true);
+  }
+  moreButton(data.next_offset, (next) => searchImages(sentence, k, next));
   const shown = offset + data.results.length;
   const cut = data.min_relevance !== null && data.min_relevance !== undefined
     ? `, relevance ≥ ${data.min_relevance}` : "";
-  return `${shown} images for “${data.sentence}” (of ${data.considered} ranked${cut}) in ${data.took_ms.toFixed(0)} ms`;
+  const below = weaker.length ? `, ${weaker.length} weaker` : "";
+  return `${shown} images for “${data.sentence}”${below} (of ${data.considered} ranked${cut}) in ${data.took_ms.toFixed(0)} ms`;
+}
+
+// The line between the good matches and the weaker ones (the page's results under the cut-off: shown
+// dimmed, each with what it misses; a page is never empty while the collection has ranked images).
+function weakerLine(cut) {
+  const results = $("results");
+  if (results.querySelector(".weaker-line")) return;
+  results.append(el("h3", { class: "weaker-line", role: "separator" },
+    `weaker matches (relevance below ${Number(cut).toFixed(2)})`));
+}
+
+// No result reaches the cut-off, but the collection has ranked images: why, above the weaker ones.
+function noGoodMatch(reason) {
+  $("results").append(el("p", { class: "no-match", role: "status" }, reason || "no good match"));
+  document.body.dataset.result = "nomatch";
 }
 
 // The "no good match" answer: an empty list and why, instead of a grid.
@@ -252,9 +295,9 @@ function fileLine(hit, url) {
 
 // Result cards: the thumbnail with its alignment, and the "why?" (POST /explain, when there is a
 // sentence) and "more like this" (POST /search/similar) buttons.
-function showImages(hits, sentence, offset = 0) {
+function showImages(hits, sentence, offset = 0, weaker = false) {
   const results = $("results");
-  if (offset === 0) results.replaceChildren();
+  if (offset === 0 && !weaker) results.replaceChildren();
   hits.forEach((hit, i) => {
     const rank = offset + i;
     const { frame, overlay } = figure(hit.thumbnail, hit.name, hit.width, hit.height);  // boxes: original's pixels
@@ -265,8 +308,11 @@ function showImages(hits, sentence, offset = 0) {
     const caption = el("figcaption", {}, el("strong", {}, `#${rank + 1} `), `${hit.name} · `,
       sentence ? `S = ${hit.score.toFixed(4)}` : `cosine ${hit.score.toFixed(3)}`,
       hit.taken ? ` · ${hit.taken.slice(0, 10)}` : "");
-    const card = el("figure", { class: "card", "data-id": hit.id }, frame, caption, fileLine(hit, hit.url),
+    const missing = missingLine(hit.missing);
+    const card = el("figure", { class: weaker ? "card weaker" : "card", "data-id": hit.id }, frame, caption,
+      fileLine(hit, hit.url),
       ...(hit.relevance !== null && hit.relevance !== undefined ? [relevanceBar(hit.relevance)] : []),
+      ...(missing ? [missing] : []),
       legend(hit.alignment, { top, folded }), el("div", { class: "actions" }, why, like));
     if (folded.length) {
       const toggle = el("button", { type: "button", class: "show-all" }, `show all (${folded.length} more)`);
@@ -307,6 +353,7 @@ async function explain(card, imageId, sentence) {
         e.scope === "candidates" ? " images the index recalls for the sentence" : "",
         e.recalled ? "; " : " (the index does not recall it: a search does not return it); ",
         `${e.pairs.filter((p) => p.cleared).length} of ${e.pairs.length} pairs clear the threshold (v·s > 0)`),
+      ...(e.missing && e.missing.length ? [missingLine(e.missing)] : []),
       el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "fragment"), el("th", {}, "region"),
         el("th", {}, "v·s"), el("th", {}, "share of S"))), el("tbody", {}, ...rows)));
   } catch (err) {
@@ -396,19 +443,26 @@ async function runAnnotate(file, k) {
     const url = URL.createObjectURL(file);
     const { frame, overlay } = figure(url, file.name, data.width, data.height);
     const list = el("ol", { class: "sentences" });
+    const all = [...data.results, ...(data.weaker || [])];
     const select = (i) => {
-      drawAlignment(overlay, items(data.results[i].alignment), data.width, data.height);
+      drawAlignment(overlay, items(all[i].alignment), data.width, data.height);
       list.querySelectorAll("li").forEach((li, j) => li.classList.toggle("selected", i === j));
     };
-    data.results.forEach((hit, i) => {
-      const item = el("li", { tabindex: "0" }, el("span", { class: "sentence" }, hit.text),
-        el("span", { class: "score" }, ` S = ${hit.score.toFixed(4)}`), legend(hit.alignment));
+    all.forEach((hit, i) => {
+      if (i === data.results.length && i > 0) {
+        list.append(el("li", { class: "weaker-line", role: "separator" }, "weaker matches"));
+      }
+      const missing = missingLine(hit.missing);
+      const item = el("li", { tabindex: "0", class: i >= data.results.length ? "weaker" : "" },
+        el("span", { class: "sentence" }, hit.text),
+        el("span", { class: "score" }, ` S = ${hit.score.toFixed(4)}`), ...(missing ? [missing] : []),
+        legend(hit.alignment));
       item.addEventListener("click", () => select(i));
       item.addEventListener("keydown", (e) => { if (e.key === "Enter") select(i); });
       list.append(item);
     });
     out.replaceChildren(el("div", { class: "annotated" }, el("figure", { class: "card" }, frame), list));
-    if (data.results.length) select(0);
+    if (all.length) select(0);
     status.textContent = `${data.results.length} sentences in ${data.took_ms.toFixed(0)} ms (click one to see its regions)`;
   } catch (err) {
     out.replaceChildren();
