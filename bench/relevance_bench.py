@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,13 @@ from model.bundle import Bundle
 from model.calibration import DEFAULT_CUTOFF, RELEVANCE_TOP, Relevance
 from model.data import load_split
 from model.dataset import SplitData, load_split_data
+from model.embed import embed_texts
+from model.evidence import PhraseEvidence
 from model.parsers import make_parser
 from model.settings import default_artifacts_dir, default_data_dir, default_model_path
 from training.calibrate import Shown, best_of, calibration_error, matches_of, reliability, shown
 from training.evaluate import evaluate_scores, score_split
+from training.evidence import pair_terms
 
 logger = logging.getLogger("bench.relevance_bench")
 SHOWN = 10  # results of each query judged
@@ -84,16 +89,29 @@ def absent_object_captions(train: Any, dev: SplitData, parser: Any, seed: int) -
     return picked, nouns
 
 
+Terms = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (captions, images) -> (n, 2) phrase evidence terms
+
+
+def with_terms(part: Shown, terms: Terms | None) -> Shown:
+    """The pairs with their phrase evidence terms, where the scale reads them (`terms`: None where it does not)."""
+    if terms is None or part.caption is None or part.image is None:
+        return part
+    return dataclasses.replace(part, evidence=terms(part.caption, part.image))
+
+
 def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image: np.ndarray,
-            absent: np.ndarray) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            absent: np.ndarray, terms: Terms | None = None, absent_terms: Terms | None = None
+            ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The summary and the reliability rows of one scale on dev's score matrix (each result's relevance for
-    its query in the collection searched)."""
+    its query in the collection searched; with `terms`, the phrase evidence of each pair, as served)."""
     n, n_sent = scores.shape
     out: dict[str, Any] = {"scale": rel.to_state()}
     rows: list[dict[str, Any]] = []
     preds, truths = [], []
-    for side, part in (("search", shown(scores.T, matches.T, True, SHOWN)),
-                       ("annotate", shown(scores, matches, False, SHOWN))):
+    images, captions = np.arange(n), np.arange(n_sent)
+    for side, part in (("search", shown(scores.T, matches.T, True, SHOWN, rows=captions, cols=images)),
+                       ("annotate", shown(scores, matches, False, SHOWN, rows=images, cols=captions))):
+        part = with_terms(part, terms)
         y, p = part.match, part.relevance(rel)
         table = reliability(p, y)
         rows += [{"direction": side, **r} for r in table]
@@ -110,14 +128,17 @@ def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image:
     out["ece_both"] = round(calibration_error(both), 4)
     cols = np.arange(n_sent)
     true = Shown(scores[pair_image, cols].astype(np.float64), np.ones(n_sent, bool), np.ones(n_sent, bool), cols,
-                 best_of(scores.T.astype(np.float64), RELEVANCE_TOP + 1), np.full(n_sent, n))
-    true_rel = true.relevance(rel)
+                 best_of(scores.T.astype(np.float64), RELEVANCE_TOP + 1), np.full(n_sent, n), cols,
+                 np.asarray(pair_image))
+    true_rel = with_terms(true, terms).relevance(rel)
     rest = scores.copy()
     rest[pair_image, cols] = -np.inf
-    gone = shown(rest.T, matches.T, True, 1)  # the best remaining image, in the collection without the own one
+    # the best remaining image, in the collection without the own one
+    gone = with_terms(shown(rest.T, matches.T, True, 1, rows=captions, cols=images), terms)
     best_rel, best_match = gone.relevance(rel), gone.match
-    absent_best = (shown(absent.T, np.zeros(absent.T.shape, bool), True, 1).relevance(rel) if absent.size
-                   else np.zeros(0))
+    absent_best = (with_terms(shown(absent.T, np.zeros(absent.T.shape, bool), True, 1,
+                                    rows=np.arange(absent.shape[1]), cols=images), absent_terms).relevance(rel)
+                   if absent.size else np.zeros(0))
     out["no_good_match"] = {
         "own_image_removed": round(float((best_rel < DEFAULT_CUTOFF).mean()), 4),
         "own_image_removed_best_no_match": round(float((best_rel[~best_match] < DEFAULT_CUTOFF).mean()), 4),
@@ -131,19 +152,39 @@ def measure(rel: Relevance, scores: np.ndarray, matches: np.ndarray, pair_image:
     return out, rows
 
 
+def text_terms(bundle: Bundle, scale: PhraseEvidence, data: SplitData, texts: list[str]) -> Terms:
+    """The phrase evidence terms of (text, image) pairs: `texts` (not the split's captions) in `data`'s images."""
+    embedded = embed_texts(bundle, texts, strict=False)
+
+    def terms(which: np.ndarray, image_ids: np.ndarray) -> np.ndarray:
+        out = np.zeros((len(which), 2))
+        for n, (t, k) in enumerate(zip(which.tolist(), image_ids.tolist(), strict=True)):
+            sent, triplets = embedded[t]
+            if len(sent):
+                img = bundle.embed_images(data.feats[k : k + 1])[0]
+                out[n] = scale.for_sentence(sent, triplets).found(img).terms()
+        return out
+
+    return terms
+
+
 def best_images(bundle: Bundle, data: SplitData, sentences: tuple[str, ...]) -> list[dict[str, Any]]:
     """Each sentence's best image in the split's collection, its score, the next image's and its relevance
     there (what a search with the default cut-off shows or withholds)."""
     rel = bundle.relevance
     assert rel is not None
     scores = score_split(bundle, data.feats, bundle.text.encode(list(sentences), strict=False))
+    evidence = bundle.evidence if rel.uses_evidence else None
+    terms = None if evidence is None else text_terms(bundle, evidence, data, list(sentences))
     out = []
     for j, sentence in enumerate(sentences):
         col = scores[:, j]
         first, second = np.lexsort((np.arange(len(col)), -col))[:2]
         scale = rel.for_query("search", col, len(col))
+        found = None if terms is None else terms(np.asarray([j]), np.asarray([first]))[0]
         out.append({"sentence": sentence, "best": data.names[first], "score": round(float(col[first]), 4),
-                    "next_score": round(float(col[second]), 4), "relevance": round(scale.of(float(col[first])), 4)})
+                    "next_score": round(float(col[second]), 4),
+                    "relevance": round(scale.of(float(col[first]), found), 4)})
     return out
 
 
@@ -192,7 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     tables: dict[str, list[dict[str, Any]]] = {}
     for name, rel in scales.items():
         assert rel is not None
-        out, table = measure(rel, scored[name][1], matches, data.pair_image, scored[name][2])
+        b = models[name]
+        scale = b.evidence if rel.uses_evidence else None
+        terms = None if scale is None else pair_terms(b, scale, data)
+        absent_terms = None if scale is None or not texts else text_terms(b, scale, data, texts)
+        out, table = measure(rel, scored[name][1], matches, data.pair_image, scored[name][2], terms, absent_terms)
         out["rsum"] = round(scored[name][0]["rsum"], 2)
         out["examples"] = examples[name]
         summary[name] = out
