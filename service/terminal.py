@@ -137,20 +137,20 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
 def _write_lines(kept: Sequence[tuple[ImageHit | SentenceHit, str]],
                  weaker: Sequence[tuple[ImageHit | SentenceHit, str]], rel: Relevance | None,
                  cutoff: float | None) -> None:
-    """One line a result on stdout: its relevance (when the model has the scale), what it names, and the things
-    it misses; the results under the cut-off on stderr, after a line that says so (stdout holds only the results
-    that reach the cut-off: what a script reads)."""
-    def line(h: ImageHit | SentenceHit, what: str) -> str:
+    """One line a result that reaches the cut-off on stdout, what a script reads: its relevance (when the model
+    has the scale), a tab, the path or the sentence. The results under the cut-off on stderr, for a person,
+    after a line that says so, each with the things it misses."""
+    def line(h: ImageHit | SentenceHit, what: str, lacking: bool = False) -> str:
         shown = "" if rel is None else f"{relevance_of(h.score, rel, h.found):.3f}\t"
-        lacks = missing_of(h.found)
-        return f"{shown}{what}" + (f"\t(not found: {', '.join(lacks)})" if lacks else "") + "\n"
+        lacks = missing_of(h.found) if lacking else []
+        return f"{shown}{what}" + (f"  (not found: {', '.join(lacks)})" if lacks else "") + "\n"
 
     for h, what in kept:
         sys.stdout.write(line(h, what))
     if weaker:
         sys.stderr.write(f"-- weaker matches (relevance below {cutoff:.2f}) --\n")
         for h, what in weaker:
-            sys.stderr.write(line(h, what))
+            sys.stderr.write(line(h, what, lacking=True))
 
 
 def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
