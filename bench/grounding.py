@@ -13,9 +13,13 @@ accuracy @ IoU 0.5 (the answer's box overlaps one of the phrase's boxes at IoU >
 centre lies in one of them) and the mean of the best IoU.
 
 Two units:
-- ``phrase``: one answer per phrase: the aligned triplet that holds the phrase's head noun (its last word)
-  with the best alignment score, else the best-scoring aligned triplet holding any word of the phrase; a phrase
-  no aligned triplet touches has no answer and counts as a miss (``answered`` says how many had one).
+- ``phrase``: one answer per phrase: the region drawn for the aligned triplet that names the phrase's head noun
+  (its last word, as model/grounder.py ``named_by`` reads a triplet: ``det(dog, a)``, ``nsubj(runs, dog)``)
+  with the best score; else for the one that holds the head with the best score; else for the best-scoring
+  aligned triplet holding any word of the phrase; a phrase no aligned triplet touches has no answer and counts
+  as a miss (``answered`` says how many had one). With the model's grounder (the service's answer) every
+  triplet that names a thing draws the thing's region; ``--alignment-only`` measures the alignment's own
+  choice (each triplet's best-scoring region) on the same model.
 - ``pair``: every aligned triplet with every phrase one of its words falls in (a triplet whose two words lie in
   two phrases counts for each): the measure taken from outside on the test images.
 
@@ -40,16 +44,19 @@ from tqdm import tqdm
 
 from bench import kept_rows, machine, parse_run, write_rows
 from bench.photo_decode import cpu_flags
-from index.matches import matches
+from index.matches import SentenceReading, aligned, read_sentence
 from index.types import FragmentMatch
 from model.boxes import box_iou
 from model.bundle import Bundle
 from model.dataset import load_split_data
 from model.embed import embed_texts
 from model.entities import Phrase, read_entities
+from model.evidence import thing_members
+from model.grounder import named_by
 from model.parsers import make_parser
 from model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
 from model.settings import default_cache_dir, default_data_dir
+from model.text import Triplet
 
 logger = logging.getLogger("bench.grounding")
 IOU = 0.5
@@ -112,19 +119,24 @@ class Grounding:
             self.tallies[(unit, kind)].add(answer, truth, fragments)
 
 
-def phrase_answer(phrase: Phrase, aligned: Sequence[FragmentMatch]) -> FragmentMatch | None:
-    """A phrase's answer among a caption's aligned triplets (see the module's note)."""
+def phrase_answer(phrase: Phrase, alignment: Sequence[FragmentMatch], things: Sequence[str]
+                  ) -> FragmentMatch | None:
+    """A phrase's answer among a caption's aligned triplets (see the module's note); `things`: the things the
+    caption's triplets name."""
     def best(found: list[FragmentMatch]) -> FragmentMatch | None:
         return max(found, key=lambda m: (m.score, -m.fragment)) if found else None
 
     words = set(phrase.words)
-    return (best([m for m in aligned if phrase.head in m.words])
-            or best([m for m in aligned if words & set(m.words)]))
+    return (best([m for m in alignment
+                  if named_by(Triplet(m.relation, m.words[0], m.words[1]), things) == phrase.head])
+            or best([m for m in alignment if phrase.head in m.words])
+            or best([m for m in alignment if words & set(m.words)]))
 
 
 def ground(bundle: Bundle, data: Path, entities: Path, cache: Path, workers: int, limit: int | None,
-           examples: int) -> Grounding:
-    """Every dev caption aligned with its own image and scored against the Entities boxes."""
+           examples: int, grounded: bool = True) -> Grounding:
+    """Every dev caption aligned with its own image and scored against the Entities boxes (`grounded`: with the
+    model's grounder, as the service draws it; else the alignment's own regions)."""
     dev = load_split_data(data, "dev", bundle.image_cfg, cache, make_parser(bundle.text.cfg.parser),
                           workers=workers, limit=limit, device="cpu")
     ents = read_entities(entities, dev.names)
@@ -146,13 +158,17 @@ def ground(bundle: Bundle, data: Path, entities: Path, cache: Path, workers: int
             out.matched += 1
             fragments = dev.boxes[k]
             width, height = int(round(float(fragments[0, 2]))), int(round(float(fragments[0, 3])))
-            aligned = matches(vectors[k], sent, triplets, fragments, bundle.blocks)
+            reading = read_sentence(bundle, sent, triplets)
+            if not grounded:
+                reading = SentenceReading(reading.evidence)
+            alignment, _ = aligned(vectors[k], sent, triplets, fragments, bundle.blocks, (), reading)
+            things = thing_members(triplets)[0]
             drawn = len(out.examples) >= examples or l % 97 != 0  # one phrase of every 97th caption is drawn
             for phrase in image.boxed(caption):
                 truth = image.boxes_at(phrase.chain, width, height)
-                answer = phrase_answer(phrase, aligned)
+                answer = phrase_answer(phrase, alignment, things)
                 out.add("phrase", phrase.types, None if answer is None else answer.box, truth, fragments)
-                for m in aligned:
+                for m in alignment:
                     if set(phrase.words) & set(m.words):
                         out.add("pair", phrase.types, m.box, truth, fragments)
                 if answer is not None and not drawn:
@@ -211,13 +227,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--types-out", type=Path, default=Path("docs/results/grounding-dev-types.csv"))
     ap.add_argument("--plot", type=Path, default=None, help="a PNG of examples (boxes only)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other models already in the results")
+    ap.add_argument("--alignment-only", action="store_true",
+                    help="draw each triplet's best-scoring region, not the grounder's (the row is named so)")
     args, command = parse_run(ap, argv, "bench.grounding")
     entities = args.entities or args.data.parent / "flickr30k-entities"
     bundle = Bundle.load(args.model)
     released = Path(args.model).resolve() == Path(RELEASED_MODEL).resolve()
     name = args.name or (f"released {read_manifest(RELEASE_DIR).get('row', '')}".strip() if released
                          else Path(args.model).parent.name)
-    result = ground(bundle, args.data, entities, args.cache, args.workers, args.limit, args.examples)
+    grounded = bundle.grounder is not None and not args.alignment_only
+    if bundle.grounder is not None and args.alignment_only:
+        name += ", alignment only"
+    result = ground(bundle, args.data, entities, args.cache, args.workers, args.limit, args.examples, grounded)
     logger.info("%d of %d captions matched to their Entities line", result.matched, result.captions)
     stamp = {"machine": machine(), "cpu_flags": cpu_flags(), "command": command}
     phrase, pair = result.tallies[("phrase", "all")].row(), result.tallies[("pair", "all")].row()

@@ -20,7 +20,7 @@ from PIL import Image
 
 from index.base import FragmentIndex
 from index.image_vectors import KeptVectors
-from index.matches import aligned, label_at, sentence_evidence
+from index.matches import aligned, label_at, read_sentence
 from index.photos import Photos
 from index.places import Place, PlaceFilter, read_place
 from index.ranker import exact_score, rank_key
@@ -180,10 +180,10 @@ class ImageIndex(FragmentIndex[StoredImage]):
         ranked, considered, best, held = self.ranker.rank(sent, exact_score(self.bundle, [sent], "images"),
                                                           offset + k, exhaustive, allowed, skl_of_items)
         # (codes: one block; the projection mixes a merged model's member slices)
-        evidence = sentence_evidence(self.bundle, sent, query.triplets)
+        reading = read_sentence(self.bundle, sent, query.triplets)
         hits = []
         for item, s, p, frags in ranked[offset:]:
-            alignment, found = aligned(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels, evidence)
+            alignment, found = aligned(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels, reading)
             hits.append(ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s, alignment,
                                  p.place, p.path, found))
         return Page(hits, offset, considered, best, held)
@@ -211,7 +211,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
                            float(shares[i, j]), label_at(payload.labels, i))
                  for j in range(len(sent)) for i in range(len(frags))]
         alignment, found = aligned(frags, sent, triplets, payload.boxes, self.bundle.blocks, payload.labels,
-                                   sentence_evidence(self.bundle, sent, names))
+                                   read_sentence(self.bundle, sent, names))
         return Explanation(image_id, payload.name, payload.width, payload.height, placed.score, placed.rank,
                            placed.considered, len(frags), len(sent), alignment, pairs, placed.scope,
                            placed.recalled, placed.best, placed.collection, found)
@@ -225,7 +225,7 @@ class ImageIndex(FragmentIndex[StoredImage]):
         scoring 0 are not matches and end the ranking).
         """
         sent, triplets = embed_phrase(self.bundle, phrase)
-        evidence = sentence_evidence(self.bundle, sent, triplets)
+        evidence = read_sentence(self.bundle, sent, triplets).evidence
         with self.reading():
             items, frags = self.ranker.nearest_fragments(sent, max(self.settings.search.k_prime, offset + k))
             if len(items) == 0:

@@ -1,29 +1,35 @@
 """Alignments as results: which image region each sentence fragment matched, with its triplet and box, and
-whether what it names is in the picture (phrase evidence, model/evidence.py)."""
+whether what it names is in the picture (phrase evidence, model/evidence.py); where the model has a grounder
+(model/grounder.py), the region drawn for a fragment that names a thing is where the grounder puts the thing."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from index.types import FragmentMatch
 from model.bundle import Bundle
 from model.evidence import Found, SentenceEvidence
+from model.grounder import SentenceGrounding
 from model.score import align
 from model.text import Triplet
 
 
 def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | None,
             boxes: np.ndarray, blocks: int = 1, labels: Sequence[str | None] = (),
-            found: Found | None = None) -> list[FragmentMatch]:
+            found: Found | None = None, regions: Sequence[int | None] | None = None) -> list[FragmentMatch]:
     """The alignment of one image-sentence pair as results, in sentence-fragment order.
 
     img: (F, h) image fragments with boxes (F, 4) and their detector labels (empty: none known); sent: (T, h)
     sentence fragments with their triplets. Sentence fragments without a positive match (no share in S_kl) are
     left out, unless they name a thing the phrase evidence `found` (the sentence's, in this image) reads: a
     thing the picture lacks is reported (not found), not dropped. `blocks`: the model's (``Bundle.blocks``; a
-    merged model aligns by the thresholded pair score, model/score.py).
+    merged model aligns by the thresholded pair score, model/score.py). `regions`: per sentence fragment, the
+    region that holds the thing it names (the grounder's, `SentenceGrounding.of_triplets`; None: the aligned
+    one). The score stays the fragment's share of S_kl (its best region's score): how well it matches, where
+    the region says where the thing it names is.
     """
     al = align(img, sent, blocks)
     out = []
@@ -31,6 +37,9 @@ def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | Non
         f = None if found is None else found.fragments[j]
         if not ok and f is None:
             continue
+        drawn = None if regions is None else regions[j]
+        if drawn is not None:
+            i = drawn
         t = triplets[j] if triplets else Triplet("", f"fragment {j}", f"fragment {j}")
         out.append(FragmentMatch(triplet=t.text() if triplets else f"fragment {j}", relation=t.rel,
                                  words=(t.w1, t.w2), box=[float(v) for v in boxes[i]], fragment=int(i),
@@ -38,22 +47,35 @@ def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | Non
     return out
 
 
-def sentence_evidence(bundle: Bundle, sent: np.ndarray, triplets: Sequence[Triplet] | None
-                      ) -> SentenceEvidence | None:
-    """A sentence's phrase evidence, read once per query (None: the model has none, or the fragments have no
-    triplets)."""
-    scale = bundle.evidence
-    if scale is None or not triplets or len(triplets) != len(sent):
-        return None
-    return scale.for_sentence(np.asarray(sent, dtype=np.float32), list(triplets))
+@dataclass(frozen=True)
+class SentenceReading:
+    """What is read of a query sentence once for every image it is aligned with: its phrase evidence and its
+    grounding (each None where the model has none)."""
+
+    evidence: SentenceEvidence | None = None
+    grounding: SentenceGrounding | None = None
+
+
+def read_sentence(bundle: Bundle, sent: np.ndarray, triplets: Sequence[Triplet] | None) -> SentenceReading:
+    """A sentence's phrase evidence and grounding, read once per query (each None: the model has none, or the
+    fragments have no triplets)."""
+    if not triplets or len(triplets) != len(sent):
+        return SentenceReading()
+    sent = np.asarray(sent, dtype=np.float32)
+    scale, grounder = bundle.evidence, bundle.grounder
+    return SentenceReading(None if scale is None else scale.for_sentence(sent, list(triplets)),
+                           None if grounder is None else grounder.for_sentence(sent, list(triplets), bundle.blocks))
 
 
 def aligned(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | None, boxes: np.ndarray,
-            blocks: int, labels: Sequence[str | None], evidence: SentenceEvidence | None
+            blocks: int, labels: Sequence[str | None], reading: SentenceReading
             ) -> tuple[list[FragmentMatch], Found | None]:
-    """One pair's alignment (`matches`) and its phrase evidence (None without `evidence`)."""
-    found = None if evidence is None else evidence.found(img)
-    return matches(img, sent, triplets, boxes, blocks, labels, found), found
+    """One pair's alignment (`matches`, each thing drawn where the grounder puts it) and its phrase evidence
+    (None where the model has none)."""
+    found = None if reading.evidence is None else reading.evidence.found(img)
+    g = reading.grounding
+    regions = None if g is None else g.of_triplets(g.regions(img, boxes))
+    return matches(img, sent, triplets, boxes, blocks, labels, found, regions), found
 
 
 def label_at(labels: Sequence[str | None], fragment: int) -> str | None:

@@ -18,7 +18,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.base import FragmentIndex
-from index.matches import aligned, sentence_evidence
+from index.matches import aligned, read_sentence
 from index.ranker import exact_score
 from index.types import IndexSettings, Page, SentenceHit, SentenceRecord
 from model.bundle import Bundle
@@ -123,7 +123,7 @@ class SentenceIndex(FragmentIndex[StoredSentence]):
         hits = []
         for item, s, p, frags in ranked[offset:]:
             alignment, found = aligned(img, frags, p.triplets, image.boxes, self.bundle.blocks, image.labels,
-                                       sentence_evidence(self.bundle, frags, p.triplets))
+                                       read_sentence(self.bundle, frags, p.triplets))
             hits.append(SentenceHit(item, p.text, s, alignment, found))
         return Page(hits, offset, considered, best, held)
 

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from index.images import ImageIndex
-from index.matches import aligned, sentence_evidence
+from index.matches import SentenceReading, aligned, read_sentence
 from index.sentences import SentenceIndex
 from index.types import ImageHit, ImageRecord, Page, SentenceHit
 from model.embed import EmbeddedImage, embed_image, embed_texts
@@ -82,13 +82,13 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
     described, sent, triplets = (describe(sentences, images, img, boxes, descriptions) if sentences is not None
                                  else (Page([], 0, 0), None, []))
     hits: list[ImageHit] = []
-    evidence = None if sent is None else sentence_evidence(images.bundle, sent, triplets)
+    reading = SentenceReading() if sent is None else read_sentence(images.bundle, sent, triplets)
     for image_id, cosine in zip(ids[offset : offset + k].tolist(), sims[offset : offset + k].tolist(), strict=True):
         rec, stored = images.get(image_id), images.fragments(image_id)
         if rec is None or stored is None:  # removed meanwhile
             continue
         frags, frag_boxes = stored
-        alignment, found = (aligned(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels, evidence)
+        alignment, found = (aligned(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels, reading)
                             if sent is not None else ([], None))
         hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment,
                              file=rec.file, found=found))

@@ -45,6 +45,7 @@ from model.encoders import Encoders, ModelConfig
 from model.evidence import REFERENCES, PhraseEvidence
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.graphs import BACKBONE_NAME, package_weights
+from model.grounder import Grounder
 from model.image import RegionExtractor
 from model.minilm_files import package_dir as minilm_dir
 from model.modelfile import MODEL_ARRAYS, MODEL_FORMAT, MODEL_JSON, CheckpointError, model_file, read_parts
@@ -166,6 +167,7 @@ class Bundle:
         text.use_layers(encoders.text_layers)  # a model's own top layers of MiniLM, where it trains them
         self._extractor: RegionExtractor | None = None
         self._extractor_lock = threading.Lock()
+        self.grounder: Grounder | None = None  # where each named thing is (model/grounder.py); None: the alignment's
 
     @property
     def calibration(self) -> Calibration | None:
@@ -314,6 +316,8 @@ class Bundle:
             out["word_vectors"] = np.asarray(self.text.words.vectors, dtype=np.float32)
         if self.calibration is not None:
             out.update({f"cal/{k}": v for k, v in self.calibration.to_arrays().items()})
+        if self.grounder is not None:
+            out.update({f"grd/{k}": v for k, v in self.grounder.to_arrays().items()})
         return out
 
     def description(self) -> dict[str, Any]:
@@ -329,6 +333,7 @@ class Bundle:
             "calibration": None if self.calibration is None else self.calibration.settings(),
             "weights": self.weights if self.weights is not None else weight_record(self.text.cfg,
                                                                                    self.image_cfg.backbone),
+            **({} if self.grounder is None else {"grounder": self.grounder.to_state()}),
         }
 
     def save(self, folder: Path) -> Path:
@@ -364,6 +369,8 @@ class Bundle:
             cal_state = state.get("calibration")
             calibration = None if cal_state is None else Calibration.from_arrays(
                 {k[4:]: v for k, v in arrays.items() if k.startswith("cal/")}, cal_state)
+            grounder = Grounder.from_parts(state.get("grounder"),
+                                           {k[4:]: v for k, v in arrays.items() if k.startswith("grd/")})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{path}: a damaged or incompatible fragsearch model: {exc}") from exc
         weights = state.get("weights")
@@ -372,7 +379,9 @@ class Bundle:
                            "were recorded): the MiniLM and parser files are not checked", path)
         else:
             check_weights(path, weights, text.cfg, image_cfg.backbone)
-        return cls(encoders, text, image_cfg, state.get("meta", {}), calibration, weights, device)
+        bundle = cls(encoders, text, image_cfg, state.get("meta", {}), calibration, weights, device)
+        bundle.grounder = grounder
+        return bundle
 
     @classmethod
     def load(cls, path: Path, device: str = "auto") -> Bundle:

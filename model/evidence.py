@@ -57,7 +57,8 @@ NOT_THINGS = frozenset({"front", "top", "side", "middle", "background", "foregro
                         "someone", "it", "each", "other", "another", "air", "distance"})
 
 
-def _second_is_thing(rel: str) -> bool:
+def second_is_thing(rel: str) -> bool:
+    """Whether a relation's second word is the thing (a subject, an object, a preposition's object)."""
     return rel in THING_SECOND or rel.startswith(THING_SECOND_PREFIXES)
 
 
@@ -68,7 +69,7 @@ def named_things(triplets: Sequence[Triplet]) -> list[str]:
     out: list[str] = []
     for t in triplets:
         words = ([t.w1] if t.rel == WORD_REL else
-                 [*([t.w1] if t.rel in THING_FIRST else []), *([t.w2] if _second_is_thing(t.rel) else [])])
+                 [*([t.w1] if t.rel in THING_FIRST else []), *([t.w2] if second_is_thing(t.rel) else [])])
         for w in words:
             if w.isalpha() and w not in NOT_THINGS and w not in out:
                 out.append(w)
@@ -80,6 +81,15 @@ def things_of(triplet: Triplet, things: Sequence[str]) -> list[str]:
     if triplet.rel == SENTENCE_REL:
         return []
     return [w for w in things if w in (triplet.w1, triplet.w2)]
+
+
+def thing_members(triplets: Sequence[Triplet]) -> tuple[list[str], list[list[int]]]:
+    """The sentence's things (`named_things`) that a triplet holds, each with the rows of the triplets that
+    hold it."""
+    things = named_things(triplets)
+    members = [[j for j, t in enumerate(triplets) if w in things_of(t, things)] for w in things]
+    keep = [n for n, m in enumerate(members) if m]
+    return [things[n] for n in keep], [members[n] for n in keep]
 
 
 def logit(p: np.ndarray) -> np.ndarray:
@@ -145,11 +155,8 @@ class PhraseEvidence:
     def for_sentence(self, sent: np.ndarray, triplets: Sequence[Triplet]) -> SentenceEvidence:
         """One sentence's fragments (T, h) and triplets, read against the references once."""
         ref = np.sort(self.reference_best(sent), axis=0)  # (R, T) ascending
-        things = named_things(triplets)
-        members = [[j for j, t in enumerate(triplets) if w in things_of(t, things)] for w in things]
-        keep = [n for n, m in enumerate(members) if m]
-        return SentenceEvidence(self, np.asarray(sent, dtype=np.float32), list(triplets),
-                                [things[n] for n in keep], [members[n] for n in keep], ref,
+        things, members = thing_members(triplets)
+        return SentenceEvidence(self, np.asarray(sent, dtype=np.float32), list(triplets), things, members, ref,
                                 ref.mean(axis=0), ref.std(axis=0) + 1e-6)
 
     def probability(self, features: np.ndarray) -> np.ndarray:

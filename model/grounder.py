@@ -1,0 +1,187 @@
+"""Grounding: for each thing a sentence names, the region of an image that holds it.
+
+The alignment's own choice (each triplet's best-scoring region, model/score.py ``align``) is what S_kl sums,
+and the fragment objective never told it where a thing is: checked against Flickr30k Entities' boxes it holds
+the named thing less often than the whole image would (docs/results/grounding.md). The grounder is a small
+head trained for that question alone, on the training images' phrase boxes (training/grounder.py): it reads,
+for a thing and each of an image's fragments,
+
+- the thing's direction: the mean of its triplets' unit vectors (``s``), and the fragment's unit vector
+  (``v``), with their product ``s * v`` (which dimensions agree);
+- the fragment's box in the image (corners, area, its square root, log aspect, whether it is the whole image);
+- the triplets' alignment scores with the fragment (``alignment_scores``: their largest and mean, and how far the
+  largest stands above the image's other fragments, in spreads),
+
+through one hidden layer (ReLU) to a score; the thing's region is the fragment with the highest score (ties go
+to the first). It changes no score: S_kl, the rankings and the relevance are what they were; it says where the
+thing is. The weights are stored with the model (``grd/*`` arrays, the ``grounder`` state); a model without
+them aligns as before.
+
+The things and which triplets hold them are phrase evidence's (model/evidence.py ``named_things``); a triplet
+draws the region of the thing it names (``named_by``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from model.evidence import THING_FIRST, second_is_thing, thing_members, things_of
+from model.fragments import WORD_REL
+from model.score import alignment_scores
+from model.text import Triplet
+
+GROUNDER_FORM = "grounder-1"  # the stored head's form (an earlier one is not read: retrain it)
+GEOMETRY = ("x0", "y0", "x1", "y1", "area", "sqrt_area", "log_aspect", "whole")
+SCORES = ("max_score", "mean_score", "standing")
+EPS = 1e-6
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    """Rows of `x` scaled to unit length (a zero row stays zero)."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.asarray(x / (np.linalg.norm(x, axis=-1, keepdims=True) + EPS), dtype=np.float32)
+
+
+def geometry(boxes: np.ndarray) -> np.ndarray:
+    """(F, len(GEOMETRY)) the fragments' boxes (F, 4) in the image's frame, row 0 the whole image (its box gives
+    the image's size)."""
+    b = np.asarray(boxes, dtype=np.float32)
+    width, height = max(float(b[0, 2]), 1.0), max(float(b[0, 3]), 1.0)
+    corners = b / np.asarray([width, height, width, height], dtype=np.float32)
+    area = np.clip((corners[:, 2] - corners[:, 0]) * (corners[:, 3] - corners[:, 1]), 0.0, None)
+    aspect = np.log((b[:, 2] - b[:, 0] + 1.0) / (b[:, 3] - b[:, 1] + 1.0))
+    whole = np.zeros(len(b), np.float32)
+    whole[0] = 1.0
+    return np.concatenate([corners, area[:, None], np.sqrt(area)[:, None], aspect[:, None], whole[:, None]],
+                          axis=1).astype(np.float32)
+
+
+def score_features(img: np.ndarray, rows: np.ndarray, blocks: int) -> np.ndarray:
+    """(F, len(SCORES)) a thing's triplets (`rows` (m, h)) scored with each fragment of an image (F, h)."""
+    a = np.asarray(alignment_scores(np.asarray(img, np.float32), np.asarray(rows, np.float32), blocks))  # (F, m)
+    best = a.max(axis=1)
+    standing = (best - best.mean()) / (best.std() + EPS)
+    return np.stack([best, a.mean(axis=1), standing], axis=1).astype(np.float32)
+
+
+def thing_direction(rows: np.ndarray) -> np.ndarray:
+    """(h,) a thing's direction: the unit mean of its triplets' unit vectors (rows (m, h))."""
+    return unit(unit(rows).mean(axis=0))
+
+
+def named_by(triplet: Triplet, things: Sequence[str]) -> str | None:
+    """The thing a triplet names (its region is that thing's): the first word of a determiner or modifier
+    relation, the second of a subject, object or preposition, a lone word's word; else the first of `things`
+    it holds; None when it holds none."""
+    held = things_of(triplet, things)
+    if not held:
+        return None
+    if triplet.rel == WORD_REL or triplet.rel in THING_FIRST:
+        role = triplet.w1
+    elif second_is_thing(triplet.rel):
+        role = triplet.w2
+    else:
+        role = held[0]
+    return role if role in held else held[0]
+
+
+@dataclass(frozen=True)
+class Grounder:
+    """The head's weights: w1 (H, 3h + len(GEOMETRY) + len(SCORES)) over [s * v, v, s, geometry, scores], b1 (H,),
+    w2 (H,), b2 (); `state` says how it was trained."""
+
+    w1: np.ndarray = field(repr=False)
+    b1: np.ndarray = field(repr=False)
+    w2: np.ndarray = field(repr=False)
+    b2: float = 0.0
+    state: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def h(self) -> int:
+        return (int(self.w1.shape[1]) - len(GEOMETRY) - len(SCORES)) // 3
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": np.asarray([self.b2], np.float32)}
+
+    def to_state(self) -> dict[str, Any]:
+        return {**self.state, "form": GROUNDER_FORM, "hidden": int(self.w1.shape[0]), "geometry": list(GEOMETRY),
+                "scores": list(SCORES)}
+
+    def summary(self) -> dict[str, Any]:
+        """The state without the per-epoch history (what a release's manifest records)."""
+        state = self.to_state()
+        validation = {k: v for k, v in dict(state.get("validation", {})).items() if k != "history"}
+        return {**state, **({"validation": validation} if validation else {})}
+
+    @classmethod
+    def from_parts(cls, state: Mapping[str, Any] | None, arrays: Mapping[str, np.ndarray]) -> Grounder | None:
+        """The stored head (None: none stored, or of another form)."""
+        if not state or state.get("form") != GROUNDER_FORM or "w1" not in arrays:
+            return None
+        w1 = np.asarray(arrays["w1"], np.float32)
+        if w1.ndim != 2 or (w1.shape[1] - len(GEOMETRY) - len(SCORES)) % 3:
+            raise ValueError(f"the grounder's first layer has shape {w1.shape}: not [s*v, v, s, geometry, scores]")
+        return cls(w1, np.asarray(arrays["b1"], np.float32), np.asarray(arrays["w2"], np.float32),
+                   float(np.asarray(arrays["b2"]).reshape(-1)[0]), dict(state))
+
+    def for_sentence(self, sent: np.ndarray, triplets: Sequence[Triplet], blocks: int) -> SentenceGrounding:
+        """One sentence's things, their triplets and what the head reads of them once (sent (T, h))."""
+        sent = np.asarray(sent, np.float32)
+        things, members = thing_members(triplets)
+        h = self.h
+        w_sv, w_v, w_s = self.w1[:, :h], self.w1[:, h : 2 * h], self.w1[:, 2 * h : 3 * h]
+        directions = (np.stack([thing_direction(sent[m]) for m in members]) if members
+                      else np.zeros((0, h), np.float32))
+        return SentenceGrounding(self, sent, list(triplets), things, members, blocks,
+                                 (w_sv[None, :, :] * directions[:, None, :]).astype(np.float32),  # (N, H, h)
+                                 (directions @ w_s.T + self.b1).astype(np.float32), w_v)
+
+
+@dataclass(frozen=True)
+class SentenceGrounding:
+    """A sentence read by the grounder: its things (phrase evidence's order), the triplet rows of each, and the
+    head's terms that depend on the thing alone."""
+
+    grounder: Grounder
+    sent: np.ndarray
+    triplets: list[Triplet]
+    things: list[str]
+    members: list[list[int]]
+    blocks: int
+    by_thing: np.ndarray = field(repr=False)  # (N, H, h) the product term's weights, each thing's direction applied
+    bias: np.ndarray = field(repr=False)  # (N, H) the thing's own term and the layer's bias
+    w_v: np.ndarray = field(repr=False)  # (H, h)
+
+    def scores(self, img: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        """(N, F) the head's score of each thing in each fragment of one image (img (F, h) with boxes (F, 4))."""
+        if not self.things:
+            return np.zeros((0, len(img)), np.float32)
+        g = self.grounder
+        h = g.h
+        v = unit(img)
+        w_g = g.w1[:, 3 * h : 3 * h + len(GEOMETRY)]
+        w_a = g.w1[:, 3 * h + len(GEOMETRY) :]
+        shared = v @ self.w_v.T + geometry(boxes) @ w_g.T  # (F, H)
+        out = np.empty((len(self.things), len(img)), np.float32)
+        for n, rows in enumerate(self.members):
+            hidden = v @ self.by_thing[n].T + shared + self.bias[n] + score_features(img, self.sent[rows],
+                                                                                    self.blocks) @ w_a.T
+            out[n] = np.maximum(hidden, 0.0) @ g.w2 + g.b2
+        return out
+
+    def regions(self, img: np.ndarray, boxes: np.ndarray) -> dict[str, int]:
+        """Each thing's region: the fragment the head scores highest (ties: the first)."""
+        s = self.scores(img, boxes)
+        return {w: int(np.argmax(s[n])) for n, w in enumerate(self.things)}
+
+    def of_triplets(self, regions: Mapping[str, int]) -> list[int | None]:
+        """Each triplet's region: its named thing's (`named_by`), None for one that names none."""
+        out: list[int | None] = []
+        for t in self.triplets:
+            w = named_by(t, self.things)
+            out.append(None if w is None else regions.get(w))
+        return out

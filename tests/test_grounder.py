@@ -1,0 +1,175 @@
+"""The grounder (model/grounder.py, trained by training/grounder.py): where each thing a sentence names is.
+
+Trained on the shapes training pictures with their known boxes given as Entities annotations (each caption's
+"a red circle" names the circle's box), it must find the shape named in dev pictures it never saw, through
+the service's own alignment; its runtime scores must be the trainer's; a model keeps it through save and load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from index.matches import SentenceReading, aligned, read_sentence
+from model.bundle import Bundle
+from model.dataset import hold_out
+from model.embed import embed_texts
+from model.entities import ImageEntities, parse_caption
+from model.evidence import thing_members
+from model.grounder import GEOMETRY, SCORES, Grounder, geometry, named_by
+from model.text import Triplet
+from service.app import create_app
+from service.engine import Engine
+from tests.conftest import ShapesModel
+from tests.conftest_service import engine_over_dev
+from tests.synthetic import TEMPLATES, iou
+from training.grounder import IOU, Samples, accuracy_of, fit_grounder, samples_of, scores_of
+
+pytest_plugins = ["tests.conftest_service"]
+
+
+def shapes_entities(shapes: ShapesModel) -> dict[str, ImageEntities]:
+    """The shapes pictures' captions annotated as Flickr30k Entities annotates Flickr30K's: each shape's phrase
+    ("a red circle") with its chain, the chain's box the shape's."""
+    out = {}
+    for name, (a, b) in shapes.objects.items():
+        lines = [t.replace("{c1} {s1}", "[/EN#1/other {c1} {s1}]").replace("{c2} {s2}", "[/EN#2/other {c2} {s2}]")
+                 .format(c1=a["colour"], s1=a["shape"], c2=b["colour"], s2=b["shape"]) for t in TEMPLATES]
+        ents = ImageEntities(Path(name).stem, 224, 224, [parse_caption(line) for line in lines])
+        ents.boxes = {"1": np.asarray([a["box"]], np.float32), "2": np.asarray([b["box"]], np.float32)}
+        out[name] = ents
+    return out
+
+
+@pytest.fixture(scope="module")
+def grounded(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[Path, dict[str, float]]:
+    """The shapes model with a grounder trained on 40 training pictures (epochs chosen on the other 20), saved;
+    and the measures on the dev pictures."""
+    from model.dataset import load_split_data
+    from model.parsers import make_parser
+
+    bundle = Bundle.load(shapes_model.model_path)
+    ents = shapes_entities(shapes_model)
+    train = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))
+    rest, val = hold_out(train, 20, 0)
+    fit, report = fit_grounder(samples_of(bundle, rest, ents), samples_of(bundle, val, ents), hidden=32, epochs=40,
+                               batch=16)
+    bundle.grounder = fit
+    dev = samples_of(bundle, shapes_model.dev, ents)
+    folder = tmp_path_factory.mktemp("grounded") / "model"
+    bundle.save(folder)
+    measures = {"dev": accuracy_of(fit, dev), "whole": dev.whole_image(),
+                "upper": float((dev.iou >= IOU).any(axis=1).mean()), "val": report["val_accuracy"]}
+    return folder, measures
+
+
+def test_geometry_reads_boxes_in_the_image_frame() -> None:
+    g = geometry(np.asarray([[0, 0, 200, 100], [50, 25, 150, 75]], np.float32))
+    assert g.shape == (2, len(GEOMETRY))
+    np.testing.assert_allclose(g[1, :4], [0.25, 0.25, 0.75, 0.75])
+    np.testing.assert_allclose(g[:, 4], [1.0, 0.25])
+    assert list(g[:, 7]) == [1.0, 0.0]
+
+
+def test_a_triplet_draws_the_thing_its_role_names() -> None:
+    trips = [Triplet("det", "dog", "a"), Triplet("nsubj", "runs", "dog"), Triplet("prep_through", "runs", "grass"),
+             Triplet("prep_in", "dog", "grass"), Triplet("advmod", "runs", "fast")]
+    things, members = thing_members(trips)
+    assert things == ["dog", "grass"]
+    assert [named_by(t, things) for t in trips] == ["dog", "dog", "grass", "grass", None]
+
+
+def test_the_runtime_scores_as_the_trainer_does() -> None:
+    rng = np.random.default_rng(0)
+    h, f, hidden = 8, 5, 6
+    g = Grounder(rng.normal(size=(hidden, 3 * h + len(GEOMETRY) + len(SCORES))).astype(np.float32),
+                 rng.normal(size=hidden).astype(np.float32), rng.normal(size=hidden).astype(np.float32), 0.3)
+    img = rng.normal(size=(f, h)).astype(np.float32)
+    boxes = np.asarray([[0, 0, 100, 80], [0, 0, 50, 40], [50, 0, 100, 40], [0, 40, 50, 80], [10, 10, 90, 70]],
+                       np.float32)
+    sent = rng.normal(size=(3, h)).astype(np.float32)
+    trips = [Triplet("det", "dog", "a"), Triplet("nsubj", "runs", "dog"), Triplet("prep_on", "runs", "grass")]
+    reading = g.for_sentence(sent, trips, blocks=1)
+    runtime = reading.scores(img, boxes)
+    from model.grounder import score_features, thing_direction, unit
+
+    samples = Samples(np.zeros(2, np.int64), np.stack([thing_direction(sent[m]) for m in reading.members]),
+                      np.stack([score_features(img, sent[m], 1) for m in reading.members]), np.zeros((2, f)),
+                      unit(img)[None], geometry(boxes)[None])
+    np.testing.assert_allclose(runtime, scores_of(g, samples), rtol=1e-4, atol=1e-4)
+    assert reading.of_triplets(reading.regions(img, boxes)) == [int(np.argmax(runtime[0]))] * 2 + [
+        int(np.argmax(runtime[1]))]
+
+
+def test_a_grounder_trained_on_boxes_finds_the_named_shape(grounded: tuple[Path, dict[str, float]]) -> None:
+    _, m = grounded
+    assert m["upper"] >= 0.6, m  # the regions must hold the shapes for the test to say anything (read first)
+    assert m["whole"] < 0.2, m
+    assert m["dev"] >= 0.75 * m["upper"], m
+
+
+def test_a_model_keeps_its_grounder_through_save_and_load(grounded: tuple[Path, dict[str, float]]) -> None:
+    folder, _ = grounded
+    bundle = Bundle.load(folder)
+    assert bundle.grounder is not None
+    assert bundle.grounder.state["validation"]["val_accuracy"] > 0
+    again = folder.parent / "again"
+    bundle.save(again)
+    reloaded = Bundle.load(again).grounder
+    assert reloaded is not None
+    np.testing.assert_array_equal(reloaded.w1, bundle.grounder.w1)
+
+
+def test_the_alignment_draws_each_shape_where_the_grounder_finds_it(
+        grounded: tuple[Path, dict[str, float]], shapes_model: ShapesModel) -> None:
+    """Through index/matches.py, as every answer draws it: the circle's triplets draw one region, and on most
+    dev pictures it holds the circle; without the grounder they draw their own best regions."""
+    bundle = Bundle.load(grounded[0])
+    dev = shapes_model.dev
+    vectors = bundle.embed_images(dev.feats)
+    held = total = 0
+    for k, name in enumerate(dev.names):
+        a, b = shapes_model.objects[name]
+        text = f"a {a['colour']} {a['shape']} beside a {b['colour']} {b['shape']} ."
+        sent, trips = embed_texts(bundle, [text])[0]
+        alignment, _ = aligned(vectors[k], sent, trips, dev.boxes[k], bundle.blocks, (),
+                               read_sentence(bundle, sent, trips))
+        things = thing_members(trips)[0]
+        named = [m for m in alignment if named_by(Triplet(m.relation, *m.words), things) == a["shape"]]
+        assert len({m.fragment for m in named}) <= 1, named
+        if named:
+            total += 1
+            held += iou(named[0].box, list(np.asarray(a["box"], float))) >= IOU
+        plain, _ = aligned(vectors[k], sent, trips, dev.boxes[k], bundle.blocks, (), SentenceReading())
+        assert [m.triplet for m in plain] == [m.triplet for m in alignment if m.found is None]
+    assert total >= len(dev.names) // 2
+    assert held >= 0.6 * total, (held, total)
+
+
+def test_explain_draws_the_grounders_region(grounded: tuple[Path, dict[str, float]], shapes_model: ShapesModel,
+                                            tmp_path: Path) -> None:
+    bundle = Bundle.load(grounded[0])
+    engine: Engine = engine_over_dev(shapes_model, bundle, tmp_path)
+    name = shapes_model.dev.names[0]
+    a, b = shapes_model.objects[name]
+    text = f"a {a['colour']} {a['shape']} beside a {b['colour']} {b['shape']} ."
+    with TestClient(create_app(engine.settings, engine=engine)) as client:
+        top = client.post("/search/images", json={"sentence": text, "k": 1}).json()["results"][0]
+        body = client.post("/explain", json={"image_id": top["id"], "sentence": text}).json()
+    stored = engine.images.fragments(int(top["id"]))
+    assert stored is not None
+    sent, trips = embed_texts(bundle, [text])[0]
+    g = bundle.grounder
+    assert g is not None
+    regions = g.for_sentence(sent, trips, bundle.blocks).regions(*stored)
+    drawn = 0
+    for m in body["alignment"]:
+        thing = named_by(Triplet(m["relation"], *m["words"]), list(regions))
+        if thing is not None and m["fragment"] is not None:
+            assert m["fragment"] == regions[thing], (m, regions)
+            drawn += 1
+    assert drawn, body["alignment"]

@@ -1,0 +1,213 @@
+"""Training the grounder (model/grounder.py) on the training images' Flickr30k Entities phrase boxes.
+
+A sample is a boxed phrase of a training caption whose head noun (its last word) is a thing the caption's
+triplets name (model/evidence.py ``named_things``), in its own image: the fragments whose box overlaps one of
+the phrase's boxes at IoU >= ``IOU`` are its regions. The head scores every fragment of the image; the loss is
+the softmax's negative log of the mass on the phrase's regions (a phrase whose boxes no fragment holds teaches
+nothing and is left out of the training). Epochs are chosen on the validation part (the images --selection val
+held out, training/calibrate.py ``split_of``), trained on the rest; dev is never read.
+
+    python -m training.grounder --model model/released --out artifacts/models/released-grounder
+
+The model is written in the runtime's form (a folder) with the head's weights; its accuracy on the validation
+part (the chosen fragment holds the phrase at IoU >= 0.5, of every sample with a head-noun triplet) and the
+whole image's on the same samples are logged and kept in the head's state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from model.boxes import box_iou
+from model.bundle import Bundle
+from model.dataset import SplitData
+from model.embed import embed_encoded
+from model.entities import ImageEntities, read_entities
+from model.evidence import thing_members
+from model.grounder import GEOMETRY, SCORES, Grounder, geometry, score_features, thing_direction, unit
+
+logger = logging.getLogger("training.grounder")
+IOU = 0.5  # a fragment holds a phrase at this IoU with one of its boxes (the grounding measure's)
+HIDDEN = 256
+EPOCHS = 12
+BATCH = 256
+LR = 1e-3
+WEIGHT_DECAY = 1e-5
+DROPOUT = 0.3
+
+
+@dataclass
+class Samples:
+    """Things in images: each sample's image (row of `images`), direction (N, h), score features (N, F, 3) and
+    its fragments' best IoU with the truth (N, F); the images' unit fragments (K, F, h) and geometry (K, F, 8)."""
+
+    image: np.ndarray
+    direction: np.ndarray
+    scores: np.ndarray
+    iou: np.ndarray
+    images: np.ndarray
+    geometry: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.image)
+
+    def take(self, rows: np.ndarray) -> Samples:
+        return Samples(self.image[rows], self.direction[rows], self.scores[rows], self.iou[rows], self.images,
+                       self.geometry)
+
+    def whole_image(self) -> float:
+        """How often the whole image holds the phrase (the baseline)."""
+        return float((self.iou[:, 0] >= IOU).mean()) if len(self) else 0.0
+
+
+def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEntities],
+               images: np.ndarray | None = None) -> Samples:
+    """The boxed phrases of `data`'s captions in their own images (`images`: the images' fragments (K, F, h) as
+    the index stores them; default: embedded here)."""
+    if images is None:
+        images = np.concatenate([bundle.embed_images(data.feats[k : k + 256])
+                                 for k in range(0, len(data.names), 256)]) if len(data.names) else np.zeros((0, 1, 1))
+    enc = bundle.text.encode_parsed(data.parsed, data.sentences)
+    rows: dict[str, list[Any]] = {"image": [], "direction": [], "scores": [], "iou": []}
+    for l, (sent, triplets) in enumerate(tqdm(embed_encoded(bundle, enc), desc="captions", unit="caption")):  # noqa: E741
+        k = int(data.pair_image[l])
+        ents = entities.get(data.names[k])
+        if ents is None or not len(sent):
+            continue
+        caption = ents.match(data.sentences[l])
+        if caption is None:
+            continue
+        things, members = thing_members(triplets)
+        boxes = data.boxes[k]
+        width, height = round(float(boxes[0, 2])), round(float(boxes[0, 3]))
+        for phrase in ents.boxed(caption):
+            if phrase.head not in things:
+                continue
+            held = sent[members[things.index(phrase.head)]]
+            rows["image"].append(k)
+            rows["direction"].append(thing_direction(held))
+            rows["scores"].append(score_features(images[k], held, bundle.blocks))
+            rows["iou"].append(box_iou(boxes, ents.boxes_at(phrase.chain, width, height)).max(axis=1))
+    h = images.shape[-1]
+    n_frag = images.shape[1]
+    return Samples(np.asarray(rows["image"], np.int64),
+                   np.asarray(rows["direction"], np.float32).reshape(-1, h),
+                   np.asarray(rows["scores"], np.float32).reshape(-1, n_frag, len(SCORES)),
+                   np.asarray(rows["iou"], np.float32).reshape(-1, n_frag),
+                   np.stack([unit(x) for x in images]) if len(images) else images,
+                   np.stack([geometry(b) for b in data.boxes]) if len(data.boxes) else np.zeros((0, n_frag, 8)))
+
+
+def accuracy_of(grounder: Grounder, samples: Samples) -> float:
+    """How often the head's choice holds the phrase (IoU >= `IOU`), computed as the runtime computes it."""
+    if not len(samples):
+        return 0.0
+    picks = scores_of(grounder, samples).argmax(axis=1)
+    return float((samples.iou[np.arange(len(samples)), picks] >= IOU).mean())
+
+
+def scores_of(grounder: Grounder, samples: Samples) -> np.ndarray:
+    """(N, F) the head's scores, from its first layer's parts as model/grounder.py applies them."""
+    h = grounder.h
+    w1 = grounder.w1
+    v = samples.images[samples.image]  # (N, F, h)
+    s = samples.direction[:, None, :]
+    hidden = ((s * v) @ w1[:, :h].T + v @ w1[:, h : 2 * h].T + s @ w1[:, 2 * h : 3 * h].T
+              + samples.geometry[samples.image] @ w1[:, 3 * h : 3 * h + len(GEOMETRY)].T
+              + samples.scores @ w1[:, 3 * h + len(GEOMETRY) :].T + grounder.b1)
+    return np.asarray(np.maximum(hidden, 0.0) @ grounder.w2 + grounder.b2)
+
+
+def fit_grounder(train: Samples, val: Samples, hidden: int = HIDDEN, epochs: int = EPOCHS, seed: int = 0,
+                 batch: int = BATCH) -> tuple[Grounder, dict[str, Any]]:
+    """The head trained on `train`, at the epoch with the best accuracy on `val`, with its measures."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    h = train.images.shape[-1]
+    width = 3 * h + len(GEOMETRY) + len(SCORES)
+    first, drop, last = torch.nn.Linear(width, hidden), torch.nn.Dropout(DROPOUT), torch.nn.Linear(hidden, 1)
+    params = [*first.parameters(), *last.parameters()]
+    opt = torch.optim.Adam(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    keep = np.flatnonzero((train.iou >= IOU).any(axis=1))  # a phrase no fragment holds teaches nothing
+    images, geo = torch.from_numpy(train.images), torch.from_numpy(train.geometry.astype(np.float32))
+
+    def current() -> Grounder:
+        return Grounder(first.weight.detach().numpy().copy(), first.bias.detach().numpy().copy(),
+                        last.weight.detach().numpy()[0].copy(), float(last.bias.detach().numpy()[0]))
+
+    best: tuple[float, int, Grounder] = (-1.0, -1, current())
+    history = []
+    for epoch in range(epochs):
+        order = keep[rng.permutation(len(keep))]
+        total = 0.0
+        for start in tqdm(range(0, len(order), batch), desc=f"grounder epoch {epoch + 1}", unit="batch",
+                          leave=False):
+            rows = order[start : start + batch]
+            k = torch.from_numpy(train.image[rows])
+            v, s = images[k], torch.from_numpy(train.direction[rows])[:, None, :].expand(-1, images.shape[1], -1)
+            x = torch.cat([s * v, v, s, geo[k], torch.from_numpy(train.scores[rows])], dim=-1)
+            score = last(drop(torch.relu(first(x)))).squeeze(-1)
+            pos = torch.from_numpy(train.iou[rows] >= IOU)
+            loss = (torch.logsumexp(score, 1) - torch.logsumexp(score.masked_fill(~pos, -1e9), 1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(rows)
+        g = current()
+        acc = accuracy_of(g, val)
+        history.append({"epoch": epoch + 1, "loss": round(total / max(len(keep), 1), 4), "val_accuracy": round(acc, 4)})
+        logger.info("grounder epoch %d: loss %.4f, validation accuracy %.4f", epoch + 1, total / max(len(keep), 1), acc)
+        if acc > best[0]:
+            best = (acc, epoch + 1, g)
+    acc, epoch, g = best
+    report = {"epoch": epoch, "val_accuracy": round(acc, 4), "val_whole_image": round(val.whole_image(), 4),
+              "val_upper_bound": round(float((val.iou >= IOU).any(axis=1).mean()) if len(val) else 0.0, 4),
+              "val_samples": len(val), "train_samples": int(len(keep)), "history": history}
+    return Grounder(g.w1, g.b1, g.w2, g.b2, {"validation": report}), report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from model.dataset import load_split_data
+    from model.parsers import make_parser
+    from model.settings import default_cache_dir, default_data_dir
+    from training.calibrate import split_of
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
+    ap.add_argument("--out", type=Path, required=True, help="the folder the model is written to, with its grounder")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--entities", type=Path, default=None,
+                    help="the Flickr30k Entities folder (default: flickr30k-entities beside the Flickr8K folder)")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature and parse cache")
+    ap.add_argument("--workers", type=int, default=2, help="extraction processes for images not cached")
+    ap.add_argument("--epochs", type=int, default=EPOCHS, help="epochs, the best on the validation part kept")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    bundle = Bundle.load(args.model)
+    parser = make_parser(bundle.text.cfg.parser)
+    train = load_split_data(args.data, "train", bundle.image_cfg, args.cache, parser, args.workers)
+    rest, val = split_of(bundle, train)
+    ents = read_entities(args.entities or args.data.parent / "flickr30k-entities", train.names)
+    fit, report = fit_grounder(samples_of(bundle, rest, ents), samples_of(bundle, val, ents), args.hidden,
+                               args.epochs)
+    command = " ".join(["python -m training.grounder", *(sys.argv[1:] if argv is None else argv)])
+    bundle.grounder = Grounder(fit.w1, fit.b1, fit.w2, fit.b2, {**fit.state, "command": command})
+    logger.info("grounder on the validation part: %s", {k: v for k, v in report.items() if k != "history"})
+    bundle.save(args.out)
+    logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
