@@ -60,9 +60,10 @@ def geometry(boxes: np.ndarray) -> np.ndarray:
                           axis=1).astype(np.float32)
 
 
-def score_features(img: np.ndarray, rows: np.ndarray, blocks: int) -> np.ndarray:
-    """(F, len(SCORES)) a thing's triplets (`rows` (m, h)) scored with each fragment of an image (F, h)."""
-    a = np.asarray(alignment_scores(np.asarray(img, np.float32), np.asarray(rows, np.float32), blocks))  # (F, m)
+def score_features(grid: np.ndarray) -> np.ndarray:
+    """(F, len(SCORES)) a thing's triplets scored with each fragment of an image: `grid` (F, m), their
+    `alignment_scores`."""
+    a = np.asarray(grid, dtype=np.float32)
     best = a.max(axis=1)
     standing = (best - best.mean()) / (best.std() + EPS)
     return np.stack([best, a.mean(axis=1), standing], axis=1).astype(np.float32)
@@ -136,9 +137,11 @@ class Grounder:
         w_sv, w_v, w_s = self.w1[:, :h], self.w1[:, h : 2 * h], self.w1[:, 2 * h : 3 * h]
         directions = (np.stack([thing_direction(sent[m]) for m in members]) if members
                       else np.zeros((0, h), np.float32))
+        # v's weights per thing: its own term and its product with the thing's direction, in one matrix
+        by_thing = w_sv[None, :, :] * directions[:, None, :] + w_v[None, :, :]  # (N, H, h)
         return SentenceGrounding(self, sent, list(triplets), things, members, blocks,
-                                 (w_sv[None, :, :] * directions[:, None, :]).astype(np.float32),  # (N, H, h)
-                                 (directions @ w_s.T + self.b1).astype(np.float32), w_v)
+                                 np.ascontiguousarray(by_thing.reshape(-1, h).T, dtype=np.float32),
+                                 (directions @ w_s.T + self.b1).astype(np.float32))
 
 
 @dataclass(frozen=True)
@@ -152,26 +155,25 @@ class SentenceGrounding:
     things: list[str]
     members: list[list[int]]
     blocks: int
-    by_thing: np.ndarray = field(repr=False)  # (N, H, h) the product term's weights, each thing's direction applied
+    by_thing: np.ndarray = field(repr=False)  # (h, N H) the fragment vector's weights, each thing's
     bias: np.ndarray = field(repr=False)  # (N, H) the thing's own term and the layer's bias
-    w_v: np.ndarray = field(repr=False)  # (H, h)
 
     def scores(self, img: np.ndarray, boxes: np.ndarray) -> np.ndarray:
         """(N, F) the head's score of each thing in each fragment of one image (img (F, h) with boxes (F, 4))."""
-        if not self.things:
-            return np.zeros((0, len(img)), np.float32)
+        n_things, n_frag = len(self.things), len(img)
+        if not n_things:
+            return np.zeros((0, n_frag), np.float32)
         g = self.grounder
-        h = g.h
-        v = unit(img)
+        h, hidden = g.h, g.w1.shape[0]
         w_g = g.w1[:, 3 * h : 3 * h + len(GEOMETRY)]
         w_a = g.w1[:, 3 * h + len(GEOMETRY) :]
-        shared = v @ self.w_v.T + geometry(boxes) @ w_g.T  # (F, H)
-        out = np.empty((len(self.things), len(img)), np.float32)
+        x = (unit(img) @ self.by_thing).reshape(n_frag, n_things, hidden)  # (F, N, H)
+        x += (geometry(boxes) @ w_g.T)[:, None, :] + self.bias[None]
+        grid = alignment_scores(np.asarray(img, np.float32), self.sent, self.blocks)  # (F, T), read once
         for n, rows in enumerate(self.members):
-            hidden = v @ self.by_thing[n].T + shared + self.bias[n] + score_features(img, self.sent[rows],
-                                                                                    self.blocks) @ w_a.T
-            out[n] = np.maximum(hidden, 0.0) @ g.w2 + g.b2
-        return out
+            x[:, n] += score_features(grid[:, rows]) @ w_a.T
+        np.maximum(x, 0.0, out=x)
+        return np.asarray((x @ g.w2).T + g.b2, dtype=np.float32)
 
     def regions(self, img: np.ndarray, boxes: np.ndarray) -> dict[str, int]:
         """Each thing's region: the fragment the head scores highest (ties: the first)."""

@@ -96,9 +96,11 @@ def test_the_runtime_scores_as_the_trainer_does() -> None:
     reading = g.for_sentence(sent, trips, blocks=1)
     runtime = reading.scores(img, boxes)
     from model.grounder import score_features, thing_direction, unit
+    from model.score import alignment_scores
 
     samples = Samples(np.zeros(2, np.int64), np.stack([thing_direction(sent[m]) for m in reading.members]),
-                      np.stack([score_features(img, sent[m], 1) for m in reading.members]), np.zeros((2, f)),
+                      np.stack([score_features(alignment_scores(img, sent[m], 1)) for m in reading.members]),
+                      np.zeros((2, f)),
                       unit(img)[None], geometry(boxes)[None])
     np.testing.assert_allclose(runtime, scores_of(g, samples), rtol=1e-4, atol=1e-4)
     assert reading.of_triplets(reading.regions(img, boxes)) == [int(np.argmax(runtime[0]))] * 2 + [

@@ -21,10 +21,8 @@ kept in the model's metadata.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -266,38 +264,20 @@ def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: Spli
     return fit_relevance(judge(bundle, val, others), evidence_of=pair_terms(bundle, scale, both))
 
 
-def argv_of(argv: Sequence[str] | None) -> list[str]:
-    return list(sys.argv[1:] if argv is None else argv)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    from model.dataset import load_split_data
-    from model.parsers import make_parser
-    from model.settings import default_cache_dir, default_data_dir
-    from training.calibrate import split_of
+    from training.refit import load_refit, refit_parser
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
-    ap.add_argument("--out", type=Path, required=True, help="the folder the model is written to, with its evidence")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--entities", type=Path, default=None,
-                    help="the Flickr30k Entities folder (default: flickr30k-entities beside the Flickr8K folder)")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature and parse cache")
-    ap.add_argument("--workers", type=int, default=2, help="extraction processes for images not cached")
-    args = ap.parse_args(argv)
+    args = refit_parser(__doc__, "evidence").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    bundle = Bundle.load(args.model)
-    parser = make_parser(bundle.text.cfg.parser)
-    train = load_split_data(args.data, "train", bundle.image_cfg, args.cache, parser, args.workers)
-    rest, val = split_of(bundle, train)
-    scale, report = fit_evidence(bundle, val, args.entities or args.data.parent / "flickr30k-entities")
+    run = load_refit(args, "training.evidence", argv)
+    bundle = run.bundle
+    scale, report = fit_evidence(bundle, run.val, run.entities)
     bundle.set_evidence(scale)
-    relevance = fit_relevance_with_evidence(bundle, scale, val, rest)
+    relevance = fit_relevance_with_evidence(bundle, scale, run.val, run.rest)
     logger.info("relevance with evidence: %s", relevance.to_state())
     assert bundle.calibration is not None
     bundle.calibration = replace(bundle.calibration, relevance=relevance)
-    command = " ".join(["python -m training.evidence", *argv_of(argv)])
-    bundle.meta["evidence"] = {"validation": report, "command": command}
+    bundle.meta["evidence"] = {"validation": report, "command": run.command}
     bundle.save(args.out)
     logger.info("wrote %s", args.out)
 

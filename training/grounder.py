@@ -16,12 +16,9 @@ whole image's on the same samples are logged and kept in the head's state.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +31,7 @@ from model.embed import embed_encoded
 from model.entities import ImageEntities, read_entities
 from model.evidence import thing_members
 from model.grounder import GEOMETRY, SCORES, Grounder, geometry, score_features, thing_direction, unit
+from model.score import alignment_scores
 
 logger = logging.getLogger("training.grounder")
 IOU = 0.5  # a fragment holds a phrase at this IoU with one of its boxes (the grounding measure's)
@@ -95,7 +93,7 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
             held = sent[members[things.index(phrase.head)]]
             rows["image"].append(k)
             rows["direction"].append(thing_direction(held))
-            rows["scores"].append(score_features(images[k], held, bundle.blocks))
+            rows["scores"].append(score_features(alignment_scores(images[k], held, bundle.blocks)))
             rows["iou"].append(box_iou(boxes, ents.boxes_at(phrase.chain, width, height)).max(axis=1))
     h = images.shape[-1]
     n_frag = images.shape[1]
@@ -178,34 +176,20 @@ def fit_grounder(train: Samples, val: Samples, hidden: int = HIDDEN, epochs: int
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from model.dataset import load_split_data
-    from model.parsers import make_parser
-    from model.settings import default_cache_dir, default_data_dir
-    from training.calibrate import split_of
+    from training.refit import load_refit, refit_parser
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
-    ap.add_argument("--out", type=Path, required=True, help="the folder the model is written to, with its grounder")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--entities", type=Path, default=None,
-                    help="the Flickr30k Entities folder (default: flickr30k-entities beside the Flickr8K folder)")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature and parse cache")
-    ap.add_argument("--workers", type=int, default=2, help="extraction processes for images not cached")
+    ap = refit_parser(__doc__, "grounder")
     ap.add_argument("--epochs", type=int, default=EPOCHS, help="epochs, the best on the validation part kept")
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    bundle = Bundle.load(args.model)
-    parser = make_parser(bundle.text.cfg.parser)
-    train = load_split_data(args.data, "train", bundle.image_cfg, args.cache, parser, args.workers)
-    rest, val = split_of(bundle, train)
-    ents = read_entities(args.entities or args.data.parent / "flickr30k-entities", train.names)
-    fit, report = fit_grounder(samples_of(bundle, rest, ents), samples_of(bundle, val, ents), args.hidden,
-                               args.epochs)
-    command = " ".join(["python -m training.grounder", *(sys.argv[1:] if argv is None else argv)])
-    bundle.grounder = Grounder(fit.w1, fit.b1, fit.w2, fit.b2, {**fit.state, "command": command})
+    run = load_refit(args, "training.grounder", argv)
+    ents = read_entities(run.entities, [*run.rest.names, *run.val.names])
+    fit, report = fit_grounder(samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents),
+                               args.hidden, args.epochs)
+    run.bundle.grounder = Grounder(fit.w1, fit.b1, fit.w2, fit.b2, {**fit.state, "command": run.command})
     logger.info("grounder on the validation part: %s", {k: v for k, v in report.items() if k != "history"})
-    bundle.save(args.out)
+    run.bundle.save(args.out)
     logger.info("wrote %s", args.out)
 
 
