@@ -204,7 +204,8 @@ def plot(examples: list[dict[str, Any]], path: Path) -> None:
         a = ex["answer"]
         ax.add_patch(Rectangle((a[0], a[1]), a[2] - a[0], a[3] - a[1], fill=False, color="red", lw=2, ls="--"))
         ax.set_title(f"\"{ex['phrase']}\" → {ex['triplet']}\n{ex['image']}", fontsize=8)
-    fig.suptitle("dev: the phrase's Entities boxes (green) and the alignment's box (red, dashed)", fontsize=10)
+    fig.suptitle("dev: the phrase's Entities boxes (green) and the box the service draws for it (red, dashed)",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
