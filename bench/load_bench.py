@@ -5,7 +5,8 @@
 
 Each scenario runs with each `--clients` count (concurrent clients, asyncio + httpx, one request
 in flight each; `--clients 1 8` gives the unloaded latency and the loaded one) for `--duration`
-seconds: "search" (POST /search/images), "annotate" (POST /annotate with a 224 px image),
+seconds: "search" (POST /search/images), "annotate" (POST /annotate with a 224 px image, a different
+file every request: the service keeps the regions of recent uploads, and the same bytes again would measure that),
 "fragments" (POST /search/fragments) and "mixed" (70 % search, 20 % annotate, 10 % fragments).
 A client refused with 503/504 waits the `Retry-After` it was given (at most to the end of the
 scenario) before its next request, as a well-behaved client backs off. A separate probe asks
@@ -53,6 +54,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results" / "ser
 SCENARIOS = ("search", "annotate", "fragments", "mixed")
 MIX = (("search", 0.7), ("annotate", 0.2), ("fragments", 0.1))
 UPLOAD_SIDE = 224
+UPLOAD_VARIANTS = 1024  # distinct uploads sent in turn (the service keeps far fewer)
 FALLBACK_SENTENCES = (
     "a dog runs through the grass", "two children play on the beach", "a man rides a bike down the street",
     "a black dog jumps over a log", "a woman in a red coat walks in the snow", "a group of people stand outside",
@@ -65,12 +67,22 @@ FALLBACK_PHRASES = ("black dog", "red shirt", "green grass", "blue water", "whit
 
 @dataclass
 class Workload:
-    """What the clients send: sentences, phrases and one upload."""
+    """What the clients send: sentences, phrases and an upload (`variants` of it, distinct files of the same
+    pixels, sent in turn so that no annotation is answered from the service's recent uploads)."""
 
     sentences: list[str]
     phrases: list[str]
     upload: bytes
     k: int = 10
+    variants: list[bytes] = field(default_factory=list)
+    sent: int = 0
+
+    def next_upload(self) -> bytes:
+        """The next variant of the upload (the upload itself when there are none)."""
+        if not self.variants:
+            return self.upload
+        self.sent += 1
+        return self.variants[(self.sent - 1) % len(self.variants)]
 
 
 @dataclass
@@ -130,9 +142,19 @@ def load_workload(data: Path, k: int) -> Workload:
         rng = np.random.default_rng(0)
         upload_img = Image.fromarray(rng.integers(0, 255, (UPLOAD_SIDE, UPLOAD_SIDE, 3), dtype=np.uint8))
     upload_img = upload_img.resize((UPLOAD_SIDE, UPLOAD_SIDE))
+    return Workload(sentences, phrases_of(sentences), jpeg_bytes(upload_img), k, upload_variants(upload_img))
+
+
+def jpeg_bytes(image: Image.Image, comment: str = "") -> bytes:
     buf = io.BytesIO()
-    upload_img.save(buf, "JPEG", quality=90)
-    return Workload(sentences, phrases_of(sentences), buf.getvalue(), k)
+    image.save(buf, "JPEG", quality=90, **({"comment": comment} if comment else {}))
+    return buf.getvalue()
+
+
+def upload_variants(image: Image.Image, n: int = UPLOAD_VARIANTS) -> list[bytes]:
+    """`n` files of the picture, each with its own JPEG comment: the same pixels (the same work) in distinct
+    files, as the same scene in two photos' files is."""
+    return [jpeg_bytes(image, f"upload {i}") for i in range(n)]
 
 
 async def one_request(client: httpx.AsyncClient, route: str, work: Workload, rng: random.Random) -> httpx.Response:
@@ -140,7 +162,7 @@ async def one_request(client: httpx.AsyncClient, route: str, work: Workload, rng
         return await client.post("/search/images", json={"sentence": rng.choice(work.sentences), "k": work.k})
     if route == "fragments":
         return await client.post("/search/fragments", json={"phrase": rng.choice(work.phrases), "k": work.k})
-    files = {"file": ("upload.jpg", work.upload, "image/jpeg")}
+    files = {"file": ("upload.jpg", work.next_upload(), "image/jpeg")}
     return await client.post("/annotate", files=files, data={"k": str(min(work.k, 5))})
 
 

@@ -51,3 +51,19 @@ def test_memory_descriptors_and_threads_of_a_process() -> None:
     time.sleep(0.05)
     assert proc_counts(gone.pid) == {"fds": -1, "threads": -1} and proc_rss_mb(gone.pid) != proc_rss_mb(gone.pid)
     assert loadavg() >= 0 and machine().endswith(f" x {psutil.cpu_count(logical=True)} cores")
+
+
+def test_the_load_bench_sends_distinct_files_of_the_same_picture() -> None:
+    """Annotations under load must not be answered from the service's recent uploads: every file differs, every
+    picture is the same."""
+    import io
+
+    from PIL import Image
+
+    from bench.load_bench import Workload, upload_variants
+
+    picture = Image.new("RGB", (64, 48), (10, 200, 30))
+    work = Workload([], [], b"", variants=upload_variants(picture, 20))
+    sent = [work.next_upload() for _ in range(20)]
+    assert len(set(sent)) == 20
+    assert len({Image.open(io.BytesIO(f)).convert("RGB").tobytes() for f in sent}) == 1  # one picture

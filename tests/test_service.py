@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -95,6 +96,55 @@ def test_annotate_boxes_are_in_the_uploads_pixels(client: TestClient, service_en
     assert (body["width"], body["height"]) == (400, 100)
     boxes = [m["box"] for h in body["results"] for m in h["alignment"]]
     assert boxes and all(_inside(b, 400, 100) for b in boxes)
+
+
+def test_an_upload_sent_again_is_answered_from_its_kept_regions(writable: tuple[TestClient, Engine],
+                                                                service_env: ServiceEnv) -> None:
+    """The same bytes again (a second look, the next page, a "more like this") are not extracted again: the
+    answers are the same and the engine's recent uploads count the hit; other bytes are extracted."""
+    client, engine = writable
+    jpeg = service_env.jpeg(service_env.dev[0])
+    calls = []
+    extract = engine.bundle.extractor.extract
+
+    def counted(image: Any) -> Any:
+        calls.append(1)
+        return extract(image)
+
+    engine.bundle.extractor.extract = counted  # type: ignore[method-assign]
+    try:
+        first = client.post("/annotate", files={"file": ("a.jpg", jpeg, "image/jpeg")}, data={"k": "4"}).json()
+        again = client.post("/annotate", files={"file": ("b.jpg", jpeg, "image/jpeg")}, data={"k": "4"}).json()
+        page = client.post("/annotate", files={"file": ("a.jpg", jpeg, "image/jpeg")},
+                           data={"k": "2", "offset": "2"}).json()
+        similar = client.post("/search/similar", files={"file": ("a.jpg", jpeg, "image/jpeg")}, data={"k": "2"})
+        assert similar.status_code == 200, similar.text
+        assert len(calls) == 1
+        other = client.post("/annotate", files={"file": ("c.png", service_env.png(300, 200), "image/png")},
+                            data={"k": "2"})
+        assert other.status_code == 200 and len(calls) == 2
+    finally:
+        engine.bundle.extractor.extract = extract  # type: ignore[method-assign]
+    assert [r["text"] for r in again["results"]] == [r["text"] for r in first["results"]]
+    assert [r["alignment"] for r in again["results"]] == [r["alignment"] for r in first["results"]]
+    assert [r["text"] for r in page["results"]] == [r["text"] for r in first["results"]][2:4]
+    assert (again["width"], again["height"]) == (first["width"], first["height"])
+    assert engine.uploads.hits >= 3
+
+
+def test_recent_uploads_keep_the_last_ones() -> None:
+    from model.embed import EmbeddedImage
+    from service.engine import RecentUploads
+
+    kept = RecentUploads(limit=2)
+    image = EmbeddedImage(np.zeros((1, 2), np.float32), np.zeros((1, 4), np.float32), 10, 10)
+    for key in ("a", "b"):
+        kept.put(key, image)
+    assert kept.get("a") is image  # "a" is now the most recent
+    kept.put("c", image)
+    assert kept.get("b") is None and kept.get("a") is image and kept.get("c") is image
+    assert len(kept) == 2 and (kept.hits, kept.misses) == (3, 1)
+    assert RecentUploads.key(b"x") != RecentUploads.key(b"y")
 
 
 def test_a_camera_sized_jpeg_is_read_at_the_models_side_and_answered_in_its_own_pixels(
