@@ -5,5 +5,5 @@ A new released model is a new version: RELEASED_MODEL names the sha256 of the re
 the release changes without both being set anew (and a CHANGELOG entry under the new version).
 """
 
-__version__ = "0.4.0"
-RELEASED_MODEL = "4a253ab4a1c456ff03e6b57fceb6f49e326e36d60b16d8a7bc3e9c1e8dd59d4a"
+__version__ = "0.5.0"
+RELEASED_MODEL = "d3e81d307162068090b8244d804686be39e9dbb4e18d6257c621db33a5651ea0"
