@@ -51,10 +51,37 @@ def default_threads() -> int:
     """Intra-op threads of a new session: `set_threads`' count, else the CPUs this process may use."""
     if _threads:
         return _threads[0]
+    return usable_cpus()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def request_threads(slots: int, cpus: int | None = None) -> int:
+    """Threads of one request's numeric work in a server that runs `slots` requests at once: its share of the
+    CPUs, at least one. Each product on every core, with several requests running, has the cores' threads
+    contend: on 2 cores with 8 clients, one thread each served 1.6 times the searches a second
+    (docs/benchmarks/service.md)."""
+    return max(1, (usable_cpus() if cpus is None else cpus) // max(1, slots))
+
+
+def limit_numeric_threads(n: int) -> dict[str, int]:
+    """NumPy's BLAS and the OpenMP pools of this process (FAISS's among them) to `n` threads from now on;
+    what each library now runs on, by its kind ({"blas": 1, "openmp": 1})."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    n = max(1, int(n))
+    threadpool_limits(limits=n)
+    with contextlib.suppress(ImportError):
+        import faiss
+
+        faiss.omp_set_num_threads(n)
+    return {str(i["user_api"]): int(i["num_threads"]) for i in threadpool_info()}
 
 
 def providers(device: str = "cpu") -> list[str]:

@@ -196,6 +196,10 @@ class Settings(BaseSettings):
                         "MiniLM, image backbone, training and FAISS (model/device.py)")
     threads: int | None = Field(default=None, ge=1, description="intra-op threads of the model's graphs (ONNX Runtime) "
                                 "and OpenCV; default: the CPUs the process may use")
+    numeric_threads: int | None = Field(default=None, ge=1, description="threads of NumPy's products (BLAS) and "
+                                        "FAISS (OpenMP) in the server; default: the CPUs shared out among the "
+                                        "search_slots (at least one each): requests run side by side, each on its "
+                                        "share, not each on every core")
     warmup: bool = Field(default=True, description="run one search and one annotation before reporting ready")
     heavy_slots: int = Field(default=2, ge=1, description="image extractions (annotate, uploads) run at once; "
                              "more requests wait their turn")

@@ -23,6 +23,7 @@ import uvicorn
 
 from model.data import DataError, load_split
 from model.device import DeviceError, device_name
+from model.onnx import limit_numeric_threads, request_threads
 from service import logs
 from service.app import create_app
 from service.settings import settings_from, settings_parser
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
         except DataError as e:
             logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
             return 2
+    threads = settings.numeric_threads or request_threads(settings.search_slots)
+    logger.info("numeric threads: %s (%d per request, %d searches at once)", limit_numeric_threads(threads), threads,
+                settings.search_slots)
     app = create_app(settings, started=started, prepare=settings.prepare)
     logger.info("serving on http://%s:%d on %s (ready when /readyz answers 200%s)", settings.host, settings.port,
                 device, "; it reports what is still being prepared" if settings.prepare else "")
