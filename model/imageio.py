@@ -8,6 +8,7 @@ Phones write HEIC (pillow-heif's libheif + libde265 decode it); AVIF is Pillow's
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class Photo:
     image: Image.Image
     width: int
     height: int
+    digest: str = ""  # sha256 of the file's bytes where it was read from bytes (an upload), else empty
 
 
 def load_image(
@@ -109,7 +111,8 @@ def read_image(
     except Exception:  # a malformed EXIF block should not reject an otherwise good image
         logger.debug("%s: ignoring unreadable EXIF orientation", label)
     turned = img.size != decoded and img.size == decoded[::-1]  # an orientation that swaps the sides
-    return Photo(_to_rgb(img), *((height, width) if turned else (width, height)))
+    digest = hashlib.sha256(source).hexdigest() if isinstance(source, bytes) else ""
+    return Photo(_to_rgb(img), *((height, width) if turned else (width, height)), digest)
 
 
 def longer_side(data: bytes) -> int:

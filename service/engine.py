@@ -10,13 +10,11 @@ by its type; the request's shape and bounds were checked before (service/schemas
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import re
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +31,6 @@ from model.bundle import Bundle
 from model.calibration import Relevance
 from model.dataset import feature_cache
 from model.device import is_gpu
-from model.embed import EmbeddedImage, embed_image
 from model.fragments import NoFragmentsError
 from model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo, read_image
 from service.errors import ApiError
@@ -47,7 +44,6 @@ UPLOAD_QUALITY = 95
 MAX_NAME_CHARS = 100
 WARMUP_SENTENCE = "a dog runs on the grass"
 WARMUP_SIDE = 224
-UPLOADS_KEPT = 32  # uploads whose embedded regions are kept: the same picture sent again is not extracted again
 
 
 def image_error(exc: ImageReadError) -> ApiError:
@@ -89,43 +85,6 @@ def relevance_at(bundle: Bundle, side: str, best: np.ndarray, items: int) -> Rel
     return rel.for_query("search" if side == "images" else "annotate", best, items)
 
 
-class RecentUploads:
-    """The embedded regions of the last `limit` uploads by the sha256 of their bytes (least recently used out
-    first; thread-safe): a picture annotated again, or its next page asked for, pays its extraction once. It
-    holds (F, h) vectors and boxes per upload, never the picture."""
-
-    def __init__(self, limit: int = UPLOADS_KEPT) -> None:
-        self.limit = limit
-        self._items: OrderedDict[str, EmbeddedImage] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    @staticmethod
-    def key(data: bytes) -> str:
-        return hashlib.sha256(data).hexdigest()
-
-    def get(self, key: str) -> EmbeddedImage | None:
-        with self._lock:
-            found = self._items.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return found
-
-    def put(self, key: str, image: EmbeddedImage) -> None:
-        with self._lock:
-            self._items[key] = image
-            self._items.move_to_end(key)
-            while len(self._items) > self.limit:
-                self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 class Engine:
     """Model + image index + sentence index, loaded once and shared by all requests."""
 
@@ -137,7 +96,6 @@ class Engine:
         self.sentences = sentences
         self.load_seconds = load_seconds
         self._write_lock = threading.Lock()
-        self.uploads = RecentUploads()
 
     @classmethod
     def load(cls, settings: Settings, with_sentences: bool = True) -> Engine:
@@ -225,21 +183,10 @@ class Engine:
         rec, similar = found
         return (rec.width, rec.height), similar
 
-    def embedded_upload(self, data: bytes) -> EmbeddedImage:
-        """An upload's regions embedded (its width and height are the picture's own, its boxes in its pixels):
-        from the recent uploads when the same bytes came before, else decoded, extracted and kept; a 4xx
-        ApiError when it cannot be read."""
-        key = RecentUploads.key(data)
-        found = self.uploads.get(key)
-        if found is None:
-            found = embed_image(self.bundle, self.read(data))
-            self.uploads.put(key, found)
-        return found
-
-    def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[EmbeddedImage, Similar]:
+    def similar_to_upload(self, data: bytes, k: int, offset: int = 0) -> tuple[Photo, Similar]:
         """Images like an uploaded one; the descriptions' alignments are in the upload's pixels."""
-        image = self.embedded_upload(data)
-        return image, similar_to_image(self.images, self.sentences, image, k, offset)
+        photo = self.read(data)
+        return photo, similar_to_image(self.images, self.sentences, photo, k, offset)
 
     def duplicates(self, image_id: int, threshold: float) -> list[Duplicate] | None:
         """Near-duplicates of an indexed image, or None when there is no such image."""
@@ -266,7 +213,7 @@ class Engine:
         except ImageReadError as e:
             raise image_error(e) from e
 
-    def annotate(self, data: bytes, k: int, offset: int = 0) -> tuple[EmbeddedImage, Page[SentenceHit]]:
+    def annotate(self, data: bytes, k: int, offset: int = 0) -> tuple[Photo, Page[SentenceHit]]:
         """Sentences ranked offset + 1 .. offset + k for an uploaded image."""
         if self.sentences is None:
             if not self.settings.has_sentences:
@@ -274,8 +221,8 @@ class Engine:
                                "file (FRAGSEARCH_CAPTIONS, one sentence a line) or a data folder with captions.txt "
                                f"(FRAGSEARCH_DATA; {self.settings.data} has none)")
             raise ApiError(503, "not_ready", "no sentence collection is loaded")
-        image = self.embedded_upload(data)
-        return image, self.sentences.annotate(image, k, offset)
+        photo = self.read(data)
+        return photo, self.sentences.annotate(photo, k, offset)
 
     def thumbnail_file(self, image_id: int, size: int | None) -> Path | None:
         """The cached thumbnail of an indexed image (made when missing; size None: a full-size JPEG rendition),

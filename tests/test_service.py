@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -101,11 +100,17 @@ def test_annotate_boxes_are_in_the_uploads_pixels(client: TestClient, service_en
 def test_an_upload_sent_again_is_answered_from_its_kept_regions(writable: tuple[TestClient, Engine],
                                                                 service_env: ServiceEnv) -> None:
     """The same bytes again (a second look, the next page, a "more like this") are not extracted again: the
-    answers are the same and the engine's recent uploads count the hit; other bytes are extracted."""
+    answers are the same and the model's recent uploads count the hits; other bytes are extracted."""
     client, engine = writable
-    jpeg = service_env.jpeg(service_env.dev[0])
+    def fresh() -> bytes:  # a file of the same picture that no earlier request sent
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(service_env.jpeg(service_env.dev[0]))).save(buf, "JPEG", comment=f"{time.time_ns()}")
+        return buf.getvalue()
+
+    jpeg = fresh()
     calls = []
     extract = engine.bundle.extractor.extract
+    hits = engine.bundle.recent_uploads.hits
 
     def counted(image: Any) -> Any:
         calls.append(1)
@@ -120,8 +125,7 @@ def test_an_upload_sent_again_is_answered_from_its_kept_regions(writable: tuple[
         similar = client.post("/search/similar", files={"file": ("a.jpg", jpeg, "image/jpeg")}, data={"k": "2"})
         assert similar.status_code == 200, similar.text
         assert len(calls) == 1
-        other = client.post("/annotate", files={"file": ("c.png", service_env.png(300, 200), "image/png")},
-                            data={"k": "2"})
+        other = client.post("/annotate", files={"file": ("c.jpg", fresh(), "image/jpeg")}, data={"k": "2"})
         assert other.status_code == 200 and len(calls) == 2
     finally:
         engine.bundle.extractor.extract = extract  # type: ignore[method-assign]
@@ -129,22 +133,19 @@ def test_an_upload_sent_again_is_answered_from_its_kept_regions(writable: tuple[
     assert [r["alignment"] for r in again["results"]] == [r["alignment"] for r in first["results"]]
     assert [r["text"] for r in page["results"]] == [r["text"] for r in first["results"]][2:4]
     assert (again["width"], again["height"]) == (first["width"], first["height"])
-    assert engine.uploads.hits >= 3
+    assert engine.bundle.recent_uploads.hits - hits == 3
 
 
-def test_recent_uploads_keep_the_last_ones() -> None:
-    from model.embed import EmbeddedImage
-    from service.engine import RecentUploads
+def test_recent_entries_keep_the_last_ones() -> None:
+    from model.recent import Recent
 
-    kept = RecentUploads(limit=2)
-    image = EmbeddedImage(np.zeros((1, 2), np.float32), np.zeros((1, 4), np.float32), 10, 10)
+    kept: Recent[str] = Recent(limit=2)
     for key in ("a", "b"):
-        kept.put(key, image)
-    assert kept.get("a") is image  # "a" is now the most recent
-    kept.put("c", image)
-    assert kept.get("b") is None and kept.get("a") is image and kept.get("c") is image
+        kept.put(key, key.upper())
+    assert kept.get("a") == "A"  # "a" is now the most recent
+    kept.put("c", "C")
+    assert kept.get("b") is None and kept.get("a") == "A" and kept.get("c") == "C"
     assert len(kept) == 2 and (kept.hits, kept.misses) == (3, 1)
-    assert RecentUploads.key(b"x") != RecentUploads.key(b"y")
 
 
 def test_a_camera_sized_jpeg_is_read_at_the_models_side_and_answered_in_its_own_pixels(
