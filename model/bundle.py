@@ -42,7 +42,7 @@ from model.calibration import Calibration, Relevance
 from model.config import ImageConfig, TextConfig
 from model.device import resolve_device
 from model.encoders import Encoders, ModelConfig
-from model.evidence import REFERENCES, PhraseEvidence
+from model.evidence import REFERENCES, PhraseEvidence, PresenceHead
 from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
 from model.graphs import BACKBONE_NAME, package_weights
 from model.grounder import Grounder
@@ -170,6 +170,7 @@ class Bundle:
         self._extractor: RegionExtractor | None = None
         self._extractor_lock = threading.Lock()
         self.grounder: Grounder | None = None  # where each named thing is (model/grounder.py); None: the alignment's
+        self._presence: PresenceHead | None = None  # whether a named thing is there (model/evidence.py)
         # the embedded regions of the last uploads (model/embed.py embed_image): vectors and boxes, never pixels
         self.recent_uploads: Recent[Any] = Recent(UPLOADS_KEPT)
 
@@ -191,9 +192,20 @@ class Bundle:
         """The relevance scale of the calibrated score (None: an older checkpoint, or no calibration)."""
         return None if self._calibration is None else self._calibration.relevance
 
-    def evidence_scale(self, weights: tuple[float, ...], intercept: float) -> PhraseEvidence:
-        """Phrase evidence with these weights, read against the calibration's reference images (the first
-        `REFERENCES`, calibrated as a collection's images are)."""
+    @property
+    def presence(self) -> PresenceHead | None:
+        """The presence head phrase evidence reads (model/evidence.py; None: a model without one)."""
+        return self._presence
+
+    @presence.setter
+    def presence(self, head: PresenceHead | None) -> None:
+        self._presence = head
+        self._evidence_cache.pop("scale", None)
+
+    def evidence_scale(self, weights: tuple[float, ...], intercept: float,
+                       head: PresenceHead | None = None) -> PhraseEvidence:
+        """Phrase evidence with these weights (over the standings and, with `head`, its score), read against the
+        calibration's reference images (the first `REFERENCES`, calibrated as a collection's images are)."""
         if self._calibration is None or self.is_global:
             raise ValueError("phrase evidence needs a calibrated fragment model")
         key = "references"
@@ -201,7 +213,7 @@ class Bundle:
             refs = np.asarray(self._calibration.ref_images[:REFERENCES], dtype=np.float32)
             self._evidence_cache[key] = np.asarray(self._calibration.calibrate_images(refs, self.blocks),
                                                    dtype=np.float32)
-        return PhraseEvidence(tuple(weights), float(intercept), self._evidence_cache[key], self.blocks)
+        return PhraseEvidence(tuple(weights), float(intercept), self._evidence_cache[key], self.blocks, head)
 
     @property
     def evidence(self) -> PhraseEvidence | None:
@@ -210,9 +222,9 @@ class Bundle:
         if cal is None or self.is_global:
             return None
         if "scale" not in self._evidence_cache:
-            state = PhraseEvidence.from_state(cal.evidence, np.zeros((0, 0, 0)), self.blocks)
+            state = PhraseEvidence.from_state(cal.evidence, np.zeros((0, 0, 0)), self.blocks, self.presence)
             self._evidence_cache["scale"] = (None if state is None
-                                             else self.evidence_scale(state.weights, state.intercept))
+                                             else self.evidence_scale(state.weights, state.intercept, state.head))
         scale = self._evidence_cache["scale"]
         return scale if isinstance(scale, PhraseEvidence) else None
 
@@ -322,6 +334,8 @@ class Bundle:
             out.update({f"cal/{k}": v for k, v in self.calibration.to_arrays().items()})
         if self.grounder is not None:
             out.update({f"grd/{k}": v for k, v in self.grounder.to_arrays().items()})
+        if self.presence is not None:
+            out.update({f"prs/{k}": v for k, v in self.presence.to_arrays().items()})
         return out
 
     def description(self) -> dict[str, Any]:
@@ -338,6 +352,7 @@ class Bundle:
             "weights": self.weights if self.weights is not None else weight_record(self.text.cfg,
                                                                                    self.image_cfg.backbone),
             **({} if self.grounder is None else {"grounder": self.grounder.to_state()}),
+            **({} if self.presence is None else {"presence": self.presence.to_state()}),
         }
 
     def save(self, folder: Path) -> Path:
@@ -375,6 +390,8 @@ class Bundle:
                 {k[4:]: v for k, v in arrays.items() if k.startswith("cal/")}, cal_state)
             grounder = Grounder.from_parts(state.get("grounder"),
                                            {k[4:]: v for k, v in arrays.items() if k.startswith("grd/")})
+            presence = PresenceHead.from_parts(state.get("presence"),
+                                               {k[4:]: v for k, v in arrays.items() if k.startswith("prs/")})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{path}: a damaged or incompatible fragsearch model: {exc}") from exc
         weights = state.get("weights")
@@ -385,6 +402,7 @@ class Bundle:
             check_weights(path, weights, text.cfg, image_cfg.backbone)
         bundle = cls(encoders, text, image_cfg, state.get("meta", {}), calibration, weights, device)
         bundle.grounder = grounder
+        bundle.presence = presence
         return bundle
 
     @classmethod

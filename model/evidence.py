@@ -16,10 +16,18 @@ out of the typical images through at least one of its triplets; a giraffe in a f
 
     found = 1 / (1 + exp(-(w . [max z, mean z, max logit q, mean logit q] + intercept)))
 
-over the thing's triplets, z their standings and q their percentiles. The weights are fitted on the
-validation part of the training images (training/evidence.py), never dev: a phrase of a caption with a
-Flickr30k Entities box in its own image is present; in another image it is present when one of that image's
-captions or boxed phrases names the same word, absent when none does.
+over the thing's triplets, z their standings and q their percentiles. Those say how well the thing's triplets
+fit, not whether the thing is there: "a giraffe runs through the grass" fits a dog running on grass through its
+verb and its grass. A model with a presence head (`PresenceHead`, trained by training/presence.py on the
+pictures a search shows that lack a thing and on captions with a thing swapped for one the picture does not
+hold) adds its score to the features:
+
+    found = 1 / (1 + exp(-(w . [max z, mean z, max logit q, mean logit q, presence] + intercept)))
+
+The weights are fitted on the validation part of the training images (training/evidence.py), never dev: a
+phrase of a caption with a Flickr30k Entities box in its own image is present; in another image it is present
+when one of that image's captions or boxed phrases names the same word, absent when none does; a caption's
+thing swapped for a noun its picture does not hold is absent there.
 
 `PhraseEvidence` holds the fitted weights; `PhraseEvidence.for_sentence` reads one sentence's triplets against
 the references once (`SentenceEvidence`), and `SentenceEvidence.found` gives each thing's and each triplet's
@@ -29,7 +37,7 @@ for search, annotation, explanation, region search and the command line.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +51,8 @@ EVIDENCE_FORM = "evidence-1"  # a stored evidence scale's form (an earlier one i
 REFERENCES = 300  # reference images a sentence's triplets are read against
 FOUND = 0.5  # a thing is reported found (its region drawn) when its probability reaches this
 CLIP = 8.0  # log-odds are clipped to +-CLIP (a probability between 0.0003 and 0.9997)
+SCORES = ("max_score", "mean_score", "standing")  # what a thing's triplets' scores with a fragment say of it
+EPS = 1e-6
 
 # relations whose first word is the thing (its determiner, modifier, count, owner)
 THING_FIRST = frozenset({"det", "amod", "nummod", "num", "poss", "predet", "quantmod", "compound", "nn", "det_predet"})
@@ -55,6 +65,26 @@ NOT_THINGS = frozenset({"front", "top", "side", "middle", "background", "foregro
                         "centre", "picture", "photo", "image", "shot", "view", "way", "day", "time", "lot", "bunch",
                         "kind", "sort", "type", "part", "end", "left", "right", "one", "ones", "something",
                         "someone", "it", "each", "other", "another", "air", "distance"})
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    """Rows of `x` scaled to unit length (a zero row stays zero)."""
+    x = np.asarray(x, dtype=np.float32)
+    return np.asarray(x / (np.linalg.norm(x, axis=-1, keepdims=True) + EPS), dtype=np.float32)
+
+
+def score_features(grid: np.ndarray) -> np.ndarray:
+    """(F, len(SCORES)) a thing's triplets scored with each fragment of an image: `grid` (F, m), their
+    `alignment_scores`."""
+    a = np.asarray(grid, dtype=np.float32)
+    best = a.max(axis=1)
+    standing = (best - best.mean()) / (best.std() + EPS)
+    return np.stack([best, a.mean(axis=1), standing], axis=1).astype(np.float32)
+
+
+def thing_direction(rows: np.ndarray) -> np.ndarray:
+    """(h,) a thing's direction: the unit mean of its triplets' unit vectors (rows (m, h))."""
+    return unit(unit(rows).mean(axis=0))
 
 
 def second_is_thing(rel: str) -> bool:
@@ -123,28 +153,140 @@ def thing_features(st: Standing, members: Sequence[Sequence[int]]) -> np.ndarray
     return out
 
 
+def summary_of(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A head's state without its per-epoch history (what a release's manifest records)."""
+    validation = {k: v for k, v in dict(state.get("validation", {})).items() if k != "history"}
+    return {**state, **({"validation": validation} if validation else {})}
+
+
+PRESENCE_FORM = "presence-1"  # a stored presence head's form (an earlier one is not read: retrain it)
+
+
+def pool(scores: np.ndarray) -> np.ndarray:
+    """(...) the log-sum-exp of fragment scores (..., F): a smooth largest, what the presence head says of the
+    image."""
+    s = np.asarray(scores, dtype=np.float64)
+    top = s.max(axis=-1, keepdims=True)
+    return np.asarray((top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True)))[..., 0])
+
+
+@dataclass(frozen=True)
+class PresenceHead:
+    """A head trained to tell whether the thing a direction names is in an image, whatever else fits: each
+    fragment gets a score from one hidden layer (ReLU) over [(P s) * (Q v), P s, Q v, scores] (s the thing's
+    direction, v the fragment's unit vector, `SCORES` its triplets' alignment scores there), and the image's
+    is their log-sum-exp (`pool`). Trained on the training images with the pictures a search shows that lack
+    the thing and captions with a thing swapped for one the picture does not hold (training/presence.py);
+    phrase evidence reads it beside the references' standings.
+
+    p, q (r, h); w1 (H, 3r + len(SCORES)), b1 (H,), w2 (H,), b2."""
+
+    p: np.ndarray = field(repr=False)
+    q: np.ndarray = field(repr=False)
+    w1: np.ndarray = field(repr=False)
+    b1: np.ndarray = field(repr=False)
+    w2: np.ndarray = field(repr=False)
+    b2: float = 0.0
+    state: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def rank(self) -> int:
+        return int(self.p.shape[0])
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {"p": self.p, "q": self.q, "w1": self.w1, "b1": self.b1, "w2": self.w2,
+                "b2": np.asarray([self.b2], np.float32)}
+
+    def to_state(self) -> dict[str, Any]:
+        return {**self.state, "form": PRESENCE_FORM, "rank": self.rank, "hidden": int(self.w1.shape[0]),
+                "scores": list(SCORES)}
+
+    def summary(self) -> dict[str, Any]:
+        return summary_of(self.to_state())
+
+    @classmethod
+    def from_parts(cls, state: dict[str, Any] | None, arrays: dict[str, np.ndarray]) -> PresenceHead | None:
+        """The stored head (None: none stored, or of another form)."""
+        if not state or state.get("form") != PRESENCE_FORM or "p" not in arrays:
+            return None
+        p, q, w1 = (np.asarray(arrays[k], np.float32) for k in ("p", "q", "w1"))
+        if p.shape != q.shape or w1.ndim != 2 or w1.shape[1] != 3 * p.shape[0] + len(SCORES):
+            raise ValueError(f"the presence head's arrays have shapes {p.shape}, {q.shape}, {w1.shape}: "
+                             "not [(P s) * (Q v), P s, Q v, scores]")
+        return cls(p, q, w1, np.asarray(arrays["b1"], np.float32), np.asarray(arrays["w2"], np.float32),
+                   float(np.asarray(arrays["b2"]).reshape(-1)[0]), dict(state))
+
+    def for_things(self, directions: np.ndarray) -> HeadTerms:
+        """What the head reads of the things alone (`directions` (N, h)), once per sentence."""
+        r, hidden = self.rank, int(self.w1.shape[0])
+        a = np.asarray(directions, np.float32) @ self.p.T  # (N, r)
+        # a fragment's projection's weights per thing: its product with the thing's and its own term, folded with Q
+        by_thing = self.w1[None, :, :r] * a[:, None, :] + self.w1[None, :, 2 * r : 3 * r]  # (N, H, r)
+        fold = np.ascontiguousarray(self.q.T @ by_thing.reshape(-1, r).T, dtype=np.float32)  # (h, N H)
+        bias = (a @ self.w1[:, r : 2 * r].T + self.b1).astype(np.float32)  # (N, H)
+        return HeadTerms(fold, bias.reshape(len(a), hidden))
+
+    def fragment_scores(self, directions: np.ndarray, fragments: np.ndarray, scores: np.ndarray,
+                        terms: HeadTerms | None = None) -> np.ndarray:
+        """(N, F) each thing's score in each fragment: `directions` (N, h) the things' (or their `terms`, read
+        once), `fragments` (F, h) unit fragment vectors, `scores` (N, F, len(SCORES)) their `score_features`."""
+        terms = self.for_things(directions) if terms is None else terms
+        n_things, hidden = terms.bias.shape
+        n_frag = len(fragments)
+        x = (np.asarray(fragments, np.float32) @ terms.fold).reshape(n_frag, n_things, hidden).transpose(1, 0, 2)
+        x = x + np.asarray(scores, np.float32) @ self.w1[:, 3 * self.rank :].T + terms.bias[:, None, :]
+        np.maximum(x, 0.0, out=x)
+        return np.asarray(x @ self.w2 + self.b2, dtype=np.float32)
+
+    def presence(self, directions: np.ndarray, fragments: np.ndarray, scores: np.ndarray,
+                 terms: HeadTerms | None = None) -> np.ndarray:
+        """(N,) what the head says of each thing in the image (`pool` of `fragment_scores`)."""
+        return pool(self.fragment_scores(directions, fragments, scores, terms))
+
+
+@dataclass(frozen=True)
+class HeadTerms:
+    """The presence head's terms of a sentence's things: the fragment vector's weights folded per thing (h, N H)
+    and each thing's own term with the layer's bias (N, H)."""
+
+    fold: np.ndarray
+    bias: np.ndarray
+
+
 @dataclass(frozen=True)
 class PhraseEvidence:
-    """The fitted weights of `found` (over `FEATURES`) and the reference images' fragments its triplets are read
-    against: (R, F, h), calibrated as the collection's images are."""
+    """The fitted weights of `found` (over `features_of(head)`), the reference images' fragments its triplets are
+    read against ((R, F, h), calibrated as the collection's images are) and the presence head, when the model
+    has one."""
 
     weights: tuple[float, ...]
     intercept: float
     references: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros((0, 0, 0)))
     blocks: int = 1
+    head: PresenceHead | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return features_of(self.head)
 
     def to_state(self) -> dict[str, Any]:
         return {"form": EVIDENCE_FORM, "weights": list(self.weights), "intercept": self.intercept,
-                "features": list(FEATURES)}
+                "features": list(self.features)}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any] | None, references: np.ndarray, blocks: int) -> PhraseEvidence | None:
-        """The stored weights with the references (None: none stored, or of an earlier form: refit them with
-        training.evidence)."""
-        if not state or state.get("form") != EVIDENCE_FORM or tuple(state.get("features", ())) != FEATURES:
+    def from_state(cls, state: dict[str, Any] | None, references: np.ndarray, blocks: int,
+                   head: PresenceHead | None = None) -> PhraseEvidence | None:
+        """The stored weights with the references and the model's presence head (None: none stored, of an earlier
+        form, or fitted with a head the model does not have: refit them with training.evidence)."""
+        if not state or state.get("form") != EVIDENCE_FORM:
+            return None
+        features = tuple(state.get("features", ()))
+        if features == FEATURES:
+            head = None
+        elif features != features_of(head):
             return None
         return cls(tuple(float(w) for w in state["weights"]), float(state["intercept"]),
-                   np.asarray(references[:REFERENCES], dtype=np.float32), blocks)
+                   np.asarray(references[:REFERENCES], dtype=np.float32), blocks, head)
 
     def reference_best(self, sent: np.ndarray) -> np.ndarray:
         """(R, T) each reference image's best region score for each sentence fragment (sent (T, h))."""
@@ -154,14 +296,23 @@ class PhraseEvidence:
 
     def for_sentence(self, sent: np.ndarray, triplets: Sequence[Triplet]) -> SentenceEvidence:
         """One sentence's fragments (T, h) and triplets, read against the references once."""
+        sent = np.asarray(sent, dtype=np.float32)
         ref = np.sort(self.reference_best(sent), axis=0)  # (R, T) ascending
         things, members = thing_members(triplets)
-        return SentenceEvidence(self, np.asarray(sent, dtype=np.float32), list(triplets), things, members, ref,
-                                ref.mean(axis=0), ref.std(axis=0) + 1e-6)
+        directions = (np.stack([thing_direction(sent[m]) for m in members]) if members
+                      else np.zeros((0, sent.shape[-1] if sent.ndim == 2 else 0), np.float32))
+        return SentenceEvidence(self, sent, list(triplets), things, members, ref, ref.mean(axis=0),
+                                ref.std(axis=0) + 1e-6, directions,
+                                None if self.head is None or not things else self.head.for_things(directions))
 
     def probability(self, features: np.ndarray) -> np.ndarray:
-        """found from `thing_features`' (..., len(FEATURES))."""
+        """found from `SentenceEvidence.features`' (..., len(self.features))."""
         return _probability(features @ np.asarray(self.weights) + self.intercept)
+
+
+def features_of(head: PresenceHead | None) -> tuple[str, ...]:
+    """What `found` reads: the references' standings, and the presence head's score when there is one."""
+    return FEATURES if head is None else (*FEATURES, "presence")
 
 
 @dataclass(frozen=True)
@@ -198,8 +349,8 @@ def evidence_terms(found: Sequence[float]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SentenceEvidence:
-    """One sentence read against the references: its things, the fragment rows of each, and the references'
-    best scores per fragment (sorted, (R, T)) with their mean and spread."""
+    """One sentence read against the references: its things, the fragment rows of each, the references' best
+    scores per fragment (sorted, (R, T)) with their mean and spread, and the things' directions (N, h)."""
 
     scale: PhraseEvidence
     sent: np.ndarray
@@ -209,6 +360,8 @@ class SentenceEvidence:
     reference: np.ndarray
     mean: np.ndarray
     spread: np.ndarray
+    directions: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0), np.float32))
+    head_terms: HeadTerms | None = field(repr=False, default=None)
 
     def standing(self, best: np.ndarray) -> Standing:
         """Standings of best-region scores (..., T)."""
@@ -225,11 +378,22 @@ class SentenceEvidence:
         """(T,) each fragment's best region score in one image's fragments (F, h)."""
         return np.asarray(alignment_scores(img, self.sent, self.scale.blocks).max(axis=0), dtype=np.float64)
 
+    def features(self, img: np.ndarray) -> np.ndarray:
+        """(N, len(scale.features)) what `found` reads of each thing in one image (its fragments (F, h))."""
+        grid = np.asarray(alignment_scores(np.asarray(img, np.float32), self.sent, self.scale.blocks))  # (F, T)
+        out = thing_features(self.standing(grid.max(axis=0).astype(np.float64)), self.members)
+        head = self.scale.head
+        if head is None or not self.things:
+            return out
+        scores = np.stack([score_features(grid[:, rows]) for rows in self.members])  # (N, F, len(SCORES))
+        presence = head.presence(self.directions, unit(img), scores, self.head_terms)
+        return np.concatenate([out, presence[:, None]], axis=1)
+
     def found(self, img: np.ndarray) -> Found:
         """The evidence in one image (its fragments (F, h), calibrated as stored)."""
         if not self.things:
             return Found({}, [None] * len(self.triplets))
-        p = self.scale.probability(thing_features(self.standing(self.best_in(img)), self.members))
+        p = self.scale.probability(self.features(img))
         things = {w: float(v) for w, v in zip(self.things, p, strict=True)}
         fragments: list[float | None] = []
         for j in range(len(self.triplets)):

@@ -29,21 +29,23 @@ from typing import Any
 
 import numpy as np
 
-from model.evidence import THING_FIRST, second_is_thing, thing_members, things_of
+from model.evidence import (
+    SCORES,
+    THING_FIRST,
+    score_features,
+    second_is_thing,
+    summary_of,
+    thing_direction,
+    thing_members,
+    things_of,
+    unit,
+)
 from model.fragments import WORD_REL
 from model.score import alignment_scores
 from model.text import Triplet
 
 GROUNDER_FORM = "grounder-1"  # the stored head's form (an earlier one is not read: retrain it)
 GEOMETRY = ("x0", "y0", "x1", "y1", "area", "sqrt_area", "log_aspect", "whole")
-SCORES = ("max_score", "mean_score", "standing")
-EPS = 1e-6
-
-
-def unit(x: np.ndarray) -> np.ndarray:
-    """Rows of `x` scaled to unit length (a zero row stays zero)."""
-    x = np.asarray(x, dtype=np.float32)
-    return np.asarray(x / (np.linalg.norm(x, axis=-1, keepdims=True) + EPS), dtype=np.float32)
 
 
 def geometry(boxes: np.ndarray) -> np.ndarray:
@@ -58,20 +60,6 @@ def geometry(boxes: np.ndarray) -> np.ndarray:
     whole[0] = 1.0
     return np.concatenate([corners, area[:, None], np.sqrt(area)[:, None], aspect[:, None], whole[:, None]],
                           axis=1).astype(np.float32)
-
-
-def score_features(grid: np.ndarray) -> np.ndarray:
-    """(F, len(SCORES)) a thing's triplets scored with each fragment of an image: `grid` (F, m), their
-    `alignment_scores`."""
-    a = np.asarray(grid, dtype=np.float32)
-    best = a.max(axis=1)
-    standing = (best - best.mean()) / (best.std() + EPS)
-    return np.stack([best, a.mean(axis=1), standing], axis=1).astype(np.float32)
-
-
-def thing_direction(rows: np.ndarray) -> np.ndarray:
-    """(h,) a thing's direction: the unit mean of its triplets' unit vectors (rows (m, h))."""
-    return unit(unit(rows).mean(axis=0))
 
 
 def named_by(triplet: Triplet, things: Sequence[str]) -> str | None:
@@ -114,9 +102,7 @@ class Grounder:
 
     def summary(self) -> dict[str, Any]:
         """The state without the per-epoch history (what a release's manifest records)."""
-        state = self.to_state()
-        validation = {k: v for k, v in dict(state.get("validation", {})).items() if k != "history"}
-        return {**state, **({"validation": validation} if validation else {})}
+        return summary_of(self.to_state())
 
     @classmethod
     def from_parts(cls, state: Mapping[str, Any] | None, arrays: Mapping[str, np.ndarray]) -> Grounder | None:

@@ -12,6 +12,7 @@ import pytest
 from model.bundle import Bundle
 from model.calibration import Relevance
 from model.evidence import (
+    FEATURES,
     FOUND,
     REFERENCES,
     PhraseEvidence,
@@ -179,6 +180,9 @@ def test_the_released_model_reads_its_evidence() -> None:
     bundle = Bundle.load(Path(RELEASED_MODEL))
     scale = bundle.evidence
     assert scale is not None and scale.references.shape[0] == REFERENCES
+    # it reads its presence head beside the references' standings
+    assert bundle.presence is not None and scale.head is bundle.presence
+    assert scale.features == (*FEATURES, "presence")
     assert bundle.relevance is not None and bundle.relevance.uses_evidence
     from model.embed import embed_sentence
 

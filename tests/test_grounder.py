@@ -18,8 +18,8 @@ from model.bundle import Bundle
 from model.dataset import hold_out
 from model.embed import embed_texts
 from model.entities import ImageEntities, parse_caption
-from model.evidence import thing_members
-from model.grounder import GEOMETRY, SCORES, Grounder, geometry, named_by
+from model.evidence import SCORES, thing_members
+from model.grounder import GEOMETRY, Grounder, geometry, named_by
 from model.text import Triplet
 from service.app import create_app
 from service.engine import Engine
@@ -95,7 +95,7 @@ def test_the_runtime_scores_as_the_trainer_does() -> None:
     trips = [Triplet("det", "dog", "a"), Triplet("nsubj", "runs", "dog"), Triplet("prep_on", "runs", "grass")]
     reading = g.for_sentence(sent, trips, blocks=1)
     runtime = reading.scores(img, boxes)
-    from model.grounder import score_features, thing_direction, unit
+    from model.evidence import score_features, thing_direction, unit
     from model.score import alignment_scores
 
     samples = Samples(np.zeros(2, np.int64), np.stack([thing_direction(sent[m]) for m in reading.members]),

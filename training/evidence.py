@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,14 +34,16 @@ from tqdm import tqdm
 from model.bundle import Bundle
 from model.calibration import Relevance
 from model.dataset import SplitData
-from model.embed import embed_encoded
+from model.embed import embed_encoded, embed_texts
 from model.entities import ImageEntities, read_entities
-from model.evidence import FEATURES, FOUND, PhraseEvidence, thing_features
+from model.evidence import FOUND, PhraseEvidence, features_of, named_things
+from training.refit import Refit
 
 logger = logging.getLogger("training.evidence")
 OTHERS = 40  # other images drawn at random each caption is read against
 SHOWN = 5  # and the best others a search of the part ranks first, with and without each thing's pictures
 BATCH = 256  # captions embedded at a time
+SWAP_MIN_IMAGES = 5  # a swapped caption's noun is one at least this many pictures of the part hold
 _WORD = re.compile(r"[a-z]+")
 
 
@@ -63,7 +65,7 @@ def forms(word: str) -> set[str]:
     return out
 
 
-def image_words(data: SplitData, ents: dict[str, ImageEntities]) -> list[set[str]]:
+def image_words(data: SplitData, ents: Mapping[str, ImageEntities]) -> list[set[str]]:
     """Per image of `data`: the words of its captions and its Entities phrases."""
     out: list[set[str]] = [set() for _ in data.names]
     for sentence, k in zip(data.sentences, data.pair_image, strict=True):
@@ -82,7 +84,7 @@ def names_in(words: set[str], thing: str) -> bool:
 
 @dataclass
 class Rows:
-    """The labelled (thing, image) pairs: features (n, len(FEATURES)), present (n,), whether the image is the
+    """The labelled (thing, image) pairs: features (n, len(scale.features)), present (n,), whether the image is the
     caption's own, and the image each pair is of (for image-disjoint parts)."""
 
     x: np.ndarray
@@ -125,8 +127,7 @@ def evidence_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, ents: 
         picks = np.unique(np.concatenate([picks, *shown]))
         picks = picks[picks != k]
         chosen = np.concatenate([[k], picks]).astype(np.int64)
-        best = np.stack([ev.best_in(images[i]) for i in chosen])  # (n, T)
-        feats = thing_features(ev.standing(best), ev.members)  # (n, things, features)
+        feats = np.stack([ev.features(images[i]) for i in chosen])  # (n, things, features)
         for n, thing in enumerate(ev.things):
             if thing in boxed:
                 xs.append(feats[0, n])
@@ -138,8 +139,62 @@ def evidence_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, ents: 
                 ys.append(float(holders[thing][int(i)]))
                 owns.append(False)
                 of.append(int(i))
-    return Rows(np.asarray(xs).reshape(-1, len(FEATURES)), np.asarray(ys), np.asarray(owns, bool),
+    return Rows(np.asarray(xs).reshape(-1, len(scale.features)), np.asarray(ys), np.asarray(owns, bool),
                 np.asarray(of, np.int64))
+
+
+def swapped_captions(data: SplitData, words: Sequence[set[str]], firsts: Sequence[tuple[int, str]],
+                     named: Iterable[str], rng: np.random.Generator) -> list[tuple[int, str, str]]:
+    """(caption, text, noun): each caption of `firsts` (its index in `data`, its first named thing) with that
+    thing swapped for a noun its picture does not hold ("a dog runs" -> "a tractor runs"). The nouns are the
+    things the part's captions name (`named`): every other caption draws one that at least `SWAP_MIN_IMAGES`
+    pictures hold, the others one that fewer do (a noun a person may ask for is often one the model has seen
+    rarely)."""
+    pictures: dict[str, set[int]] = {}
+    for k, ws in enumerate(words):
+        for x in ws:
+            pictures.setdefault(x, set()).add(k)
+    held = {w: len(set().union(*(pictures.get(f, set()) for f in forms(w)))) for w in sorted(set(named))}
+    pools = [[w for w, n in held.items() if n >= SWAP_MIN_IMAGES], [w for w, n in held.items() if n < SWAP_MIN_IMAGES]]
+    out = []
+    for n, (c, w) in enumerate(firsts):
+        k = int(data.pair_image[c])
+        pool = pools[n % 2] or pools[0] or pools[1]
+        choices = [s for s in (pool[int(i)] for i in rng.integers(len(pool), size=20)) if not names_in(words[k], s)
+                   ] if pool else []
+        if choices:
+            out.append((c, re.sub(rf"\b{re.escape(w)}\b", choices[0], data.sentences[c].lower(), count=1),
+                        choices[0]))
+    return out
+
+
+def swapped_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, words: Sequence[set[str]],
+                 seed: int = 0) -> Rows:
+    """The first caption of each picture with its first thing swapped (`swapped_captions`), read in its own
+    picture: the swapped thing is absent."""
+    rng = np.random.default_rng(seed)
+    first = [int(np.flatnonzero(data.pair_image == k)[0]) for k in range(len(data.names))
+             if (data.pair_image == k).any()]
+    enc = bundle.text.encode_parsed([data.parsed[c] for c in first], [data.sentences[c] for c in first])
+    said = [named_things(t) for _, t in embed_encoded(bundle, enc)]
+    firsts = [(c, things[0]) for c, things in zip(first, said, strict=True) if things]
+    swaps = swapped_captions(data, words, firsts, [w for things in said for w in things], rng)
+    images = bundle.embed_images(data.feats[[int(data.pair_image[c]) for c, _, _ in swaps]]) if swaps else None
+    xs, of = [], []
+    for n, ((sent, triplets), (c, _, noun)) in enumerate(zip(embed_texts(bundle, [t for _, t, _ in swaps],
+                                                                        strict=False), swaps, strict=True)):
+        ev = scale.for_sentence(sent, triplets) if len(sent) else None
+        if ev is None or noun not in ev.things or images is None:
+            continue
+        xs.append(ev.features(images[n])[ev.things.index(noun)])
+        of.append(int(data.pair_image[c]))
+    return Rows(np.asarray(xs).reshape(-1, len(scale.features)), np.zeros(len(xs)), np.zeros(len(xs), bool),
+                np.asarray(of, np.int64))
+
+
+def joined_rows(parts: Sequence[Rows]) -> Rows:
+    return Rows(np.concatenate([r.x for r in parts]), np.concatenate([r.y for r in parts]),
+                np.concatenate([r.own for r in parts]), np.concatenate([r.image for r in parts]))
 
 
 def caption_scores(bundle: Bundle, images: np.ndarray, embedded: Sequence[tuple[np.ndarray, Sequence[object]]]
@@ -207,18 +262,20 @@ def fit_evidence(bundle: Bundle, val: SplitData, entities: Path, seed: int = 0
                  ) -> tuple[PhraseEvidence, dict[str, Any]]:
     """The evidence weights fitted on `val` (the validation part), with their measures on its held-out half
     (fitted on the other half) and on the whole part (the weights kept)."""
-    base = bundle.evidence_scale(weights=(0.0,) * len(FEATURES), intercept=0.0)
+    features = features_of(bundle.presence)
+    base = bundle.evidence_scale(weights=(0.0,) * len(features), intercept=0.0, head=bundle.presence)
     ents = read_entities(entities, val.names) if Path(entities).exists() else {}
-    rows = evidence_rows(bundle, base, val, ents, seed=seed)
+    rows = joined_rows([evidence_rows(bundle, base, val, ents, seed=seed),
+                        swapped_rows(bundle, base, val, image_words(val, ents), seed=seed)])
     half = np.random.default_rng(seed).random(len(val.names)) < 0.5
     first = half[rows.image]
     part = Rows(rows.x[first], rows.y[first], rows.own[first], rows.image[first])
     rest = Rows(rows.x[~first], rows.y[~first], rows.own[~first], rows.image[~first])
-    held = PhraseEvidence(*fit_weights(part), base.references, base.blocks)
+    held = PhraseEvidence(*fit_weights(part), base.references, base.blocks, base.head)
     weights, intercept = fit_weights(rows)
-    scale = PhraseEvidence(weights, intercept, base.references, base.blocks)
+    scale = PhraseEvidence(weights, intercept, base.references, base.blocks, base.head)
     report = {"held_out_half": measures(held, rest), "fitted": measures(scale, rows),
-              "weights": dict(zip(FEATURES, weights, strict=True)), "intercept": intercept}
+              "weights": dict(zip(features, weights, strict=True)), "intercept": intercept}
     logger.info("phrase evidence on the validation part: %s", report)
     return scale, report
 
@@ -264,12 +321,9 @@ def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: Spli
     return fit_relevance(judge(bundle, val, others), evidence_of=pair_terms(bundle, scale, both))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from training.refit import load_refit, refit_parser
-
-    args = refit_parser(__doc__, "evidence").parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run = load_refit(args, "training.evidence", argv)
+def refit_evidence(run: Refit, out: Path) -> None:
+    """Fit `run`'s model's phrase evidence (with its presence head, when it has one) and the relevance on it, on
+    the validation part, and write the model to `out`."""
     bundle = run.bundle
     scale, report = fit_evidence(bundle, run.val, run.entities)
     bundle.set_evidence(scale)
@@ -278,8 +332,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     assert bundle.calibration is not None
     bundle.calibration = replace(bundle.calibration, relevance=relevance)
     bundle.meta["evidence"] = {"validation": report, "command": run.command}
-    bundle.save(args.out)
-    logger.info("wrote %s", args.out)
+    bundle.save(out)
+    logger.info("wrote %s", out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from training.refit import load_refit, refit_parser
+
+    args = refit_parser(__doc__, "evidence").parse_args(argv)
+    refit_evidence(load_refit(args, "training.evidence", argv), args.out)
 
 
 if __name__ == "__main__":

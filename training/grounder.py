@@ -28,9 +28,9 @@ from model.boxes import box_iou
 from model.bundle import Bundle
 from model.dataset import SplitData
 from model.embed import embed_encoded
-from model.entities import ImageEntities, read_entities
-from model.evidence import thing_members
-from model.grounder import GEOMETRY, SCORES, Grounder, geometry, score_features, thing_direction, unit
+from model.entities import ImageEntities
+from model.evidence import SCORES, score_features, thing_direction, thing_members, unit
+from model.grounder import GEOMETRY, Grounder, geometry
 from model.score import alignment_scores
 
 logger = logging.getLogger("training.grounder")
@@ -178,13 +178,11 @@ def fit_grounder(train: Samples, val: Samples, hidden: int = HIDDEN, epochs: int
 def main(argv: Sequence[str] | None = None) -> None:
     from training.refit import load_refit, refit_parser
 
-    ap = refit_parser(__doc__, "grounder")
-    ap.add_argument("--epochs", type=int, default=EPOCHS, help="epochs, the best on the validation part kept")
+    ap = refit_parser(__doc__, "grounder", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     run = load_refit(args, "training.grounder", argv)
-    ents = read_entities(run.entities, [*run.rest.names, *run.val.names])
+    ents = run.all_entities()
     fit, report = fit_grounder(samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents),
                                args.hidden, args.epochs)
     run.bundle.grounder = Grounder(fit.w1, fit.b1, fit.w2, fit.b2, {**fit.state, "command": run.command})

@@ -4,6 +4,7 @@ flags, and the model with its training images split into the part it was trained
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from model.bundle import Bundle
 from model.dataset import SplitData
+from model.entities import ImageEntities
 
 
 @dataclass
@@ -24,9 +26,16 @@ class Refit:
     entities: Path
     command: str
 
+    def all_entities(self) -> dict[str, ImageEntities]:
+        """The Entities annotations of every training image (the part trained on and the validation part)."""
+        from model.entities import read_entities
 
-def refit_parser(description: str | None, what: str) -> argparse.ArgumentParser:
-    """The flags: the model, the folder it is written to (with `what`), the data, Entities, cache, workers."""
+        return read_entities(self.entities, [*self.rest.names, *self.val.names])
+
+
+def refit_parser(description: str | None, what: str, epochs: int | None = None) -> argparse.ArgumentParser:
+    """The flags: the model, the folder it is written to (with `what`), the data, Entities, cache, workers, and
+    for a head trained here its `epochs` (the best on the validation part kept)."""
     from model.settings import default_cache_dir, default_data_dir
 
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,6 +46,8 @@ def refit_parser(description: str | None, what: str) -> argparse.ArgumentParser:
                     help="the Flickr30k Entities folder (default: flickr30k-entities beside the Flickr8K folder)")
     ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature and parse cache")
     ap.add_argument("--workers", type=int, default=2, help="extraction processes for images not cached")
+    if epochs is not None:
+        ap.add_argument("--epochs", type=int, default=epochs, help="epochs, the best on the validation part kept")
     return ap
 
 
@@ -46,6 +57,7 @@ def load_refit(args: argparse.Namespace, module: str, argv: Sequence[str] | None
     from model.parsers import make_parser
     from training.calibrate import split_of
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bundle = Bundle.load(args.model)
     train = load_split_data(args.data, "train", bundle.image_cfg, args.cache, make_parser(bundle.text.cfg.parser),
                             args.workers)
