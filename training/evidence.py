@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -144,22 +144,19 @@ def evidence_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, ents: 
 
 
 def swapped_captions(data: SplitData, words: Sequence[set[str]], firsts: Sequence[tuple[int, str]],
-                     named: Iterable[str], rng: np.random.Generator) -> list[tuple[int, str, str]]:
+                     rng: np.random.Generator) -> list[tuple[int, str, str]]:
     """(caption, text, noun): each caption of `firsts` (its index in `data`, its first named thing) with that
-    thing swapped for a noun its picture does not hold ("a dog runs" -> "a tractor runs"). The nouns are the
-    things the part's captions name (`named`): every other caption draws one that at least `SWAP_MIN_IMAGES`
-    pictures hold, the others one that fewer do (a noun a person may ask for is often one the model has seen
-    rarely)."""
+    thing swapped for a noun its picture does not hold ("a dog runs" -> "a tractor runs"), drawn from the things
+    the captions of `firsts` name that at least `SWAP_MIN_IMAGES` pictures hold."""
     pictures: dict[str, set[int]] = {}
     for k, ws in enumerate(words):
         for x in ws:
             pictures.setdefault(x, set()).add(k)
-    held = {w: len(set().union(*(pictures.get(f, set()) for f in forms(w)))) for w in sorted(set(named))}
-    pools = [[w for w, n in held.items() if n >= SWAP_MIN_IMAGES], [w for w, n in held.items() if n < SWAP_MIN_IMAGES]]
+    named = sorted({w for _, w in firsts})
+    pool = [w for w in named if len(set().union(*(pictures.get(f, set()) for f in forms(w)))) >= SWAP_MIN_IMAGES]
     out = []
-    for n, (c, w) in enumerate(firsts):
+    for c, w in firsts:
         k = int(data.pair_image[c])
-        pool = pools[n % 2] or pools[0] or pools[1]
         choices = [s for s in (pool[int(i)] for i in rng.integers(len(pool), size=20)) if not names_in(words[k], s)
                    ] if pool else []
         if choices:
@@ -178,7 +175,7 @@ def swapped_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, words: 
     enc = bundle.text.encode_parsed([data.parsed[c] for c in first], [data.sentences[c] for c in first])
     said = [named_things(t) for _, t in embed_encoded(bundle, enc)]
     firsts = [(c, things[0]) for c, things in zip(first, said, strict=True) if things]
-    swaps = swapped_captions(data, words, firsts, [w for things in said for w in things], rng)
+    swaps = swapped_captions(data, words, firsts, rng)
     images = bundle.embed_images(data.feats[[int(data.pair_image[c]) for c, _, _ in swaps]]) if swaps else None
     xs, of = [], []
     for n, ((sent, triplets), (c, _, noun)) in enumerate(zip(embed_texts(bundle, [t for _, t, _ in swaps],

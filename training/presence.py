@@ -18,7 +18,7 @@ is the one with the best AUC on the same kind of samples from the validation par
 phrase evidence's logistic fit on the validation part (training/evidence.py, run after it) turns its score
 into a probability, and the relevance is refitted on it.
 
-    python -m training.presence --model model/released --out artifacts/models/released-presence
+    python -m training.presence --model model/released --out artifacts/models/released-presence --epochs 5
 """
 
 from __future__ import annotations
@@ -124,7 +124,6 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
 
     out = _Rows()
     firsts: list[tuple[int, str]] = []
-    named: list[str] = []
     for l, (sent, triplets) in enumerate(tqdm(embedded, desc="presence samples", unit="caption")):  # noqa: E741
         if not len(sent):
             continue
@@ -134,7 +133,6 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
         c = int(picked[l])
         k = int(data.pair_image[c])
         firsts.append((c, things[0]))
-        named.extend(things)
         image = entities.get(data.names[k])
         caption = image.match(data.sentences[c]) if image is not None else None
         boxed = (set(things) if image is None else
@@ -152,17 +150,17 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
             labels = [1.0 if (w in boxed and n == 0) else float(held[int(i)]) for n, i in enumerate(chosen)]
             kinds = [OWN if int(i) == k else OTHER for i in chosen]
             out.add(sent, rows, grid, chosen, labels, kinds)
-    _swapped(bundle, data, images, words, firsts, named, holds, collection, out, rng)
+    _swapped(bundle, data, images, words, firsts, holds, collection, out, rng)
     return out.samples(np.stack([unit(x) for x in images]))
 
 
 def _swapped(bundle: Bundle, data: SplitData, images: np.ndarray, words: Sequence[set[str]],
-             firsts: Sequence[tuple[int, str]], named: Sequence[str], holds: Any, collection: np.ndarray, out: _Rows,
+             firsts: Sequence[tuple[int, str]], holds: Any, collection: np.ndarray, out: _Rows,
              rng: np.random.Generator) -> None:
     """The captions with their first thing swapped for a noun their picture does not hold
     (training/evidence.py `swapped_captions`), in their picture and in the best picture of `collection` the
     swapped caption finds."""
-    swaps = swapped_captions(data, words, firsts, named, rng)
+    swaps = swapped_captions(data, words, firsts, rng)
     embedded = embed_texts(bundle, [t for _, t, _ in swaps], strict=False)
     scores = caption_scores(bundle, images[collection], embedded)
     for l, ((sent, triplets), (c, _, s)) in enumerate(tqdm(list(zip(embedded, swaps, strict=True)),  # noqa: E741
