@@ -11,7 +11,13 @@ from pathlib import Path
 from model.atomic import sha256_file
 from model.imageio import IMAGE_SUFFIXES
 
-__all__ = ["list_images", "sha256_file", "unique_name"]
+__all__ = ["is_hidden", "list_images", "sha256_file", "unique_name"]
+
+
+def is_hidden(*parts: str) -> bool:
+    """Whether a path, given by its names (a file's or folder's name, or every part of a relative path), is
+    hidden: one of them starts with a dot. Hidden files and folders are never indexed or watched."""
+    return any(part.startswith(".") for part in parts)
 
 
 def unique_name(prefix: str, generation: int, suffix: str) -> str:
@@ -24,4 +30,4 @@ def list_images(folder: Path, recursive: bool = True) -> list[Path]:
     folder = Path(folder)
     pattern = folder.rglob("*") if recursive else folder.glob("*")
     return sorted(p for p in pattern if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-                  and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+                  and not is_hidden(*p.relative_to(folder).parts))

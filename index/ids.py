@@ -10,6 +10,7 @@ import numpy as np
 FRAGMENT_BITS = 10
 MAX_FRAGMENTS = 1 << FRAGMENT_BITS  # fragments one item may have
 MAX_ITEM = (1 << (63 - FRAGMENT_BITS)) - 1
+MAX_ID = 2**63 - 1  # the largest id an API caller may name: ids are int64 in FAISS and SQLite
 
 
 def encode(item: int | np.ndarray, fragment: int | np.ndarray) -> np.ndarray:

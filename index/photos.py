@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.catalogue import Catalogue
+from index.files import is_hidden
 from index.items import ItemTable
 from index.places import Place, PlaceFilter, read_place
 from index.types import AddReport
@@ -98,7 +99,7 @@ class Photos:
         seen: set[Path] = set()
         for p in paths:
             path = Path(p).resolve()
-            if path.name.startswith("."):
+            if is_hidden(path.name):
                 report.skipped.append((str(path), "hidden file name"))
             elif path not in seen:
                 seen.add(path)

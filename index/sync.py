@@ -44,7 +44,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from index.catalogue import is_index, set_aside_if_stale
-from index.files import sha256_file
+from index.files import is_hidden, sha256_file
 from index.fingerprint import model_fingerprint
 from index.images import ImageIndex
 from index.shards import commit_interval
@@ -178,10 +178,10 @@ def walk(folder: Path, exclude: Sequence[str] = ()) -> tuple[dict[str, os.stat_r
     for dirpath, dirnames, filenames in os.walk(folder):
         here = Path(dirpath).relative_to(folder).as_posix()
         prefix = "" if here == "." else here + "/"
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SYSTEM_FOLDERS
+        dirnames[:] = sorted(d for d in dirnames if not is_hidden(d) and d not in SYSTEM_FOLDERS
                              and not ignored(prefix + d, True, patterns))
         for name in sorted(filenames):
-            if name.startswith(".") or ignored(prefix + name, False, patterns):
+            if is_hidden(name) or ignored(prefix + name, False, patterns):
                 continue
             path = Path(dirpath) / name
             rel = prefix + name

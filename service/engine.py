@@ -9,12 +9,14 @@ by its type; the request's shape and bounds were checked before (service/schemas
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import re
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +57,14 @@ def image_error(exc: ImageReadError) -> ApiError:
     return ApiError(422, "bad_image", f"the image cannot be decoded (truncated or corrupt): {exc}")
 
 
-def no_fragments(exc: NoFragmentsError, what: str) -> ApiError:
-    """A query the model finds nothing to match in (blank text never gets here: the schemas refuse it)."""
-    return ApiError(422, "no_fragments", f"the {what} has no usable fragment: {exc}")
+@contextlib.contextmanager
+def matched_as(what: str) -> Iterator[None]:
+    """The one answer to a query the model finds nothing to match in (a NoFragmentsError raised in the block): 422
+    naming `what` it was. Blank text never gets here: the schemas refuse it."""
+    try:
+        yield
+    except NoFragmentsError as e:
+        raise ApiError(422, "no_fragments", f"the {what} has no usable fragment: {e}") from e
 
 
 def storage_error(exc: OSError, what: str) -> ApiError | None:
@@ -163,16 +170,12 @@ class Engine:
     def search_images(self, sentence: str, k: int, offset: int = 0, where: PlaceFilter | None = None
                       ) -> Page[ImageHit]:
         """Images ranked offset + 1 .. offset + k for a sentence (among those that pass `where`)."""
-        try:
+        with matched_as("sentence"):
             return self.images.search(sentence, k, offset, where=where)
-        except NoFragmentsError as e:
-            raise no_fragments(e, "sentence") from e
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:
-        try:
+        with matched_as("sentence"):
             return self.images.explain(image_id, sentence)
-        except NoFragmentsError as e:
-            raise no_fragments(e, "sentence") from e
 
     def similar_to_image(self, image_id: int, k: int, offset: int = 0) -> tuple[tuple[int, int], Similar] | None:
         """The size of an indexed image and the images like it (itself left out), or None when there is
@@ -194,10 +197,8 @@ class Engine:
 
     def search_fragments(self, phrase: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions ranked offset + 1 .. offset + k for a phrase."""
-        try:
+        with matched_as("phrase"):
             return self.images.search_fragments(phrase, k, offset)
-        except NoFragmentsError as e:
-            raise no_fragments(e, "phrase") from e
 
     def search_triplet(self, relation: str, w1: str, w2: str, k: int, offset: int = 0) -> Page[RegionHit]:
         """Regions for one triplet: embedded as is when its relation is kept and its words are known,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from index.ids import MAX_ID
 from index.types import ExplainScope
 from model.settings import DEFAULT_K
 
@@ -218,7 +219,7 @@ class ImageResult(BaseModel):
 
 
 class ExplainRequest(BaseModel):
-    image_id: int = Field(ge=0, le=2**63 - 1, strict=True, description="an indexed image's id")
+    image_id: int = Field(ge=0, le=MAX_ID, strict=True, description="an indexed image's id")
     sentence: str = Field(description="the sentence the image is explained for", examples=["a dog runs on the grass"])
 
     @field_validator("sentence")

@@ -23,6 +23,7 @@ from typing import Any
 
 from watchfiles import Change, DefaultFilter, watch
 
+from index.files import is_hidden
 from index.sync import SyncReport
 from model.imageio import IMAGE_SUFFIXES
 
@@ -44,7 +45,7 @@ class PhotoFilter(DefaultFilter):
             parts = p.relative_to(self.root).parts
         except ValueError:
             return False
-        if any(part.startswith(".") for part in parts):
+        if is_hidden(*parts):
             return False
         # a folder (no suffix) passes: a removed folder comes as one event for the folder, and a new
         # folder's first files may land before the watcher follows it (the sync walks it whole)

@@ -13,6 +13,7 @@ from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 
 from index.duplicates import THRESHOLD
+from index.ids import MAX_ID
 from service.deps import EngineDep, GatesDep, require_key
 from service.errors import ApiError, responses
 from service.routes.convert import image_out, image_url, thumbnail_url
@@ -20,7 +21,6 @@ from service.routes.uploads import read_upload
 from service.schemas import DuplicateOut, DuplicatesResponse, ImageOut
 from service.thumbnails import SIZES, browser_readable, snap
 
-MAX_ID = 2**63 - 1  # ids are int64 in FAISS and SQLite
 ID_TEXT = re.compile(r"0|[1-9][0-9]{0,18}")  # plain decimal, no sign, blank, point or leading zero
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, UploadFile
 
+from index.ids import MAX_ID
 from index.similar import Similar
 from service.deps import BoundsDep, EngineDep, GatesDep, SettingsDep
 from service.errors import ApiError, responses
@@ -111,7 +112,7 @@ async def explain(body: ExplainRequest, engine: EngineDep, gates: GatesDep, boun
 async def search_similar(
     engine: EngineDep, s: SettingsDep, gates: GatesDep, bounds: BoundsDep,
     file: Annotated[UploadFile | None, File(description="an image (JPEG, PNG, ...); or give image_id")] = None,
-    image_id: Annotated[int | None, Form(ge=0, le=2**63 - 1, description="an indexed image's id")] = None,
+    image_id: Annotated[int | None, Form(ge=0, le=MAX_ID, description="an indexed image's id")] = None,
     k: Annotated[int, Form(ge=1, description="number of images")] = DEFAULT_K,
     offset: OffsetForm = 0,
 ) -> SimilarResponse:
