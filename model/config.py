@@ -69,6 +69,11 @@ class ImageConfig:
     # at its own size. Not in the cache folder's key: an entry of a larger picture is keyed by its bytes and
     # this side (model/features.py content_key), so the entries of pictures within it stay as they were.
     decode_side: int = 1024
+    # the proposals' order: "" ranks them by the ImageNet head's confidence (an objectness proxy); a region
+    # ranker's file name (model/regions.py, ``region-ranker-<digest>.npz``, trained on the training images'
+    # Entities boxes by training/regions.py) ranks them by how likely each is a box someone named. Selective
+    # search's proposals only; in the feature cache key when set.
+    region_ranker: str = ""
 
     @property
     def n_fragments(self) -> int:
@@ -84,7 +89,8 @@ BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite
 
 def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
     """The image-fragment flags (--region-features, --crop-size, --min-box-frac, --backbone-size,
-    --backbone-precision, --backbone, --proposal-mode, --proposal-resize); with `defaults` None each is None
+    --backbone-precision, --backbone, --proposal-mode, --proposal-resize, --proposals, --detector-floor,
+    --detector-classes, --region-ranker); with `defaults` None each is None
     unless given (the run's own settings are kept, see `with_region_flags`)."""
     ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
                     help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
@@ -110,10 +116,14 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
                     help="with --proposals detector_topup: the smallest detection score kept as a region")
     ap.add_argument("--detector-classes", action="store_true", default=defaults and defaults.detector_classes,
                     help="with detector proposals: each fragment's features carry the detector's class scores")
+    ap.add_argument("--region-ranker", default=defaults and defaults.region_ranker,
+                    help="the region ranker's file name (region-ranker-<digest>.npz, training/regions.py) that orders "
+                         "selective search's proposals; empty: the ImageNet head's objectness")
 
 
 REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
-                "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor", "detector_classes")
+                "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor", "detector_classes",
+                "region_ranker")
 
 
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:

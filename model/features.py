@@ -33,6 +33,7 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     mirror = image.pop("mirror")  # in the payload only for the mirrored view: the other keys stay
     proposals = image.pop("proposals")  # the region source and its floor: only when not selective search
     floor = image.pop("detector_floor")
+    ranker = image.pop("region_ranker")  # in the payload only when set: the other keys stay
     image.pop("decode_side")  # in the entries' keys of the pictures it reduces (content_key), not here
     if image.pop("detector_classes"):  # in the payload only when set: the other keys stay
         image["detector_classes"] = True
@@ -44,6 +45,8 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     payload: dict[str, Any] = {"image": image, "backbone": backbone, "version": FEATURE_VERSION}
     if mirror:
         payload["mirror"] = True
+    if ranker:
+        payload["region_ranker"] = ranker  # named by its content (model/regions.py ranker_name)
     if weights:
         payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":

@@ -2,7 +2,8 @@
 
 Regions come from selective search (``model/proposals.py``), ranked by the bundled ImageNet
 EfficientNet-Lite0 (``model/backbone.py``): a proposal's score is the largest softmax probability of
-the ImageNet head on its pooled feature (an objectness proxy), followed by NMS. With
+the ImageNet head on its pooled feature (an objectness proxy), or with ``ImageConfig.region_ranker`` the
+region ranker's (``model/regions.py``: trained on people's boxes), followed by NMS. With
 ``ImageConfig.proposals`` "detector" / "detector_topup" they are the COCO detector's boxes
 (``model/detector.py``), ranked by its scores, above every selective-search box that tops them up.
 Boxes are ``[x0, y0, x1, y1]`` floats in the image's own pixels.
@@ -26,7 +27,7 @@ from model.backbone import Backbone, backbone_graph, backbone_head
 from model.boxes import roi_align
 from model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
 from model.detector import N_CLASSES, Detector
-from model.graphs import BACKBONE_NAME, preprocess, to_array
+from model.graphs import BACKBONE_NAME, find, preprocess, to_array
 from model.imageio import Photo
 from model.proposals import (
     N_GRID_BOXES,
@@ -37,6 +38,7 @@ from model.proposals import (
     select_regions,
     with_priors,
 )
+from model.regions import load_ranker
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +96,9 @@ class RegionExtractor:
         if cfg.detector_classes and (cfg.proposals == "selective_search" or cfg.full_frame_only):
             raise ValueError("detector_classes needs the detector's regions (proposals 'detector' or "
                              "'detector_topup'): its class scores are those of the boxes it proposed")
+        if cfg.region_ranker and (cfg.proposals == "detector" or cfg.full_frame_only):
+            raise ValueError("region_ranker ranks selective search's proposals (proposals 'selective_search' or "
+                             "'detector_topup'): these settings have none to rank")
         self.cfg = cfg
         self.detector = (Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only
                          else None)
@@ -101,8 +106,10 @@ class RegionExtractor:
         self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights,
                                   name=cfg.backbone)
                          if own else self.ranker)  # the fragments' features
-        if ranks_proposals(cfg):
-            self.ranker.load_head()  # read now: a missing head file is an error at start-up, not at the first image
+        # read now: a missing head or ranker file is an error at start-up, not at the first image
+        self.region_ranker = load_ranker(cfg.region_ranker) if cfg.region_ranker and ranks_proposals(cfg) else None
+        if ranks_proposals(cfg) and self.region_ranker is None:
+            self.ranker.load_head()
 
     def extract(self, image: Image.Image | Photo) -> ImageFragments:
         """One picture → ImageFragments (boxes (F, 4), features (F, D))."""
@@ -132,6 +139,16 @@ class RegionExtractor:
         rgb = [working_image(p.image, self.cfg) for p in photos]
         proposals = [rescale_boxes(b, p.image.size, w.size) for b, p, w in zip(proposals, photos, rgb, strict=True)]
         return self._given_back(photos, self._extract_working(rgb, proposals))
+
+    def ranked_inputs(self, image: Image.Image | Photo) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """What the proposals of one picture are ranked by: their boxes (P, 4) in its working image's pixels, the
+        backbone's pooled features of each (P, 1280, one sample per bin, as ranked), and the working image's
+        width and height. Selective search's proposals only (the region ranker's training data)."""
+        work = working_image(_photo(image).image, self.cfg)
+        w, h = work.size
+        boxes = np.ascontiguousarray(propose_boxes(np.asarray(work), self.cfg), np.float32)
+        fmap = self._maps([work], self.cfg.backbone_size)[0]
+        return boxes, self._roi_pool(fmap, boxes, w, h, self.cfg.backbone_size, SCORE_SAMPLING), w, h
 
     def _proposals(self, work: Image.Image) -> np.ndarray:
         """The proposals of a working image (P, 5), in its pixels (``image_proposals`` without the resize)."""
@@ -165,7 +182,7 @@ class RegionExtractor:
             unranked = np.isnan(scores)
             if unranked.any() and maps is not None:
                 pooled = self._roi_pool(maps[k], props[unranked], w, h, side, SCORE_SAMPLING)
-                scores[unranked] = self._objectness(pooled)
+                scores[unranked] = self._rank(pooled, props[unranked], w, h)
             regions, rows = select_regions(props, scores, w, h, cfg)
             boxes = np.concatenate([full_box(w, h), regions])
             chosen.append(boxes)
@@ -200,6 +217,14 @@ class RegionExtractor:
         rois = roi_align(fmap, scaled, output_size=ROI_OUTPUT, spatial_scale=fmap.shape[-1] / side,
                          sampling_ratio=sampling, aligned=True)  # (N, 1280, 3, 3)
         return rois.mean(axis=(2, 3), dtype=np.float32)
+
+    def _rank(self, pooled: np.ndarray, boxes: np.ndarray, w: int, h: int) -> np.ndarray:
+        """Pooled features (N, 1280) of boxes (N, 4) in a w x h image → (N,) float32 scores in [0, 1): the region
+        ranker's order (``by_rank`` of its logits), or without one the ImageNet head's objectness (below 1 both,
+        so a detection's 1 + score stays above every ranked box)."""
+        if self.region_ranker is not None:
+            return by_rank(self.region_ranker.score(pooled, boxes, w, h))
+        return self._objectness(pooled)
 
     def _objectness(self, pooled: np.ndarray) -> np.ndarray:
         """(N, 1280) → (N,) float32 max ImageNet softmax probability."""
@@ -236,11 +261,18 @@ def own_backbone(cfg: ImageConfig) -> bool:
 
 def extractor_files(cfg: ImageConfig) -> list[Path]:
     """The backbone files a RegionExtractor of ``cfg`` reads (the ranker's graph, the features' own graph, the
-    ranker's head), found or made now (model/backbone.py): what a pool makes once before its workers start."""
+    ranker's head or the region ranker's arrays), found or made now (model/backbone.py): what a pool makes once
+    before its workers start."""
     files = [backbone_graph(cfg.backbone_precision)]
     if own_backbone(cfg):
         files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights))
-    if ranks_proposals(cfg):
+    if ranks_proposals(cfg) and cfg.region_ranker:
+        ranker = find(cfg.region_ranker)
+        if ranker is None:
+            load_ranker(cfg.region_ranker)  # raises, saying where it was looked for
+        else:
+            files.append(ranker)
+    elif ranks_proposals(cfg):
         files.append(backbone_head())
     return files
 
@@ -249,6 +281,16 @@ def ranks_proposals(cfg: ImageConfig) -> bool:
     """Whether the extractor of ``cfg`` ranks proposals by the ImageNet head (selective search's boxes, alone or
     topping up the detector's): whether it reads the head's arrays."""
     return not cfg.full_frame_only and cfg.proposals != "detector"
+
+
+def by_rank(logits: np.ndarray) -> np.ndarray:
+    """(N,) logits → (N,) float32 scores in [0, 1) in the same order, evenly spaced: the best (N - 1) / N, the last
+    0. Equal logits keep the proposals' own order (the first above). A sigmoid would round large logits of
+    float32 to one value and leave their order to chance."""
+    order = np.argsort(-np.asarray(logits, np.float64), kind="stable")
+    out = np.empty(len(order), np.float32)
+    out[order] = (len(order) - 1 - np.arange(len(order))) / max(len(order), 1)
+    return out
 
 
 def max_softmax(logits: np.ndarray) -> np.ndarray:

@@ -37,14 +37,16 @@ def test_the_later_settings_change_the_fingerprint_when_used() -> None:
     detector = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg, proposals="detector"))
     classes = Bundle(base.encoders, base.text, dataclasses.replace(detector.image_cfg, detector_classes=True))
     side = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg, decode_side=0))
+    ranked = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg,
+                                                                  region_ranker="region-ranker-0123456789ab.npz"))
     local = make_bundle(WordTable.build(WORDS))
     g = np.random.default_rng(0)
     mask = np.ones((6, 3), np.float32)
     plain = Calibration(g.random((5, 4, base.dim), dtype=np.float32), g.random((6, 3, base.dim), dtype=np.float32),
                         mask, 1e-3, 1e-3)
     local.calibration = plain.localised(3, 0.75)
-    seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector, classes, side, local)}
-    assert len(seen) == 7
+    seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector, classes, side, ranked, local)}
+    assert len(seen) == 8
     spread_only = make_bundle(WordTable.build(WORDS))
     spread_only.calibration = plain  # the spread alone keeps the fingerprint the indexes were built with
     assert model_fingerprint(spread_only) == model_fingerprint(base)

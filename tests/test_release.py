@@ -158,3 +158,27 @@ def test_a_new_released_model_is_a_new_version() -> None:
 
     assert read_manifest()["files"]["model.npz"]["sha256"] == RELEASED_MODEL, \
         "model/released/ changed: set a new __version__ and RELEASED_MODEL in service/version.py (and CHANGELOG.md)"
+
+
+def test_a_model_whose_proposals_a_region_ranker_orders_ships_its_file(shapes_model: ShapesModel,
+                                                                       tmp_path: Path) -> None:
+    import copy
+    import dataclasses
+
+    from model.onnx import graph_dir
+    from tests.test_regions import small_first
+
+    bundle = copy.copy(shapes_model.bundle)
+    nowhere = "region-ranker-000000000000.npz"  # a name no ranker's content has
+    bundle.image_cfg = dataclasses.replace(bundle.image_cfg, region_ranker=nowhere)
+    manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, {"rsum": 1.0}, "x")
+    with pytest.raises(FileNotFoundError, match=nowhere):
+        write_release(bundle, tmp_path / "missing", manifest)
+    ranker = small_first(seed=7)
+    ranker.save(graph_dir())
+    bundle.image_cfg = dataclasses.replace(bundle.image_cfg, region_ranker=ranker.name())
+    written = write_release(bundle, tmp_path / "release", manifest_of(
+        bundle, shapes_model.model_path, shapes_model.data, {"rsum": 1.0}, "x"))
+    assert ranker.name() in written["files"], "the ranker's file travels with the model that names it"
+    assert written["features"]["region_ranker"] == ranker.name()
+    assert Bundle.load(tmp_path / "release").image_cfg.region_ranker == ranker.name()

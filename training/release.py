@@ -46,7 +46,7 @@ from model.backbone import backbone_graph, backbone_head
 from model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
 from model.data import load_split
 from model.dataset import load_split_data
-from model.graphs import BACKBONE_NAME, quant_recipe
+from model.graphs import BACKBONE_NAME, find, quant_recipe
 from model.minilm import minilm_graph
 from model.onnx import graph_dir
 from model.parsers import make_parser
@@ -133,6 +133,8 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
     features: dict[str, Any] = {"backbone": cfg.backbone, "precision": cfg.backbone_precision,
                                 "region_features": cfg.region_features, "regions": cfg.n_regions,
                                 "onnxruntime": onnxruntime.__version__, "cpu": cpu_record()}
+    if cfg.region_ranker:
+        features.update(region_ranker=cfg.region_ranker, min_box_frac=cfg.min_box_frac)
     if cfg.backbone_precision == "int8":
         graph = backbone_graph("int8", cfg.backbone, cfg.backbone_weights, graph_dir())
         features.update(quantization=quant_recipe(), graph=graph.name, graph_sha256=sha256_file(graph))
@@ -169,13 +171,20 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
 
 def runtime_files(bundle: Bundle) -> list[Path]:
     """The graphs a model runs, made where missing (the graph folder): its crops' backbone and the proposal
-    ranker (ImageNet Lite0) at its precision, the ranker's head and MiniLM's graph (a model with its own top
-    layers of MiniLM runs that graph with them: the layers themselves are the model's weights)."""
+    ranker (ImageNet Lite0) at its precision, the ranker's head, the region ranker's arrays where it names one,
+    and MiniLM's graph (a model with its own top layers of MiniLM runs that graph with them: the layers
+    themselves are the model's weights)."""
     cfg = bundle.image_cfg
     files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", graph_dir()),
              backbone_head(BACKBONE_NAME, "", graph_dir())]
     if cfg.backbone != BACKBONE_NAME or cfg.backbone_weights:
         files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, graph_dir()))
+    if cfg.region_ranker:  # the proposals' order, read by the extractor beside the backbone's files
+        ranker = find(cfg.region_ranker, graph_dir())
+        if ranker is None:
+            raise FileNotFoundError(f"the region ranker {cfg.region_ranker} the model names is not in "
+                                    f"{graph_dir()}: train it (python -m training.regions)")
+        files.append(ranker)
     files.append(minilm_graph(graph_dir()))
     return files
 

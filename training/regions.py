@@ -1,0 +1,224 @@
+"""Train the region ranker (model/regions.py): which selective-search proposals to keep as an image's regions, learnt
+from the boxes people drew for the phrases of its captions (Flickr30k Entities).
+
+    python -m training.regions --model model/released --out artifacts/models/released-regions
+
+For a sample of the images the model was trained on and for its whole validation part: every proposal of the
+image (selective search with the model's settings, boxes with a side of at least ``--min-box-frac`` of the
+image's), its pooled features as the extractor ranks them and the Entities boxes of its captions' phrases. A
+proposal is a positive when it overlaps a box of some phrase at IoU >= 0.5. One hidden layer, binary
+cross-entropy; the epoch kept is the one whose regions (the ranker's order, NMS, 19 kept beside the whole
+image, as the extractor chooses them) hold a box for the most phrases of the validation part (each phrase of
+each caption counted once, as bench.grounding counts them). Dev is never read.
+
+Written: the ranker's file (``region-ranker-<digest>.npz``) into the graph folder, where the extractor finds it,
+and into ``--out`` with the model, its image settings naming the ranker and the smaller boxes
+(``region_ranker``, ``min_box_frac``), and ``regions.json``: the validation part's share of phrases the regions
+hold, with the model's own settings and with the ranker, per entity type. The model's encoders are not
+retrained: its fragments are then read from the ranker's regions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from model.boxes import box_iou
+from model.bundle import Bundle
+from model.config import ImageConfig
+from model.entities import ImageEntities
+from model.image import RegionExtractor, max_softmax
+from model.proposals import full_box, select_regions
+from model.regions import GEOMETRY, RegionRanker, geometry
+
+logger = logging.getLogger("training.regions")
+IOU = 0.5
+HIDDEN = 64
+EPOCHS = 10
+IMAGES = 2500  # images of the part trained on read for the ranker's training
+MIN_BOX_FRAC = 0.06
+BATCH = 512
+
+
+@dataclass
+class Picture:
+    """One image's proposals (P, 4) in its working pixels, their pooled features (P, D) float16, the image's
+    size, and its phrases' boxes: per Entities chain (K, 4) with the chain's phrase count and types."""
+
+    boxes: np.ndarray
+    pooled: np.ndarray
+    width: int
+    height: int
+    chains: list[tuple[np.ndarray, int, tuple[str, ...]]] = field(default_factory=list)
+
+    def labels(self) -> np.ndarray:
+        """(P,) float32: 1 where a proposal overlaps a box of some phrase at IoU >= 0.5."""
+        if not self.chains or not len(self.boxes):
+            return np.zeros(len(self.boxes), np.float32)
+        best = np.stack([box_iou(self.boxes, truth).max(axis=1) for truth, _, _ in self.chains], axis=1)
+        out = np.asarray((best >= IOU).any(axis=1), np.float32)
+        return out
+
+
+def picture_of(extractor: RegionExtractor, path: Path, entities: ImageEntities) -> Picture:
+    """An image's proposals, their pooled features and its phrases' boxes in its working pixels."""
+    from model.imageio import read_image
+
+    boxes, pooled, w, h = extractor.ranked_inputs(read_image(path, side=extractor.cfg.decode_side))
+    counts: dict[str, int] = defaultdict(int)
+    types: dict[str, tuple[str, ...]] = {}
+    for caption in entities.captions:
+        for phrase in entities.boxed(caption):
+            counts[phrase.chain] += 1
+            types[phrase.chain] = phrase.types
+    chains = [(entities.boxes_at(c, w, h), n, types[c]) for c, n in sorted(counts.items())]
+    return Picture(boxes, pooled.astype(np.float16), w, h, [c for c in chains if len(c[0])])
+
+
+def pictures_of(cfg: ImageConfig, paths: Sequence[Path], entities: Mapping[str, ImageEntities], what: str
+                ) -> list[Picture]:
+    """The pictures of the images among `paths` that have Entities annotations."""
+    extractor = RegionExtractor(dataclasses.replace(cfg, region_ranker=""))
+    return [picture_of(extractor, p, entities[p.name]) for p in tqdm(paths, desc=what, unit="image")
+            if p.name in entities]
+
+
+def regions_of(picture: Picture, scores: np.ndarray, cfg: ImageConfig) -> np.ndarray:
+    """The image's fragments (1 + n_regions, 4) when its proposals are kept in the order of `scores`."""
+    regions, _ = select_regions(picture.boxes, scores, picture.width, picture.height, cfg)
+    return np.concatenate([full_box(picture.width, picture.height), regions])
+
+
+def held(pictures: Iterable[Picture], scores: Iterable[np.ndarray], cfg: ImageConfig) -> dict[str, float]:
+    """The share of phrases (each phrase of each caption) whose box a fragment overlaps at IoU >= 0.5, overall
+    ("all") and per entity type, when each picture's proposals are kept in the order of its scores."""
+    hit: dict[str, float] = defaultdict(float)
+    total: dict[str, float] = defaultdict(float)
+    for picture, s in zip(pictures, scores, strict=True):
+        fragments = regions_of(picture, s, cfg)
+        for truth, n, types in picture.chains:
+            got = float(box_iou(fragments, truth).max() >= IOU)
+            for kind in ("all", *types):
+                hit[kind] += n * got
+                total[kind] += n
+    return {k: round(100 * hit[k] / total[k], 1) for k in sorted(total, key=lambda k: (k != "all", k))}
+
+
+def inputs_of(picture: Picture) -> np.ndarray:
+    """The ranker's inputs of a picture's proposals before standardising (P, D + GEOMETRY)."""
+    return np.concatenate([picture.pooled.astype(np.float32), geometry(picture.boxes, picture.width,
+                                                                        picture.height)], axis=1)
+
+
+def fit_ranker(train: Sequence[Picture], val: Sequence[Picture], cfg: ImageConfig, hidden: int = HIDDEN,
+               epochs: int = EPOCHS, seed: int = 0) -> tuple[RegionRanker, dict[str, Any]]:
+    """The ranker of the epoch whose regions hold the most validation phrases, and the report of every epoch."""
+    import torch
+
+    torch.manual_seed(seed)
+    x = np.concatenate([inputs_of(p) for p in train])
+    y = np.concatenate([p.labels() for p in train])
+    if not len(x) or y.min() == y.max():
+        raise ValueError("the region ranker needs proposals that hold a phrase's box and proposals that do not")
+    mean = x.mean(axis=0).astype(np.float32)
+    scale = (x.std(axis=0) + 1e-4).astype(np.float32)
+    xt = torch.from_numpy((x - mean) / scale)
+    yt = torch.from_numpy(y)
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                              torch.nn.Linear(hidden, 1))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, weight_decay=1e-4)
+    gen = torch.Generator().manual_seed(seed)
+    history: list[dict[str, Any]] = []
+    best: tuple[float, int, RegionRanker] | None = None
+    for epoch in range(epochs):
+        net.train()
+        total = 0.0
+        order = torch.randperm(len(xt), generator=gen)
+        for start in range(0, len(order), BATCH):
+            b = order[start : start + BATCH]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(net(xt[b])[:, 0], yt[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(b)
+        net.eval()
+        first, last = net[0], net[3]
+        assert isinstance(first, torch.nn.Linear) and isinstance(last, torch.nn.Linear)
+        ranker = RegionRanker(mean, scale, first.weight.detach().numpy().T.copy(),
+                              first.bias.detach().numpy().copy(), last.weight.detach().numpy()[0].copy(),
+                              float(last.bias.detach()[0]))
+        shares = held(val, (ranker.score(p.pooled, p.boxes, p.width, p.height) for p in val), cfg)
+        history.append({"epoch": epoch + 1, "loss": round(total / len(xt), 4), "val_held": shares["all"]})
+        logger.info("epoch %d: loss %.4f, validation phrases held %.1f %%", epoch + 1, total / len(xt), shares["all"])
+        if best is None or shares["all"] > best[0]:
+            best = (shares["all"], epoch + 1, ranker)
+    assert best is not None
+    return best[2], {"epoch": best[1], "history": history, "train_images": len(train),
+                     "train_proposals": int(len(x)), "positive_share": round(float(y.mean()), 4)}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import sys
+
+    from model.data import load_split
+    from model.dataset import held_out_indices
+    from model.entities import read_entities
+    from model.onnx import graph_dir
+    from training.refit import refit_parser
+
+    ap = refit_parser(__doc__, "region ranker", epochs=EPOCHS)
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="the ranker's hidden units")
+    ap.add_argument("--images", type=int, default=IMAGES, help="images of the part trained on that it reads")
+    ap.add_argument("--min-box-frac", type=float, default=MIN_BOX_FRAC,
+                    help="the smallest proposal side as a fraction of the image's (the model's image settings)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    command = " ".join(["python -m training.regions", *(sys.argv[1:] if argv is None else argv)])
+    bundle = Bundle.load(args.model)
+    selection = bundle.meta.get("train", {})
+    if selection.get("selection") != "val":
+        raise SystemExit("the model was not trained with --selection val: it has no validation part to choose on")
+    split = load_split(args.data, "train")
+    held_out = np.zeros(len(split.images), bool)
+    held_out[held_out_indices(len(split.images), int(selection["val_images"]), int(selection["val_seed"]))] = True
+    rest = np.flatnonzero(~held_out)
+    rest = np.sort(np.random.default_rng(0).permutation(rest)[: args.images])
+    val = np.flatnonzero(held_out)
+    entities = read_entities(args.entities or args.data.parent / "flickr30k-entities",
+                             [split.images[k] for k in (*rest, *val)])
+    cfg = dataclasses.replace(bundle.image_cfg, min_box_frac=args.min_box_frac, region_ranker="")
+    train_pictures = pictures_of(cfg, [split.image_path(split.images[k]) for k in rest], entities, "train images")
+    val_pictures = pictures_of(cfg, [split.image_path(split.images[k]) for k in val], entities, "validation images")
+    ranker, report = fit_ranker(train_pictures, val_pictures, cfg, args.hidden, args.epochs)
+    before_pictures = pictures_of(bundle.image_cfg, [split.image_path(split.images[k]) for k in val], entities,
+                                  "validation, the model's settings")
+    head = RegionExtractor(dataclasses.replace(bundle.image_cfg, region_ranker="")).ranker
+    before = held(before_pictures, (max_softmax(head.classify(p.pooled.astype(np.float32))) for p in before_pictures),
+                  bundle.image_cfg)
+    after = held(val_pictures, (ranker.score(p.pooled, p.boxes, p.width, p.height) for p in val_pictures), cfg)
+    ceiling = held(val_pictures, (p.labels() for p in val_pictures), cfg)
+    name = ranker.save(graph_dir()).name
+    ranker.save(args.out)
+    bundle.image_cfg = dataclasses.replace(cfg, region_ranker=name)
+    bundle.save(args.out)
+    result = {"ranker": name, "command": command, "min_box_frac": args.min_box_frac, "inputs": ranker.features
+              + GEOMETRY, "hidden": args.hidden, **report,
+              "validation": {"images": len(val_pictures), "model_settings": before, "ranker": after,
+                             "proposals_positive_first": ceiling}}
+    (args.out / "regions.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    logger.info("validation phrases held by the regions: %.1f %% with the model's settings, %.1f %% ranked "
+                "(proposals' positives first: %.1f %%); wrote %s", before["all"], after["all"], ceiling["all"],
+                args.out)
+
+
+if __name__ == "__main__":
+    main()
