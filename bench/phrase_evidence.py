@@ -54,7 +54,7 @@ from model.score import align
 from model.settings import default_cache_dir, default_data_dir
 from model.text import Triplet
 from training.calibrate import calibration_error, described_alike, reliability
-from training.evidence import auc, image_words, names_in
+from training.evidence import auc, image_words, names_in, things_named_of
 
 logger = logging.getLogger("bench.phrase_evidence")
 SHOWN = 10  # results of a query whose relevance is read (a page)
@@ -220,13 +220,18 @@ def own(model: Model, dev: Dev, data: Path) -> dict[str, Any]:
     return {"own_phrases": asked, "own_found": round(found / max(asked, 1), 4)}
 
 
-def calibration(model: Model, dev: Dev) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """ECE of the shown results' relevance against the described-alike proxy."""
+def calibration(model: Model, dev: Dev, data: Path) -> tuple[dict[str, Any], list[dict[str, float]]]:
+    """ECE of the shown results' relevance against the described-alike proxy (``ece``) and against the proxy a
+    person's phrase-by-phrase judgment is closer to, described alike or holding every thing the caption names
+    (``ece_named``, training/evidence.py `named_alike`); the reliability table is the second's."""
     from model.words import encode_sentences
 
     assert model.relevance is not None
     alike = described_alike(encode_sentences(dev.data.sentences), dev.data.pair_image)  # (N, L)
-    preds, truth = [], []
+    named = alike | things_named_of(dev.data, read_entities(data.parent / "flickr30k-entities", dev.data.names))
+    preds: list[np.ndarray] = []
+    truth: list[np.ndarray] = []
+    truth_named: list[np.ndarray] = []
     scale = model.bundle.evidence if model.evidence else None
     for l in tqdm(range(dev.scores.shape[1]), desc="calibration", unit="query"):  # noqa: E741
         scores = dev.scores[:, l]
@@ -239,8 +244,11 @@ def calibration(model: Model, dev: Dev) -> tuple[dict[str, Any], list[dict[str, 
             terms = np.stack([ev.found(dev.images[k]).terms() for k in top])
         preds.append(rel(scores[top], terms))
         truth.append(alike[top, l])
-    table = reliability(np.concatenate(preds), np.concatenate(truth).astype(np.float64))
-    return {"ece": round(calibration_error(table), 4)}, table
+        truth_named.append(named[top, l])
+    p = np.concatenate(preds)
+    table = reliability(p, np.concatenate(truth_named).astype(np.float64))
+    return {"ece": round(calibration_error(reliability(p, np.concatenate(truth).astype(np.float64))), 4),
+            "ece_named": round(calibration_error(table), 4)}, table
 
 
 def plot(tables: dict[str, list[dict[str, float]]], path: Path) -> None:
@@ -269,10 +277,11 @@ def measure(model: Model, name: str, args: argparse.Namespace) -> tuple[dict[str
     sides = both_sides(model, dev)
     swap = swapped(model, dev)
     mine = own(model, dev, args.data)
-    cal, table = calibration(model, dev)
+    cal, table = calibration(model, dev, args.data)
     row = {"model": name, **{k: sides[k] for k in ("auc", "present_answered", "absent_refused")},
            "swapped_not_found": swap["swapped_not_found"], "own_found": mine["own_found"], "ece": cal["ece"],
-           "evidence": model.evidence, "queries": sides["queries"], "things": sides["things"],
+           "ece_named": cal["ece_named"], "evidence": model.evidence, "queries": sides["queries"],
+           "things": sides["things"],
            "present_median": sides["present_median"], "absent_median": sides["absent_median"],
            "swapped": swap["swapped"], "own_phrases": mine["own_phrases"]}
     logger.info("%s", row)

@@ -4,8 +4,10 @@ scale of the same score; each is measured on its own scores):
 
     python -m bench.relevance_bench --model model/released/model.json [--baseline OTHER/model.json]
 
-What a match is, on dev: the sentence's own image, or another image one of whose captions says what the
-sentence says (training.calibrate.described_alike, the rule the scale is fitted with). The pairs judged are
+What a match is, on dev (`--proxy`): the sentence's own image, another image one of whose captions says what the
+sentence says (training.calibrate.described_alike), or (`named`, the default, the rule a scale with phrase
+evidence is fitted with: training/evidence.py `named_alike`) an image whose captions and Entities phrases name
+every thing the sentence names. The pairs judged are
 the ones searches show: the 10 best images of every dev caption in the 1,000 dev images, and the 10 best
 captions of every dev image among the 5,000, each with the relevance the service gives it for that
 collection. Writes
@@ -198,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split", default="dev", help="the split measured on")
     ap.add_argument("--cache", type=Path, default=a / "cache", help="the feature, parse and vector cache")
     ap.add_argument("--seed", type=int, default=1, help="seed of the absent-object captions' draw")
+    ap.add_argument("--proxy", choices=("described", "named"), default="named",
+                    help="what a match is: described alike (the image's captions say what the sentence says), or "
+                         "that or the image holds every thing the sentence names (what the relevance is fitted to)")
     ap.add_argument("--out", type=Path, default=Path("docs/results/relevance-dev.csv"), help="the table written")
     args, command = parse_run(ap, argv, "bench.relevance_bench")
     bundle = Bundle.load(args.model)
@@ -213,6 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser)
     bundle.text.warm(data.parsed, data.sentences, args.cache / "vectors")
     matches = matches_of(data)
+    if args.proxy == "named":
+        from model.entities import read_entities
+        from training.evidence import things_named_of
+
+        entities = args.data.parent / "flickr30k-entities"
+        matches = matches | things_named_of(data, read_entities(entities, data.names) if entities.exists() else {})
     texts, nouns = absent_object_captions(load_split(args.data, "train"), data, parser, args.seed)
     scored: dict[str, tuple[dict[str, float], np.ndarray, np.ndarray]] = {}
     examples: dict[str, list[dict[str, Any]]] = {}
@@ -228,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     where = {"machine": machine(), "command": command}
     summary: dict[str, Any] = {"split": args.split, "images": len(data.names), "sentences": len(data.sentences),
                                "rsum": round(metrics["rsum"], 2), "absent_object_captions": len(texts),
-                               "absent_object_nouns": sorted(set(nouns)), "cutoff": DEFAULT_CUTOFF, **where}
+                               "absent_object_nouns": sorted(set(nouns)), "cutoff": DEFAULT_CUTOFF, "proxy": args.proxy,
+                               **where}
     rows: list[dict[str, Any]] = []
     tables: dict[str, list[dict[str, Any]]] = {}
     for name, rel in scales.items():

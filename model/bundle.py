@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -202,10 +203,11 @@ class Bundle:
         self._presence = head
         self._evidence_cache.pop("scale", None)
 
-    def evidence_scale(self, weights: tuple[float, ...], intercept: float,
-                       head: PresenceHead | None = None) -> PhraseEvidence:
-        """Phrase evidence with these weights (over the standings and, with `head`, its score), read against the
-        calibration's reference images (the first `REFERENCES`, calibrated as a collection's images are)."""
+    def evidence_scale(self, weights: tuple[float, ...], intercept: float, head: PresenceHead | None = None,
+                       counts: Mapping[str, int] | None = None) -> PhraseEvidence:
+        """Phrase evidence with these weights (over the standings, with `head` its score, with `counts` how well
+        the model knows each word), read against the calibration's reference images (the first `REFERENCES`,
+        calibrated as a collection's images are)."""
         if self._calibration is None or self.is_global:
             raise ValueError("phrase evidence needs a calibrated fragment model")
         key = "references"
@@ -213,7 +215,8 @@ class Bundle:
             refs = np.asarray(self._calibration.ref_images[:REFERENCES], dtype=np.float32)
             self._evidence_cache[key] = np.asarray(self._calibration.calibrate_images(refs, self.blocks),
                                                    dtype=np.float32)
-        return PhraseEvidence(tuple(weights), float(intercept), self._evidence_cache[key], self.blocks, head)
+        return PhraseEvidence(tuple(weights), float(intercept), self._evidence_cache[key], self.blocks, head,
+                              dict(counts or {}))
 
     @property
     def evidence(self) -> PhraseEvidence | None:
@@ -224,7 +227,8 @@ class Bundle:
         if "scale" not in self._evidence_cache:
             state = PhraseEvidence.from_state(cal.evidence, np.zeros((0, 0, 0)), self.blocks, self.presence)
             self._evidence_cache["scale"] = (None if state is None
-                                             else self.evidence_scale(state.weights, state.intercept, state.head))
+                                             else self.evidence_scale(state.weights, state.intercept, state.head,
+                                                                     state.counts))
         scale = self._evidence_cache["scale"]
         return scale if isinstance(scale, PhraseEvidence) else None
 

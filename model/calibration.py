@@ -39,7 +39,9 @@ collection with fewer items counts the missing ones at a typical score (`pad`). 
 one query the relevance is a monotone map of S_kl and never changes a ranking. The numbers are fitted on the
 validation part of the training data (never dev): its queries against collections of its items and of the
 other training items beside them, from a hundred to thousands of images (training/calibrate.py
-`fit_relevance`), and stored beside the reference sets; a checkpoint without a scale (made before it existed,
+`fit_relevance`; a pair a match when the picture's captions describe it alike, and for a scale that reads the
+phrase evidence also when the picture holds every thing the query names: training/evidence.py `named_alike`),
+and stored beside the reference sets; a checkpoint without a scale (made before it existed,
 an uncalibrated model, or one whose scale has an earlier form) serves scores without a relevance.
 
 The scales are computed with the one S_kl (model/score.py), on NumPy arrays in the service and on torch

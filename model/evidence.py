@@ -24,10 +24,16 @@ hold) adds its score to the features:
 
     found = 1 / (1 + exp(-(w . [max z, mean z, max logit q, mean logit q, presence] + intercept)))
 
+A model fitted with the word counts of the part it was trained on (`PhraseEvidence.counts`: how many of those
+pictures' captions name each noun) also reads how well it knows the thing's word, `known` = log(1 + count). A
+word no training caption used ("a giraffe", in a collection of dogs) has no picture behind it: however well
+"runs through the grass" fits, the model has nothing to have found it by.
+
 The weights are fitted on the validation part of the training images (training/evidence.py), never dev: a
 phrase of a caption with a Flickr30k Entities box in its own image is present; in another image it is present
 when one of that image's captions or boxed phrases names the same word, absent when none does; a caption's
-thing swapped for a noun its picture does not hold is absent there.
+thing swapped for a noun its picture does not hold is absent there (a noun of the training captions, and, with
+`known`, a noun of the validation part's captions that no caption of the part trained on uses).
 
 `PhraseEvidence` holds the fitted weights; `PhraseEvidence.for_sentence` reads one sentence's triplets against
 the references once (`SentenceEvidence`), and `SentenceEvidence.found` gives each thing's and each triplet's
@@ -65,6 +71,30 @@ NOT_THINGS = frozenset({"front", "top", "side", "middle", "background", "foregro
                         "centre", "picture", "photo", "image", "shot", "view", "way", "day", "time", "lot", "bunch",
                         "kind", "sort", "type", "part", "end", "left", "right", "one", "ones", "something",
                         "someone", "it", "each", "other", "another", "air", "distance"})
+
+
+def forms(word: str) -> set[str]:
+    """A noun's singular and plural spellings, as far as simple English endings go."""
+    out = {word, word + "s", word + "es"}
+    if word.endswith("ies"):
+        out.add(word[:-3] + "y")
+    if word.endswith("es"):
+        out.add(word[:-2])
+    if word.endswith("s"):
+        out.add(word[:-1])
+    if word.endswith("y"):
+        out.add(word[:-1] + "ies")
+    if word.endswith("man"):
+        out.add(word[:-3] + "men")
+    if word.endswith("men"):
+        out.add(word[:-3] + "man")
+    return out
+
+
+def known(thing: str, counts: Mapping[str, int]) -> float:
+    """How well the model knows a thing's word: log(1 + the pictures of the part it was trained on whose captions
+    name it, in any of its `forms`); 0 for a word it never saw."""
+    return float(np.log1p(max((counts.get(f, 0) for f in forms(thing)), default=0)))
 
 
 def unit(x: np.ndarray) -> np.ndarray:
@@ -264,14 +294,16 @@ class PhraseEvidence:
     references: np.ndarray = field(repr=False, compare=False, default_factory=lambda: np.zeros((0, 0, 0)))
     blocks: int = 1
     head: PresenceHead | None = field(default=None, repr=False, compare=False)
+    counts: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)  # pictures naming each word
 
     @property
     def features(self) -> tuple[str, ...]:
-        return features_of(self.head)
+        return features_of(self.head, bool(self.counts))
 
     def to_state(self) -> dict[str, Any]:
         return {"form": EVIDENCE_FORM, "weights": list(self.weights), "intercept": self.intercept,
-                "features": list(self.features)}
+                "features": list(self.features), **({"counts": dict(sorted(self.counts.items()))}
+                                                      if self.counts else {})}
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None, references: np.ndarray, blocks: int,
@@ -281,12 +313,13 @@ class PhraseEvidence:
         if not state or state.get("form") != EVIDENCE_FORM:
             return None
         features = tuple(state.get("features", ()))
-        if features == FEATURES:
+        counts = {str(w): int(n) for w, n in dict(state.get("counts", {})).items()}
+        if features == features_of(None, bool(counts)):
             head = None
-        elif features != features_of(head):
+        elif features != features_of(head, bool(counts)):
             return None
         return cls(tuple(float(w) for w in state["weights"]), float(state["intercept"]),
-                   np.asarray(references[:REFERENCES], dtype=np.float32), blocks, head)
+                   np.asarray(references[:REFERENCES], dtype=np.float32), blocks, head, counts)
 
     def reference_best(self, sent: np.ndarray) -> np.ndarray:
         """(R, T) each reference image's best region score for each sentence fragment (sent (T, h))."""
@@ -303,16 +336,18 @@ class PhraseEvidence:
                       else np.zeros((0, sent.shape[-1] if sent.ndim == 2 else 0), np.float32))
         return SentenceEvidence(self, sent, list(triplets), things, members, ref, ref.mean(axis=0),
                                 ref.std(axis=0) + 1e-6, directions,
-                                None if self.head is None or not things else self.head.for_things(directions))
+                                None if self.head is None or not things else self.head.for_things(directions),
+                                np.asarray([known(w, self.counts) for w in things], dtype=np.float64))
 
     def probability(self, features: np.ndarray) -> np.ndarray:
         """found from `SentenceEvidence.features`' (..., len(self.features))."""
         return _probability(features @ np.asarray(self.weights) + self.intercept)
 
 
-def features_of(head: PresenceHead | None) -> tuple[str, ...]:
-    """What `found` reads: the references' standings, and the presence head's score when there is one."""
-    return FEATURES if head is None else (*FEATURES, "presence")
+def features_of(head: PresenceHead | None, counted: bool = False) -> tuple[str, ...]:
+    """What `found` reads: the references' standings, the presence head's score when there is one, and how well
+    the model knows the thing's word (`known`) when the pictures naming each word are `counted`."""
+    return (*FEATURES, *(("presence",) if head is not None else ()), *(("known",) if counted else ()))
 
 
 @dataclass(frozen=True)
@@ -362,6 +397,7 @@ class SentenceEvidence:
     spread: np.ndarray
     directions: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0), np.float32))
     head_terms: HeadTerms | None = field(repr=False, default=None)
+    known: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))  # (N,) `known` of each thing
 
     def standing(self, best: np.ndarray) -> Standing:
         """Standings of best-region scores (..., T)."""
@@ -383,11 +419,13 @@ class SentenceEvidence:
         grid = np.asarray(alignment_scores(np.asarray(img, np.float32), self.sent, self.scale.blocks))  # (F, T)
         out = thing_features(self.standing(grid.max(axis=0).astype(np.float64)), self.members)
         head = self.scale.head
-        if head is None or not self.things:
-            return out
-        scores = np.stack([score_features(grid[:, rows]) for rows in self.members])  # (N, F, len(SCORES))
-        presence = head.presence(self.directions, unit(img), scores, self.head_terms)
-        return np.concatenate([out, presence[:, None]], axis=1)
+        if head is not None and self.things:
+            scores = np.stack([score_features(grid[:, rows]) for rows in self.members])  # (N, F, len(SCORES))
+            presence = head.presence(self.directions, unit(img), scores, self.head_terms)
+            out = np.concatenate([out, presence[:, None]], axis=1)
+        if self.scale.counts and self.things:
+            out = np.concatenate([out, self.known[:, None]], axis=1)
+        return out
 
     def found(self, img: np.ndarray) -> Found:
         """The evidence in one image (its fragments (F, h), calibrated as stored)."""

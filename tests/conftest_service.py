@@ -228,7 +228,7 @@ def evidence_model(shapes_model: ShapesModel, calibrated_checkpoint: Path,
     scale, report = fit_evidence(bundle, train, tmp_path_factory.mktemp("no-entities") / "absent")
     assert report["fitted"]["auc"] > 0.8, report
     bundle.set_evidence(scale)
-    relevance = fit_relevance_with_evidence(bundle, scale, val, rest)
+    relevance = fit_relevance_with_evidence(bundle, scale, val, rest, {})
     assert bundle.calibration is not None
     bundle.calibration = dataclasses.replace(bundle.calibration, relevance=relevance)
     folder = tmp_path_factory.mktemp("evidence-model") / "model"

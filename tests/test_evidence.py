@@ -18,6 +18,7 @@ from model.evidence import (
     PhraseEvidence,
     Standing,
     evidence_terms,
+    known,
     named_things,
     thing_features,
     things_of,
@@ -25,7 +26,17 @@ from model.evidence import (
 from model.text import Triplet
 from service.engine import Engine
 from tests.conftest import ShapesModel
-from training.evidence import balance, evidence_rows, forms, names_in
+from training.calibrate import Judged
+from training.evidence import (
+    balance,
+    evidence_rows,
+    fit_evidence,
+    forms,
+    named_alike,
+    names_in,
+    things_named,
+    word_counts,
+)
 
 pytest_plugins = ["tests.conftest_service"]
 
@@ -80,6 +91,28 @@ def test_found_rises_with_how_far_an_image_stands_out_of_the_references() -> Non
     assert missed.missing == ["dog"] and got.missing == []
 
 
+def test_a_word_the_model_never_saw_is_not_found_where_one_it_knows_is() -> None:
+    rng = np.random.default_rng(0)
+    counts = {"dog": 40, "dogs": 12, "grass": 30}
+    assert known("dog", counts) == pytest.approx(np.log1p(40))  # the commoner spelling
+    assert known("giraffe", counts) == 0.0
+    # found reads how well the model knows the word beside the standings (here weighed at nothing)
+    scale = PhraseEvidence((0.0, 0.0, 0.0, 0.0, 1.0), -2.0, references(rng), counts=counts)
+    assert scale.features == (*FEATURES, "known")
+    thing = rng.normal(size=8).astype(np.float32)
+    image = rng.normal(size=(4, 8)).astype(np.float32)
+    image[1] = 3 * thing
+    dog = scale.for_sentence(thing[None], [t("det", "dog", "a")])
+    giraffe = scale.for_sentence(thing[None], [t("det", "giraffe", "a")])
+    assert dog.features(image)[0, -1] == pytest.approx(np.log1p(40))
+    assert giraffe.features(image)[0, -1] == 0.0
+    assert dog.found(image).things["dog"] >= FOUND > giraffe.found(image).things["giraffe"]
+    # the counts are stored with the weights, and a state with them reads back the same
+    again = PhraseEvidence.from_state(scale.to_state(), references(rng), 1)
+    assert again is not None and again.counts == counts and again.features == scale.features
+    assert PhraseEvidence.from_state({**scale.to_state(), "counts": {}}, references(rng), 1) is None
+
+
 def test_features_of_a_thing_read_every_triplet_that_holds_it() -> None:
     st = Standing(np.array([[1.0, 3.0, -2.0]]), np.array([[0.5, 1.0, -1.0]]))
     out = thing_features(st, [[0, 1], [2]])
@@ -106,6 +139,25 @@ def test_a_relevance_with_evidence_falls_when_a_thing_is_missing() -> None:
     del older["evidence"]
     back = Relevance.from_state(older)
     assert back is not None and not back.uses_evidence  # a scale without the terms reads as before
+
+
+def test_a_picture_is_named_alike_when_it_holds_every_thing_the_caption_names() -> None:
+    words = [{"a", "dog", "runs", "on", "grass"}, {"two", "dogs", "play"}, {"a", "cat"}]
+    things = [["dog", "grass"], ["dog"], [], ["cat"]]
+    got = things_named(words, things, np.arange(3), np.arange(4))
+    assert got.tolist() == [[True, True, False, False],   # the dog on grass holds both, not the cat
+                            [False, True, False, False],  # "dogs" names the dog; no grass
+                            [False, False, False, True]]  # a caption that names nothing matches nothing
+    # the blocks of a judged part: every image x the first captions, the part's images x every caption
+    judged = Judged(np.zeros((3, 2)), np.zeros((3, 2), bool), np.zeros((2, 4)), np.zeros((2, 4), bool),
+                    np.array([0, 1, 2, 2]), 2)
+    named = named_alike(judged, words, things)
+    assert named.search_matches.tolist() == got[:, :2].tolist()
+    assert named.annotate_matches.tolist() == got[:2].tolist()
+    # what was a match stays one
+    kept = named_alike(Judged(judged.search, np.ones((3, 2), bool), judged.annotate, np.ones((2, 4), bool),
+                              judged.caption_image, 2), words, things)
+    assert kept.search_matches.all() and kept.annotate_matches.all()
 
 
 def test_balance_weighs_present_and_absent_alike() -> None:
@@ -160,6 +212,26 @@ def test_evidence_rows_label_own_and_other_pictures(shapes_evidence: Bundle, sha
     rows = evidence_rows(shapes_evidence, scale, shapes_model.dev, {}, others=5)
     assert rows.own.any() and (rows.y[rows.own] == 1).all()
     assert 0 < rows.y[~rows.own].mean() < 1  # other pictures: some hold the thing, some do not
+
+
+def test_evidence_fitted_beside_the_part_trained_on_reads_the_words_it_taught(shapes_evidence: Bundle,
+                                                                                 shapes_model: ShapesModel,
+                                                                                 tmp_path: Path) -> None:
+    from model.dataset import hold_out, load_split_data
+    from model.parsers import make_parser
+
+    train = load_split_data(shapes_model.data, "train", shapes_evidence.image_cfg, shapes_model.cache,
+                            make_parser("spacy"))
+    rest, val = hold_out(train, 20, 0)
+    counts = word_counts(rest)
+    # each noun counts the pictures whose captions name it, once a picture
+    for word, n in counts.items():
+        named = {int(k) for p, k in zip(rest.parsed, rest.pair_image, strict=True) if word in named_things(p.triplets)}
+        assert n == len(named) > 0
+    scale, report = fit_evidence(shapes_evidence, val, tmp_path / "no-entities", rest=rest)
+    assert scale.features[-1] == "known" and scale.counts == counts
+    assert len(scale.weights) == len(scale.features)
+    assert report["held_out_half"]["pairs"] > 0
 
 
 def test_a_model_without_evidence_reads_as_before(calibrated_engine: Engine) -> None:

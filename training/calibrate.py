@@ -350,37 +350,35 @@ def _logistic(x: np.ndarray, y: np.ndarray, steps: int = 100, weights: np.ndarra
 
 def _fit(pairs: Shown, pad: float) -> Relevance:
     """The likeliest scale of these pairs, its beta the likeliest of `BETAS` (over the scores' spread); with
-    the pairs' phrase evidence (`Shown.evidence`), its two terms beside them."""
+    the pairs' phrase evidence (`Shown.evidence`), its two terms beside them. The score's, the competition's and
+    the evidence terms' weights are kept >= 0 (a better score, a result further ahead, a thing likelier found
+    never lowers the odds): a column whose weight comes out negative is left out and the rest refitted — the
+    competition first, then the score, then the evidence term that came out lowest."""
     y = pairs.match.astype(np.float64)
     sides = np.stack([pairs.search, ~pairs.search], axis=1).astype(np.float64)
     sizes = sides * np.log(pairs.items)[:, None]
     best: tuple[float, Relevance] | None = None
     spread = float(np.std(pairs.score)) or 1.0
     terms = np.zeros((len(y), 0)) if pairs.evidence is None else np.asarray(pairs.evidence, dtype=np.float64)
+    n_terms = terms.shape[1]
     for beta in (b / spread for b in BETAS):
         x = pairs.competition(beta=beta, pad=pad)
-        w, f = _logistic(np.column_stack([pairs.score, x, sides, sizes, terms]), y)
-        if terms.shape[1]:
-            evidence = (max(0.0, float(w[6])), max(0.0, float(w[7])))
-            if min(w[6], w[7]) < 0:  # a term that would lower the odds of a thing found: that term left out
-                keep = [n for n in range(2) if evidence[n] > 0]
-                w, f = _logistic(np.column_stack([pairs.score, x, sides, sizes, terms[:, keep]]), y)
-                evidence = tuple(float(w[6 + keep.index(n)]) if n in keep else 0.0 for n in range(2))  # type: ignore[assignment]
-            if w[0] >= 0 and w[1] >= 0 and (w[0] > 0 or w[1] > 0):
-                rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad, float(w[4]),
-                                float(w[5]), evidence=evidence)
-                if best is None or f < best[0]:
-                    best = (f, rel)
+        columns = np.column_stack([pairs.score, x, sides, sizes, terms])
+        kept = list(range(columns.shape[1]))
+        while True:
+            w_kept, f = _logistic(columns[:, kept], y)
+            w = np.zeros(columns.shape[1])
+            w[kept] = w_kept
+            negative: list[int] = [c for c in (1, 0) if c in kept and w[c] < 0]
+            negative += sorted((c for c in range(6, 6 + n_terms) if c in kept and w[c] < 0), key=lambda c: w[c])
+            if not negative:
+                break
+            kept.remove(negative[0])
+        if not (w[0] > 0 or w[1] > 0):
             continue
-        if w[1] < 0:  # the competition would lower a better score's odds: the score and the size alone
-            w, f = _logistic(np.column_stack([pairs.score, sides, sizes]), y)
-            w = np.concatenate([w[:1], [0.0], w[1:]])
-        elif w[0] < 0:  # the score beside its competition would: the competition (of the score) and the size
-            w, f = _logistic(np.column_stack([x, sides, sizes]), y)
-            w = np.concatenate([[0.0], w])
-        if w[0] < 0 or w[1] < 0 or not (w[0] > 0 or w[1] > 0):
-            continue
-        rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad, float(w[4]), float(w[5]))
+        evidence = (float(w[6]), float(w[7])) if n_terms else (0.0, 0.0)
+        rel = Relevance(float(w[0]), float(w[1]), beta, float(w[2]), float(w[3]), pad, float(w[4]), float(w[5]),
+                        evidence=evidence)
         logger.debug("relevance with beta %.3g: negative log-likelihood %.1f", beta, f)
         if best is None or f < best[0]:
             best = (f, rel)

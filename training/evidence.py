@@ -9,10 +9,18 @@ Labels, per thing a caption names and image:
 Each caption is read against its own image, `OTHERS` other images drawn at random, and the images a search of
 the part shows first for it (its `SHOWN` best others, and its `SHOWN` best among the pictures that do not
 name each of its things: a search of a collection that lacks the thing), so that `found` is calibrated where it
-is read, on the results a search shows.
+is read, on the results a search shows. The first caption of each picture is also read with its first thing
+swapped for a noun the picture does not hold: one the part's pictures often name, and one no caption of the
+part the model was trained on uses (a word the model never saw; `found` reads how well it knows each word).
+
+The relevance is then refitted on the part's searches with the evidence of what they show (`pair_terms`), a
+shown pair a match when the picture's captions describe it alike (training/calibrate.py `alike_blocks`) or
+the picture holds every thing the query names (`named_alike`): a person judges phrase by phrase, and calls
+any picture of a dog running on grass a match for "a dog runs through the grass".
 
     python -m training.evidence --model model/released --out artifacts/models/released-evidence
     python -m training.evidence --model artifacts/models/NAME/model.json --out artifacts/models/NAME-evidence
+    python -m training.evidence --model model/released --out artifacts/models/released-relevance --relevance-only
 
 The model is written in the runtime's form (a folder) with the evidence weights beside its relevance scale;
 the validation measures (AUC of `found` on held-out images of the part, its calibration error) are logged and
@@ -36,7 +44,8 @@ from model.calibration import Relevance
 from model.dataset import SplitData
 from model.embed import embed_encoded, embed_texts
 from model.entities import ImageEntities, read_entities
-from model.evidence import FOUND, PhraseEvidence, features_of, named_things
+from model.evidence import FOUND, PhraseEvidence, features_of, forms, known, named_things
+from training.calibrate import Judged
 from training.refit import Refit
 
 logger = logging.getLogger("training.evidence")
@@ -45,24 +54,6 @@ SHOWN = 5  # and the best others a search of the part ranks first, with and with
 BATCH = 256  # captions embedded at a time
 SWAP_MIN_IMAGES = 5  # a swapped caption's noun is one at least this many pictures of the part hold
 _WORD = re.compile(r"[a-z]+")
-
-
-def forms(word: str) -> set[str]:
-    """A noun's singular and plural spellings, as far as simple English endings go."""
-    out = {word, word + "s", word + "es"}
-    if word.endswith("ies"):
-        out.add(word[:-3] + "y")
-    if word.endswith("es"):
-        out.add(word[:-2])
-    if word.endswith("s"):
-        out.add(word[:-1])
-    if word.endswith("y"):
-        out.add(word[:-1] + "ies")
-    if word.endswith("man"):
-        out.add(word[:-3] + "men")
-    if word.endswith("men"):
-        out.add(word[:-3] + "man")
-    return out
 
 
 def image_words(data: SplitData, ents: Mapping[str, ImageEntities]) -> list[set[str]]:
@@ -144,16 +135,18 @@ def evidence_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, ents: 
 
 
 def swapped_captions(data: SplitData, words: Sequence[set[str]], firsts: Sequence[tuple[int, str]],
-                     rng: np.random.Generator) -> list[tuple[int, str, str]]:
+                     rng: np.random.Generator, pool: Sequence[str] | None = None) -> list[tuple[int, str, str]]:
     """(caption, text, noun): each caption of `firsts` (its index in `data`, its first named thing) with that
-    thing swapped for a noun its picture does not hold ("a dog runs" -> "a tractor runs"), drawn from the things
-    the captions of `firsts` name that at least `SWAP_MIN_IMAGES` pictures hold."""
-    pictures: dict[str, set[int]] = {}
-    for k, ws in enumerate(words):
-        for x in ws:
-            pictures.setdefault(x, set()).add(k)
-    named = sorted({w for _, w in firsts})
-    pool = [w for w in named if len(set().union(*(pictures.get(f, set()) for f in forms(w)))) >= SWAP_MIN_IMAGES]
+    thing swapped for a noun its picture does not hold ("a dog runs" -> "a tractor runs"), drawn from `pool`
+    (None: the things the captions of `firsts` name that at least `SWAP_MIN_IMAGES` pictures hold)."""
+    if pool is None:
+        pictures: dict[str, set[int]] = {}
+        for k, ws in enumerate(words):
+            for x in ws:
+                pictures.setdefault(x, set()).add(k)
+        named = sorted({w for _, w in firsts})
+        pool = [w for w in named
+                if len(set().union(*(pictures.get(f, set()) for f in forms(w)))) >= SWAP_MIN_IMAGES]
     out = []
     for c, w in firsts:
         k = int(data.pair_image[c])
@@ -166,16 +159,22 @@ def swapped_captions(data: SplitData, words: Sequence[set[str]], firsts: Sequenc
 
 
 def swapped_rows(bundle: Bundle, scale: PhraseEvidence, data: SplitData, words: Sequence[set[str]],
-                 seed: int = 0) -> Rows:
+                 seed: int = 0, unseen: bool = False) -> Rows:
     """The first caption of each picture with its first thing swapped (`swapped_captions`), read in its own
-    picture: the swapped thing is absent."""
+    picture: the swapped thing is absent. `unseen`: swapped for a noun of `data`'s captions that no picture of the
+    part the model was trained on names (`scale.counts`: a word the model never saw, as a user's may be)."""
     rng = np.random.default_rng(seed)
     first = [int(np.flatnonzero(data.pair_image == k)[0]) for k in range(len(data.names))
              if (data.pair_image == k).any()]
     enc = bundle.text.encode_parsed([data.parsed[c] for c in first], [data.sentences[c] for c in first])
     said = [named_things(t) for _, t in embed_encoded(bundle, enc)]
     firsts = [(c, things[0]) for c, things in zip(first, said, strict=True) if things]
-    swaps = swapped_captions(data, words, firsts, rng)
+    pool = None
+    if unseen:
+        nouns = sorted({w for p in data.parsed for w in named_things(p.triplets)})
+        pool = [w for w in nouns if known(w, scale.counts) == 0.0]
+        logger.info("%d nouns of the part's captions that the model never saw", len(pool))
+    swaps = swapped_captions(data, words, firsts, rng, pool)
     images = bundle.embed_images(data.feats[[int(data.pair_image[c]) for c, _, _ in swaps]]) if swaps else None
     xs, of = [], []
     for n, ((sent, triplets), (c, _, noun)) in enumerate(zip(embed_texts(bundle, [t for _, t, _ in swaps],
@@ -255,23 +254,44 @@ def measures(scale: PhraseEvidence, rows: Rows) -> dict[str, Any]:
             "ece": round(calibration_error(reliability(p, rows.y)), 4)}
 
 
-def fit_evidence(bundle: Bundle, val: SplitData, entities: Path, seed: int = 0
+def word_counts(data: SplitData) -> dict[str, int]:
+    """How many pictures of `data` each noun its captions name (`named_things`) is named by."""
+    pictures: dict[str, set[int]] = {}
+    for p, k in zip(data.parsed, data.pair_image, strict=True):
+        for w in named_things(p.triplets):
+            pictures.setdefault(w, set()).add(int(k))
+    return {w: len(ks) for w, ks in sorted(pictures.items())}
+
+
+def fit_evidence(bundle: Bundle, val: SplitData, entities: Path, seed: int = 0, rest: SplitData | None = None
                  ) -> tuple[PhraseEvidence, dict[str, Any]]:
     """The evidence weights fitted on `val` (the validation part), with their measures on its held-out half
-    (fitted on the other half) and on the whole part (the weights kept)."""
-    features = features_of(bundle.presence)
-    base = bundle.evidence_scale(weights=(0.0,) * len(features), intercept=0.0, head=bundle.presence)
+    (fitted on the other half) and on the whole part (the weights kept). With `rest` (the part the model was
+    trained on), `found` also reads how well the model knows each thing's word (`known`, from the pictures of
+    `rest` naming it), and the fit sees captions swapped for nouns the model never saw."""
+    counts = word_counts(rest) if rest is not None else {}
+    features = features_of(bundle.presence, bool(counts))
+    base = bundle.evidence_scale(weights=(0.0,) * len(features), intercept=0.0, head=bundle.presence, counts=counts)
     ents = read_entities(entities, val.names) if Path(entities).exists() else {}
-    rows = joined_rows([evidence_rows(bundle, base, val, ents, seed=seed),
-                        swapped_rows(bundle, base, val, image_words(val, ents), seed=seed)])
+    words = image_words(val, ents)
+    swapped = swapped_rows(bundle, base, val, words, seed=seed)
+    unseen = swapped_rows(bundle, base, val, words, seed=seed + 1, unseen=True) if counts else None
+    rows = joined_rows([evidence_rows(bundle, base, val, ents, seed=seed), swapped, *([unseen] if unseen else [])])
     half = np.random.default_rng(seed).random(len(val.names)) < 0.5
+
+    def held_out(r: Rows) -> Rows:
+        keep = ~half[r.image]
+        return Rows(r.x[keep], r.y[keep], r.own[keep], r.image[keep])
+
     first = half[rows.image]
     part = Rows(rows.x[first], rows.y[first], rows.own[first], rows.image[first])
-    rest = Rows(rows.x[~first], rows.y[~first], rows.own[~first], rows.image[~first])
-    held = PhraseEvidence(*fit_weights(part), base.references, base.blocks, base.head)
+    held = PhraseEvidence(*fit_weights(part), base.references, base.blocks, base.head, counts)
     weights, intercept = fit_weights(rows)
-    scale = PhraseEvidence(weights, intercept, base.references, base.blocks, base.head)
-    report = {"held_out_half": measures(held, rest), "fitted": measures(scale, rows),
+    scale = PhraseEvidence(weights, intercept, base.references, base.blocks, base.head, counts)
+    report = {"held_out_half": measures(held, held_out(rows)), "fitted": measures(scale, rows),
+              "swapped_not_found": measures(held, held_out(swapped))["absent_not_found"],
+              **({"unseen_swapped_not_found": measures(held, held_out(unseen))["absent_not_found"]}
+                 if unseen is not None else {}),
               "weights": dict(zip(features, weights, strict=True)), "intercept": intercept}
     logger.info("phrase evidence on the validation part: %s", report)
     return scale, report
@@ -305,9 +325,47 @@ def pair_terms(bundle: Bundle, scale: PhraseEvidence, data: SplitData) -> Callab
     return terms
 
 
-def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: SplitData, rest: SplitData) -> Relevance:
+def things_named(words: Sequence[set[str]], things: Sequence[Sequence[str]], images: np.ndarray,
+                 captions: np.ndarray) -> np.ndarray:
+    """(len(images), len(captions)) bool: whether the image's words (`image_words`: its captions' and its Entities
+    phrases') name every thing the caption names (`things`, model/evidence.py `named_things`, singular or
+    plural); False for a caption that names nothing."""
+    images, captions = np.asarray(images), np.asarray(captions)
+    holders: dict[str, np.ndarray] = {}
+    out = np.zeros((len(images), len(captions)), dtype=bool)
+    for j, c in enumerate(captions):
+        named = things[int(c)]
+        if not named:
+            continue
+        for w in named:
+            if w not in holders:
+                holders[w] = np.array([names_in(words[int(k)], w) for k in images], dtype=bool)
+        out[:, j] = np.logical_and.reduce([holders[w] for w in named])
+    return out
+
+
+def things_named_of(data: SplitData, ents: Mapping[str, ImageEntities]) -> np.ndarray:
+    """(N, L) `things_named` of every image and caption of `data` (the things each caption's parse names)."""
+    return things_named(image_words(data, ents), [named_things(p.triplets) for p in data.parsed],
+                        np.arange(len(data.names)), np.arange(len(data.sentences)))
+
+
+def named_alike(judged: Judged, words: Sequence[set[str]], things: Sequence[Sequence[str]]) -> Judged:
+    """`judged` with a pair also a match where the image holds every thing the caption names (`things_named`):
+    the match a person judges phrase by phrase ("a dog runs through the grass" of any picture of a dog on grass),
+    beside the pictures described alike. `words` and `things` are numbered as `judged`'s images and captions."""
+    n_all, n_sent = len(judged.search), len(judged.caption_image)
+    search = things_named(words, things, np.arange(n_all), np.arange(judged.n_captions))
+    annotate = things_named(words, things, np.arange(judged.n_images), np.arange(n_sent))
+    return replace(judged, search_matches=judged.search_matches | search,
+                   annotate_matches=judged.annotate_matches | annotate)
+
+
+def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: SplitData, rest: SplitData,
+                                ents: Mapping[str, ImageEntities]) -> Relevance:
     """The relevance scale refitted on the validation part (training/calibrate.py `fit_relevance`) with the
-    phrase evidence of the pairs its queries show."""
+    phrase evidence of the pairs its queries show, a pair a match where its captions describe it alike or it holds
+    every thing the query names (`named_alike`; `ents`: the Entities annotations of the images)."""
     from model.dataset import SplitData as Data
     from training.calibrate import distractors_of, fit_relevance, judge
 
@@ -315,16 +373,24 @@ def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: Spli
     both = Data(val.split, np.concatenate([val.feats, others.feats]), np.concatenate([val.boxes, others.boxes]),
                 [*val.sentences, *others.sentences],
                 np.concatenate([val.pair_image, others.pair_image + len(val.names)]), [*val.parsed, *others.parsed])
-    return fit_relevance(judge(bundle, val, others), evidence_of=pair_terms(bundle, scale, both))
+    judged = named_alike(judge(bundle, val, others), [*image_words(val, ents), *image_words(others, ents)],
+                         [named_things(p.triplets) for p in both.parsed])
+    return fit_relevance(judged, evidence_of=pair_terms(bundle, scale, both))
 
 
-def refit_evidence(run: Refit, out: Path) -> None:
+def refit_evidence(run: Refit, out: Path, relevance_only: bool = False) -> None:
     """Fit `run`'s model's phrase evidence (with its presence head, when it has one) and the relevance on it, on
-    the validation part, and write the model to `out`."""
+    the validation part, and write the model to `out` (`relevance_only`: the model's evidence kept, the relevance
+    alone refitted)."""
     bundle = run.bundle
-    scale, report = fit_evidence(bundle, run.val, run.entities)
-    bundle.set_evidence(scale)
-    relevance = fit_relevance_with_evidence(bundle, scale, run.val, run.rest)
+    if relevance_only:
+        if bundle.evidence is None:
+            raise SystemExit(f"{run.command}: the model has no phrase evidence to refit the relevance on")
+        scale, report = bundle.evidence, dict(bundle.meta.get("evidence", {}).get("validation", {}))
+    else:
+        scale, report = fit_evidence(bundle, run.val, run.entities, rest=run.rest)
+        bundle.set_evidence(scale)
+    relevance = fit_relevance_with_evidence(bundle, scale, run.val, run.rest, run.all_entities())
     logger.info("relevance with evidence: %s", relevance.to_state())
     assert bundle.calibration is not None
     bundle.calibration = replace(bundle.calibration, relevance=relevance)
@@ -336,8 +402,11 @@ def refit_evidence(run: Refit, out: Path) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     from training.refit import load_refit, refit_parser
 
-    args = refit_parser(__doc__, "evidence").parse_args(argv)
-    refit_evidence(load_refit(args, "training.evidence", argv), args.out)
+    ap = refit_parser(__doc__, "evidence")
+    ap.add_argument("--relevance-only", action="store_true",
+                    help="keep the model's phrase evidence and refit the relevance on it alone")
+    args = ap.parse_args(argv)
+    refit_evidence(load_refit(args, "training.evidence", argv), args.out, args.relevance_only)
 
 
 if __name__ == "__main__":
