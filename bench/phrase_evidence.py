@@ -263,7 +263,7 @@ def plot(tables: dict[str, list[dict[str, float]]], path: Path) -> None:
         rows = [r for r in table if r["pairs"]]
         ax.plot([r["predicted"] for r in rows], [r["observed"] for r in rows], marker="o", label=name)
     ax.set_xlabel("relevance shown")
-    ax.set_ylabel("share described alike (dev)")
+    ax.set_ylabel("share of matches (dev, judged phrase by phrase)")
     ax.set_title("dev: the relevance of the 10 best results of each caption")
     ax.legend(fontsize=8)
     fig.tight_layout()

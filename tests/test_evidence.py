@@ -252,9 +252,10 @@ def test_the_released_model_reads_its_evidence() -> None:
     bundle = Bundle.load(Path(RELEASED_MODEL))
     scale = bundle.evidence
     assert scale is not None and scale.references.shape[0] == REFERENCES
-    # it reads its presence head beside the references' standings
+    # it reads its presence head beside the references' standings, and how well it knows each word
     assert bundle.presence is not None and scale.head is bundle.presence
-    assert scale.features == (*FEATURES, "presence")
+    assert scale.features == (*FEATURES, "presence", "known")
+    assert known("dog", scale.counts) > known("giraffe", scale.counts) == 0.0
     assert bundle.relevance is not None and bundle.relevance.uses_evidence
     from model.embed import embed_sentence
 
