@@ -19,7 +19,7 @@ dev; the scales are fitted on the validation part of the training images):
 - **own**: every phrase of a dev caption with a Flickr30k Entities box in its own image must be found there
   (``own_found``).
 - **calibration**: the relevance of every dev caption's `SHOWN` best results against whether people's captions
-  describe the picture alike (training/calibrate.py `described_alike`): the expected calibration error
+  describe the picture alike (training/relevance.py `described_alike`): the expected calibration error
   (``ece``) and the reliability plot.
 
 A model without phrase evidence (one made before it) is measured as it answers: its relevance without the
@@ -53,8 +53,8 @@ from model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
 from model.score import align
 from model.settings import default_cache_dir, default_data_dir
 from model.text import Triplet
-from training.calibrate import calibration_error, described_alike, reliability
 from training.evidence import auc, image_words, names_in, things_named_of
+from training.relevance import calibration_error, described_alike, reliability
 
 logger = logging.getLogger("bench.phrase_evidence")
 SHOWN = 10  # results of a query whose relevance is read (a page)

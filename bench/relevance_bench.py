@@ -5,7 +5,7 @@ scale of the same score; each is measured on its own scores):
     python -m bench.relevance_bench --model model/released/model.json [--baseline OTHER/model.json]
 
 What a match is, on dev (`--proxy`): the sentence's own image, another image one of whose captions says what the
-sentence says (training.calibrate.described_alike), or (`named`, the default, the rule a scale with phrase
+sentence says (training.relevance.described_alike), or (`named`, the default, the rule a scale with phrase
 evidence is fitted with: training/evidence.py `named_alike`) an image whose captions and Entities phrases name
 every thing the sentence names. The pairs judged are
 the ones searches show: the 10 best images of every dev caption in the 1,000 dev images, and the 10 best
@@ -48,9 +48,9 @@ from model.embed import embed_texts
 from model.evidence import PhraseEvidence
 from model.parsers import make_parser
 from model.settings import default_artifacts_dir, default_data_dir, default_model_path
-from training.calibrate import Shown, best_of, calibration_error, matches_of, reliability, shown
 from training.evaluate import evaluate_scores, score_split
 from training.evidence import pair_terms
+from training.relevance import Shown, best_of, calibration_error, matches_of, reliability, shown
 
 logger = logging.getLogger("bench.relevance_bench")
 SHOWN = 10  # results of each query judged

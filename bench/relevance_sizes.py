@@ -6,7 +6,7 @@ from the validation part (what the scale is fitted on, up to its 500 images) and
 
 A collection of N images is N images drawn at random (seeded; `--draws` of them below the split's size, the
 split itself at its size) with their captions; each is measured as bench.relevance_bench measures dev (the 10
-best results of every query both ways, a match by training.calibrate.described_alike), with the relevance the
+best results of every query both ways, a match by training.relevance.described_alike), with the relevance the
 service gives each result in that collection. Writes one row per split and size: the means over the draws, with the
 mean relevance of the pairs shown at >= 0.5 beside the share of them that are matches.
 """
@@ -28,8 +28,8 @@ from model.data import load_split
 from model.dataset import held_out_split, load_split_data
 from model.parsers import make_parser
 from model.settings import default_cache_dir, default_data_dir, default_model_path
-from training.calibrate import matches_of
 from training.evaluate import evaluate_scores
+from training.relevance import matches_of
 
 logger = logging.getLogger("bench.relevance_sizes")
 SIZES = (100, 250, 500, 1000)

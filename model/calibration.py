@@ -38,15 +38,15 @@ x is the log-odds that the result is the one among them, as a softmax over the c
 collection with fewer items counts the missing ones at a typical score (`pad`). slope, context >= 0, so for
 one query the relevance is a monotone map of S_kl and never changes a ranking. The numbers are fitted on the
 validation part of the training data (never dev): its queries against collections of its items and of the
-other training items beside them, from a hundred to thousands of images (training/calibrate.py
+other training items beside them, from a hundred to thousands of images (training/relevance.py
 `fit_relevance`; a pair a match when the picture's captions describe it alike, and for a scale that reads the
 phrase evidence also when the picture holds every thing the query names: training/evidence.py `named_alike`),
 and stored beside the reference sets; a checkpoint without a scale (made before it existed,
 an uncalibrated model, or one whose scale has an earlier form) serves scores without a relevance.
 
 The scales are computed with the one S_kl (model/score.py), on NumPy arrays in the service and on torch
-tensors in training alike (the array API: model/arrays.py). Fitting the references and the relevance, timing
-them and the command line are training/calibrate.py's.
+tensors in training alike (the array API: model/arrays.py). Fitting the references, timing them and the
+command line are training/calibrate.py's; fitting the relevance, training/relevance.py's.
 """
 
 from __future__ import annotations

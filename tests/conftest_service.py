@@ -189,7 +189,8 @@ def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.Te
     from model.dataset import hold_out, load_split_data
     from model.nets.checkpoint import Checkpoint
     from model.parsers import make_parser
-    from training.calibrate import fit_calibration, fit_relevance, judge
+    from training.calibrate import fit_calibration
+    from training.relevance import fit_relevance, judge
 
     ckpt = Checkpoint.load(shapes_model.model_path)
     train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))

@@ -14,19 +14,9 @@ from model.calibration import Calibration, Relevance, competition
 from model.nets.checkpoint import Checkpoint
 from model.score import align, skl
 from tests.conftest import ShapesModel
-from training.calibrate import (
-    Judged,
-    _fit,
-    _logistic,
-    alike_blocks,
-    described_alike,
-    fit_calibration,
-    fit_relevance,
-    per_item_ms,
-    reliability,
-    shown,
-)
+from training.calibrate import fit_calibration, per_item_ms
 from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
+from training.relevance import Judged, _fit, _logistic, alike_blocks, described_alike, fit_relevance, reliability, shown
 
 SCALE = Relevance(3.0, 0.5, 20.0, -1.5, -1.0, 0.1, -0.2, -0.4)
 

@@ -26,7 +26,6 @@ from model.evidence import (
 from model.text import Triplet
 from service.engine import Engine
 from tests.conftest import ShapesModel
-from training.calibrate import Judged
 from training.evidence import (
     balance,
     evidence_rows,
@@ -37,6 +36,7 @@ from training.evidence import (
     things_named,
     word_counts,
 )
+from training.relevance import Judged
 
 pytest_plugins = ["tests.conftest_service"]
 

@@ -14,7 +14,7 @@ swapped for a noun the picture does not hold: one the part's pictures often name
 part the model was trained on uses (a word the model never saw; `found` reads how well it knows each word).
 
 The relevance is then refitted on the part's searches with the evidence of what they show (`pair_terms`), a
-shown pair a match when the picture's captions describe it alike (training/calibrate.py `alike_blocks`) or
+shown pair a match when the picture's captions describe it alike (training/relevance.py `alike_blocks`) or
 the picture holds every thing the query names (`named_alike`): a person judges phrase by phrase, and calls
 any picture of a dog running on grass a match for "a dog runs through the grass".
 
@@ -45,8 +45,8 @@ from model.dataset import SplitData
 from model.embed import embed_encoded, embed_texts
 from model.entities import ImageEntities, read_entities
 from model.evidence import FOUND, PhraseEvidence, features_of, forms, known, named_things
-from training.calibrate import Judged
 from training.refit import Refit
+from training.relevance import Judged
 
 logger = logging.getLogger("training.evidence")
 OTHERS = 40  # other images drawn at random each caption is read against
@@ -235,7 +235,7 @@ def balance(rows: Rows) -> np.ndarray:
 
 def fit_weights(rows: Rows) -> tuple[tuple[float, ...], float]:
     """The logistic weights of `found` over the rows, weighed by `balance`."""
-    from training.calibrate import _logistic
+    from training.relevance import _logistic
 
     w, _ = _logistic(np.column_stack([rows.x, np.ones(len(rows.y))]), rows.y, weights=balance(rows))
     return tuple(float(v) for v in w[:-1]), float(w[-1])
@@ -244,7 +244,7 @@ def fit_weights(rows: Rows) -> tuple[tuple[float, ...], float]:
 def measures(scale: PhraseEvidence, rows: Rows) -> dict[str, Any]:
     """AUC of `found`, the share of own-image things found, of absent things not found, and its calibration
     error (equal-width bins)."""
-    from training.calibrate import calibration_error, reliability
+    from training.relevance import calibration_error, reliability
 
     p = scale.probability(rows.x)
     absent = rows.y < 0.5
@@ -363,11 +363,11 @@ def named_alike(judged: Judged, words: Sequence[set[str]], things: Sequence[Sequ
 
 def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: SplitData, rest: SplitData,
                                 ents: Mapping[str, ImageEntities]) -> Relevance:
-    """The relevance scale refitted on the validation part (training/calibrate.py `fit_relevance`) with the
+    """The relevance scale refitted on the validation part (training/relevance.py `fit_relevance`) with the
     phrase evidence of the pairs its queries show, a pair a match where its captions describe it alike or it holds
     every thing the query names (`named_alike`; `ents`: the Entities annotations of the images)."""
     from model.dataset import SplitData as Data
-    from training.calibrate import distractors_of, fit_relevance, judge
+    from training.relevance import distractors_of, fit_relevance, judge
 
     others = distractors_of(rest)
     both = Data(val.split, np.concatenate([val.feats, others.feats]), np.concatenate([val.boxes, others.boxes]),

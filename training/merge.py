@@ -45,8 +45,9 @@ from model.nets.checkpoint import Checkpoint
 from model.nets.encoders import FragmentModel
 from model.parsers import make_parser
 from model.settings import default_cache_dir, default_data_dir
-from training.calibrate import distractors_of, fit_calibration, fit_relevance, judge, store_relevance
+from training.calibrate import fit_calibration, store_relevance
 from training.evaluate import evaluate_scores
+from training.relevance import distractors_of, fit_relevance, judge
 from training.selection import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)

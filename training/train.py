@@ -57,7 +57,7 @@ from model.variants import (
     variant_names,
 )
 from training.boxes import sentence_labels
-from training.calibrate import distractors_of, fit_calibration, fit_relevance, judge, store_relevance
+from training.calibrate import fit_calibration, store_relevance
 from training.distill import Teacher, teacher_paths
 from training.epochs import (
     FragmentBatches,
@@ -72,6 +72,7 @@ from training.epochs import (
 )
 from training.evaluate import evaluate_scores
 from training.merge import merge_selected
+from training.relevance import distractors_of, fit_relevance, judge
 from training.selection import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)
