@@ -217,6 +217,18 @@ def test_the_backbone_is_in_the_feature_cache_key_and_lite0_keeps_its_key() -> N
     assert config_payload(mirrored)["mirror"] is True and config_key(mirrored) != config_key(lite0)
 
 
+def test_the_feature_cache_keys_of_the_released_and_default_settings_stay() -> None:
+    # a setting added later must leave every existing cache folder's name alone (model/features.py
+    # `config_payload`); a deliberate change of the features (FEATURE_VERSION, the int8 recipe) moves them: then
+    # set the new keys here and say so in CHANGELOG.md (every cache is extracted again)
+    from model.bundle import Bundle
+    from model.features import config_key
+    from model.release import RELEASED_MODEL
+
+    assert config_key(Bundle.load(RELEASED_MODEL).image_cfg) == "6ff8b34eb82a"
+    assert config_key(ImageConfig()) == "eec948f8b374"
+
+
 def test_a_larger_backbone_needs_crop_features_and_a_known_name() -> None:
     from model.graphs import package_weights
 
