@@ -139,29 +139,36 @@ def best_shown(model: Model, dev: Dev, l: int, keep: np.ndarray) -> float:  # no
     return float(rel(scores[top], terms).max())
 
 
-def both_sides(model: Model, dev: Dev, seed: int = 0) -> dict[str, Any]:
-    """present_answered, absent_refused and their AUC (see the module's note)."""
+def asked_queries(dev: Dev, seed: int = 0) -> list[tuple[int, str]]:
+    """The (caption, thing) pairs both sides ask: `PER_THING` captions of each thing named by at least
+    `MIN_IMAGES` pictures and by no more than `MAX_SHARE` of them."""
     n = len(dev.data.names)
     rng = np.random.default_rng(seed)
-    counts: dict[str, int] = {}
-    for k, words in enumerate(dev.words):
-        del k
-        for w in words:
-            counts[w] = counts.get(w, 0) + 1
     asked: list[tuple[int, str]] = []
     by_thing: dict[str, list[int]] = {}
     for l, things in enumerate(dev.things):  # noqa: E741
         for w in things:
             by_thing.setdefault(w, []).append(l)
     for w in sorted(by_thing):
-        holders = sum(names_in(words, w) for words in dev.words)
-        if MIN_IMAGES <= holders <= MAX_SHARE * n:
+        if MIN_IMAGES <= holders(dev, w).sum() <= MAX_SHARE * n:
             ls = by_thing[w]
             for l in rng.choice(ls, size=min(PER_THING, len(ls)), replace=False):  # noqa: E741
                 asked.append((int(l), w))
+    return asked
+
+
+def holders(dev: Dev, thing: str) -> np.ndarray:
+    """(N,) bool: the dev pictures whose captions or Entities phrases name `thing`."""
+    return np.array([names_in(words, thing) for words in dev.words])
+
+
+def both_sides(model: Model, dev: Dev, seed: int = 0) -> dict[str, Any]:
+    """present_answered, absent_refused and their AUC (see the module's note)."""
+    n = len(dev.data.names)
+    asked = asked_queries(dev, seed)
     present, absent = [], []
     for l, w in tqdm(asked, desc="present and absent", unit="query"):  # noqa: E741
-        holds = np.array([names_in(words, w) for words in dev.words])
+        holds = holders(dev, w)
         present.append(best_shown(model, dev, l, np.ones(n, bool)))
         absent.append(best_shown(model, dev, l, ~holds))
     p, a = np.array(present), np.array(absent)
@@ -298,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="only the first N dev images (a trial)")
     ap.add_argument("--without-evidence", action="store_true",
                     help="measure the model as it answers without its phrase evidence (today's answers)")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/phrase-evidence-dev.csv"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/phrase-evidence-dev.csv"),
+                    help="the results CSV, a row per model")
     ap.add_argument("--plot", type=Path, default=None, help="a PNG of the reliability of each row's relevance")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other models already in the results")
     args, command = parse_run(ap, argv, "bench.phrase_evidence")
