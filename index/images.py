@@ -20,7 +20,7 @@ from PIL import Image
 
 from index.base import FragmentIndex
 from index.image_vectors import KeptVectors
-from index.matches import aligned, label_at, read_sentence
+from index.matches import aligned, aligned_all, label_at, read_sentence
 from index.photos import Photos
 from index.places import Place, PlaceFilter, read_place
 from index.ranker import exact_score, rank_key
@@ -181,11 +181,12 @@ class ImageIndex(FragmentIndex[StoredImage]):
                                                           offset + k, exhaustive, allowed, skl_of_items)
         # (codes: one block; the projection mixes a merged model's member slices)
         reading = read_sentence(self.bundle, sent, query.triplets)
-        hits = []
-        for item, s, p, frags in ranked[offset:]:
-            alignment, found = aligned(frags, sent, query.triplets, p.boxes, self.bundle.blocks, p.labels, reading)
-            hits.append(ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s, alignment,
-                                 p.place, p.path, found))
+        shown = ranked[offset:]
+        read = aligned_all([frags for _, _, _, frags in shown], sent, query.triplets, [p.boxes for _, _, p, _ in shown],
+                           self.bundle.blocks, [p.labels for _, _, p, _ in shown], reading)
+        hits = [ImageHit(item, p.name, self.photos.real_path(p.path), p.width, p.height, s, alignment, p.place, p.path,
+                         found)
+                for (item, s, p, _), (alignment, found) in zip(shown, read, strict=True)]
         return Page(hits, offset, considered, best, held)
 
     def explain(self, image_id: int, sentence: str) -> Explanation | None:

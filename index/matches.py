@@ -72,10 +72,32 @@ def aligned(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | Non
             ) -> tuple[list[FragmentMatch], Found | None]:
     """One pair's alignment (`matches`, each thing drawn where the grounder puts it) and its phrase evidence
     (None where the model has none)."""
-    found = None if reading.evidence is None else reading.evidence.found(img)
+    return aligned_all([img], sent, triplets, [boxes], blocks, [labels], reading)[0]
+
+
+def aligned_all(imgs: Sequence[np.ndarray], sent: np.ndarray, triplets: Sequence[Triplet] | None,
+                boxes: Sequence[np.ndarray], blocks: int, labels: Sequence[Sequence[str | None]],
+                reading: SentenceReading) -> list[tuple[list[FragmentMatch], Found | None]]:
+    """`aligned` of one sentence with each of several images (a page of results: imgs (F_k, h) with boxes
+    (F_k, 4) and labels each): the images of as many fragments are read by the evidence and the grounder in one
+    product."""
+    found: list[Found | None] = [None] * len(imgs)
+    regions: list[list[int | None] | None] = [None] * len(imgs)
     g = reading.grounding
-    regions = None if g is None else g.of_triplets(g.regions(img, boxes))
-    return matches(img, sent, triplets, boxes, blocks, labels, found, regions), found
+    by_count: dict[int, list[int]] = {}
+    for n, img in enumerate(imgs):
+        by_count.setdefault(len(img), []).append(n)
+    for group in by_count.values():
+        stack = np.stack([np.asarray(imgs[n], np.float32) for n in group])
+        if reading.evidence is not None:
+            for n, f in zip(group, reading.evidence.found_in(stack), strict=True):
+                found[n] = f
+        if g is not None:
+            drawn = g.regions_of(stack, np.stack([np.asarray(boxes[n], np.float32) for n in group]))
+            for n, r in zip(group, drawn, strict=True):
+                regions[n] = g.of_triplets(r)
+    return [(matches(img, sent, triplets, boxes[n], blocks, labels[n], found[n], regions[n]), found[n])
+            for n, img in enumerate(imgs)]
 
 
 def label_at(labels: Sequence[str | None], fragment: int) -> str | None:

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from index.images import ImageIndex
-from index.matches import SentenceReading, aligned, read_sentence
+from index.matches import SentenceReading, aligned_all, read_sentence
 from index.sentences import SentenceIndex
 from index.types import ImageHit, ImageRecord, Page, SentenceHit
 from model.embed import EmbeddedImage, embed_image, embed_texts
@@ -81,17 +81,19 @@ def more_like_this(images: ImageIndex, sentences: SentenceIndex | None, img: np.
     ids, sims = rank_like(images, img, exclude)
     described, sent, triplets = (describe(sentences, images, img, boxes, descriptions) if sentences is not None
                                  else (Page([], 0, 0), None, []))
-    hits: list[ImageHit] = []
     reading = SentenceReading() if sent is None else read_sentence(images.bundle, sent, triplets)
+    shown: list[tuple[int, float, ImageRecord, np.ndarray, np.ndarray]] = []
     for image_id, cosine in zip(ids[offset : offset + k].tolist(), sims[offset : offset + k].tolist(), strict=True):
         rec, stored = images.get(image_id), images.fragments(image_id)
         if rec is None or stored is None:  # removed meanwhile
             continue
-        frags, frag_boxes = stored
-        alignment, found = (aligned(frags, sent, triplets, frag_boxes, images.bundle.blocks, rec.labels, reading)
-                            if sent is not None else ([], None))
-        hits.append(ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, float(cosine), alignment,
-                             file=rec.file, found=found))
+        shown.append((image_id, float(cosine), rec, *stored))
+    read = (aligned_all([frags for *_, frags, _ in shown], sent, triplets, [b for *_, b in shown],
+                        images.bundle.blocks, [rec.labels for _, _, rec, _, _ in shown], reading)
+            if sent is not None else [([], None) for _ in shown])
+    hits = [ImageHit(image_id, rec.name, rec.path, rec.width, rec.height, cosine, alignment, file=rec.file,
+                     found=found)
+            for (image_id, cosine, rec, _, _), (alignment, found) in zip(shown, read, strict=True)]
     return Similar(described.hits, hits, offset, len(ids), described.best, described.collection)
 
 

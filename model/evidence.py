@@ -104,12 +104,12 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 
 def score_features(grid: np.ndarray) -> np.ndarray:
-    """(F, len(SCORES)) a thing's triplets scored with each fragment of an image: `grid` (F, m), their
-    `alignment_scores`."""
+    """(..., F, len(SCORES)) a thing's triplets scored with each fragment of an image: `grid` (..., F, m), their
+    `alignment_scores` (the leading axes: several images of as many fragments)."""
     a = np.asarray(grid, dtype=np.float32)
-    best = a.max(axis=1)
-    standing = (best - best.mean()) / (best.std() + EPS)
-    return np.stack([best, a.mean(axis=1), standing], axis=1).astype(np.float32)
+    best = a.max(axis=-1)
+    standing = (best - best.mean(axis=-1, keepdims=True)) / (best.std(axis=-1, keepdims=True) + EPS)
+    return np.stack([best, a.mean(axis=-1), standing], axis=-1).astype(np.float32)
 
 
 def thing_direction(rows: np.ndarray) -> np.ndarray:
@@ -416,25 +416,41 @@ class SentenceEvidence:
 
     def features(self, img: np.ndarray) -> np.ndarray:
         """(N, len(scale.features)) what `found` reads of each thing in one image (its fragments (F, h))."""
-        grid = np.asarray(alignment_scores(np.asarray(img, np.float32), self.sent, self.scale.blocks))  # (F, T)
-        out = thing_features(self.standing(grid.max(axis=0).astype(np.float64)), self.members)
+        return self.features_of(np.asarray(img, np.float32)[None])[0]
+
+    def features_of(self, imgs: np.ndarray) -> np.ndarray:
+        """(K, N, len(scale.features)) what `found` reads of each thing in each of K images of as many fragments
+        (imgs (K, F, h)): one product for all of them, each image read on its own."""
+        imgs = np.asarray(imgs, np.float32)
+        k, f, h = imgs.shape
+        grid = np.asarray(alignment_scores(imgs.reshape(k * f, h), self.sent, self.scale.blocks)
+                          ).reshape(k, f, -1)  # (K, F, T)
+        out = thing_features(self.standing(grid.max(axis=1).astype(np.float64)), self.members)  # (K, N, 4)
         head = self.scale.head
         if head is not None and self.things:
-            scores = np.stack([score_features(grid[:, rows]) for rows in self.members])  # (N, F, len(SCORES))
-            presence = head.presence(self.directions, unit(img), scores, self.head_terms)
-            out = np.concatenate([out, presence[:, None]], axis=1)
+            scores = np.stack([score_features(grid[:, :, rows]) for rows in self.members])  # (N, K, F, S)
+            each = head.fragment_scores(self.directions, unit(imgs.reshape(k * f, h)),
+                                        scores.reshape(len(self.things), k * f, -1), self.head_terms)
+            presence = pool(each.reshape(len(self.things), k, f)).T  # (K, N)
+            out = np.concatenate([out, presence[..., None]], axis=-1)
         if self.scale.counts and self.things:
-            out = np.concatenate([out, self.known[:, None]], axis=1)
+            out = np.concatenate([out, np.broadcast_to(self.known, (k, len(self.things)))[..., None]], axis=-1)
         return out
 
     def found(self, img: np.ndarray) -> Found:
         """The evidence in one image (its fragments (F, h), calibrated as stored)."""
+        return self.found_in(np.asarray(img, np.float32)[None])[0]
+
+    def found_in(self, imgs: np.ndarray) -> list[Found]:
+        """The evidence in each of K images of as many fragments (imgs (K, F, h), calibrated as stored)."""
         if not self.things:
-            return Found({}, [None] * len(self.triplets))
-        p = self.scale.probability(self.features(img))
-        things = {w: float(v) for w, v in zip(self.things, p, strict=True)}
-        fragments: list[float | None] = []
-        for j in range(len(self.triplets)):
-            held = [things[w] for w, rows in zip(self.things, self.members, strict=True) if j in rows]
-            fragments.append(min(held) if held else None)
-        return Found(things, fragments)
+            return [Found({}, [None] * len(self.triplets)) for _ in range(len(imgs))]
+        out = []
+        for p in self.scale.probability(self.features_of(imgs)):
+            things = {w: float(v) for w, v in zip(self.things, p, strict=True)}
+            fragments: list[float | None] = []
+            for j in range(len(self.triplets)):
+                held = [things[w] for w, rows in zip(self.things, self.members, strict=True) if j in rows]
+                fragments.append(min(held) if held else None)
+            out.append(Found(things, fragments))
+        return out

@@ -146,25 +146,38 @@ class SentenceGrounding:
 
     def scores(self, img: np.ndarray, boxes: np.ndarray) -> np.ndarray:
         """(N, F) the head's score of each thing in each fragment of one image (img (F, h) with boxes (F, 4))."""
-        n_things, n_frag = len(self.things), len(img)
+        return self.scores_of(np.asarray(img, np.float32)[None], np.asarray(boxes)[None])[0]
+
+    def scores_of(self, imgs: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+        """(K, N, F) `scores` of K images of as many fragments (imgs (K, F, h) with boxes (K, F, 4)), in one
+        product."""
+        imgs = np.asarray(imgs, np.float32)
+        k, n_frag, h = imgs.shape
+        n_things = len(self.things)
         if not n_things:
-            return np.zeros((0, n_frag), np.float32)
+            return np.zeros((k, 0, n_frag), np.float32)
         g = self.grounder
-        h, hidden = g.h, g.w1.shape[0]
+        hidden = g.w1.shape[0]
         w_g = g.w1[:, 3 * h : 3 * h + len(GEOMETRY)]
         w_a = g.w1[:, 3 * h + len(GEOMETRY) :]
-        x = (unit(img) @ self.by_thing).reshape(n_frag, n_things, hidden)  # (F, N, H)
-        x += (geometry(boxes) @ w_g.T)[:, None, :] + self.bias[None]
-        grid = alignment_scores(np.asarray(img, np.float32), self.sent, self.blocks)  # (F, T), read once
+        flat = imgs.reshape(k * n_frag, h)
+        x = (unit(flat) @ self.by_thing).reshape(k, n_frag, n_things, hidden)  # (K, F, N, H)
+        shape = np.stack([geometry(b) for b in boxes])  # (K, F, len(GEOMETRY)): each image's own frame
+        x += (shape @ w_g.T)[:, :, None, :] + self.bias[None, None]
+        grid = np.asarray(alignment_scores(flat, self.sent, self.blocks)).reshape(k, n_frag, -1)  # read once
         for n, rows in enumerate(self.members):
-            x[:, n] += score_features(grid[:, rows]) @ w_a.T
+            x[:, :, n] += score_features(grid[:, :, rows]) @ w_a.T
         np.maximum(x, 0.0, out=x)
-        return np.asarray((x @ g.w2).T + g.b2, dtype=np.float32)
+        return np.asarray((x @ g.w2).transpose(0, 2, 1) + g.b2, dtype=np.float32)
 
     def regions(self, img: np.ndarray, boxes: np.ndarray) -> dict[str, int]:
         """Each thing's region: the fragment the head scores highest (ties: the first)."""
-        s = self.scores(img, boxes)
-        return {w: int(np.argmax(s[n])) for n, w in enumerate(self.things)}
+        return self.regions_of(np.asarray(img, np.float32)[None], np.asarray(boxes)[None])[0]
+
+    def regions_of(self, imgs: np.ndarray, boxes: np.ndarray) -> list[dict[str, int]]:
+        """`regions` of K images of as many fragments (imgs (K, F, h), boxes (K, F, 4))."""
+        best = np.argmax(self.scores_of(imgs, boxes), axis=-1)  # (K, N)
+        return [{w: int(row[n]) for n, w in enumerate(self.things)} for row in best]
 
     def of_triplets(self, regions: Mapping[str, int]) -> list[int | None]:
         """Each triplet's region: its named thing's (`named_by`), None for one that names none."""

@@ -262,3 +262,34 @@ def test_the_released_model_reads_its_evidence() -> None:
     sent, triplets = embed_sentence(bundle, "a dog runs through the grass")
     ev = scale.for_sentence(sent, triplets)
     assert ev.things == ["dog", "grass"]
+
+
+def test_a_page_of_images_is_read_in_one_product_as_each_alone() -> None:
+    """The evidence and the grounder read a page of results in one product (images of as many fragments
+    together, index/matches.py `aligned_all`): each image's things found and drawn as it is read alone."""
+    from index.matches import aligned, aligned_all, read_sentence
+    from model.embed import embed_sentence
+    from model.release import RELEASED_MODEL
+
+    bundle = Bundle.load(Path(RELEASED_MODEL))
+    assert bundle.evidence is not None and bundle.grounder is not None
+    sent, triplets = embed_sentence(bundle, "a brown dog runs through the grass with a ball")
+    reading = read_sentence(bundle, sent, triplets)
+    rng = np.random.default_rng(3)
+    imgs, boxes = [], []
+    for count in (20, 20, 12, 20, 12, 7):  # three groups of as many fragments
+        v = rng.standard_normal((count, bundle.dim)).astype(np.float32)
+        v[1:] += 0.8 * sent[rng.integers(0, len(sent), count - 1)] / np.linalg.norm(sent[0])  # near some
+        imgs.append(v)
+        corners = np.sort(rng.uniform(0, 400, (count, 2, 2)), axis=1).reshape(count, 4)  # x1 y1 x2 y2
+        corners[0] = [0, 0, 400, 300]
+        boxes.append(corners.astype(np.float32))
+    labels: list[list[str | None]] = [[None] * len(v) for v in imgs]
+    together = aligned_all(imgs, sent, triplets, boxes, bundle.blocks, labels, reading)
+    assert len(together) == len(imgs)
+    for img, box, label, (matches, found) in zip(imgs, boxes, labels, together, strict=True):
+        alone, found_alone = aligned(img, sent, triplets, box, bundle.blocks, label, reading)
+        assert found is not None and found_alone is not None
+        assert found.things.keys() == found_alone.things.keys() == {"dog", "grass", "ball"}
+        assert found.things == pytest.approx(found_alone.things, abs=1e-5)
+        assert [(m.triplet, m.fragment) for m in matches] == [(m.triplet, m.fragment) for m in alone]
