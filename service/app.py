@@ -137,7 +137,7 @@ def start_watching(app: FastAPI, settings: Settings, engine: Engine) -> None:
     """With a collection folder (and FRAGSEARCH_WATCH on): follow it while serving (service/watch.py)."""
     if settings.collection is None or not settings.watch or app.state.watcher is not None:
         return
-    watcher = FolderWatcher(settings.collection, engine.sync_collection, settings.watch_debounce_ms,
+    watcher = FolderWatcher(settings.collection, engine.resync, settings.watch_debounce_ms,
                             settings.watch_rescan, settings.watch_polling)
     app.state.watcher = watcher
     watcher.start()

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from PIL import Image
@@ -81,7 +82,11 @@ def safe_name(filename: str | None, fallback: str) -> str:
     return base or fallback
 
 
-def relevance_at(bundle: Bundle, side: str, best: np.ndarray, items: int) -> Relevance | None:
+Side = Literal["images", "sentences"]  # what a query ranks: images for a sentence, sentences for an image
+QUERY_KIND: dict[Side, str] = {"images": "search", "sentences": "annotate"}  # the relevance scale's name of each
+
+
+def relevance_at(bundle: Bundle, side: Side, best: np.ndarray, items: int) -> Relevance | None:
     """The model's relevance scale for one query: a search of the images for a sentence ('images') or of the
     sentences for an image ('sentences') in a collection of `items` items, whose ranking's best scores are
     `best` (Page.best and Page.collection: the results are compared with the rest of the collection); None:
@@ -89,7 +94,7 @@ def relevance_at(bundle: Bundle, side: str, best: np.ndarray, items: int) -> Rel
     rel = bundle.relevance
     if rel is None:
         return None
-    return rel.for_query("search" if side == "images" else "annotate", best, items)
+    return rel.for_query(QUERY_KIND[side], best, items)
 
 
 class Engine:
@@ -149,7 +154,7 @@ class Engine:
     def sentence_count(self) -> int:
         return len(self.sentences) if self.sentences is not None else 0
 
-    def relevance(self, side: str, best: np.ndarray, items: int) -> Relevance | None:
+    def relevance(self, side: Side, best: np.ndarray, items: int) -> Relevance | None:
         """The model's relevance scale for one search of the images ('images') or the sentences ('sentences')
         in a collection of `items` items whose ranking's best scores are `best` (`relevance_at`); None: the
         model has none."""
@@ -246,8 +251,10 @@ class Engine:
         return path if path.is_file() else None
 
     # -- writes (serialised) ---------------------------------------------------------------------
-    def sync_collection(self) -> SyncReport:
-        """Bring the image index in step with the collection folder (index/sync.py), as a write."""
+    def resync(self) -> SyncReport:
+        """Bring the served image index, open in this process, in step with the collection folder again (the
+        watcher's call after photos changed; index/sync.py `sync_folder`, one worker), as a write. The start's
+        sync of a collection before the index is opened is index/sync.py `sync_collection`."""
         folder = self.settings.collection
         if folder is None:
             raise ValueError("no collection folder is served")

@@ -23,7 +23,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +31,17 @@ from index.catalogue import is_index
 from index.sentences import SentenceIndex
 from index.types import ImageHit, IndexLoadError, SentenceHit
 from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF, Relevance
+from model.calibration import DEFAULT_CUTOFF
 from model.imageio import ImageReadError, read_image
 from model.settings import Settings, add_setting_flags, settings_of, use
-from service.engine import Engine, relevance_at
+from service.engine import Engine
 from service.errors import ApiError
 from service.routes.convert import (
     check_min_relevance,
-    cut_off,
     image_result,
     missing_of,
-    relevance_of,
     sentence_result,
+    shown,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,37 +110,39 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
                 page = engine.search_images(args.sentence, args.k)
             except ApiError as e:
                 return _refused(e.message)
-            rel = engine.relevance("images", page.best, page.collection)
-            hits, weaker, cut = cut_off(page.hits, rel, args.min_relevance, "image", page.collection)
+            view = shown(engine.bundle, "images", page, args.min_relevance)
+            hits, weaker, cut = view.hits, view.weaker, view.cut
         finally:
             engine.images.close()
     root = settings.collection_root
     if not hits:
         sys.stderr.write(f"{cut['reason'] or 'no image in the index'}\n")
     if args.json:
-        def out(h: ImageHit) -> dict[str, Any]:
-            return {**image_result(h, rel).model_dump(mode="json"), "file": str(root / h.file)}
+        def out(results: list[ImageHit]) -> list[dict[str, Any]]:
+            return [{**image_result(h, view.of(h)).model_dump(mode="json"), "file": str(root / h.file)}
+                    for h in results]
 
-        _print_json({"sentence": args.sentence, "results": [out(h) for h in hits],
-                     "weaker": [out(h) for h in weaker], **cut,
+        _print_json({"sentence": args.sentence, "results": out(hits), "weaker": out(weaker), **cut,
                      "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
     elif args.paths:
         for h in hits:
             sys.stdout.write(f"{root / h.file}\n")
     else:
-        _write_lines([(h, str(root / h.file)) for h in hits], [(h, str(root / h.file)) for h in weaker], rel,
+        _write_lines([(h, str(root / h.file)) for h in hits], [(h, str(root / h.file)) for h in weaker], view.of,
                      args.min_relevance)
     return 0 if hits else NOTHING_FOUND
 
 
 def _write_lines(kept: Sequence[tuple[ImageHit | SentenceHit, str]],
-                 weaker: Sequence[tuple[ImageHit | SentenceHit, str]], rel: Relevance | None,
+                 weaker: Sequence[tuple[ImageHit | SentenceHit, str]], relevance: Callable[[Any], float | None],
                  cutoff: float | None) -> None:
-    """One line a result that reaches the cut-off on stdout, what a script reads: its relevance (when the model
-    has the scale), a tab, the path or the sentence. The results under the cut-off on stderr, for a person,
-    after a line that says so, each with the things it misses."""
+    """One line a result that reaches the cut-off on stdout, what a script reads: its relevance (`relevance`
+    of the result, the page's `Shown.of`; None: the model has no scale), a tab, the path or the sentence. The
+    results under the cut-off on stderr, for a person, after a line that says so, each with the things it
+    misses."""
     def line(h: ImageHit | SentenceHit, what: str, lacking: bool = False) -> str:
-        shown = "" if rel is None else f"{relevance_of(h.score, rel, h.found):.3f}\t"
+        value = relevance(h)
+        shown = "" if value is None else f"{value:.3f}\t"
         lacks = missing_of(h.found) if lacking else []
         return f"{shown}{what}" + (f"  (not found: {', '.join(lacks)})" if lacks else "") + "\n"
 
@@ -184,15 +185,15 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
             page = sentences.annotate(image, args.k)
         finally:
             sentences.close()
-    rel = relevance_at(bundle, "sentences", page.best, page.collection)
-    hits, weaker, cut = cut_off(page.hits, rel, args.min_relevance, "sentence", page.collection)
+    view = shown(bundle, "sentences", page, args.min_relevance)
+    hits, weaker, cut = view.hits, view.weaker, view.cut
     if not hits:
         sys.stderr.write(f"{cut['reason'] or 'no sentence in the index'}\n")
     if args.json:
         _print_json({"image": str(args.image), "width": image.width, "height": image.height,
-                     "results": [sentence_result(h, rel).model_dump(mode="json") for h in hits],
-                     "weaker": [sentence_result(h, rel).model_dump(mode="json") for h in weaker], **cut,
+                     "results": [sentence_result(h, view.of(h)).model_dump(mode="json") for h in hits],
+                     "weaker": [sentence_result(h, view.of(h)).model_dump(mode="json") for h in weaker], **cut,
                      "took_ms": round(1000 * (time.perf_counter() - t0), 1)})
     else:
-        _write_lines([(h, h.text) for h in hits], [(h, h.text) for h in weaker], rel, args.min_relevance)
+        _write_lines([(h, h.text) for h in hits], [(h, h.text) for h in weaker], view.of, args.min_relevance)
     return 0 if hits else NOTHING_FOUND

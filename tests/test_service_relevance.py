@@ -148,3 +148,37 @@ def test_the_default_cut_off_answers_no_good_match_for_what_the_collection_does_
     found = calibrated.post("/search/images", json={"sentence": own[1], "k": 5,
                                                     "min_relevance": DEFAULT_CUTOFF}).json()
     assert found["results"], found
+
+
+def test_a_page_is_shown_through_one_composition_on_both_sides(calibrated_engine: Engine) -> None:
+    """`shown` reads a page's relevance against its collection and cuts it: the same hits, in ranking order,
+    as the relevance of each result read by hand; each side names its own item in the reason."""
+    from model.calibration import Relevance
+    from service.routes.convert import shown, shown_relevance
+
+    engine = calibrated_engine
+    page = engine.images.search(SENTENCE, 8)
+    view = shown(engine.bundle, "images", page, None)
+    assert view.hits == page.hits and view.weaker == [] and view.cut == {"min_relevance": None, "reason": None}
+    assert isinstance(view.relevance, Relevance)
+    values = [shown_relevance(h.score, view.relevance, h.found) for h in page.hits]
+    middle = sorted(values)[len(values) // 2]
+    cut = shown(engine.bundle, "images", page, middle)
+    assert [h.image_id for h in cut.hits] == [h.image_id for h, v in zip(page.hits, values, strict=True) if v >= middle]
+    assert [h.image_id for h in cut.weaker] == [h.image_id for h, v in zip(page.hits, values, strict=True)
+                                                if v < middle]
+    above = max(values) + 1e-3  # a cut-off no result reaches (the margin checked first)
+    assert above <= 1.0, f"the shapes model shows a relevance of {max(values)}: no cut-off lies above it"
+    refused = shown(engine.bundle, "images", page, above)
+    assert refused.hits == [] and refused.weaker == page.hits
+    assert "no good match" in str(refused.cut["reason"]) and "image" in str(refused.cut["reason"])
+    assert engine.sentences is not None
+    from PIL import Image
+
+    annotated = engine.sentences.annotate(Image.new("RGB", (64, 64), (200, 30, 30)), 5)
+    read = shown(engine.bundle, "sentences", annotated, None)
+    assert read.relevance is not None and read.hits == annotated.hits
+    best = max(shown_relevance(h.score, read.relevance, h.found) for h in annotated.hits)
+    assert best + 1e-3 <= 1.0, f"the shapes model shows a relevance of {best}: no cut-off lies above it"
+    none = shown(engine.bundle, "sentences", annotated, best + 1e-3)
+    assert none.hits == [] and none.weaker == annotated.hits and "sentence" in str(none.cut["reason"])

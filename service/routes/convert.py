@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypedDict, TypeVar
+from typing import Generic, TypedDict, TypeVar
 
-from index import Explanation, FragmentMatch, ImageHit, ImageRecord, RegionHit, SentenceHit
+import numpy as np
+
+from index import Explanation, FragmentMatch, ImageHit, ImageRecord, Page, RegionHit, SentenceHit
 from index.places import Near, Place, PlaceFilter
+from model.bundle import Bundle
 from model.calibration import Relevance
 from model.evidence import FOUND, Found
 from model.text import Triplet
+from service.engine import Side, relevance_at
 from service.errors import ApiError
 from service.schemas import (
     ExplainResponse,
@@ -67,7 +72,24 @@ class CutOff(TypedDict):
 
 def shown_relevance(score: float, relevance: Relevance, found: Found | None) -> float:
     """The relevance a result shows (rounded): a shown value given back as the cut-off keeps its result."""
-    return round(relevance.of(score, None if found is None else found.terms()), 4)
+    return _shown(np.asarray([score], dtype=np.float64), relevance, [found])[0]
+
+
+def relevances(hits: Sequence[ImageHit] | Sequence[SentenceHit], relevance: Relevance | None) -> list[float | None]:
+    """The relevance each of a page's results shows (`shown_relevance`), read for the page in one call (None:
+    the model has no relevance scale)."""
+    if relevance is None:
+        return [None] * len(hits)
+    return list(_shown(np.asarray([h.score for h in hits], dtype=np.float64), relevance,
+                       [h.found for h in hits]))
+
+
+def _shown(scores: np.ndarray, relevance: Relevance, founds: Sequence[Found | None]) -> list[float]:
+    if not len(scores):
+        return []
+    terms = (None if all(f is None for f in founds) else
+             np.stack([np.zeros(2) if f is None else f.terms() for f in founds]))
+    return [round(float(v), 4) for v in np.asarray(relevance(scores, terms)).reshape(-1)]
 
 
 def missing_everywhere(hits: Sequence[ImageHit] | Sequence[SentenceHit]) -> list[str]:
@@ -80,15 +102,16 @@ def missing_everywhere(hits: Sequence[ImageHit] | Sequence[SentenceHit]) -> list
     return [w for w in first.missing if all(f is not None and w in f.missing for f in founds)]
 
 
-def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | None, what: str,
+def cut_off(hits: list[H], values: Sequence[float | None], min_relevance: float | None, what: str,
             items: int | None = None) -> tuple[list[H], list[H], CutOff]:
     """(the hits whose relevance reaches `min_relevance`, the hits under it, the cut-off and why the first list
-    is empty when it is), both lists in ranking order. The relevance reads each result's phrase evidence, so a
-    result under the cut-off may rank above one that reaches it. `items`: the collection's size, named in the
-    reason (the things no result holds: "nothing in the 60 images matches 'giraffe'")."""
-    if min_relevance is None or relevance is None:
+    is empty when it is), both lists in ranking order; `values`: the relevance each hit shows (`relevances`;
+    None: the model has no scale). The relevance reads each result's phrase evidence, so a result under the
+    cut-off may rank above one that reaches it. `items`: the collection's size, named in the reason (the things
+    no result holds: "nothing in the 60 images matches 'giraffe'")."""
+    if min_relevance is None or any(v is None for v in values):
         return hits, [], {"min_relevance": None, "reason": None}
-    shown = [shown_relevance(h.score, relevance, getattr(h, "found", None)) for h in hits]
+    shown = [float(v) for v in values if v is not None]
     kept = [h for h, r in zip(hits, shown, strict=True) if r >= min_relevance]
     weaker = [h for h, r in zip(hits, shown, strict=True) if r < min_relevance]
     reason = None
@@ -102,6 +125,35 @@ def cut_off(hits: list[H], relevance: Relevance | None, min_relevance: float | N
         else:
             reason = f"no good match: no {what} reaches relevance {min_relevance:.2f} (the best has {max(shown):.2f})"
     return kept, weaker, {"min_relevance": min_relevance, "reason": reason}
+
+
+ITEM: dict[Side, str] = {"images": "image", "sentences": "sentence"}  # one result of each side, in a reason
+
+
+@dataclass(frozen=True)
+class Shown(Generic[H]):
+    """A page as it is shown: the query's relevance scale (None: the model has none), the results that reach the
+    cut-off, those under it (`weaker`) and the cut-off with why nothing reaches it."""
+
+    relevance: Relevance | None
+    hits: list[H]
+    weaker: list[H]
+    cut: CutOff
+    values: dict[int, float | None]  # the relevance each result of the page shows, by the result's id()
+
+    def of(self, hit: H) -> float | None:
+        """The relevance a result of the page shows (None: the model has no scale)."""
+        return self.values[id(hit)]
+
+
+def shown(bundle: Bundle, side: Side, page: Page[H], min_relevance: float | None) -> Shown[H]:
+    """How a page of `side` ('images' for a sentence, 'sentences' for an image) is shown at `min_relevance`
+    (None: no cut-off): its relevance read against the collection (`relevance_at`) once for the page, then
+    `cut_off`. The one place the service, the command line and the API compose them."""
+    rel = relevance_at(bundle, side, page.best, page.collection)
+    values = relevances(page.hits, rel)
+    hits, weaker, cut = cut_off(page.hits, values, min_relevance, ITEM[side], page.collection)
+    return Shown(rel, hits, weaker, cut, {id(h): v for h, v in zip(page.hits, values, strict=True)})
 
 
 def by_date_taken(hits: list[ImageHit]) -> list[ImageHit]:
@@ -139,14 +191,15 @@ def phrase_of(relation: str, words: tuple[str, str]) -> str:
     return Triplet(relation, *words).phrase()
 
 
-def image_result(hit: ImageHit, relevance: Relevance | None = None) -> ImageResult:
+def image_result(hit: ImageHit, relevance: float | None = None) -> ImageResult:
+    """A ranked image as answered, with the relevance it shows (`relevances`; None: none)."""
     pl = hit.place or Place()
     taken = None if pl.taken is None else datetime.fromtimestamp(pl.taken, UTC).replace(tzinfo=None).isoformat()
     return ImageResult(id=hit.image_id, name=hit.name, path=hit.file, url=image_url(hit.image_id),
                        thumbnail=thumbnail_url(hit.image_id), width=hit.width,
                        height=hit.height, score=float(hit.score),
-                       relevance=relevance_of(hit.score, relevance, hit.found), missing=missing_of(hit.found),
-                       taken=taken, lat=pl.lat, lon=pl.lon, alignment=[match_out(m) for m in hit.alignment])
+                       relevance=relevance, missing=missing_of(hit.found), taken=taken, lat=pl.lat, lon=pl.lon,
+                       alignment=[match_out(m) for m in hit.alignment])
 
 
 def place_filter(body: SearchImagesRequest) -> PlaceFilter:
@@ -156,9 +209,10 @@ def place_filter(body: SearchImagesRequest) -> PlaceFilter:
                        None if body.taken_before is None else clock_seconds(body.taken_before), near)
 
 
-def sentence_result(hit: SentenceHit, relevance: Relevance | None = None) -> SentenceResult:
+def sentence_result(hit: SentenceHit, relevance: float | None = None) -> SentenceResult:
+    """A ranked sentence as answered, with the relevance it shows (`relevances`; None: none)."""
     return SentenceResult(id=hit.sentence_id, text=hit.text, score=float(hit.score),
-                          relevance=relevance_of(hit.score, relevance, hit.found), missing=missing_of(hit.found),
+                          relevance=relevance, missing=missing_of(hit.found),
                           alignment=[match_out(m) for m in hit.alignment])
 
 

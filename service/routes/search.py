@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, UploadFile
 
+from index import ImageHit
 from index.ids import MAX_ID
 from index.similar import Similar
 from service.deps import BoundsDep, EngineDep, GatesDep, SettingsDep
@@ -14,13 +15,14 @@ from service.errors import ApiError, responses
 from service.routes.convert import (
     by_date_taken,
     check_min_relevance,
-    cut_off,
     explain_out,
     image_result,
     paging,
     place_filter,
     region_result,
+    relevances,
     sentence_result,
+    shown,
 )
 from service.routes.uploads import read_upload
 from service.schemas import (
@@ -28,6 +30,7 @@ from service.schemas import (
     AnnotateResponse,
     ExplainRequest,
     ExplainResponse,
+    ImageResult,
     SearchFragmentsRequest,
     SearchFragmentsResponse,
     SearchImagesRequest,
@@ -58,22 +61,25 @@ async def search_images(body: SearchImagesRequest, engine: EngineDep, s: Setting
     where = place_filter(body)
     if body.sort == "taken":  # every result above the cut-off (to the deepest rank), then by date
         page = await gates.search.run(engine.search_images, sentence, s.max_rank, 0, where)
-        rel = engine.relevance("images", page.best, page.collection)
-        kept, below, cut = cut_off(page.hits, rel, min_relevance, "image", page.collection)
-        hits = by_date_taken(kept)[offset : offset + k]
-        weaker = [] if hits or offset else below[:k]
-        pages = paging(offset, k, len(hits), len(kept), s)
+        view = shown(engine.bundle, "images", page, min_relevance)
+        cut = view.cut
+        hits = by_date_taken(view.hits)[offset : offset + k]
+        weaker = [] if hits or offset else view.weaker[:k]
+        pages = paging(offset, k, len(hits), len(view.hits), s)
     else:
         page = await gates.search.run(engine.search_images, sentence, k, offset, where)
-        rel = engine.relevance("images", page.best, page.collection)
-        hits, weaker, cut = cut_off(page.hits, rel, min_relevance, "image", page.collection)
+        view = shown(engine.bundle, "images", page, min_relevance)
+        hits, weaker, cut = view.hits, view.weaker, view.cut
         pages = paging(offset, k, len(hits) + len(weaker), page.considered, s)
     if where and page.considered == 0:
         cut["reason"] = "no photo passes the date and place filters (photos without an EXIF date or " \
                         "position are left out by a filter on it)"
     pages["considered"] = page.considered
-    return SearchImagesResponse(sentence=sentence, results=[image_result(h, rel) for h in hits],
-                                weaker=[image_result(h, rel) for h in weaker], **cut, **pages, took_ms=_ms(t0))
+    def out(results: list[ImageHit]) -> list[ImageResult]:
+        return [image_result(h, view.of(h)) for h in results]
+
+    return SearchImagesResponse(sentence=sentence, results=out(hits), weaker=out(weaker), **cut, **pages,
+                                took_ms=_ms(t0))
 
 
 @router.post("/search/fragments", response_model=SearchFragmentsResponse, responses=responses(413, 422, 503, 504))
@@ -137,7 +143,8 @@ async def search_similar(
         width, height = decoded.width, decoded.height
     rel = engine.relevance("sentences", result.described_best, result.described_collection)
     return SimilarResponse(image_id=image_id, width=width, height=height,
-                           described_by=[sentence_result(h, rel) for h in result.described_by],
+                           described_by=[sentence_result(h, v) for h, v in
+                                         zip(result.described_by, relevances(result.described_by, rel), strict=True)],
                            results=[image_result(h) for h in result.hits],
                            **paging(offset, k, len(result.hits), result.considered, s), took_ms=_ms(t0))
 
@@ -157,9 +164,9 @@ async def annotate(file: Annotated[UploadFile, File(description="an image (JPEG,
     min_relevance = check_min_relevance(min_relevance, engine.bundle.relevance)
     data = await read_upload(file)
     decoded, page = await gates.heavy.run(engine.annotate, data, k, offset)
-    rel = engine.relevance("sentences", page.best, page.collection)
-    hits, weaker, cut = cut_off(page.hits, rel, min_relevance, "sentence", page.collection)
+    view = shown(engine.bundle, "sentences", page, min_relevance)
     return AnnotateResponse(width=decoded.width, height=decoded.height,
-                            results=[sentence_result(h, rel) for h in hits],
-                            weaker=[sentence_result(h, rel) for h in weaker], **cut,
-                            **paging(offset, k, len(hits) + len(weaker), page.considered, s), took_ms=_ms(t0))
+                            results=[sentence_result(h, view.of(h)) for h in view.hits],
+                            weaker=[sentence_result(h, view.of(h)) for h in view.weaker], **view.cut,
+                            **paging(offset, k, len(view.hits) + len(view.weaker), page.considered, s),
+                            took_ms=_ms(t0))
