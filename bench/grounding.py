@@ -224,8 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2, help="extraction processes for dev images not cached")
     ap.add_argument("--limit", type=int, default=None, help="only the first N dev images (a trial)")
     ap.add_argument("--examples", type=int, default=8, help="examples drawn in --plot")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/grounding-dev.csv"))
-    ap.add_argument("--types-out", type=Path, default=Path("docs/results/grounding-dev-types.csv"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/grounding-dev.csv"),
+                    help="the results CSV, a row per model")
+    ap.add_argument("--types-out", type=Path, default=Path("docs/results/grounding-dev-types.csv"),
+                    help="the results CSV per entity type, a row per model and type")
     ap.add_argument("--plot", type=Path, default=None, help="a PNG of examples (boxes only)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of other models already in the results")
     ap.add_argument("--alignment-only", action="store_true",

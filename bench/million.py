@@ -377,17 +377,18 @@ def drop_page_cache() -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
-    ap.add_argument("--images", type=int, default=1_000_000)
+    ap.add_argument("--images", type=int, default=1_000_000, help="images in the made collection")
     ap.add_argument("--part", type=int, default=100_000, help="images written as shards, then loaded, at a time")
     ap.add_argument("--commit-images", type=int, default=100_000, help="load_shards: images between two commits")
     ap.add_argument("--work", type=Path, default=art / "bench-1m",
                     help="index and shards (large; removed unless --keep)")
-    ap.add_argument("--model", type=Path, default=art / "models" / "full-val" / "model.pt")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--cache", type=Path, default=art / "cache")
+    ap.add_argument("--model", type=Path, default=art / "models" / "full-val" / "model.pt",
+                    help="the model whose fragments the collection is made of")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--cache", type=Path, default=art / "cache", help="the feature and parse cache")
     ap.add_argument("--noise", type=float, default=0.5, help="noise as a share of the per-dimension spread")
-    ap.add_argument("--nlist", type=int, default=1024)
-    ap.add_argument("--store-dtype", default="float16")
+    ap.add_argument("--nlist", type=int, default=1024, help="the IVF index's lists")
+    ap.add_argument("--store-dtype", default="float16", help="the stored fragments' number type")
     ap.add_argument("--sweep", default="16:16384:1024,16:16384:2048,16:32768:2048,32:32768:2048,16:65536:2048",
                     help="search settings measured, nprobe:k_prime:rerank[:prescore[:refine[:summaries]]] "
                          "comma-separated")
@@ -404,10 +405,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--merge-probe", action="store_true",
                     help="with --skip-build: time the compaction's write of the smaller half of the store's segments "
                          "(into a scratch file, removed after) with its peak RSS, then stop")
-    ap.add_argument("--queries", type=int, default=50)
-    ap.add_argument("--exhaustive-timed", type=int, default=3)
+    ap.add_argument("--queries", type=int, default=50, help="dev captions asked of each setting")
+    ap.add_argument("--exhaustive-timed", type=int, default=3,
+                    help="queries of the exact scan over every image that are timed (the reference)")
     ap.add_argument("--threads", type=int, default=1, help="the model's and FAISS threads while measuring")
-    ap.add_argument("--build-threads", type=int, default=2)
+    ap.add_argument("--build-threads", type=int, default=2, help="threads while building the index")
     ap.add_argument("--reads", choices=("prefetch", "one-by-one", "both"), default="prefetch",
                     help="the store's gathers ask the kernel for all their rows at once (VectorStore.prefetch), "
                          "read them one page fault after another, or each setting measured both ways")
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
                     "(from the images its last commit holds)")
     ap.add_argument("--keep", action="store_true", help="keep the index (for the serving measurements)")
     ap.add_argument("--build-only", action="store_true", help="build the index and write build.json, measure nothing")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/index-bench.csv"), help="the results CSV")
     ap.add_argument("--label", default="", help="appended to the rows' collection name: tells two builds of "
                     "the same size apart (a setting measured again on the same collection replaces its row)")
     args = ap.parse_args(argv)

@@ -68,15 +68,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     art = default_artifacts_dir()
     ap.add_argument("--index", type=Path, required=True, help="the image index served")
-    ap.add_argument("--model", type=Path, default=art / "models" / "full-val" / "model.pt")
-    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--model", type=Path, default=art / "models" / "full-val" / "model.pt",
+                    help="the model served")
+    ap.add_argument("--port", type=int, default=8123, help="the loopback port the service listens on")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per client count of the load run")
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8], help="concurrent clients of each load run")
     ap.add_argument("--threads", type=int, default=1, help="the service's threads (FRAGSEARCH_THREADS: its graphs)")
     ap.add_argument("--no-warmup", action="store_true", help="no warm-up search before ready (the first query "
                     "then loads the parser and the word vectors too)")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/serve-large.json"))
-    ap.add_argument("--load-out", type=Path, default=Path("docs/results/service-load-large.csv"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/serve-large.json"),
+                    help="the results JSON (start, memory)")
+    ap.add_argument("--load-out", type=Path, default=Path("docs/results/service-load-large.csv"),
+                    help="the load run's results CSV")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     url = f"http://127.0.0.1:{args.port}"

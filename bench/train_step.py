@@ -48,13 +48,13 @@ def arm(name: str) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", default="full")
-    ap.add_argument("--data", type=Path, default=default_data_dir())
-    ap.add_argument("--cache", type=Path, default=default_cache_dir())
+    ap.add_argument("--variant", default="full", help="the training variant timed")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature and parse cache")
     ap.add_argument("--images", type=int, default=2000, help="the first N training images")
     ap.add_argument("--pairs", type=int, default=3, help="turns of each arm")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--out", type=Path, default=Path("docs/results/train-step.csv"))
+    ap.add_argument("--out", type=Path, default=Path("docs/results/train-step.csv"), help="the results CSV")
     args, command = parse_run(ap, argv, "bench.train_step")
     torch.set_num_threads(args.threads)
     run = make_run(args.variant, {"selection": "last", "epochs": 1, "calibrate": 0, "device": "cpu"})

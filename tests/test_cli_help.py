@@ -15,7 +15,11 @@ COMMANDS = ["training.train", "training.extract", "model.flickr8k", "training.ca
             "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report", "bench.channels",
             "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate",
             "bench.relevance_bench", "bench.duplicates_bench", "index.duplicates", "training.release",
-            "bench.first_start", "bench.feature_paths", "bench.serve_memory", "bench.photo_decode", "bench.runtime_ab"]
+            "bench.first_start", "bench.feature_paths", "bench.serve_memory", "bench.photo_decode", "bench.runtime_ab",
+            "bench.phrase_evidence", "bench.evidence_ceiling", "bench.grounding", "bench.backbone_lite",
+            "bench.detector_paths", "bench.million", "bench.region_cost",
+            "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
+            "bench.page_read", "bench.profile_breakdown"]
 
 
 class Captured(Exception):
