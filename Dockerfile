@@ -17,7 +17,7 @@
 #                     build). Needs an NVIDIA driver >= 580 (docs/guide/docker.md has the GPUs it covers).
 #   EXTRAS            the extras of pyproject.toml to add to the runtime, each from its own lock
 #                     (requirements-<extra>.lock): milvus (FRAGSEARCH_INDEX_BACKEND=milvus), bulk (ray:
-#                     python -m index.bulk --engine ray), stanza (the stanza parser: stanza runs on torch, which
+#                     python -m fragsearch.index.bulk --engine ray), stanza (the stanza parser: stanza runs on torch, which
 #                     its lock pins with torch's CUDA libraries; cpu variant only, since that torch pins the CUDA
 #                     13.0 runtime and faiss-gpu-cuvs needs 13.2), bench; "" by default: the runtime lock only (the
 #                     FAISS backend, the spaCy parser)
@@ -133,6 +133,8 @@ RUN if group="$(getent group "$GID")"; then echo "GID $GID: the base image's gro
        else useradd --create-home --uid "$UID" --gid "$GID" fragsearch; fi
 RUN mkdir -p /data /artifacts \
     && chown "$UID:$GID" /artifacts
+# fragsearch/ is the one importable name: fragsearch.model, .index and .service are its links to the folders below
+COPY --chown=${UID}:${GID} fragsearch ./fragsearch
 COPY --chown=${UID}:${GID} model ./model
 COPY --chown=${UID}:${GID} index ./index
 COPY --chown=${UID}:${GID} service ./service
@@ -157,4 +159,4 @@ VOLUME ["/artifacts"]
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/readyz' % os.environ.get('FRAGSEARCH_PORT', '8000'), timeout=4)"
 ENTRYPOINT ["tini", "--"]
-CMD ["python", "-m", "service"]
+CMD ["python", "-m", "fragsearch.service"]

@@ -3,7 +3,8 @@
     python -m bench.alignment --only full full-roi=artifacts/alignment/models/full-roi/model.pt
 
 No model was tuned to this measure. For every dev caption and its own image, the alignment the
-service shows is computed by the service's code (`index.matches.matches` → `model.score.align`: each
+service shows is computed by the service's code (`index.matches.matches` →
+`model.score.align`: each
 sentence fragment's best image fragment by v_i · s_j; fragments with no positive score are not shown
 and not counted). A **trial** is a shown triplet that names a noun of `bench/imagenet_nouns.json`
 (dog, horse, bicycle, ball, …: each noun's ImageNet-1k classes are the WordNet hyponyms of one sense,
@@ -50,19 +51,19 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import SplitDataByConfig, add_model_args, kept_rows
-from index.matches import matches
-from model.backbone import Backbone
-from model.bundle import Bundle
-from model.dataset import SplitData
-from model.embed import embed_encoded
-from model.fragments import SENTENCE_REL
-from model.image import region_crops
-from model.imageio import load_image
-from model.onnx import set_threads
-from model.settings import default_artifacts_dir
+from fragsearch.index.matches import matches
+from fragsearch.model.backbone import Backbone
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.embed import embed_encoded
+from fragsearch.model.fragments import SENTENCE_REL
+from fragsearch.model.image import region_crops
+from fragsearch.model.imageio import load_image
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.settings import default_artifacts_dir
 
 if TYPE_CHECKING:
-    from model.nets.backbone import TorchBackbone
+    from fragsearch.model.nets.backbone import TorchBackbone
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def classifier(runtime: str) -> Backbone | TorchBackbone:
     """The float backbone with its ImageNet head on the CPU: the runtime's graph on ONNX Runtime (auto,
     onnx), or torch eager (torch: the trainer's, model/nets/backbone.py)."""
     if runtime == "torch":
-        from model.nets.backbone import TorchBackbone
+        from fragsearch.model.nets.backbone import TorchBackbone
 
         return TorchBackbone("cpu")
     return Backbone("cpu", "fp32", runtime)

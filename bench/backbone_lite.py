@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from bench import machine
-from model.data import load_split
-from model.graphs import BACKBONES, preprocess
-from model.imageio import load_image
-from model.nets.backbone import _Features, _quantize, efficientnet
-from model.nets.onnx import export
-from model.onnx import session, set_threads
-from model.settings import default_data_dir
+from fragsearch.model.data import load_split
+from fragsearch.model.graphs import BACKBONES, preprocess
+from fragsearch.model.imageio import load_image
+from fragsearch.model.nets.backbone import _Features, _quantize, efficientnet
+from fragsearch.model.nets.onnx import export
+from fragsearch.model.onnx import session, set_threads
+from fragsearch.model.settings import default_data_dir
 
 logger = logging.getLogger("bench.backbone_lite")
 

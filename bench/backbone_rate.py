@@ -30,8 +30,8 @@ import torch
 
 from bench import machine
 from bench.extract_bench import BACKBONES, StageBackbone, stage_backbone
-from model.onnx import set_threads
-from model.resources import cpu_info
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.resources import cpu_info
 
 logger = logging.getLogger("bench.backbone_rate")
 

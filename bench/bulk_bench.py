@@ -31,11 +31,11 @@ import psutil
 
 from bench import machine
 from bench.extract_bench import image_paths
-from index.bulk import ENGINES, bulk_extract, ray_session
-from model.cache import FeatureCache
-from model.onnx import set_threads
-from model.settings import default_data_dir
-from model.variants import load_variant, variant_names
+from fragsearch.index.bulk import ENGINES, bulk_extract, ray_session
+from fragsearch.model.cache import FeatureCache
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.settings import default_data_dir
+from fragsearch.model.variants import load_variant, variant_names
 
 logger = logging.getLogger("bench.bulk_bench")
 

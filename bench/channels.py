@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from bench import SplitDataByConfig, add_model_args, kept_rows
-from model.bundle import Bundle
-from model.fragments import SENTENCE_REL
-from model.score import skl
-from training.evaluate import metrics_from_scores
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.fragments import SENTENCE_REL
+from fragsearch.model.score import skl
+from fragsearch.training.evaluate import metrics_from_scores
 
 logger = logging.getLogger(__name__)
 

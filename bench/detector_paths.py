@@ -27,10 +27,10 @@ from PIL import Image
 
 from bench import write_result
 from bench.feature_paths import EMULATED_CPU
-from model.data import load_split
-from model.detector import CANDIDATE_FLOOR, Detector
-from model.resources import cpu_record
-from model.settings import default_data_dir
+from fragsearch.model.data import load_split
+from fragsearch.model.detector import CANDIDATE_FLOOR, Detector
+from fragsearch.model.resources import cpu_record
+from fragsearch.model.settings import default_data_dir
 
 logger = logging.getLogger("bench.detector_paths")
 

@@ -28,10 +28,10 @@ from PIL import Image
 from tqdm import tqdm
 
 from bench import machine, parse_run
-from model.bundle import Bundle
-from model.data import load_split
-from model.image import RegionExtractor
-from model.settings import default_data_dir, default_model_path
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.settings import default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.duplicates_bench")
 STEP = 0.005

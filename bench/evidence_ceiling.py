@@ -37,13 +37,13 @@ from tqdm import tqdm
 from bench import machine, parse_run, write_result
 from bench.photo_decode import cpu_flags
 from bench.phrase_evidence import SHOWN, Dev, Model, asked_queries, best_shown, holders, load_dev
-from model.bundle import Bundle
-from model.dataset import SplitData, load_split_data
-from model.entities import read_entities
-from model.parsers import make_parser
-from model.release import RELEASED_MODEL
-from model.settings import default_cache_dir, default_data_dir
-from training.evidence import auc, image_words, names_in, word_counts
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.entities import read_entities
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.evidence import auc, image_words, names_in, word_counts
 
 logger = logging.getLogger("bench.evidence_ceiling")
 MIN_TRAIN = 3  # training pictures naming a noun for the tagger to learn it

@@ -36,18 +36,18 @@ import numpy as np
 from PIL import Image
 
 from bench import machine
-from model.backbone import RUNTIMES, Backbone
-from model.cache import ExtractionPool
-from model.config import PROPOSAL_MODES, ImageConfig
-from model.graphs import preprocess, to_array
-from model.imageio import load_image
-from model.onnx import set_threads
-from model.proposals import propose_boxes
-from model.settings import default_data_dir
-from model.variants import load_variant, variant_names
+from fragsearch.model.backbone import RUNTIMES, Backbone
+from fragsearch.model.cache import ExtractionPool
+from fragsearch.model.config import PROPOSAL_MODES, ImageConfig
+from fragsearch.model.graphs import preprocess, to_array
+from fragsearch.model.imageio import load_image
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.proposals import propose_boxes
+from fragsearch.model.settings import default_data_dir
+from fragsearch.model.variants import load_variant, variant_names
 
 if TYPE_CHECKING:
-    from model.nets.backbone import TorchBackbone
+    from fragsearch.model.nets.backbone import TorchBackbone
 
 logger = logging.getLogger("bench.extract_bench")
 
@@ -76,7 +76,7 @@ def stage_backbone(runtime: str, precision: str) -> StageBackbone:
     """The backbone of a stage row on the CPU: torch eager (the trainer's, model/nets/backbone.py) or the
     runtime's graph on ONNX Runtime."""
     if runtime == "torch":
-        from model.nets.backbone import TorchBackbone
+        from fragsearch.model.nets.backbone import TorchBackbone
 
         return TorchBackbone("cpu")
     return Backbone("cpu", precision, runtime)

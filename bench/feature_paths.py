@@ -34,17 +34,17 @@ import numpy as np
 from PIL import Image
 
 from bench import write_result
-from model.backbone import backbone_graph
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import load_split_data
-from model.image import RegionExtractor, image_proposals, region_crops
-from model.onnx import graph_dir, session, set_threads
-from model.parsers import make_parser
-from model.release import RELEASED_MODEL
-from model.resources import cpu_record
-from model.settings import default_cache_dir, default_data_dir
-from training.evaluate import evaluate
+from fragsearch.model.backbone import backbone_graph
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.image import RegionExtractor, image_proposals, region_crops
+from fragsearch.model.onnx import graph_dir, session, set_threads
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.resources import cpu_record
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def graphs(folder: Path) -> dict[str, Path]:
     int8 = backbone_graph("int8", folder=folder)
     bits8 = folder / "efficientnet-lite0-int8-8bit-bench.onnx"
     if not bits8.is_file():
-        from model.nets.backbone import _quantize  # the quantization recipe's maker (the trainer's side)
+        from fragsearch.model.nets.backbone import _quantize  # the quantization recipe's maker (the trainer's side)
 
         folder.mkdir(parents=True, exist_ok=True)
         _quantize(fp32, bits8, reduce_range=False)

@@ -29,9 +29,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from model.resources import cpu_record
-from model.settings import default_data_dir
-from training.release import ROOT, git_commit
+from fragsearch.model.resources import cpu_record
+from fragsearch.model.settings import default_data_dir
+from fragsearch.training.release import ROOT, git_commit
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
     searches_at = next((at for name, at in starts if name.startswith("loading") and "searches" in name), None)
     sizes = {"environment_mb": du_mb(home / ".cache" / "fragsearch"), "artifacts_mb": du_mb(clone / "artifacts"),
              "checkout_mb": du_mb(clone, exclude=("artifacts",))}
-    kept = ("setting up", "service.prepare", "model.cache", "index.build", "model.fragments", "service:")
+    kept = ("setting up", "fragsearch.service.prepare", "fragsearch.model.cache", "fragsearch.index.build",
+            "fragsearch.model.fragments", "service:")
     return {"ready_seconds": round(ready_at, 1),
             "searches_served_seconds": None if searches_at is None else round(searches_at, 1),
             "stages": stages, "peak_rss_mb": round(peak_rss_mb, 1),

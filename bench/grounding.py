@@ -44,19 +44,19 @@ from tqdm import tqdm
 
 from bench import kept_rows, machine, parse_run, write_rows
 from bench.photo_decode import cpu_flags
-from index.matches import SentenceReading, aligned, read_sentence
-from index.types import FragmentMatch
-from model.boxes import box_iou
-from model.bundle import Bundle
-from model.dataset import load_split_data
-from model.embed import embed_texts
-from model.entities import Phrase, read_entities
-from model.evidence import thing_members
-from model.grounder import named_by
-from model.parsers import make_parser
-from model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
-from model.settings import default_cache_dir, default_data_dir
-from model.text import Triplet
+from fragsearch.index.matches import SentenceReading, aligned, read_sentence
+from fragsearch.index.types import FragmentMatch
+from fragsearch.model.boxes import box_iou
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.embed import embed_texts
+from fragsearch.model.entities import Phrase, read_entities
+from fragsearch.model.evidence import thing_members
+from fragsearch.model.grounder import named_by
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.model.text import Triplet
 
 logger = logging.getLogger("bench.grounding")
 IOU = 0.5

@@ -18,7 +18,7 @@ url=http://127.0.0.1:$port
 
 for setting in false true; do
   name=$([ "$setting" = true ] && echo frozen || echo unfrozen)
-  FRAGSEARCH_FREEZE_HEAP=$setting ./run python -m service --port "$port" > "$work/server-$name.log" 2>&1 &
+  FRAGSEARCH_FREEZE_HEAP=$setting ./run python -m fragsearch.service --port "$port" > "$work/server-$name.log" 2>&1 &
   pid=$!
   for _ in $(seq 600); do curl -sf "$url/readyz" > /dev/null && break; sleep 1; done
   curl -sf "$url/readyz" > /dev/null || { echo "server did not get ready" >&2; kill "$pid"; exit 1; }

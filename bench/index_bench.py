@@ -41,19 +41,19 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-from index import ImageIndex, IndexSettings, SentenceIndex
-from index.ann import FaissCandidates
-from index.images import embedded_images, exact_top_k
-from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig
-from model.data import Split, load_split
-from model.dataset import feature_cache
-from model.embed import EmbeddedSentence, embed_sentence
-from model.encoders import Encoders, ModelConfig
-from model.fragments import WORD_REL, TextPipeline, parse_cached
-from model.modelfile import model_file
-from model.onnx import set_threads
-from model.settings import (
+from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.index.ann import FaissCandidates
+from fragsearch.index.images import embedded_images, exact_top_k
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig, TextConfig
+from fragsearch.model.data import Split, load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.embed import EmbeddedSentence, embed_sentence
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.fragments import WORD_REL, TextPipeline, parse_cached
+from fragsearch.model.modelfile import model_file
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.settings import (
     BACKENDS,
     BackendOptions,
     default_artifacts_dir,
@@ -61,8 +61,8 @@ from model.settings import (
     default_data_dir,
     default_model_path,
 )
-from model.text import RelationVocab
-from model.words import WordTable
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.words import WordTable
 
 logger = logging.getLogger("bench.index_bench")
 

@@ -1,6 +1,6 @@
 """Bounded HTTP load on a running service: p50/p99 per route, answers by status, server memory.
 
-    python -m service &                                   # or ./run serve
+    python -m fragsearch.service &                                   # or ./run serve
     python -m bench.load_bench --url http://127.0.0.1:8000 --clients 8 --duration 60
 
 Each scenario runs with each `--clients` count (concurrent clients, asyncio + httpx, one request
@@ -41,7 +41,7 @@ from PIL import Image
 from spacy.lang.en.stop_words import STOP_WORDS
 
 from bench import machine
-from model.settings import default_data_dir
+from fragsearch.model.settings import default_data_dir
 
 logger = logging.getLogger("bench.load_bench")
 

@@ -2,9 +2,9 @@
 
     python -m bench.million --images 1000000 --work artifacts/bench-1m --model artifacts/models/full-val/model.pt
 
-Build: synthetic images are written as embedded fragment shards (`index.shards.ShardWriter`, the
-shard format of `index.bulk`), `--part` images at a time; each part is loaded with
-`index.shards.load_shards` (the public load / commit path: streamed adds, the candidate index
+Build: synthetic images are written as embedded fragment shards (`fragsearch.index.shards.ShardWriter`, the
+shard format of `fragsearch.index.bulk`), `--part` images at a time; each part is loaded with
+`fragsearch.index.shards.load_shards` (the public load / commit path: streamed adds, the candidate index
 trained on a sample of the first group, the re-rank store spilled to disk and committed in groups)
 and its shards are removed once committed (`remove_loaded`), so the collection is never twice on disk.
 
@@ -19,7 +19,7 @@ apart) and the process's peak RSS while building (sampled with psutil, anonymous
 file-backed apart; ru_maxrss beside); the index folder's bytes per image; agreement@10 with the
 exhaustive exact S_kl and retrieval latency for each search setting; the exhaustive p50 on a few
 queries; with `--int8`, the same candidates re-ranked from an int8 copy of their stored vectors
-(`index.store`'s int8 encoding), to state the agreement an int8 store keeps at this size. With
+(`fragsearch.index.store`'s int8 encoding), to state the agreement an int8 store keeps at this size. With
 `--reads both`, each setting is measured with the store's read-ahead (a gather asks the kernel for
 all its rows at once) and without it, side by side; with `--cold`, each setting on the index opened
 afresh after dropping the page cache, with no warm-up: the re-rank store read from disk as after a
@@ -52,17 +52,17 @@ import psutil
 from tqdm import tqdm
 
 from bench.index_bench import K, Row, agreement, ann_bytes_per_fragment, describe, read_row, timed, write_csv
-from index import ImageIndex, IndexSettings
-from index.compaction import merged_rows, smaller_half
-from index.images import exact_top_k
-from index.shards import ShardWriter, load_shards, shard_settings
-from index.store import VectorStore
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.embed import EmbeddedSentence, embed_sentence
-from model.onnx import set_threads
-from model.settings import default_artifacts_dir, default_data_dir
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.compaction import merged_rows, smaller_half
+from fragsearch.index.images import exact_top_k
+from fragsearch.index.shards import ShardWriter, load_shards, shard_settings
+from fragsearch.index.store import VectorStore
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.embed import EmbeddedSentence, embed_sentence
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.million")
 

@@ -50,17 +50,17 @@ from tqdm import tqdm
 from bench import machine, parse_run
 from bench.index_bench import N_FRAGMENTS, K, Synthetic, agreement, dev_queries, scoring_bundle
 from bench.milvus_local import LocalServer, isolated, loopback_up, own_namespace
-from index import ImageIndex, IndexSettings
-from index import ids as fid
-from index.images import embedded_images, exact_top_k
-from index.milvus import VECTOR, MilvusCandidates
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.embed import EmbeddedSentence
-from model.onnx import set_threads
-from model.resources import cpu_info
-from model.settings import (
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index import ids as fid
+from fragsearch.index.images import embedded_images, exact_top_k
+from fragsearch.index.milvus import VECTOR, MilvusCandidates
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.embed import EmbeddedSentence
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.resources import cpu_info
+from fragsearch.model.settings import (
     BackendOptions,
     default_artifacts_dir,
     default_cache_dir,

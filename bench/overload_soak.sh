@@ -19,7 +19,7 @@ data=${FRAGSEARCH_DATA:-../shared/data/flickr8k}
 url=http://127.0.0.1:$port
 
 serve() {  # start a server, wait until /readyz answers 200 (at most 10 min)
-  nice -n 19 ./run python -m service --port "$port" > "$work/server-$1.log" 2>&1 &
+  nice -n 19 ./run python -m fragsearch.service --port "$port" > "$work/server-$1.log" 2>&1 &
   pid=$!
   for _ in $(seq 600); do
     curl -sf "$url/readyz" > /dev/null && return 0

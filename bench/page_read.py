@@ -2,7 +2,7 @@
 the page's images of as many fragments read in one product (index/matches.py `aligned_all`), side by side on
 the same pages.
 
-    python -m index.build --model model/released --images ../shared/data/flickr8k/images \
+    python -m fragsearch.index.build --model model/released --images ../shared/data/flickr8k/images \
         --image-list ../shared/data/flickr8k/dev.txt --out artifacts/index/images-dev
     python -m bench.page_read --index artifacts/index/images-dev --out docs/results/page-read.csv
 
@@ -23,15 +23,15 @@ from tqdm import tqdm
 
 from bench import machine, parse_run, write_rows
 from bench.photo_decode import cpu_flags
-from index.images import ImageIndex, skl_of_items
-from index.matches import aligned, aligned_all, read_sentence
-from index.ranker import exact_score
-from model.bundle import Bundle
-from model.data import load_split
-from model.embed import embed_sentence
-from model.onnx import set_threads
-from model.release import RELEASED_MODEL
-from model.settings import default_artifacts_dir, default_data_dir
+from fragsearch.index.images import ImageIndex, skl_of_items
+from fragsearch.index.matches import aligned, aligned_all, read_sentence
+from fragsearch.index.ranker import exact_score
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.embed import embed_sentence
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.page_read")
 

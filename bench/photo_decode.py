@@ -45,18 +45,18 @@ import numpy as np
 from PIL import Image
 
 from bench import machine, parse_run, write_rows
-from model.bundle import Bundle
-from model.cache import FeatureCache
-from model.config import ImageConfig
-from model.data import load_split
-from model.dataset import load_split_data, select_images
-from model.image import ImageFragments, RegionExtractor
-from model.imageio import read_image
-from model.parsers import make_parser
-from model.release import RELEASED_MODEL
-from model.resources import cpu_info
-from model.settings import default_cache_dir, default_data_dir
-from training.evaluate import evaluate_scores
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.cache import FeatureCache
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import load_split_data, select_images
+from fragsearch.model.image import ImageFragments, RegionExtractor
+from fragsearch.model.imageio import read_image
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.resources import cpu_info
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.evaluate import evaluate_scores
 
 logger = logging.getLogger("bench.photo_decode")
 SIZES_MP = (12, 24, 48)

@@ -42,19 +42,19 @@ from tqdm import tqdm
 
 from bench import kept_rows, machine, parse_run, write_rows
 from bench.photo_decode import cpu_flags
-from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF, Relevance
-from model.dataset import SplitData, load_split_data
-from model.embed import embed_encoded, embed_texts
-from model.entities import read_entities
-from model.evidence import FOUND, SentenceEvidence, named_things
-from model.parsers import make_parser
-from model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
-from model.score import align
-from model.settings import default_cache_dir, default_data_dir
-from model.text import Triplet
-from training.evidence import auc, image_words, names_in, things_named_of
-from training.relevance import calibration_error, described_alike, reliability
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import DEFAULT_CUTOFF, Relevance
+from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.embed import embed_encoded, embed_texts
+from fragsearch.model.entities import read_entities
+from fragsearch.model.evidence import FOUND, SentenceEvidence, named_things
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
+from fragsearch.model.score import align
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.model.text import Triplet
+from fragsearch.training.evidence import auc, image_words, names_in, things_named_of
+from fragsearch.training.relevance import calibration_error, described_alike, reliability
 
 logger = logging.getLogger("bench.phrase_evidence")
 SHOWN = 10  # results of a query whose relevance is read (a page)
@@ -231,7 +231,7 @@ def calibration(model: Model, dev: Dev, data: Path) -> tuple[dict[str, Any], lis
     """ECE of the shown results' relevance against the described-alike proxy (``ece``) and against the proxy a
     person's phrase-by-phrase judgment is closer to, described alike or holding every thing the caption names
     (``ece_named``, training/evidence.py `named_alike`); the reliability table is the second's."""
-    from model.words import encode_sentences
+    from fragsearch.model.words import encode_sentences
 
     assert model.relevance is not None
     alike = described_alike(encode_sentences(dev.data.sentences), dev.data.pair_image)  # (N, L)

@@ -1,6 +1,6 @@
 """Where a served request's time goes: py-spy's samples of the service under load, summed by stage.
 
-    py-spy record -f raw -r 250 -o /tmp/search8.txt -- python -m service --port 8011 &
+    py-spy record -f raw -r 250 -o /tmp/search8.txt -- python -m fragsearch.service --port 8011 &
     python -m bench.load_bench --url http://127.0.0.1:8011 --clients 8 --duration 30 --warmup 3 \\
         --scenarios search --out /tmp/load.csv
     kill -INT <the service's pid>             # py-spy writes its samples when the service exits

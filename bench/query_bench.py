@@ -29,16 +29,16 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import machine
-from index.images import ImageIndex
-from model.bundle import Bundle
-from model.data import load_split
-from model.embed import EmbeddedSentence, row_triplets
-from model.modelfile import model_file
-from model.onnx import set_threads
-from model.release import RELEASED_MODEL, read_manifest
-from model.settings import default_artifacts_dir, default_data_dir, default_model_path
-from service.routes.convert import image_result
-from service.schemas import SearchImagesResponse
+from fragsearch.index.images import ImageIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.embed import EmbeddedSentence, row_triplets
+from fragsearch.model.modelfile import model_file
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.release import RELEASED_MODEL, read_manifest
+from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
+from fragsearch.service.routes.convert import image_result
+from fragsearch.service.schemas import SearchImagesResponse
 
 logger = logging.getLogger("bench.query_bench")
 

@@ -29,15 +29,15 @@ import numpy as np
 from PIL import Image
 
 from bench import machine, parse_run, write_rows
-from model.bundle import Bundle
-from model.config import BACKBONE_NAMES, PROPOSAL_SOURCES
-from model.data import load_split
-from model.graphs import BACKBONES
-from model.image import RegionExtractor
-from model.onnx import set_threads
-from model.release import RELEASED_MODEL
-from model.resources import cpu_info
-from model.settings import default_data_dir
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import BACKBONE_NAMES, PROPOSAL_SOURCES
+from fragsearch.model.data import load_split
+from fragsearch.model.graphs import BACKBONES
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.resources import cpu_info
+from fragsearch.model.settings import default_data_dir
 
 logger = logging.getLogger("bench.region_cost")
 

@@ -40,17 +40,17 @@ from typing import Any
 import numpy as np
 
 from bench import machine, parse_run
-from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF, RELEVANCE_TOP, Relevance
-from model.data import load_split
-from model.dataset import SplitData, load_split_data
-from model.embed import embed_texts
-from model.evidence import PhraseEvidence
-from model.parsers import make_parser
-from model.settings import default_artifacts_dir, default_data_dir, default_model_path
-from training.evaluate import evaluate_scores, score_split
-from training.evidence import pair_terms
-from training.relevance import Shown, best_of, calibration_error, matches_of, reliability, shown
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import DEFAULT_CUTOFF, RELEVANCE_TOP, Relevance
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.embed import embed_texts
+from fragsearch.model.evidence import PhraseEvidence
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
+from fragsearch.training.evaluate import evaluate_scores, score_split
+from fragsearch.training.evidence import pair_terms
+from fragsearch.training.relevance import Shown, best_of, calibration_error, matches_of, reliability, shown
 
 logger = logging.getLogger("bench.relevance_bench")
 SHOWN = 10  # results of each query judged
@@ -212,15 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     scales = {name: b.relevance for name, b in models.items()}
     missing = [name for name, rel in scales.items() if rel is None]
     if missing:
-        raise SystemExit(f"no relevance scale in the {' and '.join(missing)}: python -m training.calibrate "
+        raise SystemExit(f"no relevance scale in the {' and '.join(missing)}: python -m fragsearch.training.calibrate "
                          "--relevance-only")
     parser = make_parser(bundle.text.cfg.parser)
     data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser)
     bundle.text.warm(data.parsed, data.sentences, args.cache / "vectors")
     matches = matches_of(data)
     if args.proxy == "named":
-        from model.entities import read_entities
-        from training.evidence import things_named_of
+        from fragsearch.model.entities import read_entities
+        from fragsearch.training.evidence import things_named_of
 
         entities = args.data.parent / "flickr30k-entities"
         matches = matches | things_named_of(data, read_entities(entities, data.names) if entities.exists() else {})

@@ -22,14 +22,14 @@ import numpy as np
 
 from bench import machine, parse_run, write_rows
 from bench.relevance_bench import measure
-from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF
-from model.data import load_split
-from model.dataset import held_out_split, load_split_data
-from model.parsers import make_parser
-from model.settings import default_cache_dir, default_data_dir, default_model_path
-from training.evaluate import evaluate_scores
-from training.relevance import matches_of
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import DEFAULT_CUTOFF
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import held_out_split, load_split_data
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path
+from fragsearch.training.evaluate import evaluate_scores
+from fragsearch.training.relevance import matches_of
 
 logger = logging.getLogger("bench.relevance_sizes")
 SIZES = (100, 250, 500, 1000)

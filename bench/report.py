@@ -30,9 +30,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import SplitDataByConfig, add_model_args, kept_rows  # noqa: E402
-from model.bundle import Bundle  # noqa: E402
-from model.variants import VariantError, load_variant  # noqa: E402
-from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks  # noqa: E402
+from fragsearch.model.bundle import Bundle  # noqa: E402
+from fragsearch.model.variants import VariantError, load_variant  # noqa: E402
+from fragsearch.training.evaluate import annotation_ranks, evaluate, score_split, search_ranks  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

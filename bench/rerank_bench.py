@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 
 from bench import machine, parse_run, write_rows
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import SplitData, held_out_split, load_split_data
-from model.parsers import make_parser
-from model.settings import default_cache_dir, default_data_dir, default_model_path
-from training.evaluate import KS, annotation_ranks, recall_table, score_split, search_ranks
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import SplitData, held_out_split, load_split_data
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path
+from fragsearch.training.evaluate import KS, annotation_ranks, recall_table, score_split, search_ranks
 
 logger = logging.getLogger("bench.rerank_bench")
 KS_DENSITY = (1, 3, 5, 10, 20, 50)

@@ -31,9 +31,9 @@ import numpy as np
 from tqdm import tqdm
 
 from bench import machine
-from model.data import load_split
-from model.resources import cpu_info
-from model.settings import default_artifacts_dir, default_data_dir
+from fragsearch.model.data import load_split
+from fragsearch.model.resources import cpu_info
+from fragsearch.model.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.runtime_ab")
 
@@ -47,7 +47,7 @@ WORKER = r"""
 import json, sys, time
 threads = int(sys.argv[3])
 try:
-    from model.onnx import set_threads
+    from fragsearch.model.onnx import set_threads
 except ImportError:
     set_threads = None
 if set_threads is not None:
@@ -58,9 +58,9 @@ try:
 except ImportError:
     pass
 from bench.query_bench import run
-from index.images import ImageIndex
-from model.bundle import Bundle
-from model.release import RELEASED_MODEL
+from fragsearch.index.images import ImageIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.release import RELEASED_MODEL
 bundle = Bundle.load(RELEASED_MODEL, device="cpu")
 index = ImageIndex.load(sys.argv[1], bundle)
 k = int(sys.argv[2])

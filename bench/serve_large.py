@@ -2,7 +2,7 @@
 
     python -m bench.serve_large --index artifacts/bench-1m/m1/index --model artifacts/models/full-val/model.pt
 
-Starts the service (`python -m service`, loopback only, no preparation; its warm-up search before
+Starts the service (`python -m fragsearch.service`, loopback only, no preparation; its warm-up search before
 it reports ready, as it runs by default, unless `--no-warmup`) on the index, with the index's files
 first evicted from the page cache (posix_fadvise DONTNEED on each of
 its files: the restart of a machine that has not read them since), and measures the seconds until
@@ -29,7 +29,7 @@ import httpx
 import psutil
 
 from bench import machine
-from model.settings import default_artifacts_dir
+from fragsearch.model.settings import default_artifacts_dir
 
 logger = logging.getLogger("bench.serve_large")
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
            "FRAGSEARCH_SEARCH_DEADLINE": "60"}
     result["load_average_start"] = load_average()
     t0 = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "service"], env=env)
+    server = subprocess.Popen([sys.executable, "-m", "fragsearch.service"], env=env)
     try:
         with httpx.Client(base_url=url, timeout=120.0) as client:
             while True:

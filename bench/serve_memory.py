@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import machine, parse_run
-from model.settings import Settings, default_artifacts_dir, default_data_dir
+from fragsearch.model.settings import Settings, default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.serve_memory")
 
@@ -59,9 +59,9 @@ def steps(artifacts: str, model: str | None, data: str) -> list[dict[str, Any]]:
     import onnxruntime  # noqa: F401
     from PIL import Image
 
-    from index.images import ImageIndex
-    from index.sentences import SentenceIndex
-    from model.bundle import Bundle
+    from fragsearch.index.images import ImageIndex
+    from fragsearch.index.sentences import SentenceIndex
+    from fragsearch.model.bundle import Bundle
 
     step("imports")
     root = Path(artifacts)

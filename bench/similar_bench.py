@@ -35,14 +35,14 @@ from spacy.lang.en.stop_words import STOP_WORDS
 from tqdm import tqdm
 
 from bench import machine
-from index import ImageIndex, SentenceIndex
-from index.similar import describe, more_like_this
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.embed import EmbeddedSentence
-from model.onnx import set_threads
-from model.settings import default_artifacts_dir, default_data_dir, default_model_path
+from fragsearch.index import ImageIndex, SentenceIndex
+from fragsearch.index.similar import describe, more_like_this
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.embed import EmbeddedSentence
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.similar_bench")
 K = 10

@@ -1,6 +1,6 @@
 """A long run of mixed traffic against a running service: does its memory level off?
 
-    FRAGSEARCH_API_KEY=... python -m service &
+    FRAGSEARCH_API_KEY=... python -m fragsearch.service &
     python -m bench.soak_bench --url http://127.0.0.1:8000 --pid <server pid> --duration 600 --clients 4
 
 `--clients` clients (one request in flight each) send, for `--duration` seconds, a mix of
@@ -47,7 +47,7 @@ from bench.load_bench import (
     tally_size,
     write_csv,
 )
-from model.settings import current, default_data_dir
+from fragsearch.model.settings import current, default_data_dir
 
 logger = logging.getLogger("bench.soak_bench")
 

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from bench import machine, parse_run, write_rows
-from model.bundle import Bundle
-from model.data import load_split
-from model.settings import default_data_dir
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.settings import default_data_dir
 
 logger = logging.getLogger("bench.text_cost")
 

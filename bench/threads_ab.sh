@@ -19,8 +19,8 @@ cpus=$(nproc)
 declare -A ports=([share]=$port [all]=$((port + 1)))
 pids=()
 trap 'kill "${pids[@]}" 2> /dev/null || true' EXIT
-FRAGSEARCH_PORT=${ports[share]} ./run python -m service > "$work/server-share.log" 2>&1 & pids+=($!)
-FRAGSEARCH_NUMERIC_THREADS=$cpus FRAGSEARCH_PORT=${ports[all]} ./run python -m service > "$work/server-all.log" 2>&1 &
+FRAGSEARCH_PORT=${ports[share]} ./run python -m fragsearch.service > "$work/server-share.log" 2>&1 & pids+=($!)
+FRAGSEARCH_NUMERIC_THREADS=$cpus FRAGSEARCH_PORT=${ports[all]} ./run python -m fragsearch.service > "$work/server-all.log" 2>&1 &
 pids+=($!)
 for config in share all; do
   url=http://127.0.0.1:${ports[$config]}

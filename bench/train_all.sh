@@ -2,11 +2,11 @@
 # Train every row of docs/results/flickr8k-dev.csv on the 6,000 training images for the variant's fixed
 # epoch count (--selection last: no split chooses the epoch; dev is evaluated only by bench.report),
 # then write the table and plots. Two runs at a time, one thread each (a 2-core machine).
-#   ./run python -m training.extract --splits dev train --workers 2   # first: the feature caches
-#   ./run python -m training.extract --splits dev train --workers 2 --min-box-frac 0.15
-#   ./run python -m training.extract --splits dev train --workers 2 --min-box-frac 0.25
-#   ./run python -m training.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop
-#   ./run python -m training.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop \
+#   ./run python -m fragsearch.training.extract --splits dev train --workers 2   # first: the feature caches
+#   ./run python -m fragsearch.training.extract --splits dev train --workers 2 --min-box-frac 0.15
+#   ./run python -m fragsearch.training.extract --splits dev train --workers 2 --min-box-frac 0.25
+#   ./run python -m fragsearch.training.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop
+#   ./run python -m fragsearch.training.extract --splits dev train --workers 2 --min-box-frac 0.25 --region-features crop \
 #       --backbone-precision int8 --proposal-resize 112 --backbone-size 224
 #   bash bench/train_all.sh
 set -uo pipefail
@@ -15,7 +15,7 @@ PY=${PYTHON:-python}
 mkdir -p artifacts/logs
 lane() {
   for v in "$@"; do
-    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_DISABLE=1 "$PY" -m training.train --variant "$v" --selection last --workers 1 \
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_DISABLE=1 "$PY" -m fragsearch.training.train --variant "$v" --selection last --workers 1 \
       > "artifacts/logs/train-$v.log" 2>&1 || echo "training $v failed: see artifacts/logs/train-$v.log" >&2
   done
 }

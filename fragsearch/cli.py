@@ -31,8 +31,8 @@ from typing import Any
 
 import click
 
-from model.settings import config_named, debug_requested, settings_error_line
-from service.version import __version__
+from fragsearch.model.settings import config_named, debug_requested, settings_error_line
+from fragsearch.service.version import __version__
 
 logger = logging.getLogger("fragsearch")
 
@@ -82,7 +82,7 @@ class Known:
         return False
 
 
-PROJECT_PACKAGES = ("fragsearch", "model", "index", "service", "training", "bench", "tools")
+PROJECT_PACKAGES = ("fragsearch", "bench", "tools")  # the installed namespace, and the checkout's benches and tools
 
 
 def _absent_package(e: BaseException) -> bool:
@@ -109,31 +109,36 @@ _DAMAGED = ("in a checkout `git checkout -- model/released` restores the release
             "train it again (fragsearch train)")
 # the first entry that matches wins: the specific kinds before the general ones they derive from
 KNOWN = (
-    Known(("model.settings:SettingsFileError",), USAGE, "fix the file, or name another with --config FILE"),
+    Known(("fragsearch.model.settings:SettingsFileError",), USAGE, "fix the file, or name another with --config FILE"),
     Known(("pydantic_core:ValidationError",), USAGE, applies=_settings_refused,
           describe=lambda e: settings_error_line(e) if isinstance(e, Exception) else str(e)),
-    Known(("model.device:DeviceError",), USAGE, "set device to auto or cpu (--device, FRAGSEARCH_DEVICE)"),
-    Known(("model.variants:VariantError",), USAGE, "fragsearch train --help lists the variants"),
-    Known(("model.data:DataError",), USAGE, "fragsearch data SRC DEST puts a Flickr8K download in the project's "
+    Known(("fragsearch.model.device:DeviceError",), USAGE, "set device to auto or cpu (--device, FRAGSEARCH_DEVICE)"),
+    Known(("fragsearch.model.variants:VariantError",), USAGE, "fragsearch train --help lists the variants"),
+    Known(("fragsearch.model.data:DataError",), USAGE,
+          "fragsearch data SRC DEST puts a Flickr8K download in the project's "
           "layout; --data or FRAGSEARCH_DATA names the folder"),
-    Known(("model.fragments:NoFragmentsError",), USAGE, "say what is in the picture with words the model knows"),
+    Known(("fragsearch.model.fragments:NoFragmentsError",), USAGE,
+          "say what is in the picture with words the model knows"),
     Known(("builtins:ModuleNotFoundError",), MISSING_PACKAGE, applies=_absent_package),  # hint: _package_hint
-    Known(("service.prepare:BackendMissing", "model.detector:DetectorMissing"), MISSING_PACKAGE),
-    Known(("model.modelfile:CheckpointError", "builtins:ImportError"), MISSING_PACKAGE,
+    Known(("fragsearch.service.prepare:BackendMissing", "fragsearch.model.detector:DetectorMissing"), MISSING_PACKAGE),
+    Known(("fragsearch.model.modelfile:CheckpointError", "builtins:ImportError"), MISSING_PACKAGE,
           "install the locked packages: pip install -r requirements.lock (./run does it in a checkout)",
           _says_not_installed),
-    Known(("index.types:IndexLoadError", "index.shards:ShardError"), NO_INDEX,
+    Known(("fragsearch.index.types:IndexLoadError", "fragsearch.index.shards:ShardError"), NO_INDEX,
           "make it with fragsearch index DIR (a folder of photos) or fragsearch serve; an index of another model "
           "is set aside and made anew"),
-    Known(("index.catalogue:StaleWriterError",), NO_INDEX, "another process changed the index: run the command "
+    Known(("fragsearch.index.catalogue:StaleWriterError",), NO_INDEX,
+          "another process changed the index: run the command "
           "again"),
-    Known(("model.modelfile:CheckpointError",), USAGE, _NO_MODEL,  # model_path or variant names no model
+    Known(("fragsearch.model.modelfile:CheckpointError",), USAGE, _NO_MODEL,  # model_path or variant names no model
           lambda e: str(e).startswith("model not found")),
-    Known(("service.prepare:ModelMissing", "model.graphs:GraphMissing", "model.minilm:GraphMismatch"), MODEL),
-    Known(("model.modelfile:CheckpointError", "model.release:ReleaseError"), MODEL, _DAMAGED),
-    Known(("model.imageio:ImageReadError",), UNREADABLE, "give a photo Pillow reads (JPEG, PNG, HEIC, WebP ...), "
+    Known(("fragsearch.service.prepare:ModelMissing", "fragsearch.model.graphs:GraphMissing",
+           "fragsearch.model.minilm:GraphMismatch"), MODEL),
+    Known(("fragsearch.model.modelfile:CheckpointError", "fragsearch.model.release:ReleaseError"), MODEL, _DAMAGED),
+    Known(("fragsearch.model.imageio:ImageReadError",), UNREADABLE,
+          "give a photo Pillow reads (JPEG, PNG, HEIC, WebP ...), "
           "not a damaged or partial copy"),
-    Known(("index.types:IndexFullError",), UNREADABLE, "free some disk space, then run the command again"),
+    Known(("fragsearch.index.types:IndexFullError",), UNREADABLE, "free some disk space, then run the command again"),
     Known(("builtins:PermissionError", "builtins:IsADirectoryError"), UNREADABLE,
           "check the path and its permissions"),
     Known(("builtins:FileNotFoundError", "builtins:NotADirectoryError"), USAGE, "check the path (an argument, "
@@ -212,7 +217,7 @@ def _trainer(name: str) -> Callable[..., Any]:
     absent: KNOWN says what to install)."""
     import importlib
 
-    return importlib.import_module(f"training.{name}").main  # type: ignore[no-any-return]
+    return importlib.import_module(f"fragsearch.training.{name}").main  # type: ignore[no-any-return]
 
 
 # the exit statuses in the help text, above the options and commands (`fragsearch --help`)
@@ -242,7 +247,7 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
 def serve(args: tuple[str, ...]) -> None:
     """Serve the page and the API (prepares missing indexes first). Reads every setting; writes the
     artifacts folder (indexes, caches, uploads)."""
-    from service.__main__ import main
+    from fragsearch.service.__main__ import main
 
     _run(main, args, "fragsearch serve")
 
@@ -252,7 +257,7 @@ def serve(args: tuple[str, ...]) -> None:
 def index(args: tuple[str, ...]) -> None:
     """Index a folder of photos, or sync its index again (new, changed, renamed, deleted files). Reads the
     folder; writes its index in the artifacts folder and the feature cache."""
-    from index.sync import main
+    from fragsearch.index.sync import main
 
     _run(main, args, "fragsearch index")
 
@@ -262,7 +267,7 @@ def index(args: tuple[str, ...]) -> None:
 def search(args: tuple[str, ...]) -> None:
     """Search the saved image index for a sentence, without a server: paths (-f), or JSON with the
     alignments (--json). Reads the index and the model; writes nothing."""
-    from service.terminal import search_main
+    from fragsearch.service.terminal import search_main
 
     _run(search_main, args, "fragsearch search")
 
@@ -272,7 +277,7 @@ def search(args: tuple[str, ...]) -> None:
 def annotate(args: tuple[str, ...]) -> None:
     """The collection's sentences for a photo, from the saved sentence index, without a server. Reads the
     photo, the index and the model; writes nothing."""
-    from service.terminal import annotate_main
+    from fragsearch.service.terminal import annotate_main
 
     _run(annotate_main, args, "fragsearch annotate")
 
@@ -281,7 +286,7 @@ def annotate(args: tuple[str, ...]) -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def duplicates(args: tuple[str, ...]) -> None:
     """Groups of near-duplicate photos in an image index. Reads the index; writes a JSON report if asked."""
-    from index.duplicates import main
+    from fragsearch.index.duplicates import main
 
     _run(main, args, "fragsearch duplicates")
 
@@ -291,7 +296,7 @@ def duplicates(args: tuple[str, ...]) -> None:
 def data(args: tuple[str, ...]) -> None:
     """Put a Flickr8K download into the project's layout and check it. Reads the download; writes the
     data folder."""
-    from model.flickr8k import main
+    from fragsearch.model.flickr8k import main
 
     _run(main, args, "fragsearch data")
 

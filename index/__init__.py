@@ -1,13 +1,14 @@
 """The fragment indexes: FAISS candidate recall over fragment vectors, exact S_kl re-rank.
 
 `ImageIndex` (sentence -> images, phrase -> regions) and `SentenceIndex` (image -> sentences) share
-the parts of `index.base` (loading, saving, the ranker); `python -m index.build` builds both from folders.
+the parts of `fragsearch.index.base` (loading, saving, the ranker); `python -m fragsearch.index.build` builds both
+from folders.
 """
 
-from index.files import list_images
-from index.images import ImageIndex
-from index.sentences import SentenceIndex
-from index.types import (
+from fragsearch.index.files import list_images
+from fragsearch.index.images import ImageIndex
+from fragsearch.index.sentences import SentenceIndex
+from fragsearch.index.types import (
     AddReport,
     Explanation,
     FragmentMatch,

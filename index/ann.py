@@ -2,10 +2,10 @@
 saved as a `faiss-*.index` file of the index folder at each commit (index.saving), its checksum in
 the catalogue's `info`.
 
-Ids are `index.ids` fragment ids. Trainable kinds (ivf, ivfpq, or hnsw behind a pre-transform)
+Ids are `fragsearch.index.ids` fragment ids. Trainable kinds (ivf, ivfpq, or hnsw behind a pre-transform)
 start as an exact flat index and are built for real by `FaissCandidates.build` once enough vectors exist.
 hnsw cannot delete: its removed fragments stay in the graph and are filtered by the caller.
-With `use_gpu` and faiss-gpu with a GPU present, each call runs where `model.device.placement` says:
+With `use_gpu` and faiss-gpu with a GPU present, each call runs where `fragsearch.model.device.placement` says:
 k-NN searches on a GPU copy of the index (index.gpu: one call at a time), range searches never there.
 """
 
@@ -23,13 +23,13 @@ import numpy as np
 from faiss.contrib.exhaustive_search import range_search_gpu
 from tqdm import tqdm
 
-from index import ids as fid
-from index.candidates import CandidateBackend, Sources
-from index.files import sha256_file, unique_name
-from index.gpu import GpuCopy, faiss_gpu
-from index.types import IndexLoadError, IndexSettings
-from model.atomic import atomic_path
-from model.device import CALLS, FAISS_GPU, FAISS_GPU_MAX_K, GPU_KNN_CPU_RANGE, MATRIX_CPU, placement
+from fragsearch.index import ids as fid
+from fragsearch.index.candidates import CandidateBackend, Sources
+from fragsearch.index.files import sha256_file, unique_name
+from fragsearch.index.gpu import GpuCopy, faiss_gpu
+from fragsearch.index.types import IndexLoadError, IndexSettings
+from fragsearch.model.atomic import atomic_path
+from fragsearch.model.device import CALLS, FAISS_GPU, FAISS_GPU_MAX_K, GPU_KNN_CPU_RANGE, MATRIX_CPU, placement
 
 logger = logging.getLogger(__name__)
 

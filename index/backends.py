@@ -7,11 +7,11 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from index.ann import FaissCandidates
-from index.candidates import CandidateBackend
-from index.milvus import MilvusCandidates
-from index.types import IndexLoadError, IndexSettings
-from model.settings import BackendOptions
+from fragsearch.index.ann import FaissCandidates
+from fragsearch.index.candidates import CandidateBackend
+from fragsearch.index.milvus import MilvusCandidates
+from fragsearch.index.types import IndexLoadError, IndexSettings
+from fragsearch.model.settings import BackendOptions
 
 
 def require_milvus(where: str) -> None:

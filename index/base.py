@@ -34,22 +34,22 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
-from index import ids as fid
-from index import loading, saving
-from index.backends import create_backend
-from index.candidates import CandidateBackend
-from index.catalogue import Catalogue, built_fingerprint
-from index.codes import PrescoreCodes
-from index.fingerprint import model_fingerprint
-from index.items import ItemTable
-from index.locks import ReadWriteLock
-from index.ranker import Ranker
-from index.shared import SharedFragments
-from index.store import VectorStore
-from index.stored import StoredFragments
-from index.types import IndexLoadError, IndexSettings
-from model.bundle import Bundle
-from model.settings import BackendOptions
+from fragsearch.index import ids as fid
+from fragsearch.index import loading, saving
+from fragsearch.index.backends import create_backend
+from fragsearch.index.candidates import CandidateBackend
+from fragsearch.index.catalogue import Catalogue, built_fingerprint
+from fragsearch.index.codes import PrescoreCodes
+from fragsearch.index.fingerprint import model_fingerprint
+from fragsearch.index.items import ItemTable
+from fragsearch.index.locks import ReadWriteLock
+from fragsearch.index.ranker import Ranker
+from fragsearch.index.shared import SharedFragments
+from fragsearch.index.store import VectorStore
+from fragsearch.index.stored import StoredFragments
+from fragsearch.index.types import IndexLoadError, IndexSettings
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

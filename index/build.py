@@ -1,6 +1,6 @@
 """Build (or extend) an image index from a folder of images, and a sentence index from captions.
 
-    python -m index.build --model artifacts/models/full/model.pt --images ../shared/data/flickr8k/images \\
+    python -m fragsearch.index.build --model artifacts/models/full/model.pt --images ../shared/data/flickr8k/images \\
         --image-list ../shared/data/flickr8k/dev.txt --out artifacts/index/images-dev \\
         --captions ../shared/data/flickr8k/captions.txt --split ../shared/data/flickr8k/train.txt
 
@@ -22,19 +22,25 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from index.catalogue import is_index
-from index.files import list_images
-from index.flags import add_index_flags, index_settings_of
-from index.images import ImageIndex
-from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
-from index.sentences import SentenceIndex
-from index.types import IndexSettings
-from model.bundle import Bundle
-from model.cache import FeatureCache
-from model.data import read_captions, read_split_list
-from model.dataset import feature_cache
-from model.fragments import parse_cached
-from model.settings import BACKENDS, BackendOptions, default_artifacts_dir, default_cache_dir, default_model_path
+from fragsearch.index.catalogue import is_index
+from fragsearch.index.files import list_images
+from fragsearch.index.flags import add_index_flags, index_settings_of
+from fragsearch.index.images import ImageIndex
+from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
+from fragsearch.index.sentences import SentenceIndex
+from fragsearch.index.types import IndexSettings
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.cache import FeatureCache
+from fragsearch.model.data import read_captions, read_split_list
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.fragments import parse_cached
+from fragsearch.model.settings import (
+    BACKENDS,
+    BackendOptions,
+    default_artifacts_dir,
+    default_cache_dir,
+    default_model_path,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Bulk image extraction into fragment shards (``index/shards.py``), then optionally into an index.
 
-    python -m index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --workers 2
-    python -m index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --address HEAD:6379
-    python -m index.bulk --images DIR --shards artifacts/bulk/photos --engine local --workers 2
-    python -m index.bulk --shards artifacts/bulk/photos --index artifacts/index/photos   (load only)
+    python -m fragsearch.index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --workers 2
+    python -m fragsearch.index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --address HEAD:6379
+    python -m fragsearch.index.bulk --images DIR --shards artifacts/bulk/photos --engine local --workers 2
+    python -m fragsearch.index.bulk --shards artifacts/bulk/photos --index artifacts/index/photos   (load only)
 
 Two engines, one result:
 
@@ -39,28 +39,37 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from index.catalogue import is_index
-from index.files import list_images
-from index.flags import add_index_flags, index_settings_of
-from index.images import ImageIndex
-from index.shards import DEFAULT_SHARD_SIZE, ShardWriter, done_paths, load_shards, shard_settings, shard_summary
-from index.types import IndexSettings
-from model.bundle import Bundle
-from model.cache import FeatureCache, content_key
-from model.config import ImageConfig, add_region_flags, with_region_flags
-from model.dataset import feature_cache
-from model.detector import Detector
-from model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
-from model.imageio import ImageReadError, read_image
-from model.onnx import set_threads
-from model.proposals import proposal_columns
-from model.settings import default_cache_dir, default_model_path
+import fragsearch
+from fragsearch.index.catalogue import is_index
+from fragsearch.index.files import list_images
+from fragsearch.index.flags import add_index_flags, index_settings_of
+from fragsearch.index.images import ImageIndex
+from fragsearch.index.shards import (
+    DEFAULT_SHARD_SIZE,
+    ShardWriter,
+    done_paths,
+    load_shards,
+    shard_settings,
+    shard_summary,
+)
+from fragsearch.index.types import IndexSettings
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.cache import FeatureCache, content_key
+from fragsearch.model.config import ImageConfig, add_region_flags, with_region_flags
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.detector import Detector
+from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
+from fragsearch.model.imageio import ImageReadError, read_image
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.proposals import proposal_columns
+from fragsearch.model.settings import default_cache_dir, default_model_path
 
 logger = logging.getLogger(__name__)
 
 ENGINES = ("local", "ray")
 DEFAULT_BATCH = 8  # images per task / per actor call
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# the folder that holds the fragsearch package (a checkout, or site-packages): on the Ray workers' path
+REPO_ROOT = Path(fragsearch.__file__).resolve().parent.parent
 PROPOSAL_TASK_MEMORY = 640 * 2**20  # bytes reserved by a proposal task: its worker (torch, OpenCV) peaked at ~500 MB
 RAY_ENV = ("FRAGSEARCH_ARTIFACTS", "FRAGSEARCH_DATA")  # settings the Ray workers must share with the driver
 

@@ -2,10 +2,10 @@
 exact S_kl re-rank then reads the re-rank store, index.store, and calls model.score on every backend).
 
 `CandidateBackend` is the interface the index's parts use (index.base writes, index.ranker recalls,
-index.saving persists); its implementations are `index.ann.FaissCandidates`, the
+index.saving persists); its implementations are `fragsearch.index.ann.FaissCandidates`, the
 in-process FAISS index saved as a `faiss-*.index` file beside the catalogue (the embedded default),
-and `index.milvus.MilvusCandidates`, a Milvus collection (milvus-lite in a local folder, or a Milvus
-server or cluster by URI); `index.backends` opens the one an index names. Ids are `index.ids`
+and `fragsearch.index.milvus.MilvusCandidates`, a Milvus collection (milvus-lite in a local folder, or a Milvus
+server or cluster by URI); `fragsearch.index.backends` opens the one an index names. Ids are `fragsearch.index.ids`
 fragment ids (item · 2^10 + row).
 
 Persistence follows the index's commit protocol (index.saving): `persist` prepares what the next
@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from index.types import IndexSettings
-from model.device import CODES_CPU, EXACT_CPU
+from fragsearch.index.types import IndexSettings
+from fragsearch.model.device import CODES_CPU, EXACT_CPU
 
 logger = logging.getLogger(__name__)
 

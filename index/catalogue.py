@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from index.types import IndexLoadError
+from fragsearch.index.types import IndexLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Catalogue:
         path = root / DB_FILE
         if not path.is_file():
             raise IndexLoadError(f"no {what} index at {root} ({DB_FILE} is missing); build one with: "
-                                 f"python -m index.build")
+                                 f"python -m fragsearch.index.build")
         db: sqlite3.Connection | None = None
         try:
             db = connect(path)

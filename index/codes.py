@@ -2,8 +2,8 @@
 before the exact re-rank reads the full vectors of the few best (PLAID's idea, ColBERT's engine).
 
 A fragment's code is its projection on the `IndexShape.codes` leading directions of the uncentred
-second moment of the stored fragments (`index.ann.uncentred_pca`, fitted once on a sample), stored
-in int8 with one scale per fragment (`index.store`'s int8 rows: d + 4 bytes a fragment). The codes
+second moment of the stored fragments (`fragsearch.index.ann.uncentred_pca`, fitted once on a sample), stored
+in int8 with one scale per fragment (`fragsearch.index.store`'s int8 rows: d + 4 bytes a fragment). The codes
 are a `VectorStore` whose saved segments mirror the re-rank store's row for row, so an item's
 (segment, offset, n) addresses both; they are `codes-*.npy` files beside the store, read into memory
 when the index is opened (a search gathers thousands of candidates' codes at random: no page faults,
@@ -50,13 +50,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from index.ann import uncentred_pca
-from index.files import unique_name
-from index.items import ItemTable
-from index.selection import best_positions
-from index.store import VectorStore, release_rows
-from model.arrays import segment_sum
-from model.atomic import atomic_path
+from fragsearch.index.ann import uncentred_pca
+from fragsearch.index.files import unique_name
+from fragsearch.index.items import ItemTable
+from fragsearch.index.selection import best_positions
+from fragsearch.index.store import VectorStore, release_rows
+from fragsearch.model.arrays import segment_sum
+from fragsearch.model.atomic import atomic_path
 
 logger = logging.getLogger(__name__)
 

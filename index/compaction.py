@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from index.files import unique_name
-from index.items import ItemTable
-from index.store import VectorStore
+from fragsearch.index.files import unique_name
+from fragsearch.index.items import ItemTable
+from fragsearch.index.store import VectorStore
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ images' whole-frame fragment (row 0 of the stored fragments: the model's embeddi
 CNN feature). A pair is a near-duplicate at cosine >= THRESHOLD, measured by bench/duplicates_bench.py
 on altered copies of Flickr8K dev images against distinct photos (docs/results/duplicates-dev.csv).
 
-    python -m index.duplicates artifacts/index/collection-...    # the collection-wide report
+    python -m fragsearch.index.duplicates artifacts/index/collection-...    # the collection-wide report
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from index.images import ImageIndex
-from model.bundle import Bundle
-from model.settings import add_setting_flags, settings_of
+from fragsearch.index.images import ImageIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from model.atomic import sha256_file
-from model.imageio import IMAGE_SUFFIXES
+from fragsearch.model.atomic import sha256_file
+from fragsearch.model.imageio import IMAGE_SUFFIXES
 
 __all__ = ["is_hidden", "list_images", "sha256_file", "unique_name"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from model.bundle import Bundle
+from fragsearch.model.bundle import Bundle
 
 _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
 

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from collections.abc import Iterable
 
-from index.types import SAVED_ORDER, IndexSettings, IndexShape, SearchSettings
+from fragsearch.index.types import SAVED_ORDER, IndexSettings, IndexShape, SearchSettings
 
 
 def _fields() -> dict[str, dataclasses.Field[object]]:

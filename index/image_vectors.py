@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from index.base import FragmentIndex
+from fragsearch.index.base import FragmentIndex
 
 CHUNK = 2048  # images whose fragments are read at a time when their vectors are computed
 

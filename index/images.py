@@ -2,7 +2,7 @@
 
 search: query sentence -> its fragments -> each fragment's k' nearest image fragments -> unique
 images (candidates) -> the model's score (S_kl) over the candidates -> top k with alignments.
-The image files behind the index (paths, the feature cache, EXIF date and place) are `index.photos`.
+The image files behind the index (paths, the feature cache, EXIF date and place) are `fragsearch.index.photos`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from index.base import FragmentIndex
-from index.image_vectors import KeptVectors
-from index.matches import aligned, aligned_all, label_at, read_sentence
-from index.photos import Photos
-from index.places import Place, PlaceFilter, read_place
-from index.ranker import exact_score, rank_key
-from index.types import (
+from fragsearch.index.base import FragmentIndex
+from fragsearch.index.image_vectors import KeptVectors
+from fragsearch.index.matches import aligned, aligned_all, label_at, read_sentence
+from fragsearch.index.photos import Photos
+from fragsearch.index.places import Place, PlaceFilter, read_place
+from fragsearch.index.ranker import exact_score, rank_key
+from fragsearch.index.types import (
     Explanation,
     ImageHit,
     ImageRecord,
@@ -33,9 +33,9 @@ from index.types import (
     PairShare,
     RegionHit,
 )
-from model.bundle import Bundle
-from model.cache import FeatureCache
-from model.embed import (
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.cache import FeatureCache
+from fragsearch.model.embed import (
     EmbeddedImage,
     EmbeddedSentence,
     embed_extracted,
@@ -44,9 +44,9 @@ from model.embed import (
     embed_sentence,
     row_triplets,
 )
-from model.image import ImageFragments
-from model.score import block_dots, pair_contributions, skl_of_items
-from model.settings import BackendOptions
+from fragsearch.model.image import ImageFragments
+from fragsearch.model.score import block_dots, pair_contributions, skl_of_items
+from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

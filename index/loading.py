@@ -17,15 +17,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from index.backends import open_backend
-from index.candidates import CandidateBackend
-from index.catalogue import FORMAT, Catalogue, committed_generation
-from index.codes import CodesInfo, PrescoreCodes
-from index.fingerprint import model_fingerprint
-from index.store import VectorStore
-from index.types import IndexLoadError, IndexSettings
-from model.bundle import Bundle
-from model.settings import BackendOptions
+from fragsearch.index.backends import open_backend
+from fragsearch.index.candidates import CandidateBackend
+from fragsearch.index.catalogue import FORMAT, Catalogue, committed_generation
+from fragsearch.index.codes import CodesInfo, PrescoreCodes
+from fragsearch.index.fingerprint import model_fingerprint
+from fragsearch.index.store import VectorStore
+from fragsearch.index.types import IndexLoadError, IndexSettings
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +95,10 @@ def open_state(root: Path, bundle: Bundle, kind: str, catalogue: Catalogue, info
         raise IndexLoadError(f"{where} is an index of {info.get('kind')}s, not of {kind}s")
     if int(info["dim"]) != bundle.dim:
         raise IndexLoadError(f"{where} holds {info['dim']}-d fragments but the model embeds in {bundle.dim}-d: "
-                             f"it was built with another model; rebuild it with python -m index.build")
+                             f"it was built with another model; rebuild it with python -m fragsearch.index.build")
     if info["fingerprint"] != model_fingerprint(bundle):
         raise IndexLoadError(f"{where} was built with another model (fingerprint {info['fingerprint']}, this "
-                             f"model {model_fingerprint(bundle)}); rebuild it with python -m index.build")
+                             f"model {model_fingerprint(bundle)}); rebuild it with python -m fragsearch.index.build")
     try:
         settings = IndexSettings.from_dict(info["settings"])
         if search:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index.types import FragmentMatch
-from model.bundle import Bundle
-from model.evidence import Found, SentenceEvidence
-from model.grounder import SentenceGrounding
-from model.score import align
-from model.text import Triplet
+from fragsearch.index.types import FragmentMatch
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.evidence import Found, SentenceEvidence
+from fragsearch.model.grounder import SentenceGrounding
+from fragsearch.model.score import align
+from fragsearch.model.text import Triplet
 
 
 def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | None,

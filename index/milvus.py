@@ -62,11 +62,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from index import ids as fid
-from index.candidates import CandidateBackend, Sources
-from index.types import IndexFullError, IndexLoadError, IndexSettings
-from model.atomic import fsync_dir
-from model.settings import BackendOptions
+from fragsearch.index import ids as fid
+from fragsearch.index.candidates import CandidateBackend, Sources
+from fragsearch.index.types import IndexFullError, IndexLoadError, IndexSettings
+from fragsearch.model.atomic import fsync_dir
+from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class MilvusCandidates(CandidateBackend):
         try:
             if not collection or not out.client.has_collection(collection):
                 raise IndexLoadError(f"index at {root}: Milvus at {uri} has no collection {collection!r}: "
-                                     "rebuild the index with python -m index.build --backend milvus")
+                                     "rebuild the index with python -m fragsearch.index.build --backend milvus")
             out.client.load_collection(collection)
             out._count = stored_count(out.client, collection, out._guarantee)
         except BaseException:

@@ -1,7 +1,7 @@
 """The files behind an image index: where they are, the features they are read through, when and where
 they were taken.
 
-`Photos` is the photo folder of one `ImageIndex` (`index.photos`): paths stored relative to the
+`Photos` is the photo folder of one `ImageIndex` (`fragsearch.index.photos`): paths stored relative to the
 collection root (so that the index still finds its images where the collection is mounted elsewhere,
 host / container) and read back against it; image files added through the feature cache (a temporary
 one when the index has none), found by path, and their EXIF date and place (index.places) read,
@@ -21,14 +21,14 @@ from typing import Any, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from index.catalogue import Catalogue
-from index.files import is_hidden
-from index.items import ItemTable
-from index.places import Place, PlaceFilter, read_place
-from index.types import AddReport
-from model.bundle import Bundle
-from model.cache import FeatureCache
-from model.image import ImageFragments
+from fragsearch.index.catalogue import Catalogue
+from fragsearch.index.files import is_hidden
+from fragsearch.index.items import ItemTable
+from fragsearch.index.places import Place, PlaceFilter, read_place
+from fragsearch.index.types import AddReport
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.cache import FeatureCache
+from fragsearch.model.image import ImageFragments
 
 logger = logging.getLogger(__name__)
 

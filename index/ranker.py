@@ -22,16 +22,16 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
-from index import ids as fid
-from index.candidates import CandidateBackend
-from index.codes import ApproxScore, PrescoreCodes
-from index.items import ItemTable
-from index.selection import best_positions
-from index.shared import SharedFragments
-from index.stored import StoredFragments
-from index.types import ExplainScope, IndexSettings
-from model.bundle import Bundle
-from model.calibration import RELEVANCE_TOP
+from fragsearch.index import ids as fid
+from fragsearch.index.candidates import CandidateBackend
+from fragsearch.index.codes import ApproxScore, PrescoreCodes
+from fragsearch.index.items import ItemTable
+from fragsearch.index.selection import best_positions
+from fragsearch.index.shared import SharedFragments
+from fragsearch.index.stored import StoredFragments
+from fragsearch.index.types import ExplainScope, IndexSettings
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import RELEVANCE_TOP
 
 SCAN_ITEMS = 2048  # items per chunk of an exhaustive scan
 SHORTLIST = 8  # with summaries S: the thresholded summary score only for the 8 S best by the linear one

@@ -35,18 +35,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from index.ann import FAISS_PREFIX
-from index.candidates import CandidateBackend
-from index.catalogue import Catalogue
-from index.codes import CODES_PREFIX, CodesInfo, PrescoreCodes, derive
-from index.compaction import STORE_PREFIX, STORE_SUFFIX, compact
-from index.files import unique_name
-from index.items import ItemTable
-from index.locks import ReadWriteLock
-from index.store import VectorStore
-from index.stored import StoredFragments
-from index.types import IndexFullError, IndexSettings
-from model.atomic import TMP_SUFFIX, fsync_dir
+from fragsearch.index.ann import FAISS_PREFIX
+from fragsearch.index.candidates import CandidateBackend
+from fragsearch.index.catalogue import Catalogue
+from fragsearch.index.codes import CODES_PREFIX, CodesInfo, PrescoreCodes, derive
+from fragsearch.index.compaction import STORE_PREFIX, STORE_SUFFIX, compact
+from fragsearch.index.files import unique_name
+from fragsearch.index.items import ItemTable
+from fragsearch.index.locks import ReadWriteLock
+from fragsearch.index.store import VectorStore
+from fragsearch.index.stored import StoredFragments
+from fragsearch.index.types import IndexFullError, IndexSettings
+from fragsearch.model.atomic import TMP_SUFFIX, fsync_dir
 
 LOCK_FILE = ".writer.lock"
 FULL = (errno.ENOSPC, errno.EDQUOT)

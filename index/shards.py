@@ -41,12 +41,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from index.images import ImageIndex, embedded_images
-from model.atomic import atomic_file
-from model.cache import config_key, config_payload, read_entry
-from model.config import ImageConfig
-from model.features import feature_dim
-from model.image import ImageFragments
+from fragsearch.index.images import ImageIndex, embedded_images
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.cache import config_key, config_payload, read_entry
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.features import feature_dim
+from fragsearch.model.image import ImageFragments
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def load_shards(index: ImageIndex, folder: Path, chunk: int = LOAD_CHUNK, progre
     Goes through ``ImageIndex.add`` (the model embeds the features, the index's backend stores them;
     embedded shards' vectors as they are), streamed: ``chunk`` images embedded at a time,
     their vectors appended to the re-rank store (which spills to its folder past
-    ``index.store.SPILL_BYTES``) and to the candidate index. A commit (``index.save``) follows every
+    ``fragsearch.index.store.SPILL_BYTES``) and to the candidate index. A commit (``index.save``) follows every
     ``commit_images`` images and the last shard, so an interrupted load keeps what it committed and
     resumes after it. An untrained ivf / ivfpq index
     takes its first group inside ``index.bulk()``: trained once on a sample of that group, then

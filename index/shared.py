@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from index import ids as fid
+from fragsearch.index import ids as fid
 
 
 def digest(row: np.ndarray) -> bytes:

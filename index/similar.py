@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from index.images import ImageIndex
-from index.matches import SentenceReading, aligned_all, read_sentence
-from index.sentences import SentenceIndex
-from index.types import ImageHit, ImageRecord, Page, SentenceHit
-from model.embed import EmbeddedImage, embed_image, embed_texts
-from model.imageio import Photo
-from model.text import Triplet
+from fragsearch.index.images import ImageIndex
+from fragsearch.index.matches import SentenceReading, aligned_all, read_sentence
+from fragsearch.index.sentences import SentenceIndex
+from fragsearch.index.types import ImageHit, ImageRecord, Page, SentenceHit
+from fragsearch.model.embed import EmbeddedImage, embed_image, embed_texts
+from fragsearch.model.imageio import Photo
+from fragsearch.model.text import Triplet
 
 DESCRIPTIONS = 5
 

@@ -6,7 +6,7 @@ the last save form the live segment (numbered after the saved ones): in-memory b
 they pass `SPILL_BYTES` in a store that has a folder (an index's store: its folder), a spill file there that the next
 save turns into the new segment without a copy (a hard link under the segment's fresh name). A
 bulk load of millions of fragments therefore holds at most `SPILL_BYTES` of them in memory. The spill
-file is a temp file (`model.atomic.temp_path`): no commit names it, so a crash leaves the last
+file is a temp file (`fragsearch.model.atomic.temp_path`): no commit names it, so a crash leaves the last
 committed state and the next save removes it.
 
 Precisions (`IndexShape.store_dtype`): float32, float16 (the default for large collections), and
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.atomic import atomic_path, temp_path
+from fragsearch.model.atomic import atomic_path, temp_path
 
 BLOCK_ROWS = 1 << 16  # rows per in-memory block of the live segment
 SPILL_BYTES = 256 << 20  # live rows held in memory before they go to the spill file (stores with a folder)

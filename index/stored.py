@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from index import ids as fid
-from index.candidates import Sources, entries_batches
-from index.items import ItemTable
-from index.shared import SharedFragments
-from index.store import VectorStore
+from fragsearch.index import ids as fid
+from fragsearch.index.candidates import Sources, entries_batches
+from fragsearch.index.items import ItemTable
+from fragsearch.index.shared import SharedFragments
+from fragsearch.index.store import VectorStore
 
 ADD_ITEMS = 512  # items whose fragments go into the candidate backend in one call while rebuilding
 SAMPLE_SEED = 0

@@ -1,6 +1,6 @@
 """Keep an image index in step with a folder of photos: one command, safe to re-run and to interrupt.
 
-    fragsearch index ~/Pictures                          # or: python -m index.sync ~/Pictures
+    fragsearch index ~/Pictures                          # or: python -m fragsearch.index.sync ~/Pictures
     fragsearch index ~/Pictures --image-index artifacts/index/my-photos --workers 2
 
 The folder is walked recursively, leaving out hidden files and folders, the folders NAS systems and
@@ -20,7 +20,7 @@ time, content hash and image id), each run
 
 Paths are stored relative to the folder, so the index still finds the photos when the folder is
 mounted elsewhere. Work is saved every `--save-every` images, or, once the index is larger, every
-quarter of its size up to `index.shards.COMMIT_IMAGES` (`commit_interval`: each save rewrites the
+quarter of its size up to `fragsearch.index.shards.COMMIT_IMAGES` (`commit_interval`: each save rewrites the
 candidate index and the manifest, so a fixed interval would make a large first run quadratic): an
 interrupted run keeps what it committed, and the next run adopts images the index holds but the
 manifest does not know yet.
@@ -43,18 +43,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from index.catalogue import is_index, set_aside_if_stale
-from index.files import is_hidden, sha256_file
-from index.fingerprint import model_fingerprint
-from index.images import ImageIndex
-from index.shards import commit_interval
-from index.types import IndexSettings
-from model.atomic import atomic_file
-from model.bundle import Bundle
-from model.dataset import feature_cache
-from model.device import device_name
-from model.imageio import IMAGE_SUFFIXES
-from model.settings import BackendOptions, Settings, add_setting_flags, settings_of, use
+from fragsearch.index.catalogue import is_index, set_aside_if_stale
+from fragsearch.index.files import is_hidden, sha256_file
+from fragsearch.index.fingerprint import model_fingerprint
+from fragsearch.index.images import ImageIndex
+from fragsearch.index.shards import commit_interval
+from fragsearch.index.types import IndexSettings
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.device import device_name
+from fragsearch.model.imageio import IMAGE_SUFFIXES
+from fragsearch.model.settings import BackendOptions, Settings, add_setting_flags, settings_of, use
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 
-from index.places import Place
-from model.evidence import Found
+from fragsearch.index.places import Place
+from fragsearch.model.evidence import Found
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")

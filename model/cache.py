@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from model.atomic import atomic_file, stale_temps
-from model.config import ImageConfig
-from model.extraction import ExtractionPool
-from model.features import config_key, config_payload, content_key, entry_name, feature_dim, read_entry
-from model.image import ImageFragments
+from fragsearch.model.atomic import atomic_file, stale_temps
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.extraction import ExtractionPool
+from fragsearch.model.features import config_key, config_payload, content_key, entry_name, feature_dim, read_entry
+from fragsearch.model.image import ImageFragments
 
 logger = logging.getLogger(__name__)
 

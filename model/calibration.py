@@ -57,8 +57,8 @@ from typing import Any
 import numpy as np
 from array_api_compat import device as array_device
 
-from model.arrays import Array, contiguous, namespace, to_numpy
-from model.score import block_slices, skl
+from fragsearch.model.arrays import Array, contiguous, namespace, to_numpy
+from fragsearch.model.score import block_slices, skl
 
 BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
 

@@ -151,7 +151,8 @@ SELECTIONS = ("val", "last")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and model-selection settings (each is a `python -m training.train` flag of the same name)."""
+    """Optimisation and model-selection settings (each is a `python -m fragsearch.training.train` flag of the same
+    name)."""
 
     objective: str = "full"  # full (C_0 -> C_F, + global), fragment+global (C_0 + global), fragment, global
     epochs: int = 10  # paper: 20 (half the budget fits a 2-core machine; the R-sum has flattened by then)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from model.cache import FeatureCache
-from model.config import ImageConfig
-from model.data import Split, load_split
-from model.fragments import parse_cached
-from model.text import ParsedSentence, Parser
+from fragsearch.model.cache import FeatureCache
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.data import Split, load_split
+from fragsearch.model.fragments import parse_cached
+from fragsearch.model.text import ParsedSentence, Parser
 
 logger = logging.getLogger(__name__)
 

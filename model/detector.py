@@ -23,8 +23,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from model.atomic import sha256_file_once
-from model.boxes import nms
+from fragsearch.model.atomic import sha256_file_once
+from fragsearch.model.boxes import nms
 
 logger = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from model.bundle import Bundle
-from model.features import fragment_labels
-from model.fragments import SENTENCE_REL, EncodedSentences
-from model.image import ImageFragments
-from model.imageio import Photo
-from model.text import Triplet
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.features import fragment_labels
+from fragsearch.model.fragments import SENTENCE_REL, EncodedSentences
+from fragsearch.model.image import ImageFragments
+from fragsearch.model.imageio import Photo
+from fragsearch.model.text import Triplet
 
 # "rel(w1, w2)", the form a triplet is written in
 MODIFIERS_FIRST = ("amod", "det", "compound", "nn", "nummod", "num", "poss", "advmod", "nsubj", "aux")

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from model.textlayers import PREFIX, TextLayers, first_layer
-from model.textlayers import shapes as textlayer_shapes
-from model.trees import TreeBatch
+from fragsearch.model.textlayers import PREFIX, TextLayers, first_layer
+from fragsearch.model.textlayers import shapes as textlayer_shapes
+from fragsearch.model.trees import TreeBatch
 
 GLOBAL_KINDS = ("two-branch", "dt-rnn", "sdt-rnn", "devise")
 KINDS = ("fragment", *GLOBAL_KINDS)

@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from model.fragments import SENTENCE_REL, WORD_REL
-from model.score import alignment_scores
-from model.text import Triplet
+from fragsearch.model.fragments import SENTENCE_REL, WORD_REL
+from fragsearch.model.score import alignment_scores
+from fragsearch.model.text import Triplet
 
 EVIDENCE_FORM = "evidence-1"  # a stored evidence scale's form (an earlier one is not read: refit it)
 REFERENCES = 300  # reference images a sentence's triplets are read against

@@ -13,12 +13,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from model.config import ImageConfig
-from model.device import extraction_device
-from model.features import content_key, entry_name, write_entry
-from model.image import ImageFragments, RegionExtractor, extractor_files
-from model.imageio import ImageReadError, Photo, read_image
-from model.onnx import set_threads
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.device import extraction_device
+from fragsearch.model.features import content_key, entry_name, write_entry
+from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files
+from fragsearch.model.imageio import ImageReadError, Photo, read_image
+from fragsearch.model.onnx import set_threads
 
 
 def _extract_chunk(
@@ -97,7 +97,7 @@ class ExtractionPool:
     Each worker process uses 1 ONNX Runtime/OpenCV thread and holds its own extractor (no module state);
     use as a context manager. ``cpu_seconds`` adds up the CPU time spent extracting (all workers),
     a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``). The worker processes
-    run on the device ``model.device.extraction_device`` chooses (the CPU); this process's own extractor
+    run on the device ``fragsearch.model.device.extraction_device`` chooses (the CPU); this process's own extractor
     (one worker, or a single chunk) on ``device``.
     """
 

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from model.atomic import atomic_file
-from model.config import ImageConfig
-from model.detector import DETECTOR_NAME, N_CLASSES, label_of
-from model.graphs import FEATURE_DIM, quant_recipe, weights_digest
-from model.image import ImageFragments
-from model.imageio import longer_side
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.detector import DETECTOR_NAME, N_CLASSES, label_of
+from fragsearch.model.graphs import FEATURE_DIM, quant_recipe, weights_digest
+from fragsearch.model.image import ImageFragments
+from fragsearch.model.imageio import longer_side
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
 

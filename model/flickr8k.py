@@ -1,6 +1,6 @@
 """Getting Flickr8K into the project's layout, and checking a data folder.
 
-    ./run data SRC [DEST] [--splits DIR] [--copy]        (python -m model.flickr8k)
+    ./run data SRC [DEST] [--splits DIR] [--copy]        (python -m fragsearch.model.flickr8k)
 
 SRC is one of three layouts:
 
@@ -43,12 +43,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model.atomic import atomic_file
-from model.data import DataError, check_data_dir, read_captions, read_split_list
-from model.imageio import ImageReadError, load_image
-from model.resources import usable_cpus
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.data import DataError, check_data_dir, read_captions, read_split_list
+from fragsearch.model.imageio import ImageReadError, load_image
+from fragsearch.model.resources import usable_cpus
 
-logger = logging.getLogger("model.flickr8k")
+logger = logging.getLogger("fragsearch.model.flickr8k")
 
 SPLITS = ("train", "dev", "test")
 REQUIRED_SPLITS = ("train", "dev")

@@ -18,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from model.atomic import cached_file
-from model.config import TextConfig
-from model.parsers import make_parser, stop_words
-from model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
-from model.textlayers import TextLayers
-from model.trees import SentenceTree
-from model.words import WordTable, encode_texts, encode_tuned
+from fragsearch.model.atomic import cached_file
+from fragsearch.model.config import TextConfig
+from fragsearch.model.parsers import make_parser, stop_words
+from fragsearch.model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
+from fragsearch.model.textlayers import TextLayers
+from fragsearch.model.trees import SentenceTree
+from fragsearch.model.words import WordTable, encode_texts, encode_tuned
 
 STOP_WORDS = stop_words()
 

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from model.atomic import sha256_file_once
-from model.config import BACKBONE_PRECISIONS
-from model.onnx import OPSET, graph_dir
-from model.release import RELEASE_DIR, released_file
-from model.settings import default_artifacts_dir
+from fragsearch.model.atomic import sha256_file_once
+from fragsearch.model.config import BACKBONE_PRECISIONS
+from fragsearch.model.onnx import OPSET, graph_dir
+from fragsearch.model.release import RELEASE_DIR, released_file
+from fragsearch.model.settings import default_artifacts_dir
 
 FEATURE_DIM = 1280
 BACKBONE_NAME = "efficientnet-lite0"  # the default (and the proposal ranker's) backbone

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from model.evidence import (
+from fragsearch.model.evidence import (
     SCORES,
     THING_FIRST,
     score_features,
@@ -40,9 +40,9 @@ from model.evidence import (
     things_of,
     unit,
 )
-from model.fragments import WORD_REL
-from model.score import alignment_scores
-from model.text import Triplet
+from fragsearch.model.fragments import WORD_REL
+from fragsearch.model.score import alignment_scores
+from fragsearch.model.text import Triplet
 
 GROUNDER_FORM = "grounder-1"  # the stored head's form (an earlier one is not read: retrain it)
 GEOMETRY = ("x0", "y0", "x1", "y1", "area", "sqrt_area", "log_aspect", "whole")

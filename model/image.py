@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from model.backbone import Backbone, backbone_graph, backbone_head
-from model.boxes import roi_align
-from model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
-from model.detector import N_CLASSES, Detector
-from model.graphs import BACKBONE_NAME, find, preprocess, to_array
-from model.imageio import Photo
-from model.proposals import (
+from fragsearch.model.backbone import Backbone, backbone_graph, backbone_head
+from fragsearch.model.boxes import roi_align
+from fragsearch.model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConfig
+from fragsearch.model.detector import N_CLASSES, Detector
+from fragsearch.model.graphs import BACKBONE_NAME, find, preprocess, to_array
+from fragsearch.model.imageio import Photo
+from fragsearch.model.proposals import (
     N_GRID_BOXES,
     PROPOSAL_COLUMNS,
     detected_proposals,
@@ -38,7 +38,7 @@ from model.proposals import (
     select_regions,
     with_priors,
 )
-from model.regions import load_ranker
+from fragsearch.model.regions import load_ranker
 
 logger = logging.getLogger(__name__)
 

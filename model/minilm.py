@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from model.graphs import GraphMissing, find, search_dirs
-from model.minilm_files import (
+from fragsearch.model.graphs import GraphMissing, find, search_dirs
+from fragsearch.model.minilm_files import (
     DISTRIBUTION,
     HEADER_DIGEST_KEY,
     TOKENIZER_FILE,
@@ -43,7 +43,7 @@ from model.minilm_files import (
     package_dir,
     session,
 )
-from model.textlayers import TextLayers
+from fragsearch.model.textlayers import TextLayers
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,12 @@ def minilm_graph(folder: Path | None = None, upto: int | None = None) -> Path:
         return found
     release, target = search_dirs(folder)
     try:
-        import model.nets.minilm as nets
+        import fragsearch.model.nets.minilm as nets
     except ImportError as e:
         places = f"{release} nor {target}"
         raise GraphMissing(
             f"MiniLM's graph {name} is in neither {places}, and making it needs torch ({e}). Make it once in "
-            f"the trainer's environment (./run setup, then ./run python -m model.nets.minilm"
+            f"the trainer's environment (./run setup, then ./run python -m fragsearch.model.nets.minilm"
             f"{'' if upto is None else f' --upto {upto}'}: it writes it into {target}), or serve a release that "
             f"ships it in {release}") from e
     made: Path = nets.export_graph(target, upto)

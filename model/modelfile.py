@@ -73,7 +73,8 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     except ImportError as exc:
         raise CheckpointError(
             f"{path} is a trainer's checkpoint (.pt), which only the trainer's environment (torch) reads: make a "
-            f"release of it there (python -m training.release --model {path} --out DIR) and serve DIR") from exc
+            f"release of it there (python -m fragsearch.training.release --model {path} --out DIR) and serve DIR"
+        ) from exc
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

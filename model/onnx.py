@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from model.settings import default_cache_dir
+from fragsearch.model.settings import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from model.config import TextConfig
-from model.text import ParsedSentence, Parser, Triplet
+from fragsearch.model.config import TextConfig
+from fragsearch.model.text import ParsedSentence, Parser, Triplet
 
 if TYPE_CHECKING:
     import stanza

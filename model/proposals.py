@@ -14,9 +14,9 @@ import logging
 import cv2
 import numpy as np
 
-from model.boxes import box_iou, nms
-from model.config import PROPOSAL_MODES, ImageConfig
-from model.detector import CANDIDATE_FLOOR, N_CLASSES, Detector
+from fragsearch.model.boxes import box_iou, nms
+from fragsearch.model.config import PROPOSAL_MODES, ImageConfig
+from fragsearch.model.detector import CANDIDATE_FLOOR, N_CLASSES, Detector
 
 logger = logging.getLogger(__name__)
 

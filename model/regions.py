@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.atomic import atomic_file
+from fragsearch.model.atomic import atomic_file
 
 FORM = "region-ranker-1"
 GEOMETRY = 10  # the numbers of a box's geometry (``geometry``)
@@ -147,7 +147,7 @@ def load_ranker(name: str, folder: Path | None = None) -> RegionRanker:
     """The ranker an image config names (``ImageConfig.region_ranker``), found where the backbone's files are
     (model/graphs.py ``find``: the release folder, then ``folder`` or the graph folder), read once per process.
     FileNotFoundError naming where it was looked for when it is nowhere."""
-    from model.graphs import find, search_dirs
+    from fragsearch.model.graphs import find, search_dirs
 
     if not name.startswith(PREFIX) or not name.endswith(".npz") or Path(name).name != name:
         raise RankerError(f"not a region ranker's file name: {name!r} (expected {PREFIX}<digest>.npz)")
@@ -158,7 +158,7 @@ def load_ranker(name: str, folder: Path | None = None) -> RegionRanker:
             if path is None:
                 where = " or ".join(str(d) for d in search_dirs(folder))
                 raise FileNotFoundError(f"the region ranker {name} is in neither {where}: train it with "
-                                        "`python -m training.regions` or install the release that ships it")
+                                        "`python -m fragsearch.training.regions` or install the release that ships it")
             ranker = read_ranker(path)
             if ranker_name(path.read_bytes()) != name:
                 raise RankerError(f"{path}: its content does not match its name")

@@ -9,7 +9,7 @@ was extracted on), what it measures (validation and dev), and the sha256 and siz
 file that sits beside a manifest checks it against it (`check_release`; a model.json with its model.npz):
 a changed or truncated file is refused with its name, never served.
 
-The manifest is written by `python -m training.release` only, never by hand.
+The manifest is written by `python -m fragsearch.training.release` only, never by hand.
 
 Every command that needs "the served model" asks `served_model_path` (through the settings' `model_path`,
 model/settings.py): the `model_path` setting when given, else `artifacts/models/<variant>/model.pt` when a
@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from model.atomic import sha256_file_once
+from fragsearch.model.atomic import sha256_file_once
 
 RELEASE_DIR = Path(__file__).resolve().parent / "released"
 RELEASED_MODEL = RELEASE_DIR / "model.json"
@@ -98,9 +98,9 @@ def _check_file(path: Path, manifest: dict[str, Any]) -> None:
     if size != entry.get("bytes"):
         raise ReleaseError(f"{path}: {size} bytes where the release manifest records {entry.get('bytes')} "
                            "(a damaged or partial copy: restore it with git checkout, or write a new release "
-                           "with python -m training.release)")
+                           "with python -m fragsearch.training.release)")
     digest = sha256_file_once(path)
     if digest != entry.get("sha256"):
         raise ReleaseError(f"{path}: sha256 {digest[:16]}… where the release manifest records "
                            f"{str(entry.get('sha256'))[:16]}… (the file was changed: restore it with git checkout, "
-                           "or write a new release with python -m training.release)")
+                           "or write a new release with python -m fragsearch.training.release)")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from array_api_compat import device as array_device
 
-from model.arrays import Array, contiguous, counts, namespace, segment_sum
+from fragsearch.model.arrays import Array, contiguous, counts, namespace, segment_sum
 
 SMOOTHING = 5.0  # the paper's n
 

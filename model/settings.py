@@ -39,11 +39,11 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from model.config import collection_index
-from model.device import check_device_name
-from model.imageio import DEFAULT_MAX_PIXELS
-from model.release import served_model_path
-from model.resources import default_workers
+from fragsearch.model.config import collection_index
+from fragsearch.model.device import check_device_name
+from fragsearch.model.imageio import DEFAULT_MAX_PIXELS
+from fragsearch.model.release import served_model_path
+from fragsearch.model.resources import default_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 # a checkout (the packages beside pyproject.toml) keeps its artifacts in artifacts/ and reads Flickr8K from
@@ -130,7 +130,8 @@ class Settings(BaseSettings):
                             "(~/.local/share/fragsearch on Linux)")
 
     # what the embedded default prepares when it is missing
-    prepare: bool = Field(default=True, description="python -m service: train / build what is missing before serving")
+    prepare: bool = Field(default=True,
+                          description="python -m fragsearch.service: train / build what is missing before serving")
     variant: str | None = Field(default=None, description="a model variant trained here (./run train --variant V) "
                                 "to serve instead of the released model (model/released/): its checkpoint "
                                 "<artifacts>/models/<variant>/model.pt, trained on the first start when missing")
@@ -187,7 +188,7 @@ class Settings(BaseSettings):
     limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
                               "(train, dev, the indexed images and the caption collection): a small trial")
     progress_every: float = Field(default=30.0, gt=0, description="seconds between progress lines of "
-                                  "python -m service.prepare")
+                                  "python -m fragsearch.service.prepare")
 
     # serving
     host: str = Field(default="127.0.0.1", description="address to listen on (0.0.0.0: every interface)")

@@ -5,7 +5,7 @@ one table per settings group, each holding only the fields it changes from their
 (`ModelConfig` shapes, `TextConfig`, `ImageConfig`, `TrainConfig`), plus two optional top-level
 keys: `base`, the variant it extends (its settings first, then this file's, field by field; a base
 names no base of its own, so a variant reads whole in one file, or in its file and its base's), and
-`description`, one line for `python -m training.train --list`. Every field is described in
+`description`, one line for `python -m fragsearch.training.train --list`. Every field is described in
 model/variants/README.md. A `model.h` sets the embedding size (`train.h` follows it).
 
 The trainer, the service's preparation and the report read variants here; nothing in this module
@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from model.config import ImageConfig, TextConfig, TrainConfig
-from model.encoders import ModelConfig
+from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig
+from fragsearch.model.encoders import ModelConfig
 
 VARIANTS_DIR = Path(__file__).resolve().parent / "variants"
 SECTIONS = ("model", "text", "image", "train")

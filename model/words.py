@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from model.atomic import atomic_file
-from model.minilm import MiniLM, Pieces, minilm
-from model.minilm_files import HIDDEN
-from model.textlayers import TextLayers
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.minilm import MiniLM, Pieces, minilm
+from fragsearch.model.minilm_files import HIDDEN
+from fragsearch.model.textlayers import TextLayers
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import uvicorn
 
-from model.data import DataError, load_split
-from model.device import DeviceError, device_name
-from model.onnx import limit_numeric_threads, request_threads
-from service import logs
-from service.app import create_app
-from service.settings import settings_from, settings_parser
-from service.version import __version__
+from fragsearch.model.data import DataError, load_split
+from fragsearch.model.device import DeviceError, device_name
+from fragsearch.model.onnx import limit_numeric_threads, request_threads
+from fragsearch.service import logs
+from fragsearch.service.app import create_app
+from fragsearch.service.settings import settings_from, settings_parser
+from fragsearch.service.version import __version__
 
 logger = logging.getLogger("service")
 
@@ -44,7 +44,7 @@ def process_started() -> float:
         return time.perf_counter()
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m service") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m fragsearch.service") -> int:
     ap, cli = settings_parser(prog, __doc__)
     ap.add_argument("--version", action="version", version=f"fragsearch {__version__}")
     args = ap.parse_args(argv)

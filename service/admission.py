@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
-from service.errors import ApiError
-from service.metrics import Metrics
+from fragsearch.service.errors import ApiError
+from fragsearch.service.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 

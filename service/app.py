@@ -22,17 +22,17 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from model.onnx import set_threads
-from service import errors
-from service.admission import Gate, Gates
-from service.engine import Engine
-from service.limits import BodyLimitMiddleware
-from service.metrics import Metrics, MetricsMiddleware
-from service.prepare import Progress, prepare
-from service.routes import health, images, search
-from service.settings import API_KEY_HEADER, Settings
-from service.version import __version__
-from service.watch import FolderWatcher
+from fragsearch.model.onnx import set_threads
+from fragsearch.service import errors
+from fragsearch.service.admission import Gate, Gates
+from fragsearch.service.engine import Engine
+from fragsearch.service.limits import BodyLimitMiddleware
+from fragsearch.service.metrics import Metrics, MetricsMiddleware
+from fragsearch.service.prepare import Progress, prepare
+from fragsearch.service.routes import health, images, search
+from fragsearch.service.settings import API_KEY_HEADER, Settings
+from fragsearch.service.version import __version__
+from fragsearch.service.watch import FolderWatcher
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -23,22 +23,22 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
-from index.ann import gpu_available
-from index.catalogue import is_index
-from index.duplicates import Duplicate, duplicates_of
-from index.places import PlaceFilter
-from index.similar import Similar, similar_to_image, similar_to_indexed
-from index.sync import SyncReport, sync_folder
-from model.bundle import Bundle
-from model.calibration import Relevance
-from model.dataset import feature_cache
-from model.device import is_gpu
-from model.fragments import NoFragmentsError
-from model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo, read_image
-from service.errors import ApiError
-from service.settings import Settings
-from service.thumbnails import thumbnail
+from fragsearch.index import Explanation, ImageHit, ImageIndex, ImageRecord, Page, RegionHit, SentenceHit, SentenceIndex
+from fragsearch.index.ann import gpu_available
+from fragsearch.index.catalogue import is_index
+from fragsearch.index.duplicates import Duplicate, duplicates_of
+from fragsearch.index.places import PlaceFilter
+from fragsearch.index.similar import Similar, similar_to_image, similar_to_indexed
+from fragsearch.index.sync import SyncReport, sync_folder
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Relevance
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.device import is_gpu
+from fragsearch.model.fragments import NoFragmentsError
+from fragsearch.model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo, read_image
+from fragsearch.service.errors import ApiError
+from fragsearch.service.settings import Settings
+from fragsearch.service.thumbnails import thumbnail
 
 logger = logging.getLogger(__name__)
 

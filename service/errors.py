@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from service.schemas import EMPTY_TEXT, ErrorResponse
+from fragsearch.service.schemas import EMPTY_TEXT, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

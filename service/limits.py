@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import error_response
+from fragsearch.service.errors import error_response
 
 BODY_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 

@@ -10,10 +10,10 @@ Milvus client stops at once with one line naming the fix.
 
 Progress (`Progress`): the stage being prepared and, from the live progress bar of the step under
 way (feature extraction, training epochs, indexing), the items done, the total and the estimated
-time left. The service reports it on GET /readyz while it prepares; `python -m service.prepare`
+time left. The service reports it on GET /readyz while it prepares; `python -m fragsearch.service.prepare`
 (the one-shot preparation a container runs before the service) writes it to the log.
 
-    python -m service.prepare [--config FILE] [--SETTING VALUE ...]
+    python -m fragsearch.service.prepare [--config FILE] [--SETTING VALUE ...]
 
 The settings are the service's, read the same way: a flag for every setting (`--help` lists them,
 docs/operations/settings.md is their table) over the FRAGSEARCH_* environment variables, `.env` and
@@ -33,21 +33,21 @@ from typing import Any
 
 from tqdm import tqdm
 
-from index.backends import require_milvus
-from index.build import build_image_index, build_sentence_index
-from index.catalogue import is_index, set_aside_if_stale
-from index.fingerprint import model_fingerprint
-from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
-from index.sync import new_index_settings, sync_collection
-from model.bundle import Bundle
-from model.data import DataError, Split, load_split
-from model.dataset import feature_cache
-from model.device import DeviceError, device_name
-from model.release import RELEASE_DIR, RELEASED_MODEL, is_released
-from service import logs
-from service.settings import Settings, settings_from, settings_parser
+from fragsearch.index.backends import require_milvus
+from fragsearch.index.build import build_image_index, build_sentence_index
+from fragsearch.index.catalogue import is_index, set_aside_if_stale
+from fragsearch.index.fingerprint import model_fingerprint
+from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
+from fragsearch.index.sync import new_index_settings, sync_collection
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import DataError, Split, load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.device import DeviceError, device_name
+from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, is_released
+from fragsearch.service import logs
+from fragsearch.service.settings import Settings, settings_from, settings_parser
 
-logger = logging.getLogger("service.prepare")  # the same name when run as python -m service.prepare
+logger = logging.getLogger("fragsearch.service.prepare")  # the same name when run as its own __main__
 
 class ModelMissing(FileNotFoundError):
     """The checkpoint to serve is not there and nothing is set to train it."""
@@ -157,7 +157,7 @@ def ensure_model(settings: Settings) -> Path:
                                        "one) or leave it unset to serve the released model"))
     logger.info("model: %s is missing; training the %r variant on %s (features are extracted and cached "
                 "on first use; this takes a while on a CPU)", path, settings.variant, settings.data)
-    from training.train import train_variant  # training code only when there is a model to train
+    from fragsearch.training.train import train_variant  # training code only when there is a model to train
 
     t0 = time.perf_counter()
     trained = train_variant(settings.variant, settings.data, path.parent, "last", cache=settings.cache,
@@ -305,7 +305,7 @@ def log_progress(progress: Progress, every: float, stop: threading.Event) -> Non
 def main(argv: list[str] | None = None) -> int:
     """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be
     (a bad flag or setting: argparse's message, status 2)."""
-    ap, cli = settings_parser("python -m service.prepare", __doc__)
+    ap, cli = settings_parser("python -m fragsearch.service.prepare", __doc__)
     settings = settings_from(ap, cli, ap.parse_args(argv))
     try:
         logs.configure(settings.log_level, settings.log_format)

@@ -8,9 +8,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from index.ids import MAX_ID
-from index.types import ExplainScope
-from model.settings import DEFAULT_K
+from fragsearch.index.ids import MAX_ID
+from fragsearch.index.types import ExplainScope
+from fragsearch.model.settings import DEFAULT_K
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
 EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or phrase (service/errors.py: its code)

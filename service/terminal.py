@@ -27,16 +27,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from index.catalogue import is_index
-from index.sentences import SentenceIndex
-from index.types import ImageHit, IndexLoadError, SentenceHit
-from model.bundle import Bundle
-from model.calibration import DEFAULT_CUTOFF
-from model.imageio import ImageReadError, read_image
-from model.settings import Settings, add_setting_flags, settings_of, use
-from service.engine import Engine
-from service.errors import ApiError
-from service.routes.convert import (
+from fragsearch.index.catalogue import is_index
+from fragsearch.index.sentences import SentenceIndex
+from fragsearch.index.types import ImageHit, IndexLoadError, SentenceHit
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import DEFAULT_CUTOFF
+from fragsearch.model.imageio import ImageReadError, read_image
+from fragsearch.model.settings import Settings, add_setting_flags, settings_of, use
+from fragsearch.service.engine import Engine
+from fragsearch.service.errors import ApiError
+from fragsearch.service.routes.convert import (
     check_min_relevance,
     image_result,
     missing_of,

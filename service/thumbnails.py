@@ -15,8 +15,8 @@ from typing import BinaryIO
 
 from PIL import Image
 
-from model.atomic import cached_file
-from model.imageio import read_image
+from fragsearch.model.atomic import cached_file
+from fragsearch.model.imageio import read_image
 
 SIZES = (64, 128, 256, 512)
 QUALITY = 85

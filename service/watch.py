@@ -23,9 +23,9 @@ from typing import Any
 
 from watchfiles import Change, DefaultFilter, watch
 
-from index.files import is_hidden
-from index.sync import SyncReport
-from model.imageio import IMAGE_SUFFIXES
+from fragsearch.index.files import is_hidden
+from fragsearch.index.sync import SyncReport
+from fragsearch.model.imageio import IMAGE_SUFFIXES
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from model.bundle import Bundle
-from model.dataset import SplitData, load_split_data
-from model.parsers import make_parser
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.parsers import make_parser
+from fragsearch.training.train import make_run, train
 from tests.synthetic import make_dataset
-from training.train import make_run, train
 
 
 @dataclass

@@ -21,14 +21,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from index import ImageIndex, IndexSettings, SentenceIndex
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.settings import BackendOptions
-from service.app import create_app
-from service.engine import Engine
-from service.settings import Settings
+from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.settings import BackendOptions
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
+from fragsearch.service.settings import Settings
 from tests.conftest import ShapesModel
 
 API_KEY = "test-key-123"
@@ -186,11 +186,11 @@ def engine_over_dev(shapes: ShapesModel, bundle: Bundle, root: Path, only: Seque
 def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shapes model calibrated on training images, its relevance scale fitted on 20 held-out ones with the
     rest beside them (as training fits it on the validation part), saved."""
-    from model.dataset import hold_out, load_split_data
-    from model.nets.checkpoint import Checkpoint
-    from model.parsers import make_parser
-    from training.calibrate import fit_calibration
-    from training.relevance import fit_relevance, judge
+    from fragsearch.model.dataset import hold_out, load_split_data
+    from fragsearch.model.nets.checkpoint import Checkpoint
+    from fragsearch.model.parsers import make_parser
+    from fragsearch.training.calibrate import fit_calibration
+    from fragsearch.training.relevance import fit_relevance, judge
 
     ckpt = Checkpoint.load(shapes_model.model_path)
     train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))
@@ -206,7 +206,7 @@ def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.Te
 def calibrated_engine(shapes_model: ShapesModel, calibrated_checkpoint: Path,
                       tmp_path_factory: pytest.TempPathFactory) -> Engine:
     """The calibrated shapes model (`calibrated_checkpoint`) over its own indexes."""
-    from model.nets.checkpoint import Checkpoint
+    from fragsearch.model.nets.checkpoint import Checkpoint
 
     ckpt = Checkpoint.load(calibrated_checkpoint)
     return engine_over_dev(shapes_model, ckpt.bundle(), tmp_path_factory.mktemp("calibrated"))
@@ -218,10 +218,10 @@ def evidence_model(shapes_model: ShapesModel, calibrated_checkpoint: Path,
     """The calibrated shapes model with phrase evidence fitted on its training images (no Entities annotations:
     the things a caption names are present in its own picture) and its relevance refitted with the evidence on
     the same 20 held-out images, saved as a folder (its path)."""
-    from model.dataset import hold_out, load_split_data
-    from model.nets.checkpoint import Checkpoint
-    from model.parsers import make_parser
-    from training.evidence import fit_evidence, fit_relevance_with_evidence
+    from fragsearch.model.dataset import hold_out, load_split_data
+    from fragsearch.model.nets.checkpoint import Checkpoint
+    from fragsearch.model.parsers import make_parser
+    from fragsearch.training.evidence import fit_evidence, fit_relevance_with_evidence
 
     bundle = Checkpoint.load(calibrated_checkpoint).bundle()
     train = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from index import ImageIndex, saving
-from index.images import embedded_images
-from model.bundle import Bundle
+from fragsearch.index import ImageIndex, saving
+from fragsearch.index.images import embedded_images
+from fragsearch.model.bundle import Bundle
 
 REBUILD_EVERY = 7  # operations between two builds of the candidate index
 SIDE = 224

@@ -1,9 +1,9 @@
 """A FAISS GPU for machines without one: GPU copies that are CPU clones, behaving as FAISS's GPU
 indexes do where the service depends on it.
 
-`install(monkeypatch)` makes `index.gpu.faiss_gpu()` hand out copies made by a `StandIn` (the real
+`install(monkeypatch)` makes `fragsearch.index.gpu.faiss_gpu()` hand out copies made by a `StandIn` (the real
 one has faiss-gpu make them with `index_cpu_to_gpu`): every search still goes through
-`index.gpu.GpuCopy` and its lock, so the placement policy's GPU decisions run as on a GPU. A copy
+`fragsearch.index.gpu.GpuCopy` and its lock, so the placement policy's GPU decisions run as on a GPU. A copy
 offers `search` only (FAISS's GPU indexes have no range search: calling one fails), counts its calls,
 and notices two calls at once (FAISS's GPU indexes are not safe for concurrent use); with `linger`
 each call waits that long for a second caller to show up, so that unserialised calls overlap.
@@ -18,8 +18,8 @@ import faiss
 import numpy as np
 import pytest
 
-import index.gpu
-from index.gpu import FaissGpu
+import fragsearch.index.gpu
+from fragsearch.index.gpu import FaissGpu
 
 
 class StandInCopy:
@@ -76,6 +76,6 @@ class StandIn:
 def install(monkeypatch: pytest.MonkeyPatch, linger: float = 0.0) -> StandIn:
     """The process's FAISS GPU is a `StandIn` until the test ends."""
     stand_in = StandIn(linger)
-    monkeypatch.setattr(index.gpu, "_shared", stand_in.gpu)
-    monkeypatch.setattr(index.gpu, "_checked", True)
+    monkeypatch.setattr(fragsearch.index.gpu, "_shared", stand_in.gpu)
+    monkeypatch.setattr(fragsearch.index.gpu, "_checked", True)
     return stand_in

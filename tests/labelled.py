@@ -12,17 +12,17 @@ import pytest
 import torch
 from PIL import Image
 
-from index import ImageIndex, IndexSettings
-from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig
-from model.encoders import ModelConfig
-from model.features import feature_dim
-from model.fragments import TextPipeline
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.settings import default_data_dir
-from model.text import RelationVocab
-from model.words import WordTable
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig, TextConfig
+from fragsearch.model.encoders import ModelConfig
+from fragsearch.model.features import feature_dim
+from fragsearch.model.fragments import TextPipeline
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.settings import default_data_dir
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.words import WordTable
 
 DOG = "1001773457_577c3a7d70.jpg"  # two dogs playing (Flickr8K train): the detector finds both
 DOG_SENTENCE = "two brown dogs play on the grass"

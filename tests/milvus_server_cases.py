@@ -29,15 +29,15 @@ import numpy as np
 import pytest
 
 from bench.milvus_local import LocalServer, isolated, links, loopback_up
-from index import ImageIndex, IndexSettings, SentenceIndex
-from index import ids as fid
-from index.images import embedded_images
-from index.milvus import ID, VECTOR, MilvusCandidates, search_collection
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.settings import BackendOptions
-from service.engine import Engine
+from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.index import ids as fid
+from fragsearch.index.images import embedded_images
+from fragsearch.index.milvus import ID, VECTOR, MilvusCandidates, search_collection
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.settings import BackendOptions
+from fragsearch.service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import IMAGE_SETTINGS, SENTENCE_SETTINGS, ServiceEnv, make_settings
 from tests.crash_writer import journal_state, live_items
@@ -249,9 +249,9 @@ def test_search_filters_by_date_and_place_in_the_server(milvus: LocalServer, sha
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the candidates: the server gets the allowed ids as a filter expression and the answers
     are the unfiltered ranking's photos that pass, in its order."""
-    import index.ranker
+    import fragsearch.index.ranker
 
-    monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
+    monkeypatch.setattr(fragsearch.index.ranker, "FILTERED_EXACT", 0)
     images = album_index(shapes_model, tmp_path, album, server_options(milvus))
     with album_search(shapes_model, tmp_path, images) as (_, names):
         everything = names()

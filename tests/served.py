@@ -19,11 +19,11 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from index import ImageIndex, IndexSettings, SentenceIndex
-from index.sentences import DEFAULT_SETTINGS as SENTENCE_SETTINGS
-from model.data import load_split
-from model.dataset import feature_cache
-from service.settings import Settings
+from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_SETTINGS
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.service.settings import Settings
 from tests.conftest import ShapesModel
 from tests.conftest_service import make_settings
 

@@ -24,7 +24,7 @@ from bench.alignment import (
     wilson95,
     with_wilson,
 )
-from model.image import region_crops
+from fragsearch.model.image import region_crops
 from tests.conftest import ShapesModel
 from tools.imagenet_nouns import build, read_synsets
 

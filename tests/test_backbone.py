@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-import model.graphs
-from model.backbone import Backbone, backbone_graph, backbone_head, read_head
-from model.config import ImageConfig
-from model.graphs import GraphMissing, calibration_images, graph_name, head_name, preprocess
-from model.image import RegionExtractor
-from model.nets.backbone import TorchBackbone, onnx_graph
-from model.release import ReleaseError
+import fragsearch.model.graphs
+from fragsearch.model.backbone import Backbone, backbone_graph, backbone_head, read_head
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.graphs import GraphMissing, calibration_images, graph_name, head_name, preprocess
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.nets.backbone import TorchBackbone, onnx_graph
+from fragsearch.model.release import ReleaseError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_the_numpy_head_is_torchs(torch_backbone: TorchBackbone) -> None:
     proposals' objectness) is torch's to ~1e-6."""
     import torch
 
-    from model.image import max_softmax
+    from fragsearch.model.image import max_softmax
 
     weight, bias = read_head(backbone_head())
     fc: Any = torch_backbone.net._fc
@@ -103,8 +103,8 @@ def test_graphs_are_made_once_and_the_same_everywhere(tmp_path: Path) -> None:
 def test_the_int8_graph_is_the_released_one() -> None:
     """The graph the runtime finds (or makes) for the served precision has the bytes the release manifest
     records, under its recorded name."""
-    from model.atomic import sha256_file
-    from model.release import read_manifest
+    from fragsearch.model.atomic import sha256_file
+    from fragsearch.model.release import read_manifest
 
     features = read_manifest()["features"]
     graph = backbone_graph("int8")
@@ -114,8 +114,8 @@ def test_the_int8_graph_is_the_released_one() -> None:
 
 def write_manifest(folder: Path, names: list[str]) -> None:
     """A release manifest in `folder` listing `names` with their size and sha256."""
-    from model.atomic import sha256_file
-    from model.release import MANIFEST, MANIFEST_FORMAT
+    from fragsearch.model.atomic import sha256_file
+    from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT
 
     files = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256_file(folder / n)} for n in names}
     (folder / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}))
@@ -125,7 +125,7 @@ def test_files_are_found_in_the_release_folder_first(tmp_path: Path, monkeypatch
     release, graphs = tmp_path / "released", tmp_path / "graphs"
     release.mkdir()
     graphs.mkdir()
-    monkeypatch.setattr(model.graphs, "RELEASE_DIR", release)
+    monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", release)
     (graphs / graph_name("int8")).write_bytes(b"in the graph folder")
     assert backbone_graph("int8", folder=graphs) == graphs / graph_name("int8")
     (release / graph_name("int8")).write_bytes(b"released")
@@ -145,8 +145,9 @@ def test_files_are_found_in_the_release_folder_first(tmp_path: Path, monkeypatch
 
 def test_a_missing_graph_without_torch_names_the_graph_and_the_fix(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model.graphs, "RELEASE_DIR", tmp_path / "released")
-    monkeypatch.setitem(sys.modules, "model.nets.backbone", None)  # importing it raises ImportError, as without torch
+    monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", tmp_path / "released")
+    # importing it raises ImportError, as without torch
+    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.backbone", None)
     with pytest.raises(GraphMissing, match="efficientnet-lite0-fp32-opset17.onnx") as info:
         backbone_graph("fp32", folder=tmp_path / "graphs")
     assert isinstance(info.value, FileNotFoundError)
@@ -186,12 +187,12 @@ def test_image_extraction_imports_no_torch(proposals: str, tmp_path: Path) -> No
     the ranker's head, crops; and the detector's proposals topped up) load neither torch nor torchvision."""
     cfg = ImageConfig(region_features="crop", backbone_precision="int8", proposal_resize=112, min_box_frac=0.25,
                       backbone_size=224, proposals=proposals)
-    from model.image import extractor_files
+    from fragsearch.model.image import extractor_files
 
     extractor_files(cfg)  # made here (with torch) if missing, so that the child finds them
     picture().save(tmp_path / "p.png")
-    code = ("import sys; from PIL import Image; from model.config import ImageConfig; "
-            "from model.image import RegionExtractor; "
+    code = ("import sys; from PIL import Image; from fragsearch.model.config import ImageConfig; "
+            "from fragsearch.model.image import RegionExtractor; "
             f"cfg = ImageConfig(**{cfg.__dict__!r}); "
             f"f = RegionExtractor(cfg).extract(Image.open({str(tmp_path / 'p.png')!r})); "
             "assert f.features.shape == (20, 1280), f.features.shape; "
@@ -202,7 +203,7 @@ def test_image_extraction_imports_no_torch(proposals: str, tmp_path: Path) -> No
 
 
 def test_the_backbone_is_in_the_feature_cache_key_and_lite0_keeps_its_key() -> None:
-    from model.features import config_key, config_payload
+    from fragsearch.model.features import config_key, config_payload
 
     lite0 = ImageConfig(region_features="crop")
     payload = config_payload(lite0)
@@ -221,16 +222,16 @@ def test_the_feature_cache_keys_of_the_released_and_default_settings_stay() -> N
     # a setting added later must leave every existing cache folder's name alone (model/features.py
     # `config_payload`); a deliberate change of the features (FEATURE_VERSION, the int8 recipe) moves them: then
     # set the new keys here and say so in CHANGELOG.md (every cache is extracted again)
-    from model.bundle import Bundle
-    from model.features import config_key
-    from model.release import RELEASED_MODEL
+    from fragsearch.model.bundle import Bundle
+    from fragsearch.model.features import config_key
+    from fragsearch.model.release import RELEASED_MODEL
 
     assert config_key(Bundle.load(RELEASED_MODEL).image_cfg) == "6ff8b34eb82a"
     assert config_key(ImageConfig()) == "eec948f8b374"
 
 
 def test_a_larger_backbone_needs_crop_features_and_a_known_name() -> None:
-    from model.graphs import package_weights
+    from fragsearch.model.graphs import package_weights
 
     with pytest.raises(ValueError, match="crop"):
         RegionExtractor(ImageConfig(region_features="roi_align", backbone="efficientnet-lite2"))
@@ -253,7 +254,7 @@ def test_lite2_crops_are_1280_d_features_of_their_own_graph(tmp_path: Path) -> N
 def test_the_int8_recipe_has_7_bit_weights_on_every_cpu(tmp_path: Path) -> None:
     """One quantisation whatever the instruction set: 7-bit weights (no int16 saturation without VNNI), in the
     feature cache key and the graph's name; nothing of it reads the CPU."""
-    from model.features import config_key, config_payload
+    from fragsearch.model.features import config_key, config_payload
 
     cfg = ImageConfig(region_features="crop", backbone_precision="int8")
     assert config_payload(cfg)["quantization"] == {"version": 2, "calibration_seed": 0, "reduce_range": True}

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.entities import Caption, ImageEntities, Phrase
-from model.score import flatten
-from model.text import Triplet
+from fragsearch.model.entities import Caption, ImageEntities, Phrase
+from fragsearch.model.score import flatten
+from fragsearch.model.text import Triplet
+from fragsearch.training.boxes import batch_labels, triplet_labels
+from fragsearch.training.objectives import fragment_loss
 from tests.test_entities import shapes_entities
-from training.boxes import batch_labels, triplet_labels
-from training.objectives import fragment_loss
 
 FRAGMENTS = np.asarray([[0, 0, 224, 224],  # the whole image
                         [10, 100, 110, 200],  # the dog
@@ -76,11 +76,11 @@ def test_box_labels_replace_the_mil_labels_where_given() -> None:
 
 
 def test_training_with_box_supervision_reads_the_entities_beside_the_data(tmp_path: Path) -> None:
-    from model.dataset import load_split_data
-    from model.fragments import TextPipeline
-    from model.parsers import make_parser
+    from fragsearch.model.dataset import load_split_data
+    from fragsearch.model.fragments import TextPipeline
+    from fragsearch.model.parsers import make_parser
+    from fragsearch.training.train import box_labels, make_run, train
     from tests.synthetic import make_dataset
-    from training.train import box_labels, make_run, train
 
     make_dataset(tmp_path / "data", n_train=20, n_dev=4)
     shapes_entities(tmp_path / "data", tmp_path / "flickr30k-entities")

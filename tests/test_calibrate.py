@@ -9,14 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import Bundle
-from model.calibration import Calibration, Relevance, competition
-from model.nets.checkpoint import Checkpoint
-from model.score import align, skl
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Calibration, Relevance, competition
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.score import align, skl
+from fragsearch.training.calibrate import fit_calibration, per_item_ms
+from fragsearch.training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
+from fragsearch.training.relevance import (
+    Judged,
+    _fit,
+    _logistic,
+    alike_blocks,
+    described_alike,
+    fit_relevance,
+    reliability,
+    shown,
+)
 from tests.conftest import ShapesModel
-from training.calibrate import fit_calibration, per_item_ms
-from training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
-from training.relevance import Judged, _fit, _logistic, alike_blocks, described_alike, fit_relevance, reliability, shown
 
 SCALE = Relevance(3.0, 0.5, 20.0, -1.5, -1.0, 0.1, -0.2, -0.4)
 
@@ -289,7 +298,7 @@ def test_relevance_is_stored_with_the_calibration_and_older_checkpoints_load_wit
 
 def test_a_calibration_is_stored_without_its_padding_and_loads_as_before() -> None:
     """The reference sentences' padding is left out of a checkpoint; one saved with it still loads the same."""
-    from model.calibration import Calibration
+    from fragsearch.model.calibration import Calibration
 
     rng = np.random.default_rng(0)
     mask = (rng.random((6, 5)) > 0.4).astype(np.float32)
@@ -328,7 +337,7 @@ def _local_by_hand(cal: Calibration, img: torch.Tensor, blocks: int) -> torch.Te
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_a_local_scale_divides_every_block_by_the_items_best_reference_scores(blocks: int,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("model.calibration.BLOCK", 4)  # the 9 images and 7 sentences below in several chunks
+    monkeypatch.setattr("fragsearch.model.calibration.BLOCK", 4)  # the 9 images and 7 sentences below in several chunks
     cal = _random_calibration().localised(5, 0.75, blocks)
     assert cal.ref_sentence_scales is not None and cal.ref_sentence_scales.shape == (blocks, 40)
     g = torch.Generator().manual_seed(3)
@@ -378,13 +387,13 @@ def test_a_local_scale_keeps_to_the_device_of_its_inputs() -> None:
 
 def test_the_calibrate_command_chooses_a_local_scale_on_the_validation_part(shapes_model: ShapesModel,
                                                                             tmp_path: Path) -> None:
-    """`python -m training.calibrate --relevance-only --local-k … --local-power …` (the released model's
+    """`python -m fragsearch.training.calibrate --relevance-only --local-k … --local-power …` (the released model's
     recipe): the best validation R-sum among the spread alone and each (k, p), the relevance refitted, the
     validation metrics the checkpoint carries those of the choice."""
-    from model.data import load_split
-    from model.dataset import held_out_split, hold_out, load_split_data
-    from model.parsers import make_parser
-    from training.calibrate import main as calibrate_main
+    from fragsearch.model.data import load_split
+    from fragsearch.model.dataset import held_out_split, hold_out, load_split_data
+    from fragsearch.model.parsers import make_parser
+    from fragsearch.training.calibrate import main as calibrate_main
 
     ckpt = Checkpoint.load(shapes_model.model_path)
     train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bench.channels import channel_rsums
+from fragsearch.training.evaluate import evaluate
 from tests.conftest import ShapesModel
-from training.evaluate import evaluate
 
 
 def test_channels_all_is_the_models_score_and_regions_carry_the_shapes(shapes_model: ShapesModel) -> None:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from fragsearch.cli import main as cli_main
-from index import ImageIndex
-from index.sync import MANIFEST
-from model.settings import Settings, current, use
+from fragsearch.index import ImageIndex
+from fragsearch.index.sync import MANIFEST
+from fragsearch.model.settings import Settings, current, use
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -163,10 +163,10 @@ def test_an_index_of_another_model_is_built_anew(shapes_model: ShapesModel, tmp_
                                                 capsys: pytest.CaptureFixture[str], clean: Path) -> None:
     """After a new release (another model fingerprint), `fragsearch index` sets the folder's index aside and
     builds it anew, as the service's start does, rather than failing on it."""
-    from index.catalogue import built_fingerprint
-    from index.fingerprint import model_fingerprint
-    from model.bundle import Bundle
-    from training.calibrate import fit_calibration
+    from fragsearch.index.catalogue import built_fingerprint
+    from fragsearch.index.fingerprint import model_fingerprint
+    from fragsearch.model.bundle import Bundle
+    from fragsearch.training.calibrate import fit_calibration
 
     photos = tmp_path / "Pictures"
     for n in range(3):

@@ -53,10 +53,10 @@ sys.meta_path.insert(0, _Hide())
 SETUP = '''
 import sys
 from pathlib import Path
-from index.sentences import SentenceIndex
-from index.sync import sync_collection
-from model.bundle import Bundle
-from model.settings import Settings, use
+from fragsearch.index.sentences import SentenceIndex
+from fragsearch.index.sync import sync_collection
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.settings import Settings, use
 settings = Settings(collection=Path(sys.argv[1]), workers=1)
 bundle = Bundle.load(settings.model_path)
 with use(settings):
@@ -282,26 +282,27 @@ def test_a_bad_setting(where: str, args: list[str], named: str, place: Place) ->
 
 def test_a_bug_still_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception no entry knows, and a missing module of the project's own, are bugs: they propagate."""
-    import service.terminal
+    import fragsearch.service.terminal
 
     def broken(argv: list[str], prog: str) -> int:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(service.terminal, "search_main", broken)
+    monkeypatch.setattr(fragsearch.service.terminal, "search_main", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli_main(["search", "a dog"])
-    assert known_failure(ModuleNotFoundError("No module named 'model.nosuch'", name="model.nosuch"), "x") is None
-    assert known_failure(ImportError("cannot import name 'x' from 'model.bundle'"), "x") is None
+    missing = "fragsearch.model.nosuch"
+    assert known_failure(ModuleNotFoundError(f"No module named '{missing}'", name=missing), "x") is None
+    assert known_failure(ImportError("cannot import name 'x' from 'fragsearch.model.bundle'"), "x") is None
     assert known_failure(ModuleNotFoundError("No module named 'torch'", name="torch"), "train")[0] == MISSING_PACKAGE  # type: ignore[index]
 
 
 def test_ctrl_c_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import index.duplicates
+    import fragsearch.index.duplicates
 
     def interrupted(argv: list[str], prog: str) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(index.duplicates, "main", interrupted)
+    monkeypatch.setattr(fragsearch.index.duplicates, "main", interrupted)
     with pytest.raises(SystemExit) as stop:
         cli_main(["duplicates"])
     assert stop.value.code == INTERRUPTED and capsys.readouterr().err == "fragsearch duplicates: error: interrupted\n"

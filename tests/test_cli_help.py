@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 
-COMMANDS = ["training.train", "training.extract", "model.flickr8k", "training.calibrate", "training.evaluate",
-            "index.build", "service.settings", "service.prepare",
-            "index.sync", "index.bulk", "service.__main__", "bench.index_bench", "bench.query_bench",
-            "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report", "bench.channels",
+COMMANDS = ["fragsearch.training.train", "fragsearch.training.extract", "fragsearch.model.flickr8k",
+            "fragsearch.training.calibrate", "fragsearch.training.evaluate",
+            "fragsearch.index.build", "fragsearch.service.settings", "fragsearch.service.prepare",
+            "fragsearch.index.sync", "fragsearch.index.bulk", "fragsearch.service.__main__", "bench.index_bench",
+            "bench.query_bench", "bench.extract_bench", "bench.load_bench", "bench.soak_bench", "bench.report",
+            "bench.channels",
             "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate",
-            "bench.relevance_bench", "bench.duplicates_bench", "index.duplicates", "training.release",
+            "bench.relevance_bench", "bench.duplicates_bench", "fragsearch.index.duplicates",
+            "fragsearch.training.release",
             "bench.first_start", "bench.feature_paths", "bench.serve_memory", "bench.photo_decode", "bench.runtime_ab",
             "bench.phrase_evidence", "bench.evidence_ceiling", "bench.grounding", "bench.backbone_lite",
             "bench.detector_paths", "bench.million", "bench.region_cost",

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import index.codes
-import index.store
-from index import ImageIndex, IndexLoadError, IndexSettings
-from index.images import embedded_images
-from model.bundle import Bundle
-from model.embed import EmbeddedImage, embed_sentence
-from model.score import skl_of_items
-from model.words import WordTable
+import fragsearch.index.codes
+import fragsearch.index.store
+from fragsearch.index import ImageIndex, IndexLoadError, IndexSettings
+from fragsearch.index.images import embedded_images
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.embed import EmbeddedImage, embed_sentence
+from fragsearch.model.score import skl_of_items
+from fragsearch.model.words import WordTable
 from tests.test_index import QUERIES, WORDS, F, H, make_bundle, one_thread, ranking  # noqa: F401
 
 N = 240
@@ -143,11 +143,11 @@ def test_a_crash_while_codes_are_written_keeps_the_last_commit(tmp_path: Path, b
     class Crash(BaseException):
         pass
 
-    monkeypatch.setattr(index.codes, "ENCODE_ROWS", 64)
-    real_encode = index.store.VectorStore.encode
+    monkeypatch.setattr(fragsearch.index.codes, "ENCODE_ROWS", 64)
+    real_encode = fragsearch.index.store.VectorStore.encode
     calls = 0
 
-    def crash_midway(self: index.store.VectorStore, vecs: np.ndarray) -> np.ndarray:
+    def crash_midway(self: fragsearch.index.store.VectorStore, vecs: np.ndarray) -> np.ndarray:
         nonlocal calls
         if self.dim == CODES:
             calls += 1
@@ -155,7 +155,7 @@ def test_a_crash_while_codes_are_written_keeps_the_last_commit(tmp_path: Path, b
                 raise Crash
         return real_encode(self, vecs)
 
-    monkeypatch.setattr(index.store.VectorStore, "encode", crash_midway)
+    monkeypatch.setattr(fragsearch.index.store.VectorStore, "encode", crash_midway)
     with pytest.raises(Crash):
         ix.add_codes(CODES)
     after = ImageIndex.load(root, bundle)  # what a restart sees: the last commit, without codes
@@ -181,8 +181,8 @@ def test_a_missing_code_file_is_a_load_error(tmp_path: Path, bundle: Bundle):
 def test_the_partial_selection_keeps_the_sorted_top_k_with_ties_to_the_smaller_id():
     """`best_positions` (the prescore's cut) and `group_items` (its per-item sums) give what a full sort
     and np.unique give, ties and both of group_items' paths included."""
-    from index.ranker import group_items, top_k
-    from index.selection import best_positions
+    from fragsearch.index.ranker import group_items, top_k
+    from fragsearch.index.selection import best_positions
 
     rng = np.random.default_rng(0)
     for trial in range(30):
@@ -237,14 +237,14 @@ def test_refining_codes_score_the_first_codes_best_on_more_directions(tmp_path: 
     assert np.abs(refined - exact).mean() < 0.5 * np.abs(alone - exact).mean()
 
     scored: list[tuple[int, bool]] = []
-    real_scores = index.codes.PrescoreCodes.scores
+    real_scores = fragsearch.index.codes.PrescoreCodes.scores
 
-    def spy(self: index.codes.PrescoreCodes, items_: object, cand: np.ndarray, queries: np.ndarray,
+    def spy(self: fragsearch.index.codes.PrescoreCodes, items_: object, cand: np.ndarray, queries: np.ndarray,
             approx: object, refined: bool = False) -> np.ndarray:
         scored.append((len(cand), refined))
         return real_scores(self, items_, cand, queries, approx, refined)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(index.codes.PrescoreCodes, "scores", spy)
+    monkeypatch.setattr(fragsearch.index.codes.PrescoreCodes, "scores", spy)
     candidates_on(ix, rerank=10)
     ix.set_search(refine=40)
     page = ix.search(QUERIES[0], 10, 0)
@@ -270,7 +270,7 @@ def test_a_missing_refining_code_file_is_a_load_error(tmp_path: Path, bundle: Bu
     ix.add(*vector_images(*images(60)), read_places=False)
     ix.save()
     ix.close()
-    refining = [p for p in root.glob(f"{index.codes.REFINE_PREFIX}-*.npy") if "projection" not in p.name]
+    refining = [p for p in root.glob(f"{fragsearch.index.codes.REFINE_PREFIX}-*.npy") if "projection" not in p.name]
     assert len(refining) == 1
     refining[0].unlink()
     with pytest.raises(IndexLoadError, match="prescore code file"):
@@ -325,9 +325,9 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
     np.testing.assert_allclose(short, zs[0] + zs[1], rtol=1e-4, atol=1e-4)
 
     scored: list[int] = []
-    real_scores = index.codes.PrescoreCodes.scores
+    real_scores = fragsearch.index.codes.PrescoreCodes.scores
 
-    def spy(self: index.codes.PrescoreCodes, items_: object, cand: np.ndarray, queries: np.ndarray,
+    def spy(self: fragsearch.index.codes.PrescoreCodes, items_: object, cand: np.ndarray, queries: np.ndarray,
             approx: object, refined: bool = False) -> np.ndarray:
         scored.append(len(cand))
         return real_scores(self, items_, cand, queries, approx, refined)  # type: ignore[arg-type]
@@ -338,7 +338,7 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
     candidates_on(ix, rerank=10)
     without = agreement(ix)
     ix.set_search(summaries=80)
-    monkeypatch.setattr(index.codes.PrescoreCodes, "scores", spy)
+    monkeypatch.setattr(fragsearch.index.codes.PrescoreCodes, "scores", spy)
     monkeypatch.setattr(ix.candidates, "search", backend_searched)
     monkeypatch.setattr(ix.candidates, "search_items", backend_searched)
     page = ix.search(QUERIES[0], 10, 0)
@@ -355,7 +355,7 @@ def test_summaries_cut_every_item_to_the_best_few_without_the_candidate_backend(
     ix.save()
     ix.close()
     monkeypatch.undo()
-    with caplog.at_level("INFO", logger="index.base"):
+    with caplog.at_level("INFO", logger="fragsearch.index.base"):
         ix = ImageIndex.load(root, bundle)
     assert ix.settings.search.summaries == 80 and "item summaries of" in caplog.text
     assert ix.codes is not None and ix.codes.segments == 3

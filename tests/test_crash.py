@@ -35,17 +35,17 @@ import httpx
 import numpy as np
 import pytest
 
-from index import ImageIndex, IndexFullError, IndexSettings
-from index import ids as fid
-from index.ann import FaissCandidates
-from index.images import embedded_images
-from index.milvus import ID as MILVUS_ID
-from index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
-from index.milvus import MilvusCandidates
-from model.embed import EmbeddedSentence
-from model.settings import BackendOptions
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.index import ImageIndex, IndexFullError, IndexSettings
+from fragsearch.index import ids as fid
+from fragsearch.index.ann import FaissCandidates
+from fragsearch.index.images import embedded_images
+from fragsearch.index.milvus import ID as MILVUS_ID
+from fragsearch.index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
+from fragsearch.index.milvus import MilvusCandidates
+from fragsearch.model.embed import EmbeddedSentence
+from fragsearch.model.settings import BackendOptions
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.crash_writer import journal_state, live_items, random_images
 from tests.test_index import ranking, recall_all
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index import ImageIndex
-from model.config import ImageConfig
-from model.detector import (
+from fragsearch.index import ImageIndex
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.detector import (
     COCO_LABELS,
     DETECTOR_FILES,
     N_CLASSES,
@@ -27,10 +27,10 @@ from model.detector import (
     label_of,
     select,
 )
-from model.features import config_key, feature_dim
-from model.image import RegionExtractor, fragment_classes, image_proposals
-from model.proposals import PROPOSAL_COLUMNS, proposal_columns, select_regions
-from service.routes.convert import match_out, region_result
+from fragsearch.model.features import config_key, feature_dim
+from fragsearch.model.image import RegionExtractor, fragment_classes, image_proposals
+from fragsearch.model.proposals import PROPOSAL_COLUMNS, proposal_columns, select_regions
+from fragsearch.service.routes.convert import match_out, region_result
 from tests import labelled
 
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import Bundle, CheckpointError
-from model.device import DeviceError, check_device_name, device_name, resolve_device
+from fragsearch.model.bundle import Bundle, CheckpointError
+from fragsearch.model.device import DeviceError, check_device_name, device_name, resolve_device
 from tests.conftest import ShapesModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def test_cuda_without_a_gpu_is_one_clear_error() -> None:
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
-@pytest.mark.parametrize("module", ["service", "service.prepare"])
+@pytest.mark.parametrize("module", ["service", "fragsearch.service.prepare"])
 def test_service_with_cuda_and_no_gpu_stops_at_start_with_one_line(module: str, tmp_path: Path) -> None:
     env = {**os.environ, "FRAGSEARCH_DEVICE": "cuda", "FRAGSEARCH_ARTIFACTS": str(tmp_path),
            "FRAGSEARCH_DATA": str(tmp_path / "no-data")}

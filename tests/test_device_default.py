@@ -24,24 +24,24 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-import model.backbone
-import model.bundle
-import model.device
-import training.train
-from model.bundle import Bundle
-from model.dataset import SplitData
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel, InputDropout
+import fragsearch.model.backbone
+import fragsearch.model.bundle
+import fragsearch.model.device
+import fragsearch.training.train
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel, InputDropout
+from fragsearch.training.train import make_run, train_members
 from tests.other_device import on_device, other_device
 from tests.test_device_mixing import CAPTIONS, tiny_split  # noqa: F401  (the module's fixture, shared)
-from training.train import make_run, train_members
 
 VARIANT = "full-2x256"
 H = 16  # each member's h (the variant's 256, made small): the merged model is 2 x 16 wide
 UNSEEN = ["a blue circle beside a green square", "the yellow triangle"]  # encoded at serving time
 
 
-def run_on(device: str) -> training.train.Run:
+def run_on(device: str) -> fragsearch.training.train.Run:
     return make_run(VARIANT, {"epochs": 2, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 4, "h": H,
                               "device": device, "calibrate": 4, "selection": "last"})
 
@@ -57,9 +57,9 @@ def served_default(tiny_split: SplitData, tmp_path_factory: pytest.TempPathFacto
 @pytest.fixture
 def device_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device checks (no GPU is visible here) are told that the other device is there."""
-    for module in (model.device, model.bundle, model.backbone):
+    for module in (fragsearch.model.device, fragsearch.model.bundle, fragsearch.model.backbone):
         monkeypatch.setattr(module, "resolve_device", lambda name="auto": str(name))
-    monkeypatch.setattr(training.train, "device_name", str)
+    monkeypatch.setattr(fragsearch.training.train, "device_name", str)
 
 
 def test_the_recipe_is_the_released_models(served_default: Path) -> None:

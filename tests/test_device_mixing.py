@@ -20,25 +20,33 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
-import model.backbone
-import training.train
-from model.calibration import Calibration
-from model.config import ImageConfig, TextConfig
-from model.data import Split
-from model.dataset import SplitData
-from model.encoders import GLOBAL_KINDS, ModelConfig
-from model.fragments import TextPipeline, pad
-from model.image import RegionExtractor
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
-from model.parsers import make_parser
-from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_from_flat
-from model.text import RelationVocab
-from model.trees import SentenceTree, TreeBatch
-from model.words import WORD_DIM, WordTable
+import fragsearch.model.backbone
+import fragsearch.training.train
+from fragsearch.model.calibration import Calibration
+from fragsearch.model.config import ImageConfig, TextConfig
+from fragsearch.model.data import Split
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.encoders import GLOBAL_KINDS, ModelConfig
+from fragsearch.model.fragments import TextPipeline, pad
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.score import (
+    FlatFragments,
+    align,
+    flatten,
+    fragment_scores,
+    pair_contributions,
+    skl,
+    skl_from_flat,
+)
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.trees import SentenceTree, TreeBatch
+from fragsearch.model.words import WORD_DIM, WordTable
+from fragsearch.training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
+from fragsearch.training.train import make_run, train
 from tests.other_device import DeviceMixError, on_device, other_device
-from training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
-from training.train import make_run, train
 
 H, IMG_DIM = 16, 24
 WORDS = ["a", "dog", "runs", "on", "the", "grass", "red", "ball", "man", "plays", "with", "cat", "sits", "water"]
@@ -323,7 +331,7 @@ def test_training_runs_on_another_device(variant: str, tiny_split: SplitData, tm
         return [e["loss"] for e in summary["history"]], state
 
     cpu_losses, cpu_state = run("cpu")
-    monkeypatch.setattr(training.train, "device_name", str)
+    monkeypatch.setattr(fragsearch.training.train, "device_name", str)
     with other_device():
         losses, state = run("cuda")
     assert losses == pytest.approx(cpu_losses, rel=1e-5)
@@ -343,7 +351,7 @@ def test_image_extraction_runs_on_another_device(features: str, monkeypatch: pyt
     image = Image.new("RGB", (160, 120), (240, 240, 240))
     ImageDraw.Draw(image).ellipse((40, 30, 120, 90), fill=(200, 30, 30))
     cpu = RegionExtractor(cfg, "cpu").extract(image)
-    monkeypatch.setattr(model.backbone, "resolve_device", str)
+    monkeypatch.setattr(fragsearch.model.backbone, "resolve_device", str)
     with other_device():
         extractor = RegionExtractor(cfg, "cuda")
         assert extractor.backbone.runtime == "onnx" and extractor.backbone.device == "cuda"

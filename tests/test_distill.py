@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import Bundle
-from model.config import TrainConfig
-from model.dataset import load_split_data
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.parsers import make_parser
-from model.words import WordTable
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import TrainConfig
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.words import WordTable
+from fragsearch.training.distill import Teacher
+from fragsearch.training.epochs import FragmentBatches, batch_images, train_fragment_epoch
+from fragsearch.training.evaluate import score_split
+from fragsearch.training.objectives import distill_loss
+from fragsearch.training.train import make_run, train
 from tests.conftest import OtherFeaturesModel, ShapesModel
-from training.distill import Teacher
-from training.epochs import FragmentBatches, batch_images, train_fragment_epoch
-from training.evaluate import score_split
-from training.objectives import distill_loss
-from training.train import make_run, train
 
 SMALL = {"epochs": 6, "dense_epochs": 2, "anneal_epochs": 1, "batch_size": 20, "h": 32, "lr": 3e-3, "seed": 3}
 

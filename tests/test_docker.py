@@ -82,7 +82,7 @@ def test_compose_gpu_config_is_valid() -> None:
 def test_first_start_prepares_once_then_serves_when_ready() -> None:
     config = _config("docker-compose.yml")
     serve, prep = config["services"]["fragsearch"], config["services"]["prepare"]
-    assert prep["command"] == ["python", "-m", "service.prepare"] and prep["restart"] == "no"
+    assert prep["command"] == ["python", "-m", "fragsearch.service.prepare"] and prep["restart"] == "no"
     assert serve["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
     assert "--no-prepare" in serve["command"] and serve["restart"] == "unless-stopped"
     check = serve["healthcheck"]["test"]
@@ -122,7 +122,7 @@ def test_compose_serves_your_own_photos_with_no_data_folder(monkeypatch: pytest.
     """FRAGSEARCH_COLLECTION_HOST alone: the photos read-only at /photos, the data folder the empty
     docker/unset, and the settings the services read from that environment serve the photos with no
     sentences (tests/test_newcomer.py serves such settings)."""
-    from model.settings import Settings
+    from fragsearch.model.settings import Settings
 
     monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
     photos = tmp_path / "Pictures"
@@ -164,7 +164,7 @@ def test_compose_with_nothing_to_serve_starts_and_prepare_names_both_variables(
     env.update({k: v for k, v in service["environment"].items() if k.startswith("FRAGSEARCH_") and v is not None})
     env.update(FRAGSEARCH_DEVICE="cpu", FRAGSEARCH_ARTIFACTS=str(tmp_path / "artifacts"),
                FRAGSEARCH_DATA=str(ROOT / "docker" / "unset"), PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "service.prepare"], cwd=tmp_path, env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "fragsearch.service.prepare"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     (error,) = [line for line in r.stderr.splitlines() if " ERROR " in line]
@@ -172,7 +172,8 @@ def test_compose_with_nothing_to_serve_starts_and_prepare_names_both_variables(
     assert "./run data SRC DEST" in error
 
 
-@pytest.mark.parametrize(("module", "mounted_from"), [("service.prepare", "/srv/photos/flickr8k"), ("service", None)])
+@pytest.mark.parametrize(("module", "mounted_from"), [("fragsearch.service.prepare", "/srv/photos/flickr8k"),
+                                                      ("fragsearch.service", None)])
 def test_an_unusable_data_folder_names_the_variable_to_set(module: str, mounted_from: str | None,
                                                             tmp_path: Path) -> None:
     """In a container compose started, the user sets FRAGSEARCH_DATA_HOST on the host, not FRAGSEARCH_DATA."""
@@ -538,20 +539,21 @@ def test_no_nvidia_variable_is_baked_into_the_image() -> None:
 
 def test_prepare_has_a_health_check_of_its_own(tmp_path: Path) -> None:
     """Not the service's (it waits for /readyz, which prepare never serves: "unhealthy" during a long run):
-    healthy while a `service.prepare` process runs, and a check that does not match its own command line."""
+    healthy while a `fragsearch.service.prepare` process runs, and a check that does not match its own command line."""
     services = _config("docker-compose.yml")["services"]
     check = services["prepare"]["healthcheck"]
     assert check != services["fragsearch"]["healthcheck"] and "/readyz" not in " ".join(check["test"])
     kind, command = check["test"]
     assert kind == "CMD-SHELL"
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "service.prepare"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m",
+                                "fragsearch.service.prepare"])
     try:
         assert subprocess.run(["sh", "-c", command], timeout=10).returncode == 0
     finally:
         sleeper.kill()
         sleeper.wait()
     pattern = command.split("'")[1]
-    assert re.search(pattern, "python -m service.prepare") and not re.search(pattern, command)
+    assert re.search(pattern, "python -m fragsearch.service.prepare") and not re.search(pattern, command)
 
 
 def _pins(name: str) -> dict[str, str]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from service.openapi_doc import api_files
-from service.settings import Settings, settings_markdown
-from service.version import __version__
+from fragsearch.service.openapi_doc import api_files
+from fragsearch.service.settings import Settings, settings_markdown
+from fragsearch.service.version import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
 MKDOCS = all(importlib.util.find_spec(m) is not None for m in ("mkdocs", "material"))
@@ -37,7 +37,8 @@ def test_every_setting_has_a_row_and_a_description() -> None:
 def test_the_api_reference_is_the_services_openapi_document() -> None:
     for name, text in api_files().items():
         committed = (ROOT / "docs" / "api" / name).read_text()
-        assert committed == text, f"docs/api/{name} differs from the service's: python -m service.openapi_doc"
+        assert committed == text, f"docs/api/{name} differs from the service's: " \
+                                    "python -m fragsearch.service.openapi_doc"
 
 
 def test_the_api_reference_shows_every_operation_and_its_examples() -> None:
@@ -52,7 +53,8 @@ def test_the_changelog_starts_with_the_version_the_service_prints() -> None:
     versions = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
     released = [v for v in versions if v != "Unreleased"]
     assert released and released[0] == __version__, (versions, __version__)
-    out = subprocess.run([sys.executable, "-m", "service", "--version"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "fragsearch.service", "--version"], cwd=ROOT, capture_output=True,
+                         text=True,
                          timeout=120)
     assert out.stdout.split() == ["fragsearch", __version__]
 

@@ -13,12 +13,12 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from bench.duplicates_bench import ALTERATIONS
-from index import ImageIndex, IndexSettings
-from index.duplicates import THRESHOLD, duplicate_groups, duplicates_of, main
-from model.data import load_split
-from model.dataset import feature_cache
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.duplicates import THRESHOLD, duplicate_groups, duplicates_of, main
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.conftest_service import make_settings
 
 if TYPE_CHECKING:

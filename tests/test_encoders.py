@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
-from model.encoders import Encoders, ModelConfig
-from model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel, InputDropout, arrays, build_model
-from model.text import RelationVocab
-from model.trees import SentenceTree, TreeBatch
-from model.words import WordTable
-from training.train import make_run
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel, InputDropout, arrays, build_model
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.trees import SentenceTree, TreeBatch
+from fragsearch.model.words import WordTable
+from fragsearch.training.train import make_run
 
 IMG_DIM, WORD_DIM, H = 12, 4, 8
 
@@ -107,7 +107,7 @@ def test_input_dropout_draws_on_the_host_with_dropouts_rule_and_follows_torchs_s
 
 
 def test_the_optimizer_step_is_fused_on_the_cpu_and_per_tensor_on_other_devices() -> None:
-    from training.epochs import optimizer
+    from fragsearch.training.epochs import optimizer
 
     for name in ("adam", "sgd"):
         cfg = TrainConfig(optimizer=name)
@@ -173,9 +173,9 @@ def test_region_flags_override_only_what_is_given() -> None:
 
 
 def test_the_train_step_bench_turns_both_choices_off_in_its_before_arm() -> None:
-    import model.nets.encoders as encoders
+    import fragsearch.model.nets.encoders as encoders
     from bench.train_step import ARMS, arm
-    from training.epochs import optimizer
+    from fragsearch.training.epochs import optimizer
 
     cpu = torch.device("cpu")
     with arm(ARMS[0]):

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.bundle import Bundle
-from model.dataset import SplitData
-from model.score import align
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.score import align
+from fragsearch.training.evaluate import evaluate
 from tests.conftest import ShapesModel
 from tests.synthetic import points_at
-from training.evaluate import evaluate
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from bench.ensemble import member_scores, rows_for
-from model.bundle import Bundle
-from model.dataset import select_images
-from model.encoders import Encoders
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import select_images
+from fragsearch.model.encoders import Encoders
+from fragsearch.training.evaluate import metrics_from_scores
 from tests.conftest import OtherFeaturesModel, ShapesModel
-from training.evaluate import metrics_from_scores
 
 
 def test_an_ensemble_ranks_by_the_sum_of_its_members_scores(shapes_model: ShapesModel) -> None:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from bench.grounding import Tally, ground
-from model.data import load_split
-from model.entities import (
+from fragsearch.model.data import load_split
+from fragsearch.model.entities import (
     ARCHIVE,
     FOLDER,
     EntitiesError,

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.bundle import Bundle
-from model.calibration import Relevance
-from model.evidence import (
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Relevance
+from fragsearch.model.evidence import (
     FEATURES,
     FOUND,
     REFERENCES,
@@ -23,10 +23,9 @@ from model.evidence import (
     thing_features,
     things_of,
 )
-from model.text import Triplet
-from service.engine import Engine
-from tests.conftest import ShapesModel
-from training.evidence import (
+from fragsearch.model.text import Triplet
+from fragsearch.service.engine import Engine
+from fragsearch.training.evidence import (
     balance,
     evidence_rows,
     fit_evidence,
@@ -36,7 +35,8 @@ from training.evidence import (
     things_named,
     word_counts,
 )
-from training.relevance import Judged
+from fragsearch.training.relevance import Judged
+from tests.conftest import ShapesModel
 
 pytest_plugins = ["tests.conftest_service"]
 
@@ -161,7 +161,7 @@ def test_a_picture_is_named_alike_when_it_holds_every_thing_the_caption_names() 
 
 
 def test_balance_weighs_present_and_absent_alike() -> None:
-    from training.evidence import Rows
+    from fragsearch.training.evidence import Rows
 
     y = np.array([1, 1, 1, 0, 0, 0, 0, 0, 0, 0], float)
     own = np.array([1, 0, 0, 0, 0, 0, 0, 0, 0, 0], bool)
@@ -184,7 +184,7 @@ def test_evidence_is_stored_with_the_model(shapes_evidence: Bundle) -> None:
 
 def test_a_shape_a_picture_lacks_is_not_found_and_one_it_holds_is(shapes_evidence: Bundle,
                                                                     shapes_model: ShapesModel) -> None:
-    from model.embed import embed_sentence
+    from fragsearch.model.embed import embed_sentence
 
     dev = shapes_model.dev
     images = shapes_evidence.embed_images(dev.feats)
@@ -217,8 +217,8 @@ def test_evidence_rows_label_own_and_other_pictures(shapes_evidence: Bundle, sha
 def test_evidence_fitted_beside_the_part_trained_on_reads_the_words_it_taught(shapes_evidence: Bundle,
                                                                                  shapes_model: ShapesModel,
                                                                                  tmp_path: Path) -> None:
-    from model.dataset import hold_out, load_split_data
-    from model.parsers import make_parser
+    from fragsearch.model.dataset import hold_out, load_split_data
+    from fragsearch.model.parsers import make_parser
 
     train = load_split_data(shapes_model.data, "train", shapes_evidence.image_cfg, shapes_model.cache,
                             make_parser("spacy"))
@@ -247,7 +247,7 @@ def test_a_model_without_evidence_reads_as_before(calibrated_engine: Engine) -> 
 
 
 def test_the_released_model_reads_its_evidence() -> None:
-    from model.release import RELEASED_MODEL
+    from fragsearch.model.release import RELEASED_MODEL
 
     bundle = Bundle.load(Path(RELEASED_MODEL))
     scale = bundle.evidence
@@ -257,7 +257,7 @@ def test_the_released_model_reads_its_evidence() -> None:
     assert scale.features == (*FEATURES, "presence", "known")
     assert known("dog", scale.counts) > known("giraffe", scale.counts) == 0.0
     assert bundle.relevance is not None and bundle.relevance.uses_evidence
-    from model.embed import embed_sentence
+    from fragsearch.model.embed import embed_sentence
 
     sent, triplets = embed_sentence(bundle, "a dog runs through the grass")
     ev = scale.for_sentence(sent, triplets)
@@ -267,9 +267,9 @@ def test_the_released_model_reads_its_evidence() -> None:
 def test_a_page_of_images_is_read_in_one_product_as_each_alone() -> None:
     """The evidence and the grounder read a page of results in one product (images of as many fragments
     together, index/matches.py `aligned_all`): each image's things found and drawn as it is read alone."""
-    from index.matches import aligned, aligned_all, read_sentence
-    from model.embed import embed_sentence
-    from model.release import RELEASED_MODEL
+    from fragsearch.index.matches import aligned, aligned_all, read_sentence
+    from fragsearch.model.embed import embed_sentence
+    from fragsearch.model.release import RELEASED_MODEL
 
     bundle = Bundle.load(Path(RELEASED_MODEL))
     assert bundle.evidence is not None and bundle.grounder is not None

@@ -11,11 +11,11 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from model.device import extraction_device
-from model.extraction import ExtractionPool
-from model.features import content_key, read_entry
-from model.release import read_manifest
-from model.variants import load_variant
+from fragsearch.model.device import extraction_device
+from fragsearch.model.extraction import ExtractionPool
+from fragsearch.model.features import content_key, read_entry
+from fragsearch.model.release import read_manifest
+from fragsearch.model.variants import load_variant
 
 
 @pytest.mark.parametrize(("device", "workers", "expected"), [

@@ -12,22 +12,22 @@ import pytest
 import torch
 
 from bench.report import selection_label
-from model.backbone import Backbone
-from model.bundle import Bundle
-from model.config import ImageConfig
-from model.dataset import load_split_data
-from model.features import config_key, config_payload
-from model.graphs import preprocess, weights_digest
-from model.image import RegionExtractor, region_crops
-from model.nets.backbone import Top, Trunk, efficientnet, onnx_graph
-from model.nets.checkpoint import Checkpoint
-from model.parsers import make_parser
+from fragsearch.model.backbone import Backbone
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.features import config_key, config_payload
+from fragsearch.model.graphs import preprocess, weights_digest
+from fragsearch.model.image import RegionExtractor, region_crops
+from fragsearch.model.nets.backbone import Top, Trunk, efficientnet, onnx_graph
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.parsers import make_parser
+from fragsearch.training.cutpoint import CutStore, extract
+from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
+from fragsearch.training.finetune import CutFeatures, finetune, make_top, one_caption_each
+from fragsearch.training.train import make_run, split_for_selection, train
 from tests.synthetic import make_dataset
 from tests.test_backbone import picture
-from training.cutpoint import CutStore, extract
-from training.epochs import FragmentBatches, train_fragment_epoch
-from training.finetune import CutFeatures, finetune, make_top, one_caption_each
-from training.train import make_run, split_for_selection, train
 
 # crops through the float graph, 3 regions: a small, quick version of the served setting
 CFG = ImageConfig(region_features="crop", backbone_precision="fp32", n_regions=3, min_box_frac=0.25,

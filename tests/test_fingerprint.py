@@ -8,10 +8,10 @@ import dataclasses
 
 import numpy as np
 
-from index.fingerprint import model_fingerprint
-from model.bundle import Bundle
-from model.calibration import Calibration
-from model.words import WordTable
+from fragsearch.index.fingerprint import model_fingerprint
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Calibration
+from fragsearch.model.words import WordTable
 from tests.test_index import WORDS, make_bundle
 
 # the fingerprint of make_bundle over fixed word vectors (MiniLM's vectors of WORDS differ in their last

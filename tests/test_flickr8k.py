@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from model.data import DataError, load_split
-from model.flickr8k import check, convert, layout_of, main
+from fragsearch.model.data import DataError, load_split
+from fragsearch.model.flickr8k import check, convert, layout_of, main
 
 TRAIN, DEV, TEST = ["a_1.jpg", "b_2.jpg", "c_3.jpg"], ["d_4.jpg", "e_5.jpg"], ["f_6.jpg"]
 ALL = TRAIN + DEV + TEST
@@ -58,7 +58,7 @@ def _tree_digest(root: Path) -> dict[str, tuple[str, int]]:
 def test_the_official_download_becomes_the_project_layout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _official(tmp_path / "download")
     before = _tree_digest(src)
-    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+    with caplog.at_level(logging.INFO, logger="fragsearch.model.flickr8k"):
         dest = convert(src, tmp_path / "flickr8k")
     assert "6 images: 6 hard-linked, 0 copied, 0 there already" in caplog.text
     assert _tree_digest(src) == before  # the source is only read
@@ -74,7 +74,7 @@ def test_the_official_download_becomes_the_project_layout(tmp_path: Path, caplog
     assert (report.images, report.captions, dict(report.per_image)) == (6, 30, {5: 6})
     assert report.splits == {"train": 3, "dev": 2, "test": 1} and report.warnings == []
     (dest / "images" / "b_2.jpg").unlink()  # an interrupted run: a second one completes it
-    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+    with caplog.at_level(logging.INFO, logger="fragsearch.model.flickr8k"):
         convert(src, dest)
     assert "6 images: 1 hard-linked, 0 copied, 5 there already" in caplog.text
 
@@ -96,7 +96,7 @@ def test_the_csv_mirror_needs_the_official_split_lists(tmp_path: Path) -> None:
 def test_a_project_layout_folder_is_checked_in_place(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     dest = convert(_official(tmp_path / "download"), tmp_path / "flickr8k")
     before = _tree_digest(dest)
-    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+    with caplog.at_level(logging.INFO, logger="fragsearch.model.flickr8k"):
         assert main([str(dest)]) == 0
     assert _tree_digest(dest) == before
     assert "6 images, 30 captions (images with 5 captions: 6), splits: train 3, dev 2, test 1" in caplog.text
@@ -111,7 +111,7 @@ def test_the_check_names_what_is_wrong(tmp_path: Path, caplog: pytest.LogCapture
     lines = (dest / "captions.txt").read_text().splitlines()
     (dest / "captions.txt").write_text("\n".join(ln for ln in lines if not ln.startswith("a_1.jpg#4")) + "\n")
     os.chmod(dest / "images" / "d_4.jpg", 0o600)
-    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+    with caplog.at_level(logging.INFO, logger="fragsearch.model.flickr8k"):
         assert main([str(dest)]) == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -136,7 +136,7 @@ def test_bad_input_is_one_clear_error(source: str, args: list[str], message: str
         src.mkdir()
     elif source == "official":
         _official(src)
-    with caplog.at_level(logging.INFO, logger="model.flickr8k"):
+    with caplog.at_level(logging.INFO, logger="fragsearch.model.flickr8k"):
         assert main([a.format(src=src) for a in args]) == 2
     (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert message in error

@@ -18,15 +18,15 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from index import ImageIndex, IndexSettings
-from index.ann import gpu_available
-from index.gpu import GpuCopy
-from model.bundle import Bundle
-from model.dataset import feature_cache, hold_out, load_split_data
-from model.device import FAISS_GPU, MATRIX_CPU, gpu_count
-from model.onnx import providers
-from model.parsers import make_parser
-from service.app import create_app, load_engine
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.ann import gpu_available
+from fragsearch.index.gpu import GpuCopy
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import feature_cache, hold_out, load_split_data
+from fragsearch.model.device import FAISS_GPU, MATRIX_CPU, gpu_count
+from fragsearch.model.onnx import providers
+from fragsearch.model.parsers import make_parser
+from fragsearch.service.app import create_app, load_engine
 from tests import served
 from tests.conftest import ShapesModel
 
@@ -50,8 +50,8 @@ trainer_gpu = pytest.mark.skipif(not _torch_cuda(), reason="needs torch with a C
 
 @trainer_gpu
 def test_train_and_calibrate_on_cuda(shapes_model: ShapesModel, tmp_path: Path) -> None:
-    from model.nets.checkpoint import Checkpoint
-    from training.train import make_run, train
+    from fragsearch.model.nets.checkpoint import Checkpoint
+    from fragsearch.training.train import make_run, train
 
     run = make_run("paper", {"epochs": 3, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 20, "h": 32,
                              "eval_every": 3, "calibrate": 20, "device": "cuda"})

@@ -18,19 +18,19 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-import training.train
-from model.backbone import backbone_graph
-from model.bundle import Bundle
-from model.dataset import hold_out, load_split_data
-from model.device import is_gpu
-from model.encoders import ModelConfig
-from model.nets.encoders import build_model
-from model.onnx import session
-from model.parsers import make_parser
-from service.app import create_app, load_engine
+import fragsearch.training.train
+from fragsearch.model.backbone import backbone_graph
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import hold_out, load_split_data
+from fragsearch.model.device import is_gpu
+from fragsearch.model.encoders import ModelConfig
+from fragsearch.model.nets.encoders import build_model
+from fragsearch.model.onnx import session
+from fragsearch.model.parsers import make_parser
+from fragsearch.service.app import create_app, load_engine
+from fragsearch.training.train import make_run, train
 from tests import served
 from tests.conftest import ShapesModel
-from training.train import make_run, train
 
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 
@@ -93,7 +93,7 @@ def test_one_epoch_and_the_calibration_on_the_device(shapes_model: ShapesModel, 
         built.append(build_model(cfg))
         return built[-1]
 
-    monkeypatch.setattr(training.train, "build_model", build_and_keep)
+    monkeypatch.setattr(fragsearch.training.train, "build_model", build_and_keep)
     run = make_run("paper", {"epochs": 1, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 20, "h": 32,
                              "eval_every": 1, "calibrate": 20, "device": DEVICE})
     parser = make_parser("spacy")

@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from index.matches import SentenceReading, aligned, read_sentence
-from model.bundle import Bundle
-from model.dataset import hold_out
-from model.embed import embed_texts
-from model.entities import ImageEntities, parse_caption
-from model.evidence import SCORES, thing_members
-from model.grounder import GEOMETRY, Grounder, geometry, named_by
-from model.text import Triplet
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.index.matches import SentenceReading, aligned, read_sentence
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import hold_out
+from fragsearch.model.embed import embed_texts
+from fragsearch.model.entities import ImageEntities, parse_caption
+from fragsearch.model.evidence import SCORES, thing_members
+from fragsearch.model.grounder import GEOMETRY, Grounder, geometry, named_by
+from fragsearch.model.text import Triplet
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
+from fragsearch.training.grounder import IOU, Samples, accuracy_of, fit_grounder, samples_of, scores_of
 from tests.conftest import ShapesModel
 from tests.conftest_service import engine_over_dev
 from tests.synthetic import TEMPLATES, iou
-from training.grounder import IOU, Samples, accuracy_of, fit_grounder, samples_of, scores_of
 
 pytest_plugins = ["tests.conftest_service"]
 
@@ -49,8 +49,8 @@ def grounded(shapes_model: ShapesModel, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[Path, dict[str, float]]:
     """The shapes model with a grounder trained on 40 training pictures (epochs chosen on the other 20), saved;
     and the measures on the dev pictures."""
-    from model.dataset import load_split_data
-    from model.parsers import make_parser
+    from fragsearch.model.dataset import load_split_data
+    from fragsearch.model.parsers import make_parser
 
     bundle = Bundle.load(shapes_model.model_path)
     ents = shapes_entities(shapes_model)
@@ -95,8 +95,8 @@ def test_the_runtime_scores_as_the_trainer_does() -> None:
     trips = [Triplet("det", "dog", "a"), Triplet("nsubj", "runs", "dog"), Triplet("prep_on", "runs", "grass")]
     reading = g.for_sentence(sent, trips, blocks=1)
     runtime = reading.scores(img, boxes)
-    from model.evidence import score_features, thing_direction, unit
-    from model.score import alignment_scores
+    from fragsearch.model.evidence import score_features, thing_direction, unit
+    from fragsearch.model.score import alignment_scores
 
     samples = Samples(np.zeros(2, np.int64), np.stack([thing_direction(sent[m]) for m in reading.members]),
                       np.stack([score_features(alignment_scores(img, sent[m], 1)) for m in reading.members]),

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from model.cache import ExtractionPool, FeatureCache, config_key, content_key, read_entry
-from model.config import ImageConfig
-from model.graphs import FEATURE_DIM
-from model.image import ImageFragments, RegionExtractor, working_image
-from model.imageio import ImageReadError, Photo, load_image, read_image
-from model.onnx import set_threads
-from model.proposals import propose_boxes
-from model.release import read_manifest
-from model.variants import load_variant
+from fragsearch.model.cache import ExtractionPool, FeatureCache, config_key, content_key, read_entry
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.graphs import FEATURE_DIM
+from fragsearch.model.image import ImageFragments, RegionExtractor, working_image
+from fragsearch.model.imageio import ImageReadError, Photo, load_image, read_image
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.proposals import propose_boxes
+from fragsearch.model.release import read_manifest
+from fragsearch.model.variants import load_variant
 
 SQUARE = (120.0, 110.0, 200.0, 190.0)
 
@@ -149,7 +149,7 @@ def test_crop_fragments() -> None:
 def test_the_mirrored_view_is_the_mirrored_images_crops_of_the_same_boxes() -> None:
     """ImageConfig.mirror (a training view): the boxes of the image as it is, each crop's features
     those of the mirrored image's mirrored box; only crop features can be mirrored."""
-    from model.image import region_crops
+    from fragsearch.model.image import region_crops
 
     cfg = ImageConfig(region_features="crop")
     img = shapes_picture().resize((260, 200))
@@ -359,7 +359,7 @@ def test_cache_interrupted_write_is_not_cached(tmp_path: Path, picture_files: li
 
 def test_the_extraction_pool_prepare_uses_agrees_with_in_process_extraction(tmp_path: Path,
                                                                            picture_files: list[Path]) -> None:
-    """The pool of worker processes `python -m service` prepares with (two, as it starts on a 2-core
+    """The pool of worker processes `python -m fragsearch.service` prepares with (two, as it starts on a 2-core
     machine; the served variant's image settings) extracts what this process extracts, and reports an
     unreadable file."""
     workers = 2

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import model.detector
-import model.image
-import model.proposals
-from model.backbone import Backbone
-from model.config import ImageConfig
-from model.image import ImageFragments, RegionExtractor, image_proposals
-from model.release import read_manifest
-from model.settings import default_data_dir
-from model.variants import load_variant
+import fragsearch.model.detector
+import fragsearch.model.image
+import fragsearch.model.proposals
+from fragsearch.model.backbone import Backbone
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.image import ImageFragments, RegionExtractor, image_proposals
+from fragsearch.model.release import read_manifest
+from fragsearch.model.settings import default_data_dir
+from fragsearch.model.variants import load_variant
 
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("torchvision.ops")
@@ -45,9 +45,9 @@ def _tv_box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _tv_roi_pool(self: RegionExtractor, fmap: np.ndarray, boxes: np.ndarray, w: int, h: int, side: int,
-                 sampling: int = model.image.FEATURE_SAMPLING) -> np.ndarray:
+                 sampling: int = fragsearch.model.image.FEATURE_SAMPLING) -> np.ndarray:
     scaled = torch.from_numpy(boxes * np.asarray([side / w, side / h, side / w, side / h], np.float32))
-    rois = ops.roi_align(torch.from_numpy(fmap)[None], [scaled], output_size=model.image.ROI_OUTPUT,
+    rois = ops.roi_align(torch.from_numpy(fmap)[None], [scaled], output_size=fragsearch.model.image.ROI_OUTPUT,
                          spatial_scale=fmap.shape[-1] / side, sampling_ratio=sampling, aligned=True)
     return rois.mean(dim=(2, 3)).numpy()
 
@@ -91,9 +91,9 @@ def torch_ops(calls: Counter[str] | None = None, ranked_by: list[np.ndarray] | N
         return call
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model.proposals, "nms", spy("nms", _tv_nms))
-        mp.setattr(model.proposals, "box_iou", spy("box_iou", _tv_box_iou))
-        mp.setattr(model.detector, "nms", spy("detector nms", _tv_nms))
+        mp.setattr(fragsearch.model.proposals, "nms", spy("nms", _tv_nms))
+        mp.setattr(fragsearch.model.proposals, "box_iou", spy("box_iou", _tv_box_iou))
+        mp.setattr(fragsearch.model.detector, "nms", spy("detector nms", _tv_nms))
         mp.setattr(RegionExtractor, "_roi_pool", spy("roi_align", _tv_roi_pool))
         mp.setattr(RegionExtractor, "_objectness", spy("objectness", objectness))
         mp.setattr(Backbone, "pooled", spy("pooled", _torch_pooled))

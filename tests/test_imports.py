@@ -10,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "model"
+NAMESPACE = "fragsearch"  # the installed name of the product's folders: model/ is fragsearch.model
+MODEL_PACKAGE = f"{NAMESPACE}.model"
 
 
 def model_imports(path: Path) -> set[str]:
@@ -17,11 +19,11 @@ def model_imports(path: Path) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("model."))
+            found.update(a.name.split(".")[2] for a in node.names if a.name.startswith(f"{MODEL_PACKAGE}."))
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("model."):
-                found.add(node.module.split(".")[1])
-            elif node.module == "model":
+            if node.module.startswith(f"{MODEL_PACKAGE}."):
+                found.add(node.module.split(".")[2])
+            elif node.module == MODEL_PACKAGE:
                 found.update(a.name for a in node.names)
     return found - {path.stem}
 
@@ -54,9 +56,11 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_cycle_finder_finds_a_local_import_cycle(tmp_path: Path) -> None:
-    (tmp_path / "a.py").write_text("from model.b import x\n")
-    (tmp_path / "b.py").write_text("def f():\n    from model import c\n")
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import model.a\n")
+    (tmp_path / "a.py").write_text("from fragsearch.model.b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from fragsearch.model import c\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\n"
+                                   "if TYPE_CHECKING:\n    import fragsearch.model.a as a\n"
+                                   "import model.b\n")  # the bare folder name is not the package
     graph = {p.stem: model_imports(p) for p in tmp_path.glob("*.py")}
     assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert cycle(graph) == ["a", "b", "c", "a"]
@@ -85,7 +89,7 @@ def test_atomic_writes_are_imported_through_one_door() -> None:
     files = [p for package in ("model", "index", "service", "training") for p in sorted((ROOT / package).rglob("*.py"))]
     elsewhere = [f"{p.relative_to(ROOT)}: from {node.module}"
                  for p in files for node in ast.walk(ast.parse(p.read_text(), str(p)))
-                 if isinstance(node, ast.ImportFrom) and node.module != "model.atomic"
+                 if isinstance(node, ast.ImportFrom) and node.module != "fragsearch.model.atomic"
                  and ATOMIC & {a.name for a in node.names}]
     assert elsewhere == []
 
@@ -129,17 +133,18 @@ def imports_of(package: str, path: Path) -> list[tuple[str, str | None]]:
 
 def training_imports(*packages: str) -> dict[str, list[tuple[str, str | None]]]:
     """Per file of `packages` that imports training/: what it imports and where."""
-    found = {str(p.relative_to(ROOT)): imports_of("training", p)
+    found = {str(p.relative_to(ROOT)): imports_of(f"{NAMESPACE}.training", p)
              for package in packages for p in sorted((ROOT / package).rglob("*.py"))}
     return {path: imports for path, imports in found.items() if imports}
 
 
 def test_the_training_import_finder_sees_every_form(tmp_path: Path) -> None:
-    (tmp_path / "a.py").write_text("import training.train\nfrom training import evaluate\n"
-                                   "def f():\n    from training.calibrate import fit_calibration\n"
-                                   "import trainingwheels\nfrom model.train import x\n")
-    assert imports_of("training", tmp_path / "a.py") == [
-        ("training.train", None), ("training.evaluate", None), ("training.calibrate", "f")]
+    (tmp_path / "a.py").write_text("import fragsearch.training.train\nfrom fragsearch.training import evaluate\n"
+                                   "def f():\n    from fragsearch.training.calibrate import fit_calibration\n"
+                                   "import fragsearch.trainingwheels\nfrom fragsearch.model.train import x\n")
+    assert imports_of("fragsearch.training", tmp_path / "a.py") == [
+        ("fragsearch.training.train", None), ("fragsearch.training.evaluate", None),
+        ("fragsearch.training.calibrate", "f")]
 
 
 def test_model_and_index_never_import_training() -> None:
@@ -148,7 +153,7 @@ def test_model_and_index_never_import_training() -> None:
 
 def test_service_imports_training_only_to_train_a_missing_model() -> None:
     """One door: service/prepare.py's ensure_model, inside the function (serving loads no training code)."""
-    assert training_imports("service") == {"service/prepare.py": [("training.train", "ensure_model")]}
+    assert training_imports("service") == {"service/prepare.py": [("fragsearch.training.train", "ensure_model")]}
 
 
 PRODUCT = ("model", "index", "service", "training")
@@ -156,8 +161,8 @@ FLOOR = {"model": 1, "index": 2, "service": 3}  # the house: service -> index ->
 
 
 def module_of(path: Path, root: Path) -> str:
-    """The dotted module name of a file under `root` ("index/base.py" -> "index.base")."""
-    parts = list(path.relative_to(root).with_suffix("").parts)
+    """The dotted module name of a file under `root` ("index/base.py" -> "fragsearch.index.base")."""
+    parts = [NAMESPACE, *path.relative_to(root).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -182,24 +187,41 @@ def product_graph(root: Path = ROOT, packages: tuple[str, ...] = PRODUCT) -> dic
 
 def test_the_product_graph_resolves_submodules_and_packages(tmp_path: Path) -> None:
     (tmp_path / "index").mkdir()
-    (tmp_path / "index" / "__init__.py").write_text("from index.a import A\n")
-    (tmp_path / "index" / "a.py").write_text("from index import b\nclass A: ...\n")
-    (tmp_path / "index" / "b.py").write_text("def f():\n    from index import A\n")
+    (tmp_path / "index" / "__init__.py").write_text("from fragsearch.index.a import A\n")
+    (tmp_path / "index" / "a.py").write_text("from fragsearch.index import b\nclass A: ...\n")
+    (tmp_path / "index" / "b.py").write_text("def f():\n    from fragsearch.index import A\n")
     graph = product_graph(tmp_path, ("index",))
-    assert graph == {"index": {"index.a"}, "index.a": {"index.b"}, "index.b": {"index"}}
-    assert cycle(graph) == ["index", "index.a", "index.b", "index"]
+    ns = "fragsearch.index"
+    assert graph == {ns: {f"{ns}.a"}, f"{ns}.a": {f"{ns}.b"}, f"{ns}.b": {ns}}
+    assert cycle(graph) == [ns, f"{ns}.a", f"{ns}.b", ns]
 
 
 def test_no_import_circles_in_the_product() -> None:
     """No file of model/, index/, service/ or training/ reaches back to one that imports it."""
     graph = product_graph()
-    assert {"index.base", "index.candidates", "index.milvus", "service.engine"} <= set(graph)
+    named = {f"{NAMESPACE}.{m}" for m in ("index.base", "index.candidates", "index.milvus", "service.engine")}
+    assert named <= set(graph)
     assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
 
 
 def test_the_house_direction_service_index_model() -> None:
     """model/ imports neither index/ nor service/, and index/ never imports service/ (training/ apart)."""
     up = sorted(f"{a} -> {b}" for a, targets in product_graph().items() for b in targets
-                if a.split(".")[0] in FLOOR and b.split(".")[0] in FLOOR
-                and FLOOR[b.split(".")[0]] > FLOOR[a.split(".")[0]])
+                if a.split(".")[1] in FLOOR and b.split(".")[1] in FLOOR
+                and FLOOR[b.split(".")[1]] > FLOOR[a.split(".")[1]])
     assert up == []
+
+
+def test_the_product_is_imported_by_its_installed_name() -> None:
+    """model/, index/, service/ and training/ are the packages fragsearch.model, fragsearch.index, ... (in a
+    checkout through fragsearch/'s links to them, installed by pyproject.toml's packages): no file imports them
+    by their folder's name, which would load a second copy of each module."""
+    bare = sorted(f"{p.relative_to(ROOT)}:{node.lineno}"
+                  for package in (*PRODUCT, NAMESPACE, "bench", "tools", "tests")
+                  for p in sorted((ROOT / package).rglob("*.py"))
+                  for node in ast.walk(ast.parse(p.read_text(), str(p)))
+                  if (isinstance(node, ast.Import) and any(a.name.split(".")[0] in PRODUCT for a in node.names))
+                  or (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                      and node.module.split(".")[0] in PRODUCT))
+    assert bare == []
+    assert all((ROOT / NAMESPACE / package).resolve() == ROOT / package for package in PRODUCT)

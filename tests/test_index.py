@@ -15,27 +15,27 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-import index.store
-import model.atomic
-from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images, saving
-from index import ids as fid
-from index.base import FragmentIndex
-from index.build import main as build_main
-from index.catalogue import is_index
-from index.images import embedded_images
-from index.ranker import Ranker
-from model import onnx
-from model.bundle import Bundle
-from model.config import ImageConfig, TextConfig
-from model.embed import EmbeddedImage, EmbeddedSentence, embed_sentence
-from model.encoders import ModelConfig
-from model.fragments import WORD_REL, TextPipeline
-from model.image import RegionExtractor
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.settings import BackendOptions
-from model.text import RelationVocab
-from model.words import WordTable
+import fragsearch.index.store
+import fragsearch.model.atomic
+from fragsearch.index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images, saving
+from fragsearch.index import ids as fid
+from fragsearch.index.base import FragmentIndex
+from fragsearch.index.build import main as build_main
+from fragsearch.index.catalogue import is_index
+from fragsearch.index.images import embedded_images
+from fragsearch.index.ranker import Ranker
+from fragsearch.model import onnx
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig, TextConfig
+from fragsearch.model.embed import EmbeddedImage, EmbeddedSentence, embed_sentence
+from fragsearch.model.encoders import ModelConfig
+from fragsearch.model.fragments import WORD_REL, TextPipeline
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.settings import BackendOptions
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.words import WordTable
 
 H = 32
 F = 5  # fragments per test image: the whole image + 4 regions
@@ -227,7 +227,7 @@ def test_a_page_carries_the_best_scores_of_the_items_it_ranked(tmp_path: Path, b
     """Every page, and an explanation, carries the best `CONTEXT` scores of what the exact score ranked (the
     collection scanned whole, or the recalled candidates), best first, whatever the page's offset and size,
     and the size of the collection searched: what a result's relevance reads."""
-    from index.ranker import CONTEXT
+    from fragsearch.index.ranker import CONTEXT
 
     monkeypatch.undo()  # the real policy: scanned whole under exact_below fragments
     index = ImageIndex.create(tmp_path / "best", bundle, IndexSettings.of(k_prime=1))
@@ -460,7 +460,7 @@ def test_float16_store_and_many_saves_merge_segments(tmp_path: Path, bundle: Bun
 
 def test_store_blocks_and_segments_keep_every_item_intact(tmp_path: Path, bundle: Bundle,
                                                           monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(index.store, "BLOCK_ROWS", 7)  # items of 5 rows leave blocks partly filled
+    monkeypatch.setattr(fragsearch.index.store, "BLOCK_ROWS", 7)  # items of 5 rows leave blocks partly filled
     ix = ImageIndex.create(tmp_path / "blocks", bundle)
     rng = np.random.default_rng(10)
     vecs = [rng.standard_normal((n, H)).astype(np.float32) for n in (5, 3, 9, 1, 5, 5, 2)]
@@ -487,7 +487,7 @@ def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageI
     random_images(faiss_index, 10, seed=5)
     faiss_index.remove(0)
     crashed = tmp_path / "at-crash"
-    real_replace = model.atomic.os.replace
+    real_replace = fragsearch.model.atomic.os.replace
 
     def crash(src: str, dst: str) -> None:
         if "faiss-" in str(dst):  # the new store file is renamed already, the FAISS file is not
@@ -495,10 +495,10 @@ def test_crash_between_write_and_rename_leaves_the_old_state(faiss_index: ImageI
             raise OSError("simulated crash")
         real_replace(src, dst)
 
-    monkeypatch.setattr(model.atomic.os, "replace", crash)
+    monkeypatch.setattr(fragsearch.model.atomic.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         faiss_index.save()
-    monkeypatch.setattr(model.atomic.os, "replace", real_replace)
+    monkeypatch.setattr(fragsearch.model.atomic.os, "replace", real_replace)
     assert any(p.name.endswith(".tmp") for p in crashed.iterdir())  # the unrenamed file is there
     old = ImageIndex.load(crashed, bundle)
     assert len(old) == 40 and old.get(0) is not None
@@ -705,8 +705,8 @@ def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: P
 
 
 def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Path, words: WordTable):
-    from model.fragments import SENTENCE_REL
-    from model.nets.encoders import TwoBranch
+    from fragsearch.model.fragments import SENTENCE_REL
+    from fragsearch.model.nets.encoders import TwoBranch
 
     cfg = TextConfig(sentence_fragment=True)
     relations = RelationVocab(TextPipeline.relation_names(cfg, RELATIONS), {}, 0.01)
@@ -736,7 +736,8 @@ def test_sentence_fragments_shared_by_many_sentences_are_held_once(tmp_path: Pat
                                                                     backend: BackendOptions):
     index = SentenceIndex.create(tmp_path / "shared", bundle, IndexSettings.of(k_prime=4), backend=backend)
     ids = index.add(SENTENCES * 3)
-    distinct = {tuple(r) for i in ids for r in index.store.rows(int(index.items.seg[i]), int(index.items.off[i]),
+    store = index.store
+    distinct = {tuple(r) for i in ids for r in store.rows(int(index.items.seg[i]), int(index.items.off[i]),
                                                                int(index.items.n[i])).tolist()}
     assert index.candidates.ntotal == len(distinct) < index.n_fragments
     img = index.store.rows(int(index.items.seg[ids[0]]), int(index.items.off[ids[0]]), 3).copy()
@@ -805,7 +806,7 @@ def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle,
 
 def test_interrupted_sentence_build_leaves_no_index_behind(tmp_path: Path, bundle: Bundle,
                                                            monkeypatch: pytest.MonkeyPatch):
-    from index.build import build_sentence_index
+    from fragsearch.index.build import build_sentence_index
 
     def crash(self: SentenceIndex, *args: object, **kwargs: object) -> list[int]:
         raise KeyboardInterrupt

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.index_bench import N_FRAGMENTS, K, Synthetic, agreement, scoring_bundle, sweep
-from index import ImageIndex, IndexSettings
-from index.images import embedded_images, exact_top_k
-from model.embed import EmbeddedSentence
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.images import embedded_images, exact_top_k
+from fragsearch.model.embed import EmbeddedSentence
 
 
 def test_sweep_measures_the_candidate_stage_on_a_collection_searches_would_scan(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from index.flags import add_index_flags, index_settings_of
-from index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
-from index.types import IndexSettings, IndexShape, SearchSettings
+from fragsearch.index.flags import add_index_flags, index_settings_of
+from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
+from fragsearch.index.types import IndexSettings, IndexShape, SearchSettings
 
 
 def _parser() -> argparse.ArgumentParser:

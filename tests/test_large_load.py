@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import index.store
-from index import ImageIndex, IndexSettings
-from index.images import embedded_images
-from index.shards import ShardError, ShardWriter, load_shards, shard_files, shard_settings
-from index.store import VectorStore
-from model.bundle import Bundle
-from model.words import WordTable
+import fragsearch.index.store
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.images import embedded_images
+from fragsearch.index.shards import ShardError, ShardWriter, load_shards, shard_files, shard_settings
+from fragsearch.index.store import VectorStore
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.words import WordTable
 from tests.test_index import IMAGE_CFG, QUERIES, WORDS, F, H, make_bundle, one_thread, ranking  # noqa: F401
 
 N = 60
@@ -63,16 +63,16 @@ def test_streamed_load_with_spill_equals_the_in_memory_index(tmp_path: Path, bun
         memory.add(embedded_images(vecs, boxes, np.tile([100, 80], (N, 1))), [Path(p).name for p in paths], paths,
                    read_places=False)
     memory.save()
-    monkeypatch.setattr(index.store, "SPILL_BYTES", 3 * F * H * 2)  # a spill every few images
-    monkeypatch.setattr(index.store, "BLOCK_ROWS", 2 * F)
+    monkeypatch.setattr(fragsearch.index.store, "SPILL_BYTES", 3 * F * H * 2)  # a spill every few images
+    monkeypatch.setattr(fragsearch.index.store, "BLOCK_ROWS", 2 * F)
     spilled: list[int] = []
-    real_write = index.store.SpillFile.write
+    real_write = fragsearch.index.store.SpillFile.write
 
-    def write(self: index.store.SpillFile, raw: np.ndarray) -> None:
+    def write(self: fragsearch.index.store.SpillFile, raw: np.ndarray) -> None:
         spilled.append(len(raw))
         real_write(self, raw)
 
-    monkeypatch.setattr(index.store.SpillFile, "write", write)
+    monkeypatch.setattr(fragsearch.index.store.SpillFile, "write", write)
     shards = tmp_path / "shards"
     streamed = ImageIndex.create(tmp_path / "streamed", bundle, settings)
     write_shards(shards, bundle, streamed.fingerprint)
@@ -100,8 +100,8 @@ def test_streamed_load_with_spill_equals_the_in_memory_index(tmp_path: Path, bun
 
 def test_a_crash_mid_load_leaves_the_last_commit_and_the_next_load_resumes(tmp_path: Path, bundle: Bundle,
                                                                           monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(index.store, "SPILL_BYTES", 2 * F * H * 4)
-    monkeypatch.setattr(index.store, "BLOCK_ROWS", F)
+    monkeypatch.setattr(fragsearch.index.store, "SPILL_BYTES", 2 * F * H * 4)
+    monkeypatch.setattr(fragsearch.index.store, "BLOCK_ROWS", F)
     root, shards = tmp_path / "idx", tmp_path / "shards"
     ix = ImageIndex.create(root, bundle, IndexSettings.of(exact_below=0))
     write_shards(shards, bundle, ix.fingerprint)
@@ -201,7 +201,7 @@ def test_int8_encoding_round_trips_and_rejects_nothing_it_can_hold():
 
 
 def test_a_sentence_index_refuses_an_int8_store(tmp_path: Path, bundle: Bundle):
-    from index import SentenceIndex
+    from fragsearch.index import SentenceIndex
 
     with pytest.raises(ValueError, match="not int8"):
         SentenceIndex.create(tmp_path / "s", bundle, IndexSettings.of(store_dtype="int8"))
@@ -319,7 +319,7 @@ def test_a_merge_writes_through_a_buffer_and_drops_the_rows_it_read_from_its_map
     recorder = MadviseRecorder(store.segments[0]._mmap)  # type: ignore[attr-defined]
     released = recorder.calls[mmap.MADV_DONTNEED]
     monkeypatch.setattr(store.segments[0], "_mmap", recorder)
-    monkeypatch.setattr(index.store, "WRITE_BYTES", 4096)  # many writes
+    monkeypatch.setattr(fragsearch.index.store, "WRITE_BYTES", 4096)  # many writes
     keep = [(0, off, int(k)) for (_, off), k in zip(locs, sizes, strict=True)][::2]
     offsets = store.write_items(tmp_path / "merged.npy", keep)
     merged = np.load(tmp_path / "merged.npy")
@@ -334,10 +334,10 @@ def test_a_merge_writes_through_a_buffer_and_drops_the_rows_it_read_from_its_map
 
 def test_deriving_codes_drops_each_encoded_block_and_the_sample_from_the_mappings(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """`index.codes.derive` reads a store segment through its own map block by block and drops each
+    """`fragsearch.index.codes.derive` reads a store segment through its own map block by block and drops each
     block from the mapping once encoded (every row's bytes lie in a released range), and drops the
     store's maps after drawing the projection's sample; the codes are the encoded projections."""
-    from index import codes
+    from fragsearch.index import codes
 
     rng = np.random.default_rng(11)
     dim, d = 16, 6

@@ -133,17 +133,18 @@ def test_the_environment_is_the_development_lock() -> None:
 
 
 def test_the_distribution_holds_every_module_and_file_the_service_reads() -> None:
-    """`pip install .` installs what the packages find: every folder of Python modules of the five packages
-    (a subpackage left out gave a service that failed on import), the page and the variants."""
+    """`pip install .` installs what the packages find: every folder of Python modules of fragsearch/ and the
+    folders it links to, as fragsearch.<folder> (a subpackage left out gave a service that failed on import), the
+    page and the variants."""
     import tomllib
 
     from setuptools import find_packages
 
     setuptools_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = set(find_packages(where=str(ROOT), **setuptools_cfg["packages"]["find"]))
-    tops = ("fragsearch", "model", "index", "service", "training")
-    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in tops
+    tops = ("model", "index", "service", "training")
+    folders = {".".join(("fragsearch", *p.parent.relative_to(ROOT).parts)) for top in tops
                for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
-    assert folders == found
+    assert folders | {"fragsearch"} == found
     data = setuptools_cfg["package-data"]
-    assert "static/*" in data["service"] and "variants/*.toml" in data["model"]
+    assert "static/*" in data["fragsearch.service"] and "variants/*.toml" in data["fragsearch.model"]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from index.locks import ReadWriteLock
+from fragsearch.index.locks import ReadWriteLock
 
 WAIT = 10.0  # seconds a step may take before the test calls it stuck (never reached when the lock works)
 

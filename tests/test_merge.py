@@ -14,23 +14,23 @@ import torch
 from fastapi.testclient import TestClient
 
 from bench.report import selection_label
-from index import ImageIndex, IndexSettings
-from index.images import embedded_images
-from model.bundle import Bundle
-from model.dataset import SplitData, hold_out, load_split_data
-from model.encoders import ModelConfig
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.parsers import make_parser
-from model.score import skl
-from service.app import create_app
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.images import embedded_images
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData, hold_out, load_split_data
+from fragsearch.model.encoders import ModelConfig
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.score import skl
+from fragsearch.service.app import create_app
+from fragsearch.training.calibrate import fit_calibration
+from fragsearch.training.evaluate import score_split
+from fragsearch.training.merge import main as merge_main
+from fragsearch.training.merge import merge_bundles, merge_models
+from fragsearch.training.train import make_run, split_for_selection, train, train_members, train_on
 from tests.conftest import ShapesModel
 from tests.conftest_service import engine_over_dev
-from training.calibrate import fit_calibration
-from training.evaluate import score_split
-from training.merge import main as merge_main
-from training.merge import merge_bundles, merge_models
-from training.train import make_run, split_for_selection, train, train_members, train_on
 
 
 def _member(seed: int, h: int) -> FragmentModel:
@@ -211,7 +211,7 @@ def test_a_merged_model_prescored_on_codes_ranks_its_candidates_by_its_own_score
 
 def test_a_merge_of_members_selected_on_validation_fits_its_relevance_scale(shapes_model: ShapesModel,
                                                                              tmp_path: Path) -> None:
-    """`python -m training.merge` fits the merged score's relevance scale on the members' validation part
+    """`python -m fragsearch.training.merge` fits the merged score's relevance scale on the members' validation part
     (as training fits a member's), so the merged checkpoint answers `min_relevance` without a separate
     calibration run."""
     folders = []

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from training.evaluate import annotation_ranks, metrics_from_scores, search_ranks
+from fragsearch.training.evaluate import annotation_ranks, metrics_from_scores, search_ranks
 
 
 def test_ranks_on_hand_made_scores():
@@ -26,7 +26,7 @@ def test_ranks_on_hand_made_scores():
 
 
 def test_hub_occurrence_counts_the_image_in_most_top_lists():
-    from training.evaluate import hub_occurrence
+    from fragsearch.training.evaluate import hub_occurrence
 
     scores = np.array([[5.0, 5.0, 5.0, 0.0],  # image 0 tops three of the four sentences
                        [1.0, 0.0, 2.0, 3.0],
@@ -38,7 +38,7 @@ def test_hub_occurrence_counts_the_image_in_most_top_lists():
 
 
 def test_ties_on_the_annotation_side_hodosh_and_mean_rank():
-    from training.evaluate import split_metrics
+    from fragsearch.training.evaluate import split_metrics
 
     # 2 images, 2 sentences each (sentences 0 and 2 are each image's first)
     pair = np.array([0, 0, 1, 1])

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from bench.million import ground_truth, search_setting
-from index import ImageIndex, IndexSettings
-from index.images import exact_top_k
-from model.bundle import Bundle
-from model.embed import embed_sentence
-from model.words import WordTable
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.images import exact_top_k
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.embed import embed_sentence
+from fragsearch.model.words import WordTable
 from tests.test_codes import images, vector_images
 from tests.test_index import QUERIES, WORDS, make_bundle
 

@@ -12,12 +12,12 @@ import numpy as np
 import psutil
 import pytest
 
-from index import ImageIndex, IndexSettings, SentenceIndex
-from index import ids as fid
-from index.milvus import DIRTY_MARKER, ITEM, LITE_FILE, MilvusCandidates, among, index_spec, stored_count
-from model.bundle import Bundle
-from model.settings import BackendOptions
-from model.words import WordTable
+from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.index import ids as fid
+from fragsearch.index.milvus import DIRTY_MARKER, ITEM, LITE_FILE, MilvusCandidates, among, index_spec, stored_count
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.settings import BackendOptions
+from fragsearch.model.words import WordTable
 from tests.test_index import QUERIES, SENTENCES, WORDS, make_bundle, random_images, ranking, recall_all
 
 MILVUS = BackendOptions("milvus")
@@ -121,7 +121,7 @@ def test_a_rebuild_fills_a_new_collection_and_the_commit_drops_the_old_one(tmp_p
 
 
 def test_an_index_built_on_milvus_is_not_opened_as_faiss(tmp_path: Path, bundle: Bundle):
-    from index import IndexLoadError
+    from fragsearch.index import IndexLoadError
 
     SentenceIndex.create(tmp_path / "s", bundle, backend=MILVUS).close()
     with pytest.raises(IndexLoadError, match="milvus"):
@@ -154,13 +154,13 @@ def test_an_installation_without_the_milvus_extra_names_it(tmp_path: Path, monke
     in Milvus, says which extra to install instead of failing on a bare import inside the backend."""
     import importlib.util
 
-    import index.backends
+    import fragsearch.index.backends
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(index.backends.importlib.util, "find_spec",
+    monkeypatch.setattr(fragsearch.index.backends.importlib.util, "find_spec",
                         lambda name, *a: None if name == "pymilvus" else real(name, *a))
     with pytest.raises(ImportError, match=r"milvus extra \(pip install 'fragsearch\[milvus\]'"):
-        index.backends.create_backend(tmp_path, 8, IndexSettings(), BackendOptions("milvus"), "images")
+        fragsearch.index.backends.create_backend(tmp_path, 8, IndexSettings(), BackendOptions("milvus"), "images")
     with pytest.raises(ImportError, match="milvus extra"):
-        index.backends.open_backend(tmp_path, 8, IndexSettings(), {"backend": "milvus"}, None)
+        fragsearch.index.backends.open_backend(tmp_path, 8, IndexSettings(), {"backend": "milvus"}, None)
     assert not list(tmp_path.iterdir())  # nothing was written

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from bench.milvus_local import isolated, namespaces_work, own_namespace
-from index.milvus import GROUPING_SERVER, MIN_SERVER, groups_on_server, parse_version
+from fragsearch.index.milvus import GROUPING_SERVER, MIN_SERVER, groups_on_server, parse_version
 from tests.conftest import in_ci
 
 ROOT = Path(__file__).resolve().parent.parent

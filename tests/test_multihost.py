@@ -1,5 +1,5 @@
 """Two hosts, one bulk extraction: a Ray head and a Ray worker node in two network namespaces made here
-(tests/netns.py), the driver (``python -m index.bulk --engine ray --address``) beside the head. Marked
+(tests/netns.py), the driver (``python -m fragsearch.index.bulk --engine ray --address``) beside the head. Marked
 slow: two Ray nodes start. Skipped, with the reason, where network namespaces cannot be made.
 
 The head offers 1 CPU and the worker 2; the job asks for 2 backbone actors (1 CPU each) and a CPU for
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from model.image import RegionExtractor
+from fragsearch.model.image import RegionExtractor
 from tests.netns import REPO, hosts, in_ns, ray_env, ray_temp, stop_ray
 from tests.test_bulk import RAY_CFG, RAY_FLAGS, check_shards_equal_plain, photo_folder
 
@@ -60,7 +60,8 @@ def test_a_ray_head_and_a_worker_on_two_hosts_extract_one_folder(tmp_path: Path)
                           "--num-cpus=2", "--num-gpus=0", f"--temp-dir={temps[1]}", "--disable-usage-stats"),
                     env=ray_env(temps[1]), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             job = subprocess.run(
-                in_ns(a, sys.executable, "-m", "index.bulk", "--engine", "ray", "--address", head, "--workers", "2",
+                in_ns(a, sys.executable, "-m", "fragsearch.index.bulk", "--engine", "ray", "--address", head,
+                      "--workers", "2",
                       "--images", str(photos), "--shards", str(shards), "--no-cache", "--batch", "2",
                       "--shard-size", "4", "--model", str(tmp_path / "no-model.pt"), *RAY_FLAGS),
                 env=ray_env(temps[0]), cwd=REPO, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)

@@ -14,10 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from index.sync import main as sync_main
-from model.data import load_split
-from model.release import RELEASED_MODEL
-from service.app import create_app
+from fragsearch.index.sync import main as sync_main
+from fragsearch.model.data import load_split
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.service.app import create_app
 
 pillow_heif.register_heif_opener()
 

@@ -13,11 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw
 
-from index import ImageIndex, IndexSettings
-from index.sync import sync_folder
-from model.dataset import feature_cache
-from model.imageio import IMAGE_SUFFIXES, ImageReadError, load_image
-from service.thumbnails import thumbnail
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.sync import sync_folder
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.imageio import IMAGE_SUFFIXES, ImageReadError, load_image
+from fragsearch.service.thumbnails import thumbnail
 
 if TYPE_CHECKING:
     from tests.conftest import ShapesModel

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from index import ImageIndex, SentenceIndex
-from index import ids as fid
-from index.ann import FaissCandidates
-from index.types import IndexSettings
-from model.device import (
+from fragsearch.index import ImageIndex, SentenceIndex
+from fragsearch.index import ids as fid
+from fragsearch.index.ann import FaissCandidates
+from fragsearch.index.types import IndexSettings
+from fragsearch.model.device import (
     CALLS,
     CODES_CPU,
     EXACT_CPU,
@@ -30,8 +30,8 @@ from model.device import (
     MATRIX_CPU,
     placement,
 )
-from service.app import create_app, load_engine
-from service.engine import Engine
+from fragsearch.service.app import create_app, load_engine
+from fragsearch.service.engine import Engine
 from tests import gpu_stand_in, served
 from tests.conftest import ShapesModel
 
@@ -220,7 +220,7 @@ def test_served_answers_with_the_gpu_placements_match_the_cpus(collection: serve
                     ImageIndex.load(settings.image_index, bundle, collection_root=settings.collection_root,
                                     use_gpu=True),
                     SentenceIndex.load(settings.sentence_index, bundle, use_gpu=True))
-    with caplog.at_level(logging.INFO, logger="service.engine"):
+    with caplog.at_level(logging.INFO, logger="fragsearch.service.engine"):
         engine.log_device_policy()
     assert ("image index (faiss flat): knn faiss-gpu, range matrix-cpu, exact numpy-cpu, prescore codes-cpu, "
             "write faiss-cpu"

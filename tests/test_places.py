@@ -16,11 +16,11 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from index import ImageIndex, IndexSettings
-from index.catalogue import DB_FILE
-from index.places import Near, Place, PlaceFilter, distance_km, read_place
-from model.dataset import feature_cache
-from model.settings import BackendOptions
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.catalogue import DB_FILE
+from fragsearch.index.places import Near, Place, PlaceFilter, distance_km, read_place
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.settings import BackendOptions
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -166,8 +166,8 @@ def album_search(shapes_model: ShapesModel, tmp_path: Path,
                  images: ImageIndex) -> Iterator[tuple[TestClient, Callable[..., list[str]]]]:
     """The app over `images`, and `names(**body)`: the photos POST /search/images returns for "a red circle"
     with the body's filters, in order."""
-    from service.app import create_app
-    from service.engine import Engine
+    from fragsearch.service.app import create_app
+    from fragsearch.service.engine import Engine
     from tests.conftest_service import make_settings
 
     settings = make_settings(shapes_model, tmp_path, image_index=tmp_path / "images")
@@ -185,9 +185,9 @@ def test_search_filters_before_the_exact_rerank(shapes_model: ShapesModel, tmp_p
                                                 backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the candidates (no exact scan of the allowed images): Milvus gets the allowed ids as a
     filter expression, FAISS's candidates are filtered after; both rank what the exact scan ranks."""
-    import index.ranker
+    import fragsearch.index.ranker
 
-    monkeypatch.setattr(index.ranker, "FILTERED_EXACT", 0)
+    monkeypatch.setattr(fragsearch.index.ranker, "FILTERED_EXACT", 0)
     images = album_index(shapes_model, tmp_path, album, BackendOptions(backend))
     with album_search(shapes_model, tmp_path, images) as (c, names):
         everything = names()

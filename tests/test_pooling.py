@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from index.images import ImageIndex
-from model.bundle import Bundle
-from model.calibration import Calibration
-from model.dataset import load_split_data
-from model.encoders import Encoders, ModelConfig
-from model.nets.encoders import FragmentModel, arrays
-from model.parsers import make_parser
-from model.score import skl
+from fragsearch.index.images import ImageIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Calibration
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.nets.encoders import FragmentModel, arrays
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.score import skl
+from fragsearch.training.evaluate import evaluate
+from fragsearch.training.train import make_run, train
 from tests.conftest import ShapesModel
-from training.evaluate import evaluate
-from training.train import make_run, train
 
 F, H = 6, 8
 
@@ -117,7 +117,7 @@ def test_a_pooled_model_trains_saves_and_evaluates_and_the_index_refuses_it(
 
 
 def test_pooled_members_are_not_merged() -> None:
-    from training.merge import merge_models
+    from fragsearch.training.merge import merge_models
 
     cfg = ModelConfig(img_dim=10, word_dim=4, h=H, pool_ranks=F)
     with pytest.raises(ValueError, match="pooled over ranks"):

@@ -10,12 +10,12 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
-from index import ImageIndex, IndexSettings
-from index.build import build_image_index
-from model.data import load_split
-from model.dataset import feature_cache
-from service.app import create_app
-from service.prepare import STAGES, Progress
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.build import build_image_index
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.service.app import create_app
+from fragsearch.service.prepare import STAGES, Progress
 from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]

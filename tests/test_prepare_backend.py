@@ -8,9 +8,9 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from index.catalogue import built_backend
-from service.app import create_app, load_engine
-from service.prepare import prepare
+from fragsearch.index.catalogue import built_backend
+from fragsearch.service.app import create_app, load_engine
+from fragsearch.service.prepare import prepare
 from tests.conftest import ShapesModel
 from tests.conftest_service import make_settings
 

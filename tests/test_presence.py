@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.bundle import Bundle
-from model.evidence import FEATURES, SCORES, PhraseEvidence, PresenceHead, features_of, pool
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.evidence import FEATURES, SCORES, PhraseEvidence, PresenceHead, features_of, pool
+from fragsearch.training.presence import OWN, SWAPPED, Samples, fit_presence, measures_of, presence_of, samples_of
 from tests.conftest import ShapesModel
-from training.presence import OWN, SWAPPED, Samples, fit_presence, measures_of, presence_of, samples_of
 
 pytest_plugins = ["tests.conftest_service"]
 
@@ -69,8 +69,8 @@ def test_evidence_fitted_with_a_head_needs_the_head() -> None:
 
 @pytest.fixture(scope="module")
 def shapes_samples(evidence_bundle: Bundle, shapes_model: ShapesModel) -> tuple[Samples, Samples]:
-    from model.dataset import hold_out, load_split_data
-    from model.parsers import make_parser
+    from fragsearch.model.dataset import hold_out, load_split_data
+    from fragsearch.model.parsers import make_parser
 
     train = load_split_data(shapes_model.data, "train", evidence_bundle.image_cfg, shapes_model.cache,
                             make_parser("spacy"))

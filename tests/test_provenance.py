@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import bundle as bundle_module
-from model.bundle import Bundle, CheckpointError, weight_files
-from model.config import TextConfig
-from model.nets.checkpoint import Checkpoint
-from model.words import WordTable
+from fragsearch.model import bundle as bundle_module
+from fragsearch.model.bundle import Bundle, CheckpointError, weight_files
+from fragsearch.model.config import TextConfig
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.words import WordTable
 from tests.test_index import WORDS, make_bundle
 
 
@@ -71,7 +71,7 @@ def test_a_checkpoint_without_the_record_loads_with_a_warning(words: WordTable, 
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     del state["weights"]  # as checkpoints were saved before the record
     torch.save(state, tmp_path / "old.pt")
-    with caplog.at_level(logging.WARNING, logger="model.bundle"):
+    with caplog.at_level(logging.WARNING, logger="fragsearch.model.bundle"):
         old = Bundle.load(tmp_path / "old.pt")
     assert "records no hashes of the weight files" in caplog.text and old.weights is None
     old.save(tmp_path / "resaved")  # saved again: the installed files are recorded

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from service.app import create_app
+from fragsearch.service.app import create_app
 from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:
-    from model.bundle import Bundle
+    from fragsearch.model.bundle import Bundle
     from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]
@@ -75,8 +75,7 @@ def nullable_fields() -> frozenset[str]:
 
     from pydantic import BaseModel
 
-    import service.schemas as schemas
-
+    import fragsearch.service.schemas as schemas
     names = set()
     for model in vars(schemas).values():
         if isinstance(model, type) and issubclass(model, BaseModel):

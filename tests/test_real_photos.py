@@ -30,15 +30,15 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from index import ImageIndex, IndexSettings, list_images
-from index.bulk import bulk_extract
-from index.shards import read_shard, shard_files
-from index.sync import open_index, sync_folder
-from model.config import ImageConfig
-from model.image import RegionExtractor
-from model.imageio import read_image
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.index import ImageIndex, IndexSettings, list_images
+from fragsearch.index.bulk import bulk_extract
+from fragsearch.index.shards import read_shard, shard_files
+from fragsearch.index.sync import open_index, sync_folder
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.imageio import read_image
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import API_KEY, engine_over_dev, make_settings
 
@@ -150,8 +150,8 @@ def test_fragsearch_index_takes_every_photo_people_have(real_photos: RealPhotos,
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert f"{len(SHAPES)} added" in out and "0 unreadable" in out, out[-3000:]
-    from model.bundle import Bundle
-    from model.release import RELEASED_MODEL
+    from fragsearch.model.bundle import Bundle
+    from fragsearch.model.release import RELEASED_MODEL
 
     manifest = next((tmp_path / "artifacts").rglob("sync-manifest.json"))
     index = ImageIndex.load(manifest.parent, Bundle.load(RELEASED_MODEL), collection_root=real_photos.folder)

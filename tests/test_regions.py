@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from model.config import ImageConfig
-from model.features import config_key
-from model.image import RegionExtractor
-from model.proposals import full_box, select_regions
-from model.regions import GEOMETRY, RankerError, RegionRanker, geometry, load_ranker, read_ranker
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.features import config_key
+from fragsearch.model.image import RegionExtractor
+from fragsearch.model.proposals import full_box, select_regions
+from fragsearch.model.regions import GEOMETRY, RankerError, RegionRanker, geometry, load_ranker, read_ranker
 
 FEATURES = 1280
 
@@ -93,7 +93,7 @@ def test_the_feature_cache_key_carries_the_ranker() -> None:
 def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
-    from model.onnx import graph_dir
+    from fragsearch.model.onnx import graph_dir
 
     ranker = small_first()
     name = ranker.save(graph_dir()).name
@@ -117,7 +117,7 @@ def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(tmp_path: Path
 
 
 def test_the_ranker_learns_which_proposals_hold_the_named_boxes() -> None:
-    from training.regions import Picture, fit_ranker, held
+    from fragsearch.training.regions import Picture, fit_ranker, held
 
     rng = np.random.default_rng(0)
     cfg = ImageConfig(n_regions=3, min_box_frac=0.0)

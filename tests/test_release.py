@@ -4,17 +4,24 @@ writes a release (training/release.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from model.atomic import sha256_file
-from model.bundle import Bundle, CheckpointError
-from model.release import MANIFEST, RELEASE_DIR, RELEASED_MODEL, read_manifest, served_model_path
+from fragsearch.model.atomic import sha256_file
+from fragsearch.model.bundle import Bundle, CheckpointError
+from fragsearch.model.release import MANIFEST, RELEASE_DIR, RELEASED_MODEL, read_manifest, served_model_path
+from fragsearch.training.release import main as release_main
+from fragsearch.training.release import manifest_of, teacher_of, write_release
 from tests.conftest import ShapesModel
-from training.release import main as release_main
-from training.release import manifest_of, teacher_of, write_release
+
+
+def ran(command: str, job: str) -> bool:
+    """`command` runs the training job `job` (recorded as run: `python -m training.<job>` before the modules were
+    fragsearch.training's, `python -m fragsearch.training.<job>` since)."""
+    return re.match(rf"python -m (fragsearch\.)?training\.{job} ", command) is not None
 
 
 def test_the_released_model_is_small_described_and_matches_its_manifest() -> None:
@@ -30,9 +37,8 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
                       "minilm-l6-fp32-opset17-noweights.onnx"}, "the runtime's form and every graph it runs"
     assert manifest["files"]["minilm-l6-fp32-opset17-noweights.onnx"]["bytes"] < 2**20, "MiniLM's weights not copied"
     made = manifest["made_by"]
-    assert made["command"].startswith("python -m training.release ") and len(made["commit"]) == 40
-    assert made["training_command"].startswith("python -m training.train ") and "--selection val" in \
-        made["training_command"]
+    assert ran(made["command"], "release") and len(made["commit"]) == 40
+    assert ran(made["training_command"], "train") and "--selection val" in made["training_command"]
     training = manifest["training"]
     assert training["split"] == "train" and training["images"] > 5000 and len(training["images_sha256"]) == 64
     assert training["validation_part"]["rule"] == "val" and training["validation_part"]["images"] > 0
@@ -46,15 +52,15 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
     dev = manifest["metrics"]["dev"]
     assert [float(x) for x in row[1:3]] == [round(dev["annot_r1"], 1), round(dev["annot_r5"], 1)], \
         "the results table holds the release's dev numbers"
-    assert made["exported_from"]["command"].startswith("python -m training.release ")  # made from a release
+    assert ran(made["exported_from"]["command"], "release")  # made from a release
     teacher = made["teacher"]  # distilled: the teacher's checkpoint and the command that made it
     assert "--distill-from " + teacher["model"] in made["training_command"]
-    assert teacher["command"].startswith("python -m training.merge --members ")
+    assert ran(teacher["command"], "merge") and " --members " in teacher["command"]
 
 
 def test_the_released_model_is_what_every_command_serves_by_default(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
-    from model.settings import default_model_path
+    from fragsearch.model.settings import default_model_path
 
     monkeypatch.chdir(tmp_path)  # no .env, no fragsearch.toml
     for name in ("FRAGSEARCH_MODEL_PATH", "FRAGSEARCH_VARIANT", "FRAGSEARCH_CONFIG"):
@@ -93,7 +99,8 @@ def test_the_release_command_writes_a_manifest_that_every_load_checks(shapes_mod
                                                                       tmp_path: Path) -> None:
     bundle = shapes_model.bundle
     dev = {"rsum": 123.456, "annot_r1": 1.0}
-    manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "python -m training.release x")
+    manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev,
+                           "python -m fragsearch.training.release x")
     assert manifest["row"] == shapes_model.model_path.parent.name  # the model folder's name, unless --row
     assert manifest_of(bundle, shapes_model.model_path, shapes_model.data, dev, "x", override="mine")["row"] == "mine"
     release = tmp_path / "release"
@@ -125,8 +132,8 @@ def test_a_distilled_models_manifest_names_its_teacher(tmp_path: Path) -> None:
             {"config": {"train": {"distill_from": str(tmp_path / "teacher" / "model.pt")}}}))
     assert teacher_of(model) == {"teacher": {"model": str(tmp_path / "teacher" / "model.pt")}}
     (tmp_path / "teacher").mkdir()
-    (tmp_path / "teacher" / "history.json").write_text(json.dumps({"command": "python -m training.merge x"}))
-    assert teacher_of(model)["teacher"]["command"] == "python -m training.merge x"
+    (tmp_path / "teacher" / "history.json").write_text(json.dumps({"command": "python -m fragsearch.training.merge x"}))
+    assert teacher_of(model)["teacher"]["command"] == "python -m fragsearch.training.merge x"
     (model.parent / "member-2" / "history.json").write_text(json.dumps({"config": {"train": {"distill_from": None}}}))
     assert teacher_of(model)["teacher"]["model"] == str(tmp_path / "teacher" / "model.pt")
     other = tmp_path / "other" / "model.pt"
@@ -134,7 +141,7 @@ def test_a_distilled_models_manifest_names_its_teacher(tmp_path: Path) -> None:
         (model.parent / f"member-{k}" / "history.json").write_text(json.dumps(
             {"config": {"train": {"distill_from": f"{tmp_path / 'teacher' / 'model.pt'},{other}"}}}))
     assert teacher_of(model) == {"teacher": {"model": [str(tmp_path / "teacher" / "model.pt"), str(other)],
-                                             "command": ["python -m training.merge x", None]}}
+                                             "command": ["python -m fragsearch.training.merge x", None]}}
     for k in (1, 2):
         (model.parent / f"member-{k}" / "history.json").write_text(json.dumps({"config": {"train": {}}}))
     assert teacher_of(model) == {}, "a model trained alone names no teacher"
@@ -153,8 +160,8 @@ def test_the_release_command_refuses_a_model_without_a_relevance_scale(shapes_mo
 
 def test_a_new_released_model_is_a_new_version() -> None:
     """service/version.py names the weights the version ships: a release without a new version fails here."""
-    from model.release import read_manifest
-    from service.version import RELEASED_MODEL
+    from fragsearch.model.release import read_manifest
+    from fragsearch.service.version import RELEASED_MODEL
 
     assert read_manifest()["files"]["model.npz"]["sha256"] == RELEASED_MODEL, \
         "model/released/ changed: set a new __version__ and RELEASED_MODEL in service/version.py (and CHANGELOG.md)"
@@ -165,7 +172,7 @@ def test_a_model_whose_proposals_a_region_ranker_orders_ships_its_file(shapes_mo
     import copy
     import dataclasses
 
-    from model.onnx import graph_dir
+    from fragsearch.model.onnx import graph_dir
     from tests.test_regions import small_first
 
     bundle = copy.copy(shapes_model.bundle)

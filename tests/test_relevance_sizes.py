@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.relevance_sizes import shown_relevance, subset
-from training.relevance import reliability
+from fragsearch.training.relevance import reliability
 
 
 def test_a_drawn_collection_keeps_its_images_captions_renumbered() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from model.embed import EmbeddedSentence
+from fragsearch.model.embed import EmbeddedSentence
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -47,7 +47,7 @@ def trace(fn: Callable[..., Any], *args: Any) -> Call:
     def hook(frame: FrameType, event: str, arg: object) -> None:
         if event not in ("call", "return") or not frame.f_code.co_filename.startswith(ROOT):
             return
-        file = frame.f_code.co_filename[len(ROOT):]
+        file = frame.f_code.co_filename[len(ROOT):].removeprefix("fragsearch/")  # imported through fragsearch/'s links
         if not file.startswith(FLOORS):
             return
         if event == "call":
@@ -89,7 +89,7 @@ def engine_steps(call: Call) -> tuple[list[Call], list[Call]]:
 def test_the_tracer_sees_a_climb_back_to_the_service(service_env: ServiceEnv) -> None:
     """A read written the old way (encode, then rank: two index calls with the engine between them)
     is seen as such."""
-    from model.embed import embed_sentence
+    from fragsearch.model.embed import embed_sentence
 
     engine = service_env.engine
 

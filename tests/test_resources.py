@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from model.resources import available_memory, cpu_quota, default_workers, memory_limit, usable_cpus
-from service.settings import Settings
+from fragsearch.model.resources import available_memory, cpu_quota, default_workers, memory_limit, usable_cpus
+from fragsearch.service.settings import Settings
 
 GIB = 1 << 30
 AFFINITY = len(os.sched_getaffinity(0))

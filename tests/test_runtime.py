@@ -14,21 +14,22 @@ import numpy as np
 import pytest
 import torch
 
-from index.ranker import rank_key
-from model.bundle import Bundle
-from model.calibration import Calibration
-from model.fragments import pad
-from model.nets.checkpoint import Checkpoint
-from model.release import RELEASED_MODEL
-from model.score import skl
+from fragsearch.index.ranker import rank_key
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Calibration
+from fragsearch.model.fragments import pad
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.score import skl
+from fragsearch.training.calibrate import fit_calibration
 from tests.conftest import ShapesModel
-from training.calibrate import fit_calibration
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINING_STACK = ("torch", "torchvision", "triton", "transformers", "sentence_transformers", "sklearn", "scipy",
                   "onnx")
-SERVED_MODULES = ("service.app", "service.__main__", "service.prepare", "service.engine", "index.build",
-                  "index.sync", "index.bulk", "model.bundle", "model.embed", "model.image", "model.words")
+SERVED_MODULES = tuple(f"fragsearch.{m}" for m in (
+    "service.app", "service.__main__", "service.prepare", "service.engine", "index.build", "index.sync", "index.bulk",
+    "model.bundle", "model.embed", "model.image", "model.words"))
 
 
 def _python(code: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -50,7 +51,7 @@ class Watch:
                 f = f.f_back
             importer = f.f_code.co_filename if f is not None else "?"
             if importer.startswith(root) and "/site-packages/" not in importer:
-                found.append([name, importer[len(root) + 1:]])
+                found.append([name, importer[len(root) + 1:].removeprefix("fragsearch/")])
         return None
 sys.meta_path.insert(0, Watch())
 for m in modules:
@@ -85,7 +86,8 @@ def test_serving_loads_no_torch_where_it_is_installed() -> None:
     so a service run from the dev environment does not hold torch's 500 MB."""
     pytest.importorskip("torch")
     code = (f"import importlib, sys\nfor m in {SERVED_MODULES!r}: importlib.import_module(m)\n"
-            "from model.parsers import make_parser\nmake_parser('spacy').parse(['a dog runs on the grass'])\n"
+            "from fragsearch.model.parsers import make_parser\n"
+            "make_parser('spacy').parse(['a dog runs on the grass'])\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     out = _python(code, {"HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -94,7 +96,7 @@ def test_serving_loads_no_torch_where_it_is_installed() -> None:
 
 def test_a_module_that_pulls_torch_in_is_caught() -> None:
     """The watch above names a project file that imports torch (the torch side, model/nets/)."""
-    found = project_imports_of(TRAINING_STACK, ("model.nets.encoders",))
+    found = project_imports_of(TRAINING_STACK, ("fragsearch.model.nets.encoders",))
     assert ["torch", "model/nets/encoders.py"] in found
 
 
@@ -154,7 +156,7 @@ def test_the_runtimes_form_loads_without_torch_and_scores_alike(shapes_model: Sh
     np.save(tmp_path / "feats.npy", feats)
     code = ("import sys\n"
             "for m in ('torch', 'torchvision', 'transformers', 'sentence_transformers'): sys.modules[m] = None\n"
-            "import numpy as np\nfrom model.bundle import Bundle\n"
+            "import numpy as np\nfrom fragsearch.model.bundle import Bundle\n"
             f"b = Bundle.load({str(tmp_path / 'model')!r}, device='cpu')\n"
             f"np.save({str(tmp_path / 'out.npy')!r}, b.embed_images(np.load({str(tmp_path / 'feats.npy')!r})))\n")
     out = _python(code)
@@ -163,13 +165,13 @@ def test_the_runtimes_form_loads_without_torch_and_scores_alike(shapes_model: Sh
 
 
 def test_a_trainers_checkpoint_without_torch_says_how_to_serve_it(shapes_model: ShapesModel) -> None:
-    code = ("import sys\nsys.modules['torch'] = None\nfrom model.bundle import Bundle, CheckpointError\n"
+    code = ("import sys\nsys.modules['torch'] = None\nfrom fragsearch.model.bundle import Bundle, CheckpointError\n"
             "try:\n"
             f"    Bundle.load({str(shapes_model.model_path)!r}, device='cpu')\n"
             "except CheckpointError as e:\n    print(e)\n")
     out = _python(code)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "training.release" in out.stdout and "trainer's checkpoint" in out.stdout
+    assert "fragsearch.training.release" in out.stdout and "trainer's checkpoint" in out.stdout
 
 
 def test_the_released_model_is_in_the_runtimes_form() -> None:

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_of_items
-from training.objectives import contrastive_global_loss, fragment_loss, global_loss, mil_labels, two_branch_loss
+from fragsearch.model.score import FlatFragments, align, flatten, fragment_scores, pair_contributions, skl, skl_of_items
+from fragsearch.training.objectives import (
+    contrastive_global_loss,
+    fragment_loss,
+    global_loss,
+    mil_labels,
+    two_branch_loss,
+)
 
 
 def test_skl_matches_hand_computed_example():
@@ -286,7 +292,7 @@ def test_skl_of_items_from_unpadded_products_is_the_padded_skl() -> None:
 def test_the_one_skl_gives_numpy_arrays_and_torch_tensors_the_same_numbers(blocks: int) -> None:
     """The runtime scores NumPy arrays and training torch tensors with the same functions: the same S_kl,
     alignments, pair shares and calibration scales, to float rounding."""
-    from model.calibration import Calibration
+    from fragsearch.model.calibration import Calibration
 
     rng = np.random.default_rng(3)
     img = rng.standard_normal((9, 6, 8)).astype(np.float32)

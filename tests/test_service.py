@@ -16,15 +16,15 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw
 
-from index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
-from model.bundle import Bundle
-from model.nets.checkpoint import Checkpoint
-from model.release import RELEASED_MODEL
-from model.text import Triplet
-from service.app import STATIC, create_app
-from service.engine import Engine
-from service.prepare import prepare
-from service.settings import Settings
+from fragsearch.index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.release import RELEASED_MODEL
+from fragsearch.model.text import Triplet
+from fragsearch.service.app import STATIC, create_app
+from fragsearch.service.engine import Engine
+from fragsearch.service.prepare import prepare
+from fragsearch.service.settings import Settings
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -137,7 +137,7 @@ def test_an_upload_sent_again_is_answered_from_its_kept_regions(writable: tuple[
 
 
 def test_recent_entries_keep_the_last_ones() -> None:
-    from model.recent import Recent
+    from fragsearch.model.recent import Recent
 
     kept: Recent[str] = Recent(limit=2)
     for key in ("a", "b"):
@@ -448,7 +448,7 @@ def test_every_ranked_route_answers_through_the_candidates_as_the_scan_does(
 
 
 def test_response_examples_are_valid_answers(client: TestClient) -> None:
-    from service import schemas
+    from fragsearch.service import schemas
 
     components = client.get("/openapi.json").json()["components"]["schemas"]
     for name in ("SearchImagesResponse", "AnnotateResponse", "SimilarResponse", "SearchFragmentsResponse",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from service.app import create_app
+from fragsearch.service.app import create_app
 from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from service.engine import Engine
+from fragsearch.service.engine import Engine
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import pytest
 from fastapi.testclient import TestClient
 
-from service.__main__ import main
-from service.app import create_app
-from service.logs import JsonFormatter
-from service.version import __version__
+from fragsearch.service.__main__ import main
+from fragsearch.service.app import create_app
+from fragsearch.service.logs import JsonFormatter
+from fragsearch.service.version import __version__
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv
@@ -66,7 +66,7 @@ def test_version_flag_and_openapi_agree_with_the_project(client: TestClient,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert pyproject["project"]["dynamic"] == ["version"]  # read from service/version.py at build time
-    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "service.version.__version__"}
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "fragsearch.service.version.__version__"}
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"fragsearch {__version__}"

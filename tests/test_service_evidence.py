@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from model.evidence import FOUND
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.model.evidence import FOUND
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import png_bytes
 

@@ -1,7 +1,7 @@
 """The released model's recipe, the `full-2x256` variant (two runs of `full` at h = 256 merged, each member's
 S_kl thresholded apart; `full`: int8 per-region crops, proposals at 112 px, contextual word vectors, the
 whole-sentence fragment, score calibration), named with FRAGSEARCH_VARIANT and so trained from nothing
-on 12 images of the shapes collection as `python -m service` prepares a missing variant, and answering
+on 12 images of the shapes collection as `python -m fragsearch.service` prepares a missing variant, and answering
 every ranked route over a real socket (uvicorn on 127.0.0.1, an ephemeral port).
 
 A collection of 12 images is far below `IndexSettings.exact_below` (50,000 fragments), under which every
@@ -21,14 +21,14 @@ import httpx
 import pytest
 import torch
 
-from index import ImageIndex, SentenceIndex
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.fragments import SENTENCE_REL
-from model.release import read_manifest
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.index import ImageIndex, SentenceIndex
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.fragments import SENTENCE_REL
+from fragsearch.model.release import read_manifest
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.uvicorn_thread import uvicorn_server
 
 if TYPE_CHECKING:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from model.bundle import Bundle
-from model.data import load_split
-from model.dataset import feature_cache
-from model.score import SMOOTHING
-from service.app import create_app
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.score import SMOOTHING
+from fragsearch.service.app import create_app
 from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]

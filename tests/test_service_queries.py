@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import pytest
 from fastapi.testclient import TestClient
 
-from model.fragments import NoFragmentsError, TextPipeline
-from model.text import RelationVocab
+from fragsearch.model.fragments import NoFragmentsError, TextPipeline
+from fragsearch.model.text import RelationVocab
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

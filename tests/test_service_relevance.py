@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from model.data import load_split
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.model.data import load_split
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import engine_over_dev
 
@@ -126,7 +126,7 @@ def test_the_default_cut_off_answers_no_good_match_for_what_the_collection_does_
     outcome on the page is what is tested: an empty list with its reason, and results."""
     import json
 
-    from model.calibration import DEFAULT_CUTOFF
+    from fragsearch.model.calibration import DEFAULT_CUTOFF
     from tests.synthetic import COLOURS, SHAPES
 
     margin = 0.1
@@ -153,8 +153,8 @@ def test_the_default_cut_off_answers_no_good_match_for_what_the_collection_does_
 def test_a_page_is_shown_through_one_composition_on_both_sides(calibrated_engine: Engine) -> None:
     """`shown` reads a page's relevance against its collection and cuts it: the same hits, in ranking order,
     as the relevance of each result read by hand; each side names its own item in the reason."""
-    from model.calibration import Relevance
-    from service.routes.convert import shown, shown_relevance
+    from fragsearch.model.calibration import Relevance
+    from fragsearch.service.routes.convert import shown, shown_relevance
 
     engine = calibrated_engine
     page = engine.images.search(SENTENCE, 8)

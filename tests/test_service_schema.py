@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode, checks
 
-from service.app import create_app
+from fragsearch.service.app import create_app
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

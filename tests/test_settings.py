@@ -1,5 +1,6 @@
 """Settings from flags, the environment, .env and fragsearch.toml (pydantic-settings), each over the next;
-a flag for every setting in `python -m service --help`; the settings table docs/operations/settings.md generated
+a flag for every setting in `python -m fragsearch.service --help`; the settings table docs/operations/settings.md
+generated
 from the model."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from service.__main__ import main as service_main
-from service.prepare import main as prepare_main
-from service.settings import Settings, SettingsFileError, settings_from, settings_markdown, settings_parser
+from fragsearch.service.__main__ import main as service_main
+from fragsearch.service.prepare import main as prepare_main
+from fragsearch.service.settings import Settings, SettingsFileError, settings_from, settings_markdown, settings_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 USED = ("PORT", "HEAVY_SLOTS", "LOG_FORMAT", "CONFIG", "PREPARE", "CORS_ORIGINS")
@@ -34,7 +35,8 @@ def from_flags(*flags: str) -> Settings:
 
 def test_the_settings_table_is_generated_from_the_model() -> None:
     table = (ROOT / "docs" / "operations" / "settings.md").read_text()
-    assert table == settings_markdown(), "docs/operations/settings.md is stale: python -m service.settings --markdown"
+    assert table == settings_markdown(), \
+        "docs/operations/settings.md is stale: python -m fragsearch.service.settings --markdown"
     for name in Settings.model_fields:
         assert f"| `{name}` | `--{name.replace('_', '-')}" in table, name
 
@@ -84,7 +86,7 @@ def test_a_bad_settings_file_is_an_error_not_ignored(text: str, error: str, tmp_
     (tmp_path / "fragsearch.toml").write_text(text)
     with pytest.raises(SettingsFileError, match=error):
         Settings()
-    with pytest.raises(SystemExit) as stop:  # python -m service: argparse's one-line error, status 2
+    with pytest.raises(SystemExit) as stop:  # python -m fragsearch.service: argparse's one-line error, status 2
         from_flags()
     assert stop.value.code == 2 and error in capsys.readouterr().err
 
@@ -98,7 +100,7 @@ def test_a_bad_flag_value_exits_with_a_message(flags: list[str], capsys: pytest.
 
 
 def test_the_parser_takes_flags_of_its_caller() -> None:
-    ap, cli = settings_parser("python -m service")
+    ap, cli = settings_parser("python -m fragsearch.service")
     ap.add_argument("--version", action="version", version="x")
     assert isinstance(ap, argparse.ArgumentParser)
     assert settings_from(ap, cli, ap.parse_args(["--host", "0.0.0.0"])).host == "0.0.0.0"
@@ -106,13 +108,13 @@ def test_the_parser_takes_flags_of_its_caller() -> None:
 
 def test_prepare_takes_the_same_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """python -m service.prepare: --help lists a flag for every setting; a flag wins over the environment
+    """python -m fragsearch.service.prepare: --help lists a flag for every setting; a flag wins over the environment
     and the settings file and reaches the preparation; a bad value exits with argparse's message."""
     with pytest.raises(SystemExit) as stop:
         prepare_main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m service.prepare")
+    assert out.startswith("usage: python -m fragsearch.service.prepare")
     missing = [name for name in Settings.model_fields if f"--{name.replace('_', '-')}" not in out]
     assert missing == [] and "--config FILE" in out
 
@@ -130,7 +132,7 @@ def test_prepare_takes_the_same_flags(tmp_path: Path, monkeypatch: pytest.Monkey
         root.setLevel(level)
     assert code == 2
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
-    messages = [(line["level"], line["message"]) for line in lines if line["logger"] == "service.prepare"]
+    messages = [(line["level"], line["message"]) for line in lines if line["logger"] == "fragsearch.service.prepare"]
     assert messages[0] == ("INFO", f"preparing on cpu with 1 extraction workers: data {flagged}, artifacts "
                                    f"{tmp_path / 'artifacts'}, the first 3 images of each split"), messages
     errors = [m for lv, m in messages if lv == "ERROR"]

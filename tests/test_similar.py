@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from index import ImageIndex, IndexSettings, SentenceIndex
-from index.similar import more_like_this, rank_like
-from model.data import load_split
-from model.dataset import feature_cache
+from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.index.similar import more_like_this, rank_like
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
 
 if TYPE_CHECKING:
     from tests.conftest import ShapesModel

@@ -10,8 +10,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from index import ImageIndex, IndexSettings
-from index.sync import IGNORE_FILE, MANIFEST, ignore_patterns, ignored, main, read_manifest, sync_folder, walk
+from fragsearch.index import ImageIndex, IndexSettings
+from fragsearch.index.sync import (
+    IGNORE_FILE,
+    MANIFEST,
+    ignore_patterns,
+    ignored,
+    main,
+    read_manifest,
+    sync_folder,
+    walk,
+)
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -42,7 +51,7 @@ def test_sync_follows_the_folder(shapes_model: ShapesModel, tmp_path: Path) -> N
     (photos / ".hidden.jpg").write_bytes((photos / "a.jpg").read_bytes())
     (photos / "notes.txt").write_text("not an image")
     cache = shapes_model.cache / "sync-features"
-    from model.dataset import feature_cache
+    from fragsearch.model.dataset import feature_cache
 
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(),
                               cache=feature_cache(cache, shapes_model.bundle.image_cfg), collection_root=photos)
@@ -99,8 +108,8 @@ def test_the_command_indexes_a_folder(shapes_model: ShapesModel, tmp_path: Path)
 
 
 def test_commits_grow_with_the_index(shapes_model: ShapesModel, tmp_path: Path) -> None:
-    from index.shards import COMMIT_IMAGES, commit_interval
-    from model.dataset import feature_cache
+    from fragsearch.index.shards import COMMIT_IMAGES, commit_interval
+    from fragsearch.model.dataset import feature_cache
 
     assert [commit_interval(n, 500) for n in (0, 2_000, 4_000, 100_000, 10**6)] == [500, 500, 1_000, 25_000,
                                                                                     COMMIT_IMAGES]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from model.fragments import parse_cached
-from model.parsers import SpacyParser, StanzaParser, make_parser, stanza_document_to_parsed
-from model.text import ParsedSentence, RelationVocab, Triplet, sentence_triplets
+from fragsearch.model.fragments import parse_cached
+from fragsearch.model.parsers import SpacyParser, StanzaParser, make_parser, stanza_document_to_parsed
+from fragsearch.model.text import ParsedSentence, RelationVocab, Triplet, sentence_triplets
 
 
 @pytest.fixture(scope="module")

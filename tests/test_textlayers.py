@@ -13,22 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import Bundle
-from model.dataset import load_split_data
-from model.encoders import Encoders, ModelConfig
-from model.fragments import SENTENCE_REL, TextPipeline
-from model.minilm import minilm
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel, arrays
-from model.nets.textlayers import TextLayers as TorchLayers
-from model.parsers import make_parser
-from model.textlayers import PREFIX, TextLayers, first_layer
-from model.words import cut_hidden, encode_texts, encode_tuned
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
+from fragsearch.model.minilm import minilm
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel, arrays
+from fragsearch.model.nets.textlayers import TextLayers as TorchLayers
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.textlayers import PREFIX, TextLayers, first_layer
+from fragsearch.model.words import cut_hidden, encode_texts, encode_tuned
+from fragsearch.training.epochs import FragmentBatches
+from fragsearch.training.evaluate import evaluate
+from fragsearch.training.release import manifest_of, write_release
+from fragsearch.training.train import Run, make_run, train
 from tests.conftest import ShapesModel
-from training.epochs import FragmentBatches
-from training.evaluate import evaluate
-from training.release import manifest_of, write_release
-from training.train import Run, make_run, train
 
 LISTS = [["a", "dog", "runs", "through", "the", "grass"], ["two", "men"], ["a", "skateboarder", "jumps"],
          ["unbelievably", "colourful", "parrots", "squawk"]]
@@ -89,7 +89,7 @@ def test_minilms_own_layers_after_the_cut_give_minilms_vectors(n: int) -> None:
 
 
 def test_the_cut_graph_is_minilms_hidden_states_after_that_layer() -> None:
-    from model.nets.minilm import bert
+    from fragsearch.model.nets.minilm import bert
 
     hidden, offsets, words = cut_hidden(LISTS[:2], 4)
     model = bert()
@@ -161,7 +161,8 @@ def test_a_model_trains_its_layers_saves_them_and_serves_with_them(shapes_model:
     assert f"{PREFIX}.0.q.weight" in bundle.encoders.arrays()
     release = tmp_path / "release"  # a release ships MiniLM's graph: the model's layers run in it
     files = write_release(bundle, release, manifest_of(bundle, tmp_path / "model" / "model.pt", shapes_model.data,
-                                                       {"rsum": 1.0}, "python -m training.release x"))["files"]
+                                                       {"rsum": 1.0},
+                                                       "python -m fragsearch.training.release x"))["files"]
     assert "minilm-l6-fp32-opset17-noweights.onnx" in files
     assert not any("upto" in f for f in files)  # no graph cut below them
     served = Bundle.load(release)
@@ -215,7 +216,7 @@ def test_a_frozen_models_vectors_are_not_read_through_anothers_layers(shapes_mod
 
 
 def test_members_with_layers_of_their_own_merge_only_one_set(tmp_path: Path) -> None:
-    from training.merge import merge_models
+    from fragsearch.training.merge import merge_models
 
     cfg = ModelConfig(img_dim=10, word_dim=384, h=8, text_layers=1)
     a, b = FragmentModel(cfg), FragmentModel(cfg)
@@ -238,7 +239,7 @@ def test_members_with_layers_of_their_own_merge_only_one_set(tmp_path: Path) -> 
 
 def test_a_run_of_members_trains_one_set_of_layers_the_others_read_it_fixed(shapes_model: ShapesModel,
                                                                            tmp_path: Path) -> None:
-    from training.train import train_members
+    from fragsearch.training.train import train_members
 
     run = _tuned_run(shapes_model, 1, members=2)
     data = load_split_data(shapes_model.data, "train", run.image, shapes_model.cache, make_parser("spacy"))
@@ -273,8 +274,8 @@ def test_a_run_of_members_trains_one_set_of_layers_the_others_read_it_fixed(shap
 def test_text_from_is_refused_without_layers_or_beside_a_teacher(shapes_model: ShapesModel, tmp_path: Path) -> None:
     """A model to read layers from must have them, as many as asked; a student reading fixed layers takes no
     teacher, and a teacher with layers of its own is refused (a teacher reads MiniLM's own vectors)."""
-    from training.distill import Teacher
-    from training.train import fixed_text_layers
+    from fragsearch.training.distill import Teacher
+    from fragsearch.training.train import fixed_text_layers
 
     run = _tuned_run(shapes_model, 1, text_from=str(shapes_model.model_path))
     with pytest.raises(ValueError, match="no MiniLM layers of its own"):

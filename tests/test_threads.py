@@ -1,5 +1,5 @@
 """The server's numeric threads (model/onnx.py): each request running at once gets its share of the CPUs for
-NumPy's products and FAISS, set once when `python -m service` starts (`numeric_threads` overrides it)."""
+NumPy's products and FAISS, set once when `python -m fragsearch.service` starts (`numeric_threads` overrides it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from model.onnx import request_threads
+from fragsearch.model.onnx import request_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_each_running_request_gets_its_share_of_the_cpus() -> None:
 def test_the_limit_reaches_numpys_blas_and_faiss() -> None:
     """In a process of its own (the limit is the process's from then on): NumPy's BLAS and the OpenMP pool FAISS
     loads run one thread each."""
-    code = ("import json, numpy, faiss; from model.onnx import limit_numeric_threads; "
+    code = ("import json, numpy, faiss; from fragsearch.model.onnx import limit_numeric_threads; "
             "print(json.dumps(limit_numeric_threads(1)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=120)

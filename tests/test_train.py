@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import Bundle
-from model.config import ImageConfig, TrainConfig
-from model.dataset import SplitData, hold_out, load_split_data
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import build_model
-from model.parsers import make_parser
-from model.variants import VariantError
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig, TrainConfig
+from fragsearch.model.dataset import SplitData, hold_out, load_split_data
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import build_model
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.variants import VariantError
+from fragsearch.training.epochs import _step, drop_fragments, global_top_k_at
+from fragsearch.training.evaluate import evaluate
+from fragsearch.training.train import Trained, bool_flag, split_for_selection, train_variant
+from fragsearch.training.train import main as train_main
 from tests.conftest import ShapesModel
-from training.epochs import _step, drop_fragments, global_top_k_at
-from training.evaluate import evaluate
-from training.train import Trained, bool_flag, split_for_selection, train_variant
-from training.train import main as train_main
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,8 @@ def test_train_variant_trains_a_variant_as_its_file_gives_it(shapes_model: Shape
     assert Bundle.load(trained.checkpoint).meta["variant"] == "paper"
     summary = json.loads((out / "history.json").read_text())
     assert summary["selection"] == {"rule": "last", "epochs": 10, "epoch": 10} and summary["train_images"] == 20
-    assert summary["command"] == (f"python -m training.train --data {shapes_model.data} --variant paper --out {out} "
+    assert summary["command"] == (f"python -m fragsearch.training.train --data {shapes_model.data} --variant paper "
+                                  f"--out {out} "
                                   f"--cache {shapes_model.cache} --workers 1 --device auto --selection last "
                                   "--train-limit 20")
     with pytest.raises(VariantError, match="unknown variant 'no-such'"):
@@ -166,7 +167,7 @@ def test_max_violation_takes_over_from_its_epoch() -> None:
 
 
 def test_mirrored_views_show_each_image_as_one_view_or_the_other() -> None:
-    from training.epochs import MirroredViews
+    from fragsearch.training.epochs import MirroredViews
 
     feats, mirrored = torch.zeros(50, 3, 4), torch.ones(50, 3, 4)
     idx = torch.arange(50)
@@ -185,7 +186,7 @@ def test_training_on_mirrored_views_extracts_them_for_the_trained_images_only(sh
                                                                               tmp_path: Path) -> None:
     """--mirror-views: the images trained on get their mirrored view in a cache folder of its own (the
     validation part is not mirrored), and the checkpoint's image settings stay those it serves with."""
-    from model.dataset import feature_cache
+    from fragsearch.model.dataset import feature_cache
 
     cache = tmp_path / "cache"
     out = tmp_path / "mirror"

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from model.encoders import Encoders, ModelConfig
-from model.nets.encoders import DeViSE, TreeRNN, arrays
-from model.parsers import SpacyParser
-from model.trees import SentenceTree, TreeBatch, position_ranges
-from training.objectives import global_loss
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.nets.encoders import DeViSE, TreeRNN, arrays
+from fragsearch.model.parsers import SpacyParser
+from fragsearch.model.trees import SentenceTree, TreeBatch, position_ranges
+from fragsearch.training.objectives import global_loss
 
 D, H = 3, 2
 

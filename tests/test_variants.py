@@ -15,13 +15,20 @@ from typing import Any
 
 import pytest
 
-from model.config import ImageConfig, TextConfig, TrainConfig
-from model.data import load_split
-from model.dataset import feature_cache
-from model.variants import FIELD_TYPES, VARIANTS_DIR, VariantError, load_variant, read_variant_file, variant_names
+from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.variants import (
+    FIELD_TYPES,
+    VARIANTS_DIR,
+    VariantError,
+    load_variant,
+    read_variant_file,
+    variant_names,
+)
+from fragsearch.training.extract import main as extract
+from fragsearch.training.train import list_resolved, list_variants, make_run
 from tests.conftest import ShapesModel
-from training.extract import main as extract
-from training.train import list_resolved, list_variants, make_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -255,7 +262,7 @@ def test_list_resolved_prints_every_field_of_every_variant_as_toml() -> None:
 
 def test_serving_does_not_import_the_trainer() -> None:
     code = ("import sys, service.app, service.prepare, bench.report; "
-            "sys.exit(1 if 'training.train' in sys.modules else 0)")
+            "sys.exit(1 if 'fragsearch.training.train' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.testclient import TestClient
 
-from index import IndexSettings
-from index.sync import open_index, sync_folder
-from service.app import create_app
-from service.engine import Engine
+from fragsearch.index import IndexSettings
+from fragsearch.index.sync import open_index, sync_folder
+from fragsearch.service.app import create_app
+from fragsearch.service.engine import Engine
 from tests.conftest_service import make_settings
 from tests.synthetic import make_picture
 

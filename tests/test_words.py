@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from model.minilm import minilm
-from model.words import WordTable, encode_sentences, encode_words_in_context
+from fragsearch.model.minilm import minilm
+from fragsearch.model.words import WordTable, encode_sentences, encode_words_in_context
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +79,9 @@ def test_words_in_context() -> None:
 
 
 def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from model.config import TextConfig
-    from model.fragments import TextPipeline
-    from model.text import ParsedSentence, RelationVocab, Triplet
+    from fragsearch.model.config import TextConfig
+    from fragsearch.model.fragments import TextPipeline
+    from fragsearch.model.text import ParsedSentence, RelationVocab, Triplet
 
     cfg = TextConfig(sentence_fragment=True, word_vectors="contextual")
     rels = RelationVocab(TextPipeline.relation_names(cfg, ["det"]), {"det": 3}, 0.01)
@@ -97,7 +97,7 @@ def test_warm_reuses_the_vectors_file(table: WordTable, tmp_path: Path, monkeypa
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("the vectors file should have been used")
 
-    monkeypatch.setattr("model.fragments.encode_texts", no_model)
+    monkeypatch.setattr("fragsearch.model.fragments.encode_texts", no_model)
     again = TextPipeline(cfg, rels, table)
     again.warm(parsed, sentences, tmp_path)
     enc = again.encode_parsed(parsed, sentences)
@@ -109,7 +109,7 @@ def test_onnx_encoders_give_the_torch_outputs() -> None:
     """The ONNX Runtime path equals sentence-transformers' own encode and the torch transformer."""
     import torch
 
-    from model.nets.minilm import load_minilm
+    from fragsearch.model.nets.minilm import load_minilm
 
     sentences = ["A black dog is running after a white dog in the snow .", "two men", "  padded  text "]
     model: Any = load_minilm()

@@ -15,7 +15,7 @@ Stages, each recorded with its seconds, its outcome and what it measured:
    the device's provider; one training epoch and the calibration on the device), tests/test_device_mixing.py (with
    `-p tests.real_device` on a GPU: every path on CUDA against the CPU) and tests/test_extraction_device.py;
    the dry run the second and the last.
-3. `first start`: `python -m service.prepare` with the released model on the first `--images` images of
+3. `first start`: `python -m fragsearch.service.prepare` with the released model on the first `--images` images of
    the data folder's dev split and as many training captions (FRAGSEARCH_LIMIT), `--workers` extraction
    processes, then the service loaded and one search answered; its stages' times from its log, and on a
    GPU the processes that held a CUDA context meanwhile (nvidia-smi): the extraction workers must not.
@@ -136,9 +136,9 @@ def environment(device: str) -> dict[str, Any]:
     import onnxruntime
     import torch
 
-    from index.ann import gpu_available
-    from model.backbone import backbone_graph
-    from model.onnx import session
+    from fragsearch.index.ann import gpu_available
+    from fragsearch.model.backbone import backbone_graph
+    from fragsearch.model.onnx import session
 
     gpu = device.startswith("cuda")
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
@@ -248,7 +248,7 @@ def _first_start(device: str, data: Path, images: int, workers: int, out_dir: Pa
     log = out_dir / "prepare.log"
     try:
         with log.open("w") as fh:  # written as it goes: `tail -f` it to follow the run
-            r = _run([sys.executable, "-m", "service.prepare"], timeout, cwd=ROOT, env=env, stdout=fh,
+            r = _run([sys.executable, "-m", "fragsearch.service.prepare"], timeout, cwd=ROOT, env=env, stdout=fh,
                      stderr=subprocess.STDOUT)
     finally:
         stop.set()
@@ -280,8 +280,8 @@ def _first_start(device: str, data: Path, images: int, workers: int, out_dir: Pa
 LOAD_AND_SEARCH = """
 import json, time
 from fastapi.testclient import TestClient
-from service.app import create_app, load_engine
-from service.settings import Settings
+from fragsearch.service.app import create_app, load_engine
+from fragsearch.service.settings import Settings
 settings = Settings()
 t0 = time.perf_counter()
 engine = load_engine(settings)
@@ -345,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     images = args.images or (8 if args.dry_run else 50)
     workers = args.workers or len(os.sched_getaffinity(0))
     if args.data is None:
-        from model.settings import default_data_dir  # the `data` setting (FRAGSEARCH_DATA, .env, fragsearch.toml)
+        from fragsearch.model.settings import (
+            default_data_dir,  # the `data` setting (FRAGSEARCH_DATA, .env, fragsearch.toml)
+        )
 
         args.data = default_data_dir()
     data = args.data

@@ -55,7 +55,8 @@ CUDA_LIBRARIES = ("nvidia-*", "cuda-*")
 GPU_SWAP = {"onnxruntime": "onnxruntime-gpu", "faiss-cpu": "faiss-gpu-cuvs"}
 ALWAYS_THERE = ("pip",)  # the venv's own (python3 -m venv); setuptools is pinned by the locks
 GPU_EXTRAS = {"onnxruntime-gpu": {"cuda", "cudnn"}}  # the extras whose requirements the gpu variant installs
-SERVICE_MODULES = ("service.app", "service.prepare", "index.build", "index.sync", "model.bundle")
+SERVICE_MODULES = ("fragsearch.service.app", "fragsearch.service.prepare", "fragsearch.index.build",
+                   "fragsearch.index.sync", "fragsearch.model.bundle")
 DRIVER_LIBRARY = "libcuda.so.1"  # the NVIDIA driver's, mounted into a container at start
 
 
@@ -214,9 +215,9 @@ def check_released_model() -> list[str]:
     import numpy as np
     from PIL import Image, ImageDraw
 
-    from model.bundle import Bundle
-    from model.minilm import minilm
-    from model.release import RELEASED_MODEL
+    from fragsearch.model.bundle import Bundle
+    from fragsearch.model.minilm import minilm
+    from fragsearch.model.release import RELEASED_MODEL
 
     bundle = Bundle.load(RELEASED_MODEL, device="cpu")
     picture = Image.new("RGB", (160, 120), (240, 240, 240))

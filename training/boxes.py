@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from model.boxes import box_iou
-from model.entities import ImageEntities
-from model.text import Triplet
+from fragsearch.model.boxes import box_iou
+from fragsearch.model.entities import ImageEntities
+from fragsearch.model.text import Triplet
 
 logger = logging.getLogger(__name__)
 

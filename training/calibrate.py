@@ -9,10 +9,10 @@ Training fits it for the epoch it keeps; this command refits it for a checkpoint
 form (`--relevance-only` keeps the reference sets, e.g. to add the scale to a checkpoint made before it
 existed).
 
-    python -m training.calibrate --model artifacts/models/full/model.pt --refs 1000
-    python -m training.calibrate --model artifacts/models/full-val/model.pt --relevance-only \
+    python -m fragsearch.training.calibrate --model artifacts/models/full/model.pt --refs 1000
+    python -m fragsearch.training.calibrate --model artifacts/models/full-val/model.pt --relevance-only \
         --out artifacts/models/full-val-relevance/model.pt
-    python -m training.calibrate --model model/released --relevance-only --local-k 5,10,20,50 \
+    python -m fragsearch.training.calibrate --model model/released --relevance-only --local-k 5,10,20,50 \
         --out artifacts/models/release-local   # a local scale chosen on the validation part, then the curve
 """
 
@@ -28,16 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from model.bundle import Bundle
-from model.calibration import Calibration, Relevance
-from model.dataset import SplitData, hold_out, load_split_data
-from model.nets.checkpoint import Checkpoint
-from model.onnx import default_threads
-from model.parsers import make_parser
-from model.score import block_slices
-from model.settings import default_cache_dir, default_data_dir
-from training.evaluate import evaluate
-from training.relevance import distractors_of, fit_relevance, judge
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Calibration, Relevance
+from fragsearch.model.dataset import SplitData, hold_out, load_split_data
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.onnx import default_threads
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.score import block_slices
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.evaluate import evaluate
+from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 
 logger = logging.getLogger(__name__)
 

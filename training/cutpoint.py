@@ -2,11 +2,12 @@
 to a cut point (the stem and the first ``cut`` MBConv blocks), stored as one float16 memmap, so that the
 layers above the cut can be fine-tuned with the fragment objective in minutes per epoch.
 
-    nice -n 10 python -m training.cutpoint --variant full --splits train dev --out artifacts/cache/cut/full-b16
+    nice -n 10 python -m fragsearch.training.cutpoint --variant full --splits train dev \
+        --out artifacts/cache/cut/full-b16
 
 The regions are the cached ones of the variant's feature cache (its boxes: the proposals are kept and
 ranked by the ImageNet head, as in serving). Each crop is warped to ``crop_size``² exactly as
-``model.image.region_crops`` does for serving. The store is resumable: ``done.npy`` marks the images
+``fragsearch.model.image.region_crops`` does for serving. The store is resumable: ``done.npy`` marks the images
 written, flushed every few images; a re-run does the rest.
 
 Folder layout: ``meta.json`` (image names in order, the cut, the activation shape, the fragments per
@@ -26,18 +27,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model.atomic import atomic_file
-from model.config import ImageConfig
-from model.data import check_data_dir, load_split
-from model.dataset import feature_cache, held_out_indices
-from model.features import read_entry
-from model.image import region_crops
-from model.imageio import load_image
-from model.nets.backbone import Trunk, cut_shape, efficientnet
-from model.nets.onnx import export
-from model.onnx import session, set_threads
-from model.settings import default_cache_dir, default_data_dir
-from model.variants import load_variant
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.data import check_data_dir, load_split
+from fragsearch.model.dataset import feature_cache, held_out_indices
+from fragsearch.model.features import read_entry
+from fragsearch.model.image import region_crops
+from fragsearch.model.imageio import load_image
+from fragsearch.model.nets.backbone import Trunk, cut_shape, efficientnet
+from fragsearch.model.nets.onnx import export
+from fragsearch.model.onnx import session, set_threads
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.model.variants import load_variant
 
 logger = logging.getLogger(__name__)
 

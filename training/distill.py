@@ -3,7 +3,7 @@
 The teacher is usually a merged ensemble (training/merge.py: members side by side, each thresholded
 apart), the student a model of the served size trained by the same recipe. Per batch the teacher
 scores the batch's images against its sentences with the one S_kl (model.score.skl, its own blocks),
-and `training.objectives.distill_loss` pulls the student's batch scores towards the teacher's
+and `fragsearch.training.objectives.distill_loss` pulls the student's batch scores towards the teacher's
 ranking, in both directions, beside the fragment and global objectives (`TrainConfig.distill_weight`).
 
 A teacher may be several checkpoints (`TrainConfig.distill_from` "a.pt,b.pt"): its score is the sum of
@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.config import ImageConfig
-from model.dataset import cached_features
-from model.fragments import TextPipeline
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.score import skl
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.dataset import cached_features
+from fragsearch.model.fragments import TextPipeline
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.score import skl
 
 logger = logging.getLogger(__name__)
 

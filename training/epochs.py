@@ -14,18 +14,24 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model.atomic import cached_file
-from model.config import TrainConfig
-from model.dataset import SplitData
-from model.device import fused_optimizer
-from model.fragments import EncodedSentences, TextPipeline, pad_rows
-from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
-from model.score import flatten, skl_from_flat
-from model.trees import TreeBatch
-from model.words import cut_hidden
-from training.boxes import batch_labels
-from training.distill import Teacher
-from training.objectives import contrastive_global_loss, distill_loss, fragment_loss, global_loss, two_branch_loss
+from fragsearch.model.atomic import cached_file
+from fragsearch.model.config import TrainConfig
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.device import fused_optimizer
+from fragsearch.model.fragments import EncodedSentences, TextPipeline, pad_rows
+from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
+from fragsearch.model.score import flatten, skl_from_flat
+from fragsearch.model.trees import TreeBatch
+from fragsearch.model.words import cut_hidden
+from fragsearch.training.boxes import batch_labels
+from fragsearch.training.distill import Teacher
+from fragsearch.training.objectives import (
+    contrastive_global_loss,
+    distill_loss,
+    fragment_loss,
+    global_loss,
+    two_branch_loss,
+)
 
 
 def lr_at(cfg: TrainConfig, epoch: int, base: float | None = None) -> float:

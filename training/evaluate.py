@@ -5,7 +5,7 @@ Image search (sentence -> images): rank of its one image. Ties count against the
 (an item scoring equal to the correct one is ranked before it).
 Also the Hodosh (*) variant: only the first sentence of each image.
 
-    python -m training.evaluate --data DIR --split DIR/dev.txt --model artifacts/models/full/model.pt
+    python -m fragsearch.training.evaluate --data DIR --split DIR/dev.txt --model artifacts/models/full/model.pt
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Protocol
 
 import numpy as np
 
-from model.bundle import Bundle
-from model.dataset import SplitData, load_split_data
-from model.fragments import EncodedSentences, TextPipeline
-from model.parsers import make_parser
-from model.settings import default_cache_dir, default_data_dir, default_model_path
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.fragments import EncodedSentences, TextPipeline
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,10 @@ shown pair a match when the picture's captions describe it alike (training/relev
 the picture holds every thing the query names (`named_alike`): a person judges phrase by phrase, and calls
 any picture of a dog running on grass a match for "a dog runs through the grass".
 
-    python -m training.evidence --model model/released --out artifacts/models/released-evidence
-    python -m training.evidence --model artifacts/models/NAME/model.json --out artifacts/models/NAME-evidence
-    python -m training.evidence --model model/released --out artifacts/models/released-relevance --relevance-only
+    python -m fragsearch.training.evidence --model model/released --out artifacts/models/released-evidence
+    python -m fragsearch.training.evidence --model artifacts/models/NAME/model.json --out artifacts/models/NAME-evidence
+    python -m fragsearch.training.evidence --model model/released --out artifacts/models/released-relevance \
+        --relevance-only
 
 The model is written in the runtime's form (a folder) with the evidence weights beside its relevance scale;
 the validation measures (AUC of `found` on held-out images of the part, its calibration error) are logged and
@@ -39,16 +40,16 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from model.bundle import Bundle
-from model.calibration import Relevance
-from model.dataset import SplitData
-from model.embed import embed_encoded, embed_texts
-from model.entities import ImageEntities, read_entities
-from model.evidence import FOUND, PhraseEvidence, features_of, forms, known, named_things
-from training.refit import Refit
-from training.relevance import Judged
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Relevance
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.embed import embed_encoded, embed_texts
+from fragsearch.model.entities import ImageEntities, read_entities
+from fragsearch.model.evidence import FOUND, PhraseEvidence, features_of, forms, known, named_things
+from fragsearch.training.refit import Refit
+from fragsearch.training.relevance import Judged
 
-logger = logging.getLogger("training.evidence")
+logger = logging.getLogger("fragsearch.training.evidence")
 OTHERS = 40  # other images drawn at random each caption is read against
 SHOWN = 5  # and the best others a search of the part ranks first, with and without each thing's pictures
 BATCH = 256  # captions embedded at a time
@@ -235,7 +236,7 @@ def balance(rows: Rows) -> np.ndarray:
 
 def fit_weights(rows: Rows) -> tuple[tuple[float, ...], float]:
     """The logistic weights of `found` over the rows, weighed by `balance`."""
-    from training.relevance import _logistic
+    from fragsearch.training.relevance import _logistic
 
     w, _ = _logistic(np.column_stack([rows.x, np.ones(len(rows.y))]), rows.y, weights=balance(rows))
     return tuple(float(v) for v in w[:-1]), float(w[-1])
@@ -244,7 +245,7 @@ def fit_weights(rows: Rows) -> tuple[tuple[float, ...], float]:
 def measures(scale: PhraseEvidence, rows: Rows) -> dict[str, Any]:
     """AUC of `found`, the share of own-image things found, of absent things not found, and its calibration
     error (equal-width bins)."""
-    from training.relevance import calibration_error, reliability
+    from fragsearch.training.relevance import calibration_error, reliability
 
     p = scale.probability(rows.x)
     absent = rows.y < 0.5
@@ -366,8 +367,8 @@ def fit_relevance_with_evidence(bundle: Bundle, scale: PhraseEvidence, val: Spli
     """The relevance scale refitted on the validation part (training/relevance.py `fit_relevance`) with the
     phrase evidence of the pairs its queries show, a pair a match where its captions describe it alike or it holds
     every thing the query names (`named_alike`; `ents`: the Entities annotations of the images)."""
-    from model.dataset import SplitData as Data
-    from training.relevance import distractors_of, fit_relevance, judge
+    from fragsearch.model.dataset import SplitData as Data
+    from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 
     others = distractors_of(rest)
     both = Data(val.split, np.concatenate([val.feats, others.feats]), np.concatenate([val.boxes, others.boxes]),
@@ -400,13 +401,13 @@ def refit_evidence(run: Refit, out: Path, relevance_only: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from training.refit import load_refit, refit_parser
+    from fragsearch.training.refit import load_refit, refit_parser
 
     ap = refit_parser(__doc__, "evidence")
     ap.add_argument("--relevance-only", action="store_true",
                     help="keep the model's phrase evidence and refit the relevance on it alone")
     args = ap.parse_args(argv)
-    refit_evidence(load_refit(args, "training.evidence", argv), args.out, args.relevance_only)
+    refit_evidence(load_refit(args, "fragsearch.training.evidence", argv), args.out, args.relevance_only)
 
 
 if __name__ == "__main__":

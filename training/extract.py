@@ -1,7 +1,7 @@
 """Extract (or resume extracting) the image fragments of a data folder into the feature cache.
 
-    python -m training.extract --data ../shared/data/flickr8k --splits train dev --workers 2
-    python -m training.extract --variant full-2x256 --splits train dev     (the features that variant reads)
+    python -m fragsearch.training.extract --data ../shared/data/flickr8k --splits train dev --workers 2
+    python -m fragsearch.training.extract --variant full-2x256 --splits train dev     (the features that variant reads)
 
 Without --variant the image settings are ImageConfig's own defaults; with it, that variant's (the
 released model's recipe is `full-2x256`); the region flags override either.
@@ -16,11 +16,11 @@ import argparse
 import logging
 from pathlib import Path
 
-from model.config import ImageConfig, add_region_flags, with_region_flags
-from model.data import check_data_dir, load_split
-from model.dataset import feature_cache
-from model.settings import default_cache_dir, default_data_dir
-from model.variants import VariantError, load_variant
+from fragsearch.model.config import ImageConfig, add_region_flags, with_region_flags
+from fragsearch.model.data import check_data_dir, load_split
+from fragsearch.model.dataset import feature_cache
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.model.variants import VariantError, load_variant
 
 logger = logging.getLogger(__name__)
 

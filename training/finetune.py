@@ -2,7 +2,7 @@
 norm's affine part) together with a trained fragment model, on cached cut-point activations
 (training/cutpoint.py), with the fragment objective: the paper's "Finetune CNN" row (§3.4, Table 3).
 
-    python -m training.finetune --init artifacts/models/full-val/model.pt \\
+    python -m fragsearch.training.finetune --init artifacts/models/full-val/model.pt \\
         --acts artifacts/cache/cut/full-lite0-b16 --out artifacts/models/full-ft
 
 The paper's schedule: the first epochs with the CNN fixed (C_0, then MIL) — the ``--init`` model, a run
@@ -36,22 +36,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.atomic import atomic_file
-from model.config import TrainConfig
-from model.dataset import SplitData, load_split_data, select_images
-from model.device import fused_optimizer
-from model.nets.backbone import Top, efficientnet, onnx_graph
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.onnx import graph_dir, set_threads
-from model.parsers import make_parser
-from model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
-from training.calibrate import fit_calibration, reference_draw
-from training.cutpoint import CutStore
-from training.epochs import FragmentBatches, train_fragment_epoch
-from training.evaluate import evaluate
-from training.selection import VAL_METRICS, split_for_selection
-from training.train import Run, make_run
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.config import TrainConfig
+from fragsearch.model.dataset import SplitData, load_split_data, select_images
+from fragsearch.model.device import fused_optimizer
+from fragsearch.model.nets.backbone import Top, efficientnet, onnx_graph
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.onnx import graph_dir, set_threads
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from fragsearch.training.calibrate import fit_calibration, reference_draw
+from fragsearch.training.cutpoint import CutStore
+from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
+from fragsearch.training.evaluate import evaluate
+from fragsearch.training.selection import VAL_METRICS, split_for_selection
+from fragsearch.training.train import Run, make_run
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
                        captions_per_image=args.captions_per_image)
     summary.update({"variant": f"{variant} + fine-tuned CNN top", "init": str(args.init),
                     "train_images": len(tr.names),
-                    "command": "python -m training.finetune " + shlex.join(sys.argv[1:] if argv is None else argv)})
+                    "command": "python -m fragsearch.training.finetune "
+                               + shlex.join(sys.argv[1:] if argv is None else argv)})
     (args.out / "history.json").write_text(json.dumps(summary, indent=2))
     logger.info("kept fine-tuning epoch %d (val R-sum %.2f)", summary["selection"]["epoch"], summary["best"]["rsum"])
 

@@ -7,7 +7,7 @@ the softmax's negative log of the mass on the phrase's regions (a phrase whose b
 nothing and is left out of the training). Epochs are chosen on the validation part (the images --selection val
 held out, training/calibrate.py ``split_of``), trained on the rest; dev is never read.
 
-    python -m training.grounder --model model/released --out artifacts/models/released-grounder
+    python -m fragsearch.training.grounder --model model/released --out artifacts/models/released-grounder
 
 The model is written in the runtime's form (a folder) with the head's weights; its accuracy on the validation
 part (the chosen fragment holds the phrase at IoU >= 0.5, of every sample with a head-noun triplet) and the
@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from model.boxes import box_iou
-from model.bundle import Bundle
-from model.dataset import SplitData
-from model.embed import embed_encoded
-from model.entities import ImageEntities
-from model.evidence import SCORES, score_features, thing_direction, thing_members, unit
-from model.grounder import GEOMETRY, Grounder, geometry
-from model.score import alignment_scores
+from fragsearch.model.boxes import box_iou
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.embed import embed_encoded
+from fragsearch.model.entities import ImageEntities
+from fragsearch.model.evidence import SCORES, score_features, thing_direction, thing_members, unit
+from fragsearch.model.grounder import GEOMETRY, Grounder, geometry
+from fragsearch.model.score import alignment_scores
 
-logger = logging.getLogger("training.grounder")
+logger = logging.getLogger("fragsearch.training.grounder")
 IOU = 0.5  # a fragment holds a phrase at this IoU with one of its boxes (the grounding measure's)
 HIDDEN = 256
 EPOCHS = 12
@@ -176,12 +176,12 @@ def fit_grounder(train: Samples, val: Samples, hidden: int = HIDDEN, epochs: int
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from training.refit import load_refit, refit_parser
+    from fragsearch.training.refit import load_refit, refit_parser
 
     ap = refit_parser(__doc__, "grounder", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
     args = ap.parse_args(argv)
-    run = load_refit(args, "training.grounder", argv)
+    run = load_refit(args, "fragsearch.training.grounder", argv)
     ents = run.all_entities()
     fit, report = fit_grounder(samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents),
                                args.hidden, args.epochs)

@@ -1,7 +1,7 @@
 """Merge fragment models trained on the same features and sentences into ONE fragment model: the
 concatenation of their embeddings, a servable ensemble.
 
-    python -m training.merge --members artifacts/models/full-val artifacts/models/full-val-seed1 \\
+    python -m fragsearch.training.merge --members artifacts/models/full-val artifacts/models/full-val-seed1 \\
         artifacts/models/full-val-seed2 --out artifacts/models/full-merge3-blocks
 
 Every encoder of a linear fragment model is linear in its weights' output rows (image: v = W x + b;
@@ -39,16 +39,16 @@ from typing import Any
 
 import torch
 
-from model.config import TrainConfig
-from model.dataset import SplitData, load_split_data
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import FragmentModel
-from model.parsers import make_parser
-from model.settings import default_cache_dir, default_data_dir
-from training.calibrate import fit_calibration, store_relevance
-from training.evaluate import evaluate_scores
-from training.relevance import distractors_of, fit_relevance, judge
-from training.selection import VAL_METRICS, split_for_selection
+from fragsearch.model.config import TrainConfig
+from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import FragmentModel
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.calibrate import fit_calibration, store_relevance
+from fragsearch.training.evaluate import evaluate_scores
+from fragsearch.training.relevance import distractors_of, fit_relevance, judge
+from fragsearch.training.selection import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     merged, summary = merge_selected(bundles, args.members, tr, val, cfg, args.cache, args.threshold)
     merged.save(args.out / "model.pt")
     summary["train_seconds"] = time.perf_counter() - start
-    summary["command"] = "python -m training.merge " + shlex.join(sys.argv[1:] if argv is None else argv)
+    summary["command"] = "python -m fragsearch.training.merge " + shlex.join(sys.argv[1:] if argv is None else argv)
     (args.out / "history.json").write_text(json.dumps(summary, indent=2))
 
 

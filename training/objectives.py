@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.score import FlatFragments
+from fragsearch.model.score import FlatFragments
 
 
 def mil_labels(scores: torch.Tensor, in_pair: torch.Tensor, mil: bool) -> torch.Tensor:

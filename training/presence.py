@@ -18,7 +18,7 @@ is the one with the best AUC on the same kind of samples from the validation par
 phrase evidence's logistic fit on the validation part (training/evidence.py, run after it) turns its score
 into a probability, and the relevance is refitted on it.
 
-    python -m training.presence --model model/released --out artifacts/models/released-presence --epochs 5
+    python -m fragsearch.training.presence --model model/released --out artifacts/models/released-presence --epochs 5
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from model.bundle import Bundle
-from model.dataset import SplitData
-from model.embed import embed_encoded, embed_texts
-from model.entities import ImageEntities
-from model.evidence import SCORES, PresenceHead, score_features, thing_direction, thing_members, unit
-from model.score import alignment_scores
-from training.evidence import auc, caption_scores, image_words, names_in, swapped_captions
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.embed import embed_encoded, embed_texts
+from fragsearch.model.entities import ImageEntities
+from fragsearch.model.evidence import SCORES, PresenceHead, score_features, thing_direction, thing_members, unit
+from fragsearch.model.score import alignment_scores
+from fragsearch.training.evidence import auc, caption_scores, image_words, names_in, swapped_captions
 
-logger = logging.getLogger("training.presence")
+logger = logging.getLogger("fragsearch.training.presence")
 SHOWN = 5
 OTHERS = 10
 COLLECTION = 1000
@@ -267,13 +267,13 @@ def fit_presence(train: Samples, val: Samples, rank: int = RANK, hidden: int = H
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from training.evidence import refit_evidence
-    from training.refit import load_refit, refit_parser
+    from fragsearch.training.evidence import refit_evidence
+    from fragsearch.training.refit import load_refit, refit_parser
 
     ap = refit_parser(__doc__, "presence head and phrase evidence", epochs=EPOCHS)
     ap.add_argument("--per-image", type=int, default=PER_IMAGE, help="captions of each training picture read")
     args = ap.parse_args(argv)
-    run = load_refit(args, "training.presence", argv)
+    run = load_refit(args, "fragsearch.training.presence", argv)
     ents = run.all_entities()
     val = samples_of(run.bundle, run.val, ents, per_image=5, seed=1)
     train = samples_of(run.bundle, run.rest, ents, per_image=args.per_image)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.bundle import Bundle
-from model.dataset import SplitData
-from model.entities import ImageEntities
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.dataset import SplitData
+from fragsearch.model.entities import ImageEntities
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Refit:
 
     def all_entities(self) -> dict[str, ImageEntities]:
         """The Entities annotations of every training image (the part trained on and the validation part)."""
-        from model.entities import read_entities
+        from fragsearch.model.entities import read_entities
 
         return read_entities(self.entities, [*self.rest.names, *self.val.names])
 
@@ -36,7 +36,7 @@ class Refit:
 def refit_parser(description: str | None, what: str, epochs: int | None = None) -> argparse.ArgumentParser:
     """The flags: the model, the folder it is written to (with `what`), the data, Entities, cache, workers, and
     for a head trained here its `epochs` (the best on the validation part kept)."""
-    from model.settings import default_cache_dir, default_data_dir
+    from fragsearch.model.settings import default_cache_dir, default_data_dir
 
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
@@ -53,9 +53,9 @@ def refit_parser(description: str | None, what: str, epochs: int | None = None) 
 
 def load_refit(args: argparse.Namespace, module: str, argv: Sequence[str] | None) -> Refit:
     """The model of `args` and its training images, split as its --selection val split them."""
-    from model.dataset import load_split_data
-    from model.parsers import make_parser
-    from training.calibrate import split_of
+    from fragsearch.model.dataset import load_split_data
+    from fragsearch.model.parsers import make_parser
+    from fragsearch.training.calibrate import split_of
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bundle = Bundle.load(args.model)

@@ -1,7 +1,7 @@
 """Train the region ranker (model/regions.py): which selective-search proposals to keep as an image's regions, learnt
 from the boxes people drew for the phrases of its captions (Flickr30k Entities).
 
-    python -m training.regions --model model/released --out artifacts/models/released-regions
+    python -m fragsearch.training.regions --model model/released --out artifacts/models/released-regions
 
 For a sample of the images the model was trained on and for its whole validation part: every proposal of the
 image (selective search with the model's settings, boxes with a side of at least ``--min-box-frac`` of the
@@ -32,15 +32,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from model.boxes import box_iou
-from model.bundle import Bundle
-from model.config import ImageConfig
-from model.entities import ImageEntities
-from model.image import RegionExtractor, max_softmax
-from model.proposals import full_box, select_regions
-from model.regions import GEOMETRY, RegionRanker, geometry
+from fragsearch.model.boxes import box_iou
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig
+from fragsearch.model.entities import ImageEntities
+from fragsearch.model.image import RegionExtractor, max_softmax
+from fragsearch.model.proposals import full_box, select_regions
+from fragsearch.model.regions import GEOMETRY, RegionRanker, geometry
 
-logger = logging.getLogger("training.regions")
+logger = logging.getLogger("fragsearch.training.regions")
 IOU = 0.5
 HIDDEN = 64
 EPOCHS = 10
@@ -71,7 +71,7 @@ class Picture:
 
 def picture_of(extractor: RegionExtractor, path: Path, entities: ImageEntities) -> Picture:
     """An image's proposals, their pooled features and its phrases' boxes in its working pixels."""
-    from model.imageio import read_image
+    from fragsearch.model.imageio import read_image
 
     boxes, pooled, w, h = extractor.ranked_inputs(read_image(path, side=extractor.cfg.decode_side))
     counts: dict[str, int] = defaultdict(int)
@@ -169,11 +169,11 @@ def fit_ranker(train: Sequence[Picture], val: Sequence[Picture], cfg: ImageConfi
 def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
-    from model.data import load_split
-    from model.dataset import held_out_indices
-    from model.entities import read_entities
-    from model.onnx import graph_dir
-    from training.refit import refit_parser
+    from fragsearch.model.data import load_split
+    from fragsearch.model.dataset import held_out_indices
+    from fragsearch.model.entities import read_entities
+    from fragsearch.model.onnx import graph_dir
+    from fragsearch.training.refit import refit_parser
 
     ap = refit_parser(__doc__, "region ranker", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the ranker's hidden units")
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the smallest proposal side as a fraction of the image's (the model's image settings)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    command = " ".join(["python -m training.regions", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m fragsearch.training.regions", *(sys.argv[1:] if argv is None else argv)])
     bundle = Bundle.load(args.model)
     selection = bundle.meta.get("train", {})
     if selection.get("selection") != "val":

@@ -1,7 +1,7 @@
 """Write the released model: a trained checkpoint exported into model/released/ in the runtime's form, with the
 graphs it runs and its manifest.
 
-    python -m training.release --model artifacts/models/release-full-2x256/model.pt
+    python -m fragsearch.training.release --model artifacts/models/release-full-2x256/model.pt
 
 The one way a release is made (model/release.py reads and checks it). The checkpoint must carry a
 relevance scale (a model trained with --selection val: the scale is fitted on its validation part)
@@ -41,20 +41,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from model.atomic import atomic_path, sha256_file
-from model.backbone import backbone_graph, backbone_head
-from model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
-from model.data import load_split
-from model.dataset import load_split_data
-from model.graphs import BACKBONE_NAME, find, quant_recipe
-from model.minilm import minilm_graph
-from model.onnx import graph_dir
-from model.parsers import make_parser
-from model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
-from model.resources import cpu_record
-from model.settings import default_cache_dir, default_data_dir
-from training.distill import teacher_paths
-from training.evaluate import evaluate
+from fragsearch.model.atomic import atomic_path, sha256_file
+from fragsearch.model.backbone import backbone_graph, backbone_head
+from fragsearch.model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
+from fragsearch.model.data import load_split
+from fragsearch.model.dataset import load_split_data
+from fragsearch.model.graphs import BACKBONE_NAME, find, quant_recipe
+from fragsearch.model.minilm import minilm_graph
+from fragsearch.model.onnx import graph_dir
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
+from fragsearch.model.resources import cpu_record
+from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.training.distill import teacher_paths
+from fragsearch.training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def runtime_files(bundle: Bundle) -> list[Path]:
         ranker = find(cfg.region_ranker, graph_dir())
         if ranker is None:
             raise FileNotFoundError(f"the region ranker {cfg.region_ranker} the model names is not in "
-                                    f"{graph_dir()}: train it (python -m training.regions)")
+                                    f"{graph_dir()}: train it (python -m fragsearch.training.regions)")
         files.append(ranker)
     files.append(minilm_graph(graph_dir()))
     return files
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     bundle = Bundle.load(args.model, device="cpu")
     if bundle.relevance is None or not bundle.meta.get("selection", {}).get("val"):
         ap.error(f"{args.model} has no relevance scale or no validation metrics: a release is trained with "
-                 "--selection val (python -m training.train --selection val ...)")
+                 "--selection val (python -m fragsearch.training.train --selection val ...)")
     if bundle.image_cfg.backbone != BACKBONE_NAME:
         ap.error(f"{args.model} needs the {bundle.image_cfg.backbone} weight package, which the project does not "
                  "install: a release uses the locked packages only")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     dev = evaluate(bundle, dev_data)
     logger.info("dev R-sum %.2f (annotation R@1 %.1f, search R@1 %.1f)", dev["rsum"], dev["annot_r1"],
                 dev["search_r1"])
-    command = "python -m training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m fragsearch.training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
     manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command, before,
                                                            args.row))
     Bundle.load(args.out)  # the release loads, checked against its manifest

@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from model.bundle import Bundle
-from model.calibration import RELEVANCE_TOP, Relevance, competition, probability
-from model.dataset import SplitData, select_images
-from model.nets.checkpoint import Checkpoint
-from training.evaluate import evaluate_scores, score_split
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import RELEVANCE_TOP, Relevance, competition, probability
+from fragsearch.model.dataset import SplitData, select_images
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.training.evaluate import evaluate_scores, score_split
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class Shown:
     evidence: np.ndarray | None = None  # (n, 2) each pair's phrase evidence terms (model/evidence.py), when read
 
     def competition(self, rel: Relevance | None = None, beta: float = 0.0, pad: float = 0.0) -> np.ndarray:
-        """Each pair's `model.calibration.competition` (with `rel`'s beta and pad, or these)."""
+        """Each pair's `fragsearch.model.calibration.competition` (with `rel`'s beta and pad, or these)."""
         beta, pad = (beta, pad) if rel is None else (rel.beta, rel.pad)
         out = np.zeros(len(self.score))
         for q0 in range(0, len(self.best), 4096):  # queries a step
@@ -368,7 +368,7 @@ def fit_relevance(judged: Judged, seed: int = 0,
 
 def matches_of(data: SplitData) -> np.ndarray:
     """`described_alike` of a split's sentences (their MiniLM sentence vectors)."""
-    from model.words import encode_sentences
+    from fragsearch.model.words import encode_sentences
 
     return described_alike(encode_sentences(data.sentences), data.pair_image)
 
@@ -386,7 +386,7 @@ def judge(bundle: Checkpoint | Bundle, val: SplitData, distractors: SplitData | 
     """The validation part's queries scored against its items and the `distractors`' (training images and
     captions), with which pairs are a match (MiniLM sentence vectors: `alike_blocks`); `scores`: the
     validation part's own (images x captions) matrix, when it was scored already."""
-    from model.words import encode_sentences
+    from fragsearch.model.words import encode_sentences
 
     if scores is None:
         scores = evaluate_scores(bundle, val)[1]

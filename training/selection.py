@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from model.config import SELECTIONS, TrainConfig
-from model.dataset import SplitData, hold_out
+from fragsearch.model.config import SELECTIONS, TrainConfig
+from fragsearch.model.dataset import SplitData, hold_out
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Train a fragment model (or a global baseline: two-branch, DT-RNN, SDT-RNN, DeViSE) on a data folder's train split.
 
-    python -m training.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
-    python -m training.train --list        (the variants: model/variants/*.toml, model/variants.py)
-    python -m training.train --list --resolved [--variant full]    (every field as resolved, as TOML)
+    python -m fragsearch.training.train --data ../shared/data/flickr8k --variant full --out artifacts/models/full
+    python -m fragsearch.training.train --list        (the variants: model/variants/*.toml, model/variants.py)
+    python -m fragsearch.training.train --list --resolved [--variant full]    (every field as resolved, as TOML)
 
 C = C_F + beta * C_G + alpha * ||theta||^2 with the paper's schedule: the first `dense_epochs`
 with the dense fragment objective C_0, then its MIL form C_F; learning rate x0.1 for the last
@@ -34,19 +34,26 @@ from typing import Any, TextIO
 import numpy as np
 import torch
 
-from model.config import SELECTIONS, ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
-from model.dataset import SplitData, load_split_data, with_mirrored
-from model.device import device_name
-from model.encoders import ModelConfig
-from model.entities import read_entities
-from model.fragments import SENTENCE_REL, TextPipeline
-from model.nets.checkpoint import Checkpoint
-from model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
-from model.parsers import make_parser
-from model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
-from model.text import Triplet
-from model.trees import position_ranges
-from model.variants import (
+from fragsearch.model.config import (
+    SELECTIONS,
+    ImageConfig,
+    TextConfig,
+    TrainConfig,
+    add_region_flags,
+    with_region_flags,
+)
+from fragsearch.model.dataset import SplitData, load_split_data, with_mirrored
+from fragsearch.model.device import device_name
+from fragsearch.model.encoders import ModelConfig
+from fragsearch.model.entities import read_entities
+from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
+from fragsearch.model.parsers import make_parser
+from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from fragsearch.model.text import Triplet
+from fragsearch.model.trees import position_ranges
+from fragsearch.model.variants import (
     MODEL_SHAPE,
     SECTIONS,
     VARIANTS_DIR,
@@ -56,10 +63,10 @@ from model.variants import (
     read_variant_file,
     variant_names,
 )
-from training.boxes import sentence_labels
-from training.calibrate import fit_calibration, store_relevance
-from training.distill import Teacher, teacher_paths
-from training.epochs import (
+from fragsearch.training.boxes import sentence_labels
+from fragsearch.training.calibrate import fit_calibration, store_relevance
+from fragsearch.training.distill import Teacher, teacher_paths
+from fragsearch.training.epochs import (
     FragmentBatches,
     ImageFeatures,
     MirroredViews,
@@ -70,10 +77,10 @@ from training.epochs import (
     train_global_epoch,
     train_two_branch_epoch,
 )
-from training.evaluate import evaluate_scores
-from training.merge import merge_selected
-from training.relevance import distractors_of, fit_relevance, judge
-from training.selection import VAL_METRICS, split_for_selection
+from fragsearch.training.evaluate import evaluate_scores
+from fragsearch.training.merge import merge_selected
+from fragsearch.training.relevance import distractors_of, fit_relevance, judge
+from fragsearch.training.selection import VAL_METRICS, split_for_selection
 
 logger = logging.getLogger(__name__)
 
@@ -369,14 +376,14 @@ def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, 
              workers: int = 2, limit: int | None = None) -> Trained:
     """Train `run` on the `split` images of the data folder (the first `limit`; features extracted into
     `cache` where missing), keep the epoch its selection rule picks as out/model.pt, and write
-    out/history.json with the command line `flags` of `python -m training.train` give."""
+    out/history.json with the command line `flags` of `python -m fragsearch.training.train` give."""
     device = device_name(run.train.device)
     images = load_split_data(data, split, run.image, cache, make_parser(run.text.parser), workers, limit, device)
     tr, val = split_for_selection(run.train, images)
     if run.train.mirror_views > 0:  # the images trained on only: the validation part is never mirrored
         tr = with_mirrored(tr, run.image, cache, workers, device)
     summary = train_members(run, tr, val, out, cache) if run.train.members > 1 else train(run, tr, val, out, cache)
-    summary["command"] = "python -m training.train " + shlex.join(flags)
+    summary["command"] = "python -m fragsearch.training.train " + shlex.join(flags)
     (out / "history.json").write_text(json.dumps(summary, indent=2))
     kept = summary["selection"]
     members = tuple(summary.get("member_epochs", ()))
@@ -407,7 +414,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
     ap.add_argument("--resolved", action="store_true",
                     help="print every field of every variant (of --variant when given) as resolved, as TOML, "
-                         "and exit (python -m training.train --list --resolved)")
+                         "and exit (python -m fragsearch.training.train --list --resolved)")
     ap.add_argument("--data", type=Path, default=default_data_dir(),
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")

@@ -3,7 +3,8 @@ training and fine-tuning use (`Trunk`, `Top`), torch eager as a backbone (`Torch
 the benchmarks' torch row), and the files the runtime's Backbone (model/backbone.py) reads, made from them:
 the ONNX graphs (float, and int8 by the quantization recipe of model/backbone.py) and the ImageNet head's arrays.
 
-    python -m model.nets.backbone --precision int8     # the served default's graph and head, into the graph folder
+    # the served default's graph and head, into the graph folder
+    python -m fragsearch.model.nets.backbone --precision int8
 
 The runtime imports this module only when one of those files is missing (model/backbone.py ``backbone_graph``).
 """
@@ -22,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.arrays import write_npz
-from model.atomic import atomic_file, atomic_path
-from model.config import BACKBONE_PRECISIONS
-from model.device import torch_device
-from model.graphs import (
+from fragsearch.model.arrays import write_npz
+from fragsearch.model.atomic import atomic_file, atomic_path
+from fragsearch.model.config import BACKBONE_PRECISIONS
+from fragsearch.model.device import torch_device
+from fragsearch.model.graphs import (
     BACKBONE_NAME,
     BACKBONES,
     CALIBRATION_IMAGES,
@@ -40,7 +41,7 @@ from model.graphs import (
     search_dirs,
     weights_path,
 )
-from model.nets.onnx import export
+from fragsearch.model.nets.onnx import export
 
 logger = logging.getLogger(__name__)
 

@@ -17,19 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.atomic import atomic_file
-from model.bundle import Bundle, check_weights, weight_record
-from model.calibration import Calibration
-from model.config import ImageConfig, TextConfig
-from model.device import torch_device
-from model.encoders import Encoders, ModelConfig
-from model.fragments import EncodedSentences, TextPipeline
-from model.modelfile import FORMAT, MODEL_JSON, CheckpointError, read_parts
-from model.nets.encoders import FragmentModel, GlobalModel, arrays, build_model, load_arrays
-from model.release import ReleaseError, check_release
-from model.text import RelationVocab
-from model.textlayers import TextLayers
-from model.words import WordTable
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.bundle import Bundle, check_weights, weight_record
+from fragsearch.model.calibration import Calibration
+from fragsearch.model.config import ImageConfig, TextConfig
+from fragsearch.model.device import torch_device
+from fragsearch.model.encoders import Encoders, ModelConfig
+from fragsearch.model.fragments import EncodedSentences, TextPipeline
+from fragsearch.model.modelfile import FORMAT, MODEL_JSON, CheckpointError, read_parts
+from fragsearch.model.nets.encoders import FragmentModel, GlobalModel, arrays, build_model, load_arrays
+from fragsearch.model.release import ReleaseError, check_release
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.textlayers import TextLayers
+from fragsearch.model.words import WordTable
 
 
 class Checkpoint:

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.device import host_masks
-from model.encoders import GLOBAL_KINDS, ModelConfig
-from model.nets.textlayers import TextLayers
-from model.trees import TreeBatch
+from fragsearch.model.device import host_masks
+from fragsearch.model.encoders import GLOBAL_KINDS, ModelConfig
+from fragsearch.model.nets.textlayers import TextLayers
+from fragsearch.model.trees import TreeBatch
 
 
 class FragmentModel(nn.Module):
@@ -87,7 +87,7 @@ class FragmentModel(nn.Module):
 class InputDropout(nn.Module):
     """nn.Dropout's rule while training (each element zeroed with probability p, the others scaled by
     1 / (1 - p); nothing at evaluation) with the mask of a CPU tensor drawn by NumPy
-    (`model.device.host_masks`); its generator is seeded from torch's at the first draw, so a run
+    (`fragsearch.model.device.host_masks`); its generator is seeded from torch's at the first draw, so a run
     seeded with torch.manual_seed draws the same masks again."""
 
     def __init__(self, p: float) -> None:

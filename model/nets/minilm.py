@@ -7,7 +7,7 @@ weights' bytes are then replaced by references to that file (ONNX external data:
 tensor's byte offset and length), so the file holds the operations only, and the sha256 of the weight file's
 header is recorded in the graph's metadata (the runtime refuses a graph made for another file).
 
-    python -m model.nets.minilm          # MiniLM's graph, into the graph folder
+    python -m fragsearch.model.nets.minilm          # MiniLM's graph, into the graph folder
 
 The runtime imports this module only when the graph is missing (model/minilm.py ``minilm_graph``); this module
 imports the runtime's only through model/minilm_files.py.
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from model.atomic import atomic_file
-from model.graphs import search_dirs
-from model.minilm_files import (
+from fragsearch.model.atomic import atomic_file
+from fragsearch.model.graphs import search_dirs
+from fragsearch.model.minilm_files import (
     DISTRIBUTION,
     HEADER_DIGEST_KEY,
     WEIGHTS_FILE,
@@ -42,7 +42,7 @@ from model.minilm_files import (
     read_header,
     session,
 )
-from model.nets.onnx import export
+from fragsearch.model.nets.onnx import export
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

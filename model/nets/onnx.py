@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from model.atomic import atomic_path
-from model.onnx import OPSET
+from fragsearch.model.atomic import atomic_path
+from fragsearch.model.onnx import OPSET
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.minilm_files import HIDDEN
-from model.textlayers import HEADS, LN_EPS, PARTS, first_layer
+from fragsearch.model.minilm_files import HIDDEN
+from fragsearch.model.textlayers import HEADS, LN_EPS, PARTS, first_layer
 
 INNER = 4 * HIDDEN  # MiniLM's intermediate width
 
@@ -69,7 +69,7 @@ class TextLayers(nn.Module):
 
     def load_minilm(self) -> TextLayers:
         """These layers with the package's weights of MiniLM's layers first .. 5 (trained from there)."""
-        from model.nets.minilm import bert
+        from fragsearch.model.nets.minilm import bert
 
         model: Any = bert()
         source = model.encoder.layer

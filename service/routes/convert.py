@@ -9,15 +9,15 @@ from typing import Generic, TypedDict, TypeVar
 
 import numpy as np
 
-from index import Explanation, FragmentMatch, ImageHit, ImageRecord, Page, RegionHit, SentenceHit
-from index.places import Near, Place, PlaceFilter
-from model.bundle import Bundle
-from model.calibration import Relevance
-from model.evidence import FOUND, Found
-from model.text import Triplet
-from service.engine import Side, relevance_at
-from service.errors import ApiError
-from service.schemas import (
+from fragsearch.index import Explanation, FragmentMatch, ImageHit, ImageRecord, Page, RegionHit, SentenceHit
+from fragsearch.index.places import Near, Place, PlaceFilter
+from fragsearch.model.bundle import Bundle
+from fragsearch.model.calibration import Relevance
+from fragsearch.model.evidence import FOUND, Found
+from fragsearch.model.text import Triplet
+from fragsearch.service.engine import Side, relevance_at
+from fragsearch.service.errors import ApiError
+from fragsearch.service.schemas import (
     ExplainResponse,
     FragmentMatchOut,
     ImageOut,
@@ -28,7 +28,7 @@ from service.schemas import (
     SentenceResult,
     clock_seconds,
 )
-from service.settings import Settings
+from fragsearch.service.settings import Settings
 
 
 def image_url(image_id: int) -> str:
@@ -60,7 +60,7 @@ def check_min_relevance(value: float | None, relevance: Relevance | None) -> flo
         raise ApiError(422, "no_relevance_scale", "the served model has no relevance scale, so min_relevance "
                        "cannot be applied: it was trained without a validation part (--selection last), or is "
                        "uncalibrated, or older than the scale. The released model has one; for a model of your own, "
-                       "train it with --selection val or refit the scale with python -m training.calibrate "
+                       "train it with --selection val or refit the scale with python -m fragsearch.training.calibrate "
                        "--relevance-only")
     return value
 

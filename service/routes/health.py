@@ -6,12 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from model.calibration import DEFAULT_CUTOFF
-from service.engine import Engine
-from service.errors import responses
-from service.metrics import Metrics
-from service.prepare import Progress
-from service.schemas import ErrorBody, Health, NotReady, PrepareProgress, Ready, WatchOut
+from fragsearch.model.calibration import DEFAULT_CUTOFF
+from fragsearch.service.engine import Engine
+from fragsearch.service.errors import responses
+from fragsearch.service.metrics import Metrics
+from fragsearch.service.prepare import Progress
+from fragsearch.service.schemas import ErrorBody, Health, NotReady, PrepareProgress, Ready, WatchOut
 
 router = APIRouter(tags=["health"])
 

@@ -12,14 +12,14 @@ from fastapi.responses import FileResponse
 from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 
-from index.duplicates import THRESHOLD
-from index.ids import MAX_ID
-from service.deps import EngineDep, GatesDep, require_key
-from service.errors import ApiError, responses
-from service.routes.convert import image_out, image_url, thumbnail_url
-from service.routes.uploads import read_upload
-from service.schemas import DuplicateOut, DuplicatesResponse, ImageOut
-from service.thumbnails import SIZES, browser_readable, snap
+from fragsearch.index.duplicates import THRESHOLD
+from fragsearch.index.ids import MAX_ID
+from fragsearch.service.deps import EngineDep, GatesDep, require_key
+from fragsearch.service.errors import ApiError, responses
+from fragsearch.service.routes.convert import image_out, image_url, thumbnail_url
+from fragsearch.service.routes.uploads import read_upload
+from fragsearch.service.schemas import DuplicateOut, DuplicatesResponse, ImageOut
+from fragsearch.service.thumbnails import SIZES, browser_readable, snap
 
 ID_TEXT = re.compile(r"0|[1-9][0-9]{0,18}")  # plain decimal, no sign, blank, point or leading zero
 

@@ -7,12 +7,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, UploadFile
 
-from index import ImageHit
-from index.ids import MAX_ID
-from index.similar import Similar
-from service.deps import BoundsDep, EngineDep, GatesDep, SettingsDep
-from service.errors import ApiError, responses
-from service.routes.convert import (
+from fragsearch.index import ImageHit
+from fragsearch.index.ids import MAX_ID
+from fragsearch.index.similar import Similar
+from fragsearch.service.deps import BoundsDep, EngineDep, GatesDep, SettingsDep
+from fragsearch.service.errors import ApiError, responses
+from fragsearch.service.routes.convert import (
     by_date_taken,
     check_min_relevance,
     explain_out,
@@ -24,8 +24,8 @@ from service.routes.convert import (
     sentence_result,
     shown,
 )
-from service.routes.uploads import read_upload
-from service.schemas import (
+from fragsearch.service.routes.uploads import read_upload
+from fragsearch.service.schemas import (
     DEFAULT_K,
     AnnotateResponse,
     ExplainRequest,

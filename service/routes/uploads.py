@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import UploadFile
 
-from service.errors import ApiError
+from fragsearch.service.errors import ApiError
 
 CHUNK = 1024 * 1024
 
