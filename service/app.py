@@ -28,7 +28,7 @@ from fragsearch.service.admission import Gate, Gates
 from fragsearch.service.engine import Engine
 from fragsearch.service.limits import BodyLimitMiddleware
 from fragsearch.service.metrics import Metrics, MetricsMiddleware
-from fragsearch.service.prepare import Progress, prepare
+from fragsearch.service.prepare import Apart, PreparationFailed, PreparationStopped, Progress
 from fragsearch.service.routes import health, images, search
 from fragsearch.service.settings import API_KEY_HEADER, Settings
 from fragsearch.service.version import __version__
@@ -71,14 +71,14 @@ def load_engine(settings: Settings) -> Engine:
 
 
 def prepare_and_load(app: FastAPI, settings: Settings, progress: Progress) -> Engine:
-    """Prepare what is missing (service/prepare.py), publishing a search-only engine as soon as the image
-    index is ready, then attach the sentence index; blocking."""
+    """Prepare what is missing (service/prepare.py) in a child process, publishing a search-only engine as soon as
+    the image index is ready, then attach the sentence index; blocking."""
 
     def images_ready() -> None:
         progress.enter("loading", "the model and the image index: searches are served from here on")
         app.state.engine = Engine.load(settings, with_sentences=False)
 
-    prepare(settings, progress, on_images=images_ready)
+    app.state.preparation.run(settings, progress, on_images=images_ready)
     progress.enter("loading", "the sentence index")
     engine: Engine = app.state.engine
     engine.attach_sentences()
@@ -120,6 +120,13 @@ async def _load_in_background(app: FastAPI, settings: Settings, started: float, 
                 set_threads(settings.threads)
             # a daemon thread: stopping the service does not wait for a preparation under way
             engine = await _in_daemon_thread(prepare_and_load, app, settings, progress)
+    except PreparationStopped:
+        logger.info("the preparation under way was stopped with the service")
+        return
+    except PreparationFailed as e:  # the child's error and traceback
+        logger.error("could not prepare the model and indexes: %s\n%s", e, e.trace)
+        app.state.load_error = str(e)
+        return
     except Exception as e:  # reported by /readyz and the log; the process stays up for /healthz
         logger.exception("could not prepare or load the model and indexes")
         app.state.load_error = f"{type(e).__name__}: {e}"
@@ -163,11 +170,16 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         else:
             start_watching(app, settings, app.state.engine)
         yield
+        if app.state.preparation is not None:  # a preparation under way ends with the service
+            await asyncio.to_thread(app.state.preparation.stop)
         if task is not None and not task.done():
             task.cancel()
         if app.state.watcher is not None:
             await asyncio.to_thread(app.state.watcher.stop)
             app.state.watcher = None
+        if engine is None and app.state.engine is not None:  # the engine it loaded itself (one given is the caller's)
+            await asyncio.to_thread(app.state.engine.close)
+            app.state.engine = None
 
     app = FastAPI(title="fragsearch", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
@@ -175,6 +187,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.engine = engine
     app.state.load_error = None
     app.state.progress = progress
+    app.state.preparation = Apart() if progress is not None else None
     app.state.ready = engine is not None
     app.state.watcher = None
     metrics.watch_backlog.set_function(lambda: float(app.state.watcher.backlog()) if app.state.watcher else 0.0)

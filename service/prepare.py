@@ -8,6 +8,10 @@ is set aside as `<name>.stale` and rebuilt from the cached features and caption 
 removed once the new one is complete. FRAGSEARCH_INDEX_BACKEND=milvus in an installation without the
 Milvus client stops at once with one line naming the fix.
 
+The service prepares in a child process (`Apart`): what building the indexes holds (the caption vectors,
+MiniLM's arenas, the extraction workers' results) goes back with it, so a first start ends holding what a
+restart holds. The child reports its stages, its progress bars and the moment the image index is ready.
+
 Progress (`Progress`): the stage being prepared and, from the live progress bar of the step under
 way (feature extraction, training epochs, indexing), the items done, the total and the estimated
 time left. The service reports it on GET /readyz while it prepares; `python -m fragsearch.service.prepare`
@@ -23,10 +27,14 @@ the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): service/se
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import queue
 import shutil
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +52,7 @@ from fragsearch.model.data import DataError, Split, load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.device import DeviceError, device_name
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, is_released
+from fragsearch.model.settings import use
 from fragsearch.service import logs
 from fragsearch.service.settings import Settings, settings_from, settings_parser
 
@@ -78,13 +87,22 @@ class Progress:
         self.done_stages: list[str] = []
         self.finished = False
         self._lock = threading.Lock()
+        self._followed: dict[str, Any] | None = None  # the bar of a child process preparing (`Apart`)
 
-    def enter(self, stage: str, detail: str = "") -> None:
+    def enter(self, stage: str, detail: str = "", log: bool = True) -> None:
+        """Stage `stage` starts (`log`: say so in the log; a stage a child process logged is not said twice)."""
         with self._lock:
             if self.stage in STAGES and self.stage not in self.done_stages:
                 self.done_stages.append(self.stage)
             self.stage, self.detail = stage, detail
-        logger.info("preparing: %s%s", stage, f" ({detail})" if detail else "")
+            self._followed = None
+        if log:
+            logger.info("preparing: %s%s", stage, f" ({detail})" if detail else "")
+
+    def follow(self, bar: dict[str, Any] | None) -> None:
+        """The step under way is another process's: its bar as `bar_state` reads it (None: no bar)."""
+        with self._lock:
+            self._followed = bar
 
     def finish(self) -> None:
         with self._lock:
@@ -108,6 +126,15 @@ class Progress:
             return None
         return max(bars, key=lambda b: b.start_t, default=None)
 
+    @staticmethod
+    def bar_state() -> dict[str, Any] | None:
+        """This process's newest live bar: step (its label), done, total, elapsed seconds; None without one."""
+        bar = Progress._bar()
+        if bar is None:
+            return None
+        return {"step": str(bar.desc).rstrip(": ") or None, "done": int(bar.n), "total": int(bar.total),
+                "elapsed": float(bar.format_dict.get("elapsed", 0.0))}
+
     def snapshot(self) -> dict[str, Any]:
         """stage, detail, step (the bar's label), done, total, eta_seconds (None when unknown), elapsed."""
         with self._lock:
@@ -115,11 +142,11 @@ class Progress:
                                    "total": None, "eta_seconds": None,
                                    "elapsed_seconds": round(time.monotonic() - self.started, 1),
                                    "stages_done": list(self.done_stages), "stages_left": self._left()}
-        bar = None if self.finished else self._bar()
+            followed = self._followed
+        bar = None if self.finished else followed or self.bar_state()
         if bar is not None:
-            done, total = int(bar.n), int(bar.total)
-            elapsed = float(bar.format_dict.get("elapsed", 0.0))
-            out.update(step=str(bar.desc).rstrip(": ") or None, done=done, total=total,
+            done, total, elapsed = bar["done"], bar["total"], bar["elapsed"]
+            out.update(step=bar["step"], done=done, total=total,
                        eta_seconds=round(elapsed * (total - done) / done, 1) if done > 0 else None)
         return out
 
@@ -294,6 +321,128 @@ def prepare(settings: Settings, progress: Progress | None = None,
     seconds = time.perf_counter() - t0
     logger.info("preparation took %.1fs", seconds)
     return seconds
+
+
+class PreparationFailed(RuntimeError):
+    """The child process preparing failed: `str()` is its error as the service reports one (``Type: message``),
+    `trace` the child's traceback ("" where it ended without one)."""
+
+    def __init__(self, message: str, trace: str = "") -> None:
+        super().__init__(message)
+        self.trace = trace
+
+
+class PreparationStopped(PreparationFailed):
+    """`Apart.stop` ended the preparation (the service is stopping)."""
+
+
+class _Relayed(Progress):
+    """The child's progress: each stage also sent to the service's process."""
+
+    def __init__(self, events: Any) -> None:
+        super().__init__()
+        self._events = events
+
+    def enter(self, stage: str, detail: str = "", log: bool = True) -> None:
+        super().enter(stage, detail, log)
+        self._events.put(("enter", stage, detail))
+
+
+def _prepare_in_child(settings: Settings, events: Any, parent: int) -> None:
+    """The child process's body: prepare() with the settings it was given, every stage, bar and the moment the
+    image index is ready sent on `events`, then ("done", seconds) or ("failed", "Type: message", traceback).
+    It ends when the service's process (`parent`) does."""
+    logs.configure(settings.log_level, settings.log_format)
+    stop = threading.Event()
+
+    def relay_bars() -> None:
+        last: dict[str, Any] | None = None
+        while not stop.wait(0.5):
+            if os.getppid() != parent:  # the service is gone: nobody reads what this builds
+                os._exit(1)
+            bar = Progress.bar_state()
+            if bar != last:
+                events.put(("bar", bar))
+                last = bar
+
+    threading.Thread(target=relay_bars, name="prepare-relay", daemon=True).start()
+    try:
+        with use(settings):
+            seconds = prepare(settings, _Relayed(events), on_images=lambda: events.put(("images",)))
+    except BaseException as e:  # reported by the service (/readyz, its log)
+        events.put(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    finally:
+        stop.set()
+    events.put(("done", seconds))
+
+
+class Apart:
+    """prepare() in a child process of its own (spawned: nothing of the service's state is shared). `run` blocks
+    until it is done, following its stages on `progress` and calling `on_images` in this process when the
+    image index is ready; `stop` ends it (the service stopping while it prepares)."""
+
+    def __init__(self) -> None:
+        self._child: Any = None
+        self._stopped = threading.Event()
+
+    def run(self, settings: Settings, progress: Progress, on_images: Callable[[], None] | None = None) -> float:
+        context = multiprocessing.get_context("spawn")
+        events = context.Queue()
+        child = context.Process(target=_prepare_in_child, args=(settings, events, os.getpid()),
+                                name="fragsearch-prepare")
+        child.start()
+        self._child = child
+        if self._stopped.is_set():  # stopped while it started
+            self.stop()
+        try:
+            while True:
+                try:
+                    event = events.get(timeout=1.0)
+                except queue.Empty:
+                    if self._stopped.is_set():
+                        raise PreparationStopped("the service stopped while preparing") from None
+                    if not child.is_alive():
+                        raise PreparationFailed(f"the preparation ended without a word (exit status "
+                                                f"{child.exitcode})") from None
+                    continue
+                if event[0] == "enter":
+                    progress.enter(event[1], event[2], log=False)
+                elif event[0] == "bar":
+                    progress.follow(event[1])
+                elif event[0] == "images" and on_images is not None:
+                    on_images()
+                elif event[0] == "done":
+                    seconds: float = event[1]
+                    return seconds
+                elif event[0] == "failed":
+                    raise PreparationFailed(event[1], event[2])
+        finally:
+            child.join(timeout=60)
+            if child.is_alive():
+                self.stop()
+            events.close()
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before it started)."""
+        return None if self._child is None else int(self._child.pid)
+
+    @property
+    def exitcode(self) -> int | None:
+        """The child's exit status (None before it started and while it runs)."""
+        return None if self._child is None else self._child.exitcode
+
+    def stop(self) -> None:
+        """End the child (and wait for it): the service stops, or the child outlived its last word."""
+        self._stopped.set()
+        child = self._child
+        if child is not None and child.is_alive():
+            child.terminate()
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+                child.join()
 
 
 def log_progress(progress: Progress, every: float, stop: threading.Event) -> None:

@@ -3,10 +3,12 @@ with their collection (image paths relative to the data folder)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
 
+import psutil
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
@@ -15,7 +17,7 @@ from fragsearch.index.build import build_image_index
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.service.app import create_app
-from fragsearch.service.prepare import STAGES, Progress
+from fragsearch.service.prepare import STAGES, Progress, _Relayed
 from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]
@@ -97,6 +99,52 @@ def test_serves_while_preparing_and_says_how_far_it_got(service_env: ServiceEnv,
     stages = {p["stage"] for p in seen}
     assert stages <= {"starting", *STAGES}, stages
     assert (tmp_path / "index" / "images-dev" / "index.sqlite").is_file()
+    child = app.state.preparation  # built in a process of its own, which ended when it was done
+    assert child.pid is not None and child.pid != os.getpid() and child.exitcode == 0
+
+
+def test_a_child_preparing_reports_its_stages_and_its_progress_bar() -> None:
+    """What the service shows of a preparation in its child process: the stages it enters (logged once, by the
+    child) and the bar of the step under way, read in the child and followed here."""
+    import queue
+
+    events: queue.Queue[tuple[object, ...]] = queue.Queue()
+    child = _Relayed(events)
+    child.enter("image index", "indexing 12 images")
+    assert events.get_nowait() == ("enter", "image index", "indexing 12 images")
+    with tqdm(total=10, desc="extracting", disable=False) as bar:
+        bar.update(3)
+        state = Progress.bar_state()
+    assert state is not None and (state["step"], state["done"], state["total"]) == ("extracting", 3, 10)
+    service = Progress()
+    service.enter("image index", "indexing 12 images", log=False)
+    service.follow(state)
+    snap = service.snapshot()
+    assert (snap["stage"], snap["step"], snap["done"], snap["total"]) == ("image index", "extracting", 3, 10)
+    service.enter("sentence index", log=False)  # a new stage forgets the last one's bar
+    assert service.snapshot()["done"] is None
+
+
+def test_stopping_the_service_while_it_prepares_ends_the_child(service_env: ServiceEnv, tmp_path: Path) -> None:
+    """The service stops during its first preparation: the child process building the indexes ends with it
+    (nothing is left running), and the next start prepares what is missing."""
+    settings = service_env.settings_for(tmp_path, variant="paper", image_index=tmp_path / "index" / "images-dev",
+                                        sentence_index=tmp_path / "index" / "sentences-train", limit=12)
+    app = create_app(settings, prepare=True)
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 120
+        while app.state.preparation.pid is None:
+            assert time.monotonic() < deadline, "no child process started"
+            time.sleep(0.05)
+        pid = app.state.preparation.pid
+        assert psutil.pid_exists(pid)
+        assert c.get("/readyz").status_code == 503
+    assert app.state.preparation.exitcode is not None, "the child ended with the service"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert app.state.load_error is None, "a stop is not a failure"
+    with TestClient(create_app(settings, prepare=True)) as c:
+        service_env.prepared(c, timeout=300)
+        assert c.get("/readyz").json()["images"] == 12
 
 
 def test_readiness_reports_a_failed_preparation(service_env: ServiceEnv, tmp_path: Path) -> None:
