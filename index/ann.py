@@ -204,7 +204,7 @@ class FaissCandidates(CandidateBackend):
             vecs, ids = stored
             sums = np.empty(len(vecs), np.float32)
             for start in range(0, len(vecs), POSITIVE_CHUNK):
-                part = vecs[start : start + POSITIVE_CHUNK] @ q.T
+                part = vecs[start : start + POSITIVE_CHUNK].astype(np.float32, copy=False) @ q.T
                 np.maximum(part, 0.0, out=part)
                 sums[start : start + len(part)] = part.sum(axis=1)
             hit = sums > 0
@@ -223,10 +223,16 @@ class FaissCandidates(CandidateBackend):
         if not isinstance(outer, faiss.IndexIDMap | faiss.IndexIDMap2):
             return None
         inner = faiss.downcast_index(outer.index)
-        if not isinstance(inner, faiss.IndexFlat) or inner.metric_type != faiss.METRIC_INNER_PRODUCT:
+        if inner.metric_type != faiss.METRIC_INNER_PRODUCT:
             return None
         n = int(inner.ntotal)
-        vecs = faiss.rev_swig_ptr(inner.get_xb(), n * self.dim).reshape(n, self.dim)
+        if isinstance(inner, faiss.IndexFlat):
+            vecs = faiss.rev_swig_ptr(inner.get_xb(), n * self.dim).reshape(n, self.dim)
+        elif isinstance(inner, faiss.IndexScalarQuantizer) and inner.sq.qtype == faiss.ScalarQuantizer.QT_fp16:
+            raw = faiss.rev_swig_ptr(inner.codes.data(), n * self.dim * 2) if n else np.zeros(0, np.uint8)
+            vecs = raw.view(np.float16).reshape(n, self.dim)  # SQfp16's codes are the float16 values themselves
+        else:
+            return None
         return vecs, faiss.vector_to_array(outer.id_map)
 
     def _gpu_copy(self) -> GpuCopy | None:

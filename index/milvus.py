@@ -107,7 +107,7 @@ def index_spec(settings: IndexSettings) -> tuple[str, dict[str, Any], dict[str, 
     if settings.shape.pretransform:
         raise ValueError(f"Milvus has no pre-transform ({settings.shape.pretransform!r}): leave it out with --backend "
                          "milvus (use ivfpq's m for compression)")
-    if settings.shape.kind == "flat":
+    if settings.shape.kind == "flat":  # float32 vectors whatever candidate_dtype says (a FAISS flat index's copy)
         return "FLAT", {}, {}
     if settings.shape.kind == "hnsw":
         return "HNSW", {"M": settings.shape.hnsw_m,

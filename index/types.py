@@ -14,6 +14,7 @@ from fragsearch.model.evidence import Found
 
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
+CANDIDATE_DTYPES = ("float32", "float16")  # a flat index's copy of the vectors (FAISS Flat, or SQfp16)
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -41,6 +42,9 @@ class IndexShape:
     kind: "flat" (exact inner product), "hnsw" (graph), "ivf" (inverted lists, raw vectors) or
     "ivfpq" (inverted lists, product-quantised codes). `pretransform` is an optional FAISS
     pre-transform in index-factory syntax ("PCA256", "OPQ50_500") applied before hnsw / ivf / ivfpq.
+    `candidate_dtype` (flat only): the precision of the candidate stage's copy of the vectors, float32 (FAISS
+    Flat) or float16 (FAISS SQfp16: half the memory; the candidates' partial scores differ by float16 rounding,
+    the exact re-rank reads the store).
     `store_dtype`: precision of the re-rank store (the vectors the exact score reads): float32, float16
     (half the bytes; the choice for large collections, `large_collection`), int8 (a quarter plus 4 bytes
     a fragment: per-fragment scale, index.store; image indexes only).
@@ -59,6 +63,8 @@ class IndexShape:
     pretransform: str = _setting("", 'FAISS pre-transform before hnsw / ivf / ivfpq, e.g. "PCA256"')
     store_dtype: str = _setting("float32", "precision of the re-rank store of fragment vectors",
                                 choices=STORE_DTYPES)
+    candidate_dtype: str = _setting("float32", "precision of a flat index's candidate copy of the vectors "
+                                    "(float16: half the memory)", choices=CANDIDATE_DTYPES)
     train_size: int = _setting(0, "vectors collected before ivf / ivfpq is trained (0: 39 per list, and "
                                "39 * 2^nbits)")
     codes: int = _setting(0, "dimensions of the prescore codes of every stored fragment (0: none; large "
@@ -70,6 +76,12 @@ class IndexShape:
             raise ValueError(f"index kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.store_dtype not in STORE_DTYPES:
             raise ValueError(f"store_dtype must be one of {', '.join(STORE_DTYPES)}, got {self.store_dtype!r}")
+        if self.candidate_dtype not in CANDIDATE_DTYPES:
+            raise ValueError(f"candidate_dtype must be one of {', '.join(CANDIDATE_DTYPES)}, "
+                             f"got {self.candidate_dtype!r}")
+        if self.candidate_dtype != "float32" and self.kind != "flat":
+            raise ValueError(f"candidate_dtype {self.candidate_dtype} is a flat index's (kind {self.kind!r} keeps "
+                             "its own codes)")
         for name in ("nlist", "m", "nbits", "hnsw_m", "ef_construction"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -99,7 +111,7 @@ class IndexShape:
         """The FAISS index-factory string of the target index (inner-product metric)."""
         pre = f"{self.pretransform}," if self.pretransform else ""
         if self.kind == "flat":
-            return "IDMap,Flat"
+            return "IDMap,SQfp16" if self.candidate_dtype == "float16" else "IDMap,Flat"
         if self.kind == "hnsw":
             return f"IDMap,{pre}HNSW{self.hnsw_m}"
         if self.kind == "ivf":
@@ -169,7 +181,7 @@ SEARCH_FIELDS = tuple(f.name for f in dataclasses.fields(SearchSettings))
 # the order of the fields in a saved index's `info` (that of the one type both were before)
 SAVED_ORDER = ("kind", "nlist", "m", "nbits", "hnsw_m", "ef_construction", "ef_search", "nprobe", "k_prime", "rerank",
                "pretransform", "store_dtype", "train_size", "use_gpu", "exact_below", "codes", "prescore",
-               "refine_codes", "refine", "summaries")
+               "refine_codes", "refine", "summaries", "candidate_dtype")
 
 
 @dataclass(frozen=True)
@@ -193,6 +205,8 @@ class IndexSettings:
         """Short parameter string for logs and benchmark tables."""
         shape, search = self.shape, self.search
         parts = [f"k_prime={search.k_prime or 'positive'}", f"store={shape.store_dtype}"]
+        if shape.candidate_dtype != "float32":
+            parts.insert(0, f"candidates={shape.candidate_dtype}")
         if search.rerank:
             parts.insert(1, f"rerank={search.rerank}")
         if shape.codes:

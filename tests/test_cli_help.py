@@ -22,7 +22,7 @@ COMMANDS = ["fragsearch.training.train", "fragsearch.training.extract", "fragsea
             "bench.phrase_evidence", "bench.evidence_ceiling", "bench.grounding", "bench.backbone_lite",
             "bench.detector_paths", "bench.million", "bench.region_cost",
             "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
-            "bench.page_read", "bench.profile_breakdown"]
+            "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy"]
 
 
 class Captured(Exception):

@@ -24,6 +24,7 @@ from fragsearch.index.build import main as build_main
 from fragsearch.index.catalogue import is_index
 from fragsearch.index.images import embedded_images
 from fragsearch.index.ranker import Ranker
+from fragsearch.index.sentences import DEFAULT_SETTINGS as DEFAULT_SENTENCE_SETTINGS
 from fragsearch.model import onnx
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TextConfig
@@ -702,6 +703,33 @@ def test_sentence_index_annotates_images_like_the_exhaustive_ranking(tmp_path: P
     assert ranking(loaded.annotate(frags, 5).hits) == ranking(fast[1:6])
     loaded.close()
     index.close()
+
+
+def test_a_float16_candidate_copy_halves_the_flat_index_and_annotates_alike(tmp_path: Path, bundle: Bundle,
+                                                                           extractor: RegionExtractor):
+    """candidate_dtype float16 (FAISS SQfp16): the flat candidate copy holds half the bytes; the positive-score
+    candidates (k' = 0, the sentence index's default) read it in float16 and the exact re-rank the store, so an
+    annotation ranks as with the float32 copy, saved and loaded."""
+    frags = extractor.extract(picture((220, 30, 30), "circle", (300, 200)))
+    rankings, sizes = [], []
+    for dtype in ("float32", "float16"):
+        settings = DEFAULT_SENTENCE_SETTINGS.with_shape(candidate_dtype=dtype)
+        index = SentenceIndex.create(tmp_path / dtype, bundle, settings)
+        index.add(SENTENCES * 3)
+        index.save()
+        stored = index.candidates._flat_vectors()
+        assert stored is not None and stored[0].dtype == np.dtype(dtype), "the positive scores read the copy"
+        sizes.append(faiss.serialize_index(index.candidates.index).nbytes)
+        rankings.append(ranking(index.annotate(frags, 8).hits))
+        index.close()
+        loaded = SentenceIndex.load(tmp_path / dtype, bundle)
+        assert loaded.settings.shape.candidate_dtype == dtype
+        assert ranking(loaded.annotate(frags, 8).hits) == rankings[-1]
+        loaded.close()
+    assert rankings[0] == rankings[1] and len(rankings[0]) == 8
+    assert sizes[1] < 0.6 * sizes[0], sizes
+    with pytest.raises(ValueError, match="flat index"):
+        IndexSettings.of(kind="hnsw", candidate_dtype="float16")
 
 
 def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Path, words: WordTable):
