@@ -114,13 +114,16 @@ def first_start(clone: Path, home: Path, port: int, data: Path, limit_s: float) 
         tail = "\n".join(text for _, text in lines[-20:])
         raise RuntimeError(f"not ready within {limit_s:.0f} s (exit {proc.returncode}):\n{tail}")
     python_at = next((t for t, text in lines if " INFO " in text or text.startswith("{")), None)
-    # the stages in the order the service enters them ("preparing: <stage> (<detail>)"), each until the next
+    # the stages in the order the preparation enters them ("preparing: <stage> (<detail>)"), each until the next;
+    # the service loads the image index for searches while the sentence index is built (in the preparation's
+    # child process): that loading is when searches are served, not a stage of the chain
+    marks = [(text.split("preparing: ", 1)[1], t) for t, text in lines if "service.prepare: preparing: " in text]
+    searches_at = next((at for name, at in marks if name.startswith("loading") and "searches" in name), None)
     starts = [("environment", 0.0)] + ([("python start-up", python_at)] if python_at is not None else [])
-    starts += [(text.split("preparing: ", 1)[1], t) for t, text in lines if "service.prepare: preparing: " in text]
+    starts += [(name, at) for name, at in marks if not (name.startswith("loading") and "searches" in name)]
     stages = [{"stage": name, "start_s": round(at, 1),
                "seconds": round((starts[i + 1][1] if i + 1 < len(starts) else ready_at) - at, 1)}
               for i, (name, at) in enumerate(starts)]
-    searches_at = next((at for name, at in starts if name.startswith("loading") and "searches" in name), None)
     sizes = {"environment_mb": du_mb(home / ".cache" / "fragsearch"), "artifacts_mb": du_mb(clone / "artifacts"),
              "checkout_mb": du_mb(clone, exclude=("artifacts",))}
     kept = ("setting up", "fragsearch.service.prepare", "fragsearch.model.cache", "fragsearch.index.build",
