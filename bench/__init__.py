@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData, load_split_data
@@ -44,6 +46,31 @@ def add_model_args(ap: argparse.ArgumentParser, out: Path) -> None:
     ap.add_argument("--out", type=Path, default=out, help="the results file written")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows already in the results of models not evaluated in this run")
+
+
+# a child process where `import torch` fails (a finder ahead of the others, before anything else is imported), as in
+# the runtime environment (where torch is installed, spaCy's thinc imports it and adds about 500 MB): it runs
+# argv[1] ("module:function") on the JSON list argv[2] and prints the JSON answer
+NO_TORCH_CHILD = """
+import importlib, json, sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is not in the runtime environment")
+sys.meta_path.insert(0, NoTorch())
+module, name = sys.argv[1].rsplit(":", 1)
+print(json.dumps(getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))))
+"""
+
+
+def run_without_torch(target: str, params: list[Any]) -> Any:
+    """`target` ("module:function") called with `params` in a child process without torch (`NO_TORCH_CHILD`): its
+    JSON answer; SystemExit with the child's error when it fails."""
+    child = subprocess.run([sys.executable, "-c", NO_TORCH_CHILD, target, json.dumps(params)], capture_output=True,
+                           text=True, check=False, cwd=Path(__file__).resolve().parent.parent)
+    if child.returncode:
+        raise SystemExit(f"the measuring process failed:\n{child.stderr[-4000:]}")
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def write_rows(path: Path, fields: list[str], rows: list[dict[str, object]]) -> None:

@@ -17,42 +17,20 @@ images whose top 10 is the float32 copy's (same captions in the same order) and 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import logging
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import machine, parse_run
+from bench import machine, parse_run, run_without_torch, write_rows
+from bench.serve_memory import resident_mb
 from fragsearch.model.resources import cpu_record
 from fragsearch.model.settings import Settings, default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.candidate_copy")
 
 DTYPES = ("float32", "float16")
-
-# the child: `import torch` made to fail before anything else is imported (the runtime has no torch)
-CHILD = """
-import json, sys
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is not in the runtime environment")
-sys.meta_path.insert(0, NoTorch())
-from bench.candidate_copy import annotate_all
-print(json.dumps(annotate_all(*json.loads(sys.argv[1]))))
-"""
-
-
-def resident_mb() -> float:
-    import psutil
-
-    return float(psutil.Process().memory_info().rss) / 2**20
-
 
 def build(artifacts: Path, data: Path, dtype: str) -> Path:
     """The sentence index of the training captions with a `dtype` candidate copy, from the cached parses and
@@ -116,11 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in DTYPES:
         index_dir = build(args.artifacts, args.data, dtype)
         params = [str(args.artifacts), str(args.data), str(index_dir), args.images]
-        child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(params)], capture_output=True, text=True,
-                               check=False, cwd=Path(__file__).resolve().parent.parent)
-        if child.returncode:
-            raise SystemExit(f"the measuring process failed:\n{child.stderr[-4000:]}")
-        results[dtype] = json.loads(child.stdout.strip().splitlines()[-1])
+        results[dtype] = run_without_torch("bench.candidate_copy:annotate_all", params)
         logger.info("%s: load +%.0f MB, annotation median %.1f ms", dtype, results[dtype]["load_mb"],
                     statistics.median(results[dtype]["ms"]))
     base = results["float32"]["tops"]
@@ -137,14 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                      "annotate_median_ms": round(statistics.median(r["ms"]), 2),
                      "same_top10_as_float32": round(same / len(base), 4), "max_score_diff": f"{diff:.2e}",
                      "machine": machine(), "cpu_flags": " ".join(cpu["flags"]), "command": command})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
     for row in rows:
         logger.info("%s", row)
-    logger.info("wrote %s", args.out)
+    write_rows(args.out, list(rows[0]), rows)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from bench import machine, parse_run
+from bench import machine, parse_run, run_without_torch
 from fragsearch.model.settings import Settings, default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.serve_memory")
@@ -30,19 +28,6 @@ def resident_mb() -> float:
     import psutil
 
     return float(psutil.Process().memory_info().rss) / 2**20
-
-
-# the child: `import torch` made to fail (a finder ahead of the others) before anything else is imported
-CHILD = """
-import json, sys
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is not in the runtime environment")
-sys.meta_path.insert(0, NoTorch())
-from bench.serve_memory import steps
-print(json.dumps(steps(*json.loads(sys.argv[1]))))
-"""
 
 
 def steps(artifacts: str, model: str | None, data: str) -> list[dict[str, Any]]:
@@ -90,11 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/results/serve-memory.json"), help="the rows written")
     args, command = parse_run(ap, argv, "bench.serve_memory")
     params = [str(args.artifacts), str(args.model) if args.model else None, str(args.data)]
-    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(params)], capture_output=True, text=True,
-                           check=False, cwd=Path(__file__).resolve().parent.parent)
-    if child.returncode:
-        raise SystemExit(f"the measuring process failed:\n{child.stderr[-4000:]}")
-    rows = json.loads(child.stdout.strip().splitlines()[-1])
+    rows = run_without_torch("bench.serve_memory:steps", params)
     for row in rows:
         logger.info("%-40s %8.1f MB", row["step"], row["rss_mb"])
     out = {"steps": rows, "machine": machine(), "command": command}
