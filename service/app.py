@@ -177,9 +177,6 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         if app.state.watcher is not None:
             await asyncio.to_thread(app.state.watcher.stop)
             app.state.watcher = None
-        if engine is None and app.state.engine is not None:  # the engine it loaded itself (one given is the caller's)
-            await asyncio.to_thread(app.state.engine.close)
-            app.state.engine = None
 
     app = FastAPI(title="fragsearch", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
