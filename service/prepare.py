@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -353,6 +354,9 @@ def _prepare_in_child(settings: Settings, events: Any, parent: int) -> None:
     image index is ready sent on `events`, then ("done", seconds) or ("failed", "Type: message", traceback).
     It ends when the service's process (`parent`) does."""
     logs.configure(settings.log_level, settings.log_format)
+    # `Apart.stop` (SIGTERM): end as an exception would, so that what it started ends with it (the extraction
+    # workers, a milvus-lite server: their finalizers run) instead of being left behind
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     stop = threading.Event()
 
     def relay_bars() -> None:
@@ -395,6 +399,7 @@ class Apart:
         self._child = child
         if self._stopped.is_set():  # stopped while it started
             self.stop()
+        done = False
         try:
             while True:
                 try:
@@ -414,13 +419,14 @@ class Apart:
                     on_images()
                 elif event[0] == "done":
                     seconds: float = event[1]
+                    done = True
                     return seconds
                 elif event[0] == "failed":
                     raise PreparationFailed(event[1], event[2])
         finally:
-            child.join(timeout=60)
-            if child.is_alive():
-                self.stop()
+            if done:  # its last word said: it is ending
+                child.join(timeout=60)
+            self.stop()  # anything else (loading what it built failed here, or its own failure): no waiting for it
             events.close()
 
     @property

@@ -168,7 +168,7 @@ def test_serves_a_photo_collection_synced_at_every_start(service_env: ServiceEnv
     for name in service_env.dev[:3]:
         shutil.copy(service_env.image_path(name), photos / name)
     settings = service_env.settings_for(tmp_path, collection=photos, image_index=None,
-                                        sentence_index=service_env.root / "sentences")
+                                        sentence_index=tmp_path / "sentences")
     assert settings.image_index.name.startswith("collection-photos-")
 
     def serve() -> list[str]:
