@@ -151,13 +151,6 @@ class Engine:
         self.sentences = self._sentence_index(self.settings, self.bundle)
         return self.sentences is not None
 
-    def close(self) -> None:
-        """Close both indexes (their databases and candidate backends: a milvus-lite folder is free for another
-        process); the engine is unusable afterwards."""
-        for index in (self.images, self.sentences):
-            if index is not None:
-                index.close()
-
     def sentence_count(self) -> int:
         return len(self.sentences) if self.sentences is not None else 0
 
