@@ -30,6 +30,7 @@ from fragsearch.index.gpu import GpuCopy, faiss_gpu
 from fragsearch.index.types import IndexLoadError, IndexSettings
 from fragsearch.model.atomic import atomic_path
 from fragsearch.model.device import CALLS, FAISS_GPU, FAISS_GPU_MAX_K, GPU_KNN_CPU_RANGE, MATRIX_CPU, placement
+from fragsearch.model.product import product
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class FaissCandidates(CandidateBackend):
         and fragment ids (N,), to be summed per fragment (a fragment may come once per query).
 
         A flat index gives each fragment once, with the sum over the queries of its positive scores,
-        from matrix products over its stored vectors on the CPU, with or without a GPU (the same
+        from matrix products over its stored vectors on the CPU (model/product.py), with or without a GPU (the same
         numbers as a range search, without collecting every (query, fragment) pair); other kinds
         range-search (radius 0), approximate ones returning the fragments they visit: on the CPU, or
         as k-NN on the GPU copy with the CPU index for the queries whose neighbours are all positive
@@ -204,7 +205,7 @@ class FaissCandidates(CandidateBackend):
             vecs, ids = stored
             sums = np.empty(len(vecs), np.float32)
             for start in range(0, len(vecs), POSITIVE_CHUNK):
-                part = vecs[start : start + POSITIVE_CHUNK].astype(np.float32, copy=False) @ q.T
+                part = product(vecs[start : start + POSITIVE_CHUNK].astype(np.float32, copy=False), q)
                 np.maximum(part, 0.0, out=part)
                 sums[start : start + len(part)] = part.sum(axis=1)
             hit = sums > 0

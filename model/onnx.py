@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 OPSET = 17
 _threads: list[int] = []  # the process's intra-op thread count for new sessions (set_threads), empty: the CPUs
+_numeric: list[int] = []  # the threads of the process's products (limit_numeric_threads), empty: the CPUs
 
 
 def graph_dir() -> Path:
@@ -71,17 +72,24 @@ def request_threads(slots: int, cpus: int | None = None) -> int:
 
 
 def limit_numeric_threads(n: int) -> dict[str, int]:
-    """NumPy's BLAS and the OpenMP pools of this process (FAISS's among them) to `n` threads from now on;
-    what each library now runs on, by its kind ({"blas": 1, "openmp": 1})."""
+    """NumPy's BLAS, the OpenMP pools of this process (FAISS's among them) and the large products (model/product.py)
+    to `n` threads from now on; what each library now runs on, by its kind ({"blas": 1, "openmp": 1, "products": 1})."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     n = max(1, int(n))
+    _numeric[:] = [n]
     threadpool_limits(limits=n)
     with contextlib.suppress(ImportError):
         import faiss
 
         faiss.omp_set_num_threads(n)
-    return {str(i["user_api"]): int(i["num_threads"]) for i in threadpool_info()}
+    return {**{str(i["user_api"]): int(i["num_threads"]) for i in threadpool_info()}, "products": n}
+
+
+def numeric_threads() -> int:
+    """Threads of one of the process's large products (model/product.py): `limit_numeric_threads`' count, else
+    the CPUs this process may use."""
+    return _numeric[0] if _numeric else usable_cpus()
 
 
 def providers(device: str = "cpu") -> list[str]:

@@ -32,6 +32,7 @@ import numpy as np
 from array_api_compat import device as array_device
 
 from fragsearch.model.arrays import Array, contiguous, counts, namespace, segment_sum
+from fragsearch.model.product import block_products, is_large, product
 
 SMOOTHING = 5.0  # the paper's n
 
@@ -67,8 +68,15 @@ def block_dots(v: Array, s: Array, blocks: int = 1) -> tuple[Array, Array]:
     xp = namespace(v, s)
     parts = block_slices(v.shape[-1], blocks)
     if blocks == 1:
-        dots = v @ s.T
+        dots = product(v, s)
         return dots, positive(dots)
+    if is_large(v, s, blocks):  # a scan: each row of v read once, by ONNX Runtime (model/product.py)
+        each = block_products(v, s, parts)  # (I, B, J)
+        dots, pos = each[:, 0].copy(), positive(each[:, 0])
+        for b in range(1, blocks):
+            dots += each[:, b]
+            pos += positive(each[:, b])
+        return dots, pos
     # s^b . v^b with v^b (the many rows) as the transposed operand: BLAS reads each slice of v in place
     # (v[:, sl] on the left is copied first, which made a 2-block query's S_kl 2-3x dearer than one block's)
     per_block = xp.stack([s[:, sl] @ v[:, sl].T for sl in parts])  # (B, J, I)
@@ -119,7 +127,7 @@ def flatten(img_frags: Array, img_mask: Array, sent_frags: Array, sent_mask: Arr
     if not bool(xp.all(sent_real)):
         s, sent_of = s[sent_real], sent_of[sent_real]
     if blocks == 1:  # the training path: the thresholding is skl_from_flat's
-        return FlatFragments(v @ s.T, img_of, sent_of, k, n_sent, img_per=img_per)
+        return FlatFragments(product(v, s), img_of, sent_of, k, n_sent, img_per=img_per)
     dots, pos = block_dots(v, s, blocks)
     return FlatFragments(dots, img_of, sent_of, k, n_sent, pos, img_per)
 
