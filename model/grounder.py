@@ -126,7 +126,7 @@ class Grounder:
         # v's weights per thing: its own term and its product with the thing's direction, in one matrix
         by_thing = w_sv[None, :, :] * directions[:, None, :] + w_v[None, :, :]  # (N, H, h)
         return SentenceGrounding(self, sent, list(triplets), things, members, blocks,
-                                 np.ascontiguousarray(by_thing.reshape(-1, h).T, dtype=np.float32),
+                                 np.ascontiguousarray(by_thing.reshape(-1, h), dtype=np.float32),
                                  (directions @ w_s.T + self.b1).astype(np.float32))
 
 
@@ -141,7 +141,8 @@ class SentenceGrounding:
     things: list[str]
     members: list[list[int]]
     blocks: int
-    by_thing: np.ndarray = field(repr=False)  # (h, N H) the fragment vector's weights, each thing's
+    by_thing: np.ndarray = field(repr=False)  # (N H, h) the fragment vector's weights, each thing's (read
+    # transposed by the product: a transposed copy of it cost more than the product)
     bias: np.ndarray = field(repr=False)  # (N, H) the thing's own term and the layer's bias
 
     def scores(self, img: np.ndarray, boxes: np.ndarray) -> np.ndarray:
@@ -161,7 +162,7 @@ class SentenceGrounding:
         w_g = g.w1[:, 3 * h : 3 * h + len(GEOMETRY)]
         w_a = g.w1[:, 3 * h + len(GEOMETRY) :]
         flat = imgs.reshape(k * n_frag, h)
-        x = (unit(flat) @ self.by_thing).reshape(k, n_frag, n_things, hidden)  # (K, F, N, H)
+        x = (unit(flat) @ self.by_thing.T).reshape(k, n_frag, n_things, hidden)  # (K, F, N, H)
         shape = np.stack([geometry(b) for b in boxes])  # (K, F, len(GEOMETRY)): each image's own frame
         x += (shape @ w_g.T)[:, :, None, :] + self.bias[None, None]
         grid = np.asarray(alignment_scores(flat, self.sent, self.blocks)).reshape(k, n_frag, -1)  # read once
