@@ -3,7 +3,10 @@
     python -m bench.query_bench --model artifacts/models/full/model.pt --index artifacts/index/images-dev
 
 Several models are measured side by side in one run (`--model A B --index IA IB`): each query goes
-through every model in turn, so a busy machine slows them alike and the ratios between them hold.
+through every model in turn, so a busy machine slows them alike and the ratios between them hold. So do
+the two ways of the large products (`--products onnxruntime blas`, model/product.py): the scan's and the
+calibration's products through ONNX Runtime, as served, or all through NumPy's BLAS, as before; NumPy's
+BLAS and the products run on `--threads` threads, as a served request's share of the cores does.
 
 Runs the first N dev captions (each seen for the first time, as a user's query is) through the
 same calls the service makes, timing each stage in this process: parse (spaCy), word vectors
@@ -22,7 +25,8 @@ import logging
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +34,12 @@ from tqdm import tqdm
 
 from bench import machine
 from fragsearch.index.images import ImageIndex
+from fragsearch.model import product
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.embed import EmbeddedSentence, row_triplets
 from fragsearch.model.modelfile import model_file
-from fragsearch.model.onnx import set_threads
+from fragsearch.model.onnx import limit_numeric_threads, set_threads
 from fragsearch.model.release import RELEASED_MODEL, read_manifest
 from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
 from fragsearch.service.routes.convert import image_result
@@ -86,6 +91,20 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
     return times
 
 
+PRODUCTS = ("onnxruntime", "blas")
+
+
+@contextmanager
+def products(kind: str) -> Iterator[None]:
+    """The large products as served ("onnxruntime": model/product.py) or all through NumPy's BLAS ("blas")."""
+    served = product.LARGE
+    product.LARGE = served if kind == "onnxruntime" else sys.maxsize
+    try:
+        yield
+    finally:
+        product.LARGE = served
+
+
 def model_name(path: Path, bundle: Bundle) -> str:
     """A row's model: `released (<its row>)` for the released model, else the model's folder."""
     file = model_file(path)
@@ -107,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
     ap.add_argument("--n", type=int, default=200, help="queries: the first N dev captions")
     ap.add_argument("--k", type=int, default=10, help="results per query")
-    ap.add_argument("--threads", type=int, default=1, help="the model's intra-op threads (ONNX Runtime)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="the model's intra-op threads (ONNX Runtime), NumPy's BLAS threads and the products'")
+    ap.add_argument("--products", nargs="+", choices=PRODUCTS, default=["onnxruntime"],
+                    help="the ways of the large products measured, side by side (model/product.py): onnxruntime "
+                         "(as served), blas (all through NumPy's BLAS)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out and add these after them (a model measured again has its "
@@ -116,22 +139,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
     set_threads(args.threads)
+    limit_numeric_threads(args.threads)
     if len(args.model) != len(args.index):
         ap.error(f"{len(args.model)} models but {len(args.index)} indexes: one index per model")
-    bundles = [Bundle.load(m) for m in args.model]
-    indexes = [ImageIndex.load(ix, b) for ix, b in zip(args.index, bundles, strict=True)]
+    # a model and its index per arm: each arm reads every query for the first time (the text's caches are the
+    # model's)
+    paths = [(m, ix, kind) for m, ix in zip(args.model, args.index, strict=True) for kind in args.products]
+    bundles = [Bundle.load(m) for m, _, _ in paths]
+    indexes = [ImageIndex.load(ix, b) for (_, ix, _), b in zip(paths, bundles, strict=True)]
     for index in indexes:
         if args.candidates:
             index.set_search(exact_below=0)
     sentences, _ = load_split(args.data, "dev").sentences()
     queries = sentences[: args.n]
-    for bundle, index in zip(bundles, indexes, strict=True):
-        run(bundle, index, sentences[-5:], args.k)  # warm-up on other sentences
-    times: list[dict[str, list[float]]] = [{s: [] for s in STAGES} for _ in bundles]
+    arms = [(b, ix, kind) for b, ix, (_, _, kind) in zip(bundles, indexes, paths, strict=True)]
+    for bundle, index, kind in arms:
+        with products(kind):
+            run(bundle, index, sentences[-5:], args.k)  # warm-up on other sentences
+    times: list[dict[str, list[float]]] = [{s: [] for s in STAGES} for _ in arms]
     for text in tqdm(queries, desc="queries", unit="query"):
-        for bundle, index, t in zip(bundles, indexes, times, strict=True):
-            for stage, ms in run(bundle, index, [text], args.k).items():
-                t[stage] += ms
+        for (bundle, index, kind), t in zip(arms, times, strict=True):
+            with products(kind):
+                for stage, ms in run(bundle, index, [text], args.k).items():
+                    t[stage] += ms
     command = "python -m bench.query_bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     where = machine()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,15 +169,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with args.out.open("a" if new else "w", newline="") as fh:
         w = csv.writer(fh)
         if not new:
-            w.writerow(["model", "images", "search", "stage", "queries", "median_ms", "p90_ms", "threads", "machine",
-                        "command"])
-        for path, bundle, index, t in zip(args.model, bundles, indexes, times, strict=True):
+            w.writerow(["model", "images", "search", "products", "stage", "queries", "median_ms", "p90_ms", "threads",
+                        "machine", "command"])
+        for (path, _, _), (bundle, index, kind), t in zip(paths, arms, times, strict=True):
             name = model_name(path, bundle)
             for stage in STAGES:
                 v = np.asarray(t[stage])
-                logger.info("%-28s %-18s median %7.2f ms  p90 %7.2f ms", name, stage, np.median(v),
+                logger.info("%-28s %-11s %-18s median %7.2f ms  p90 %7.2f ms", name, kind, stage, np.median(v),
                             np.percentile(v, 90))
-                w.writerow([name, len(index), "candidates" if args.candidates else "default", stage, len(v),
+                w.writerow([name, len(index), "candidates" if args.candidates else "default", kind, stage, len(v),
                             f"{np.median(v):.2f}", f"{np.percentile(v, 90):.2f}", args.threads, where, command])
     logger.info("wrote %s", args.out)
     for index in indexes:
