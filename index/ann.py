@@ -27,6 +27,7 @@ from fragsearch.index import ids as fid
 from fragsearch.index.candidates import CandidateBackend, Sources
 from fragsearch.index.files import sha256_file, unique_name
 from fragsearch.index.gpu import GpuCopy, faiss_gpu
+from fragsearch.index.store import mapping_of, release_mapped
 from fragsearch.index.types import IndexLoadError, IndexSettings
 from fragsearch.model.atomic import atomic_path
 from fragsearch.model.device import CALLS, FAISS_GPU, FAISS_GPU_MAX_K, GPU_KNN_CPU_RANGE, MATRIX_CPU, placement
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 PCA_RE = re.compile(r"^PCA(\d+)$")
 TRAIN_SAMPLE_PER_LIST = 64  # training vectors per inverted list (FAISS asks for 39..256)
 MAX_TRAIN_SAMPLE = 200_000
-POSITIVE_CHUNK = 1 << 18  # stored vectors scored per matrix product in search_positive (bounds memory)
+POSITIVE_CHUNK = 1 << 15  # stored vectors scored per matrix product in search_positive (bounds memory: a file's
+# mapped rows are let go chunk by chunk)
 FAISS_PREFIX, FAISS_SUFFIX = "faiss", ".index"
 
 
@@ -56,7 +58,14 @@ def gpu_available() -> bool:
 
 class FaissCandidates(CandidateBackend):
     """The in-process FAISS index over fragment vectors (inner product), with the search parameters
-    applied, saved as a file of the index folder."""
+    applied, saved as a file of the index folder.
+
+    An index opened `mapped` (the service's `candidates_mapped`) keeps its stored vectors in its file (FAISS's
+    IO_FLAG_MMAP_IFC: the flat codes are a read-only memory mapping of it) until it is first written to, when
+    they are read into memory. A flat index's recall (`search_positive`) reads the mapped vectors chunk by
+    chunk and lets each chunk's pages go after its product: the process holds none of them between searches,
+    the kernel's cache keeps them (the sentence index of 30,000 captions: 490 MB that a loaded service no
+    longer holds), and each scan maps them again."""
 
     NAME = "faiss"
 
@@ -76,6 +85,7 @@ class FaissCandidates(CandidateBackend):
         self._gpu_warned = False
         self._file, self._sha = file, sha  # the committed file and its checksum
         self._dirty = not file
+        self._mapped: Path | None = None  # the file whose mapping holds the stored vectors (`open`), until a write
         self._apply_search_params()
 
     @classmethod
@@ -83,8 +93,10 @@ class FaissCandidates(CandidateBackend):
         return cls(dim, settings)
 
     @classmethod
-    def open(cls, root: Path, dim: int, settings: IndexSettings, info: dict[str, Any]) -> FaissCandidates:
-        """The FAISS file the committed `info` names (IndexLoadError when missing, corrupt or unreadable)."""
+    def open(cls, root: Path, dim: int, settings: IndexSettings, info: dict[str, Any], mapped: bool = False
+             ) -> FaissCandidates:
+        """The FAISS file the committed `info` names (IndexLoadError when missing, corrupt or unreadable); with
+        `mapped`, its stored vectors left in the file (read-only mapping) until the first write."""
         where = f"index at {root}"
         file = str(info.get("ann_file", ""))
         path = Path(root) / file
@@ -93,10 +105,11 @@ class FaissCandidates(CandidateBackend):
         if sha256_file(path) != info.get("ann_sha256"):
             raise IndexLoadError(f"{where}: FAISS file {file} is corrupt (checksum mismatch)")
         try:
-            out = cls(dim, settings, faiss.read_index(str(path)), bool(info["ann_trained"]), file,
-                      str(info["ann_sha256"]))
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC) if mapped else faiss.read_index(str(path))
+            out = cls(dim, settings, index, bool(info["ann_trained"]), file, str(info["ann_sha256"]))
         except (RuntimeError, ValueError) as e:
             raise IndexLoadError(f"{where}: FAISS file {file} is unreadable: {e}") from e
+        out._mapped = path if mapped else None
         if out.ntotal != int(info["ann_ntotal"]):
             raise IndexLoadError(f"{where}: FAISS file holds {out.ntotal} fragments, metadata says "
                                  f"{info['ann_ntotal']}")
@@ -149,10 +162,24 @@ class FaissCandidates(CandidateBackend):
             inner.hnsw.efSearch = self.settings.search.ef_search
 
     # -- writes -----------------------------------------------------------------------------------
+    def _own(self) -> None:
+        """Before a write: the stored vectors read into memory, where they are still the file's mapping (from the
+        file, unchanged since it was opened: a write comes first; from the mapping when the file is gone)."""
+        if self._mapped is None:
+            return
+        if self._mapped.is_file():
+            self.index = faiss.read_index(str(self._mapped))
+        else:
+            self.index = faiss.deserialize_index(faiss.serialize_index(self.index))
+        self._mapped = None
+        self._gpu = None
+        self._apply_search_params()
+
     def add(self, ids: np.ndarray, vecs: np.ndarray) -> None:
         """ids: (n,) int64 fragment ids; vecs: (n, dim) float32."""
         if len(ids) == 0:
             return
+        self._own()
         self.index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), np.ascontiguousarray(ids, np.int64))
         self._gpu = None
         self._dirty = True
@@ -162,6 +189,7 @@ class FaissCandidates(CandidateBackend):
         if not self.supports_remove:
             return 0
         lo, hi = fid.item_range(item)
+        self._own()
         n = int(self.index.remove_ids(faiss.IDSelectorRange(lo, hi)))
         self._gpu = None
         self._dirty |= n > 0
@@ -171,6 +199,7 @@ class FaissCandidates(CandidateBackend):
         """Remove fragments by id; returns how many were removed (0 where deletion is unsupported)."""
         if not self.supports_remove or not len(ids):
             return 0
+        self._own()
         n = int(self.index.remove_ids(faiss.IDSelectorBatch(np.asarray(ids, dtype=np.int64))))
         self._gpu = None
         self._dirty |= n > 0
@@ -203,11 +232,15 @@ class FaissCandidates(CandidateBackend):
         stored = self._flat_vectors() if where == MATRIX_CPU else None
         if stored is not None:
             vecs, ids = stored
+            mapping = mapping_of(self._mapped, vecs.ctypes.data) if self._mapped is not None and len(vecs) else None
             sums = np.empty(len(vecs), np.float32)
             for start in range(0, len(vecs), POSITIVE_CHUNK):
-                part = product(vecs[start : start + POSITIVE_CHUNK].astype(np.float32, copy=False), q)
+                rows = vecs[start : start + POSITIVE_CHUNK]
+                part = product(rows.astype(np.float32, copy=False), q)
                 np.maximum(part, 0.0, out=part)
                 sums[start : start + len(part)] = part.sum(axis=1)
+                if mapping is not None:  # the file's pages go back to the kernel's cache
+                    release_mapped(mapping, rows.ctypes.data, rows.ctypes.data + rows.nbytes)
             hit = sums > 0
             return sums[hit], ids[hit]
         copy = self._gpu_copy() if where == GPU_KNN_CPU_RANGE else None

@@ -44,4 +44,4 @@ def open_backend(root: Path, dim: int, settings: IndexSettings, info: dict[str, 
         return MilvusCandidates.open(root, dim, settings, info, options)
     if name != "faiss":
         raise IndexLoadError(f"the index at {root} names an unknown candidate backend {name!r}")
-    return FaissCandidates.open(root, dim, settings, info)
+    return FaissCandidates.open(root, dim, settings, info, mapped=options is not None and options.mapped)

@@ -68,6 +68,42 @@ def release_rows(segment: np.ndarray, lo: int, hi: int) -> None:
         handle.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
+def mapping_of(path: Path, address: int) -> tuple[int, int] | None:
+    """The range [start, end) of this process's memory mapping of the file `path` that holds `address`
+    (/proc/self/maps), None where there is none (the bytes are not that file's mapping, or the system has no
+    such table)."""
+    try:
+        target = os.stat(path)
+        table = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in table:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[4] != str(target.st_ino):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end and os.path.realpath(fields[5]) == os.path.realpath(path):
+            return start, end
+    return None
+
+
+def release_mapped(mapping: tuple[int, int], lo: int, hi: int) -> None:
+    """Drop the whole pages of bytes lo .. hi - 1 (addresses) inside a file's read-only `mapping` (`mapping_of`)
+    from this process (madvise DONTNEED, as `release_rows` does for a memory-mapped array; a later read maps
+    them again from the kernel's cache). Nothing outside the mapping is ever released: DONTNEED on memory a
+    process owns would zero it."""
+    first = max(mapping[0], -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE)
+    end = min(mapping[1], hi // mmap.PAGESIZE * mmap.PAGESIZE)
+    if end <= first or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(first, end - first, mmap.MADV_DONTNEED)
+
+
 class SpillFile:
     """Live rows on disk: an open temp file of raw rows after a fixed-size .npy header."""
 
