@@ -21,8 +21,8 @@ import numpy as np
 from fragsearch.model.arrays import Array, is_torch
 
 # at least this many multiply-adds (n * d * m) go through ONNX Runtime (a call costs it ~20 us more than NumPy),
-# with at most THIN columns: a wider product is BLAS's own ground (OpenBLAS 108 ms, ONNX Runtime 133 ms for
-# 20,000 x 512 by 512 x 512 on one thread; 7.4 and 4.3 ms by 512 x 8)
+# with at most THIN columns: a wider product is BLAS's own ground (docs/results/product-shapes.csv, one thread:
+# OpenBLAS 108 ms, ONNX Runtime 134 ms for 20,000 x 512 by 512 x 512; 7.2 and 3.9 ms by 512 x 8)
 LARGE = 1 << 20
 THIN = 64
 _sessions: dict[int, Any] = {}
