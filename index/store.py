@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import mmap
 import os
 import shutil
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,12 +98,18 @@ def release_mapped(mapping: tuple[int, int], lo: int, hi: int) -> None:
     end = min(mapping[1], hi // mmap.PAGESIZE * mmap.PAGESIZE)
     if end <= first or not hasattr(mmap, "MADV_DONTNEED"):
         return
+    _madvise()(first, end - first, mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _madvise() -> Any:
+    """The C library's madvise(address, length, advice), found once (finding the library runs a program)."""
     import ctypes
     import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(first, end - first, mmap.MADV_DONTNEED)
+    call = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return call
 
 
 class SpillFile:
