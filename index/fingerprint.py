@@ -18,10 +18,11 @@ _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
 # use them keeps the fingerprint its indexes were built with (a merged model's blocks, the crops' CNN, the
 # mirrored training view, the source of the regions, the detector's class scores beside the features, the
 # S_kl's pooling over ranks, a model's own top layers of MiniLM, the side large pictures are read at: it
-# changes the features of pictures larger than it only, whose cache entries it keys apart; the region ranker)
+# changes the features of pictures larger than it only, whose cache entries it keys apart; the region ranker
+# and the regions it shares with the ImageNet head)
 LATER = {"model": ("blocks", "pool_ranks", "text_layers"),
          "image": ("backbone", "mirror", "proposals", "detector_floor", "detector_classes", "decode_side",
-                   "region_ranker")}
+                   "region_ranker", "head_regions", "head_min_box_frac")}
 
 
 def _settings(part: str, cfg: Any) -> dict[str, object]:

@@ -74,6 +74,13 @@ class ImageConfig:
     # Entities boxes by training/regions.py) ranks them by how likely each is a box someone named. Selective
     # search's proposals only; in the feature cache key when set.
     region_ranker: str = ""
+    # with a region ranker, the regions split between two choosers: the first ``head_regions`` are the ImageNet
+    # head's (its confidence, among the proposals with sides of at least ``head_min_box_frac``: the regions a
+    # model without a ranker keeps first), the others the ranker's among every proposal (sides of at least
+    # ``min_box_frac``), by NMS against the head's too. 0: every region the ranker's. In the feature cache key
+    # when set.
+    head_regions: int = 0
+    head_min_box_frac: float = 0.25
 
     @property
     def n_fragments(self) -> int:
@@ -90,7 +97,7 @@ BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite
 def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
     """The image-fragment flags (--region-features, --crop-size, --min-box-frac, --backbone-size,
     --backbone-precision, --backbone, --proposal-mode, --proposal-resize, --proposals, --detector-floor,
-    --detector-classes, --region-ranker); with `defaults` None each is None
+    --detector-classes, --region-ranker, --head-regions, --head-min-box-frac); with `defaults` None each is None
     unless given (the run's own settings are kept, see `with_region_flags`)."""
     ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
                     help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
@@ -119,11 +126,16 @@ def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) 
     ap.add_argument("--region-ranker", default=defaults and defaults.region_ranker,
                     help="the region ranker's file name (region-ranker-<digest>.npz, training/regions.py) that orders "
                          "selective search's proposals; empty: the ImageNet head's objectness")
+    ap.add_argument("--head-regions", type=int, default=defaults and defaults.head_regions,
+                    help="with --region-ranker: how many of the regions the ImageNet head chooses first (among "
+                         "boxes with sides of at least --head-min-box-frac); the ranker chooses the rest")
+    ap.add_argument("--head-min-box-frac", type=float, default=defaults and defaults.head_min_box_frac,
+                    help="with --head-regions: the smallest side of the head's regions, as a fraction of the image's")
 
 
 REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
                 "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor", "detector_classes",
-                "region_ranker")
+                "region_ranker", "head_regions", "head_min_box_frac")
 
 
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:

@@ -34,6 +34,7 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     proposals = image.pop("proposals")  # the region source and its floor: only when not selective search
     floor = image.pop("detector_floor")
     ranker = image.pop("region_ranker")  # in the payload only when set: the other keys stay
+    head_regions, head_floor = image.pop("head_regions"), image.pop("head_min_box_frac")  # likewise
     image.pop("decode_side")  # in the entries' keys of the pictures it reduces (content_key), not here
     if image.pop("detector_classes"):  # in the payload only when set: the other keys stay
         image["detector_classes"] = True
@@ -47,6 +48,8 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
         payload["mirror"] = True
     if ranker:
         payload["region_ranker"] = ranker  # named by its content (model/regions.py ranker_name)
+    if head_regions:
+        payload["head_regions"] = [head_regions, head_floor]
     if weights:
         payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
     if cfg.backbone_precision == "int8":

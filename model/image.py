@@ -36,6 +36,9 @@ from fragsearch.model.proposals import (
     full_box,
     propose_boxes,
     select_regions,
+    select_split_regions,
+    sides_at_least,
+    splits_regions,
     with_priors,
 )
 from fragsearch.model.regions import load_ranker
@@ -99,6 +102,9 @@ class RegionExtractor:
         if cfg.region_ranker and (cfg.proposals == "detector" or cfg.full_frame_only):
             raise ValueError("region_ranker ranks selective search's proposals (proposals 'selective_search' or "
                              "'detector_topup'): these settings have none to rank")
+        if cfg.head_regions and not (cfg.region_ranker and cfg.proposals == "selective_search"):
+            raise ValueError("head_regions splits the regions between the ImageNet head and a region ranker: it "
+                             "needs region_ranker and selective search's proposals")
         self.cfg = cfg
         self.detector = (Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only
                          else None)
@@ -108,7 +114,7 @@ class RegionExtractor:
                          if own else self.ranker)  # the fragments' features
         # read now: a missing head or ranker file is an error at start-up, not at the first image
         self.region_ranker = load_ranker(cfg.region_ranker) if cfg.region_ranker and ranks_proposals(cfg) else None
-        if ranks_proposals(cfg) and self.region_ranker is None:
+        if ranks_proposals(cfg) and (self.region_ranker is None or splits_regions(cfg)):
             self.ranker.load_head()
 
     def extract(self, image: Image.Image | Photo) -> ImageFragments:
@@ -178,12 +184,15 @@ class RegionExtractor:
         for k, img in enumerate(rgb):
             w, h = img.size
             props = np.ascontiguousarray(proposals[k][:, :4], dtype=np.float32)
-            scores = (1.0 + priors[k]).astype(np.float32)
-            unranked = np.isnan(scores)
-            if unranked.any() and maps is not None:
-                pooled = self._roi_pool(maps[k], props[unranked], w, h, side, SCORE_SAMPLING)
-                scores[unranked] = self._rank(pooled, props[unranked], w, h)
-            regions, rows = select_regions(props, scores, w, h, cfg)
+            if splits_regions(cfg) and maps is not None:
+                regions, rows = self._split_choice(maps[k], props, w, h)
+            else:
+                scores = (1.0 + priors[k]).astype(np.float32)
+                unranked = np.isnan(scores)
+                if unranked.any() and maps is not None:
+                    pooled = self._roi_pool(maps[k], props[unranked], w, h, side, SCORE_SAMPLING)
+                    scores[unranked] = self._rank(pooled, props[unranked], w, h)
+                regions, rows = select_regions(props, scores, w, h, cfg)
             boxes = np.concatenate([full_box(w, h), regions])
             chosen.append(boxes)
             if cfg.detector_classes:
@@ -225,6 +234,18 @@ class RegionExtractor:
         if self.region_ranker is not None:
             return by_rank(self.region_ranker.score(pooled, boxes, w, h))
         return self._objectness(pooled)
+
+    def _split_choice(self, fmap: np.ndarray, props: np.ndarray, w: int, h: int) -> tuple[np.ndarray, np.ndarray]:
+        """The regions of one working image (``select_split_regions``) when the ImageNet head and the region
+        ranker share them (``cfg.head_regions``): the head scores its pool (the larger boxes), the ranker all."""
+        assert self.region_ranker is not None
+        pooled = self._roi_pool(fmap, props, w, h, self.cfg.backbone_size, SCORE_SAMPLING)
+        large = sides_at_least(props, w, h, self.cfg.head_min_box_frac)
+        head = np.zeros(len(props), np.float32)
+        if large.any():
+            head[large] = self._objectness(pooled[large])
+        ranked = by_rank(self.region_ranker.score(pooled, props, w, h))
+        return select_split_regions(props, head, ranked, w, h, self.cfg)
 
     def _objectness(self, pooled: np.ndarray) -> np.ndarray:
         """(N, 1280) → (N,) float32 max ImageNet softmax probability."""
@@ -272,7 +293,7 @@ def extractor_files(cfg: ImageConfig) -> list[Path]:
             load_ranker(cfg.region_ranker)  # raises, saying where it was looked for
         else:
             files.append(ranker)
-    elif ranks_proposals(cfg):
+    if ranks_proposals(cfg) and (not cfg.region_ranker or splits_regions(cfg)):
         files.append(backbone_head())
     return files
 

@@ -135,11 +135,29 @@ def propose_boxes(image: np.ndarray, cfg: ImageConfig) -> np.ndarray:
     )
     boxes[:, 0::2] = boxes[:, 0::2].clip(0, w)
     boxes[:, 1::2] = boxes[:, 1::2].clip(0, h)
-    big = ((boxes[:, 2] - boxes[:, 0]) >= cfg.min_box_frac * w) & ((boxes[:, 3] - boxes[:, 1]) >= cfg.min_box_frac * h)
-    boxes = boxes[big]
-    _, first = np.unique(np.round(boxes).astype(np.int64), axis=0, return_index=True)
-    boxes = boxes[np.sort(first)]
-    return boxes[: cfg.max_proposals].astype(np.float32)
+    rows = _pool(boxes, w, h, cfg.min_box_frac, cfg.max_proposals)
+    if splits_regions(cfg):  # and the head's own pool (first of those with its larger sides), in the same order
+        rows = np.union1d(rows, _pool(boxes, w, h, cfg.head_min_box_frac, cfg.max_proposals))
+    return boxes[rows].astype(np.float32)
+
+
+def _pool(boxes: np.ndarray, w: int, h: int, frac: float, cap: int) -> np.ndarray:
+    """The rows (sorted) of the first ``cap`` distinct boxes (rounded to pixels) whose sides are at least
+    ``frac`` of the image's."""
+    rows = np.flatnonzero(sides_at_least(boxes, w, h, frac))
+    _, first = np.unique(np.round(boxes[rows]).astype(np.int64), axis=0, return_index=True)
+    return rows[np.sort(first)][:cap]
+
+
+def sides_at_least(boxes: np.ndarray, w: int, h: int, frac: float) -> np.ndarray:
+    """(P,) bool: which boxes (P, 4) of a w x h image have both sides at least ``frac`` of the image's."""
+    b = np.asarray(boxes).reshape(-1, 4)
+    return ((b[:, 2] - b[:, 0]) >= frac * w) & ((b[:, 3] - b[:, 1]) >= frac * h)
+
+
+def splits_regions(cfg: ImageConfig) -> bool:
+    """Whether the regions of ``cfg`` split between the ImageNet head and a region ranker (``head_regions``)."""
+    return bool(cfg.region_ranker) and cfg.head_regions > 0
 
 
 def with_priors(boxes: np.ndarray, priors: np.ndarray | None = None, classes: np.ndarray | None = None
@@ -200,6 +218,36 @@ def select_regions(
         keep = nms(b[index], s[index], cfg.nms_iou, limit=n)
         kept = b[index[keep]]
         rows = index[keep].astype(np.int64)
+    return _filled(kept, rows, width, height, cfg)
+
+
+def select_split_regions(proposals: np.ndarray, head_scores: np.ndarray, ranker_scores: np.ndarray,
+                         width: int, height: int, cfg: ImageConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``select_regions`` for regions split between two choosers (``cfg.head_regions``): the first
+    ``cfg.head_regions`` by ``head_scores`` among the proposals with sides of at least ``cfg.head_min_box_frac``,
+    then the free slots by ``ranker_scores`` among them all, each box by NMS against every box kept before
+    it (the head's included). Near-copies of the whole image are dropped; the grid fills missing slots."""
+    n = cfg.n_regions
+    b = np.asarray(proposals, np.float32).reshape(-1, 4)
+    if not len(b):
+        return _filled(np.zeros((0, 4), np.float32), np.zeros((0,), np.int64), width, height, cfg)
+    usable = box_iou(b, full_box(width, height))[:, 0] <= FULL_FRAME_DUP_IOU
+    pool = np.flatnonzero(usable & sides_at_least(b, width, height, cfg.head_min_box_frac))
+    first = pool[nms(b[pool], np.asarray(head_scores, np.float32)[pool], cfg.nms_iou, limit=min(cfg.head_regions, n))]
+    rest = np.setdiff1d(np.flatnonzero(usable), first)
+    candidates = np.concatenate([first, rest])
+    # the head's boxes come first (2, above every ranked score) and keep their order; NMS among them
+    # was done at the same threshold, so none of them drops another
+    scores = np.concatenate([np.full(len(first), 2.0, np.float32), np.asarray(ranker_scores, np.float32)[rest]])
+    keep = candidates[nms(b[candidates], scores, cfg.nms_iou, limit=n)]
+    return _filled(b[keep], keep.astype(np.int64), width, height, cfg)
+
+
+def _filled(kept: np.ndarray, rows: np.ndarray, width: int, height: int, cfg: ImageConfig
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The kept regions and their rows, the missing slots filled from the fixed grid (grid boxes that overlap a
+    kept box less than nms_iou first; their rows -1)."""
+    n = cfg.n_regions
     if len(kept) >= n:
         return kept[:n], rows[:n]
     grid = grid_boxes(width, height)

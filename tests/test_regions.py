@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+from fragsearch.model.boxes import box_iou
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.features import config_key
 from fragsearch.model.image import RegionExtractor
-from fragsearch.model.proposals import full_box, select_regions
+from fragsearch.model.proposals import full_box, grid_boxes, select_regions, sides_at_least
 from fragsearch.model.regions import GEOMETRY, RankerError, RegionRanker, geometry, load_ranker, read_ranker
 
 FEATURES = 1280
@@ -114,6 +115,59 @@ def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(tmp_path: Path
     assert area[0] <= area.min() + 1e-3, "the first region is the smallest kept: the ranker's order"
     assert not np.allclose(got.boxes, by_head.boxes), "the ImageNet head ranks them otherwise"
     assert float(np.median(area)) < float(np.median(head_area))
+
+
+def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
+    from fragsearch.model.onnx import graph_dir
+
+    ranker = small_first()
+    name = ranker.save(graph_dir()).name
+    head_only = ImageConfig(region_features="crop", backbone_size=224, backbone_precision="int8", min_box_frac=0.25,
+                            proposal_resize=160)
+    split = dataclasses.replace(head_only, min_box_frac=0.06, region_ranker=name, head_regions=5,
+                                head_min_box_frac=0.25)
+    img = picture()
+    extractor = RegionExtractor(split)
+    by_head = RegionExtractor(head_only).extract(img)
+    got = extractor.extract(img)
+    assert got.boxes.shape == (split.n_fragments, 4) and got.features.shape == (split.n_fragments, FEATURES)
+    w, h = img.size
+    grid = grid_boxes(w, h)
+    assert not any(np.allclose(b, g, atol=1e-3) for b in by_head.boxes[1:6] for g in grid), \
+        "the head keeps 5 proposals of its own"
+    np.testing.assert_allclose(got.boxes[:6], by_head.boxes[:6], atol=1e-3,
+                               err_msg="the whole image, then the head's 5 as a model without a ranker keeps them")
+    # the other 14: the ranker's best (its order among every proposal), each kept unless it overlaps a box kept
+    # before it (the head's included) above nms_iou, near-copies of the whole image left out
+    boxes, pooled, _, _ = extractor.ranked_inputs(img)
+    assert (~sides_at_least(boxes, w, h, 0.25)).sum() > 5, "there are small proposals for the free slots"
+    order = np.argsort(-ranker.score(pooled, boxes, w, h), kind="stable")
+    kept = [*got.boxes[1:6]]
+    for row in order:
+        b = boxes[row]
+        if len(kept) == split.n_regions:
+            break
+        if box_iou(b[None], full_box(w, h))[0, 0] > 0.9 or box_iou(b[None], np.asarray(kept))[0].max() > 0.5:
+            continue
+        kept.append(b)
+    ranked = len(kept) - 5
+    assert ranked >= 5, "the ranker's proposals fill free slots (the grid the ones left)"
+    np.testing.assert_allclose(got.boxes[6 : 6 + ranked], np.asarray(kept[5:]), atol=1e-3)
+    area = (got.boxes[:, 2] - got.boxes[:, 0]) * (got.boxes[:, 3] - got.boxes[:, 1])
+    assert np.median(area[6 : 6 + ranked]) < area[1:6].min(), "the ranker's slots hold the small boxes it prefers"
+    with pytest.raises(ValueError, match="head_regions"):
+        RegionExtractor(dataclasses.replace(split, region_ranker=""))
+
+
+def test_the_feature_cache_key_carries_the_split() -> None:
+    ranked = ImageConfig(region_ranker="region-ranker-0123456789ab.npz")
+    assert config_key(dataclasses.replace(ranked, head_regions=12)) != config_key(ranked)
+    assert config_key(dataclasses.replace(ranked, head_regions=12)) != config_key(
+        dataclasses.replace(ranked, head_regions=12, head_min_box_frac=0.2))
+    assert config_key(dataclasses.replace(ranked, head_min_box_frac=0.2)) == config_key(ranked), \
+        "the head's floor alone changes nothing"
 
 
 def test_the_ranker_learns_which_proposals_hold_the_named_boxes() -> None:

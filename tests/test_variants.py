@@ -149,7 +149,8 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
                       "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False,
                       "backbone_weights": "", "backbone": "efficientnet-lite0", "mirror": False,
                       "proposals": "selective_search", "detector_floor": 0.3, "detector_classes": False,
-                      "decode_side": 1024, "region_ranker": ""}
+                      "decode_side": 1024, "region_ranker": "",
+                      "head_regions": 0, "head_min_box_frac": 0.25}
     full = load_variant("full")
     assert dataclasses.asdict(full.train) == {**defaults_train, "h": 512, "global_top_k": 5, "beta": 2.0,
                                               "calibrate": 1000}

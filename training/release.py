@@ -135,6 +135,8 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
                                 "onnxruntime": onnxruntime.__version__, "cpu": cpu_record()}
     if cfg.region_ranker:
         features.update(region_ranker=cfg.region_ranker, min_box_frac=cfg.min_box_frac)
+        if cfg.head_regions:
+            features.update(head_regions=cfg.head_regions, head_min_box_frac=cfg.head_min_box_frac)
     if cfg.backbone_precision == "int8":
         graph = backbone_graph("int8", cfg.backbone, cfg.backbone_weights, graph_dir())
         features.update(quantization=quant_recipe(), graph=graph.name, graph_sha256=sha256_file(graph))
