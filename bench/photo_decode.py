@@ -50,8 +50,8 @@ from fragsearch.model.cache import FeatureCache
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import load_split_data, select_images
+from fragsearch.model.features import PhotoReader
 from fragsearch.model.image import ImageFragments, RegionExtractor
-from fragsearch.model.imageio import read_image
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_info
@@ -100,7 +100,7 @@ def iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def measure(extractor: RegionExtractor, data: bytes) -> tuple[float, float, ImageFragments]:
     """(decode seconds, extraction seconds, fragments in the photo's pixels) under the extractor's setting."""
     t0 = time.perf_counter()
-    photo = read_image(data, max_pixels=10**9, side=extractor.cfg.decode_side)
+    photo = PhotoReader.of(extractor.cfg, max_pixels=10**9).read(data)
     t1 = time.perf_counter()
     frag = extractor.extract(photo)
     return t1 - t0, time.perf_counter() - t1, frag

@@ -54,12 +54,13 @@ from fragsearch.index.shards import (
 )
 from fragsearch.index.types import IndexSettings
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.cache import FeatureCache, content_key
+from fragsearch.model.cache import FeatureCache
 from fragsearch.model.config import ImageConfig, add_region_flags, with_region_flags
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.detector import Detector
+from fragsearch.model.features import PhotoReader
 from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
-from fragsearch.model.imageio import ImageReadError, read_image
+from fragsearch.model.imageio import ImageReadError
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.proposals import proposal_columns
 from fragsearch.model.settings import default_cache_dir, default_model_path
@@ -101,13 +102,14 @@ def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, n
     # the COCO detector, when the regions come from it: loaded once per batch (checked by hash), not per image
     detector = Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only else None
     keys, datas, props, errors = [], [], [], []
+    reader = PhotoReader.of(cfg)
     for p in batch["path"]:
         path = str(p)
         data, key, boxes, error = b"", "", np.zeros((0, proposal_columns(cfg)), np.float32), ""
         try:
             data = Path(path).read_bytes()
-            key = content_key(data, cfg.decode_side)
-            boxes = image_proposals(read_image(data, name=path, side=cfg.decode_side).image, cfg, detector)
+            key = reader.key(data)
+            boxes = image_proposals(reader.read(data, name=path).image, cfg, detector)
         except OSError as e:
             error = f"{path}: cannot open ({e.strerror or e})"
         except ImageReadError as e:
@@ -128,6 +130,7 @@ class BackboneStage:
         set_threads(1)
         self.cfg = cfg
         self.extractor = RegionExtractor(cfg, device, runtime)
+        self.reader = PhotoReader.of(cfg)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n, n_frag = len(batch["path"]), self.cfg.n_fragments
@@ -138,8 +141,7 @@ class BackboneStage:
             if errors[k]:
                 continue
             try:
-                images.append(read_image(bytes(batch["data"][k]), name=str(batch["path"][k]),
-                                         side=self.cfg.decode_side))
+                images.append(self.reader.read(bytes(batch["data"][k]), name=str(batch["path"][k])))
             except ImageReadError as e:
                 errors[k] = str(e)
                 continue

@@ -4,7 +4,7 @@ between bulk extraction (``index/bulk.py``, on worker processes or on Ray) and a
 A shard folder holds ``manifest.json`` (the feature settings, as the feature cache names them) and
 ``shard-<n>.npz`` files, each written atomically (``model/atomic.py``) with
 
-    keys      (K,)          content keys of the image files (``model/cache.content_key``)
+    keys      (K,)          content keys of the image files (``model/features.py content_key``)
     names     (K,)          file names
     paths     (K,)          the files' absolute paths
     sizes     (K, 2)        int64 width, height

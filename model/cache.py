@@ -24,7 +24,14 @@ import numpy as np
 from fragsearch.model.atomic import atomic_file, stale_temps
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.extraction import ExtractionPool
-from fragsearch.model.features import config_key, config_payload, content_key, entry_name, feature_dim, read_entry
+from fragsearch.model.features import (
+    PhotoReader,
+    config_key,
+    config_payload,
+    entry_name,
+    feature_dim,
+    read_entry,
+)
 from fragsearch.model.image import ImageFragments
 
 logger = logging.getLogger(__name__)
@@ -74,7 +81,7 @@ class FeatureCache:
         memo = (str(path), st.st_size, st.st_mtime_ns)
         key = self._keys.get(memo)
         if key is None:
-            key = self._keys[memo] = content_key(Path(path).read_bytes(), self.cfg.decode_side)
+            key = self._keys[memo] = PhotoReader.of(self.cfg).key(Path(path).read_bytes())
         return key
 
     def path(self, image: str | Path) -> Path:

@@ -15,9 +15,9 @@ from tqdm import tqdm
 
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.device import extraction_device
-from fragsearch.model.features import content_key, entry_name, write_entry
+from fragsearch.model.features import PhotoReader, entry_name, write_entry
 from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files
-from fragsearch.model.imageio import ImageReadError, Photo, read_image
+from fragsearch.model.imageio import ImageReadError, Photo
 from fragsearch.model.onnx import set_threads
 
 
@@ -29,11 +29,11 @@ def _extract_chunk(
     With out_dir, each image is stored as ``<out_dir>/<content key>.npz``."""
     failed: list[tuple[str, str]] = []
     good: list[tuple[str, str, Photo]] = []
-    side = extractor.cfg.decode_side
+    reader = PhotoReader.of(extractor.cfg)
     for p in paths:
         try:
             data = Path(p).read_bytes()
-            good.append((entry_name(p), content_key(data, side), read_image(data, name=str(p), side=side)))
+            good.append((entry_name(p), reader.key(data), reader.read(data, name=str(p))))
         except OSError as e:
             failed.append((entry_name(p), f"{p}: cannot open ({e.strerror or e})"))
         except ImageReadError as e:

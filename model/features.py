@@ -1,13 +1,15 @@
 """An image's cached features on disk: the key of the settings that shaped them (the cache folder),
 the key of the image's content (the entry's name) and the entry format (one ``.npz``: boxes, float16
 features, the image's size), written atomically. Read by the feature cache (model/cache.py), the
-extraction workers (model/extraction.py) and the index's fragment shards (index/shards.py)."""
+extraction workers (model/extraction.py) and the index's fragment shards (index/shards.py); and the one reader of a
+picture's bytes as the model reads them (``PhotoReader``: its entry's key and the picture at the model's side)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from fragsearch.model.config import ImageConfig
 from fragsearch.model.detector import DETECTOR_NAME, N_CLASSES, label_of
 from fragsearch.model.graphs import FEATURE_DIM, quant_recipe, weights_digest
 from fragsearch.model.image import ImageFragments
-from fragsearch.model.imageio import longer_side
+from fragsearch.model.imageio import DEFAULT_MAX_PIXELS, Photo, longer_side, read_image
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
 
@@ -88,6 +90,31 @@ def content_key(data: bytes, decode_side: int = 0) -> str:
     if decode_side and longer_side(data) > decode_side:
         digest.update(f"\0decode_side={decode_side}".encode())
     return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class PhotoReader:
+    """How the model reads a picture's bytes: the key of its feature-cache entry and the picture decoded for
+    reading (a JPEG larger than ``decode_side``, ``ImageConfig.decode_side``, at a reduced size: the decoder's
+    scaling, model/imageio.py ``read_image``). The one place the reading side meets the bytes: the extraction
+    workers, the feature cache, the bulk indexer, the service's uploads and the terminal's annotate read
+    through it. ``max_pixels``: the largest picture accepted."""
+
+    decode_side: int
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    @classmethod
+    def of(cls, cfg: ImageConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> PhotoReader:
+        return cls(cfg.decode_side, max_pixels)
+
+    def key(self, data: bytes) -> str:
+        """The name of the picture's entry in the feature cache (``content_key``)."""
+        return content_key(data, self.decode_side)
+
+    def read(self, source: bytes | Path | str, name: str | None = None, full: bool = False) -> Photo:
+        """The picture decoded for reading; with ``full`` at its own size (a copy to store). ImageReadError
+        (or a subclass) when it cannot be."""
+        return read_image(source, max_pixels=self.max_pixels, name=name, side=0 if full else self.decode_side)
 
 
 def entry_name(item: str | Path) -> str:

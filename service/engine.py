@@ -34,8 +34,9 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import Relevance
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.device import is_gpu
+from fragsearch.model.features import PhotoReader
 from fragsearch.model.fragments import NoFragmentsError
-from fragsearch.model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo, read_image
+from fragsearch.model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo
 from fragsearch.service.errors import ApiError
 from fragsearch.service.settings import Settings
 from fragsearch.service.thumbnails import thumbnail
@@ -213,9 +214,8 @@ class Engine:
     def read(self, data: bytes, full: bool = False) -> Photo:
         """An upload decoded for reading (a large JPEG at a reduced size: the model's decode_side), or in full
         (``full``: to be stored); a 4xx ApiError when it cannot be."""
-        side = 0 if full else self.bundle.image_cfg.decode_side
         try:
-            return read_image(data, max_pixels=self.settings.max_pixels, side=side)
+            return PhotoReader.of(self.bundle.image_cfg, self.settings.max_pixels).read(data, full=full)
         except ImageReadError as e:
             raise image_error(e) from e
 

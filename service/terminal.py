@@ -32,7 +32,8 @@ from fragsearch.index.sentences import SentenceIndex
 from fragsearch.index.types import ImageHit, IndexLoadError, SentenceHit
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import DEFAULT_CUTOFF
-from fragsearch.model.imageio import ImageReadError, read_image
+from fragsearch.model.features import PhotoReader
+from fragsearch.model.imageio import ImageReadError
 from fragsearch.model.settings import Settings, add_setting_flags, settings_of, use
 from fragsearch.service.engine import Engine
 from fragsearch.service.errors import ApiError
@@ -173,7 +174,7 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
     with use(settings):
         bundle = _model(settings)
         try:  # a large JPEG decoded at the model's reading side, as the service reads an upload
-            image = read_image(data, max_pixels=settings.max_pixels, side=bundle.image_cfg.decode_side)
+            image = PhotoReader.of(bundle.image_cfg, settings.max_pixels).read(data)
         except ImageReadError as e:
             raise type(e)(f"{args.image}: {e}") from e
         sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)

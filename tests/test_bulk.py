@@ -25,9 +25,9 @@ from fragsearch.index.shards import (
     shard_files,
     shard_settings,
 )
-from fragsearch.model.cache import content_key
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.embed import embed_extracted
+from fragsearch.model.features import content_key
 from fragsearch.model.image import RegionExtractor
 from fragsearch.model.imageio import load_image
 from fragsearch.model.words import WordTable

@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from fragsearch.model.cache import ExtractionPool, FeatureCache, config_key, content_key, read_entry
+from fragsearch.model.cache import ExtractionPool, FeatureCache, config_key, read_entry
 from fragsearch.model.config import ImageConfig
+from fragsearch.model.features import PhotoReader, content_key
 from fragsearch.model.graphs import FEATURE_DIM
 from fragsearch.model.image import ImageFragments, RegionExtractor, working_image
-from fragsearch.model.imageio import ImageReadError, Photo, load_image, read_image
+from fragsearch.model.imageio import ImageReadError, ImageTooLargeError, Photo, load_image, read_image
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.proposals import propose_boxes
 from fragsearch.model.release import read_manifest
@@ -273,6 +274,18 @@ def test_an_entry_of_a_picture_larger_than_the_side_is_keyed_by_the_side_too() -
     assert content_key(large, 1024) != content_key(large, 512)
     assert content_key(b"not an image", 1024) == content_key(b"not an image")
     assert config_key(ImageConfig(decode_side=512)) == config_key(ImageConfig())  # the folder's key stays
+
+
+def test_the_photo_reader_keys_and_reads_at_the_models_side() -> None:
+    cfg = ImageConfig(decode_side=448)
+    large = jpeg_bytes(big_picture(1792, 1344))
+    reader = PhotoReader.of(cfg, max_pixels=4_000_000)
+    assert reader.key(large) == content_key(large, 448) != content_key(large)
+    assert reader.read(large).image.size == (448, 336)
+    assert (reader.read(large).width, reader.read(large).height) == (1792, 1344)
+    assert reader.read(large, full=True).image.size == (1792, 1344)
+    with pytest.raises(ImageTooLargeError):
+        PhotoReader.of(cfg, max_pixels=1_000_000).read(large)
 
 
 # -- cache ---------------------------------------------------------------------------------------

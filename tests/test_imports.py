@@ -81,6 +81,22 @@ def test_atomic_writes_go_through_the_one_helper() -> None:
     assert renames == ["model/atomic.py"]
 
 
+def test_pictures_are_read_at_the_models_side_by_the_one_reader() -> None:
+    """The model's reading side (``decode_side``) meets a picture's bytes in model/features.py's PhotoReader
+    only: no other module of the product or the benches both names the side and calls ``read_image`` or
+    ``content_key``."""
+    files = [p for package in ("model", "index", "service", "training", "bench")
+             for p in sorted((ROOT / package).rglob("*.py")) if p.relative_to(ROOT).as_posix() != "model/features.py"]
+    both = []
+    for p in files:
+        tree = ast.parse(p.read_text(), str(p))
+        names = {getattr(n, "attr", getattr(n, "id", getattr(n, "arg", ""))) for n in ast.walk(tree)}
+        calls = {getattr(n.func, "id", getattr(n.func, "attr", "")) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        if "decode_side" in names and calls & {"read_image", "content_key"}:
+            both.append(str(p.relative_to(ROOT)))
+    assert both == []
+
+
 ATOMIC = {"atomic_file", "atomic_path", "cached_file", "fsync_dir", "stale_temps", "TMP_SUFFIX"}
 
 

@@ -71,9 +71,9 @@ class Picture:
 
 def picture_of(extractor: RegionExtractor, path: Path, entities: ImageEntities) -> Picture:
     """An image's proposals, their pooled features and its phrases' boxes in its working pixels."""
-    from fragsearch.model.imageio import read_image
+    from fragsearch.model.features import PhotoReader
 
-    boxes, pooled, w, h = extractor.ranked_inputs(read_image(path, side=extractor.cfg.decode_side))
+    boxes, pooled, w, h = extractor.ranked_inputs(PhotoReader.of(extractor.cfg).read(path))
     counts: dict[str, int] = defaultdict(int)
     types: dict[str, tuple[str, ...]] = {}
     for caption in entities.captions:
