@@ -26,7 +26,7 @@ import resource
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
@@ -48,7 +48,7 @@ from fragsearch.model.encoders import ModelConfig
 from fragsearch.model.entities import read_entities
 from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
 from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
+from fragsearch.model.nets.encoders import DeViSE, FragmentModel, GlobalModel, TreeRNN, TwoBranch, build_model
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.model.text import Triplet
@@ -153,10 +153,49 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     """Train; with `val_data` (a part held out of the training images, never dev: `hold_out`) evaluate
     on it every `eval_every` epochs and keep the best epoch as out/model.pt, without it keep the last.
 
-    Everything runs on run.train.device (resolved here: auto -> cuda when available)."""
+    The steps: the text pipeline (`_text_for`), the model (`_model_for`), one epoch's step for its kind
+    (`_epoch_step`), the epochs with their evaluation and selection (`_epochs`), the relevance scale of the
+    epoch kept, the summary. Everything runs on run.train.device (resolved here: auto -> cuda when available)."""
     run.train = cfg = dataclasses.replace(run.train, device=device_name(run.train.device))
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
+    text, fixed = _text_for(run, train_data, val_data, cache_root)
+    trees = text.encode_parsed(train_data.parsed, train_data.sentences) if run.text.fragments == "tree" else None
+    model, mcfg = _model_for(run, text, fixed, trees, train_data.feats.shape[-1])
+    bundle = Checkpoint(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
+    feats = torch.from_numpy(train_data.feats)
+    if run.image.full_frame_only:
+        feats = feats[:, :1].contiguous()
+    opt = optimizer(cfg, param_groups(cfg, model))
+    t0 = time.perf_counter()
+    step = _epoch_step(run, model, text, fixed, trees, train_data, feats, opt, rng, cache_root)
+    logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
+                cfg.device, len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
+                time.perf_counter() - t0)
+    selection, best, history = _epochs(bundle, cfg, opt, step, train_data, val_data, out)
+    if val_data is not None and best is not None and cfg.calibrate > 0 and isinstance(model, FragmentModel):
+        kept = Checkpoint.load(out / "model.pt", device=cfg.device)  # the epoch kept gets its relevance scale
+        try:
+            store_relevance(kept, fit_relevance(judge(kept, val_data, distractors_of(train_data, seed=cfg.seed))),
+                            len(val_data.names))
+            kept.save(out / "model.pt")
+        except ValueError as e:  # a score that does not separate: the model has no scale
+            logger.warning("no relevance scale: %s", e)
+    summary = {"variant": run.variant, "selection": selection, "best": best, "history": history,
+               "train_images": len(train_data.names), "train_sentences": len(train_data.sentences),
+               "train_seconds": time.perf_counter() - t0,
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               "config": {"train": dataclasses.asdict(cfg), "text": dataclasses.asdict(run.text),
+                          "image": dataclasses.asdict(run.image), "model": mcfg.to_dict()}}
+    (out / "history.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _text_for(run: Run, train_data: SplitData, val_data: SplitData | None, cache_root: Path
+              ) -> tuple[TextPipeline, Checkpoint | None]:
+    """The run's text pipeline fitted on the training captions, its vectors warmed for both parts, and the
+    checkpoint whose MiniLM layers it reads fixed (`text_from`), if any."""
+    cfg = run.train
     text = TextPipeline.fit(run.text, train_data.parsed, cache_root / "words")
     text.device = cfg.device
     fixed = fixed_text_layers(cfg, run) if cfg.text_from else None
@@ -165,16 +204,22 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
     for data in (train_data, val_data):
         if data is not None:
             text.warm(data.parsed, data.sentences, cache_root / "vectors")
+    return text, fixed
+
+
+def _model_for(run: Run, text: TextPipeline, fixed: Checkpoint | None, trees: Any, img_dim: int
+               ) -> tuple[FragmentModel | GlobalModel, ModelConfig]:
+    """The model of the run's kind and shape, on the run's device: its MiniLM layers (where it has its own)
+    from `fixed` (read, never trained) or from MiniLM's weights."""
+    cfg = run.train
     sid = text.relations.index(SENTENCE_REL)
     shape = {k: v for k, v in run.model_overrides.items() if k in MODEL_OPTIONS}
     if fixed is not None:
         shape["text_layers"] = fixed.cfg.text_layers
-    trees = text.encode_parsed(train_data.parsed, train_data.sentences) if run.text.fragments == "tree" else None
     if trees is not None and trees.trees is not None:
         shape["tree_left"], shape["tree_right"] = position_ranges(trees.trees)
-    mcfg = ModelConfig(kind=run.model_kind, h=cfg.h, n_relations=len(text.relations),
-                       img_dim=train_data.feats.shape[-1], word_dim=text.words.dim,
-                       sentence_relation=-1 if sid is None else sid, **shape)
+    mcfg = ModelConfig(kind=run.model_kind, h=cfg.h, n_relations=len(text.relations), img_dim=img_dim,
+                       word_dim=text.words.dim, sentence_relation=-1 if sid is None else sid, **shape)
     model = build_model(mcfg)
     if isinstance(model, FragmentModel) and model.text_layers is not None:
         if fixed is not None and isinstance(fixed.model, FragmentModel) and fixed.model.text_layers is not None:
@@ -182,44 +227,52 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             model.text_layers.requires_grad_(False)  # read, never trained (param_groups leaves them out)
         else:
             model.text_layers.load_minilm()  # trained from MiniLM's own weights of those layers
-    model = model.to(cfg.device)
-    bundle = Checkpoint(model, text, run.image, meta={"variant": run.variant, "train": dataclasses.asdict(cfg)})
-    feats = torch.from_numpy(train_data.feats)
-    if run.image.full_frame_only:
-        feats = feats[:, :1].contiguous()
-    opt = optimizer(cfg, param_groups(cfg, model))
-    t0 = time.perf_counter()
+    return model.to(cfg.device), mcfg
+
+
+def _epoch_step(run: Run, model: FragmentModel | GlobalModel, text: TextPipeline, fixed: Checkpoint | None, trees: Any,
+                train_data: SplitData, feats: torch.Tensor, opt: torch.optim.Optimizer, rng: np.random.Generator,
+                cache_root: Path) -> Callable[[int], float]:
+    """One epoch of training for the model's kind (epoch number → its mean loss): the two-branch
+    embedding's, a global model's over sentence trees (DT-RNN, DeViSE), or the fragment objective's (with its
+    box labels, mirrored views and teacher where the run asks for them)."""
+    cfg = run.train
     if isinstance(model, TwoBranch):
         enc = text.encode_parsed(train_data.parsed, train_data.sentences)
         sent_vecs = torch.from_numpy(enc.extra).float()  # one sentence fragment each, in order
-        step = lambda e: train_two_branch_epoch(model, cfg, feats, train_data, sent_vecs, opt, e, rng)  # noqa: E731
-    elif isinstance(model, TreeRNN | DeViSE):
+        return lambda e: train_two_branch_epoch(model, cfg, feats, train_data, sent_vecs, opt, e, rng)
+    if isinstance(model, TreeRNN | DeViSE):
         if trees is None:
             raise ValueError(f"a {run.model_kind} model composes sentences from their trees: text fragments 'tree'")
         pool = torch.from_numpy(np.concatenate([text.words.vectors, trees.extra])).float().to(cfg.device)
         global_model = model
-        step = lambda e: train_global_epoch(global_model, cfg, feats, train_data, trees, pool, opt, e, rng)  # noqa: E731
-    else:
-        tuned = (model.text_layers.first if isinstance(model, FragmentModel) and model.text_layers is not None
-                 and fixed is None else None)  # fixed layers: the pipeline's vectors are read through them already
-        batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device, tuned, cache_root / "vectors")
-        if cfg.box_supervision:
-            batches.labels = box_labels(train_data, batches.enc.triplets)
-        views: ImageFeatures = feats
-        if cfg.mirror_views > 0:
-            if train_data.mirrored is None:
-                raise ValueError("mirror_views: the training images' mirrored view was not loaded (with_mirrored)")
-            views = MirroredViews(feats, torch.from_numpy(train_data.mirrored), cfg.mirror_views, rng)
-        if cfg.distill_from and cfg.mirror_views > 0:
-            raise ValueError("distill_from with mirror_views: the teacher scores the images unmirrored")
-        teacher = (Teacher(teacher_paths(cfg.distill_from), text, run.image, feats, cfg.device,
-                           images=[train_data.split.image_path(n) for n in train_data.names], cache_root=cache_root)
-                   if cfg.distill_from else None)
-        step = lambda e: train_fragment_epoch(model, cfg, views, train_data, batches, opt, e, rng,  # noqa: E731
-                                              teacher=teacher)
-    logger.info("training %s on %s: %d images, %d sentences, %d relations, h=%d (prep %.1fs)", run.variant,
-                cfg.device, len(train_data.names), len(train_data.sentences), len(text.relations), cfg.h,
-                time.perf_counter() - t0)
+        return lambda e: train_global_epoch(global_model, cfg, feats, train_data, trees, pool, opt, e, rng)
+    tuned = (model.text_layers.first if model.text_layers is not None and fixed is None
+             else None)  # fixed layers: the pipeline's vectors are read through them already
+    batches = FragmentBatches(text, train_data, run.text.unigram_prob, cfg.device, tuned, cache_root / "vectors")
+    if cfg.box_supervision:
+        batches.labels = box_labels(train_data, batches.enc.triplets)
+    views: ImageFeatures = feats
+    if cfg.mirror_views > 0:
+        if train_data.mirrored is None:
+            raise ValueError("mirror_views: the training images' mirrored view was not loaded (with_mirrored)")
+        views = MirroredViews(feats, torch.from_numpy(train_data.mirrored), cfg.mirror_views, rng)
+    if cfg.distill_from and cfg.mirror_views > 0:
+        raise ValueError("distill_from with mirror_views: the teacher scores the images unmirrored")
+    teacher = (Teacher(teacher_paths(cfg.distill_from), text, run.image, feats, cfg.device,
+                       images=[train_data.split.image_path(n) for n in train_data.names], cache_root=cache_root)
+               if cfg.distill_from else None)
+    return lambda e: train_fragment_epoch(model, cfg, views, train_data, batches, opt, e, rng, teacher=teacher)
+
+
+def _epochs(bundle: Checkpoint, cfg: TrainConfig, opt: torch.optim.Optimizer, step: Callable[[int], float],
+            train_data: SplitData, val_data: SplitData | None, out: Path
+            ) -> tuple[dict[str, Any], dict[str, float] | None, list[dict[str, float]]]:
+    """The epochs: each one's learning rate and step; with a validation part its evaluation every
+    `eval_every` epochs (and at the last), the best R-sum's epoch saved as out/model.pt, else the last epoch
+    saved; a fragment model's calibration refitted before each evaluation → (the selection, the best
+    epoch's metrics or None, one row per epoch)."""
+    model = bundle.model
     history: list[dict[str, float]] = []
     best: dict[str, float] | None = None
     selection: dict[str, Any] = (
@@ -238,7 +291,7 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
             bundle.calibration = fit_calibration(bundle, train_data, cfg.calibrate, cfg.seed)
             bundle.meta["calibration"] = {"refs": cfg.calibrate, "split": "train", "seed": cfg.seed}
         if evaluated and val_data is not None:
-            m, val_scores = evaluate_scores(bundle, val_data)
+            m, _ = evaluate_scores(bundle, val_data)
             row.update({f"val_{k}": m[k] for k in VAL_METRICS})
             if best is None or m["rsum"] > best["rsum"]:
                 best = {**m, "epoch": float(epoch + 1)}
@@ -250,22 +303,7 @@ def train(run: Run, train_data: SplitData, val_data: SplitData | None, out: Path
         history.append(row)
         logger.info("epoch %d: %s", epoch + 1, json.dumps({k: round(v, 4) for k, v in row.items()}))
     selection["epoch"] = int(best["epoch"]) if best is not None else cfg.epochs
-    if val_data is not None and best is not None and cfg.calibrate > 0 and isinstance(model, FragmentModel):
-        kept = Checkpoint.load(out / "model.pt", device=cfg.device)  # the epoch kept gets its relevance scale
-        try:
-            store_relevance(kept, fit_relevance(judge(kept, val_data, distractors_of(train_data, seed=cfg.seed))),
-                            len(val_data.names))
-            kept.save(out / "model.pt")
-        except ValueError as e:  # a score that does not separate: the model has no scale
-            logger.warning("no relevance scale: %s", e)
-    summary = {"variant": run.variant, "selection": selection, "best": best, "history": history,
-               "train_images": len(train_data.names), "train_sentences": len(train_data.sentences),
-               "train_seconds": time.perf_counter() - t0,
-               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "config": {"train": dataclasses.asdict(cfg), "text": dataclasses.asdict(run.text),
-                          "image": dataclasses.asdict(run.image), "model": mcfg.to_dict()}}
-    (out / "history.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return selection, best, history
 
 
 def fixed_text_layers(cfg: TrainConfig, run: Run) -> Checkpoint:
