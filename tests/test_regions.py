@@ -91,15 +91,30 @@ def test_the_feature_cache_key_carries_the_ranker() -> None:
     assert len({config_key(cfg), one, two}) == 3
 
 
-def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def saved_ranker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[RegionRanker, str]:
+    """`small_first` saved where the extractor finds it (the graph folder of a fresh artifacts folder), and its
+    file name."""
     monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
     from fragsearch.model.onnx import graph_dir
 
     ranker = small_first()
-    name = ranker.save(graph_dir()).name
-    base = ImageConfig(region_features="crop", backbone_size=224, backbone_precision="int8", min_box_frac=0.06,
-                       proposal_resize=160)
+    return ranker, ranker.save(graph_dir()).name
+
+
+def crops(min_box_frac: float) -> ImageConfig:
+    """Small int8 crop settings for the test pictures, with the smallest box side given."""
+    return ImageConfig(region_features="crop", backbone_size=224, backbone_precision="int8",
+                       min_box_frac=min_box_frac, proposal_resize=160)
+
+
+def areas(boxes: np.ndarray) -> np.ndarray:
+    return (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+
+
+def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(saved_ranker: tuple[RegionRanker, str]) -> None:
+    ranker, name = saved_ranker
+    base = crops(0.06)
     ranked = dataclasses.replace(base, region_ranker=name)
     img = picture()
     extractor = RegionExtractor(ranked)
@@ -110,22 +125,16 @@ def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(tmp_path: Path
     np.testing.assert_allclose(got.boxes, np.concatenate([full_box(w, h), want]), atol=1e-3)
     assert got.features.shape == (ranked.n_fragments, FEATURES)
     by_head = RegionExtractor(base).extract(img)
-    area = (got.boxes[1:, 2] - got.boxes[1:, 0]) * (got.boxes[1:, 3] - got.boxes[1:, 1])
-    head_area = (by_head.boxes[1:, 2] - by_head.boxes[1:, 0]) * (by_head.boxes[1:, 3] - by_head.boxes[1:, 1])
+    area, head_area = areas(got.boxes[1:]), areas(by_head.boxes[1:])
     assert area[0] <= area.min() + 1e-3, "the first region is the smallest kept: the ranker's order"
     assert not np.allclose(got.boxes, by_head.boxes), "the ImageNet head ranks them otherwise"
     assert float(np.median(area)) < float(np.median(head_area))
 
 
-def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
-    from fragsearch.model.onnx import graph_dir
-
-    ranker = small_first()
-    name = ranker.save(graph_dir()).name
-    head_only = ImageConfig(region_features="crop", backbone_size=224, backbone_precision="int8", min_box_frac=0.25,
-                            proposal_resize=160)
+def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(saved_ranker: tuple[RegionRanker, str]
+                                                                        ) -> None:
+    ranker, name = saved_ranker
+    head_only = crops(0.25)
     split = dataclasses.replace(head_only, min_box_frac=0.06, region_ranker=name, head_regions=5,
                                 head_min_box_frac=0.25)
     img = picture()
@@ -155,7 +164,7 @@ def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(tmp_path
     ranked = len(kept) - 5
     assert ranked >= 5, "the ranker's proposals fill free slots (the grid the ones left)"
     np.testing.assert_allclose(got.boxes[6 : 6 + ranked], np.asarray(kept[5:]), atol=1e-3)
-    area = (got.boxes[:, 2] - got.boxes[:, 0]) * (got.boxes[:, 3] - got.boxes[:, 1])
+    area = areas(got.boxes)
     assert np.median(area[6 : 6 + ranked]) < area[1:6].min(), "the ranker's slots hold the small boxes it prefers"
     with pytest.raises(ValueError, match="head_regions"):
         RegionExtractor(dataclasses.replace(split, region_ranker=""))
