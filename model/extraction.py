@@ -19,6 +19,7 @@ from fragsearch.model.features import PhotoReader, entry_name, write_entry
 from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files
 from fragsearch.model.imageio import ImageReadError, Photo
 from fragsearch.model.onnx import set_threads
+from fragsearch.model.settings import Settings, current, use
 
 
 def _extract_chunk(
@@ -67,11 +68,19 @@ _STOP = None  # sentinel task: the worker exits
 
 
 def _worker_main(cfg: ImageConfig, device: str, runtime: str, parent: int, warm: Sequence[str],
-                 tasks: Any, results: Any) -> None:
-    """A pool worker: one ONNX Runtime/OpenCV thread, its own extractor, tasks until the stop sentinel.
+                 tasks: Any, results: Any, settings: Settings) -> None:
+    """A pool worker under the parent's settings (a spawned process would read them anew from the
+    environment and the settings file, not the parent's flags: its graph folder and artifacts are the parent's).
 
     Messages back: ("ready", pid) once warm, ("done", task id, n, failures, CPU seconds) per task,
     ("error", task id, text) when a task raised."""
+    with use(settings):
+        _work(cfg, device, runtime, parent, warm, tasks, results)
+
+
+def _work(cfg: ImageConfig, device: str, runtime: str, parent: int, warm: Sequence[str], tasks: Any,
+          results: Any) -> None:
+    """The worker's loop: one ONNX Runtime/OpenCV thread, its own extractor, tasks until the stop sentinel."""
     set_threads(1)
     extractor = RegionExtractor(cfg, device, runtime)
     if warm:
@@ -147,7 +156,7 @@ class ExtractionPool:
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True,
                         args=(self.cfg, self.worker_device, self.runtime, os.getpid(), list(warm), self._tasks,
-                              self._results))
+                              self._results, current()))
             for _ in range(self.workers)
         ]
         for proc in self._procs:

@@ -170,6 +170,29 @@ def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(saved_ra
         RegionExtractor(dataclasses.replace(split, region_ranker=""))
 
 
+def test_extraction_workers_read_the_parents_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ranker saved only in the graph folder of the settings in force (installed by `use`, as a command's
+    flags are): the spawned workers find it there, not in the folder their environment names."""
+    from fragsearch.model.extraction import ExtractionPool
+    from fragsearch.model.onnx import graph_dir
+    from fragsearch.model.settings import Settings, use
+
+    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path / "environment"))
+    paths = []
+    for k in range(4):
+        paths.append(tmp_path / f"picture-{k}.png")
+        picture().rotate(90 * k, expand=True).save(paths[-1])
+    with use(Settings(artifacts=tmp_path / "flags")):
+        name = small_first().save(graph_dir()).name
+        assert graph_dir() == tmp_path / "flags" / "cache" / "graphs"
+        cfg = dataclasses.replace(crops(0.06), region_ranker=name)
+        (tmp_path / "entries").mkdir()
+        with ExtractionPool(cfg, workers=2) as pool:
+            done, failed = pool.run(paths, batch=1, out_dir=tmp_path / "entries", progress=False)
+    assert (done, failed) == (4, [])
+    assert not (tmp_path / "environment" / "cache" / "graphs" / name).exists()
+
+
 def test_the_feature_cache_key_carries_the_split() -> None:
     ranked = ImageConfig(region_ranker="region-ranker-0123456789ab.npz")
     assert config_key(dataclasses.replace(ranked, head_regions=12)) != config_key(ranked)
