@@ -108,6 +108,7 @@ class Engine:
         self.images = images
         self.sentences = sentences
         self.load_seconds = load_seconds
+        self.reader = PhotoReader.of(bundle.image_cfg, settings.max_pixels)  # uploads, as the model reads them
         self._write_lock = threading.Lock()
 
     @classmethod
@@ -215,7 +216,7 @@ class Engine:
         """An upload decoded for reading (a large JPEG at a reduced size: the model's decode_side), or in full
         (``full``: to be stored); a 4xx ApiError when it cannot be."""
         try:
-            return PhotoReader.of(self.bundle.image_cfg, self.settings.max_pixels).read(data, full=full)
+            return self.reader.read(data, full=full)
         except ImageReadError as e:
             raise image_error(e) from e
 

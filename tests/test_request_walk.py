@@ -119,4 +119,4 @@ def test_a_read_request_makes_one_index_call_and_never_returns_to_the_service(se
     assert len(index) == 1, [f"{c.file}:{c.name}" for c in index]
     assert "service" not in floors_inside(index[0]), f"{index[0].name} runs service code"
     uploads = read in ("annotate", "similar_to_upload")
-    assert [c.file for c in model] == (["model/imageio.py"] if uploads else []), [c.name for c in model]
+    assert [c.file for c in model] == (["model/features.py"] if uploads else []), [c.name for c in model]
