@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fragsearch.model.resources import usable_cpus
 from fragsearch.model.settings import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -53,14 +53,6 @@ def default_threads() -> int:
     if _threads:
         return _threads[0]
     return usable_cpus()
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def request_threads(slots: int, cpus: int | None = None) -> int:

@@ -12,11 +12,15 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import logging
+import multiprocessing
 import sys
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
 from fragsearch.model.config import TextConfig
+from fragsearch.model.resources import usable_cpus
 from fragsearch.model.text import ParsedSentence, Parser, Triplet
 
 if TYPE_CHECKING:
@@ -171,16 +175,39 @@ def _spacy_doc_to_parsed(doc: Any, max_words: int) -> ParsedSentence:
     return ParsedSentence(tokens=tokens, triplets=tuple(triplets), heads=heads, labels=labels)
 
 
+PARALLEL_MIN = 4096  # captions: fewer are parsed in this process (a second one takes ~2 s to load spaCy)
+
+
+def _parse_share(texts: list[str], max_words: int, batch_size: int) -> list[ParsedSentence]:
+    """A worker process's share of a large parse (`SpacyParser.parse`), with spaCy loaded there."""
+    return SpacyParser(max_words, batch_size, processes=1).parse_prepared(texts)
+
+
+def shares(n: int, parts: int, batch_size: int) -> list[slice]:
+    """`parts` contiguous slices of n items (fewer where n is small), each but the last a whole number of
+    batches of `batch_size`: cut there, every item is parsed in the batch it would share in one pass."""
+    per = -(-n // max(1, parts))
+    per = max(1, -(-per // batch_size)) * batch_size
+    return [slice(i, min(n, i + per)) for i in range(0, n, per)]
+
+
 class SpacyParser:
-    """Dependency triplets from spaCy's small English model (tok2vec + parser only)."""
+    """Dependency triplets from spaCy's small English model (tok2vec + parser only).
+
+    A parse of at least `min_parallel` captions is shared among `processes` processes (None: the CPUs this
+    process may use): this one and spawned workers, each parsing a contiguous share cut at whole batches, so
+    the parses are those of one process (each caption goes through spaCy in the same batch). A daemonic process
+    (which may not start workers) parses alone."""
 
     name = "spacy"
 
-    def __init__(self, max_words: int = DEFAULT_MAX_WORDS, batch_size: int = 256, n_process: int = 1) -> None:
+    def __init__(self, max_words: int = DEFAULT_MAX_WORDS, batch_size: int = 256, processes: int | None = None,
+                 min_parallel: int = PARALLEL_MIN) -> None:
         spacy = spacy_module()
         self.max_words = max_words
         self.batch_size = batch_size
-        self.n_process = n_process
+        self.processes = processes
+        self.min_parallel = min_parallel
         self.nlp = spacy.load(SPACY_MODEL, exclude=["tagger", "attribute_ruler", "lemmatizer", "ner"])
         meta = self.nlp.meta
         self.version = (f"spacy-{spacy.__version__} {meta.get('lang', '')}_{meta.get('name', SPACY_MODEL)}-"
@@ -188,8 +215,31 @@ class SpacyParser:
 
     def parse(self, sentences: Sequence[str]) -> list[ParsedSentence]:
         texts = _prepare(sentences, self.max_words)
-        docs = self.nlp.pipe(texts, batch_size=self.batch_size, n_process=self.n_process)
+        processes = self.processes if self.processes is not None else usable_cpus()
+        if processes <= 1 or len(texts) < max(self.min_parallel, 2) or multiprocessing.current_process().daemon:
+            return self.parse_prepared(texts)
+        return self._parse_apart(texts, processes)
+
+    def parse_prepared(self, texts: Sequence[str]) -> list[ParsedSentence]:
+        """Parses of captions already checked and cut (`_prepare`), in this process."""
+        docs = self.nlp.pipe(texts, batch_size=self.batch_size)
         return [_spacy_doc_to_parsed(doc, self.max_words) for doc in docs]
+
+    def _parse_apart(self, texts: list[str], processes: int) -> list[ParsedSentence]:
+        """The first share here, the others in spawned workers (a worker that dies: its share parsed here)."""
+        parts = shares(len(texts), processes, self.batch_size)
+        log.info("parsing %d sentences in %d processes", len(texts), len(parts))
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(len(parts) - 1, mp_context=context) as pool:
+            futures = [pool.submit(_parse_share, texts[s], self.max_words, self.batch_size) for s in parts[1:]]
+            out = self.parse_prepared(texts[parts[0]])
+            for s, future in zip(parts[1:], futures, strict=True):
+                try:
+                    out += future.result()
+                except BrokenProcessPool:
+                    log.warning("a parsing worker ended early: its %d sentences are parsed here", s.stop - s.start)
+                    out += self.parse_prepared(texts[s])
+        return out
 
 
 # ---------------------------------------------------------------------------------------- stanza

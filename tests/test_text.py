@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from fragsearch.model.fragments import parse_cached
-from fragsearch.model.parsers import SpacyParser, StanzaParser, make_parser, stanza_document_to_parsed
+from fragsearch.model.parsers import SpacyParser, StanzaParser, make_parser, shares, stanza_document_to_parsed
 from fragsearch.model.text import ParsedSentence, RelationVocab, Triplet, sentence_triplets
 
 
@@ -55,6 +56,41 @@ def test_spacy_batch_order_agent_and_lowercase(spacy_parser: SpacyParser) -> Non
     assert "agent(chased, dog)" in _texts(out[0])
     assert out[1].tokens == ("dog",) and out[1].triplets == ()
     assert "prep_on(play, beach)" in _texts(out[2])
+
+
+CAPTIONS = [
+    "A black dog is running after a white dog in the snow .",
+    "Two children play on a swing set in the park",
+    "A man in a red jacket climbs a rock wall while another man watches .",
+    "The girl with the blue hat is eating an ice cream cone",
+    "Several people walk down a busy city street at night .",
+    "A brown horse grazes in a field beside a wooden fence",
+    "A boy jumps into the swimming pool , splashing water everywhere .",
+    "Dogs",
+    "An old woman sits on a bench reading a newspaper under a tree .",
+    "A cyclist rides past a crowd of cheering fans on a mountain road",
+    "A baby laughs as her father lifts her into the air .",
+]
+
+
+def test_shares_cut_at_whole_batches() -> None:
+    assert shares(37, 2, 4) == [slice(0, 20), slice(20, 37)]
+    assert shares(10, 2, 256) == [slice(0, 10)]  # one batch: nothing to share
+    assert shares(1024, 3, 256) == [slice(0, 512), slice(512, 1024)]
+    for n, parts, batch in ((1, 2, 1), (99, 4, 7), (5000, 2, 256)):
+        cut = shares(n, parts, batch)
+        assert cut[0].start == 0 and cut[-1].stop == n and len(cut) <= parts
+        assert all(a.stop == b.start and (a.stop - a.start) % batch == 0 for a, b in itertools.pairwise(cut))
+
+
+def test_a_parse_shared_among_processes_is_the_parse_of_one() -> None:
+    """Captions in 2 processes (this one and a spawned worker) parse as in one: the same batches, the order kept."""
+    captions = [CAPTIONS[k % len(CAPTIONS)] for k in range(0, 37 * 5, 5)]
+    one = SpacyParser(max_words=64, batch_size=4, processes=1).parse(captions)
+    two = SpacyParser(max_words=64, batch_size=4, processes=2, min_parallel=0).parse(captions)
+    assert len(two) == len(captions)
+    assert two == one
+    assert [p.tokens[:2] for p in two[:3]] == [("a", "black"), ("a", "brown"), ("a", "baby")]
 
 
 def test_spacy_truncates_long_captions() -> None:
