@@ -128,10 +128,11 @@ def build_image_index(bundle: Bundle, paths: Sequence[Path], out: Path, settings
     return ImageIndex.load(out, bundle, cache=cache, collection_root=collection_root, backend=backend)
 
 
-def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
+def write_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
                          parse_dir: Path | None = None, rebuild: bool = False,
-                         vectors_dir: Path | None = None, backend: BackendOptions | None = None) -> SentenceIndex:
-    """The sentence index at `out` over `sentences` (kept as it is when it exists, unless `rebuild`).
+                         vectors_dir: Path | None = None, backend: BackendOptions | None = None) -> bool:
+    """Write the sentence index at `out` over `sentences`, unless one is there (and not `rebuild`): whether it was
+    written. Nothing of it stays loaded in this process (a preparation hands it to the service's).
 
     With `parse_dir`, parses are cached there (shared with the trainer: same sentences, same file);
     with `vectors_dir` too, so are the frozen MiniLM vectors (the trainer's training captions are the
@@ -139,9 +140,8 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     """
     out = Path(out)
     if is_index(out) and not rebuild:
-        index = SentenceIndex.load(out, bundle, backend=backend)
-        logger.info("sentence index %s exists (%d sentences); --rebuild makes it again", out, len(index))
-        return index
+        logger.info("sentence index %s exists; --rebuild makes it again", out)
+        return False
     target = _fresh_target(out, rebuild, resumable=False)
     index = SentenceIndex.create(target, bundle, settings, backend=backend)
     with index.bulk():
@@ -157,7 +157,16 @@ def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, se
     index.close()
     _swap_in(target, out)
     logger.info("sentence index %s: %d sentences", out, len(sentences))
-    return SentenceIndex.load(out, bundle, backend=backend)
+    return True
+
+
+def build_sentence_index(bundle: Bundle, sentences: Sequence[str], out: Path, settings: IndexSettings,
+                         parse_dir: Path | None = None, rebuild: bool = False,
+                         vectors_dir: Path | None = None, backend: BackendOptions | None = None) -> SentenceIndex:
+    """The sentence index at `out` over `sentences`, loaded: written first (`write_sentence_index`) unless one is
+    there and not `rebuild`."""
+    write_sentence_index(bundle, sentences, out, settings, parse_dir, rebuild, vectors_dir, backend)
+    return SentenceIndex.load(Path(out), bundle, backend=backend)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 from tqdm import tqdm
 
 from fragsearch.index.backends import require_milvus
-from fragsearch.index.build import build_image_index, build_sentence_index
+from fragsearch.index.build import build_image_index, write_sentence_index
 from fragsearch.index.catalogue import is_index, set_aside_if_stale
 from fragsearch.index.fingerprint import model_fingerprint
 from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
@@ -259,11 +259,11 @@ def ensure_sentence_index(settings: Settings, bundle: Bundle) -> Path | None:
         source = f"{settings.sentence_split} captions"
     logger.info("sentence index: %d sentences (%s) into %s", len(sentences), source, target)
     t0 = time.perf_counter()
-    index = build_sentence_index(bundle, sentences, target, new_index_settings(settings, SENTENCE_DEFAULTS),
-                                 parse_dir=settings.cache / "parses", rebuild=target.exists(),
-                                 vectors_dir=settings.cache / "vectors", backend=settings.backend)
-    logger.info("sentence index: %d sentences in %.0fs", len(index), time.perf_counter() - t0)
-    index.close()
+    # written, not loaded: the service's process loads it (a load here took ~4 s of 30,000 captions' first start)
+    write_sentence_index(bundle, sentences, target, new_index_settings(settings, SENTENCE_DEFAULTS),
+                         parse_dir=settings.cache / "parses", rebuild=target.exists(),
+                         vectors_dir=settings.cache / "vectors", backend=settings.backend)
+    logger.info("sentence index: %d sentences in %.0fs", len(sentences), time.perf_counter() - t0)
     return target
 
 
