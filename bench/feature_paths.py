@@ -39,11 +39,12 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.image import RegionExtractor, image_proposals, region_crops
-from fragsearch.model.onnx import graph_dir, session, set_threads
+from fragsearch.model.onnx import session, set_threads
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import Places
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.model.settings import default_cache_dir, default_data_dir, default_places
 from fragsearch.training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
@@ -51,11 +52,13 @@ logger = logging.getLogger(__name__)
 EMULATED_CPU = "Haswell-v4"  # AVX2, FMA, F16C; no AVX-512, no VNNI
 
 
-def graphs(folder: Path) -> dict[str, Path]:
+def graphs(places: Places) -> dict[str, Path]:
     """The three backbone graphs compared: the served int8 (7-bit weights), the 8-bit recipe, the float (the
-    release's where it ships them, else `folder`'s; a missing one is made there by the torch side)."""
-    fp32 = backbone_graph("fp32", folder=folder)
-    int8 = backbone_graph("int8", folder=folder)
+    release's where it ships them, else the graph folder's of `places`; a missing one is made there by the torch
+    side)."""
+    fp32 = backbone_graph("fp32", places=places)
+    int8 = backbone_graph("int8", places=places)
+    folder = places.graphs
     bits8 = folder / "efficientnet-lite0-int8-8bit-bench.onnx"
     if not bits8.is_file():
         from fragsearch.model.nets.backbone import _quantize  # the quantization recipe's maker (the trainer's side)
@@ -65,14 +68,14 @@ def graphs(folder: Path) -> dict[str, Path]:
     return {"int8-7bit": int8, "int8-8bit": bits8, "fp32": fp32}
 
 
-def dump(paths: list[Path], folder: Path, boxes_from: Path | None, out: Path) -> None:
+def dump(paths: list[Path], places: Places, boxes_from: Path | None, out: Path) -> None:
     """Proposals of each image and the pooled features of its crops through each graph (the crops of
     `boxes_from`'s boxes when given, so that two machines compare the same crops) into an npz."""
     bundle_cfg = Bundle.load(RELEASED_MODEL).image_cfg
-    extractor = RegionExtractor(bundle_cfg)  # the served extraction, its graphs in the project's graph folder
+    extractor = RegionExtractor(bundle_cfg, places=places)  # the served extraction
     given = np.load(boxes_from) if boxes_from is not None else None
     arrays: dict[str, np.ndarray] = {}
-    sessions = {name: session(path) for name, path in graphs(folder).items()}
+    sessions = {name: session(path) for name, path in graphs(places).items()}
     for k, path in enumerate(paths):
         img = Image.open(path).convert("RGB")
         arrays[f"proposals{k}"] = image_proposals(img, bundle_cfg)
@@ -103,20 +106,20 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray], n: int) -> dict[
     return out
 
 
-def instruction_sets(data: Path, n: int, folder: Path) -> dict[str, Any]:
+def instruction_sets(data: Path, n: int, places: Places) -> dict[str, Any]:
     qemu = shutil.which("qemu-x86_64")
     dev = load_split(data, "dev")
     paths = [dev.image_path(name) for name in dev.images[:n]]
     with tempfile.TemporaryDirectory(prefix="fragsearch-paths-") as tmp:
         native = Path(tmp) / "native.npz"
         t0 = time.perf_counter()
-        dump(paths, folder, None, native)
+        dump(paths, places, None, native)
         native_s = time.perf_counter() - t0
         if qemu is None:
             return {"skipped": "qemu-x86_64 not installed (apt-get install qemu-user)"}
         emulated = Path(tmp) / "avx2.npz"
         cmd = [qemu, "-cpu", EMULATED_CPU, sys.executable, "-m", "bench.feature_paths", "--dump", str(emulated),
-               "--boxes", str(native), "--images", str(n), "--data", str(data)]
+               "--boxes", str(native), "--images", str(n), "--data", str(data), "--cache", str(places.cache)]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
         emulated_s = time.perf_counter() - t0
@@ -156,15 +159,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_threads(1)
-    folder = graph_dir()
+    places = default_places(args.cache)
     if args.dump is not None:
         dev = load_split(args.data, "dev")
-        dump([dev.image_path(n) for n in dev.images[: args.images]], folder, args.boxes, args.dump)
+        dump([dev.image_path(n) for n in dev.images[: args.images]], places, args.boxes, args.dump)
         return
     result: dict[str, Any] = {"command": "python -m bench.feature_paths " + shlex.join(sys.argv[1:] if argv is None
                                                                                         else argv),
                               "cpu": cpu_record(), "model": str(RELEASED_MODEL.relative_to(RELEASED_MODEL.parents[2])),
-                              "instruction_sets": instruction_sets(args.data, args.images, folder)}
+                              "instruction_sets": instruction_sets(args.data, args.images, places)}
     if args.rsum:
         result["dev"] = dev_rsum(args.data, args.cache, args.workers)
     write_result(args.out, result)

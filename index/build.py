@@ -40,6 +40,7 @@ from fragsearch.model.settings import (
     default_artifacts_dir,
     default_cache_dir,
     default_model_path,
+    default_places,
 )
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.uri is not None and args.backend != "milvus":
         ap.error("--uri needs --backend milvus")
     backend = BackendOptions(args.backend, args.uri)
-    bundle = Bundle.load(args.model)
+    bundle = Bundle.load(args.model, places=default_places(args.cache))
     try:
         settings = index_settings_of(args, IndexSettings())
         sentence_settings = index_settings_of(args, settings, prefix="sentence-")
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
             paths = [p for p in paths if p.name in wanted]
         if not paths:
             raise SystemExit(f"no images found in {args.images}")
-        cache = None if args.no_cache else feature_cache(args.cache, bundle.image_cfg)
+        cache = (None if args.no_cache
+                 else feature_cache(args.cache, bundle.image_cfg, artifacts=bundle.places.artifacts))
         index = build_image_index(bundle, paths, args.out, settings, cache, args.workers, args.rebuild,
                                   args.save_every, collection_root=args.collection_root, backend=backend)
         logger.info("image index %s: %d images, %d fragments", args.out, len(index), index.n_fragments)

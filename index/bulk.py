@@ -62,8 +62,9 @@ from fragsearch.model.features import PhotoReader
 from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
 from fragsearch.model.imageio import ImageReadError
 from fragsearch.model.onnx import set_threads
+from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.proposals import proposal_columns
-from fragsearch.model.settings import default_cache_dir, default_model_path
+from fragsearch.model.settings import default_cache_dir, default_model_path, default_places
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +127,10 @@ def propose_stage(batch: dict[str, np.ndarray], cfg: ImageConfig) -> dict[str, n
 class BackboneStage:
     """Actor stage: images + proposals → fragments, with the one RegionExtractor (its backbone half)."""
 
-    def __init__(self, cfg: ImageConfig, device: str, runtime: str) -> None:
+    def __init__(self, cfg: ImageConfig, device: str, runtime: str, places: Places = DEFAULT_PLACES) -> None:
         set_threads(1)
         self.cfg = cfg
-        self.extractor = RegionExtractor(cfg, device, runtime)
+        self.extractor = RegionExtractor(cfg, device, runtime, places)
         self.reader = PhotoReader.of(cfg)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -202,15 +203,15 @@ def ray_session(address: str | None, workers: int) -> Iterator[None]:
 
 
 def extract_ray(paths: Sequence[str], cfg: ImageConfig, sink: Sink, workers: int = 1, batch: int = DEFAULT_BATCH,
-                runtime: str = "auto", progress: bool = True) -> None:
+                runtime: str = "auto", progress: bool = True, places: Places = DEFAULT_PLACES) -> None:
     """Run the two Ray Data stages over ``paths`` on the Ray Ray is connected to; every image ends in
-    ``sink`` (fragments, or None and the reason it was skipped)."""
+    ``sink`` (fragments, or None and the reason it was skipped). ``places``: where the actors' files are."""
     import ray
     import ray.data
 
     gpus = ray.cluster_resources().get("GPU", 0.0)
     device = "cuda" if gpus >= 1 else "cpu"
-    extractor_files(cfg)  # found or made once here, not by every actor at once
+    extractor_files(cfg, places)  # found or made once here, not by every actor at once
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the driver's tqdm bar below reports progress
     blocks = max(1, -(-len(paths) // batch))
@@ -219,7 +220,8 @@ def extract_ray(paths: Sequence[str], cfg: ImageConfig, sink: Sink, workers: int
     # from fusing the proposals into the actors, so they stay a CPU stage of their own
     ds = ds.map_batches(functools.partial(propose_stage, cfg=cfg), batch_size=batch, batch_format="numpy", num_cpus=1,
                         memory=PROPOSAL_TASK_MEMORY)
-    ds = ds.map_batches(BackboneStage, fn_constructor_kwargs={"cfg": cfg, "device": device, "runtime": runtime},
+    ds = ds.map_batches(BackboneStage, fn_constructor_kwargs={"cfg": cfg, "device": device, "runtime": runtime,
+                                                                "places": places},
                         batch_size=batch, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=workers),
                         num_cpus=0 if device == "cuda" else 1, num_gpus=1 if device == "cuda" else 0)
     logger.info("extracting %d images on Ray: proposals on CPU tasks, the backbone on %d %s actor(s)", len(paths),
@@ -256,11 +258,13 @@ def extract_local(paths: Sequence[str], cache: FeatureCache, sink: Sink, workers
 
 def bulk_extract(paths: Sequence[Path | str], shards: Path, cfg: ImageConfig, engine: str = "local",
                  workers: int = 1, cache: FeatureCache | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
-                 batch: int = DEFAULT_BATCH, runtime: str = "auto", progress: bool = True) -> BulkReport:
+                 batch: int = DEFAULT_BATCH, runtime: str = "auto", progress: bool = True,
+                 places: Places = DEFAULT_PLACES) -> BulkReport:
     """Extract the images of ``paths`` that the shards at ``shards`` do not hold yet, into new shards.
 
     With ``cache``, images already in that feature cache are copied from it. The ``ray`` engine runs
-    on the Ray this process is connected to (`ray_session`)."""
+    on the Ray this process is connected to (`ray_session`). ``places``: where the extractors' files are
+    (model/places.py; a given cache's own places win for what it extracts)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     cfg = shard_settings(cfg)
@@ -294,13 +298,13 @@ def bulk_extract(paths: Sequence[Path | str], shards: Path, cfg: ImageConfig, en
 
         start = time.perf_counter()
         if todo and engine == "ray":
-            extract_ray(todo, cfg, sink, workers, batch, runtime, progress)
+            extract_ray(todo, cfg, sink, workers, batch, runtime, progress, places)
         elif todo:
             with contextlib.ExitStack() as stack:
                 local = cache
                 if local is None:
                     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fragsearch-bulk-")))
-                    local = FeatureCache(tmp, cfg, runtime=runtime)
+                    local = FeatureCache(tmp, cfg, runtime=runtime, places=places)
                 extract_local(todo, local, sink, workers, batch, progress)
         report.seconds = time.perf_counter() - start
     logger.info("%s: %d extracted (%.2f images/s), %d from the cache, %d present, %d failed; %s", shards,
@@ -342,7 +346,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         new_settings = index_settings_of(args, IndexSettings())
     except ValueError as e:
         ap.error(str(e))
-    bundle = Bundle.load(args.model) if args.index is not None or args.model.is_file() else None
+    places = default_places(args.cache)
+    bundle = Bundle.load(args.model, places=places) if args.index is not None or args.model.is_file() else None
     if bundle is None and not any(getattr(args, k) is not None for k in ("region_features", "backbone_precision")):
         ap.error(f"{args.model} does not exist: give --model, or the region flags of the features wanted")
     cfg = with_region_flags(bundle.image_cfg if bundle is not None else ImageConfig(), args)
@@ -350,9 +355,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         paths = list_images(args.images)
         if not paths:
             raise SystemExit(f"no images found in {args.images}")
-        cache = None if args.no_cache else feature_cache(args.cache, cfg)
+        cache = None if args.no_cache else feature_cache(args.cache, cfg, artifacts=places.artifacts)
         with ray_session(args.address, args.workers) if args.engine == "ray" else contextlib.nullcontext():
-            bulk_extract(paths, args.shards, cfg, args.engine, args.workers, cache, args.shard_size, args.batch)
+            bulk_extract(paths, args.shards, cfg, args.engine, args.workers, cache, args.shard_size, args.batch,
+                         places=places)
     if args.index is not None:
         assert bundle is not None
         if is_index(args.index):

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = ap.parse_args(argv)
     settings = settings_of(ap, args, **({} if args.index is None else {"image_index": args.index}))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    images = ImageIndex.load(settings.image_index, Bundle.load(settings.model_path),
+    images = ImageIndex.load(settings.image_index, Bundle.load(settings.model_path, places=settings.places),
                              collection_root=settings.collection_root)
     try:
         total = len(images)

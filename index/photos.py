@@ -146,7 +146,7 @@ class Photos:
             return
         bundle = self.index.bundle
         with tempfile.TemporaryDirectory(prefix="fragsearch-features-") as tmp:
-            yield FeatureCache(Path(tmp), bundle.image_cfg, str(bundle.device))
+            yield FeatureCache(Path(tmp), bundle.image_cfg, str(bundle.device), places=bundle.places)
 
     # -- date and place -------------------------------------------------------------------------------
     def allowed(self, where: PlaceFilter) -> np.ndarray:

@@ -54,7 +54,7 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.device import device_name
 from fragsearch.model.imageio import IMAGE_SUFFIXES
-from fragsearch.model.settings import BackendOptions, Settings, add_setting_flags, settings_of, use
+from fragsearch.model.settings import BackendOptions, Settings, add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ def open_index(out: Path, bundle: Bundle, folder: Path, cache_dir: Path, setting
                backend: BackendOptions | None = None) -> ImageIndex:
     """The collection's index at `out` (made when missing), reading paths against `folder`; `backend`
     is where its candidate vectors live (FAISS in-process by default, or Milvus)."""
-    cache = feature_cache(cache_dir, bundle.image_cfg)
+    cache = feature_cache(cache_dir, bundle.image_cfg, artifacts=bundle.places.artifacts)
     if is_index(out):
         return ImageIndex.load(out, bundle, cache=cache, collection_root=folder, backend=backend)
     return ImageIndex.create(out, bundle, settings, cache=cache, collection_root=folder, backend=backend)
@@ -343,9 +343,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         sys.stderr.write(f"{ap.prog}: no model at {settings.model_path}: leave model_path and variant unset to use "
                          "the released model (model/released/), or train one with fragsearch train\n")
         return 2
-    with use(settings):
-        report = sync_collection(settings, Bundle.load(settings.model_path, device=settings.device),
-                                 save_every=args.save_every)
+    report = sync_collection(settings, Bundle.load(settings.model_path, device=settings.device, places=settings.places),
+                             save_every=args.save_every)
     for rel, reason in report.unreadable:
         logger.warning("unreadable: %s (%s)", rel, reason)
     for rel in report.unsupported:

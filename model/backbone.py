@@ -10,10 +10,10 @@ Two things are kept apart:
   trained on int8 features is served with the same int8 graph. It is in the feature-cache key.
 * **where a file comes from**: a graph (``backbone_graph``) or the head's arrays (``backbone_head``) are
   looked for in the release folder (``model/released/``: what a release ships), then in the graph folder
-  (``model/onnx.py`` ``graph_dir``). A missing one is made there by the torch side (``model/nets/backbone.py``:
-  exported from the weight package; int8 by static QDQ quantization, per channel, calibrated on a fixed,
-  seeded set of smooth random images, so no data set is needed and every machine makes the same bytes),
-  where torch is installed; elsewhere `GraphMissing` says how to get it.
+  of the run (``Places.graphs``, model/places.py). A missing one is made there by the torch side
+  (``model/nets/backbone.py``: exported from the weight package; int8 by static QDQ quantization, per channel,
+  calibrated on a fixed, seeded set of smooth random images, so no data set is needed and every machine makes
+  the same bytes), where torch is installed; elsewhere `GraphMissing` says how to get it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from fragsearch.model.graphs import (
     search_dirs,
 )
 from fragsearch.model.onnx import session
+from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.release import RELEASE_DIR
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ RUNTIMES = ("auto", "onnx")  # both ONNX Runtime: on the CPU, or its CUDA provid
 _head_lock = threading.Lock()
 
 
-def _torch_side(name: str, folder: Path | None) -> ModuleType:
+def _torch_side(name: str, folder: Path) -> ModuleType:
     """model/nets/backbone.py, which makes a missing file; GraphMissing naming ``name`` and the fix when this
     environment has no torch."""
     try:
@@ -56,35 +57,36 @@ def _torch_side(name: str, folder: Path | None) -> ModuleType:
         where = " nor ".join(str(d) for d in search_dirs(folder))
         raise GraphMissing(
             f"the backbone file {name} is in neither {where}, and making it needs torch ({e}). Make it once in the "
-            f"trainer's environment (./run setup, then ./run python -m fragsearch.model.nets.backbone with the same "
-            f"settings: it "
-            f"writes it into {search_dirs(folder)[1]}), or serve a release that ships it in {RELEASE_DIR}") from e
+            f"trainer's environment (./run setup, then ./run python -m fragsearch.model.nets.backbone --folder "
+            f"{folder} with the model's --precision, --backbone and --weights), or serve a release that ships it in "
+            f"{RELEASE_DIR}") from e
     return nets
 
 
 def backbone_graph(precision: str, backbone: str = BACKBONE_NAME, weights: str = "",
-                   folder: Path | None = None) -> Path:
-    """The backbone's ONNX graph for ``precision``: the release folder's, else ``folder``'s (default: the graph
-    folder), else made there now by the torch side (GraphMissing without torch). A fine-tuned backbone
-    (``weights``) has graphs of its own, named by the digest of its weights; each backbone name its own."""
-    name = graph_name(precision, backbone, weights)
-    found = find(name, folder)
+                   places: Places = DEFAULT_PLACES) -> Path:
+    """The backbone's ONNX graph for ``precision``: the release folder's, else the graph folder's of `places`,
+    else made there now by the torch side (GraphMissing without torch). A fine-tuned backbone (``weights``, read
+    against the artifacts folder of `places`) has graphs of its own, named by the digest of its weights; each
+    backbone name its own."""
+    name = graph_name(precision, backbone, weights, places)
+    found = find(name, places.graphs)
     if found is not None:
         return found
-    nets = _torch_side(name, folder)
-    made: Path = nets.onnx_graph(precision, search_dirs(folder)[1], weights=weights, backbone=backbone)
+    nets = _torch_side(name, places.graphs)
+    made: Path = nets.onnx_graph(precision, places.graphs, weights=weights, backbone=backbone, places=places)
     return made
 
 
-def backbone_head(backbone: str = BACKBONE_NAME, weights: str = "", folder: Path | None = None) -> Path:
+def backbone_head(backbone: str = BACKBONE_NAME, weights: str = "", places: Places = DEFAULT_PLACES) -> Path:
     """The backbone's ImageNet head arrays (``head_name``), found or made as ``backbone_graph`` finds or makes
     a graph."""
-    name = head_name(backbone, weights)
-    found = find(name, folder)
+    name = head_name(backbone, weights, places)
+    found = find(name, places.graphs)
     if found is not None:
         return found
-    nets = _torch_side(name, folder)
-    made: Path = nets.export_head(search_dirs(folder)[1], weights=weights, backbone=backbone)
+    nets = _torch_side(name, places.graphs)
+    made: Path = nets.export_head(places.graphs, weights=weights, backbone=backbone, places=places)
     return made
 
 
@@ -104,11 +106,11 @@ class Backbone:
 
     ``precision``: the float or the int8 graph. ``runtime``: ``auto`` or ``onnx``, both ONNX Runtime, on the
     CPU provider or, on a GPU device, the CUDA provider where onnxruntime-gpu has it (``model/onnx.py``).
-    ``cache_dir``: the folder graphs are looked for (after the release folder) and made in (default: the graph
-    folder). ``weights``: a fine-tuned backbone's file (its own graphs)."""
+    ``places``: where graphs are looked for (after the release folder) and made (model/places.py), and what a
+    fine-tuned backbone's file (``weights``: its own graphs) is read against."""
 
     def __init__(self, device: str = "cpu", precision: str = "fp32", runtime: str = "auto",
-                 cache_dir: Path | None = None, weights: str = "", name: str = BACKBONE_NAME) -> None:
+                 places: Places = DEFAULT_PLACES, weights: str = "", name: str = BACKBONE_NAME) -> None:
         if precision not in BACKBONE_PRECISIONS:
             raise ValueError(f"backbone precision must be one of {BACKBONE_PRECISIONS}, got {precision!r}")
         if runtime not in RUNTIMES:
@@ -119,8 +121,8 @@ class Backbone:
         self.weights = weights
         self.name = name
         self.runtime = "onnx"
-        self.cache_dir = cache_dir
-        self.graph = backbone_graph(precision, name, weights, cache_dir)
+        self.places = places
+        self.graph = backbone_graph(precision, name, weights, places)
         self._session: Any = session(self.graph, self.device)
         self._head: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -144,7 +146,7 @@ class Backbone:
         """The ImageNet head (weight (1000, 1280), bias (1000,)), read (or made) on first use."""
         with _head_lock:
             if self._head is None:
-                self._head = read_head(backbone_head(self.name, self.weights, self.cache_dir))
+                self._head = read_head(backbone_head(self.name, self.weights, self.places))
             return self._head
 
     def classify(self, pooled: np.ndarray) -> np.ndarray:

@@ -50,6 +50,7 @@ from fragsearch.model.grounder import Grounder
 from fragsearch.model.image import RegionExtractor
 from fragsearch.model.minilm_files import package_dir as minilm_dir
 from fragsearch.model.modelfile import MODEL_ARRAYS, MODEL_FORMAT, MODEL_JSON, CheckpointError, model_file, read_parts
+from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.recent import Recent
 from fragsearch.model.release import ReleaseError, check_release
 from fragsearch.model.score import skl
@@ -156,7 +157,7 @@ class Bundle:
 
     def __init__(self, encoders: Encoders, text: TextPipeline, image_cfg: ImageConfig,
                  meta: dict[str, Any] | None = None, calibration: Calibration | None = None,
-                 weights: dict[str, str] | None = None, device: str = "cpu") -> None:
+                 weights: dict[str, str] | None = None, device: str = "cpu", places: Places = DEFAULT_PLACES) -> None:
         self.encoders = encoders
         self.text = text
         self.image_cfg = image_cfg
@@ -167,6 +168,8 @@ class Bundle:
         self.weights = weights
         self.device = device  # where the graphs run (MiniLM, the backbone); the NumPy parts run on the CPU
         text.device = device
+        self.places = places  # where its graphs are found and made, and its backbone weights read (model/places.py)
+        text.graphs = places.graphs
         text.use_layers(encoders.text_layers)  # a model's own top layers of MiniLM, where it trains them
         self._extractor: RegionExtractor | None = None
         self._extractor_lock = threading.Lock()
@@ -269,7 +272,7 @@ class Bundle:
         """The region extractor of the model's image settings, on the bundle's device (made on first use)."""
         with self._extractor_lock:
             if self._extractor is None:
-                self._extractor = RegionExtractor(self.image_cfg, self.device)
+                self._extractor = RegionExtractor(self.image_cfg, self.device, places=self.places)
             return self._extractor
 
     def embed_images(self, feats: np.ndarray, calibrated: bool = True) -> np.ndarray:
@@ -377,7 +380,7 @@ class Bundle:
 
     @classmethod
     def from_parts(cls, state: dict[str, Any], arrays: dict[str, np.ndarray], path: Path,
-                   device: str = "cpu") -> Bundle:
+                   device: str = "cpu", places: Places = DEFAULT_PLACES) -> Bundle:
         """A bundle from a description (model.json's fields) and its arrays (model.npz's names)."""
         try:
             model_cfg = ModelConfig(**state["model_cfg"])
@@ -404,15 +407,16 @@ class Bundle:
                            "were recorded): the MiniLM and parser files are not checked", path)
         else:
             check_weights(path, weights, text.cfg, image_cfg.backbone)
-        bundle = cls(encoders, text, image_cfg, state.get("meta", {}), calibration, weights, device)
+        bundle = cls(encoders, text, image_cfg, state.get("meta", {}), calibration, weights, device, places)
         bundle.grounder = grounder
         bundle.presence = presence
         return bundle
 
     @classmethod
-    def load(cls, path: Path, device: str = "auto") -> Bundle:
+    def load(cls, path: Path, device: str = "auto", places: Places = DEFAULT_PLACES) -> Bundle:
         """Read a model: the runtime's form (a folder or its model.json) with NumPy, or a trainer's checkpoint
-        (.pt) where torch is installed; graphs then run on `device` (auto / cpu / cuda: model/device.py).
+        (.pt) where torch is installed; graphs then run on `device` (auto / cpu / cuda: model/device.py), found
+        or made where `places` says (the command's settings: `Settings.places`).
         CheckpointError for a missing, damaged or foreign file, for a weight file the model depends on that
         is not the one it recorded (`check_weights`), and for a released model's file that differs from its
         manifest (model/release.py)."""
@@ -425,4 +429,4 @@ class Bundle:
         except ReleaseError as exc:
             raise CheckpointError(str(exc)) from exc
         state, arrays = read_parts(path)
-        return cls.from_parts(state, arrays, path, dev)
+        return cls.from_parts(state, arrays, path, dev, places)

@@ -33,6 +33,7 @@ from fragsearch.model.features import (
     read_entry,
 )
 from fragsearch.model.image import ImageFragments
+from fragsearch.model.places import DEFAULT_PLACES, Places
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,17 @@ def _write_json(path: Path, obj: object) -> None:
 class FeatureCache:
     """Image fragments cached under ``root / config_key(cfg)``, one ``<content key>.npz`` per image.
 
-    Images are given as paths; their content keys are remembered per (path, size, mtime)."""
+    Images are given as paths; their content keys are remembered per (path, size, mtime). ``places``: where the
+    extractor's files are (model/places.py), and what a fine-tuned backbone's path is read against."""
 
-    def __init__(self, root: Path, cfg: ImageConfig, device: str = "cpu", runtime: str = "auto") -> None:
+    def __init__(self, root: Path, cfg: ImageConfig, device: str = "cpu", runtime: str = "auto",
+                 places: Places = DEFAULT_PLACES) -> None:
         self.root = Path(root)
         self.cfg = cfg
         self.device = device
         self.runtime = runtime
-        self.dir = self.root / config_key(cfg)
+        self.places = places
+        self.dir = self.root / config_key(cfg, places)
         self._keys: dict[tuple[str, int, int], str] = {}
 
     def key(self, path: str | Path) -> str:
@@ -106,7 +110,7 @@ class FeatureCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._remove_stale_temps()
         if not (self.dir / CONFIG_FILE).is_file():
-            _write_json(self.dir / CONFIG_FILE, config_payload(self.cfg))
+            _write_json(self.dir / CONFIG_FILE, config_payload(self.cfg, self.places))
         todo: list[Path] = []
         seen: set[str] = set()
         reused = 0
@@ -128,7 +132,7 @@ class FeatureCache:
             logger.info("extracting %d images (%d cached) into %s with %d worker(s)",
                         len(todo), reused, self.dir, workers)
             with ExtractionPool(self.cfg, self.device, min(workers, max(1, len(todo) // max(1, batch))),
-                                self.runtime) as pool:
+                                self.runtime, self.places) as pool:
                 extracted, failed = pool.run(todo, batch=batch, out_dir=self.dir, progress=progress)
         self._record_failures(todo, failed)
         for name, reason in failed:

@@ -14,6 +14,7 @@ from fragsearch.model.cache import FeatureCache
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.data import Split, load_split
 from fragsearch.model.fragments import parse_cached
+from fragsearch.model.places import DEFAULT_ARTIFACTS, Places
 from fragsearch.model.text import ParsedSentence, Parser
 
 logger = logging.getLogger(__name__)
@@ -69,10 +70,13 @@ def held_out_split(split: Split, n: int, seed: int) -> Split:
     return Split(split.root, tuple(split.images[k] for k in keep), tuple(split.captions[k] for k in keep))
 
 
-def feature_cache(cache_root: Path, image_cfg: ImageConfig, device: str = "cpu") -> FeatureCache:
-    """The shared feature cache: always the full 1 + n_regions fragments (full-frame models slice row 0)."""
+def feature_cache(cache_root: Path, image_cfg: ImageConfig, device: str = "cpu",
+                  artifacts: Path = DEFAULT_ARTIFACTS) -> FeatureCache:
+    """The shared feature cache under the cache folder `cache_root` (the `cache` setting): always the full
+    1 + n_regions fragments (full-frame models slice row 0); its extractor's graphs are those of the same cache
+    folder (`Places(artifacts, cache_root)`)."""
     return FeatureCache(Path(cache_root) / "features", dataclasses.replace(image_cfg, full_frame_only=False),
-                        device=device)
+                        device=device, places=Places(artifacts, Path(cache_root)))
 
 
 def load_split_data(root: Path, split: str | Path | Split, image_cfg: ImageConfig, cache_root: Path,

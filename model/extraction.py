@@ -19,7 +19,7 @@ from fragsearch.model.features import PhotoReader, entry_name, write_entry
 from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files
 from fragsearch.model.imageio import ImageReadError, Photo
 from fragsearch.model.onnx import set_threads
-from fragsearch.model.settings import Settings, current, use
+from fragsearch.model.places import Places
 
 
 def _extract_chunk(
@@ -67,22 +67,15 @@ def _extract_chunk(
 _STOP = None  # sentinel task: the worker exits
 
 
-def _worker_main(cfg: ImageConfig, device: str, runtime: str, parent: int, warm: Sequence[str],
-                 tasks: Any, results: Any, settings: Settings) -> None:
-    """A pool worker under the parent's settings (a spawned process would read them anew from the
-    environment and the settings file, not the parent's flags: its graph folder and artifacts are the parent's).
+def _worker_main(cfg: ImageConfig, device: str, runtime: str, places: Places, parent: int, warm: Sequence[str],
+                 tasks: Any, results: Any) -> None:
+    """A pool worker's loop: one ONNX Runtime/OpenCV thread, its own extractor (its files where the parent's
+    `places` say), tasks until the stop sentinel.
 
     Messages back: ("ready", pid) once warm, ("done", task id, n, failures, CPU seconds) per task,
     ("error", task id, text) when a task raised."""
-    with use(settings):
-        _work(cfg, device, runtime, parent, warm, tasks, results)
-
-
-def _work(cfg: ImageConfig, device: str, runtime: str, parent: int, warm: Sequence[str], tasks: Any,
-          results: Any) -> None:
-    """The worker's loop: one ONNX Runtime/OpenCV thread, its own extractor, tasks until the stop sentinel."""
     set_threads(1)
-    extractor = RegionExtractor(cfg, device, runtime)
+    extractor = RegionExtractor(cfg, device, runtime, places)
     if warm:
         _extract_chunk(extractor, warm, None)
     results.put(("ready", os.getpid()))
@@ -105,15 +98,18 @@ class ExtractionPool:
 
     Each worker process uses 1 ONNX Runtime/OpenCV thread and holds its own extractor (no module state);
     use as a context manager. ``cpu_seconds`` adds up the CPU time spent extracting (all workers),
-    a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``). The worker processes
-    run on the device ``fragsearch.model.device.extraction_device`` chooses (the CPU); this process's own extractor
-    (one worker, or a single chunk) on ``device``.
+    a load-independent cost. ``runtime`` is the backbone's (``model/backbone.py``); ``places``, where the files
+    of this process and its workers are (model/places.py: the command's, passed on to the spawned workers). The
+    worker processes run on the device ``fragsearch.model.device.extraction_device`` chooses (the CPU); this
+    process's own extractor (one worker, or a single chunk) on ``device``.
     """
 
     POLL_S = 1.0  # how often a waiting parent checks that its workers are alive
 
-    def __init__(self, cfg: ImageConfig, device: str = "cpu", workers: int = 1, runtime: str = "auto") -> None:
+    def __init__(self, cfg: ImageConfig, device: str = "cpu", workers: int = 1, runtime: str = "auto",
+                 places: Places | None = None) -> None:
         self.cfg = cfg
+        self.places = places or Places()
         self.device = device
         self.runtime = runtime
         self.workers = max(1, workers)
@@ -150,13 +146,13 @@ class ExtractionPool:
     def _start(self, warm: Sequence[str] = ()) -> None:
         if self._procs:
             return
-        extractor_files(self.cfg)  # found or made once here, not by every worker at once
+        extractor_files(self.cfg, self.places)  # found or made once here, not by every worker at once
         ctx = multiprocessing.get_context("spawn")
         self._tasks, self._results = ctx.Queue(), ctx.Queue()
         self._procs = [
             ctx.Process(target=_worker_main, daemon=True,
-                        args=(self.cfg, self.worker_device, self.runtime, os.getpid(), list(warm), self._tasks,
-                              self._results, current()))
+                        args=(self.cfg, self.worker_device, self.runtime, self.places, os.getpid(), list(warm),
+                              self._tasks, self._results))
             for _ in range(self.workers)
         ]
         for proc in self._procs:
@@ -186,7 +182,7 @@ class ExtractionPool:
 
     def _extractor(self) -> RegionExtractor:
         if self._local is None:
-            self._local = RegionExtractor(self.cfg, self.device, self.runtime)
+            self._local = RegionExtractor(self.cfg, self.device, self.runtime, self.places)
         return self._local
 
     def run(

@@ -21,14 +21,15 @@ from fragsearch.model.detector import DETECTOR_NAME, N_CLASSES, label_of
 from fragsearch.model.graphs import FEATURE_DIM, quant_recipe, weights_digest
 from fragsearch.model.image import ImageFragments
 from fragsearch.model.imageio import DEFAULT_MAX_PIXELS, Photo, longer_side, read_image
+from fragsearch.model.places import DEFAULT_PLACES, Places
 
 FEATURE_VERSION = 2  # bump when the extraction code changes its output for the same settings
 
 
-def config_payload(cfg: ImageConfig) -> dict[str, Any]:
+def config_payload(cfg: ImageConfig, places: Places = DEFAULT_PLACES) -> dict[str, Any]:
     """Everything that shapes the features: every ImageConfig field, the backbone (for a fine-tuned one the
-    digest of its weights, not their path), the version, for the int8 backbone its quantization recipe, and
-    the mirrored training view when it is one."""
+    digest of its weights, not their path: read against the artifacts folder of `places`), the version, for the
+    int8 backbone its quantization recipe, and the mirrored training view when it is one."""
     image = dataclasses.asdict(cfg)
     weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
     backbone = image.pop("backbone")  # beside the image settings, as before it was one: Lite0's keys stay
@@ -53,7 +54,7 @@ def config_payload(cfg: ImageConfig) -> dict[str, Any]:
     if head_regions:
         payload["head_regions"] = [head_regions, head_floor]
     if weights:
-        payload["backbone_weights"] = weights_digest(weights)  # the bytes, not the path
+        payload["backbone_weights"] = weights_digest(weights, places)  # the bytes, not the path
     if cfg.backbone_precision == "int8":
         payload["quantization"] = quant_recipe()
     return payload
@@ -77,9 +78,9 @@ def fragment_labels(features: np.ndarray, cfg: ImageConfig) -> tuple[str | None,
     return (None, *(label_of(row[FEATURE_DIM:]) for row in features[1:]))
 
 
-def config_key(cfg: ImageConfig) -> str:
+def config_key(cfg: ImageConfig, places: Places = DEFAULT_PLACES) -> str:
     """Short hash of `config_payload`: the name of the cache folder for these settings."""
-    return hashlib.sha256(json.dumps(config_payload(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(config_payload(cfg, places), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def content_key(data: bytes, decode_side: int = 0) -> str:

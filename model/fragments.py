@@ -20,6 +20,7 @@ import numpy as np
 
 from fragsearch.model.atomic import cached_file
 from fragsearch.model.config import TextConfig
+from fragsearch.model.minilm import minilm
 from fragsearch.model.parsers import make_parser, stop_words
 from fragsearch.model.text import ParsedSentence, Parser, RelationVocab, Triplet, sentence_triplets
 from fragsearch.model.textlayers import TextLayers
@@ -103,6 +104,7 @@ class TextPipeline:
         self.words = words
         self._parser = parser
         self.device = "cpu"  # where MiniLM runs (the bundle's device once loaded)
+        self.graphs: Path | None = None  # where MiniLM's graph is found after the release folder (the bundle's)
         # a model's own trained top layers of MiniLM (ModelConfig.text_layers; set by the Bundle from the model's
         # weights, `use_layers`): its words in context and sentence vectors come from them (`encode_tuned`)
         self.layers: TextLayers | None = None
@@ -125,8 +127,8 @@ class TextPipeline:
         words and sentence from the one pass of the token list)."""
         if self.layers is None:
             return encode_texts(list(sentences), [list(k) for k in token_lists], contextual=contextual, whole=whole,
-                                device=self.device)
-        ctx, sent = encode_tuned(token_lists, self.layers, device=self.device)
+                                model=minilm(self.device, folder=self.graphs))
+        ctx, sent = encode_tuned(token_lists, self.layers, device=self.device, folder=self.graphs)
         return (ctx if contextual else [], sent if whole else sent[:0])
 
     def frozen_vectors(self, parsed: Sequence[ParsedSentence], sentences: Sequence[str]

@@ -1,7 +1,8 @@
 """What the image backbone is, for the runtime and the torch side alike: its weight packages, the int8
 recipe, the names of the files made from them (its ONNX graphs and its ImageNet head's arrays), and where
 those files are looked for: the release folder first (``model/released/``: what a release ships, checked
-against its manifest), then the graph folder (``model/onnx.py`` ``graph_dir``). Nothing here imports torch.
+against its manifest), then the graph folder of the run (``Places.graphs``, model/places.py: passed down by the
+command, `Places()` by default). Nothing here imports torch.
 
 The runtime's backbone (model/backbone.py) reads the files; the torch side (model/nets/backbone.py) makes a
 missing one. Both import this module, and neither the other's: the import graph stays one-way.
@@ -18,9 +19,9 @@ from PIL import Image
 
 from fragsearch.model.atomic import sha256_file_once
 from fragsearch.model.config import BACKBONE_PRECISIONS
-from fragsearch.model.onnx import OPSET, graph_dir
+from fragsearch.model.onnx import OPSET
+from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.release import RELEASE_DIR, released_file
-from fragsearch.model.settings import default_artifacts_dir
 
 FEATURE_DIM = 1280
 BACKBONE_NAME = "efficientnet-lite0"  # the default (and the proposal ranker's) backbone
@@ -69,23 +70,18 @@ def preprocess(image: Image.Image, size: int | tuple[int, int]) -> np.ndarray:
     return to_array(np.asarray(img))
 
 
-def weights_path(weights: str) -> Path:
+def weights_path(weights: str, places: Places = DEFAULT_PLACES) -> Path:
     """The file of a fine-tuned backbone (``ImageConfig.backbone_weights``): absolute, or relative to the
-    artifacts folder; FileNotFoundError with the path if it is not there."""
-    path = Path(weights)
-    if not path.is_absolute():
-        path = default_artifacts_dir() / path
-    if not path.is_file():
-        raise FileNotFoundError(f"backbone weights {weights!r} not found at {path}")
-    return path
+    artifacts folder of `places`; FileNotFoundError with the path if it is not there."""
+    return places.weights(weights)
 
 
-def weights_digest(weights: str) -> str:
+def weights_digest(weights: str, places: Places = DEFAULT_PLACES) -> str:
     """A short hash of a fine-tuned backbone file's bytes ("" for the ImageNet weights, which the pinned
     package fixes): what the feature cache key and the graph names carry."""
     if not weights:
         return ""
-    return sha256_file_once(weights_path(weights))[:16]
+    return sha256_file_once(weights_path(weights, places))[:16]
 
 
 def package_weights(name: str) -> Path:
@@ -119,33 +115,34 @@ def calibration_images(n: int = CALIBRATION_IMAGES, seed: int = CALIBRATION_SEED
 # -- the graphs and the head's arrays: names, and where they are found -----------------------------------
 
 
-def graph_stem(backbone: str = BACKBONE_NAME, weights: str = "") -> str:
+def graph_stem(backbone: str = BACKBONE_NAME, weights: str = "", places: Places = DEFAULT_PLACES) -> str:
     """What a backbone's files are named after: its name, with the digest of a fine-tuned file's weights."""
-    digest = weights_digest(weights)
+    digest = weights_digest(weights, places)
     return f"{backbone}-ft{digest}" if digest else backbone
 
 
-def graph_name(precision: str, backbone: str = BACKBONE_NAME, weights: str = "") -> str:
+def graph_name(precision: str, backbone: str = BACKBONE_NAME, weights: str = "", places: Places = DEFAULT_PLACES
+               ) -> str:
     """The file name of a backbone's graph: ``<stem>-fp32-opset17.onnx``, or for int8 the recipe's
     ``<stem>-int8-q<version>[r7]-seed<seed>.onnx``."""
     if precision not in BACKBONE_PRECISIONS:
         raise ValueError(f"backbone precision must be one of {BACKBONE_PRECISIONS}, got {precision!r}")
-    stem = graph_stem(backbone, weights)
+    stem = graph_stem(backbone, weights, places)
     if precision == "fp32":
         return f"{stem}-fp32-opset{OPSET}.onnx"
     return f"{stem}-int8-q{QUANT_VERSION}{'r7' if quant_recipe()['reduce_range'] else ''}-seed{CALIBRATION_SEED}.onnx"
 
 
-def head_name(backbone: str = BACKBONE_NAME, weights: str = "") -> str:
+def head_name(backbone: str = BACKBONE_NAME, weights: str = "", places: Places = DEFAULT_PLACES) -> str:
     """The file name of a backbone's ImageNet head arrays: ``<stem>-head.npz`` (``weight`` (1000, 1280) and
     ``bias`` (1000,), float32)."""
-    return f"{graph_stem(backbone, weights)}-head.npz"
+    return f"{graph_stem(backbone, weights, places)}-head.npz"
 
 
 def search_dirs(folder: Path | None = None) -> tuple[Path, Path]:
-    """Where backbone files are looked for, in order: the release folder, then ``folder`` (default: the graph
-    folder, where missing ones are made)."""
-    return RELEASE_DIR, Path(folder) if folder is not None else graph_dir()
+    """Where backbone files are looked for, in order: the release folder, then ``folder`` (default: the default
+    graph folder, `Places().graphs`), where missing ones are made."""
+    return RELEASE_DIR, Path(folder) if folder is not None else DEFAULT_PLACES.graphs
 
 
 def find(name: str, folder: Path | None = None) -> Path | None:

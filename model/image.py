@@ -29,6 +29,7 @@ from fragsearch.model.config import PROPOSAL_SOURCES, REGION_FEATURES, ImageConf
 from fragsearch.model.detector import N_CLASSES, Detector
 from fragsearch.model.graphs import BACKBONE_NAME, find, preprocess, to_array
 from fragsearch.model.imageio import Photo
+from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.proposals import (
     N_GRID_BOXES,
     PROPOSAL_COLUMNS,
@@ -83,7 +84,8 @@ class RegionExtractor:
     ONNX Runtime on ``device``; the rest (box operations, the ImageNet head, pooling) runs in NumPy.
     """
 
-    def __init__(self, cfg: ImageConfig, device: str = "cpu", runtime: str = "auto") -> None:
+    def __init__(self, cfg: ImageConfig, device: str = "cpu", runtime: str = "auto",
+                 places: Places = DEFAULT_PLACES) -> None:
         if cfg.region_features not in REGION_FEATURES:
             raise ValueError(f"region_features must be one of {REGION_FEATURES}, got {cfg.region_features!r}")
         if cfg.n_regions > N_GRID_BOXES:
@@ -108,12 +110,14 @@ class RegionExtractor:
         self.cfg = cfg
         self.detector = (Detector() if cfg.proposals != "selective_search" and not cfg.full_frame_only
                          else None)
-        self.ranker = Backbone(device, cfg.backbone_precision, runtime)  # ImageNet Lite0: proposals and their ranking
-        self.backbone = (Backbone(device, cfg.backbone_precision, runtime, weights=cfg.backbone_weights,
+        self.places = places
+        self.ranker = Backbone(device, cfg.backbone_precision, runtime, places)  # ImageNet Lite0: proposals, ranks
+        self.backbone = (Backbone(device, cfg.backbone_precision, runtime, places, weights=cfg.backbone_weights,
                                   name=cfg.backbone)
                          if own else self.ranker)  # the fragments' features
         # read now: a missing head or ranker file is an error at start-up, not at the first image
-        self.region_ranker = load_ranker(cfg.region_ranker) if cfg.region_ranker and ranks_proposals(cfg) else None
+        ranked = bool(cfg.region_ranker) and ranks_proposals(cfg)
+        self.region_ranker = load_ranker(cfg.region_ranker, places.graphs) if ranked else None
         if ranks_proposals(cfg) and (self.region_ranker is None or splits_regions(cfg)):
             self.ranker.load_head()
 
@@ -280,21 +284,21 @@ def own_backbone(cfg: ImageConfig) -> bool:
     return bool(cfg.backbone_weights) or cfg.backbone != BACKBONE_NAME
 
 
-def extractor_files(cfg: ImageConfig) -> list[Path]:
+def extractor_files(cfg: ImageConfig, places: Places = DEFAULT_PLACES) -> list[Path]:
     """The backbone files a RegionExtractor of ``cfg`` reads (the ranker's graph, the features' own graph, the
     ranker's head or the region ranker's arrays), found or made now (model/backbone.py): what a pool makes once
     before its workers start."""
-    files = [backbone_graph(cfg.backbone_precision)]
+    files = [backbone_graph(cfg.backbone_precision, places=places)]
     if own_backbone(cfg):
-        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights))
+        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, places))
     if ranks_proposals(cfg) and cfg.region_ranker:
-        ranker = find(cfg.region_ranker)
+        ranker = find(cfg.region_ranker, places.graphs)
         if ranker is None:
-            load_ranker(cfg.region_ranker)  # raises, saying where it was looked for
+            load_ranker(cfg.region_ranker, places.graphs)  # raises, saying where it was looked for
         else:
             files.append(ranker)
     if ranks_proposals(cfg) and (not cfg.region_ranker or splits_regions(cfg)):
-        files.append(backbone_head())
+        files.append(backbone_head(places=places))
     return files
 
 

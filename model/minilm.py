@@ -16,8 +16,8 @@ packs for its products are held in anonymous memory. The graph records the sha25
 (names, dtypes, shapes, offsets); a graph that does not fit the installed file is refused (`GraphMismatch`).
 
 The graph is looked for in the release folder (``model/released/``: what a release ships), then in the graph
-folder (``model/onnx.py`` ``graph_dir``); a missing one is made there by the torch side (``model/nets/minilm.py``)
-where torch is installed, else `GraphMissing` names the file and the fix.
+folder the caller names (a model's: ``Bundle.places``, model/places.py); a missing one is made there by the torch
+side (``model/nets/minilm.py``) where torch is installed, else `GraphMissing` names the file and the fix.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class GraphMismatch(ValueError):
 
 
 def minilm_graph(folder: Path | None = None, upto: int | None = None) -> Path:
-    """MiniLM's graph file (`graph_name(upto)`): the release folder's, else ``folder``'s (default: the graph
-    folder), else made there now by the torch side (`GraphMissing` without torch)."""
+    """MiniLM's graph file (`graph_name(upto)`): the release folder's, else ``folder``'s (default: the default
+    graph folder, `Places().graphs`), else made there now by the torch side (`GraphMissing` without torch)."""
     name = graph_name(upto)
     found = find(name, folder)
     if found is not None:
@@ -188,18 +188,20 @@ class MiniLM:
                 visit(int(i), hidden[b, : lengths[i]])
 
 
-_loaded: dict[tuple[str, int | None, str | None], MiniLM] = {}
+_loaded: dict[tuple[str, int | None, str | None, str | None], MiniLM] = {}
 _load_lock = threading.Lock()
 
 
-def minilm(device: str = "cpu", upto: int | None = None, layers: TextLayers | None = None) -> MiniLM:
+def minilm(device: str = "cpu", upto: int | None = None, layers: TextLayers | None = None,
+           folder: Path | None = None) -> MiniLM:
     """The process's MiniLM on ``device``: whole, cut after `upto` layers, or whole with a model's own top
-    `layers` in place of its last ones (loaded once per process, device, cut and layers' weights; safe to share
-    between threads)."""
-    key = (str(device), upto, None if layers is None else layers.digest)
+    `layers` in place of its last ones, its graph found (or made) in ``folder`` after the release folder
+    (`minilm_graph`) (loaded once per process, device, cut, layers' weights and folder; safe to share between
+    threads)."""
+    key = (str(device), upto, None if layers is None else layers.digest, None if folder is None else str(folder))
     with _load_lock:
         if key not in _loaded:
-            _loaded[key] = MiniLM(key[0], upto=upto, layers=layers)
+            _loaded[key] = MiniLM(key[0], folder=folder, upto=upto, layers=layers)
         return _loaded[key]
 
 

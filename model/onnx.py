@@ -2,7 +2,7 @@
 
 The runtime only runs graphs: a release ships the graphs its model needs (model/released/), and the
 graphs of other settings (a float backbone, a larger or fine-tuned one) are exported once into the graph
-folder ($FRAGSEARCH_ARTIFACTS/cache/graphs) by the torch side (model/nets/), where torch is installed.
+folder of the run (model/places.py `Places.graphs`) by the torch side (model/nets/), where torch is installed.
 Sessions run on the CPU, or on ONNX Runtime's CUDA provider where onnxruntime-gpu is installed and the
 device policy (model/device.py) puts the model on a GPU.
 """
@@ -16,18 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from fragsearch.model.resources import usable_cpus
-from fragsearch.model.settings import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
 OPSET = 17
 _threads: list[int] = []  # the process's intra-op thread count for new sessions (set_threads), empty: the CPUs
 _numeric: list[int] = []  # the threads of the process's products (limit_numeric_threads), empty: the CPUs
-
-
-def graph_dir() -> Path:
-    """Where exported graphs are kept: $FRAGSEARCH_ARTIFACTS/cache/graphs."""
-    return default_cache_dir() / "graphs"
 
 
 def set_threads(n: int) -> None:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import platformdirs
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUseDefault
 from pydantic_settings import (
@@ -42,16 +41,10 @@ from pydantic_settings import (
 from fragsearch.model.config import collection_index
 from fragsearch.model.device import check_device_name
 from fragsearch.model.imageio import DEFAULT_MAX_PIXELS
+from fragsearch.model.places import DEFAULT_ARTIFACTS, DEFAULT_DATA, Places
 from fragsearch.model.release import served_model_path
 from fragsearch.model.resources import default_workers
 
-ROOT = Path(__file__).resolve().parent.parent
-# a checkout (the packages beside pyproject.toml) keeps its artifacts in artifacts/ and reads Flickr8K from
-# ../shared/data/flickr8k; an installed package keeps both in the user's data directory
-IN_CHECKOUT = (ROOT / "pyproject.toml").is_file() and (ROOT / "model" / "settings.py").is_file()
-USER_DATA = platformdirs.user_data_path("fragsearch", appauthor=False)
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "flickr8k" if IN_CHECKOUT else USER_DATA / "flickr8k"
-DEFAULT_ARTIFACTS = ROOT / "artifacts" if IN_CHECKOUT else USER_DATA
 DEFAULT_K = 10  # images or regions a search returns when it names no k (settings.k_max may not be smaller)
 BACKENDS = ("faiss", "milvus")
 
@@ -313,6 +306,11 @@ class Settings(BaseSettings):
         return self.cache / "thumbnails"
 
     @property
+    def places(self) -> Places:
+        """Where the runtime finds and makes its files (model/places.py): these settings' artifacts and cache."""
+        return Places(self.artifacts, self.cache)
+
+    @property
     def backend(self) -> BackendOptions:
         """Where the indexes keep their candidate vectors."""
         token = self.milvus_token.get_secret_value() if self.milvus_token is not None else None
@@ -374,6 +372,13 @@ def default_artifacts_dir() -> Path:
 def default_cache_dir() -> Path:
     """The feature/parse cache in force (the `cache` setting; default <artifacts>/cache)."""
     return current().cache
+
+
+def default_places(cache: Path | None = None) -> Places:
+    """Where the runtime of a command finds and makes its files (model/places.py): the settings in force, with the
+    command's `--cache` in place of the `cache` setting when it has one."""
+    settings = current()
+    return Places(settings.artifacts, settings.cache if cache is None else Path(cache))
 
 
 def default_model_path() -> Path:

@@ -187,7 +187,7 @@ def encode_texts(sentences: Sequence[str] | None, token_lists: Sequence[Sequence
 
 
 def encode_tuned(token_lists: Sequence[Sequence[str]], layers: TextLayers, batch_size: int = 64,
-                 device: str = "cpu") -> tuple[list[np.ndarray], np.ndarray]:
+                 device: str = "cpu", folder: Path | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     """What a model with trained top layers (model/textlayers.py) reads of N token lists, from one pass each:
     MiniLM with `layers` in place of its last ones (model/minilm.py ``MiniLM(layers=...)``). (the in-context
     word vectors, an array (len(token_lists[k]), 384) per list, each word the unit-norm mean of its own pieces'
@@ -199,7 +199,7 @@ def encode_tuned(token_lists: Sequence[Sequence[str]], layers: TextLayers, batch
     sent = np.zeros((len(lists), WORD_DIM), dtype=np.float32)
     if not lists:
         return words, sent
-    model = minilm(device, layers=layers)
+    model = minilm(device, layers=layers, folder=folder)
     split = model.word_pieces(lists)
 
     def visit(i: int, hidden: np.ndarray) -> None:

@@ -118,9 +118,10 @@ class Engine:
         Image paths are read against the data folder (index/images.py); FAISS searches on the GPU when
         the model is on one. `with_sentences=False` leaves the sentence index for `attach_sentences`."""
         t0 = time.perf_counter()
-        bundle = Bundle.load(settings.model_path, device=settings.device)
+        bundle = Bundle.load(settings.model_path, device=settings.device, places=settings.places)
         # a served folder keeps its feature cache: renamed files come back from it at every sync
-        cache = feature_cache(settings.cache, bundle.image_cfg) if settings.collection is not None else None
+        cache = (feature_cache(settings.cache, bundle.image_cfg, artifacts=settings.artifacts)
+                 if settings.collection is not None else None)
         images = ImageIndex.load(settings.image_index, bundle, cache=cache, collection_root=settings.collection_root,
                                  backend=settings.backend, use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None

@@ -214,7 +214,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     marker = _partial_marker(target)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
-    cache = feature_cache(settings.cache, bundle.image_cfg, device=str(bundle.device))
+    cache = feature_cache(settings.cache, bundle.image_cfg, device=str(bundle.device), artifacts=settings.artifacts)
     index = build_image_index(bundle, [split.image_path(n) for n in split.images], target,
                               new_index_settings(settings), cache=cache, workers=settings.worker_count,
                               collection_root=settings.data, backend=settings.backend)
@@ -306,7 +306,7 @@ def prepare(settings: Settings, progress: Progress | None = None,
     progress.enter("model", "training it: features first, then the epochs"
                    if not settings.model_path.is_file() and settings.variant is not None else "loading the checkpoint")
     ensure_model(settings)
-    bundle = Bundle.load(settings.model_path, device=settings.device)
+    bundle = Bundle.load(settings.model_path, device=settings.device, places=settings.places)
     fingerprint = model_fingerprint(bundle)
     stale = [p for p in (_set_aside_if_stale(settings.image_index, fingerprint, settings.index_backend),
                          _set_aside_if_stale(settings.sentence_index, fingerprint, settings.index_backend))

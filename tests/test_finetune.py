@@ -22,6 +22,7 @@ from fragsearch.model.image import RegionExtractor, region_crops
 from fragsearch.model.nets.backbone import Top, Trunk, efficientnet, onnx_graph
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import Places
 from fragsearch.training.cutpoint import CutStore, extract
 from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
 from fragsearch.training.finetune import CutFeatures, finetune, make_top, one_caption_each
@@ -42,22 +43,24 @@ def _save_weights(path: Path, bump: float = 0.0) -> Path:
     return path
 
 
-def test_cache_key_follows_the_weights_not_their_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
+def test_cache_key_follows_the_weights_not_their_path(tmp_path: Path) -> None:
+    places = Places(tmp_path, tmp_path / "cache")  # a relative weights path is read against its artifacts
     imagenet = ImageConfig()
     assert "backbone_weights" not in json.dumps(config_payload(imagenet))  # the ImageNet keys are unchanged
     a = _save_weights(tmp_path / "a.pt")
     same = tmp_path / "elsewhere" / "b.pt"
     same.parent.mkdir()
     same.write_bytes(a.read_bytes())
-    key_a = config_key(dataclasses.replace(imagenet, backbone_weights="a.pt"))  # relative to the artifacts
-    assert key_a != config_key(imagenet)
-    assert config_key(dataclasses.replace(imagenet, backbone_weights=str(same))) == key_a
+    key_a = config_key(dataclasses.replace(imagenet, backbone_weights="a.pt"), places)  # relative to the artifacts
+    assert key_a != config_key(imagenet, places)
+    assert config_key(dataclasses.replace(imagenet, backbone_weights=str(same)), places) == key_a
     _save_weights(a, bump=1e-3)  # new bytes at the same path: a new key
-    assert config_key(dataclasses.replace(imagenet, backbone_weights="a.pt")) != key_a
+    assert config_key(dataclasses.replace(imagenet, backbone_weights="a.pt"), places) != key_a
     assert weights_digest("") == ""
     with pytest.raises(FileNotFoundError, match="missing.pt"):
-        config_key(dataclasses.replace(imagenet, backbone_weights="missing.pt"))
+        config_key(dataclasses.replace(imagenet, backbone_weights="missing.pt"), places)
+    with pytest.raises(FileNotFoundError, match="a.pt"):  # the default places' artifacts hold no a.pt
+        config_key(dataclasses.replace(imagenet, backbone_weights="a.pt"))
 
 
 def test_trunk_and_top_compose_to_the_backbone() -> None:
@@ -74,8 +77,8 @@ def test_a_fine_tuned_backbone_has_its_own_graphs_and_features(tmp_path: Path) -
     graph = onnx_graph("fp32", tmp_path / "graphs", weights=str(path))
     assert weights_digest(str(path)) in graph.name and graph != onnx_graph("fp32", tmp_path / "graphs")
     x = preprocess(picture(), 224)[None]
-    ft = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path / "graphs", weights=str(path)).pooled(x)
-    ref = Backbone("cpu", "fp32", "onnx", cache_dir=tmp_path / "graphs").pooled(x)
+    ft = Backbone("cpu", "fp32", "onnx", places=Places(cache=tmp_path), weights=str(path)).pooled(x)
+    ref = Backbone("cpu", "fp32", "onnx", places=Places(cache=tmp_path)).pooled(x)
     assert not np.allclose(ft, ref, atol=1e-3)
     with pytest.raises(ValueError, match="crop"):
         RegionExtractor(dataclasses.replace(ImageConfig(), backbone_weights=str(path)))
@@ -159,7 +162,7 @@ def test_finetune_keeps_the_best_epoch_on_the_validation_part(tiny: dict[str, ob
     assert Path(weights).is_file() and weights_digest(weights)
     # the served extractor: ImageNet ranking, the kept backbone's features for the crops
     cfg = dataclasses.replace(CFG, backbone_weights=weights)
-    ext = RegionExtractor(cfg)
+    ext = RegionExtractor(cfg, places=Places(cache=Path(str(tiny["cache"]))))  # the graphs fine-tuning made
     img = picture()
     frag = ext.extract(img)
     ref = RegionExtractor(CFG).extract(img)

@@ -4,6 +4,7 @@ its training on pictures with known boxes."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from fragsearch.model.boxes import box_iou
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.features import config_key
 from fragsearch.model.image import RegionExtractor
+from fragsearch.model.places import Places
 from fragsearch.model.proposals import full_box, grid_boxes, select_regions, sides_at_least
 from fragsearch.model.regions import GEOMETRY, RankerError, RegionRanker, geometry, load_ranker, read_ranker
 
@@ -71,12 +73,11 @@ def test_geometry_reads_corners_sides_area_aspect_and_centre() -> None:
     np.testing.assert_allclose(g, [0, 0, 0.5, 0.25, 0.5, 0.25, np.log(0.125), np.log(2.0), 0.25, 0.125], rtol=1e-6)
 
 
-def test_a_ranker_that_is_not_there_is_an_error_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
+def test_a_ranker_that_is_not_there_is_an_error_at_start(tmp_path: Path) -> None:
     cfg = ImageConfig(region_features="crop", backbone_size=224, backbone_precision="int8",
                       region_ranker="region-ranker-000000000000.npz")
-    with pytest.raises(FileNotFoundError, match="region-ranker-000000000000.npz"):
-        RegionExtractor(cfg)
+    with pytest.raises(FileNotFoundError, match=f"000000000000.npz is in neither .* or {re.escape(str(tmp_path))}/"):
+        RegionExtractor(cfg, places=Places(tmp_path, tmp_path / "cache"))
     with pytest.raises(RankerError, match="not a region ranker's file name"):
         load_ranker("../elsewhere.npz")
     with pytest.raises(ValueError, match="selective search's proposals"):
@@ -92,14 +93,12 @@ def test_the_feature_cache_key_carries_the_ranker() -> None:
 
 
 @pytest.fixture
-def saved_ranker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[RegionRanker, str]:
-    """`small_first` saved where the extractor finds it (the graph folder of a fresh artifacts folder), and its
-    file name."""
-    monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path))
-    from fragsearch.model.onnx import graph_dir
-
+def saved_ranker(tmp_path: Path) -> tuple[RegionRanker, str, Places]:
+    """`small_first` saved where an extractor of the places returned finds it (the graph folder of a fresh
+    artifacts folder), and its file name."""
+    places = Places(tmp_path, tmp_path / "cache")
     ranker = small_first()
-    return ranker, ranker.save(graph_dir()).name
+    return ranker, ranker.save(places.graphs).name, places
 
 
 def crops(min_box_frac: float) -> ImageConfig:
@@ -112,12 +111,13 @@ def areas(boxes: np.ndarray) -> np.ndarray:
     return (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
 
 
-def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(saved_ranker: tuple[RegionRanker, str]) -> None:
-    ranker, name = saved_ranker
+def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(saved_ranker: tuple[RegionRanker, str, Places]
+                                                                  ) -> None:
+    ranker, name, places = saved_ranker
     base = crops(0.06)
     ranked = dataclasses.replace(base, region_ranker=name)
     img = picture()
-    extractor = RegionExtractor(ranked)
+    extractor = RegionExtractor(ranked, places=places)
     boxes, pooled, w, h = extractor.ranked_inputs(img)
     assert len(boxes) > ranked.n_regions, "the picture has more proposals than regions: the order decides"
     want, _ = select_regions(boxes, ranker.score(pooled, boxes, w, h), w, h, ranked)
@@ -131,14 +131,14 @@ def test_the_extractor_keeps_the_proposals_the_ranker_ranks_first(saved_ranker: 
     assert float(np.median(area)) < float(np.median(head_area))
 
 
-def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(saved_ranker: tuple[RegionRanker, str]
-                                                                        ) -> None:
-    ranker, name = saved_ranker
+def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(
+        saved_ranker: tuple[RegionRanker, str, Places]) -> None:
+    ranker, name, places = saved_ranker
     head_only = crops(0.25)
     split = dataclasses.replace(head_only, min_box_frac=0.06, region_ranker=name, head_regions=5,
                                 head_min_box_frac=0.25)
     img = picture()
-    extractor = RegionExtractor(split)
+    extractor = RegionExtractor(split, places=places)
     by_head = RegionExtractor(head_only).extract(img)
     got = extractor.extract(img)
     assert got.boxes.shape == (split.n_fragments, 4) and got.features.shape == (split.n_fragments, FEATURES)
@@ -167,28 +167,26 @@ def test_split_regions_are_the_heads_first_then_the_rankers_beside_them(saved_ra
     area = areas(got.boxes)
     assert np.median(area[6 : 6 + ranked]) < area[1:6].min(), "the ranker's slots hold the small boxes it prefers"
     with pytest.raises(ValueError, match="head_regions"):
-        RegionExtractor(dataclasses.replace(split, region_ranker=""))
+        RegionExtractor(dataclasses.replace(split, region_ranker=""), places=places)
 
 
-def test_extraction_workers_read_the_parents_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ranker saved only in the graph folder of the settings in force (installed by `use`, as a command's
-    flags are): the spawned workers find it there, not in the folder their environment names."""
+def test_extraction_workers_find_their_files_where_the_parent_says(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ranker saved only in the graph folder of the places the pool is given (a command's flags): the spawned
+    workers find it there, not in the folder their environment names."""
     from fragsearch.model.extraction import ExtractionPool
-    from fragsearch.model.onnx import graph_dir
-    from fragsearch.model.settings import Settings, use
 
     monkeypatch.setenv("FRAGSEARCH_ARTIFACTS", str(tmp_path / "environment"))
     paths = []
     for k in range(4):
         paths.append(tmp_path / f"picture-{k}.png")
         picture().rotate(90 * k, expand=True).save(paths[-1])
-    with use(Settings(artifacts=tmp_path / "flags")):
-        name = small_first().save(graph_dir()).name
-        assert graph_dir() == tmp_path / "flags" / "cache" / "graphs"
-        cfg = dataclasses.replace(crops(0.06), region_ranker=name)
-        (tmp_path / "entries").mkdir()
-        with ExtractionPool(cfg, workers=2) as pool:
-            done, failed = pool.run(paths, batch=1, out_dir=tmp_path / "entries", progress=False)
+    places = Places(tmp_path / "flags", tmp_path / "flags" / "cache")
+    name = small_first().save(places.graphs).name
+    cfg = dataclasses.replace(crops(0.06), region_ranker=name)
+    (tmp_path / "entries").mkdir()
+    with ExtractionPool(cfg, workers=2, places=places) as pool:
+        done, failed = pool.run(paths, batch=1, out_dir=tmp_path / "entries", progress=False)
     assert (done, failed) == (4, [])
     assert not (tmp_path / "environment" / "cache" / "graphs" / name).exists()
 

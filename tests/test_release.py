@@ -172,17 +172,18 @@ def test_a_model_whose_proposals_a_region_ranker_orders_ships_its_file(shapes_mo
     import copy
     import dataclasses
 
-    from fragsearch.model.onnx import graph_dir
+    from fragsearch.model.places import Places
     from tests.test_regions import small_first
 
     bundle = copy.copy(shapes_model.bundle)
+    bundle.places = Places(tmp_path, tmp_path / "cache")  # where the release command looks for the ranker
     nowhere = "region-ranker-000000000000.npz"  # a name no ranker's content has
     bundle.image_cfg = dataclasses.replace(bundle.image_cfg, region_ranker=nowhere)
     manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, {"rsum": 1.0}, "x")
     with pytest.raises(FileNotFoundError, match=nowhere):
         write_release(bundle, tmp_path / "missing", manifest)
     ranker = small_first(seed=7)
-    ranker.save(graph_dir())
+    ranker.save(bundle.places.graphs)
     bundle.image_cfg = dataclasses.replace(bundle.image_cfg, region_ranker=ranker.name())
     written = write_release(bundle, tmp_path / "release", manifest_of(
         bundle, shapes_model.model_path, shapes_model.data, {"rsum": 1.0}, "x"))

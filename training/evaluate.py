@@ -22,7 +22,7 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.fragments import EncodedSentences, TextPipeline
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path
+from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path, default_places
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    bundle = Bundle.load(args.model, device=args.device)
+    bundle = Bundle.load(args.model, device=args.device, places=default_places(args.cache))
     data = load_split_data(args.data, args.split, bundle.image_cfg, args.cache,
                            make_parser(bundle.text.cfg.parser), workers=args.workers, limit=args.limit,
                            device=str(bundle.device))

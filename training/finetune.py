@@ -43,8 +43,9 @@ from fragsearch.model.device import fused_optimizer
 from fragsearch.model.nets.backbone import Top, efficientnet, onnx_graph
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
-from fragsearch.model.onnx import graph_dir, set_threads
+from fragsearch.model.onnx import set_threads
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import Places
 from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.training.calibrate import fit_calibration, reference_draw
 from fragsearch.training.cutpoint import CutStore
@@ -182,7 +183,8 @@ def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store:
     kept = Checkpoint.load(out / "model.pt")
     if kept.image_cfg.backbone_weights:  # the served graphs, made now: float, and int8 by the same recipe
         for precision in graphs:
-            onnx_graph(precision, graph_dir(), weights=kept.image_cfg.backbone_weights)
+            places = Places(default_artifacts_dir(), cache_root)
+            onnx_graph(precision, places.graphs, weights=kept.image_cfg.backbone_weights, places=places)
     return {"selection": {"rule": "val", "epoch": int(best["epoch"]), "images": len(val.names)}, "best": best,
             "history": history, "train_seconds": time.perf_counter() - t0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

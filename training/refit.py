@@ -55,10 +55,11 @@ def load_refit(args: argparse.Namespace, module: str, argv: Sequence[str] | None
     """The model of `args` and its training images, split as its --selection val split them."""
     from fragsearch.model.dataset import load_split_data
     from fragsearch.model.parsers import make_parser
+    from fragsearch.model.settings import default_places
     from fragsearch.training.calibrate import split_of
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    bundle = Bundle.load(args.model)
+    bundle = Bundle.load(args.model, places=default_places(args.cache))
     train = load_split_data(args.data, "train", bundle.image_cfg, args.cache, make_parser(bundle.text.cfg.parser),
                             args.workers)
     rest, val = split_of(bundle, train)

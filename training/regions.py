@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fragsearch.model.data import load_split
     from fragsearch.model.dataset import held_out_indices
     from fragsearch.model.entities import read_entities
-    from fragsearch.model.onnx import graph_dir
+    from fragsearch.model.settings import default_places
     from fragsearch.training.refit import refit_parser
 
     ap = refit_parser(__doc__, "region ranker", epochs=EPOCHS)
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     command = " ".join(["python -m fragsearch.training.regions", *(sys.argv[1:] if argv is None else argv)])
-    bundle = Bundle.load(args.model)
+    bundle = Bundle.load(args.model, places=default_places(args.cache))
     selection = bundle.meta.get("train", {})
     if selection.get("selection") != "val":
         raise SystemExit("the model was not trained with --selection val: it has no validation part to choose on")
@@ -201,12 +201,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ranker, report = fit_ranker(train_pictures, val_pictures, cfg, args.hidden, args.epochs)
     before_pictures = pictures_of(bundle.image_cfg, [split.image_path(split.images[k]) for k in val], entities,
                                   "validation, the model's settings")
-    head = RegionExtractor(dataclasses.replace(bundle.image_cfg, region_ranker="")).ranker
+    head = RegionExtractor(dataclasses.replace(bundle.image_cfg, region_ranker=""), places=bundle.places).ranker
     before = held(before_pictures, (max_softmax(head.classify(p.pooled.astype(np.float32))) for p in before_pictures),
                   bundle.image_cfg)
     after = held(val_pictures, (ranker.score(p.pooled, p.boxes, p.width, p.height) for p in val_pictures), cfg)
     ceiling = held(val_pictures, (p.labels() for p in val_pictures), cfg)
-    name = ranker.save(graph_dir()).name
+    name = ranker.save(bundle.places.graphs).name
     ranker.save(args.out)
     bundle.image_cfg = dataclasses.replace(cfg, region_ranker=name)
     bundle.save(args.out)

@@ -48,11 +48,10 @@ from fragsearch.model.data import load_split
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.graphs import BACKBONE_NAME, find, quant_recipe
 from fragsearch.model.minilm import minilm_graph
-from fragsearch.model.onnx import graph_dir
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.model.settings import default_cache_dir, default_data_dir, default_places
 from fragsearch.training.distill import teacher_paths
 from fragsearch.training.evaluate import evaluate
 
@@ -138,7 +137,7 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
         if cfg.head_regions:
             features.update(head_regions=cfg.head_regions, head_min_box_frac=cfg.head_min_box_frac)
     if cfg.backbone_precision == "int8":
-        graph = backbone_graph("int8", cfg.backbone, cfg.backbone_weights, graph_dir())
+        graph = backbone_graph("int8", cfg.backbone, cfg.backbone_weights, bundle.places)
         features.update(quantization=quant_recipe(), graph=graph.name, graph_sha256=sha256_file(graph))
     rel = bundle.relevance
     made_by: dict[str, Any] = {"command": command, **git_commit(),
@@ -172,22 +171,23 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
 
 
 def runtime_files(bundle: Bundle) -> list[Path]:
-    """The graphs a model runs, made where missing (the graph folder): its crops' backbone and the proposal
+    """The graphs a model runs, made where missing (the bundle's graph folder, `Bundle.places`): its crops'
+    backbone and the proposal
     ranker (ImageNet Lite0) at its precision, the ranker's head, the region ranker's arrays where it names one,
     and MiniLM's graph (a model with its own top layers of MiniLM runs that graph with them: the layers
     themselves are the model's weights)."""
-    cfg = bundle.image_cfg
-    files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", graph_dir()),
-             backbone_head(BACKBONE_NAME, "", graph_dir())]
+    cfg, places = bundle.image_cfg, bundle.places
+    files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", places),
+             backbone_head(BACKBONE_NAME, "", places)]
     if cfg.backbone != BACKBONE_NAME or cfg.backbone_weights:
-        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, graph_dir()))
+        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, places))
     if cfg.region_ranker:  # the proposals' order, read by the extractor beside the backbone's files
-        ranker = find(cfg.region_ranker, graph_dir())
+        ranker = find(cfg.region_ranker, places.graphs)
         if ranker is None:
             raise FileNotFoundError(f"the region ranker {cfg.region_ranker} the model names is not in "
-                                    f"{graph_dir()}: train it (python -m fragsearch.training.regions)")
+                                    f"{places.graphs}: train it (python -m fragsearch.training.regions)")
         files.append(ranker)
-    files.append(minilm_graph(graph_dir()))
+    files.append(minilm_graph(places.graphs))
     return files
 
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     before = json.loads(args.provenance.read_text()) if args.provenance else None
-    bundle = Bundle.load(args.model, device="cpu")
+    bundle = Bundle.load(args.model, device="cpu", places=default_places(args.cache))
     if bundle.relevance is None or not bundle.meta.get("selection", {}).get("val"):
         ap.error(f"{args.model} has no relevance scale or no validation metrics: a release is trained with "
                  "--selection val (python -m fragsearch.training.train --selection val ...)")

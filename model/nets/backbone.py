@@ -42,6 +42,7 @@ from fragsearch.model.graphs import (
     weights_path,
 )
 from fragsearch.model.nets.onnx import export
+from fragsearch.model.places import DEFAULT_PLACES, Places
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ _quant_lock = threading.Lock()
 _head_lock = threading.Lock()
 
 
-def _efficientnet(weights: str = "", name: str = BACKBONE_NAME) -> torch.nn.Module:
+def _efficientnet(weights: str = "", name: str = BACKBONE_NAME, places: Places = DEFAULT_PLACES) -> torch.nn.Module:
     from efficientnet_lite_pytorch import EfficientNet
 
     model = EfficientNet.from_name(name)
-    file = weights_path(weights) if weights else package_weights(name)
+    file = weights_path(weights, places) if weights else package_weights(name)
     state = torch.load(file, map_location="cpu", weights_only=True)
     model.load_state_dict(state, strict=True)
     model.eval()
@@ -63,10 +64,10 @@ def _efficientnet(weights: str = "", name: str = BACKBONE_NAME) -> torch.nn.Modu
     return model
 
 
-def efficientnet(weights: str = "", name: str = BACKBONE_NAME) -> torch.nn.Module:
+def efficientnet(weights: str = "", name: str = BACKBONE_NAME, places: Places = DEFAULT_PLACES) -> torch.nn.Module:
     """EfficientNet-Lite ``name`` in eval mode, frozen: the ImageNet weights, or a fine-tuned file
-    (``weights_path``)."""
-    return _efficientnet(weights, name)
+    (``weights_path``: read against the artifacts folder of `places`)."""
+    return _efficientnet(weights, name, places)
 
 
 class _Features(torch.nn.Module):
@@ -163,21 +164,21 @@ class TorchBackbone:
 
 
 def onnx_graph(precision: str, folder: Path, net: torch.nn.Module | None = None, weights: str = "",
-               backbone: str = BACKBONE_NAME) -> Path:
+               backbone: str = BACKBONE_NAME, places: Places = DEFAULT_PLACES) -> Path:
     """The backbone's ONNX graph for ``precision`` in ``folder`` (named by model/backbone.py ``graph_name``),
     made unless it is there (atomically, so concurrent workers never read a half-written file); an int8 graph
     is quantized from the float one, made beside it."""
     folder = Path(folder)
-    fp32 = folder / graph_name("fp32", backbone, weights)
+    fp32 = folder / graph_name("fp32", backbone, weights, places)
     if not fp32.is_file():
-        net = net if net is not None else _efficientnet(weights, backbone)
+        net = net if net is not None else _efficientnet(weights, backbone, places)
         export(_Features(net), (torch.zeros(1, 3, 224, 224),), fp32, ["x"], ["features"],
                {"x": {0: "batch", 2: "height", 3: "width"},
                 "features": {0: "batch", 2: "map_height", 3: "map_width"}})
     if precision == "fp32":
         return fp32
     reduce = bool(quant_recipe()["reduce_range"])
-    int8 = folder / graph_name("int8", backbone, weights)
+    int8 = folder / graph_name("int8", backbone, weights, places)
     with _quant_lock:
         if not int8.is_file():
             logger.info("quantizing %s to int8 (%d calibration images, 7-bit weights)", fp32.name, CALIBRATION_IMAGES)
@@ -222,14 +223,14 @@ def head_arrays(net: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def export_head(folder: Path, net: torch.nn.Module | None = None, weights: str = "",
-                backbone: str = BACKBONE_NAME) -> Path:
+                backbone: str = BACKBONE_NAME, places: Places = DEFAULT_PLACES) -> Path:
     """The backbone's ImageNet head arrays in ``folder`` (model/backbone.py ``head_name``), written unless they
     are there: an uncompressed .npz whose bytes depend only on the weights (fixed member dates), written
     atomically."""
-    path = Path(folder) / head_name(backbone, weights)
+    path = Path(folder) / head_name(backbone, weights, places)
     with _head_lock:
         if not path.is_file():
-            arrays = head_arrays(net if net is not None else _efficientnet(weights, backbone))
+            arrays = head_arrays(net if net is not None else _efficientnet(weights, backbone, places))
             path.parent.mkdir(parents=True, exist_ok=True)
             logger.info("writing %s", path.name)
             with atomic_file(path) as fh:
