@@ -17,7 +17,7 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.resources import cpu_info
-from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 
 
 def machine() -> str:

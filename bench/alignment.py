@@ -60,7 +60,7 @@ from fragsearch.model.fragments import SENTENCE_REL
 from fragsearch.model.image import region_crops
 from fragsearch.model.imageio import load_image
 from fragsearch.model.onnx import set_threads
-from fragsearch.model.settings import default_artifacts_dir
+from fragsearch.settings import default_artifacts_dir
 
 if TYPE_CHECKING:
     from fragsearch.model.nets.backbone import TorchBackbone

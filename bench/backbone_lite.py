@@ -38,7 +38,7 @@ from fragsearch.model.imageio import load_image
 from fragsearch.model.nets.backbone import _Features, _quantize, efficientnet
 from fragsearch.model.nets.onnx import export
 from fragsearch.model.onnx import session, set_threads
-from fragsearch.model.settings import default_data_dir
+from fragsearch.settings import default_data_dir
 
 logger = logging.getLogger("bench.backbone_lite")
 

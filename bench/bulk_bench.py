@@ -34,8 +34,8 @@ from bench.extract_bench import image_paths
 from fragsearch.index.bulk import ENGINES, bulk_extract, ray_session
 from fragsearch.model.cache import FeatureCache
 from fragsearch.model.onnx import set_threads
-from fragsearch.model.settings import default_data_dir
 from fragsearch.model.variants import load_variant, variant_names
+from fragsearch.settings import default_data_dir
 
 logger = logging.getLogger("bench.bulk_bench")
 

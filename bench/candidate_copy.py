@@ -26,7 +26,7 @@ from typing import Any
 from bench import machine, parse_run, run_without_torch, write_rows
 from bench.serve_memory import resident_mb
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import Settings, default_artifacts_dir, default_data_dir
+from fragsearch.settings import Settings, default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.candidate_copy")
 

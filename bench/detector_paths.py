@@ -30,7 +30,7 @@ from bench.feature_paths import EMULATED_CPU
 from fragsearch.model.data import load_split
 from fragsearch.model.detector import CANDIDATE_FLOOR, Detector
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import default_data_dir
+from fragsearch.settings import default_data_dir
 
 logger = logging.getLogger("bench.detector_paths")
 

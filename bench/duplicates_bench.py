@@ -31,7 +31,7 @@ from bench import machine, parse_run
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.image import RegionExtractor
-from fragsearch.model.settings import default_data_dir, default_model_path
+from fragsearch.settings import default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.duplicates_bench")
 STEP = 0.005

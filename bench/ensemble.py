@@ -29,7 +29,7 @@ import numpy as np
 from bench import SplitDataByConfig, machine
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData, hold_out
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.evaluate import metrics_from_scores, score_split
 
 logger = logging.getLogger("bench.ensemble")

@@ -42,7 +42,7 @@ from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.entities import read_entities
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASED_MODEL
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.evidence import auc, image_words, names_in, word_counts
 
 logger = logging.getLogger("bench.evidence_ceiling")

@@ -43,8 +43,8 @@ from fragsearch.model.graphs import preprocess, to_array
 from fragsearch.model.imageio import load_image
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.proposals import propose_boxes
-from fragsearch.model.settings import default_data_dir
 from fragsearch.model.variants import load_variant, variant_names
+from fragsearch.settings import default_data_dir
 
 if TYPE_CHECKING:
     from fragsearch.model.nets.backbone import TorchBackbone

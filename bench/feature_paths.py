@@ -44,7 +44,7 @@ from fragsearch.model.parsers import make_parser
 from fragsearch.model.places import Places
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import default_cache_dir, default_data_dir, default_places
+from fragsearch.settings import default_cache_dir, default_data_dir, default_places
 from fragsearch.training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import default_data_dir
+from fragsearch.settings import default_data_dir
 from fragsearch.training.release import ROOT, git_commit
 
 logger = logging.getLogger(__name__)

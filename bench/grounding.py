@@ -55,8 +55,8 @@ from fragsearch.model.evidence import thing_members
 from fragsearch.model.grounder import named_by
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
-from fragsearch.model.settings import default_cache_dir, default_data_dir
 from fragsearch.model.text import Triplet
+from fragsearch.settings import default_cache_dir, default_data_dir
 
 logger = logging.getLogger("bench.grounding")
 IOU = 0.5

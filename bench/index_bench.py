@@ -44,6 +44,7 @@ from tqdm import tqdm
 from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
 from fragsearch.index.ann import FaissCandidates
 from fragsearch.index.images import embedded_images, exact_top_k
+from fragsearch.index.types import BACKENDS, BackendOptions
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TextConfig
 from fragsearch.model.data import Split, load_split
@@ -53,16 +54,14 @@ from fragsearch.model.encoders import Encoders, ModelConfig
 from fragsearch.model.fragments import WORD_REL, TextPipeline, parse_cached
 from fragsearch.model.modelfile import model_file
 from fragsearch.model.onnx import set_threads
-from fragsearch.model.settings import (
-    BACKENDS,
-    BackendOptions,
+from fragsearch.model.text import RelationVocab
+from fragsearch.model.words import WordTable
+from fragsearch.settings import (
     default_artifacts_dir,
     default_cache_dir,
     default_data_dir,
     default_model_path,
 )
-from fragsearch.model.text import RelationVocab
-from fragsearch.model.words import WordTable
 
 logger = logging.getLogger("bench.index_bench")
 

@@ -41,7 +41,7 @@ from PIL import Image
 from spacy.lang.en.stop_words import STOP_WORDS
 
 from bench import machine
-from fragsearch.model.settings import default_data_dir
+from fragsearch.settings import default_data_dir
 
 logger = logging.getLogger("bench.load_bench")
 

@@ -62,7 +62,7 @@ from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.embed import EmbeddedSentence, embed_sentence
 from fragsearch.model.onnx import set_threads
-from fragsearch.model.settings import default_artifacts_dir, default_data_dir
+from fragsearch.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.million")
 

@@ -60,7 +60,7 @@ from fragsearch.model.dataset import feature_cache
 from fragsearch.model.embed import EmbeddedSentence
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.resources import cpu_info
-from fragsearch.model.settings import (
+from fragsearch.settings import (
     BackendOptions,
     default_artifacts_dir,
     default_cache_dir,

@@ -31,7 +31,7 @@ from fragsearch.model.data import load_split
 from fragsearch.model.embed import embed_sentence
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.release import RELEASED_MODEL
-from fragsearch.model.settings import default_artifacts_dir, default_data_dir
+from fragsearch.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.page_read")
 

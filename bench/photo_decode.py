@@ -55,7 +55,7 @@ from fragsearch.model.image import ImageFragments, RegionExtractor
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_info
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.evaluate import evaluate_scores
 
 logger = logging.getLogger("bench.photo_decode")

@@ -51,8 +51,8 @@ from fragsearch.model.evidence import FOUND, SentenceEvidence, named_things
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
 from fragsearch.model.score import align
-from fragsearch.model.settings import default_cache_dir, default_data_dir
 from fragsearch.model.text import Triplet
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.evidence import auc, image_words, names_in, things_named_of
 from fragsearch.training.relevance import calibration_error, described_alike, reliability
 

@@ -41,9 +41,9 @@ from fragsearch.model.embed import EmbeddedSentence, row_triplets
 from fragsearch.model.modelfile import model_file
 from fragsearch.model.onnx import limit_numeric_threads, set_threads
 from fragsearch.model.release import RELEASED_MODEL, read_manifest
-from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
 from fragsearch.service.routes.convert import image_result
 from fragsearch.service.schemas import SearchImagesResponse
+from fragsearch.settings import default_artifacts_dir, default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.query_bench")
 

@@ -37,7 +37,7 @@ from fragsearch.model.image import RegionExtractor
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_info
-from fragsearch.model.settings import default_data_dir
+from fragsearch.settings import default_data_dir
 
 logger = logging.getLogger("bench.region_cost")
 

@@ -47,7 +47,7 @@ from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.embed import embed_texts
 from fragsearch.model.evidence import PhraseEvidence
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
+from fragsearch.settings import default_artifacts_dir, default_data_dir, default_model_path
 from fragsearch.training.evaluate import evaluate_scores, score_split
 from fragsearch.training.evidence import pair_terms
 from fragsearch.training.relevance import Shown, best_of, calibration_error, matches_of, reliability, shown

@@ -27,7 +27,7 @@ from fragsearch.model.calibration import DEFAULT_CUTOFF
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import held_out_split, load_split_data
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path
+from fragsearch.settings import default_cache_dir, default_data_dir, default_model_path
 from fragsearch.training.evaluate import evaluate_scores
 from fragsearch.training.relevance import matches_of
 

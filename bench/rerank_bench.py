@@ -47,7 +47,7 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import SplitData, held_out_split, load_split_data
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path
+from fragsearch.settings import default_cache_dir, default_data_dir, default_model_path
 from fragsearch.training.evaluate import KS, annotation_ranks, recall_table, score_split, search_ranks
 
 logger = logging.getLogger("bench.rerank_bench")

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from bench import machine
 from fragsearch.model.data import load_split
 from fragsearch.model.resources import cpu_info
-from fragsearch.model.settings import default_artifacts_dir, default_data_dir
+from fragsearch.settings import default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.runtime_ab")
 

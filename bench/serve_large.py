@@ -29,7 +29,7 @@ import httpx
 import psutil
 
 from bench import machine
-from fragsearch.model.settings import default_artifacts_dir
+from fragsearch.settings import default_artifacts_dir
 
 logger = logging.getLogger("bench.serve_large")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import machine, parse_run, run_without_torch
-from fragsearch.model.settings import Settings, default_artifacts_dir, default_data_dir
+from fragsearch.settings import Settings, default_artifacts_dir, default_data_dir
 
 logger = logging.getLogger("bench.serve_memory")
 

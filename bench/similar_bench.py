@@ -42,7 +42,7 @@ from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.embed import EmbeddedSentence
 from fragsearch.model.onnx import set_threads
-from fragsearch.model.settings import default_artifacts_dir, default_data_dir, default_model_path
+from fragsearch.settings import default_artifacts_dir, default_data_dir, default_model_path
 
 logger = logging.getLogger("bench.similar_bench")
 K = 10

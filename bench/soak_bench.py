@@ -47,7 +47,7 @@ from bench.load_bench import (
     tally_size,
     write_csv,
 )
-from fragsearch.model.settings import current, default_data_dir
+from fragsearch.settings import current, default_data_dir
 
 logger = logging.getLogger("bench.soak_bench")
 

@@ -26,7 +26,7 @@ import numpy as np
 from bench import machine, parse_run, write_rows
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
-from fragsearch.model.settings import default_data_dir
+from fragsearch.settings import default_data_dir
 
 logger = logging.getLogger("bench.text_cost")
 

@@ -27,7 +27,7 @@ import torch
 from bench import machine, parse_run, write_rows
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.train import make_run, train
 
 logger = logging.getLogger("bench.train_step")

@@ -5,7 +5,7 @@
     fragsearch search "a dog on a beach"      # the best photos' paths, from the saved index
     fragsearch --config site.toml serve       # every command reads the same settings
 
-Every subcommand reads its settings from one object (model/settings.py): flags > FRAGSEARCH_* environment
+Every subcommand reads its settings from one object (fragsearch/settings.py): flags > FRAGSEARCH_* environment
 variables > .env > fragsearch.toml (or --config FILE) > defaults. `fragsearch COMMAND --help` says what a
 command reads and writes. train, release and evaluate need the trainer's environment (torch: the `train`
 extra, `pip install 'fragsearch[train]'`, or ./run, which makes it).
@@ -31,8 +31,8 @@ from typing import Any
 
 import click
 
-from fragsearch.model.settings import config_named, debug_requested, settings_error_line
 from fragsearch.service.version import __version__
+from fragsearch.settings import config_named, debug_requested, settings_error_line
 
 logger = logging.getLogger("fragsearch")
 
@@ -109,7 +109,7 @@ _DAMAGED = ("in a checkout `git checkout -- model/released` restores the release
             "train it again (fragsearch train)")
 # the first entry that matches wins: the specific kinds before the general ones they derive from
 KNOWN = (
-    Known(("fragsearch.model.settings:SettingsFileError",), USAGE, "fix the file, or name another with --config FILE"),
+    Known(("fragsearch.settings:SettingsFileError",), USAGE, "fix the file, or name another with --config FILE"),
     Known(("pydantic_core:ValidationError",), USAGE, applies=_settings_refused,
           describe=lambda e: settings_error_line(e) if isinstance(e, Exception) else str(e)),
     Known(("fragsearch.model.device:DeviceError",), USAGE, "set device to auto or cpu (--device, FRAGSEARCH_DEVICE)"),

@@ -10,8 +10,7 @@ from typing import Any
 from fragsearch.index.ann import FaissCandidates
 from fragsearch.index.candidates import CandidateBackend
 from fragsearch.index.milvus import MilvusCandidates
-from fragsearch.index.types import IndexLoadError, IndexSettings
-from fragsearch.model.settings import BackendOptions
+from fragsearch.index.types import BackendOptions, IndexLoadError, IndexSettings
 
 
 def require_milvus(where: str) -> None:

@@ -47,9 +47,8 @@ from fragsearch.index.ranker import Ranker
 from fragsearch.index.shared import SharedFragments
 from fragsearch.index.store import VectorStore
 from fragsearch.index.stored import StoredFragments
-from fragsearch.index.types import IndexLoadError, IndexSettings
+from fragsearch.index.types import BackendOptions, IndexLoadError, IndexSettings
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

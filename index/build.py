@@ -28,15 +28,13 @@ from fragsearch.index.flags import add_index_flags, index_settings_of
 from fragsearch.index.images import ImageIndex
 from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from fragsearch.index.sentences import SentenceIndex
-from fragsearch.index.types import IndexSettings
+from fragsearch.index.types import BACKENDS, BackendOptions, IndexSettings
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.cache import FeatureCache
 from fragsearch.model.data import read_captions, read_split_list
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.fragments import parse_cached
-from fragsearch.model.settings import (
-    BACKENDS,
-    BackendOptions,
+from fragsearch.settings import (
     default_artifacts_dir,
     default_cache_dir,
     default_model_path,

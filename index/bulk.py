@@ -64,7 +64,7 @@ from fragsearch.model.imageio import ImageReadError
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.proposals import proposal_columns
-from fragsearch.model.settings import default_cache_dir, default_model_path, default_places
+from fragsearch.settings import default_cache_dir, default_model_path, default_places
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from fragsearch.index.images import ImageIndex
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.settings import add_setting_flags, settings_of
+from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from fragsearch.index.photos import Photos
 from fragsearch.index.places import Place, PlaceFilter, read_place
 from fragsearch.index.ranker import exact_score, rank_key
 from fragsearch.index.types import (
+    BackendOptions,
     Explanation,
     ImageHit,
     ImageRecord,
@@ -46,7 +47,6 @@ from fragsearch.model.embed import (
 )
 from fragsearch.model.image import ImageFragments
 from fragsearch.model.score import block_dots, pair_contributions, skl_of_items
-from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

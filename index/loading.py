@@ -23,9 +23,8 @@ from fragsearch.index.catalogue import FORMAT, Catalogue, committed_generation
 from fragsearch.index.codes import CodesInfo, PrescoreCodes
 from fragsearch.index.fingerprint import model_fingerprint
 from fragsearch.index.store import VectorStore
-from fragsearch.index.types import IndexLoadError, IndexSettings
+from fragsearch.index.types import BackendOptions, IndexLoadError, IndexSettings
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

@@ -64,9 +64,8 @@ from tqdm import tqdm
 
 from fragsearch.index import ids as fid
 from fragsearch.index.candidates import CandidateBackend, Sources
-from fragsearch.index.types import IndexFullError, IndexLoadError, IndexSettings
+from fragsearch.index.types import BackendOptions, IndexFullError, IndexLoadError, IndexSettings
 from fragsearch.model.atomic import fsync_dir
-from fragsearch.model.settings import BackendOptions
 
 logger = logging.getLogger(__name__)
 

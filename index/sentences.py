@@ -20,14 +20,13 @@ from tqdm import tqdm
 from fragsearch.index.base import FragmentIndex
 from fragsearch.index.matches import aligned, read_sentence
 from fragsearch.index.ranker import exact_score
-from fragsearch.index.types import IndexSettings, Page, SentenceHit, SentenceRecord
+from fragsearch.index.types import BackendOptions, IndexSettings, Page, SentenceHit, SentenceRecord
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.embed import EmbeddedImage, embed_encoded, embed_extracted, embed_image
 from fragsearch.model.fragments import EncodedSentences
 from fragsearch.model.image import ImageFragments
 from fragsearch.model.imageio import Photo
 from fragsearch.model.score import SMOOTHING
-from fragsearch.model.settings import BackendOptions
 from fragsearch.model.text import ParsedSentence, Triplet
 
 logger = logging.getLogger(__name__)

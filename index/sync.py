@@ -48,13 +48,13 @@ from fragsearch.index.files import is_hidden, sha256_file
 from fragsearch.index.fingerprint import model_fingerprint
 from fragsearch.index.images import ImageIndex
 from fragsearch.index.shards import commit_interval
-from fragsearch.index.types import IndexSettings
+from fragsearch.index.types import BackendOptions, IndexSettings
 from fragsearch.model.atomic import atomic_file
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.device import device_name
 from fragsearch.model.imageio import IMAGE_SUFFIXES
-from fragsearch.model.settings import BackendOptions, Settings, add_setting_flags, settings_of
+from fragsearch.settings import Settings, add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 

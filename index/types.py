@@ -12,6 +12,25 @@ import numpy as np
 from fragsearch.index.places import Place
 from fragsearch.model.evidence import Found
 
+BACKENDS = ("faiss", "milvus")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Where a backend keeps its vectors: `backend` "faiss" or "milvus"; `uri` of a Milvus server
+    ("http://host:19530") or a milvus-lite folder ("path/file.db"); None: the index's default (for
+    Milvus, the URI it was built with, or `milvus.db` inside the index folder)."""
+
+    backend: str = "faiss"
+    uri: str | None = None
+    token: str | None = None  # a Milvus server's credentials ("user:password" or an API key)
+    mapped: bool = False  # FAISS: a loaded index's vectors stay in its file's mapping (index/ann.py FaissCandidates)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+
+
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
 CANDIDATE_DTYPES = ("float32", "float16")  # a flat index's copy of the vectors (FAISS Flat, or SQfp16)

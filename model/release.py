@@ -12,7 +12,7 @@ a changed or truncated file is refused with its name, never served.
 The manifest is written by `python -m fragsearch.training.release` only, never by hand.
 
 Every command that needs "the served model" asks `served_model_path` (through the settings' `model_path`,
-model/settings.py): the `model_path` setting when given, else `artifacts/models/<variant>/model.pt` when a
+fragsearch/settings.py): the `model_path` setting when given, else `artifacts/models/<variant>/model.pt` when a
 variant is named (a model trained here, `fragsearch train`), else the released model.
 """
 

@@ -53,9 +53,9 @@ from fragsearch.model.data import DataError, Split, load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.device import DeviceError, device_name
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, is_released
-from fragsearch.model.settings import use
 from fragsearch.service import logs
 from fragsearch.service.settings import Settings, settings_from, settings_parser
+from fragsearch.settings import use
 
 logger = logging.getLogger("fragsearch.service.prepare")  # the same name when run as its own __main__
 

@@ -10,7 +10,7 @@ from pydantic_core import PydanticCustomError
 
 from fragsearch.index.ids import MAX_ID
 from fragsearch.index.types import ExplainScope
-from fragsearch.model.settings import DEFAULT_K
+from fragsearch.settings import DEFAULT_K
 
 Box = list[float]  # [x0, y0, x1, y1] in the image's own pixels
 EMPTY_TEXT = "empty_text"  # the validation error type of a blank sentence or phrase (service/errors.py: its code)

@@ -34,7 +34,6 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import DEFAULT_CUTOFF
 from fragsearch.model.features import PhotoReader
 from fragsearch.model.imageio import ImageReadError
-from fragsearch.model.settings import Settings, add_setting_flags, settings_of, use
 from fragsearch.service.engine import Engine
 from fragsearch.service.errors import ApiError
 from fragsearch.service.routes.convert import (
@@ -44,6 +43,7 @@ from fragsearch.service.routes.convert import (
     sentence_result,
     shown,
 )
+from fragsearch.settings import Settings, add_setting_flags, settings_of, use
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
+from fragsearch.index.types import BackendOptions
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
-from fragsearch.model.settings import BackendOptions
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
 from fragsearch.service.settings import Settings

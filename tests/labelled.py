@@ -20,9 +20,9 @@ from fragsearch.model.features import feature_dim
 from fragsearch.model.fragments import TextPipeline
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
-from fragsearch.model.settings import default_data_dir
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.words import WordTable
+from fragsearch.settings import default_data_dir
 
 DOG = "1001773457_577c3a7d70.jpg"  # two dogs playing (Flickr8K train): the detector finds both
 DOG_SENTENCE = "two brown dogs play on the grass"

@@ -33,10 +33,10 @@ from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
 from fragsearch.index import ids as fid
 from fragsearch.index.images import embedded_images
 from fragsearch.index.milvus import ID, VECTOR, MilvusCandidates, search_collection
+from fragsearch.index.types import BackendOptions
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
-from fragsearch.model.settings import BackendOptions
 from fragsearch.service.engine import Engine
 from tests.conftest import ShapesModel
 from tests.conftest_service import IMAGE_SETTINGS, SENTENCE_SETTINGS, ServiceEnv, make_settings

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 
-from fragsearch.model.settings import default_artifacts_dir
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
 from fragsearch.service.settings import Settings
+from fragsearch.settings import default_artifacts_dir
 from tests import labelled
 from tests.conftest_service import make_settings
 from tests.uvicorn_thread import uvicorn_server

@@ -1,6 +1,6 @@
 """The `fragsearch` command line: its subcommands, a search and an annotation from the saved indexes without a
 server, and one configuration for every subcommand (flags > FRAGSEARCH_* > .env > fragsearch.toml >
-defaults; no module but model/settings.py reads a FRAGSEARCH_* variable)."""
+defaults; no module but fragsearch/settings.py reads a FRAGSEARCH_* variable)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 from fragsearch.cli import main as cli_main
 from fragsearch.index import ImageIndex
 from fragsearch.index.sync import MANIFEST
-from fragsearch.model.settings import Settings, current, use
+from fragsearch.settings import Settings, current, use
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -231,4 +231,4 @@ def test_the_reader_finds_every_form(tmp_path: Path) -> None:
 def test_no_module_but_the_settings_reads_a_fragsearch_variable() -> None:
     readers = {str(p.relative_to(ROOT)): lines for package in PRODUCT for p in sorted((ROOT / package).rglob("*.py"))
                if (lines := reads_of_settings_variables(p))}
-    assert set(readers) == {"model/settings.py"}, readers
+    assert set(readers) == {"fragsearch/settings.py"}, readers

@@ -56,7 +56,7 @@ from pathlib import Path
 from fragsearch.index.sentences import SentenceIndex
 from fragsearch.index.sync import sync_collection
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.settings import Settings, use
+from fragsearch.settings import Settings, use
 settings = Settings(collection=Path(sys.argv[1]), workers=1)
 bundle = Bundle.load(settings.model_path)
 with use(settings):

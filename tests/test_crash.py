@@ -42,8 +42,8 @@ from fragsearch.index.images import embedded_images
 from fragsearch.index.milvus import ID as MILVUS_ID
 from fragsearch.index.milvus import MAX_TOPK as MILVUS_MAX_TOPK
 from fragsearch.index.milvus import MilvusCandidates
+from fragsearch.index.types import BackendOptions
 from fragsearch.model.embed import EmbeddedSentence
-from fragsearch.model.settings import BackendOptions
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
 from tests.crash_writer import journal_state, live_items, random_images

@@ -122,7 +122,7 @@ def test_compose_serves_your_own_photos_with_no_data_folder(monkeypatch: pytest.
     """FRAGSEARCH_COLLECTION_HOST alone: the photos read-only at /photos, the data folder the empty
     docker/unset, and the settings the services read from that environment serve the photos with no
     sentences (tests/test_newcomer.py serves such settings)."""
-    from fragsearch.model.settings import Settings
+    from fragsearch.settings import Settings
 
     monkeypatch.delenv("FRAGSEARCH_DATA_HOST", raising=False)
     photos = tmp_path / "Pictures"

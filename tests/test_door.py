@@ -1,5 +1,6 @@
-"""Settings are read at the door and passed down: the runtime (model/) reads no settings of its own, and where
-it finds and makes its files (model/places.py `Places`) is what the command's flags say."""
+"""Settings are read at the door and passed down: the settings live with the commands (fragsearch/settings.py),
+the runtime (model/) reads none of its own, the index package only in its commands, and where the runtime finds
+and makes its files (model/places.py `Places`) is what the command's flags say."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from fragsearch.service.settings import settings_from, settings_parser
 from tests.conftest import ShapesModel
 
 ROOT = Path(__file__).resolve().parent.parent
-SETTINGS = "fragsearch.model.settings"
+SETTINGS = "fragsearch.settings"
+# the index package's argparse commands, which read their flags' defaults from the settings (to move beside the
+# other commands, fragsearch/cli.py): no other module of index/ may
+INDEX_COMMANDS = ["index/build.py", "index/bulk.py", "index/duplicates.py", "index/sync.py"]
 
 
 def imports_settings(path: Path) -> bool:
@@ -25,25 +29,33 @@ def imports_settings(path: Path) -> bool:
         if isinstance(node, ast.Import) and any(a.name == SETTINGS for a in node.names):
             return True
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (
-                node.module == SETTINGS or node.module == "fragsearch.model" and any(a.name == "settings"
-                                                                                     for a in node.names)):
+                node.module == SETTINGS or node.module == "fragsearch" and any(a.name == "settings"
+                                                                               for a in node.names)):
             return True
     return False
 
 
 def test_the_finder_sees_a_local_import_of_the_settings(tmp_path: Path) -> None:
-    (tmp_path / "a.py").write_text("def f():\n    from fragsearch.model.settings import current\n")
-    (tmp_path / "b.py").write_text("from fragsearch.model import settings\n")
+    (tmp_path / "a.py").write_text("def f():\n    from fragsearch.settings import current\n")
+    (tmp_path / "b.py").write_text("from fragsearch import settings\n")
     (tmp_path / "c.py").write_text("from fragsearch.model.places import Places\n")
     assert [imports_settings(tmp_path / n) for n in ("a.py", "b.py", "c.py")] == [True, True, False]
 
 
+def readers(package: str) -> list[str]:
+    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / package).rglob("*.py")) if imports_settings(p)]
+
+
 def test_the_runtime_reads_no_settings() -> None:
-    """Every module of model/ (the torch side included) but the settings' own takes what it needs as arguments."""
-    runtime = [p for p in sorted((ROOT / "model").rglob("*.py")) if p.name != "settings.py"]
-    assert len(runtime) > 40
-    readers = [str(p.relative_to(ROOT)) for p in runtime if imports_settings(p)]
-    assert readers == []
+    """Every module of model/ (the torch side included) takes what it needs as arguments; the settings are not
+    in the model package at all (no host, port or API key there)."""
+    assert len(list((ROOT / "model").rglob("*.py"))) > 40
+    assert readers("model") == []
+    assert not (ROOT / "model" / "settings.py").exists()
+
+
+def test_the_index_reads_settings_only_in_its_commands() -> None:
+    assert readers("index") == INDEX_COMMANDS
 
 
 def test_a_flag_of_serve_reaches_the_runtime_below_it(shapes_model: ShapesModel, tmp_path: Path,

@@ -24,8 +24,8 @@ from fragsearch.model.backbone import Backbone
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.image import ImageFragments, RegionExtractor, image_proposals
 from fragsearch.model.release import read_manifest
-from fragsearch.model.settings import default_data_dir
 from fragsearch.model.variants import load_variant
+from fragsearch.settings import default_data_dir
 
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("torchvision.ops")

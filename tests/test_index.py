@@ -25,6 +25,7 @@ from fragsearch.index.catalogue import is_index
 from fragsearch.index.images import embedded_images
 from fragsearch.index.ranker import Ranker
 from fragsearch.index.sentences import DEFAULT_SETTINGS as DEFAULT_SENTENCE_SETTINGS
+from fragsearch.index.types import BackendOptions
 from fragsearch.model import onnx
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TextConfig
@@ -34,7 +35,6 @@ from fragsearch.model.fragments import WORD_REL, TextPipeline
 from fragsearch.model.image import RegionExtractor
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
-from fragsearch.model.settings import BackendOptions
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.words import WordTable
 

@@ -13,8 +13,8 @@ import pytest
 from fragsearch.index.ann import POSITIVE_CHUNK, FaissCandidates
 from fragsearch.index.backends import open_backend
 from fragsearch.index.store import mapping_of, release_mapped
-from fragsearch.index.types import IndexSettings
-from fragsearch.model.settings import BackendOptions, Settings
+from fragsearch.index.types import BackendOptions, IndexSettings
+from fragsearch.settings import Settings
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the mapping is found in Linux's table of them")
 DIM = 64

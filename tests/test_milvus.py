@@ -15,8 +15,8 @@ import pytest
 from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
 from fragsearch.index import ids as fid
 from fragsearch.index.milvus import DIRTY_MARKER, ITEM, LITE_FILE, MilvusCandidates, among, index_spec, stored_count
+from fragsearch.index.types import BackendOptions
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.settings import BackendOptions
 from fragsearch.model.words import WordTable
 from tests.test_index import QUERIES, SENTENCES, WORDS, make_bundle, random_images, ranking, recall_all
 

@@ -19,8 +19,8 @@ from PIL import Image
 from fragsearch.index import ImageIndex, IndexSettings
 from fragsearch.index.catalogue import DB_FILE
 from fragsearch.index.places import Near, Place, PlaceFilter, distance_km, read_place
+from fragsearch.index.types import BackendOptions
 from fragsearch.model.dataset import feature_cache
-from fragsearch.model.settings import BackendOptions
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:

@@ -60,7 +60,7 @@ def test_the_released_model_is_small_described_and_matches_its_manifest() -> Non
 
 def test_the_released_model_is_what_every_command_serves_by_default(monkeypatch: pytest.MonkeyPatch,
                                                                    tmp_path: Path) -> None:
-    from fragsearch.model.settings import default_model_path
+    from fragsearch.settings import default_model_path
 
     monkeypatch.chdir(tmp_path)  # no .env, no fragsearch.toml
     for name in ("FRAGSEARCH_MODEL_PATH", "FRAGSEARCH_VARIANT", "FRAGSEARCH_CONFIG"):

@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     images = args.images or (8 if args.dry_run else 50)
     workers = args.workers or len(os.sched_getaffinity(0))
     if args.data is None:
-        from fragsearch.model.settings import (
+        from fragsearch.settings import (
             default_data_dir,  # the `data` setting (FRAGSEARCH_DATA, .env, fragsearch.toml)
         )
 

@@ -35,7 +35,7 @@ from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.onnx import default_threads
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.score import block_slices
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 

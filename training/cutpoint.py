@@ -37,8 +37,8 @@ from fragsearch.model.imageio import load_image
 from fragsearch.model.nets.backbone import Trunk, cut_shape, efficientnet
 from fragsearch.model.nets.onnx import export
 from fragsearch.model.onnx import session, set_threads
-from fragsearch.model.settings import default_cache_dir, default_data_dir
 from fragsearch.model.variants import load_variant
+from fragsearch.settings import default_cache_dir, default_data_dir
 
 logger = logging.getLogger(__name__)
 

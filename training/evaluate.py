@@ -22,7 +22,7 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.fragments import EncodedSentences, TextPipeline
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_cache_dir, default_data_dir, default_model_path, default_places
+from fragsearch.settings import default_cache_dir, default_data_dir, default_model_path, default_places
 
 logger = logging.getLogger(__name__)
 

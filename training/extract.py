@@ -19,8 +19,8 @@ from pathlib import Path
 from fragsearch.model.config import ImageConfig, add_region_flags, with_region_flags
 from fragsearch.model.data import check_data_dir, load_split
 from fragsearch.model.dataset import feature_cache
-from fragsearch.model.settings import default_cache_dir, default_data_dir
 from fragsearch.model.variants import VariantError, load_variant
+from fragsearch.settings import default_cache_dir, default_data_dir
 
 logger = logging.getLogger(__name__)
 

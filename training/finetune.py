@@ -46,7 +46,7 @@ from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.places import Places
-from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.training.calibrate import fit_calibration, reference_draw
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch

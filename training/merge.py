@@ -44,7 +44,7 @@ from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.calibrate import fit_calibration, store_relevance
 from fragsearch.training.evaluate import evaluate_scores
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge

@@ -36,7 +36,7 @@ class Refit:
 def refit_parser(description: str | None, what: str, epochs: int | None = None) -> argparse.ArgumentParser:
     """The flags: the model, the folder it is written to (with `what`), the data, Entities, cache, workers, and
     for a head trained here its `epochs` (the best on the validation part kept)."""
-    from fragsearch.model.settings import default_cache_dir, default_data_dir
+    from fragsearch.settings import default_cache_dir, default_data_dir
 
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
@@ -55,7 +55,7 @@ def load_refit(args: argparse.Namespace, module: str, argv: Sequence[str] | None
     """The model of `args` and its training images, split as its --selection val split them."""
     from fragsearch.model.dataset import load_split_data
     from fragsearch.model.parsers import make_parser
-    from fragsearch.model.settings import default_places
+    from fragsearch.settings import default_places
     from fragsearch.training.calibrate import split_of
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fragsearch.model.data import load_split
     from fragsearch.model.dataset import held_out_indices
     from fragsearch.model.entities import read_entities
-    from fragsearch.model.settings import default_places
+    from fragsearch.settings import default_places
     from fragsearch.training.refit import refit_parser
 
     ap = refit_parser(__doc__, "region ranker", epochs=EPOCHS)

@@ -51,7 +51,7 @@ from fragsearch.model.minilm import minilm_graph
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
 from fragsearch.model.resources import cpu_record
-from fragsearch.model.settings import default_cache_dir, default_data_dir, default_places
+from fragsearch.settings import default_cache_dir, default_data_dir, default_places
 from fragsearch.training.distill import teacher_paths
 from fragsearch.training.evaluate import evaluate
 

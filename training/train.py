@@ -50,7 +50,6 @@ from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import DeViSE, FragmentModel, GlobalModel, TreeRNN, TwoBranch, build_model
 from fragsearch.model.parsers import make_parser
-from fragsearch.model.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.model.text import Triplet
 from fragsearch.model.trees import position_ranges
 from fragsearch.model.variants import (
@@ -63,6 +62,7 @@ from fragsearch.model.variants import (
     read_variant_file,
     variant_names,
 )
+from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.training.boxes import sentence_labels
 from fragsearch.training.calibrate import fit_calibration, store_relevance
 from fragsearch.training.distill import Teacher, teacher_paths

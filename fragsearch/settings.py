@@ -25,7 +25,6 @@ import os
 import types
 import typing
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from fragsearch.index.types import BackendOptions
 from fragsearch.model.config import collection_index
 from fragsearch.model.device import check_device_name
 from fragsearch.model.imageio import DEFAULT_MAX_PIXELS
@@ -46,25 +46,6 @@ from fragsearch.model.release import served_model_path
 from fragsearch.model.resources import default_workers
 
 DEFAULT_K = 10  # images or regions a search returns when it names no k (settings.k_max may not be smaller)
-BACKENDS = ("faiss", "milvus")
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """Where a backend keeps its vectors: `backend` "faiss" or "milvus"; `uri` of a Milvus server
-    ("http://host:19530") or a milvus-lite folder ("path/file.db"); None: the index's default (for
-    Milvus, the URI it was built with, or `milvus.db` inside the index folder)."""
-
-    backend: str = "faiss"
-    uri: str | None = None
-    token: str | None = None  # a Milvus server's credentials ("user:password" or an API key)
-    mapped: bool = False  # FAISS: a loaded index's vectors stay in its file's mapping (index/ann.py FaissCandidates)
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-
-
 API_KEY_HEADER = "X-API-Key"
 CONFIG_FILE = "fragsearch.toml"  # read from the working folder unless FRAGSEARCH_CONFIG or --config names another
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar("fragsearch_config", default=None)
