@@ -21,7 +21,7 @@ COMMANDS = ["fragsearch.training.train", "fragsearch.training.extract", "fragsea
             "fragsearch.training.release",
             "bench.first_start", "bench.feature_paths", "bench.serve_memory", "bench.photo_decode", "bench.runtime_ab",
             "bench.phrase_evidence", "bench.evidence_ceiling", "bench.grounding", "bench.backbone_lite",
-            "bench.detector_paths", "bench.million", "bench.region_cost",
+            "bench.detector_paths", "bench.million", "bench.region_cost", "bench.parse_processes",
             "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
             "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy"]
 
