@@ -37,9 +37,9 @@ def build(artifacts: Path, data: Path, dtype: str) -> Path:
     caption vectors (made once; the float32 one is the first start's own)."""
     from fragsearch.index.build import build_sentence_index
     from fragsearch.index.sentences import DEFAULT_SETTINGS
-    from fragsearch.index.sync import new_index_settings
     from fragsearch.model.bundle import Bundle
     from fragsearch.model.data import load_split
+    from fragsearch.service.collection import new_index_settings
 
     settings = Settings(artifacts=artifacts, data=data)  # type: ignore[call-arg]
     target = artifacts / "index" / f"sentences-train-{dtype}"

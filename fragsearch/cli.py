@@ -257,7 +257,7 @@ def serve(args: tuple[str, ...]) -> None:
 def index(args: tuple[str, ...]) -> None:
     """Index a folder of photos, or sync its index again (new, changed, renamed, deleted files). Reads the
     folder; writes its index in the artifacts folder and the feature cache."""
-    from fragsearch.index.sync import main
+    from fragsearch.commands.index_sync import main
 
     _run(main, args, "fragsearch index")
 
@@ -286,7 +286,7 @@ def annotate(args: tuple[str, ...]) -> None:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def duplicates(args: tuple[str, ...]) -> None:
     """Groups of near-duplicate photos in an image index. Reads the index; writes a JSON report if asked."""
-    from fragsearch.index.duplicates import main
+    from fragsearch.commands.duplicates import main
 
     _run(main, args, "fragsearch duplicates")
 

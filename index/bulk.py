@@ -1,30 +1,13 @@
-"""Bulk image extraction into fragment shards (``index/shards.py``), then optionally into an index.
+"""Bulk image extraction into fragment shards (``index/shards.py``) on worker processes or Ray Data, resumable;
+the command is `python -m fragsearch.index.bulk` (fragsearch/commands/index_bulk.py, which says more).
 
-    python -m fragsearch.index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --workers 2
-    python -m fragsearch.index.bulk --images DIR --shards artifacts/bulk/photos --engine ray --address HEAD:6379
-    python -m fragsearch.index.bulk --images DIR --shards artifacts/bulk/photos --engine local --workers 2
-    python -m fragsearch.index.bulk --shards artifacts/bulk/photos --index artifacts/index/photos   (load only)
-
-Two engines, one result:
-
-* ``local`` — the feature cache's ExtractionPool (``model/cache.py``): worker processes on this machine,
-  each running the whole RegionExtractor; the entries land in the feature cache, then in shards.
-* ``ray`` — Ray Data: the selective-search proposals as a CPU stage (``map_batches`` tasks), the
-  backbone half of the same RegionExtractor (``extract_proposed``) as a stage on an actor pool
-  (``--workers`` actors; one GPU each where the cluster has GPUs, else one CPU each). Without
-  ``--address`` Ray starts on this machine with one logical CPU more than the actors hold, so the
-  proposal stage always has one (a dataset whose actors hold every CPU can hang); with ``--address``
-  it joins that cluster, whose workers must see the image files and this code at the same paths.
-
-Resumable: images already in the shards are skipped, images already in the feature cache (``--cache``)
-are copied from it, and shards are written atomically as they fill (an interrupted run loses at most
-one unfinished shard). Image settings are the model's (``--model``) unless region flags are given;
-a shard folder holds one set of settings (its manifest).
-"""
+Two engines, one result: ``local``, the feature cache's ExtractionPool (``model/cache.py``); ``ray``, the
+selective-search proposals as a CPU stage and the backbone half of the same RegionExtractor
+(``extract_proposed``) on an actor pool. Images already in the shards are skipped, images already in the
+feature cache copied from it; shards are written atomically as they fill."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import logging
@@ -40,23 +23,15 @@ import numpy as np
 from tqdm import tqdm
 
 import fragsearch
-from fragsearch.index.catalogue import is_index
-from fragsearch.index.files import list_images
-from fragsearch.index.flags import add_index_flags, index_settings_of
-from fragsearch.index.images import ImageIndex
 from fragsearch.index.shards import (
     DEFAULT_SHARD_SIZE,
     ShardWriter,
     done_paths,
-    load_shards,
     shard_settings,
     shard_summary,
 )
-from fragsearch.index.types import IndexSettings
-from fragsearch.model.bundle import Bundle
 from fragsearch.model.cache import FeatureCache
-from fragsearch.model.config import ImageConfig, add_region_flags, with_region_flags
-from fragsearch.model.dataset import feature_cache
+from fragsearch.model.config import ImageConfig
 from fragsearch.model.detector import Detector
 from fragsearch.model.features import PhotoReader
 from fragsearch.model.image import ImageFragments, RegionExtractor, extractor_files, image_proposals
@@ -64,7 +39,6 @@ from fragsearch.model.imageio import ImageReadError
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.places import DEFAULT_PLACES, Places
 from fragsearch.model.proposals import proposal_columns
-from fragsearch.settings import default_cache_dir, default_model_path, default_places
 
 logger = logging.getLogger(__name__)
 
@@ -313,65 +287,7 @@ def bulk_extract(paths: Sequence[Path | str], shards: Path, cfg: ImageConfig, en
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--images", type=Path, help="folder of images (searched recursively) to extract")
-    ap.add_argument("--shards", type=Path, required=True, help="shard folder (written by extraction, read by --index)")
-    ap.add_argument("--engine", choices=ENGINES, default="local",
-                    help="local: worker processes on this machine; ray: Ray Data (this machine or --address)")
-    ap.add_argument("--workers", type=int, default=2,
-                    help="local: extraction processes; ray: backbone actors")
-    ap.add_argument("--address", default=None, help="ray: the cluster to join (host:port of its head); "
-                    "default: start Ray on this machine")
-    ap.add_argument("--model", type=Path, default=default_model_path(),
-                    help="the model whose image settings are used (and that embeds the fragments with --index)")
-    add_region_flags(ap, None)
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="feature cache: images in it are not extracted again (local: where entries are stored)")
-    ap.add_argument("--no-cache", action="store_true", help="neither read nor write the feature cache")
-    ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="images per shard")
-    ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="images per task / actor call")
-    ap.add_argument("--index", type=Path, default=None,
-                    help="then add the shards' images to this image index (created when missing)")
-    # a new --index's settings (float16 store: half of float32's disk and reads, the choice for large collections)
-    add_index_flags(ap, IndexSettings.of(store_dtype="float16"), what="a new --index: ")
-    ap.add_argument("--remove-loaded", action="store_true",
-                    help="with --index: delete each shard once a commit of the index holds its images")
-    ap.add_argument("--collection-root", type=Path, default=None, help="as in index.build")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.images is None and args.index is None:
-        ap.error("give --images (extract) and/or --index (load)")
-    try:
-        new_settings = index_settings_of(args, IndexSettings())
-    except ValueError as e:
-        ap.error(str(e))
-    places = default_places(args.cache)
-    bundle = Bundle.load(args.model, places=places) if args.index is not None or args.model.is_file() else None
-    if bundle is None and not any(getattr(args, k) is not None for k in ("region_features", "backbone_precision")):
-        ap.error(f"{args.model} does not exist: give --model, or the region flags of the features wanted")
-    cfg = with_region_flags(bundle.image_cfg if bundle is not None else ImageConfig(), args)
-    if args.images is not None:
-        paths = list_images(args.images)
-        if not paths:
-            raise SystemExit(f"no images found in {args.images}")
-        cache = None if args.no_cache else feature_cache(args.cache, cfg, artifacts=places.artifacts)
-        with ray_session(args.address, args.workers) if args.engine == "ray" else contextlib.nullcontext():
-            bulk_extract(paths, args.shards, cfg, args.engine, args.workers, cache, args.shard_size, args.batch,
-                         places=places)
-    if args.index is not None:
-        assert bundle is not None
-        if is_index(args.index):
-            index = ImageIndex.load(args.index, bundle, collection_root=args.collection_root)
-        else:
-            index = ImageIndex.create(args.index, bundle, new_settings,
-                                      collection_root=args.collection_root)
-        try:
-            load_shards(index, args.shards, remove_loaded=args.remove_loaded)
-            logger.info("image index %s: %d images, %d fragments", args.index, len(index), index.n_fragments)
-        finally:
-            index.close()
+if __name__ == "__main__":  # `python -m fragsearch.index.bulk`, as the docs write it: the command's alias
+    from fragsearch.commands.index_bulk import main
 
-
-if __name__ == "__main__":
     main()

@@ -37,7 +37,8 @@ CANDIDATE_DTYPES = ("float32", "float16")  # a flat index's copy of the vectors 
 
 
 def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A field of an index's settings with what its command-line flag says (index.flags makes the flags)."""
+    """A field of an index's settings with what its command-line flag says (the commands' flags are made from it:
+    fragsearch/commands/flags.py)."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 

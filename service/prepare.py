@@ -47,13 +47,13 @@ from fragsearch.index.build import build_image_index, write_sentence_index
 from fragsearch.index.catalogue import is_index, set_aside_if_stale
 from fragsearch.index.fingerprint import model_fingerprint
 from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
-from fragsearch.index.sync import new_index_settings, sync_collection
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import DataError, Split, load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.device import DeviceError, device_name
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, is_released
 from fragsearch.service import logs
+from fragsearch.service.collection import new_index_settings, sync_collection
 from fragsearch.service.settings import Settings, settings_from, settings_parser
 from fragsearch.settings import use
 

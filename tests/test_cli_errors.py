@@ -54,7 +54,7 @@ SETUP = '''
 import sys
 from pathlib import Path
 from fragsearch.index.sentences import SentenceIndex
-from fragsearch.index.sync import sync_collection
+from fragsearch.service.collection import sync_collection
 from fragsearch.model.bundle import Bundle
 from fragsearch.settings import Settings, use
 settings = Settings(collection=Path(sys.argv[1]), workers=1)
@@ -297,12 +297,12 @@ def test_a_bug_still_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_ctrl_c_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import fragsearch.index.duplicates
+    import fragsearch.commands.duplicates
 
     def interrupted(argv: list[str], prog: str) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fragsearch.index.duplicates, "main", interrupted)
+    monkeypatch.setattr(fragsearch.commands.duplicates, "main", interrupted)
     with pytest.raises(SystemExit) as stop:
         cli_main(["duplicates"])
     assert stop.value.code == INTERRUPTED and capsys.readouterr().err == "fragsearch duplicates: error: interrupted\n"

@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from bench.duplicates_bench import ALTERATIONS
+from fragsearch.commands.duplicates import main
 from fragsearch.index import ImageIndex, IndexSettings
-from fragsearch.index.duplicates import THRESHOLD, duplicate_groups, duplicates_of, main
+from fragsearch.index.duplicates import THRESHOLD, duplicate_groups, duplicates_of
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.service.app import create_app

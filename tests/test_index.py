@@ -17,10 +17,10 @@ from PIL import Image, ImageDraw
 
 import fragsearch.index.store
 import fragsearch.model.atomic
+from fragsearch.commands.index_build import main as build_main
 from fragsearch.index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex, list_images, saving
 from fragsearch.index import ids as fid
 from fragsearch.index.base import FragmentIndex
-from fragsearch.index.build import main as build_main
 from fragsearch.index.catalogue import is_index
 from fragsearch.index.images import embedded_images
 from fragsearch.index.ranker import Ranker

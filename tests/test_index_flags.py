@@ -1,5 +1,5 @@
-"""The index commands' settings flags are made from IndexShape and SearchSettings (index/flags.py): one flag a
-field, with its default, type and choices, read back as the same IndexSettings."""
+"""The index commands' settings flags are made from IndexShape and SearchSettings (fragsearch/commands/flags.py):
+one flag a field, with its default, type and choices, read back as the same IndexSettings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from fragsearch.index.flags import add_index_flags, index_settings_of
+from fragsearch.commands.flags import add_index_flags, index_settings_of
 from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from fragsearch.index.types import IndexSettings, IndexShape, SearchSettings
 

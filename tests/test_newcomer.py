@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from fragsearch.index.sync import main as sync_main
+from fragsearch.commands.index_sync import main as sync_main
 from fragsearch.model.data import load_split
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.service.app import create_app

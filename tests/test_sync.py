@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from fragsearch.commands.index_sync import main
 from fragsearch.index import ImageIndex, IndexSettings
 from fragsearch.index.sync import (
     IGNORE_FILE,
     MANIFEST,
     ignore_patterns,
     ignored,
-    main,
     read_manifest,
     sync_folder,
     walk,
