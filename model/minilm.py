@@ -43,6 +43,7 @@ from fragsearch.model.minilm_files import (
     package_dir,
     session,
 )
+from fragsearch.model.places import DEFAULT_PLACES
 from fragsearch.model.textlayers import TextLayers
 
 logger = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ class MiniLM:
                 visit(int(i), hidden[b, : lengths[i]])
 
 
-_loaded: dict[tuple[str, int | None, str | None, str | None], MiniLM] = {}
+_loaded: dict[tuple[str, int | None, str | None, str], MiniLM] = {}
 _load_lock = threading.Lock()
 
 
@@ -198,7 +199,8 @@ def minilm(device: str = "cpu", upto: int | None = None, layers: TextLayers | No
     `layers` in place of its last ones, its graph found (or made) in ``folder`` after the release folder
     (`minilm_graph`) (loaded once per process, device, cut, layers' weights and folder; safe to share between
     threads)."""
-    key = (str(device), upto, None if layers is None else layers.digest, None if folder is None else str(folder))
+    folder = DEFAULT_PLACES.graphs if folder is None else Path(folder)  # one session per folder, named or not
+    key = (str(device), upto, None if layers is None else layers.digest, str(folder))
     with _load_lock:
         if key not in _loaded:
             _loaded[key] = MiniLM(key[0], folder=folder, upto=upto, layers=layers)

@@ -21,6 +21,7 @@ import fragsearch.model.minilm
 import fragsearch.model.minilm_files
 from fragsearch.model.minilm import GraphMismatch, GraphMissing, MiniLM, minilm, minilm_graph
 from fragsearch.model.minilm_files import GRAPH_NAME, HIDDEN, TOKENIZER_FILE, WEIGHTS_FILE, package_dir, read_header
+from fragsearch.model.places import Places
 from fragsearch.model.words import WordTable, encode_sentences, encode_texts, encode_words_in_context
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,3 +236,9 @@ def test_the_runtime_loads_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ), capture_output=True,
                          text=True, timeout=300, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_default_graph_folder_named_or_not_is_one_session() -> None:
+    """A bundle names its graph folder (`Places.graphs`); code that names none gets the default one: the same
+    folder is one MiniLM in the process, not two."""
+    assert minilm("cpu") is minilm("cpu", folder=Places().graphs)
