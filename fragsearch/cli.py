@@ -217,7 +217,7 @@ def _trainer(name: str) -> Callable[..., Any]:
     absent: KNOWN says what to install)."""
     import importlib
 
-    return importlib.import_module(f"fragsearch.training.{name}").main  # type: ignore[no-any-return]
+    return importlib.import_module(f"fragsearch.commands.{name}").main  # type: ignore[no-any-return]
 
 
 # the exit statuses in the help text, above the options and commands (`fragsearch --help`)
@@ -296,7 +296,7 @@ def duplicates(args: tuple[str, ...]) -> None:
 def data(args: tuple[str, ...]) -> None:
     """Put a Flickr8K download into the project's layout and check it. Reads the download; writes the
     data folder."""
-    from fragsearch.model.flickr8k import main
+    from fragsearch.commands.data import main
 
     _run(main, args, "fragsearch data")
 

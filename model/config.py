@@ -6,8 +6,6 @@ the 1 % relation cut-off.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,56 +90,6 @@ PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
 PROPOSAL_SOURCES = ("selective_search", "detector", "detector_topup")
 BACKBONE_PRECISIONS = ("fp32", "int8")
 BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2")
-
-
-def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
-    """The image-fragment flags (--region-features, --crop-size, --min-box-frac, --backbone-size,
-    --backbone-precision, --backbone, --proposal-mode, --proposal-resize, --proposals, --detector-floor,
-    --detector-classes, --region-ranker, --head-regions, --head-min-box-frac); with `defaults` None each is None
-    unless given (the run's own settings are kept, see `with_region_flags`)."""
-    ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
-                    help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
-    ap.add_argument("--crop-size", type=int, default=defaults and defaults.crop_size,
-                    help="side regions are warped to with --region-features crop")
-    ap.add_argument("--min-box-frac", type=float, default=defaults and defaults.min_box_frac,
-                    help="smallest region side as a fraction of the image side")
-    ap.add_argument("--backbone-size", type=int, default=defaults and defaults.backbone_size,
-                    help="side of the one backbone pass (roi_align features; proposal scoring with crops)")
-    ap.add_argument("--backbone-precision", choices=BACKBONE_PRECISIONS,
-                    default=defaults and defaults.backbone_precision,
-                    help="fp32, or int8: the quantized backbone graph")
-    ap.add_argument("--backbone", choices=BACKBONE_NAMES, default=defaults and defaults.backbone,
-                    help="the fragments' CNN (crop features; --crop-size its native side: 240 / 260)")
-    ap.add_argument("--proposal-mode", choices=PROPOSAL_MODES,
-                    default=defaults and defaults.proposal_mode, help="selective search strategy set")
-    ap.add_argument("--proposal-resize", type=int, default=defaults and defaults.proposal_resize,
-                    help="longer side the image is resized to for selective search")
-    ap.add_argument("--proposals", choices=PROPOSAL_SOURCES, default=defaults and defaults.proposals,
-                    help="regions from selective search, the COCO detector, or the detector topped up with "
-                         "selective search")
-    ap.add_argument("--detector-floor", type=float, default=defaults and defaults.detector_floor,
-                    help="with --proposals detector_topup: the smallest detection score kept as a region")
-    ap.add_argument("--detector-classes", action="store_true", default=defaults and defaults.detector_classes,
-                    help="with detector proposals: each fragment's features carry the detector's class scores")
-    ap.add_argument("--region-ranker", default=defaults and defaults.region_ranker,
-                    help="the region ranker's file name (region-ranker-<digest>.npz, training/regions.py) that orders "
-                         "selective search's proposals; empty: the ImageNet head's objectness")
-    ap.add_argument("--head-regions", type=int, default=defaults and defaults.head_regions,
-                    help="with --region-ranker: how many of the regions the ImageNet head chooses first (among "
-                         "boxes with sides of at least --head-min-box-frac); the ranker chooses the rest")
-    ap.add_argument("--head-min-box-frac", type=float, default=defaults and defaults.head_min_box_frac,
-                    help="with --head-regions: the smallest side of the head's regions, as a fraction of the image's")
-
-
-REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
-                "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor", "detector_classes",
-                "region_ranker", "head_regions", "head_min_box_frac")
-
-
-def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:
-    """`cfg` with the region flags that were set (see `add_region_flags`)."""
-    given = {k: getattr(args, k) for k in REGION_FLAGS}
-    return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})
 
 
 @dataclass(frozen=True)

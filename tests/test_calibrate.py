@@ -390,10 +390,10 @@ def test_the_calibrate_command_chooses_a_local_scale_on_the_validation_part(shap
     """`python -m fragsearch.training.calibrate --relevance-only --local-k … --local-power …` (the released model's
     recipe): the best validation R-sum among the spread alone and each (k, p), the relevance refitted, the
     validation metrics the checkpoint carries those of the choice."""
+    from fragsearch.commands.calibrate import main as calibrate_main
     from fragsearch.model.data import load_split
     from fragsearch.model.dataset import held_out_split, hold_out, load_split_data
     from fragsearch.model.parsers import make_parser
-    from fragsearch.training.calibrate import main as calibrate_main
 
     ckpt = Checkpoint.load(shapes_model.model_path)
     train = load_split_data(shapes_model.data, "train", ckpt.image_cfg, shapes_model.cache, make_parser("spacy"))

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-COMMANDS = ["fragsearch.training.train", "fragsearch.training.extract", "fragsearch.model.flickr8k",
-            "fragsearch.training.calibrate", "fragsearch.training.evaluate",
+COMMANDS = ["fragsearch.commands.train", "fragsearch.commands.extract", "fragsearch.commands.data",
+            "fragsearch.commands.calibrate", "fragsearch.commands.evaluate", "fragsearch.commands.finetune",
+            "fragsearch.commands.merge", "fragsearch.commands.cutpoint", "fragsearch.commands.evidence",
+            "fragsearch.commands.grounder", "fragsearch.commands.presence", "fragsearch.commands.regions",
             "fragsearch.commands.index_build", "fragsearch.service.settings", "fragsearch.service.prepare",
             "fragsearch.commands.index_sync", "fragsearch.commands.index_bulk", "fragsearch.service.__main__",
             "bench.index_bench",
@@ -19,12 +21,13 @@ COMMANDS = ["fragsearch.training.train", "fragsearch.training.extract", "fragsea
             "bench.channels",
             "bench.similar_bench", "bench.alignment", "bench.bulk_bench", "bench.ensemble", "bench.backbone_rate",
             "bench.relevance_bench", "bench.duplicates_bench", "fragsearch.commands.duplicates",
-            "fragsearch.training.release",
+            "fragsearch.commands.release",
             "bench.first_start", "bench.feature_paths", "bench.serve_memory", "bench.photo_decode", "bench.runtime_ab",
             "bench.phrase_evidence", "bench.evidence_ceiling", "bench.grounding", "bench.backbone_lite",
             "bench.detector_paths", "bench.million", "bench.region_cost", "bench.parse_processes",
             "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
-            "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy"]
+            "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy",
+            "fragsearch.commands.graphs:backbone_main", "fragsearch.commands.graphs:minilm_main"]
 
 
 class Captured(Exception):
@@ -41,7 +44,8 @@ def parser_of(module: str, monkeypatch: pytest.MonkeyPatch) -> argparse.Argument
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
-    main: Callable[..., Any] = importlib.import_module(module).main
+    name, _, function = module.partition(":")  # "module:function" where a module holds several commands
+    main: Callable[..., Any] = getattr(importlib.import_module(name), function or "main")
     with pytest.raises(Captured):
         main([])
     return seen[0]

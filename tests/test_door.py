@@ -58,11 +58,33 @@ def imports_argparse(path: Path) -> bool:
                for node in ast.walk(ast.parse(path.read_text(), str(path))))
 
 
+def parsers(package: str) -> list[str]:
+    return [str(p.relative_to(ROOT)) for p in sorted((ROOT / package).rglob("*.py")) if imports_argparse(p)]
+
+
+def test_the_trainer_and_the_runtime_read_no_settings_and_parse_no_command_line() -> None:
+    """train, release, evaluate, calibrate, finetune, merge, cutpoint, extract, the refits, `data` and the graph
+    exports are commands in fragsearch/commands/, reading the settings there and passing what they read down;
+    `python -m fragsearch.training.train` and the like stay as aliases that call them."""
+    assert len(list((ROOT / "training").rglob("*.py"))) > 15
+    assert readers("training") == []
+    assert parsers("training") == []
+    assert parsers("model") == []
+    assert len(parsers("fragsearch/commands")) >= 15
+
+
+def test_the_finder_sees_a_local_import_of_argparse(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("def f():\n    import argparse\n")
+    (tmp_path / "b.py").write_text("def f():\n    from argparse import ArgumentParser\n")
+    (tmp_path / "c.py").write_text("import argparsers\n")
+    assert [imports_argparse(tmp_path / n) for n in ("a.py", "b.py", "c.py")] == [True, True, False]
+
+
 def test_the_index_reads_no_settings_and_parses_no_command_line() -> None:
     """Its commands (build, bulk, sync, duplicates) and their flags live with the others (fragsearch/commands/);
     `python -m fragsearch.index.build` and the like stay as aliases that call them."""
     assert readers("index") == []
-    assert [str(p.relative_to(ROOT)) for p in sorted((ROOT / "index").rglob("*.py")) if imports_argparse(p)] == []
+    assert parsers("index") == []
     assert readers("fragsearch/commands")
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from fragsearch.commands.flags import add_region_flags, with_region_flags
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig, add_region_flags, with_region_flags
+from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig
 from fragsearch.model.encoders import Encoders, ModelConfig
 from fragsearch.model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
 from fragsearch.model.nets.checkpoint import Checkpoint

@@ -149,7 +149,7 @@ def test_finetune_keeps_the_best_epoch_on_the_validation_part(tiny: dict[str, ob
     run = tiny["run"]
     run = dataclasses.replace(run, train=dataclasses.replace(run.train, device="auto"))  # type: ignore[attr-defined]
     summary = finetune(bundle, run, tiny["tr"], tiny["val"], tiny["store"], out,  # type: ignore[arg-type]
-                       Path(str(tiny["cache"])), epochs=2, lr=1e-3, cnn_lr=1e-3, graphs=("fp32",))
+                       Places(cache=Path(str(tiny["cache"]))), epochs=2, lr=1e-3, cnn_lr=1e-3, graphs=("fp32",))
     assert [row["epoch"] for row in summary["history"]] == [0, 1, 2]
     assert all(np.isfinite(row["loss"]) for row in summary["history"][1:])
     kept = Bundle.load(out / "model.pt")

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from fragsearch.commands.data import main
 from fragsearch.model.data import DataError, load_split
-from fragsearch.model.flickr8k import check, convert, layout_of, main
+from fragsearch.model.flickr8k import check, convert, layout_of
 
 TRAIN, DEV, TEST = ["a_1.jpg", "b_2.jpg", "c_3.jpg"], ["d_4.jpg", "e_5.jpg"], ["f_6.jpg"]
 ALL = TRAIN + DEV + TEST

@@ -14,6 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from bench.report import selection_label
+from fragsearch.commands.merge import main as merge_main
 from fragsearch.index import ImageIndex, IndexSettings
 from fragsearch.index.images import embedded_images
 from fragsearch.model.bundle import Bundle
@@ -26,7 +27,6 @@ from fragsearch.model.score import skl
 from fragsearch.service.app import create_app
 from fragsearch.training.calibrate import fit_calibration
 from fragsearch.training.evaluate import score_split
-from fragsearch.training.merge import main as merge_main
 from fragsearch.training.merge import merge_bundles, merge_models
 from fragsearch.training.train import make_run, split_for_selection, train, train_members, train_on
 from tests.conftest import ShapesModel

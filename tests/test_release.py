@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from fragsearch.commands.release import main as release_main
 from fragsearch.model.atomic import sha256_file
 from fragsearch.model.bundle import Bundle, CheckpointError
 from fragsearch.model.release import MANIFEST, RELEASE_DIR, RELEASED_MODEL, read_manifest, served_model_path
-from fragsearch.training.release import main as release_main
 from fragsearch.training.release import manifest_of, teacher_of, write_release
 from tests.conftest import ShapesModel
 

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from fragsearch.commands.train import bool_flag
+from fragsearch.commands.train import main as train_main
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TrainConfig
 from fragsearch.model.dataset import SplitData, hold_out, load_split_data
@@ -19,8 +21,7 @@ from fragsearch.model.parsers import make_parser
 from fragsearch.model.variants import VariantError
 from fragsearch.training.epochs import _step, drop_fragments, global_top_k_at
 from fragsearch.training.evaluate import evaluate
-from fragsearch.training.train import Trained, bool_flag, split_for_selection, train_variant
-from fragsearch.training.train import main as train_main
+from fragsearch.training.train import Trained, split_for_selection, train_variant
 from tests.conftest import ShapesModel
 
 

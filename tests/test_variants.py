@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from fragsearch.commands.extract import main as extract
 from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
@@ -26,7 +27,6 @@ from fragsearch.model.variants import (
     read_variant_file,
     variant_names,
 )
-from fragsearch.training.extract import main as extract
 from fragsearch.training.train import list_resolved, list_variants, make_run
 from tests.conftest import ShapesModel
 

@@ -14,11 +14,12 @@ existed).
         --out artifacts/models/full-val-relevance/model.pt
     python -m fragsearch.training.calibrate --model model/released --relevance-only --local-k 5,10,20,50 \
         --out artifacts/models/release-local   # a local scale chosen on the validation part, then the curve
+
+Its command line: fragsearch/commands/calibrate.py (`python -m fragsearch.training.calibrate` calls it).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -32,10 +33,8 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import Calibration, Relevance
 from fragsearch.model.dataset import SplitData, hold_out, load_split_data
 from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.onnx import default_threads
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.score import block_slices
-from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 
@@ -98,82 +97,6 @@ def per_item_ms(bundle: Bundle, data: SplitData, n: int = 50) -> dict[str, float
             bundle.embed_sentences(enc, [i], calibrated=cal)
             times["sentence_calibrated" if cal else "sentence"].append(time.perf_counter() - t)
     return {k: round(1000 * float(np.median(v)), 2) for k, v in times.items() if v}
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="checkpoint to calibrate (rewritten in place)")
-    ap.add_argument("--out", type=Path, default=None, help="write the calibrated checkpoint here instead")
-    ap.add_argument("--relevance-only", action="store_true",
-                    help="keep the reference sets and refit only the relevance scale (on the validation part)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(),
-                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
-    ap.add_argument("--split", default="train", help="where the reference items are drawn from")
-    ap.add_argument("--dev-split", default="dev",
-                    help="evaluated before and after ('' to skip)")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
-    ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the reference draw")
-    ap.add_argument("--local-k", default=None, metavar="K[,K...]",
-                    help="with --relevance-only: choose a local scale on the validation part among these k (the "
-                    "reference scores an item's local scale averages) and --local-power, or the spread alone")
-    ap.add_argument("--local-power", default="0.5,0.75,1.0", metavar="P[,P...]",
-                    help="with --local-k: the local scale's weights tried (default 0.5,0.75,1.0)")
-    ap.add_argument("--workers", type=int, default=1, help="feature extraction processes")
-    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    local = None
-    if args.local_k is not None:
-        if not args.relevance_only:
-            ap.error("--local-k is chosen on the validation part: give it with --relevance-only")
-        try:
-            local = ([int(k) for k in args.local_k.split(",")], [float(p) for p in args.local_power.split(",")])
-        except ValueError:
-            ap.error("--local-k and --local-power take comma-separated numbers (20 or 10,20; 0.5,0.75)")
-        if any(k < 1 for k in local[0]) or any(p <= 0 for p in local[1]):
-            ap.error("--local-k values must be >= 1 and --local-power values > 0")
-    if args.relevance_only:
-        refit_relevance(args.model, args.out or args.model, args.data, args.cache, args.workers, args.device, local)
-        return
-    bundle = Checkpoint.load(args.model, device=args.device)
-    device = str(bundle.device)
-    if bundle.cfg.kind != "fragment":
-        raise SystemExit(f"{args.model}: only fragment models are calibrated (this one is {bundle.cfg.kind!r})")
-    parser = make_parser(bundle.text.cfg.parser)
-    dev = (load_split_data(args.data, args.dev_split, bundle.image_cfg, args.cache, parser, args.workers,
-                           device=device) if args.dev_split else None)
-    if dev is not None:
-        bundle.text.warm(dev.parsed, dev.sentences, args.cache / "vectors")
-    train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers,
-                            device=device) if args.refs > 0 else None
-    out = args.out or args.model
-    bundle.calibration = None
-    before = evaluate(bundle, dev) if dev is not None else None
-    if args.refs > 0 and train is not None:
-        bundle.calibration = fit_calibration(bundle, train, args.refs, args.seed)
-        bundle.meta["calibration"] = {"refs": args.refs, "split": args.split, "seed": args.seed}
-        if bundle.meta.get("train", {}).get("selection") == "val":
-            fit_relevance_on_validation(bundle, train, args.cache)
-        else:
-            logger.warning("no validation part in %s (not trained with --selection val): no relevance scale",
-                           args.model)
-    else:
-        bundle.meta.pop("calibration", None)
-    bundle.meta.pop("dev", None)  # measured with the previous scales
-    if dev is not None:
-        after = evaluate(bundle, dev)
-        bundle.meta["dev"] = after
-        keys = ("rsum", "annot_r1", "annot_r5", "annot_r10", "search_r1", "search_r5", "search_r10")
-        logger.info("dev without calibration: %s", json.dumps({k: round(before[k], 1) for k in keys} if before else {}))
-        logger.info("dev with calibration:    %s", json.dumps({k: round(after[k], 1) for k in keys}))
-        if bundle.calibration is not None:
-            cost = per_item_ms(bundle.bundle(), dev)
-            bundle.meta["calibration"]["ms_per_item"] = cost
-            logger.info("median ms to embed one item (dev, %d threads): %s", default_threads(), json.dumps(cost))
-    bundle.save(out)
-    logger.info("wrote %s", out)
 
 
 def fit_relevance_on_validation(bundle: Checkpoint, train: SplitData, cache: Path) -> None:
@@ -258,5 +181,7 @@ def store_relevance(bundle: Checkpoint | Bundle, rel: Relevance, images: int) ->
     logger.info("relevance scale on %d validation images: %s", images, json.dumps(rel.to_state()))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m fragsearch.training.calibrate`, as the docs write it: the command's alias
+    from fragsearch.commands.calibrate import main
+
     main()

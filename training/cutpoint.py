@@ -12,11 +12,12 @@ written, flushed every few images; a re-run does the rest.
 
 Folder layout: ``meta.json`` (image names in order, the cut, the activation shape, the fragments per
 image), ``acts.f16`` (N, F, C, h, w) float16, ``done.npy`` (N,) bool.
+
+Its command line: fragsearch/commands/cutpoint.py (`python -m fragsearch.training.cutpoint` calls it).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from collections.abc import Sequence
@@ -37,8 +38,6 @@ from fragsearch.model.imageio import load_image
 from fragsearch.model.nets.backbone import Trunk, cut_shape, efficientnet
 from fragsearch.model.nets.onnx import export
 from fragsearch.model.onnx import session, set_threads
-from fragsearch.model.variants import load_variant
-from fragsearch.settings import default_cache_dir, default_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -170,25 +169,7 @@ def extract(data_root: Path, splits: Sequence[str], image_cfg: ImageConfig, cach
     return store
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--splits", nargs="+", default=["train", "dev"], help="the splits whose images are stored")
-    ap.add_argument("--variant", default="full", help="the variant whose regions (feature cache boxes) are used")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
-    ap.add_argument("--cut", type=int, default=DEFAULT_CUT, help="MBConv blocks below the cut (Lite0 has 16)")
-    ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
-    ap.add_argument("--out", type=Path, required=True, help="the store's folder")
-    ap.add_argument("--val-images", type=int, default=500, help="the validation part's images, stored first")
-    ap.add_argument("--val-seed", type=int, default=0, help="the validation part's draw")
-    ap.add_argument("--order-seed", type=int, default=0, help="then the first split in this seeded order")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = extract(args.data, args.splits, load_variant(args.variant).image, args.cache, args.out, args.cut,
-                    args.threads, val_images=args.val_images, val_seed=args.val_seed, order_seed=args.order_seed)
-    logger.info("%s: %d images, %s per fragment, %.2f GB", store.folder, len(store.names), store.shape,
-                store.acts_path.stat().st_size / 1e9)
+if __name__ == "__main__":  # `python -m fragsearch.training.cutpoint`, as the docs write it: the command's alias
+    from fragsearch.commands.cutpoint import main
 
-
-if __name__ == "__main__":
     main()

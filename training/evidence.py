@@ -26,6 +26,8 @@ any picture of a dog running on grass a match for "a dog runs through the grass"
 The model is written in the runtime's form (a folder) with the evidence weights beside its relevance scale;
 the validation measures (AUC of `found` on held-out images of the part, its calibration error) are logged and
 kept in the model's metadata.
+
+Its command line: fragsearch/commands/evidence.py (`python -m fragsearch.training.evidence` calls it).
 """
 
 from __future__ import annotations
@@ -400,15 +402,7 @@ def refit_evidence(run: Refit, out: Path, relevance_only: bool = False) -> None:
     logger.info("wrote %s", out)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from fragsearch.training.refit import load_refit, refit_parser
+if __name__ == "__main__":  # `python -m fragsearch.training.evidence`, as the docs write it: the command's alias
+    from fragsearch.commands.evidence import main
 
-    ap = refit_parser(__doc__, "evidence")
-    ap.add_argument("--relevance-only", action="store_true",
-                    help="keep the model's phrase evidence and refit the relevance on it alone")
-    args = ap.parse_args(argv)
-    refit_evidence(load_refit(args, "fragsearch.training.evidence", argv), args.out, args.relevance_only)
-
-
-if __name__ == "__main__":
     main()

@@ -17,17 +17,16 @@ The kept model's backbone is written as ``backbone.pt`` (a state_dict of the who
 ``model.pt``, whose image settings name it (``backbone_weights``): serving extracts features with it
 (its own ONNX float and int8 graphs, made here; the feature cache key carries the digest of its weights),
 and ranks proposals with the ImageNet backbone as before.
+
+Its command line: fragsearch/commands/finetune.py (`python -m fragsearch.training.finetune` calls it).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import resource
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,22 +36,18 @@ import numpy as np
 import torch
 
 from fragsearch.model.atomic import atomic_file
-from fragsearch.model.config import TrainConfig
-from fragsearch.model.dataset import SplitData, load_split_data, select_images
+from fragsearch.model.dataset import SplitData
 from fragsearch.model.device import fused_optimizer
 from fragsearch.model.nets.backbone import Top, efficientnet, onnx_graph
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
-from fragsearch.model.onnx import set_threads
-from fragsearch.model.parsers import make_parser
 from fragsearch.model.places import Places
-from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.training.calibrate import fit_calibration, reference_draw
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
 from fragsearch.training.evaluate import evaluate
-from fragsearch.training.selection import VAL_METRICS, split_for_selection
-from fragsearch.training.train import Run, make_run
+from fragsearch.training.selection import VAL_METRICS
+from fragsearch.training.train import Run
 
 logger = logging.getLogger(__name__)
 
@@ -110,20 +105,22 @@ def one_caption_each(pair_image: np.ndarray, k: int, rng: np.random.Generator) -
     return perm[keep]
 
 
-def _weights_setting(path: Path) -> str:
+def _weights_setting(path: Path, artifacts: Path) -> str:
     """How ``ImageConfig.backbone_weights`` names ``path``: relative to the artifacts folder when inside it."""
-    root = default_artifacts_dir().resolve()
+    root = artifacts.resolve()
     path = path.resolve()
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
 def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store: CutStore, out: Path,
-             cache_root: Path, *,
+             places: Places, *,
              epochs: int = 3, anneal_epochs: int = 1, lr: float = 1e-4, cnn_lr: float = 1e-4,
              captions_per_image: int = 1, device: str = "cpu",
              graphs: Sequence[str] = ("fp32", "int8")) -> dict[str, Any]:
     """Fine-tune ``bundle``'s fragment model and the backbone's top on ``tr``'s cut-point activations;
-    keep the epoch (0 = none) with the best R-sum on ``val`` as out/model.pt + out/backbone.pt."""
+    keep the epoch (0 = none) with the best R-sum on ``val`` as out/model.pt + out/backbone.pt. ``places``: the
+    cache the sentence vectors are read from and the served graphs are written to, and the artifacts folder the
+    backbone's weights are named against."""
     model = bundle.model
     if not isinstance(model, FragmentModel):
         raise ValueError("fine-tuning needs a fragment model")
@@ -134,7 +131,7 @@ def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store:
     top.to(device)
     feats_tr, feats_val = CutFeatures(store, tr.names, top, device), CutFeatures(store, val.names, top, device)
     for data in (tr, val):
-        bundle.text.warm(data.parsed, data.sentences, cache_root / "vectors")
+        bundle.text.warm(data.parsed, data.sentences, places.cache / "vectors")
     batches = FragmentBatches(bundle.text, tr, run.text.unigram_prob, device)
     refs = reference_draw(len(tr.names), len(tr.sentences), cfg.calibrate, cfg.seed)[0] if cfg.calibrate else None
     opt = torch.optim.Adam([{"params": list(model.parameters()), "lr": lr},
@@ -158,7 +155,8 @@ def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store:
             best = {**m, "epoch": float(epoch)}
             with atomic_file(weights) as fh:
                 torch.save(net.state_dict(), fh)
-            bundle.image_cfg = dataclasses.replace(run.image, backbone_weights=_weights_setting(weights))
+            named = _weights_setting(weights, places.artifacts)
+            bundle.image_cfg = dataclasses.replace(run.image, backbone_weights=named)
             bundle.meta["selection"] = {"rule": "val", "epochs": epochs, "epoch": epoch, "images": len(val.names),
                                         "seed": cfg.val_seed, "val": best, "fine_tuned_epochs": epoch}
             bundle.save(out / "model.pt")
@@ -183,7 +181,6 @@ def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store:
     kept = Checkpoint.load(out / "model.pt")
     if kept.image_cfg.backbone_weights:  # the served graphs, made now: float, and int8 by the same recipe
         for precision in graphs:
-            places = Places(default_artifacts_dir(), cache_root)
             onnx_graph(precision, places.graphs, weights=kept.image_cfg.backbone_weights, places=places)
     return {"selection": {"rule": "val", "epoch": int(best["epoch"]), "images": len(val.names)}, "best": best,
             "history": history, "train_seconds": time.perf_counter() - t0,
@@ -192,56 +189,7 @@ def finetune(bundle: Checkpoint, run: Run, tr: SplitData, val: SplitData, store:
                          "captions_per_image": captions_per_image, "cut": store.cut, "acts": str(store.folder)}}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--init", type=Path, required=True, help="the trained model fine-tuning starts from (model.pt)")
-    ap.add_argument("--acts", type=Path, required=True, help="the cut-point activations (training/cutpoint.py)")
-    ap.add_argument("--out", type=Path, required=True, help="the folder model.pt, backbone.pt, history.json go to")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
-    ap.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs (each image once per epoch)")
-    ap.add_argument("--anneal-epochs", type=int, default=1, help="last fine-tuning epochs at lr x 0.1")
-    ap.add_argument("--lr", type=float, default=1e-4, help="the fragment model's learning rate (Adam)")
-    ap.add_argument("--cnn-lr", type=float, default=1e-4, help="the backbone top's learning rate (Adam)")
-    ap.add_argument("--captions-per-image", type=int, default=1, help="captions of each image per epoch")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images (tests)")
-    ap.add_argument("--stored-only", action="store_true",
-                    help="train on the training images whose activations are stored (a store stopped early)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    set_threads(args.threads)
-    bundle = Checkpoint.load(args.init)
-    train_cfg = dataclasses.replace(_train_config(bundle), device="cpu")
-    variant = str(bundle.meta.get("variant", "full"))
-    run = make_run(variant, {k: getattr(train_cfg, k) for k in ("selection", "val_images", "val_seed", "seed",
-                                                                 "fragment_drop", "dense_epochs", "calibrate")})
-    data = load_split_data(args.data, "train", run.image, args.cache, make_parser(run.text.parser), 1,
-                           args.train_limit)
-    tr, val = split_for_selection(run.train, data)
-    if val is None:
-        raise SystemExit("fine-tuning chooses its epoch on the validation part: the init run needs --selection val")
-    store = CutStore.open(args.acts)
-    if args.stored_only:  # a store stopped early holds a seeded random part of the training images
-        stored = {n for n, ok in zip(store.names, store.done(), strict=True) if ok}
-        tr = select_images(tr, np.flatnonzero([n in stored for n in tr.names]))
-        logger.info("fine-tuning on the %d training images with stored activations", len(tr.names))
-    summary = finetune(bundle, run, tr, val, store, args.out, args.cache, epochs=args.epochs,
-                       anneal_epochs=args.anneal_epochs, lr=args.lr, cnn_lr=args.cnn_lr,
-                       captions_per_image=args.captions_per_image)
-    summary.update({"variant": f"{variant} + fine-tuned CNN top", "init": str(args.init),
-                    "train_images": len(tr.names),
-                    "command": "python -m fragsearch.training.finetune "
-                               + shlex.join(sys.argv[1:] if argv is None else argv)})
-    (args.out / "history.json").write_text(json.dumps(summary, indent=2))
-    logger.info("kept fine-tuning epoch %d (val R-sum %.2f)", summary["selection"]["epoch"], summary["best"]["rsum"])
+if __name__ == "__main__":  # `python -m fragsearch.training.finetune`, as the docs write it: the command's alias
+    from fragsearch.commands.finetune import main
 
-
-def _train_config(bundle: Checkpoint) -> TrainConfig:
-    saved = dict(bundle.meta.get("train", {}))
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in saved.items() if k in known})
-
-
-if __name__ == "__main__":
     main()

@@ -12,12 +12,14 @@ held out, training/calibrate.py ``split_of``), trained on the rest; dev is never
 The model is written in the runtime's form (a folder) with the head's weights; its accuracy on the validation
 part (the chosen fragment holds the phrase at IoU >= 0.5, of every sample with a head-noun triplet) and the
 whole image's on the same samples are logged and kept in the head's state.
+
+Its command line: fragsearch/commands/grounder.py (`python -m fragsearch.training.grounder` calls it).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,21 +177,7 @@ def fit_grounder(train: Samples, val: Samples, hidden: int = HIDDEN, epochs: int
     return Grounder(g.w1, g.b1, g.w2, g.b2, {"validation": report}), report
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from fragsearch.training.refit import load_refit, refit_parser
+if __name__ == "__main__":  # `python -m fragsearch.training.grounder`, as the docs write it: the command's alias
+    from fragsearch.commands.grounder import main
 
-    ap = refit_parser(__doc__, "grounder", epochs=EPOCHS)
-    ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
-    args = ap.parse_args(argv)
-    run = load_refit(args, "fragsearch.training.grounder", argv)
-    ents = run.all_entities()
-    fit, report = fit_grounder(samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents),
-                               args.hidden, args.epochs)
-    run.bundle.grounder = Grounder(fit.w1, fit.b1, fit.w2, fit.b2, {**fit.state, "command": run.command})
-    logger.info("grounder on the validation part: %s", {k: v for k, v in report.items() if k != "history"})
-    run.bundle.save(args.out)
-    logger.info("wrote %s", args.out)
-
-
-if __name__ == "__main__":
     main()

@@ -22,17 +22,15 @@ what training.train does for a run of members), so the merged model reads each c
 The validation part (the members' own held-out training images) is evaluated and written to the
 history beside each member alone, and the merged score's relevance scale is fitted on it (as training
 fits a member's: what `min_relevance` and each result's `relevance` read); dev is for bench/report.py.
+
+Its command line: fragsearch/commands/merge.py (`python -m fragsearch.training.merge` calls it).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
-import shlex
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,15 +38,13 @@ from typing import Any
 import torch
 
 from fragsearch.model.config import TrainConfig
-from fragsearch.model.dataset import SplitData, load_split_data
+from fragsearch.model.dataset import SplitData
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
-from fragsearch.model.parsers import make_parser
-from fragsearch.settings import default_cache_dir, default_data_dir
 from fragsearch.training.calibrate import fit_calibration, store_relevance
 from fragsearch.training.evaluate import evaluate_scores
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
-from fragsearch.training.selection import VAL_METRICS, split_for_selection
+from fragsearch.training.selection import VAL_METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -168,36 +164,7 @@ def merge_selected(bundles: Sequence[Checkpoint], folders: Sequence[Path], tr: S
     return merged, summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
-    ap.add_argument("--out", type=Path, required=True, help="the merged model's folder")
-    ap.add_argument("--threshold", choices=THRESHOLDS, default="blocks",
-                    help="blocks: each member's fragment scores thresholded apart (an ensemble's score); "
-                         "sum: their sum thresholded (one block)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if len(args.members) < 2:
-        ap.error("a merge needs at least two --members")
-    start = time.perf_counter()
-    bundles = [Checkpoint.load(folder / "model.pt") for folder in args.members]
-    try:  # members that cannot be merged are refused before the training data is loaded (a merge takes milliseconds)
-        merge_bundles(bundles, args.threshold)
-    except ValueError as e:
-        ap.error(str(e))
-    first = bundles[0]
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in first.meta.get("train", {}).items() if k in known})
-    data = load_split_data(args.data, "train", first.image_cfg, args.cache, make_parser(first.text.cfg.parser))
-    tr, val = split_for_selection(cfg, data)
-    merged, summary = merge_selected(bundles, args.members, tr, val, cfg, args.cache, args.threshold)
-    merged.save(args.out / "model.pt")
-    summary["train_seconds"] = time.perf_counter() - start
-    summary["command"] = "python -m fragsearch.training.merge " + shlex.join(sys.argv[1:] if argv is None else argv)
-    (args.out / "history.json").write_text(json.dumps(summary, indent=2))
+if __name__ == "__main__":  # `python -m fragsearch.training.merge`, as the docs write it: the command's alias
+    from fragsearch.commands.merge import main
 
-
-if __name__ == "__main__":
     main()

@@ -19,6 +19,8 @@ phrase evidence's logistic fit on the validation part (training/evidence.py, run
 into a probability, and the relevance is refitted on it.
 
     python -m fragsearch.training.presence --model model/released --out artifacts/models/released-presence --epochs 5
+
+Its command line: fragsearch/commands/presence.py (`python -m fragsearch.training.presence` calls it).
 """
 
 from __future__ import annotations
@@ -266,23 +268,7 @@ def fit_presence(train: Samples, val: Samples, rank: int = RANK, hidden: int = H
     return PresenceHead(head.p, head.q, head.w1, head.b1, head.w2, head.b2, {"validation": report}), report
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from fragsearch.training.evidence import refit_evidence
-    from fragsearch.training.refit import load_refit, refit_parser
+if __name__ == "__main__":  # `python -m fragsearch.training.presence`, as the docs write it: the command's alias
+    from fragsearch.commands.presence import main
 
-    ap = refit_parser(__doc__, "presence head and phrase evidence", epochs=EPOCHS)
-    ap.add_argument("--per-image", type=int, default=PER_IMAGE, help="captions of each training picture read")
-    args = ap.parse_args(argv)
-    run = load_refit(args, "fragsearch.training.presence", argv)
-    ents = run.all_entities()
-    val = samples_of(run.bundle, run.val, ents, per_image=5, seed=1)
-    train = samples_of(run.bundle, run.rest, ents, per_image=args.per_image)
-    head, report = fit_presence(train, val, epochs=args.epochs)
-    logger.info("presence head on the validation part: %s", {k: v for k, v in report.items() if k != "history"})
-    run.bundle.presence = PresenceHead(head.p, head.q, head.w1, head.b1, head.w2, head.b2,
-                                       {**head.state, "command": run.command})
-    refit_evidence(run, args.out)
-
-
-if __name__ == "__main__":
     main()

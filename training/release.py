@@ -25,19 +25,18 @@ NumPy encoders and S_kl, the graphs it ships) and writes the release folder:
     ONNX Runtime version, and the CPU the features were extracted on (model name and SIMD flags);
   - `metrics`: validation (from the checkpoint) and dev (measured here);
   - `files`: size and sha256 of every file in the folder, checked at every load.
+
+Its command line: fragsearch/commands/release.py (`python -m fragsearch.training.release` calls it).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 import json
 import logging
-import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +44,11 @@ from fragsearch.model.atomic import atomic_path, sha256_file
 from fragsearch.model.backbone import backbone_graph, backbone_head
 from fragsearch.model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
 from fragsearch.model.data import load_split
-from fragsearch.model.dataset import load_split_data
 from fragsearch.model.graphs import BACKBONE_NAME, find, quant_recipe
 from fragsearch.model.minilm import minilm_graph
-from fragsearch.model.parsers import make_parser
-from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT, RELEASE_DIR, ReleaseError, is_released, read_manifest
+from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT, ReleaseError, is_released, read_manifest
 from fragsearch.model.resources import cpu_record
-from fragsearch.settings import default_cache_dir, default_data_dir, default_places
 from fragsearch.training.distill import teacher_paths
-from fragsearch.training.evaluate import evaluate
 
 logger = logging.getLogger(__name__)
 
@@ -215,43 +210,7 @@ def write_release(bundle: Bundle, out: Path, manifest: dict[str, Any]) -> dict[s
     return manifest
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True,
-                    help="the trained checkpoint (model.pt), or a model in the runtime's form, to release")
-    ap.add_argument("--out", type=Path, default=RELEASE_DIR, help="the release folder (default: model/released)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
-    ap.add_argument("--dev-split", default="dev", help="the split the release's dev metrics are measured on")
-    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    ap.add_argument("--row", default=None,
-                    help="the row of docs/results/flickr8k-dev.csv this release is (default: the model folder's "
-                         "name, or for a model made from an earlier release that release's row)")
-    ap.add_argument("--provenance", type=Path, default=None,
-                    help="the manifest.json of the release this model was made from (e.g. its relevance scale "
-                         "refitted by training.calibrate --relevance-only): its training provenance is kept")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    before = json.loads(args.provenance.read_text()) if args.provenance else None
-    bundle = Bundle.load(args.model, device="cpu", places=default_places(args.cache))
-    if bundle.relevance is None or not bundle.meta.get("selection", {}).get("val"):
-        ap.error(f"{args.model} has no relevance scale or no validation metrics: a release is trained with "
-                 "--selection val (python -m fragsearch.training.train --selection val ...)")
-    if bundle.image_cfg.backbone != BACKBONE_NAME:
-        ap.error(f"{args.model} needs the {bundle.image_cfg.backbone} weight package, which the project does not "
-                 "install: a release uses the locked packages only")
-    dev_data = load_split_data(args.data, args.dev_split, bundle.image_cfg, args.cache,
-                               make_parser(bundle.text.cfg.parser), workers=args.workers)
-    dev = evaluate(bundle, dev_data)
-    logger.info("dev R-sum %.2f (annotation R@1 %.1f, search R@1 %.1f)", dev["rsum"], dev["annot_r1"],
-                dev["search_r1"])
-    command = "python -m fragsearch.training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
-    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command, before,
-                                                           args.row))
-    Bundle.load(args.out)  # the release loads, checked against its manifest
-    logger.info("released %s into %s: %s", manifest["name"], args.out,
-                ", ".join(f"{n} {f['bytes'] / 1e6:.1f} MB" for n, f in manifest["files"].items()))
+if __name__ == "__main__":  # `python -m fragsearch.training.release`, as the docs write it: the command's alias
+    from fragsearch.commands.release import main
 
-
-if __name__ == "__main__":
     main()

@@ -13,21 +13,21 @@ it): with `--selection val` (the default) `--val-images` training images, drawn 
 `--val-seed` and never trained on, are held out with their captions, and the checkpoint kept is the
 epoch with the best R-sum (R@1+R@5+R@10, both directions) on them; with `--selection last` every
 training image is trained on and the last epoch is kept (a fixed epoch count).
+
+Its command line: fragsearch/commands/train.py (`python -m fragsearch.training.train` calls it).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import re
 import resource
 import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,12 +35,9 @@ import numpy as np
 import torch
 
 from fragsearch.model.config import (
-    SELECTIONS,
     ImageConfig,
     TextConfig,
     TrainConfig,
-    add_region_flags,
-    with_region_flags,
 )
 from fragsearch.model.dataset import SplitData, load_split_data, with_mirrored
 from fragsearch.model.device import device_name
@@ -56,13 +53,10 @@ from fragsearch.model.variants import (
     MODEL_SHAPE,
     SECTIONS,
     VARIANTS_DIR,
-    VariantError,
-    field_meanings,
     load_variant,
     read_variant_file,
     variant_names,
 )
-from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
 from fragsearch.training.boxes import sentence_labels
 from fragsearch.training.calibrate import fit_calibration, store_relevance
 from fragsearch.training.distill import Teacher, teacher_paths
@@ -360,42 +354,6 @@ def train_members(run: Run, train_data: SplitData, val_data: SplitData | None, o
     return summary
 
 
-FLAG_HELP = {
-    "selection": "which epoch is kept: val = the best R-sum on --val-images training images held out of training "
-                 "(never dev); last = the last epoch, every training image trained on (a fixed epoch count)",
-    "val_images": "training images (with their captions) held out as the validation part of --selection val",
-    "val_seed": "seed of the draw of the validation part (fixed: the same images in every run)",
-    "eval_every": "epochs between evaluations on the validation part (--selection val)",
-}
-
-
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def bool_flag(text: str) -> bool:
-    """A boolean flag's value: true/false (yes/no, on/off, 1/0); anything else is refused, never read as False."""
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false (also yes/no, on/off, 1/0)")
-
-
-def _add_config_flags(ap: argparse.ArgumentParser) -> None:
-    meanings = field_meanings("train")
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        say = FLAG_HELP.get(f.name) or meanings.get(f.name)
-        if f.type in ("bool", bool):
-            ap.add_argument(flag, type=bool_flag, default=None,
-                            help=f"{say} (true/false; default: the variant's)")
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(flag, type=typ, default=None, help=f"{say} (default: the variant's)",
-                            choices=SELECTIONS if f.name == "selection" else None)
-
-
 @dataclass(frozen=True)
 class Trained:
     """What a training run left in its folder: the checkpoint and the epoch kept (its history.json holds the
@@ -447,57 +405,7 @@ def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache:
     return train_on(run, data, out, cache, flags, workers=workers, limit=limit)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
-    ap.add_argument("--resolved", action="store_true",
-                    help="print every field of every variant (of --variant when given) as resolved, as TOML, "
-                         "and exit (python -m fragsearch.training.train --list --resolved)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(),
-                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
-    ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="default: artifacts/models/<variant>")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
-    ap.add_argument("--train-split", default="train", help="split whose images and captions are trained on")
-    ap.add_argument("--dev-split", default=None,
-                    help="only '' is accepted, the old spelling of --selection last (dev never selects a model)")
-    ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
-    add_region_flags(ap, None)  # each defaults to the variant's
-    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
-    _add_config_flags(ap)
-    for name, typ in MODEL_OPTIONS.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
-    args = ap.parse_args(argv)
-    if args.resolved:
-        try:
-            list_resolved(sys.stdout, variant_names() if args.variant is None else [args.variant])
-        except VariantError as exc:
-            ap.error(str(exc))
-        return
-    if args.list:
-        list_variants(sys.stdout)
-        return
-    if args.dev_split not in (None, ""):
-        ap.error("--dev-split: dev is never used to select a model (python -m bench.report evaluates it); "
-                 "--selection val holds out training images instead, --selection last keeps the last epoch")
-    if args.dev_split == "" and args.selection not in (None, "last"):
-        ap.error("--dev-split '' means --selection last")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
-    if args.dev_split == "":
-        overrides["selection"] = "last"
-    shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
-    try:
-        run = make_run(args.variant or "full", overrides, shape)
-    except VariantError as exc:
-        ap.error(str(exc))
-    run.image = with_region_flags(run.image, args)
-    out = args.out or default_artifacts_dir() / "models" / run.variant
-    train_on(run, args.data, out, args.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
-             workers=args.workers, limit=args.train_limit)
+if __name__ == "__main__":  # `python -m fragsearch.training.train`, as the docs write it: the command's alias
+    from fragsearch.commands.train import main
 
-
-if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from fragsearch.commands.flags import add_index_flags, index_settings_of
+from fragsearch.commands.flags import add_index_flags, add_region_flags, index_settings_of, with_region_flags
 from fragsearch.index.bulk import DEFAULT_BATCH, ENGINES, bulk_extract, ray_session
 from fragsearch.index.catalogue import is_index
 from fragsearch.index.files import list_images
@@ -41,7 +41,7 @@ from fragsearch.index.shards import (
 )
 from fragsearch.index.types import IndexSettings
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.config import ImageConfig, add_region_flags, with_region_flags
+from fragsearch.model.config import ImageConfig
 from fragsearch.model.dataset import feature_cache
 from fragsearch.settings import default_cache_dir, default_model_path, default_places
 

@@ -11,12 +11,9 @@ The runtime imports this module only when one of those files is missing (model/b
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 import tempfile
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +22,9 @@ import torch
 
 from fragsearch.model.arrays import write_npz
 from fragsearch.model.atomic import atomic_file, atomic_path
-from fragsearch.model.config import BACKBONE_PRECISIONS
 from fragsearch.model.device import torch_device
 from fragsearch.model.graphs import (
     BACKBONE_NAME,
-    BACKBONES,
     CALIBRATION_IMAGES,
     FEATURE_DIM,
     GPU_IMAGES_PER_PASS,
@@ -38,7 +33,6 @@ from fragsearch.model.graphs import (
     head_name,
     package_weights,
     quant_recipe,
-    search_dirs,
     weights_path,
 )
 from fragsearch.model.nets.onnx import export
@@ -238,20 +232,7 @@ def export_head(folder: Path, net: torch.nn.Module | None = None, weights: str =
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Make the backbone graph and head arrays the runtime reads.")
-    ap.add_argument("--precision", choices=BACKBONE_PRECISIONS, default="int8")
-    ap.add_argument("--backbone", choices=tuple(BACKBONES), default=BACKBONE_NAME)
-    ap.add_argument("--weights", default="", help="a fine-tuned backbone file (ImageConfig.backbone_weights)")
-    ap.add_argument("--folder", type=Path, default=None, help="where they are written (default: the graph folder)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    folder = search_dirs(args.folder)[1]
-    net = _efficientnet(args.weights, args.backbone)
-    graph = onnx_graph(args.precision, folder, net, args.weights, args.backbone)
-    head = export_head(folder, net, args.weights, args.backbone)
-    logger.info("%s\n%s", graph, head)
+if __name__ == "__main__":  # `python -m fragsearch.model.nets.backbone`, as the docs write it: the command's alias
+    from fragsearch.commands.graphs import backbone_main
 
-
-if __name__ == "__main__":
-    main()
+    backbone_main()

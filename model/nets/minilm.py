@@ -15,14 +15,11 @@ imports the runtime's only through model/minilm_files.py.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import os
-import sys
 import tempfile
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,15 +197,7 @@ def export_graph(folder: Path | None = None, upto: int | None = None) -> Path:
     return path
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Make MiniLM's graph (without its weights) that the runtime runs.")
-    ap.add_argument("--folder", type=Path, default=None, help="where it is written (default: the graph folder)")
-    ap.add_argument("--upto", type=int, default=None,
-                    help="only MiniLM's first UPTO layers (the graph a model that trains the others reads)")
-    args = ap.parse_args(argv)
-    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    logger.info("%s", export_graph(args.folder, args.upto))
+if __name__ == "__main__":  # `python -m fragsearch.model.nets.minilm`, as the docs write it: the command's alias
+    from fragsearch.commands.graphs import minilm_main
 
-
-if __name__ == "__main__":
-    main()
+    minilm_main()

@@ -1,0 +1,79 @@
+"""The command line of training/finetune.py (`python -m fragsearch.training.finetune`): its flags, read at the door.
+What it does is that module's docstring, the --help text."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import fragsearch.training.finetune as library
+from fragsearch.model.config import TrainConfig
+from fragsearch.model.dataset import load_split_data, select_images
+from fragsearch.model.nets.checkpoint import Checkpoint
+from fragsearch.model.onnx import set_threads
+from fragsearch.model.parsers import make_parser
+from fragsearch.settings import default_cache_dir, default_data_dir, default_places
+from fragsearch.training.cutpoint import CutStore
+from fragsearch.training.finetune import finetune
+from fragsearch.training.selection import split_for_selection
+from fragsearch.training.train import make_run
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--init", type=Path, required=True, help="the trained model fine-tuning starts from (model.pt)")
+    ap.add_argument("--acts", type=Path, required=True, help="the cut-point activations (training/cutpoint.py)")
+    ap.add_argument("--out", type=Path, required=True, help="the folder model.pt, backbone.pt, history.json go to")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
+    ap.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs (each image once per epoch)")
+    ap.add_argument("--anneal-epochs", type=int, default=1, help="last fine-tuning epochs at lr x 0.1")
+    ap.add_argument("--lr", type=float, default=1e-4, help="the fragment model's learning rate (Adam)")
+    ap.add_argument("--cnn-lr", type=float, default=1e-4, help="the backbone top's learning rate (Adam)")
+    ap.add_argument("--captions-per-image", type=int, default=1, help="captions of each image per epoch")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images (tests)")
+    ap.add_argument("--stored-only", action="store_true",
+                    help="train on the training images whose activations are stored (a store stopped early)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    set_threads(args.threads)
+    bundle = Checkpoint.load(args.init)
+    train_cfg = dataclasses.replace(_train_config(bundle), device="cpu")
+    variant = str(bundle.meta.get("variant", "full"))
+    run = make_run(variant, {k: getattr(train_cfg, k) for k in ("selection", "val_images", "val_seed", "seed",
+                                                                 "fragment_drop", "dense_epochs", "calibrate")})
+    data = load_split_data(args.data, "train", run.image, args.cache, make_parser(run.text.parser), 1,
+                           args.train_limit)
+    tr, val = split_for_selection(run.train, data)
+    if val is None:
+        raise SystemExit("fine-tuning chooses its epoch on the validation part: the init run needs --selection val")
+    store = CutStore.open(args.acts)
+    if args.stored_only:  # a store stopped early holds a seeded random part of the training images
+        stored = {n for n, ok in zip(store.names, store.done(), strict=True) if ok}
+        tr = select_images(tr, np.flatnonzero([n in stored for n in tr.names]))
+        logger.info("fine-tuning on the %d training images with stored activations", len(tr.names))
+    summary = finetune(bundle, run, tr, val, store, args.out, default_places(args.cache), epochs=args.epochs,
+                       anneal_epochs=args.anneal_epochs, lr=args.lr, cnn_lr=args.cnn_lr,
+                       captions_per_image=args.captions_per_image)
+    summary.update({"variant": f"{variant} + fine-tuned CNN top", "init": str(args.init),
+                    "train_images": len(tr.names),
+                    "command": "python -m fragsearch.training.finetune "
+                               + shlex.join(sys.argv[1:] if argv is None else argv)})
+    (args.out / "history.json").write_text(json.dumps(summary, indent=2))
+    logger.info("kept fine-tuning epoch %d (val R-sum %.2f)", summary["selection"]["epoch"], summary["best"]["rsum"])
+
+
+def _train_config(bundle: Checkpoint) -> TrainConfig:
+    saved = dict(bundle.meta.get("train", {}))
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in saved.items() if k in known})

@@ -1,0 +1,107 @@
+"""The command line of training/train.py (`python -m fragsearch.training.train`): its flags, read at the door.
+What it does is that module's docstring, the --help text."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import fragsearch.training.train as library
+from fragsearch.commands.flags import add_region_flags, with_region_flags
+from fragsearch.model.config import SELECTIONS, TrainConfig
+from fragsearch.model.variants import VariantError, field_meanings, variant_names
+from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from fragsearch.training.train import MODEL_OPTIONS, list_resolved, list_variants, make_run, train_on
+
+logger = logging.getLogger(__name__)
+
+FLAG_HELP = {
+    "selection": "which epoch is kept: val = the best R-sum on --val-images training images held out of training "
+                 "(never dev); last = the last epoch, every training image trained on (a fixed epoch count)",
+    "val_images": "training images (with their captions) held out as the validation part of --selection val",
+    "val_seed": "seed of the draw of the validation part (fixed: the same images in every run)",
+    "eval_every": "epochs between evaluations on the validation part (--selection val)",
+}
+
+
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def bool_flag(text: str) -> bool:
+    """A boolean flag's value: true/false (yes/no, on/off, 1/0); anything else is refused, never read as False."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false (also yes/no, on/off, 1/0)")
+
+
+def _add_config_flags(ap: argparse.ArgumentParser) -> None:
+    meanings = field_meanings("train")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        say = FLAG_HELP.get(f.name) or meanings.get(f.name)
+        if f.type in ("bool", bool):
+            ap.add_argument(flag, type=bool_flag, default=None,
+                            help=f"{say} (true/false; default: the variant's)")
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+            ap.add_argument(flag, type=typ, default=None, help=f"{say} (default: the variant's)",
+                            choices=SELECTIONS if f.name == "selection" else None)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=library.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="list the variants (model/variants/*.toml) and exit")
+    ap.add_argument("--resolved", action="store_true",
+                    help="print every field of every variant (of --variant when given) as resolved, as TOML, "
+                         "and exit (python -m fragsearch.training.train --list --resolved)")
+    ap.add_argument("--data", type=Path, default=default_data_dir(),
+                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
+    ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: artifacts/models/<variant>")
+    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
+                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
+    ap.add_argument("--train-split", default="train", help="split whose images and captions are trained on")
+    ap.add_argument("--dev-split", default=None,
+                    help="only '' is accepted, the old spelling of --selection last (dev never selects a model)")
+    ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
+    add_region_flags(ap, None)  # each defaults to the variant's
+    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
+    _add_config_flags(ap)
+    for name, typ in MODEL_OPTIONS.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
+    args = ap.parse_args(argv)
+    if args.resolved:
+        try:
+            list_resolved(sys.stdout, variant_names() if args.variant is None else [args.variant])
+        except VariantError as exc:
+            ap.error(str(exc))
+        return
+    if args.list:
+        list_variants(sys.stdout)
+        return
+    if args.dev_split not in (None, ""):
+        ap.error("--dev-split: dev is never used to select a model (python -m bench.report evaluates it); "
+                 "--selection val holds out training images instead, --selection last keeps the last epoch")
+    if args.dev_split == "" and args.selection not in (None, "last"):
+        ap.error("--dev-split '' means --selection last")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    if args.dev_split == "":
+        overrides["selection"] = "last"
+    shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
+    try:
+        run = make_run(args.variant or "full", overrides, shape)
+    except VariantError as exc:
+        ap.error(str(exc))
+    run.image = with_region_flags(run.image, args)
+    out = args.out or default_artifacts_dir() / "models" / run.variant
+    train_on(run, args.data, out, args.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
+             workers=args.workers, limit=args.train_limit)
