@@ -107,8 +107,9 @@ class Settings(BaseSettings):
     # what the embedded default prepares when it is missing
     prepare: bool = Field(default=True,
                           description="python -m fragsearch.service: train / build what is missing before serving")
-    variant: str | None = Field(default=None, description="a model variant trained here (./run train --variant V) "
-                                "to serve instead of the released model (model/released/): its checkpoint "
+    variant: str | None = Field(default=None, description="a model variant (model/variants/<name>.toml): the one "
+                                "train trains (default full) and extract and cutpoint take the image settings of; "
+                                "served instead of the released model (model/released/) from its checkpoint "
                                 "<artifacts>/models/<variant>/model.pt, trained on the first start when missing")
     image_split: str = Field(default="dev", description="split whose images are indexed")
     collection: Path | None = Field(default=None, description="a folder of your own photos to serve instead of the "
@@ -162,11 +163,13 @@ class Settings(BaseSettings):
         "until it is written to, and a recall's scan (an annotation's) lets each chunk's pages go after it: the "
         "process holds none of them between requests (the kernel's cache keeps them), each scan maps them again "
         "(for 30,000 captions on 2 cores: 490 MB less held, ~50 ms more per annotation); false: read into memory")
-    workers: int | None = Field(default=None, ge=1, description="feature extraction processes while preparing; "
+    workers: int | None = Field(default=None, ge=1, description="feature extraction processes (preparing, indexing, "
+                                "training, extracting, evaluating); "
                                 "default: one per CPU this process may use, as many as fit in its memory "
                                 "(model/resources.py)")
-    limit: int | None = Field(default=None, ge=1, description="prepare on the first N images of each split only "
-                              "(train, dev, the indexed images and the caption collection): a small trial")
+    limit: int | None = Field(default=None, ge=1, description="only the first N images of each split, a small trial: "
+                              "what the preparation trains on, indexes and takes captions from; what extract and "
+                              "evaluate read")
     progress_every: float = Field(default=30.0, gt=0, description="seconds between progress lines of "
                                   "python -m fragsearch.service.prepare")
 

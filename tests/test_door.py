@@ -4,8 +4,13 @@ finds and makes its files (model/places.py `Places`) is what the command's flags
 
 from __future__ import annotations
 
+import argparse
 import ast
+import contextlib
+import importlib
+import pkgutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -14,6 +19,7 @@ from fragsearch.index.types import IndexSettings
 from fragsearch.model.places import Places
 from fragsearch.service.engine import Engine
 from fragsearch.service.settings import settings_from, settings_parser
+from fragsearch.settings import Settings
 from tests.conftest import ShapesModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +84,43 @@ def test_the_finder_sees_a_local_import_of_argparse(tmp_path: Path) -> None:
     (tmp_path / "b.py").write_text("def f():\n    from argparse import ArgumentParser\n")
     (tmp_path / "c.py").write_text("import argparsers\n")
     assert [imports_argparse(tmp_path / n) for n in ("a.py", "b.py", "c.py")] == [True, True, False]
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parser of every command in fragsearch/commands/ (each main's, taken when it parses)."""
+    import fragsearch.commands
+
+    found: dict[str, argparse.ArgumentParser] = {}
+    for info in pkgutil.iter_modules(fragsearch.commands.__path__):
+        module = importlib.import_module(f"fragsearch.commands.{info.name}")
+        for name in ("main", "backbone_main", "minilm_main"):
+            main = getattr(module, name, None)
+            if callable(main):
+                with (mock.patch.object(argparse.ArgumentParser, "parse_args", autospec=True,
+                                        side_effect=Taken) as parse, contextlib.suppress(Taken)):
+                    main([])
+                if parse.call_args is not None:
+                    found[f"{info.name}.{name}"] = parse.call_args.args[0]
+    return found
+
+
+class Taken(Exception):
+    pass
+
+
+def test_no_command_declares_a_setting_by_hand() -> None:
+    """A setting a command reads (the data folder, the cache, the workers, the device, the variant, ...) is the
+    settings' flag (`add_setting_flags`: its help, FRAGSEARCH_<NAME>, .env and fragsearch.toml), never a flag
+    of the command's own with a default of its own."""
+    settings_flags = {"--" + name.replace("_", "-") for name in Settings.model_fields}
+    parsers = command_parsers()
+    assert len(parsers) >= 18
+    by_hand = {command: [option for group in ap._action_groups if group.title != "settings"
+                         for action in group._group_actions for option in action.option_strings
+                         if option in settings_flags]
+               for command, ap in parsers.items()}
+    assert {command: flags for command, flags in by_hand.items() if flags} == {}
+    assert "--workers" in {o for a in parsers["train.main"]._actions for o in a.option_strings}
 
 
 def test_the_index_reads_no_settings_and_parses_no_command_line() -> None:

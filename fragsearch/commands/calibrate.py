@@ -13,7 +13,7 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.onnx import default_threads
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.calibrate import fit_calibration, fit_relevance_on_validation, per_item_ms, refit_relevance
 from fragsearch.training.evaluate import evaluate
 
@@ -26,13 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the calibrated checkpoint here instead")
     ap.add_argument("--relevance-only", action="store_true",
                     help="keep the reference sets and refit only the relevance scale (on the validation part)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(),
-                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
+    add_setting_flags(ap, ("data", "cache", "workers", "device"))
     ap.add_argument("--split", default="train", help="where the reference items are drawn from")
     ap.add_argument("--dev-split", default="dev",
                     help="evaluated before and after ('' to skip)")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--refs", type=int, default=1000, help="reference images and sentences (0 removes calibration)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the reference draw")
     ap.add_argument("--local-k", default=None, metavar="K[,K...]",
@@ -40,9 +37,8 @@ def main(argv: list[str] | None = None) -> None:
                     "reference scores an item's local scale averages) and --local-power, or the spread alone")
     ap.add_argument("--local-power", default="0.5,0.75,1.0", metavar="P[,P...]",
                     help="with --local-k: the local scale's weights tried (default 0.5,0.75,1.0)")
-    ap.add_argument("--workers", type=int, default=1, help="feature extraction processes")
-    ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     local = None
     if args.local_k is not None:
@@ -55,18 +51,20 @@ def main(argv: list[str] | None = None) -> None:
         if any(k < 1 for k in local[0]) or any(p <= 0 for p in local[1]):
             ap.error("--local-k values must be >= 1 and --local-power values > 0")
     if args.relevance_only:
-        refit_relevance(args.model, args.out or args.model, args.data, args.cache, args.workers, args.device, local)
+        refit_relevance(args.model, args.out or args.model, settings.data, settings.cache, settings.worker_count,
+                        settings.device, local)
         return
-    bundle = Checkpoint.load(args.model, device=args.device)
+    bundle = Checkpoint.load(args.model, device=settings.device)
     device = str(bundle.device)
     if bundle.cfg.kind != "fragment":
         raise SystemExit(f"{args.model}: only fragment models are calibrated (this one is {bundle.cfg.kind!r})")
     parser = make_parser(bundle.text.cfg.parser)
-    dev = (load_split_data(args.data, args.dev_split, bundle.image_cfg, args.cache, parser, args.workers,
+    workers = settings.worker_count
+    dev = (load_split_data(settings.data, args.dev_split, bundle.image_cfg, settings.cache, parser, workers,
                            device=device) if args.dev_split else None)
     if dev is not None:
-        bundle.text.warm(dev.parsed, dev.sentences, args.cache / "vectors")
-    train = load_split_data(args.data, args.split, bundle.image_cfg, args.cache, parser, args.workers,
+        bundle.text.warm(dev.parsed, dev.sentences, settings.cache / "vectors")
+    train = load_split_data(settings.data, args.split, bundle.image_cfg, settings.cache, parser, workers,
                             device=device) if args.refs > 0 else None
     out = args.out or args.model
     bundle.calibration = None
@@ -75,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         bundle.calibration = fit_calibration(bundle, train, args.refs, args.seed)
         bundle.meta["calibration"] = {"refs": args.refs, "split": args.split, "seed": args.seed}
         if bundle.meta.get("train", {}).get("selection") == "val":
-            fit_relevance_on_validation(bundle, train, args.cache)
+            fit_relevance_on_validation(bundle, train, settings.cache)
         else:
             logger.warning("no validation part in %s (not trained with --selection val): no relevance scale",
                            args.model)

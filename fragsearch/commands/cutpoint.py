@@ -8,8 +8,9 @@ import logging
 from pathlib import Path
 
 import fragsearch.training.cutpoint as library
+from fragsearch.model.onnx import default_threads
 from fragsearch.model.variants import load_variant
-from fragsearch.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.cutpoint import DEFAULT_CUT, extract
 
 logger = logging.getLogger(__name__)
@@ -17,19 +18,19 @@ logger = logging.getLogger(__name__)
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
+    add_setting_flags(ap, ("data", "cache", "threads", "variant"))  # variant: whose regions; default full
     ap.add_argument("--splits", nargs="+", default=["train", "dev"], help="the splits whose images are stored")
-    ap.add_argument("--variant", default="full", help="the variant whose regions (feature cache boxes) are used")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
     ap.add_argument("--cut", type=int, default=DEFAULT_CUT, help="MBConv blocks below the cut (Lite0 has 16)")
-    ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads")
     ap.add_argument("--out", type=Path, required=True, help="the store's folder")
     ap.add_argument("--val-images", type=int, default=500, help="the validation part's images, stored first")
     ap.add_argument("--val-seed", type=int, default=0, help="the validation part's draw")
     ap.add_argument("--order-seed", type=int, default=0, help="then the first split in this seeded order")
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    store = extract(args.data, args.splits, load_variant(args.variant).image, args.cache, args.out, args.cut,
-                    args.threads, val_images=args.val_images, val_seed=args.val_seed, order_seed=args.order_seed)
+    image = load_variant(settings.variant or "full").image
+    store = extract(settings.data, args.splits, image, settings.cache, args.out, args.cut,
+                    settings.threads or default_threads(), val_images=args.val_images, val_seed=args.val_seed,
+                    order_seed=args.order_seed)
     logger.info("%s: %d images, %s per fragment, %.2f GB", store.folder, len(store.names), store.shape,
                 store.acts_path.stat().st_size / 1e9)

@@ -15,4 +15,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--relevance-only", action="store_true",
                     help="keep the model's phrase evidence and refit the relevance on it alone")
     args = ap.parse_args(argv)
-    refit_evidence(load_refit(args, "fragsearch.training.evidence", argv), args.out, args.relevance_only)
+    refit_evidence(load_refit(ap, args, "fragsearch.training.evidence", argv), args.out, args.relevance_only)

@@ -19,7 +19,7 @@ from fragsearch.model.dataset import load_split_data, select_images
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import default_cache_dir, default_data_dir, default_places
+from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.finetune import finetune
 from fragsearch.training.selection import split_for_selection
@@ -33,26 +33,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init", type=Path, required=True, help="the trained model fine-tuning starts from (model.pt)")
     ap.add_argument("--acts", type=Path, required=True, help="the cut-point activations (training/cutpoint.py)")
     ap.add_argument("--out", type=Path, required=True, help="the folder model.pt, backbone.pt, history.json go to")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
+    add_setting_flags(ap, ("data", "cache", "threads"))  # threads: torch's too
     ap.add_argument("--epochs", type=int, default=3, help="fine-tuning epochs (each image once per epoch)")
     ap.add_argument("--anneal-epochs", type=int, default=1, help="last fine-tuning epochs at lr x 0.1")
     ap.add_argument("--lr", type=float, default=1e-4, help="the fragment model's learning rate (Adam)")
     ap.add_argument("--cnn-lr", type=float, default=1e-4, help="the backbone top's learning rate (Adam)")
     ap.add_argument("--captions-per-image", type=int, default=1, help="captions of each image per epoch")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images (tests)")
     ap.add_argument("--stored-only", action="store_true",
                     help="train on the training images whose activations are stored (a store stopped early)")
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    set_threads(args.threads)
+    if settings.threads is not None:
+        set_threads(settings.threads)
     bundle = Checkpoint.load(args.init)
     train_cfg = dataclasses.replace(_train_config(bundle), device="cpu")
     variant = str(bundle.meta.get("variant", "full"))
     run = make_run(variant, {k: getattr(train_cfg, k) for k in ("selection", "val_images", "val_seed", "seed",
                                                                  "fragment_drop", "dense_epochs", "calibrate")})
-    data = load_split_data(args.data, "train", run.image, args.cache, make_parser(run.text.parser), 1,
+    data = load_split_data(settings.data, "train", run.image, settings.cache, make_parser(run.text.parser), 1,
                            args.train_limit)
     tr, val = split_for_selection(run.train, data)
     if val is None:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         stored = {n for n, ok in zip(store.names, store.done(), strict=True) if ok}
         tr = select_images(tr, np.flatnonzero([n in stored for n in tr.names]))
         logger.info("fine-tuning on the %d training images with stored activations", len(tr.names))
-    summary = finetune(bundle, run, tr, val, store, args.out, default_places(args.cache), epochs=args.epochs,
+    summary = finetune(bundle, run, tr, val, store, args.out, settings.places, epochs=args.epochs,
                        anneal_epochs=args.anneal_epochs, lr=args.lr, cnn_lr=args.cnn_lr,
                        captions_per_image=args.captions_per_image)
     summary.update({"variant": f"{variant} + fine-tuned CNN top", "init": str(args.init),

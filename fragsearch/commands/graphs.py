@@ -18,16 +18,15 @@ from pathlib import Path
 
 from fragsearch.model.config import BACKBONE_PRECISIONS
 from fragsearch.model.graphs import BACKBONE_NAME, BACKBONES
-from fragsearch.settings import default_places
+from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 
 
 def _place_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--cache", type=Path, default=None,
-                    help="the cache folder whose graphs/ they are written to (default: the cache setting)")
     ap.add_argument("--folder", type=Path, default=None,
                     help="where they are written (default: <cache>/graphs, the graph folder)")
+    add_setting_flags(ap, ("cache",))
 
 
 def backbone_main(argv: Sequence[str] | None = None) -> None:
@@ -41,7 +40,7 @@ def backbone_main(argv: Sequence[str] | None = None) -> None:
     _place_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    places = default_places(args.cache)
+    places = settings_of(ap, args).places
     folder = args.folder or places.graphs
     net = _efficientnet(args.weights, args.backbone, places)
     graph = onnx_graph(args.precision, folder, net, args.weights, args.backbone, places)
@@ -59,4 +58,4 @@ def minilm_main(argv: Sequence[str] | None = None) -> None:
     _place_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
-    logger.info("%s", export_graph(args.folder or default_places(args.cache).graphs, args.upto))
+    logger.info("%s", export_graph(args.folder or settings_of(ap, args).places.graphs, args.upto))

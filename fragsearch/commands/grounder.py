@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = refit_parser(library.__doc__, "grounder", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
     args = ap.parse_args(argv)
-    run = load_refit(args, "fragsearch.training.grounder", argv)
+    run = load_refit(ap, args, "fragsearch.training.grounder", argv)
     ents = run.all_entities()
     fit, report = fit_grounder(samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents),
                                args.hidden, args.epochs)

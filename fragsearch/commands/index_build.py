@@ -28,34 +28,25 @@ from fragsearch.index.types import BACKENDS, BackendOptions, IndexSettings
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import read_split_list
 from fragsearch.model.dataset import feature_cache
-from fragsearch.settings import (
-    default_artifacts_dir,
-    default_cache_dir,
-    default_model_path,
-    default_places,
-)
+from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=default_model_path(),
-                    help="the checkpoint (model.pt); default: the served model (model/release.py: the released one "
-                         "unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="the checkpoint (model.pt); default: the served model, the model_path setting (the released "
+                         "one unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively)")
     ap.add_argument("--image-list", type=Path, help="only the images named in this file (one name per line)")
     ap.add_argument("--out", type=Path, help="image index folder")
     ap.add_argument("--collection-root", type=Path, default=None,
                     help="store image paths relative to this folder (the service's FRAGSEARCH_DATA), so the "
                          "index moves with the collection (host / container); default: absolute paths")
-    ap.add_argument("--captions", type=Path, help="sentences to index: Flickr8K captions.txt or one per line")
     ap.add_argument("--split", type=Path, help="only the captions of the images named in this list")
     ap.add_argument("--sentences-out", type=Path,
                     help="sentence index folder (default: beside --out, sentences-<split name>)")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="feature / parse cache shared with the trainer")
     ap.add_argument("--no-cache", action="store_true", help="extract features without the shared cache")
-    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--rebuild", action="store_true",
                     help="build anew instead of extending what is at --out")
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY,
@@ -67,16 +58,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="Milvus: a server (http://host:19530) or a milvus-lite folder (file.db); default: "
                          "milvus.db inside each index folder")
     add_index_flags(ap, SENTENCE_DEFAULTS, ("k_prime", "rerank"), prefix="sentence-", what="sentence index: ")
+    add_setting_flags(ap, ("cache", "workers", "captions"))  # captions: the sentences to index
     args = ap.parse_args(argv)
+    run = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.images is None and args.captions is None:
+    captions = run.captions
+    if args.images is None and captions is None:
         ap.error("give --images and/or --captions")
     if args.images is not None and args.out is None:
         ap.error("--images needs --out")
     if args.uri is not None and args.backend != "milvus":
         ap.error("--uri needs --backend milvus")
     backend = BackendOptions(args.backend, args.uri)
-    bundle = Bundle.load(args.model, places=default_places(args.cache))
+    bundle = Bundle.load(args.model or run.model_path, places=run.places)
     try:
         settings = index_settings_of(args, IndexSettings())
         sentence_settings = index_settings_of(args, settings, prefix="sentence-")
@@ -90,19 +84,19 @@ def main(argv: list[str] | None = None) -> None:
         if not paths:
             raise SystemExit(f"no images found in {args.images}")
         cache = (None if args.no_cache
-                 else feature_cache(args.cache, bundle.image_cfg, artifacts=bundle.places.artifacts))
-        index = build_image_index(bundle, paths, args.out, settings, cache, args.workers, args.rebuild,
+                 else feature_cache(run.cache, bundle.image_cfg, artifacts=bundle.places.artifacts))
+        index = build_image_index(bundle, paths, args.out, settings, cache, run.worker_count, args.rebuild,
                                   args.save_every, collection_root=args.collection_root, backend=backend)
         logger.info("image index %s: %d images, %d fragments", args.out, len(index), index.n_fragments)
-    if args.captions is not None:
+    if captions is not None:
         out = args.sentences_out
         if out is None:
-            base = args.out.parent if args.out is not None else default_artifacts_dir() / "index"
+            base = args.out.parent if args.out is not None else run.artifacts / "index"
             out = base / f"sentences-{args.split.stem if args.split else 'all'}"
-        sentences = read_sentences(args.captions, args.split)
-        parse_dir = None if args.no_cache else args.cache / "parses"
+        sentences = read_sentences(captions, args.split)
+        parse_dir = None if args.no_cache else run.cache / "parses"
         sindex = build_sentence_index(bundle, sentences, out, sentence_settings, parse_dir, args.rebuild,
-                                      None if args.no_cache else args.cache / "vectors", backend)
+                                      None if args.no_cache else run.cache / "vectors", backend)
         logger.info("sentence index %s: %d sentences, %d fragments", out, len(sindex), sindex.n_fragments)
 
 

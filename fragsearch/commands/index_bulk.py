@@ -43,7 +43,7 @@ from fragsearch.index.types import IndexSettings
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.dataset import feature_cache
-from fragsearch.settings import default_cache_dir, default_model_path, default_places
+from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--shards", type=Path, required=True, help="shard folder (written by extraction, read by --index)")
     ap.add_argument("--engine", choices=ENGINES, default="local",
                     help="local: worker processes on this machine; ray: Ray Data (this machine or --address)")
-    ap.add_argument("--workers", type=int, default=2,
-                    help="local: extraction processes; ray: backbone actors")
     ap.add_argument("--address", default=None, help="ray: the cluster to join (host:port of its head); "
                     "default: start Ray on this machine")
-    ap.add_argument("--model", type=Path, default=default_model_path(),
-                    help="the model whose image settings are used (and that embeds the fragments with --index)")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="the model whose image settings are used (and that embeds the fragments with --index); "
+                         "default: the model_path setting, the served model")
     add_region_flags(ap, None)
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="feature cache: images in it are not extracted again (local: where entries are stored)")
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the feature cache")
     ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="images per shard")
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="images per task / actor call")
@@ -72,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--remove-loaded", action="store_true",
                     help="with --index: delete each shard once a commit of the index holds its images")
     ap.add_argument("--collection-root", type=Path, default=None, help="as in index.build")
+    add_setting_flags(ap, ("cache", "workers"))  # workers: local, extraction processes; ray, backbone actors
     args = ap.parse_args(argv)
+    run = settings_of(ap, args)
+    model = args.model or run.model_path
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.images is None and args.index is None:
         ap.error("give --images (extract) and/or --index (load)")
@@ -80,18 +80,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         new_settings = index_settings_of(args, IndexSettings())
     except ValueError as e:
         ap.error(str(e))
-    places = default_places(args.cache)
-    bundle = Bundle.load(args.model, places=places) if args.index is not None or args.model.is_file() else None
+    places = run.places
+    bundle = Bundle.load(model, places=places) if args.index is not None or model.is_file() else None
     if bundle is None and not any(getattr(args, k) is not None for k in ("region_features", "backbone_precision")):
-        ap.error(f"{args.model} does not exist: give --model, or the region flags of the features wanted")
+        ap.error(f"{model} does not exist: give --model, or the region flags of the features wanted")
     cfg = with_region_flags(bundle.image_cfg if bundle is not None else ImageConfig(), args)
     if args.images is not None:
         paths = list_images(args.images)
         if not paths:
             raise SystemExit(f"no images found in {args.images}")
-        cache = None if args.no_cache else feature_cache(args.cache, cfg, artifacts=places.artifacts)
-        with ray_session(args.address, args.workers) if args.engine == "ray" else contextlib.nullcontext():
-            bulk_extract(paths, args.shards, cfg, args.engine, args.workers, cache, args.shard_size, args.batch,
+        cache = None if args.no_cache else feature_cache(run.cache, cfg, artifacts=places.artifacts)
+        with ray_session(args.address, run.worker_count) if args.engine == "ray" else contextlib.nullcontext():
+            bulk_extract(paths, args.shards, cfg, args.engine, run.worker_count, cache, args.shard_size, args.batch,
                          places=places)
     if args.index is not None:
         assert bundle is not None

@@ -17,7 +17,7 @@ from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import default_cache_dir, default_data_dir
+from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.merge import THRESHOLDS, merge_bundles, merge_selected
 from fragsearch.training.selection import split_for_selection
 
@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threshold", choices=THRESHOLDS, default="blocks",
                     help="blocks: each member's fragment scores thresholded apart (an ensemble's score); "
                          "sum: their sum thresholded (one block)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
+    add_setting_flags(ap, ("data", "cache"))
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if len(args.members) < 2:
         ap.error("a merge needs at least two --members")
@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     first = bundles[0]
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in first.meta.get("train", {}).items() if k in known})
-    data = load_split_data(args.data, "train", first.image_cfg, args.cache, make_parser(first.text.cfg.parser))
+    data = load_split_data(settings.data, "train", first.image_cfg, settings.cache, make_parser(first.text.cfg.parser))
     tr, val = split_for_selection(cfg, data)
-    merged, summary = merge_selected(bundles, args.members, tr, val, cfg, args.cache, args.threshold)
+    merged, summary = merge_selected(bundles, args.members, tr, val, cfg, settings.cache, args.threshold)
     merged.save(args.out / "model.pt")
     summary["train_seconds"] = time.perf_counter() - start
     summary["command"] = "python -m fragsearch.training.merge " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = refit_parser(library.__doc__, "presence head and phrase evidence", epochs=EPOCHS)
     ap.add_argument("--per-image", type=int, default=PER_IMAGE, help="captions of each training picture read")
     args = ap.parse_args(argv)
-    run = load_refit(args, "fragsearch.training.presence", argv)
+    run = load_refit(ap, args, "fragsearch.training.presence", argv)
     ents = run.all_entities()
     val = samples_of(run.bundle, run.val, ents, per_image=5, seed=1)
     train = samples_of(run.bundle, run.rest, ents, per_image=args.per_image)

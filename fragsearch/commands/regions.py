@@ -11,10 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 
 import fragsearch.training.regions as library
-from fragsearch.commands.refit import refit_parser
+from fragsearch.commands.refit import entities_of, refit_parser
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.image import RegionExtractor, max_softmax
 from fragsearch.model.regions import GEOMETRY
+from fragsearch.settings import settings_of
 from fragsearch.training.regions import EPOCHS, HIDDEN, IMAGES, MIN_BOX_FRAC, fit_ranker, held, pictures_of
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     from fragsearch.model.data import load_split
     from fragsearch.model.dataset import held_out_indices
     from fragsearch.model.entities import read_entities
-    from fragsearch.settings import default_places
 
     ap = refit_parser(library.__doc__, "region ranker", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the ranker's hidden units")
@@ -34,19 +34,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--min-box-frac", type=float, default=MIN_BOX_FRAC,
                     help="the smallest proposal side as a fraction of the image's (the model's image settings)")
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     command = " ".join(["python -m fragsearch.training.regions", *(sys.argv[1:] if argv is None else argv)])
-    bundle = Bundle.load(args.model, places=default_places(args.cache))
+    bundle = Bundle.load(args.model, places=settings.places)
     selection = bundle.meta.get("train", {})
     if selection.get("selection") != "val":
         raise SystemExit("the model was not trained with --selection val: it has no validation part to choose on")
-    split = load_split(args.data, "train")
+    split = load_split(settings.data, "train")
     held_out = np.zeros(len(split.images), bool)
     held_out[held_out_indices(len(split.images), int(selection["val_images"]), int(selection["val_seed"]))] = True
     rest = np.flatnonzero(~held_out)
     rest = np.sort(np.random.default_rng(0).permutation(rest)[: args.images])
     val = np.flatnonzero(held_out)
-    entities = read_entities(args.entities or args.data.parent / "flickr30k-entities",
+    entities = read_entities(entities_of(args, settings),
                              [split.images[k] for k in (*rest, *val)])
     cfg = dataclasses.replace(bundle.image_cfg, min_box_frac=args.min_box_frac, region_ranker="")
     train_pictures = pictures_of(cfg, [split.image_path(split.images[k]) for k in rest], entities, "train images")

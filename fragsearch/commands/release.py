@@ -16,7 +16,7 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.graphs import BACKBONE_NAME
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR
-from fragsearch.settings import default_cache_dir, default_data_dir, default_places
+from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.release import manifest_of, write_release
 
@@ -29,10 +29,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--model", type=Path, required=True,
                     help="the trained checkpoint (model.pt), or a model in the runtime's form, to release")
     ap.add_argument("--out", type=Path, default=RELEASE_DIR, help="the release folder (default: model/released)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(), help="the Flickr8K folder")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(), help="the feature cache")
+    add_setting_flags(ap, ("data", "cache", "workers"))
     ap.add_argument("--dev-split", default="dev", help="the split the release's dev metrics are measured on")
-    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     ap.add_argument("--row", default=None,
                     help="the row of docs/results/flickr8k-dev.csv this release is (default: the model folder's "
                          "name, or for a model made from an earlier release that release's row)")
@@ -40,22 +38,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="the manifest.json of the release this model was made from (e.g. its relevance scale "
                          "refitted by training.calibrate --relevance-only): its training provenance is kept")
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     before = json.loads(args.provenance.read_text()) if args.provenance else None
-    bundle = Bundle.load(args.model, device="cpu", places=default_places(args.cache))
+    bundle = Bundle.load(args.model, device="cpu", places=settings.places)
     if bundle.relevance is None or not bundle.meta.get("selection", {}).get("val"):
         ap.error(f"{args.model} has no relevance scale or no validation metrics: a release is trained with "
                  "--selection val (python -m fragsearch.training.train --selection val ...)")
     if bundle.image_cfg.backbone != BACKBONE_NAME:
         ap.error(f"{args.model} needs the {bundle.image_cfg.backbone} weight package, which the project does not "
                  "install: a release uses the locked packages only")
-    dev_data = load_split_data(args.data, args.dev_split, bundle.image_cfg, args.cache,
-                               make_parser(bundle.text.cfg.parser), workers=args.workers)
+    dev_data = load_split_data(settings.data, args.dev_split, bundle.image_cfg, settings.cache,
+                               make_parser(bundle.text.cfg.parser), workers=settings.worker_count)
     dev = evaluate(bundle, dev_data)
     logger.info("dev R-sum %.2f (annotation R@1 %.1f, search R@1 %.1f)", dev["rsum"], dev["annot_r1"],
                 dev["search_r1"])
     command = "python -m fragsearch.training.release " + shlex.join(sys.argv[1:] if argv is None else argv)
-    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, args.data, dev, command, before,
+    manifest = write_release(bundle, args.out, manifest_of(bundle, args.model, settings.data, dev, command, before,
                                                            args.row))
     Bundle.load(args.out)  # the release loads, checked against its manifest
     logger.info("released %s into %s: %s", manifest["name"], args.out,

@@ -13,7 +13,7 @@ import fragsearch.training.train as library
 from fragsearch.commands.flags import add_region_flags, with_region_flags
 from fragsearch.model.config import SELECTIONS, TrainConfig
 from fragsearch.model.variants import VariantError, field_meanings, variant_names
-from fragsearch.settings import default_artifacts_dir, default_cache_dir, default_data_dir
+from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.train import MODEL_OPTIONS, list_resolved, list_variants, make_run, train_on
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ def bool_flag(text: str) -> bool:
 def _add_config_flags(ap: argparse.ArgumentParser) -> None:
     meanings = field_meanings("train")
     for f in fields(TrainConfig):
+        if f.name == "device":  # the device setting's flag (training runs where the settings say)
+            continue
         flag = "--" + f.name.replace("_", "-")
         say = FLAG_HELP.get(f.name) or meanings.get(f.name)
         if f.type in ("bool", bool):
@@ -61,26 +63,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--resolved", action="store_true",
                     help="print every field of every variant (of --variant when given) as resolved, as TOML, "
                          "and exit (python -m fragsearch.training.train --list --resolved)")
-    ap.add_argument("--data", type=Path, default=default_data_dir(),
-                    help="the Flickr8K folder (default: FRAGSEARCH_DATA or ../shared/data/flickr8k)")
-    ap.add_argument("--variant", default=None, help="a model/variants/<name>.toml (--list); default: full")
+    add_setting_flags(ap, ("data", "cache", "workers", "variant", "device"))  # variant: default full
     ap.add_argument("--out", type=Path, default=None,
                     help="default: artifacts/models/<variant>")
-    ap.add_argument("--cache", type=Path, default=default_cache_dir(),
-                    help="the feature, parse and vector cache (git-ignored); default: artifacts/cache")
     ap.add_argument("--train-split", default="train", help="split whose images and captions are trained on")
     ap.add_argument("--dev-split", default=None,
                     help="only '' is accepted, the old spelling of --selection last (dev never selects a model)")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
     add_region_flags(ap, None)  # each defaults to the variant's
-    ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
     _add_config_flags(ap)
     for name, typ in MODEL_OPTIONS.items():
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
     args = ap.parse_args(argv)
+    settings = settings_of(ap, args)
     if args.resolved:
         try:
-            list_resolved(sys.stdout, variant_names() if args.variant is None else [args.variant])
+            list_resolved(sys.stdout, variant_names() if settings.variant is None else [settings.variant])
         except VariantError as exc:
             ap.error(str(exc))
         return
@@ -93,15 +91,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.dev_split == "" and args.selection not in (None, "last"):
         ap.error("--dev-split '' means --selection last")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    overrides = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                 if f.name != "device" and getattr(args, f.name) is not None}
+    overrides["device"] = settings.device
     if args.dev_split == "":
         overrides["selection"] = "last"
     shape = {k: getattr(args, k) for k in MODEL_OPTIONS if getattr(args, k) is not None}
     try:
-        run = make_run(args.variant or "full", overrides, shape)
+        run = make_run(settings.variant or "full", overrides, shape)
     except VariantError as exc:
         ap.error(str(exc))
     run.image = with_region_flags(run.image, args)
-    out = args.out or default_artifacts_dir() / "models" / run.variant
-    train_on(run, args.data, out, args.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
-             workers=args.workers, limit=args.train_limit)
+    out = args.out or settings.artifacts / "models" / run.variant
+    train_on(run, settings.data, out, settings.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
+             workers=settings.worker_count, limit=args.train_limit)
