@@ -247,7 +247,7 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
 def serve(args: tuple[str, ...]) -> None:
     """Serve the page and the API (prepares missing indexes first). Reads every setting; writes the
     artifacts folder (indexes, caches, uploads)."""
-    from fragsearch.service.__main__ import main
+    from fragsearch.commands.serve import main
 
     _run(main, args, "fragsearch serve")
 
@@ -267,7 +267,7 @@ def index(args: tuple[str, ...]) -> None:
 def search(args: tuple[str, ...]) -> None:
     """Search the saved image index for a sentence, without a server: paths (-f), or JSON with the
     alignments (--json). Reads the index and the model; writes nothing."""
-    from fragsearch.service.terminal import search_main
+    from fragsearch.commands.terminal import search_main
 
     _run(search_main, args, "fragsearch search")
 
@@ -277,7 +277,7 @@ def search(args: tuple[str, ...]) -> None:
 def annotate(args: tuple[str, ...]) -> None:
     """The collection's sentences for a photo, from the saved sentence index, without a server. Reads the
     photo, the index and the model; writes nothing."""
-    from fragsearch.service.terminal import annotate_main
+    from fragsearch.commands.terminal import annotate_main
 
     _run(annotate_main, args, "fragsearch annotate")
 

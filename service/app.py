@@ -30,9 +30,9 @@ from fragsearch.service.limits import BodyLimitMiddleware
 from fragsearch.service.metrics import Metrics, MetricsMiddleware
 from fragsearch.service.prepare import Apart, PreparationFailed, PreparationStopped, Progress
 from fragsearch.service.routes import health, images, search
-from fragsearch.service.settings import API_KEY_HEADER, Settings
 from fragsearch.service.version import __version__
 from fragsearch.service.watch import FolderWatcher
+from fragsearch.settings import API_KEY_HEADER, Settings
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

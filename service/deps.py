@@ -12,7 +12,7 @@ from fastapi.security import APIKeyHeader
 from fragsearch.service.admission import Gates
 from fragsearch.service.engine import Engine
 from fragsearch.service.errors import ApiError
-from fragsearch.service.settings import API_KEY_HEADER, Settings
+from fragsearch.settings import API_KEY_HEADER, Settings
 
 api_key_header = APIKeyHeader(name=API_KEY_HEADER, auto_error=False,
                               description="required by POST /images and DELETE /images/{id}")

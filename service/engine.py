@@ -38,8 +38,8 @@ from fragsearch.model.features import PhotoReader
 from fragsearch.model.fragments import NoFragmentsError
 from fragsearch.model.imageio import ImageReadError, ImageTooLargeError, NotAnImageError, Photo
 from fragsearch.service.errors import ApiError
-from fragsearch.service.settings import Settings
 from fragsearch.service.thumbnails import thumbnail
+from fragsearch.settings import Settings
 
 logger = logging.getLogger(__name__)
 

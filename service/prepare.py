@@ -21,7 +21,9 @@ time left. The service reports it on GET /readyz while it prepares; `python -m f
 
 The settings are the service's, read the same way: a flag for every setting (`--help` lists them,
 docs/operations/settings.md is their table) over the FRAGSEARCH_* environment variables, `.env` and
-the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): service/settings.py.
+the settings file (./fragsearch.toml, FRAGSEARCH_CONFIG or --config): fragsearch/commands/options.py.
+
+Its command line: fragsearch/commands/prepare.py (`python -m fragsearch.service.prepare` calls it).
 """
 
 from __future__ import annotations
@@ -50,12 +52,11 @@ from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import DataError, Split, load_split
 from fragsearch.model.dataset import feature_cache
-from fragsearch.model.device import DeviceError, device_name
+from fragsearch.model.device import device_name
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, is_released
 from fragsearch.service import logs
 from fragsearch.service.collection import new_index_settings, sync_collection
-from fragsearch.service.settings import Settings, settings_from, settings_parser
-from fragsearch.settings import use
+from fragsearch.settings import Settings, use
 
 logger = logging.getLogger("fragsearch.service.prepare")  # the same name when run as its own __main__
 
@@ -457,37 +458,9 @@ def log_progress(progress: Progress, every: float, stop: threading.Event) -> Non
         logger.info("%s", progress.line())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be
-    (a bad flag or setting: argparse's message, status 2)."""
-    ap, cli = settings_parser("python -m fragsearch.service.prepare", __doc__)
-    settings = settings_from(ap, cli, ap.parse_args(argv))
-    try:
-        logs.configure(settings.log_level, settings.log_format)
-        device = device_name(settings.device)
-    except DeviceError as e:
-        logs.configure("info", "text")
-        logger.error("cannot start: %s", e)
-        return 2
-    logger.info("preparing on %s with %d extraction workers: data %s, artifacts %s%s", device,
-                settings.worker_count, settings.data, settings.artifacts,
-                "" if settings.limit is None else f", the first {settings.limit} images of each split")
-    progress = Progress()
-    stop = threading.Event()
-    threading.Thread(target=log_progress, args=(progress, settings.progress_every, stop), daemon=True).start()
-    try:
-        prepare(settings, progress)
-    except DataError as e:
-        logger.error("cannot prepare: %s (%s)", e, settings.data_hint())
-        return 2
-    except (ModelMissing, BackendMissing) as e:
-        logger.error("cannot prepare: %s", e)
-        return 2
-    finally:
-        stop.set()
-    progress.finish()
-    return 0
+if __name__ == "__main__":  # `python -m fragsearch.service.prepare`, as the docs write it: the command's alias
+    import sys
 
+    from fragsearch.commands.prepare import main
 
-if __name__ == "__main__":
     sys.exit(main())

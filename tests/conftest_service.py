@@ -28,7 +28,7 @@ from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
-from fragsearch.service.settings import Settings
+from fragsearch.settings import Settings
 from tests.conftest import ShapesModel
 
 API_KEY = "test-key-123"

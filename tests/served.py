@@ -23,7 +23,7 @@ from fragsearch.index import ImageIndex, IndexSettings, SentenceIndex
 from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_SETTINGS
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
-from fragsearch.service.settings import Settings
+from fragsearch.settings import Settings
 from tests.conftest import ShapesModel
 from tests.conftest_service import make_settings
 

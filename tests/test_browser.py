@@ -31,8 +31,7 @@ from playwright.sync_api import Browser, Page, ViewportSize, sync_playwright
 
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
-from fragsearch.service.settings import Settings
-from fragsearch.settings import default_artifacts_dir
+from fragsearch.settings import Settings, default_artifacts_dir
 from tests import labelled
 from tests.conftest_service import make_settings
 from tests.uvicorn_thread import uvicorn_server

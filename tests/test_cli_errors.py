@@ -282,12 +282,12 @@ def test_a_bad_setting(where: str, args: list[str], named: str, place: Place) ->
 
 def test_a_bug_still_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception no entry knows, and a missing module of the project's own, are bugs: they propagate."""
-    import fragsearch.service.terminal
+    import fragsearch.commands.terminal
 
     def broken(argv: list[str], prog: str) -> int:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(fragsearch.service.terminal, "search_main", broken)
+    monkeypatch.setattr(fragsearch.commands.terminal, "search_main", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         cli_main(["search", "a dog"])
     missing = "fragsearch.model.nosuch"

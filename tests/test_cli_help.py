@@ -13,8 +13,8 @@ COMMANDS = ["fragsearch.commands.train", "fragsearch.commands.extract", "fragsea
             "fragsearch.commands.calibrate", "fragsearch.commands.evaluate", "fragsearch.commands.finetune",
             "fragsearch.commands.merge", "fragsearch.commands.cutpoint", "fragsearch.commands.evidence",
             "fragsearch.commands.grounder", "fragsearch.commands.presence", "fragsearch.commands.regions",
-            "fragsearch.commands.index_build", "fragsearch.service.settings", "fragsearch.service.prepare",
-            "fragsearch.commands.index_sync", "fragsearch.commands.index_bulk", "fragsearch.service.__main__",
+            "fragsearch.commands.index_build", "fragsearch.commands.options", "fragsearch.commands.prepare",
+            "fragsearch.commands.index_sync", "fragsearch.commands.index_bulk", "fragsearch.commands.serve",
             "bench.index_bench",
             "bench.query_bench", "bench.product_shapes", "bench.extract_bench", "bench.load_bench", "bench.soak_bench",
             "bench.report",
@@ -27,7 +27,8 @@ COMMANDS = ["fragsearch.commands.train", "fragsearch.commands.extract", "fragsea
             "bench.detector_paths", "bench.million", "bench.region_cost", "bench.parse_processes",
             "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
             "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy",
-            "fragsearch.commands.graphs:backbone_main", "fragsearch.commands.graphs:minilm_main"]
+            "fragsearch.commands.graphs:backbone_main", "fragsearch.commands.graphs:minilm_main",
+            "fragsearch.commands.api_docs"]
 
 
 class Captured(Exception):

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from fragsearch.commands.options import settings_markdown
 from fragsearch.service.openapi_doc import api_files
-from fragsearch.service.settings import Settings, settings_markdown
 from fragsearch.service.version import __version__
+from fragsearch.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 MKDOCS = all(importlib.util.find_spec(m) is not None for m in ("mkdocs", "material"))

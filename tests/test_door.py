@@ -14,11 +14,11 @@ from unittest import mock
 
 import pytest
 
+from fragsearch.commands.options import settings_from, settings_parser
 from fragsearch.index.images import ImageIndex
 from fragsearch.index.types import IndexSettings
 from fragsearch.model.places import Places
 from fragsearch.service.engine import Engine
-from fragsearch.service.settings import settings_from, settings_parser
 from fragsearch.settings import Settings
 from tests.conftest import ShapesModel
 
@@ -79,6 +79,15 @@ def test_the_trainer_and_the_runtime_read_no_settings_and_parse_no_command_line(
     assert len(parsers("fragsearch/commands")) >= 15
 
 
+def test_the_service_parses_no_command_line() -> None:
+    """serve, prepare, search, annotate, the settings table and the API reference are commands of
+    fragsearch/commands/ too; `python -m fragsearch.service` (the README's) and the service's other `python -m`
+    lines are aliases that call them."""
+    assert parsers("service") == []
+    assert {"serve.py", "prepare.py", "terminal.py", "options.py", "api_docs.py"} <= {
+        p.name for p in (ROOT / "fragsearch" / "commands").glob("*.py")}
+
+
 def test_the_finder_sees_a_local_import_of_argparse(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text("def f():\n    import argparse\n")
     (tmp_path / "b.py").write_text("def f():\n    from argparse import ArgumentParser\n")
@@ -112,12 +121,15 @@ def test_no_command_declares_a_setting_by_hand() -> None:
     """A setting a command reads (the data folder, the cache, the workers, the device, the variant, ...) is the
     settings' flag (`add_setting_flags`: its help, FRAGSEARCH_<NAME>, .env and fragsearch.toml), never a flag
     of the command's own with a default of its own."""
-    settings_flags = {"--" + name.replace("_", "-") for name in Settings.model_fields}
+    meaning = {"--" + name.replace("_", "-"): field.description or "" for name, field in Settings.model_fields.items()}
     parsers = command_parsers()
-    assert len(parsers) >= 18
-    by_hand = {command: [option for group in ap._action_groups if group.title != "settings"
-                         for action in group._group_actions for option in action.option_strings
-                         if option in settings_flags]
+    assert len(parsers) >= 20
+
+    def generated(option: str, action: argparse.Action) -> bool:  # made from the setting's field: its meaning
+        return bool(meaning[option]) and (action.help or "").startswith(meaning[option])
+
+    by_hand = {command: [option for action in ap._actions for option in action.option_strings
+                         if option in meaning and not generated(option, action)]
                for command, ap in parsers.items()}
     assert {command: flags for command, flags in by_hand.items() if flags} == {}
     assert "--workers" in {o for a in parsers["train.main"]._actions for o in a.option_strings}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fragsearch.model.resources import available_memory, cpu_quota, default_workers, memory_limit, usable_cpus
-from fragsearch.service.settings import Settings
+from fragsearch.settings import Settings
 
 GIB = 1 << 30
 AFFINITY = len(os.sched_getaffinity(0))

@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAINING_STACK = ("torch", "torchvision", "triton", "transformers", "sentence_transformers", "sklearn", "scipy",
                   "onnx")
 SERVED_MODULES = tuple(f"fragsearch.{m}" for m in (
-    "service.app", "service.__main__", "service.prepare", "service.engine", "index.build", "index.sync", "index.bulk",
+    "service.app", "service.prepare", "service.engine", "index.build", "index.sync", "index.bulk",
+    "commands.serve", "commands.prepare", "commands.terminal", "commands.options", "commands.index_build",
+    "commands.index_sync", "commands.index_bulk", "commands.duplicates",
     "model.bundle", "model.embed", "model.image", "model.words"))
 
 

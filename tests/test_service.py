@@ -24,7 +24,7 @@ from fragsearch.model.text import Triplet
 from fragsearch.service.app import STATIC, create_app
 from fragsearch.service.engine import Engine
 from fragsearch.service.prepare import prepare
-from fragsearch.service.settings import Settings
+from fragsearch.settings import Settings
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 from fastapi.testclient import TestClient
 
-from fragsearch.service.__main__ import main
+from fragsearch.commands.serve import main
 from fragsearch.service.app import create_app
 from fragsearch.service.logs import JsonFormatter
 from fragsearch.service.version import __version__

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fragsearch.service.__main__ import main as service_main
-from fragsearch.service.prepare import main as prepare_main
-from fragsearch.service.settings import Settings, SettingsFileError, settings_from, settings_markdown, settings_parser
+from fragsearch.commands.options import settings_from, settings_markdown, settings_parser
+from fragsearch.commands.prepare import main as prepare_main
+from fragsearch.commands.serve import main as service_main
+from fragsearch.settings import Settings, SettingsFileError
 
 ROOT = Path(__file__).resolve().parent.parent
 USED = ("PORT", "HEAVY_SLOTS", "LOG_FORMAT", "CONFIG", "PREPARE", "CORS_ORIGINS")

@@ -281,7 +281,7 @@ LOAD_AND_SEARCH = """
 import json, time
 from fastapi.testclient import TestClient
 from fragsearch.service.app import create_app, load_engine
-from fragsearch.service.settings import Settings
+from fragsearch.settings import Settings
 settings = Settings()
 t0 = time.perf_counter()
 engine = load_engine(settings)

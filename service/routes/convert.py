@@ -28,7 +28,7 @@ from fragsearch.service.schemas import (
     SentenceResult,
     clock_seconds,
 )
-from fragsearch.service.settings import Settings
+from fragsearch.settings import Settings
 
 
 def image_url(image_id: int) -> str:
