@@ -113,3 +113,26 @@ class SplitDataByConfig:
             self._loaded[key] = load_split_data(self.data, self.split, bundle.image_cfg, self.cache,
                                                 make_parser(bundle.text.cfg.parser))
         return self._loaded[key]
+
+
+def made_extractor(cfg: Any, places: Any = None) -> Any:
+    """A RegionExtractor of ``cfg`` after the export step of the graphs it runs (training/graphs.py; the benches
+    run in the trainer's environment)."""
+    from fragsearch.model.image import RegionExtractor
+    from fragsearch.model.places import DEFAULT_PLACES
+    from fragsearch.training.graphs import make_graphs
+
+    make_graphs(cfg, places or DEFAULT_PLACES)
+    return RegionExtractor(cfg, places=places or DEFAULT_PLACES)
+
+
+def made_backbone(precision: str, runtime: str = "auto") -> Any:
+    """The ImageNet Lite0 at ``precision`` on the CPU (model/backbone.py `Backbone`), its graph made first where
+    missing (the export step, training/graphs.py)."""
+    from fragsearch.model.backbone import Backbone
+    from fragsearch.model.config import ImageConfig
+    from fragsearch.model.places import DEFAULT_PLACES
+    from fragsearch.training.graphs import make_graphs
+
+    make_graphs(ImageConfig(backbone_precision=precision), DEFAULT_PLACES, head=True)
+    return Backbone("cpu", precision, runtime)

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from bench import SplitDataByConfig, add_model_args, kept_rows
+from bench import SplitDataByConfig, add_model_args, kept_rows, made_backbone
 from fragsearch.index.matches import matches
 from fragsearch.model.backbone import Backbone
 from fragsearch.model.bundle import Bundle
@@ -173,7 +173,7 @@ def classifier(runtime: str) -> Backbone | TorchBackbone:
         from fragsearch.model.nets.backbone import TorchBackbone
 
         return TorchBackbone("cpu")
-    return Backbone("cpu", "fp32", runtime)
+    return made_backbone("fp32", runtime)
 
 
 def region_predictions(data: SplitData, cache_dir: Path, runtime: str = "auto") -> np.ndarray:

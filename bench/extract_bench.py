@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import numpy as np
 from PIL import Image
 
-from bench import machine
+from bench import machine, made_backbone
 from fragsearch.model.backbone import RUNTIMES, Backbone
 from fragsearch.model.cache import ExtractionPool
 from fragsearch.model.config import PROPOSAL_MODES, ImageConfig
@@ -79,7 +79,7 @@ def stage_backbone(runtime: str, precision: str) -> StageBackbone:
         from fragsearch.model.nets.backbone import TorchBackbone
 
         return TorchBackbone("cpu")
-    return Backbone("cpu", precision, runtime)
+    return made_backbone(precision, runtime)
 
 
 def _crops(img: Image.Image, rng: np.random.Generator, size: int = 224) -> np.ndarray:

@@ -36,6 +36,7 @@ from PIL import Image
 from bench import write_result
 from fragsearch.model.backbone import backbone_graph
 from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.image import RegionExtractor, image_proposals, region_crops
@@ -46,6 +47,7 @@ from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_record
 from fragsearch.settings import default_cache_dir, default_data_dir, default_places
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.graphs import make_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ def graphs(places: Places) -> dict[str, Path]:
     """The three backbone graphs compared: the served int8 (7-bit weights), the 8-bit recipe, the float (the
     release's where it ships them, else the graph folder's of `places`; a missing one is made there by the torch
     side)."""
+    for precision in ("fp32", "int8"):  # the export step where the graph folder lacks them
+        make_graphs(ImageConfig(backbone_precision=precision), places)
     fp32 = backbone_graph("fp32", places=places)
     int8 = backbone_graph("int8", places=places)
     folder = places.graphs

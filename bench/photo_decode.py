@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from bench import machine, parse_run, write_rows
+from bench import machine, made_extractor, parse_run, write_rows
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.cache import FeatureCache
 from fragsearch.model.config import ImageConfig
@@ -113,7 +113,7 @@ def setting_name(cfg: ImageConfig) -> str:
 def per_photo(settings: list[ImageConfig], pictures: list[Path], formats: list[str], heic_mp: list[int],
               tmp: Path, stamp: dict[str, str]) -> list[dict[str, Any]]:
     """The per-photo rows: each photo read under each setting in turn (a busy machine slows both alike)."""
-    extractors = [RegionExtractor(cfg) for cfg in settings]
+    extractors = [made_extractor(cfg) for cfg in settings]
     for ex in extractors:  # sessions made before the clock runs
         ex.extract(Image.open(pictures[0]).convert("RGB"))
     originals = [extractors[-1].extract(Image.open(src).convert("RGB")).features[0] for src in pictures]

@@ -28,12 +28,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench import machine, parse_run, write_rows
+from bench import machine, made_extractor, parse_run, write_rows
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import BACKBONE_NAMES, PROPOSAL_SOURCES
 from fragsearch.model.data import load_split
 from fragsearch.model.graphs import BACKBONES
-from fragsearch.model.image import RegionExtractor
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.resources import cpu_info
@@ -61,12 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     base = Bundle.load(args.model).image_cfg
     backbones = args.backbones or [base.backbone]
     # the model's own backbone at the model's crop side, another at its native side
-    extractors = {(src, name, base.region_ranker): RegionExtractor(dataclasses.replace(
+    extractors = {(src, name, base.region_ranker): made_extractor(dataclasses.replace(
         base, proposals=src, backbone=name, crop_size=base.crop_size if name == base.backbone else BACKBONES[name][2]))
         for name in backbones for src in PROPOSAL_SOURCES}
     for other in args.also:
         cfg = Bundle.load(other).image_cfg
-        extractors[cfg.proposals, cfg.backbone, cfg.region_ranker] = RegionExtractor(cfg)
+        extractors[cfg.proposals, cfg.backbone, cfg.region_ranker] = made_extractor(cfg)
     dev = load_split(args.data, "dev")
     images = [Image.open(dev.image_path(n)).convert("RGB") for n in dev.images[: args.images]]
     for ex in extractors.values():  # warm: graphs loaded, first-call allocations done

@@ -10,10 +10,11 @@ Two things are kept apart:
   trained on int8 features is served with the same int8 graph. It is in the feature-cache key.
 * **where a file comes from**: a graph (``backbone_graph``) or the head's arrays (``backbone_head``) are
   looked for in the release folder (``model/released/``: what a release ships), then in the graph folder
-  of the run (``Places.graphs``, model/places.py). A missing one is made there by the torch side
-  (``model/nets/backbone.py``: exported from the weight package; int8 by static QDQ quantization, per channel,
-  calibrated on a fixed, seeded set of smooth random images, so no data set is needed and every machine makes
-  the same bytes), where torch is installed; elsewhere `GraphMissing` says how to get it.
+  of the run (``Places.graphs``, model/places.py). They are made by an export step on the trainer's side
+  (training/graphs.py, ``model/nets/backbone.py``: exported from the weight package; int8 by static QDQ
+  quantization, per channel, calibrated on a fixed, seeded set of smooth random images, so no data set is needed
+  and every machine makes the same bytes), never here: a missing one is `GraphMissing`, which says how to make
+  it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -48,46 +48,44 @@ RUNTIMES = ("auto", "onnx")  # both ONNX Runtime: on the CPU, or its CUDA provid
 _head_lock = threading.Lock()
 
 
-def _torch_side(name: str, folder: Path) -> ModuleType:
-    """model/nets/backbone.py, which makes a missing file; GraphMissing naming ``name`` and the fix when this
-    environment has no torch."""
-    try:
-        import fragsearch.model.nets.backbone as nets
-    except ImportError as e:
-        where = " nor ".join(str(d) for d in search_dirs(folder))
-        raise GraphMissing(
-            f"the backbone file {name} is in neither {where}, and making it needs torch ({e}). Make it once in the "
-            f"trainer's environment (./run setup, then ./run python -m fragsearch.model.nets.backbone --folder "
-            f"{folder} with the model's --precision, --backbone and --weights), or serve a release that ships it in "
-            f"{RELEASE_DIR}") from e
-    return nets
+def _missing(name: str, places: Places, make: str) -> GraphMissing:
+    """GraphMissing naming the file, where it was looked for and the export step that makes it."""
+    where = " nor ".join(str(d) for d in search_dirs(places.graphs))
+    return GraphMissing(
+        f"the backbone file {name} is in neither {where}. Graphs are made by an export step in the trainer's "
+        f"environment, not at run time: the trainer makes those of the models it trains; for this one run "
+        f"./run python -m fragsearch.model.nets.backbone --cache {places.cache} {make}, or serve a release that "
+        f"ships it in {RELEASE_DIR}")
 
 
 def backbone_graph(precision: str, backbone: str = BACKBONE_NAME, weights: str = "",
                    places: Places = DEFAULT_PLACES) -> Path:
-    """The backbone's ONNX graph for ``precision``: the release folder's, else the graph folder's of `places`,
-    else made there now by the torch side (GraphMissing without torch). A fine-tuned backbone (``weights``, read
-    against the artifacts folder of `places`) has graphs of its own, named by the digest of its weights; each
+    """The backbone's ONNX graph for ``precision``: the release folder's, else the graph folder's of `places`;
+    GraphMissing, naming the export step that makes it, where neither has it. A fine-tuned backbone (``weights``,
+    read against the artifacts folder of `places`) has graphs of its own, named by the digest of its weights; each
     backbone name its own."""
     name = graph_name(precision, backbone, weights, places)
     found = find(name, places.graphs)
-    if found is not None:
-        return found
-    nets = _torch_side(name, places.graphs)
-    made: Path = nets.onnx_graph(precision, places.graphs, weights=weights, backbone=backbone, places=places)
-    return made
+    if found is None:
+        raise _missing(name, places, export_flags(precision, backbone, weights))
+    return found
 
 
 def backbone_head(backbone: str = BACKBONE_NAME, weights: str = "", places: Places = DEFAULT_PLACES) -> Path:
-    """The backbone's ImageNet head arrays (``head_name``), found or made as ``backbone_graph`` finds or makes
-    a graph."""
+    """The backbone's ImageNet head arrays (``head_name``), found as ``backbone_graph`` finds a graph."""
     name = head_name(backbone, weights, places)
     found = find(name, places.graphs)
-    if found is not None:
-        return found
-    nets = _torch_side(name, places.graphs)
-    made: Path = nets.export_head(places.graphs, weights=weights, backbone=backbone, places=places)
-    return made
+    if found is None:
+        raise _missing(name, places, export_flags("int8", backbone, weights))
+    return found
+
+
+def export_flags(precision: str, backbone: str = BACKBONE_NAME, weights: str = "") -> str:
+    """The flags of the export command (python -m fragsearch.model.nets.backbone) for these files."""
+    flags = f"--precision {precision}"
+    if backbone != BACKBONE_NAME:
+        flags += f" --backbone {backbone}"
+    return flags + (f" --weights {weights}" if weights else "")
 
 
 def read_head(path: Path) -> tuple[np.ndarray, np.ndarray]:

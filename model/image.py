@@ -284,20 +284,33 @@ def own_backbone(cfg: ImageConfig) -> bool:
     return bool(cfg.backbone_weights) or cfg.backbone != BACKBONE_NAME
 
 
+def extractor_graphs(cfg: ImageConfig) -> list[tuple[str, str, str]]:
+    """The backbone graphs a RegionExtractor of ``cfg`` runs, as (precision, backbone, weights): the ranker's (the
+    ImageNet Lite0) and, for a fine-tuned or larger backbone, the features' own."""
+    graphs = [(cfg.backbone_precision, BACKBONE_NAME, "")]
+    if own_backbone(cfg):
+        graphs.append((cfg.backbone_precision, cfg.backbone, cfg.backbone_weights))
+    return graphs
+
+
+def reads_head(cfg: ImageConfig) -> bool:
+    """Whether a RegionExtractor of ``cfg`` ranks proposals with the ImageNet head's arrays."""
+    return ranks_proposals(cfg) and (not cfg.region_ranker or splits_regions(cfg))
+
+
 def extractor_files(cfg: ImageConfig, places: Places = DEFAULT_PLACES) -> list[Path]:
     """The backbone files a RegionExtractor of ``cfg`` reads (the ranker's graph, the features' own graph, the
-    ranker's head or the region ranker's arrays), found or made now (model/backbone.py): what a pool makes once
-    before its workers start."""
-    files = [backbone_graph(cfg.backbone_precision, places=places)]
-    if own_backbone(cfg):
-        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, places))
+    ranker's head or the region ranker's arrays), found (GraphMissing where one is not: the trainer's export step,
+    training/graphs.py, makes them): what a pool checks once before its workers start."""
+    files = [backbone_graph(precision, backbone, weights, places) for precision, backbone, weights
+             in extractor_graphs(cfg)]
     if ranks_proposals(cfg) and cfg.region_ranker:
         ranker = find(cfg.region_ranker, places.graphs)
         if ranker is None:
             load_ranker(cfg.region_ranker, places.graphs)  # raises, saying where it was looked for
         else:
             files.append(ranker)
-    if ranks_proposals(cfg) and (not cfg.region_ranker or splits_regions(cfg)):
+    if reads_head(cfg):
         files.append(backbone_head(places=places))
     return files
 

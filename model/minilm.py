@@ -16,8 +16,9 @@ packs for its products are held in anonymous memory. The graph records the sha25
 (names, dtypes, shapes, offsets); a graph that does not fit the installed file is refused (`GraphMismatch`).
 
 The graph is looked for in the release folder (``model/released/``: what a release ships), then in the graph
-folder the caller names (a model's: ``Bundle.places``, model/places.py); a missing one is made there by the torch
-side (``model/nets/minilm.py``) where torch is installed, else `GraphMissing` names the file and the fix.
+folder the caller names (a model's: ``Bundle.places``, model/places.py). It is made by an export step on the
+trainer's side (training/graphs.py, ``model/nets/minilm.py``), never here: a missing one is `GraphMissing`, which
+names the file and the command that makes it.
 """
 
 from __future__ import annotations
@@ -57,23 +58,17 @@ class GraphMismatch(ValueError):
 
 def minilm_graph(folder: Path | None = None, upto: int | None = None) -> Path:
     """MiniLM's graph file (`graph_name(upto)`): the release folder's, else ``folder``'s (default: the default
-    graph folder, `Places().graphs`), else made there now by the torch side (`GraphMissing` without torch)."""
+    graph folder, `Places().graphs`); GraphMissing, naming the export step that makes it, where neither has it."""
     name = graph_name(upto)
     found = find(name, folder)
     if found is not None:
         return found
     release, target = search_dirs(folder)
-    try:
-        import fragsearch.model.nets.minilm as nets
-    except ImportError as e:
-        places = f"{release} nor {target}"
-        raise GraphMissing(
-            f"MiniLM's graph {name} is in neither {places}, and making it needs torch ({e}). Make it once in "
-            f"the trainer's environment (./run setup, then ./run python -m fragsearch.model.nets.minilm"
-            f"{'' if upto is None else f' --upto {upto}'}: it writes it into {target}), or serve a release that "
-            f"ships it in {release}") from e
-    made: Path = nets.export_graph(target, upto)
-    return made
+    raise GraphMissing(
+        f"MiniLM's graph {name} is in neither {release} nor {target}. Graphs are made by an export step in the "
+        f"trainer's environment, not at run time: ./run python -m fragsearch.model.nets.minilm"
+        f"{'' if upto is None else f' --upto {upto}'} --folder {target}, or serve a release that ships it in "
+        f"{release}")
 
 
 @dataclass(frozen=True)

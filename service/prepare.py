@@ -190,7 +190,8 @@ def ensure_model(settings: Settings) -> Path:
 
     t0 = time.perf_counter()
     trained = train_variant(settings.variant, settings.data, path.parent, "last", cache=settings.cache,
-                            workers=settings.worker_count, device=device_name(settings.device), limit=settings.limit)
+                            workers=settings.worker_count, device=device_name(settings.device), limit=settings.limit,
+                            places=settings.places)
     if not path.is_file():
         raise RuntimeError(f"training finished but wrote no checkpoint at {path}")
     kept = (f"{len(trained.member_epochs)} members merged, epochs {list(trained.member_epochs)} of {trained.epochs} "

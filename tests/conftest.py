@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import ImageConfig
 from fragsearch.model.dataset import SplitData, load_split_data
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import DEFAULT_PLACES, Places
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.train import make_run, train
 from tests.synthetic import make_dataset
 
@@ -37,6 +40,13 @@ class ShapesModel:
     summary: dict[str, object]
 
 
+def exported(cache: Path, cfg: ImageConfig) -> Path:
+    """`cache` after the export step of the graphs an extractor of `cfg` runs (training/graphs.py): the runtime
+    looks them up in `<cache>/graphs` and never makes them."""
+    make_graphs(cfg, Places(cache=Path(cache)))
+    return Path(cache)
+
+
 @pytest.fixture(scope="session")
 def shapes_model(tmp_path_factory: pytest.TempPathFactory) -> ShapesModel:
     root = tmp_path_factory.mktemp("shapes")
@@ -45,6 +55,8 @@ def shapes_model(tmp_path_factory: pytest.TempPathFactory) -> ShapesModel:
                              "lr": 3e-3, "eval_every": 10})
     parser = make_parser("spacy")
     cache = root / "cache"
+    for places in (DEFAULT_PLACES, Places(cache=cache)):  # the export step: where its users look for its graphs
+        make_graphs(run.image, places, head=True)
     tr = load_split_data(root / "data", "train", run.image, cache, parser)
     dev = load_split_data(root / "data", "dev", run.image, cache, parser)
     summary = train(run, tr, None, root / "model", cache)  # the last epoch: dev selects nothing

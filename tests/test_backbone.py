@@ -22,6 +22,7 @@ from fragsearch.model.image import RegionExtractor
 from fragsearch.model.nets.backbone import TorchBackbone, onnx_graph
 from fragsearch.model.places import Places
 from fragsearch.model.release import ReleaseError
+from fragsearch.training.graphs import make_graphs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +48,7 @@ def torch_backbone() -> TorchBackbone:
 def test_onnx_float_matches_torch(torch_backbone: TorchBackbone) -> None:
     x = np.stack([preprocess(picture(), 224), preprocess(picture().rotate(90), 224)])
     assert x.dtype == np.float32 and x.shape == (2, 3, 224, 224) and -1.0 <= x.min() <= x.max() <= 1.0
+    make_graphs(ImageConfig(backbone_precision="fp32"), Places())  # the export step: the runtime only looks it up
     onnx = Backbone("cpu", "fp32", "onnx")
     assert (onnx.runtime, torch_backbone.runtime) == ("onnx", "torch")
     a, b = torch_backbone.feature_map(x), onnx.feature_map(x)
@@ -138,24 +140,32 @@ def test_files_are_found_in_the_release_folder_first(tmp_path: Path, monkeypatch
     # a released file is checked against its manifest
     with pytest.raises(ReleaseError, match="bytes where the release manifest records"):
         backbone_graph("int8", places=places)
-    head = backbone_head(places=places)  # made by the torch side where neither has it
+    with pytest.raises(GraphMissing):  # neither has the head: the runtime does not make it
+        backbone_head(places=places)
+    assert make_graphs(None, places, head=True) == [graphs / head_name()]  # the export step makes it
+    head = backbone_head(places=places)
     assert head == graphs / head_name() == graphs / "efficientnet-lite0-head.npz"
+    assert make_graphs(None, places, head=True) == [], "what is there is not made again"
     made = head.read_bytes()
     head.unlink()
+    make_graphs(None, places, head=True)
     assert backbone_head(places=places).read_bytes() == made, "the head file's bytes depend on the weights only"
 
 
-def test_a_missing_graph_without_torch_names_the_graph_and_the_fix(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_graph_names_the_graph_and_the_export_step(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime never makes a graph (nor imports the torch side to): a missing one says which, where it was
+    looked for, and the command that makes it."""
     monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", tmp_path / "released")
-    # importing it raises ImportError, as without torch
-    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.backbone", None)
+    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.backbone", None)  # an import of it would raise
     with pytest.raises(GraphMissing, match="efficientnet-lite0-fp32-opset17.onnx") as info:
         backbone_graph("fp32", places=Places(cache=tmp_path))
     assert isinstance(info.value, FileNotFoundError)
-    assert "./run setup" in str(info.value) and str(tmp_path / "graphs") in str(info.value)
+    assert "python -m fragsearch.model.nets.backbone" in str(info.value) and "--precision fp32" in str(info.value)
+    assert str(tmp_path / "graphs") in str(info.value)
     with pytest.raises(GraphMissing, match="efficientnet-lite0-head.npz"):
         backbone_head(places=Places(cache=tmp_path))
+    assert not (tmp_path / "graphs").exists()
 
 
 def test_unknown_precision_or_runtime_is_refused() -> None:

@@ -14,6 +14,7 @@ from fragsearch.model.score import flatten
 from fragsearch.model.text import Triplet
 from fragsearch.training.boxes import batch_labels, triplet_labels
 from fragsearch.training.objectives import fragment_loss
+from tests.conftest import exported
 from tests.test_entities import shapes_entities
 
 FRAGMENTS = np.asarray([[0, 0, 224, 224],  # the whole image
@@ -86,7 +87,8 @@ def test_training_with_box_supervision_reads_the_entities_beside_the_data(tmp_pa
     shapes_entities(tmp_path / "data", tmp_path / "flickr30k-entities")
     run = make_run("paper", {"epochs": 2, "dense_epochs": 1, "anneal_epochs": 0, "batch_size": 10, "h": 16,
                              "box_supervision": True, "selection": "last"})
-    data = load_split_data(tmp_path / "data", "train", run.image, tmp_path / "cache", make_parser("spacy"))
+    cache = exported(tmp_path / "cache", run.image)
+    data = load_split_data(tmp_path / "data", "train", run.image, cache, make_parser("spacy"))
     text = TextPipeline.fit(run.text, data.parsed, tmp_path / "cache" / "words")
     labels = box_labels(data, text.encode_parsed(data.parsed, data.sentences).triplets)
     assert len(labels) == len(data.sentences) and sum(x is not None for x in labels) >= len(labels) // 2

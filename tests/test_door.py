@@ -20,7 +20,7 @@ from fragsearch.index.types import IndexSettings
 from fragsearch.model.places import Places
 from fragsearch.service.engine import Engine
 from fragsearch.settings import Settings
-from tests.conftest import ShapesModel
+from tests.conftest import ShapesModel, exported
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = "fragsearch.settings"
@@ -153,6 +153,7 @@ def test_a_flag_of_serve_reaches_the_runtime_below_it(shapes_model: ShapesModel,
     ImageIndex.create(index, shapes_model.bundle, IndexSettings()).save()
     photos = tmp_path / "photos"
     photos.mkdir()
+    exported(tmp_path / "flags-cache", shapes_model.bundle.image_cfg)  # the export step for that cache
     flags = ["--artifacts", str(tmp_path / "flags"), "--cache", str(tmp_path / "flags-cache"),
              "--model-path", str(shapes_model.model_path), "--image-index", str(index), "--collection", str(photos),
              "--device", "cpu"]

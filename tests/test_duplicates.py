@@ -20,10 +20,11 @@ from fragsearch.model.data import load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
+from tests.conftest import exported
 from tests.conftest_service import make_settings
 
 if TYPE_CHECKING:
-    from tests.conftest import ShapesModel
+    from tests.conftest import ShapesModel, exported
 
 
 def test_altered_copies_are_the_nearest_duplicates(shapes_model: ShapesModel, tmp_path: Path) -> None:
@@ -43,7 +44,8 @@ def test_altered_copies_are_the_nearest_duplicates(shapes_model: ShapesModel, tm
         copies.append(f"copy{n}.png")
     bundle = shapes_model.bundle
     images = ImageIndex.create(tmp_path / "index", bundle, IndexSettings(),
-                               cache=feature_cache(tmp_path / "cache", bundle.image_cfg), collection_root=folder)
+                               cache=feature_cache(exported(tmp_path / "cache", bundle.image_cfg),
+                                                   bundle.image_cfg), collection_root=folder)
     images.photos.add(sorted(folder.iterdir()))
     images.save()
     ids = {Path(images.get(int(i)).path).name: int(i) for i in images.ids()}  # type: ignore[union-attr]

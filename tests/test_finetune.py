@@ -27,6 +27,7 @@ from fragsearch.training.cutpoint import CutStore, extract
 from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
 from fragsearch.training.finetune import CutFeatures, finetune, make_top, one_caption_each
 from fragsearch.training.train import make_run, split_for_selection, train
+from tests.conftest import exported
 from tests.synthetic import make_dataset
 from tests.test_backbone import picture
 
@@ -96,7 +97,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """A coloured-shapes set, its crop features, its cut-point activations and a model trained on them."""
     root = tmp_path_factory.mktemp("finetune")
     make_dataset(root / "data", n_train=12, n_dev=4)
-    cache = root / "cache"
+    cache = exported(root / "cache", CFG)  # the export step: the crops' graphs the extraction runs
     run = make_run("paper", {"epochs": 4, "dense_epochs": 2, "anneal_epochs": 1, "batch_size": 6, "h": 32,
                              "lr": 3e-3, "eval_every": 2, "selection": "val", "val_images": 3, "calibrate": 4})
     run.image = CFG

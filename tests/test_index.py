@@ -37,6 +37,7 @@ from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.words import WordTable
+from tests.conftest import exported
 
 H = 32
 F = 5  # fragments per test image: the whole image + 4 regions
@@ -816,7 +817,8 @@ def test_build_cli_indexes_a_folder_and_captions(tmp_path: Path, bundle: Bundle,
     loaded_model = Bundle.load(model)
     out = tmp_path / "index" / "images-all"
     args = ["--model", str(model), "--images", str(photos), "--out", str(out), "--captions", str(captions),
-            "--split", str(split), "--cache", str(tmp_path / "cache"), "--workers", "1", "--backend", backend.backend]
+            "--split", str(split), "--cache", str(exported(tmp_path / "cache", bundle.image_cfg)), "--workers", "1",
+            "--backend", backend.backend]
     build_main(args)
     images = ImageIndex.load(out, loaded_model)
     sentences = SentenceIndex.load(tmp_path / "index" / "sentences-train", loaded_model)

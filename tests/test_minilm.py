@@ -216,11 +216,13 @@ def test_a_graph_that_does_not_fit_the_weight_file_is_refused(tmp_path: Path, mo
         MiniLM()
 
 
-def test_a_missing_graph_without_torch_names_the_file_and_the_fix(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_graph_names_the_file_and_the_export_step(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime never makes MiniLM's graph (nor imports the torch side to): it says which file and how."""
     monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", tmp_path / "released")
-    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.minilm", None)  # import fails as without torch
-    with pytest.raises(GraphMissing, match=rf"{GRAPH_NAME} is in neither .*needs torch.*\(\./run setup") as err:
+    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.minilm", None)  # an import of it would raise
+    with pytest.raises(GraphMissing, match=rf"{GRAPH_NAME} is in neither .*python -m fragsearch.model.nets.minilm"
+                       ) as err:
         minilm_graph(tmp_path / "graphs")
     assert isinstance(err.value, FileNotFoundError)
 

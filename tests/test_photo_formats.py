@@ -18,9 +18,10 @@ from fragsearch.index.sync import sync_folder
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.imageio import IMAGE_SUFFIXES, ImageReadError, load_image
 from fragsearch.service.thumbnails import thumbnail
+from tests.conftest import exported
 
 if TYPE_CHECKING:
-    from tests.conftest import ShapesModel
+    from tests.conftest import ShapesModel, exported
     from tests.conftest_service import ServiceEnv
 
 pytest_plugins = ["tests.conftest_service"]
@@ -89,8 +90,9 @@ def test_the_sync_indexes_heic_and_avif_photos(shapes_model: ShapesModel, tmp_pa
     (photos / "c.avif").write_bytes(encoded(picture(80, 80), "AVIF"))
     picture().save(photos / "d.jpg", "JPEG")
     (photos / "e.dng").write_bytes(b"II*\x00")
+    cfg = shapes_model.bundle.image_cfg
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(),
-                              cache=feature_cache(shapes_model.cache / "formats", shapes_model.bundle.image_cfg),
+                              cache=feature_cache(exported(shapes_model.cache / "formats", cfg), cfg),
                               collection_root=photos)
     report = sync_folder(index, photos)
     assert sorted(report.added) == ["a.heic", "b.HEIF", "c.avif", "d.jpg"]

@@ -21,10 +21,11 @@ from fragsearch.index.catalogue import DB_FILE
 from fragsearch.index.places import Near, Place, PlaceFilter, distance_km, read_place
 from fragsearch.index.types import BackendOptions
 from fragsearch.model.dataset import feature_cache
+from tests.conftest import exported
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
-    from tests.conftest import ShapesModel
+    from tests.conftest import ShapesModel, exported
 
 PARIS = (48.8584, 2.2945)
 SYDNEY = (-33.8568, 151.2153)
@@ -109,7 +110,7 @@ def _check_filters(index: ImageIndex) -> None:
 
 def test_the_index_keeps_date_and_place_and_filters_by_them(shapes_model: ShapesModel, tmp_path: Path,
                                                             album: dict[str, Path]) -> None:
-    cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
+    cache = feature_cache(exported(tmp_path / "cache", shapes_model.bundle.image_cfg), shapes_model.bundle.image_cfg)
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(), cache=cache)
     index.photos.add(list(album.values()))
     _check_filters(index)  # pending: from memory
@@ -125,7 +126,7 @@ def test_the_index_keeps_date_and_place_and_filters_by_them(shapes_model: Shapes
 
 def test_an_older_catalogue_is_upgraded_in_place_and_its_images_read(shapes_model: ShapesModel, tmp_path: Path,
                                                                      album: dict[str, Path]) -> None:
-    cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
+    cache = feature_cache(exported(tmp_path / "cache", shapes_model.bundle.image_cfg), shapes_model.bundle.image_cfg)
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(), cache=cache)
     index.photos.add(list(album.values()))
     index.save()
@@ -153,7 +154,7 @@ def album_index(shapes_model: ShapesModel, tmp_path: Path, album: dict[str, Path
                 backend: BackendOptions) -> ImageIndex:
     """The album indexed with `backend` and saved, searched through the candidates (exact_below 0) with a
     k' that holds every fragment."""
-    cache = feature_cache(tmp_path / "cache", shapes_model.bundle.image_cfg)
+    cache = feature_cache(exported(tmp_path / "cache", shapes_model.bundle.image_cfg), shapes_model.bundle.image_cfg)
     images = ImageIndex.create(tmp_path / "images", shapes_model.bundle, IndexSettings.of(exact_below=0, k_prime=4096),
                                cache=cache, collection_root=tmp_path / "album", backend=backend)
     images.photos.add(list(album.values()))

@@ -34,8 +34,10 @@ from fragsearch.model.calibration import Calibration, Relevance
 from fragsearch.model.dataset import SplitData, hold_out, load_split_data
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import Places
 from fragsearch.model.score import block_slices
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,7 @@ def refit_relevance(model: Path, out: Path, data: Path, cache: Path, workers: in
         raise SystemExit(f"{model} was not trained with --selection val: it has no validation part to fit the "
                          "relevance scale on (retrain with --selection val)")
     parser = make_parser(bundle.text.cfg.parser)
+    make_graphs(bundle.image_cfg, Places(cache=cache))  # the export step: what its extraction runs
     rest, val = split_of(bundle, load_split_data(data, "train", bundle.image_cfg, cache, parser, workers,
                                                  device=str(bundle.device)))
     others = distractors_of(rest)

@@ -20,11 +20,13 @@ from fragsearch.model.dataset import SplitData
 from fragsearch.model.device import fused_optimizer
 from fragsearch.model.fragments import EncodedSentences, TextPipeline, pad_rows
 from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
+from fragsearch.model.places import Places
 from fragsearch.model.score import flatten, skl_from_flat
 from fragsearch.model.trees import TreeBatch
 from fragsearch.model.words import cut_hidden
 from fragsearch.training.boxes import batch_labels
 from fragsearch.training.distill import Teacher
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.objectives import (
     contrastive_global_loss,
     distill_loss,
@@ -62,6 +64,13 @@ def optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter] | list[dict[str
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: 'adam' or 'sgd'")
 
 
+def _cut_hidden(keys: list[tuple[str, ...]], first: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`cut_hidden` after the export step of its graph (MiniLM's first `first` layers, in the default graph
+    folder, where model/words.py reads it)."""
+    make_graphs(None, Places(), [first])
+    return cut_hidden(keys, first)
+
+
 class TunedText:
     """The training sentences' words in context and sentence vectors through the model's own top layers of
     MiniLM (ModelConfig.text_layers), with gradients: what `encode_tuned` gives the runtime, from the same
@@ -75,7 +84,7 @@ class TunedText:
                  shift: int, cache: Path, device: str) -> None:
         digest = hashlib.sha1(json.dumps([first, keys]).encode()).hexdigest()[:16]
         hidden, offsets, words = cached_file(
-            cache / f"cut{first}-{digest}.npz", lambda: cut_hidden(keys, first),
+            cache / f"cut{first}-{digest}.npz", lambda: _cut_hidden(keys, first),
             lambda v, fh: np.savez(fh, hidden=v[0], offsets=v[1], words=v[2]), _read_cut)
         self.hidden = torch.from_numpy(hidden).to(device)
         self.offsets, self.words, self.pieces = offsets, words, np.diff(offsets)

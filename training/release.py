@@ -166,8 +166,8 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
 
 
 def runtime_files(bundle: Bundle) -> list[Path]:
-    """The graphs a model runs, made where missing (the bundle's graph folder, `Bundle.places`): its crops'
-    backbone and the proposal
+    """The graphs a model runs, in the release folder or the bundle's graph folder (`Bundle.places`; the release's
+    export step, `make_graphs`, made them there first): its crops' backbone and the proposal
     ranker (ImageNet Lite0) at its precision, the ranker's head, the region ranker's arrays where it names one,
     and MiniLM's graph (a model with its own top layers of MiniLM runs that graph with them: the layers
     themselves are the model's weights)."""

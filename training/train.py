@@ -47,6 +47,7 @@ from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.nets.encoders import DeViSE, FragmentModel, GlobalModel, TreeRNN, TwoBranch, build_model
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import Places
 from fragsearch.model.text import Triplet
 from fragsearch.model.trees import position_ranges
 from fragsearch.model.variants import (
@@ -72,6 +73,7 @@ from fragsearch.training.epochs import (
     train_two_branch_epoch,
 )
 from fragsearch.training.evaluate import evaluate_scores
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.merge import merge_selected
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 from fragsearch.training.selection import VAL_METRICS, split_for_selection
@@ -369,10 +371,13 @@ class Trained:
 
 
 def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, split: str = "train",
-             workers: int = 2, limit: int | None = None) -> Trained:
+             workers: int = 2, limit: int | None = None, places: Places | None = None) -> Trained:
     """Train `run` on the `split` images of the data folder (the first `limit`; features extracted into
     `cache` where missing), keep the epoch its selection rule picks as out/model.pt, and write
-    out/history.json with the command line `flags` of `python -m fragsearch.training.train` give."""
+    out/history.json with the command line `flags` of `python -m fragsearch.training.train` give. The graphs its
+    extraction runs are made first where missing (the export step, training/graphs.py) in the graph folder of
+    `places` (default: the artifacts default and `cache`)."""
+    make_graphs(run.image, places or Places(cache=cache))
     device = device_name(run.train.device)
     images = load_split_data(data, split, run.image, cache, make_parser(run.text.parser), workers, limit, device)
     tr, val = split_for_selection(run.train, images)
@@ -393,7 +398,7 @@ def train_on(run: Run, data: Path, out: Path, cache: Path, flags: list[str], *, 
 
 
 def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache: Path, workers: int = 2,
-                  device: str = "auto", limit: int | None = None) -> Trained:
+                  device: str = "auto", limit: int | None = None, places: Places | None = None) -> Trained:
     """Train the variant as its file gives it (model/variants/<variant>.toml) on the data folder's training
     split, keeping the epoch `selection` ("val" or "last") picks: what a first start calls when its model
     is missing (service/prepare.py). An unknown variant raises VariantError before any extraction."""
@@ -402,7 +407,7 @@ def train_variant(variant: str, data: Path, out: Path, selection: str, *, cache:
              "--workers", str(workers), "--device", device, "--selection", selection]
     if limit is not None:
         flags += ["--train-limit", str(limit)]
-    return train_on(run, data, out, cache, flags, workers=workers, limit=limit)
+    return train_on(run, data, out, cache, flags, workers=workers, limit=limit, places=places)
 
 
 if __name__ == "__main__":  # `python -m fragsearch.training.train`, as the docs write it: the command's alias

@@ -16,6 +16,7 @@ from fragsearch.model.parsers import make_parser
 from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.calibrate import fit_calibration, fit_relevance_on_validation, per_item_ms, refit_relevance
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.graphs import make_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
                         settings.device, local)
         return
     bundle = Checkpoint.load(args.model, device=settings.device)
+    make_graphs(bundle.image_cfg, settings.places)  # the export step: what its extraction runs
     device = str(bundle.device)
     if bundle.cfg.kind != "fragment":
         raise SystemExit(f"{args.model}: only fragment models are calibrated (this one is {bundle.cfg.kind!r})")

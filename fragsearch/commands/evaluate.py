@@ -14,6 +14,7 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.parsers import make_parser
 from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.graphs import make_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bundle = Bundle.load(args.model or settings.model_path, device=settings.device, places=settings.places)
+    make_graphs(bundle.image_cfg, settings.places)  # the export step: what its extraction runs
     data = load_split_data(settings.data, args.split, bundle.image_cfg, settings.cache,
                            make_parser(bundle.text.cfg.parser), workers=settings.worker_count, limit=settings.limit,
                            device=str(bundle.device))

@@ -22,6 +22,7 @@ from fragsearch.model.data import check_data_dir, load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.variants import VariantError, load_variant
 from fragsearch.settings import add_setting_flags, settings_of
+from fragsearch.training.graphs import make_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
             paths += [sp.image_path(n) for n in sp.images]
     else:
         paths = sorted(p for p in (root / "images").iterdir() if p.is_file())
+    make_graphs(cfg, settings.places)  # the export step: what the extraction runs
     cache = feature_cache(settings.cache, cfg)
     report = cache.ensure(paths, workers=settings.worker_count)
     logger.info("%s: %d extracted, %d reused, %d failed in %.1fs (%.2f images/s)", cache.dir, report.extracted,

@@ -22,6 +22,7 @@ from fragsearch.model.parsers import make_parser
 from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.finetune import finetune
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.selection import split_for_selection
 from fragsearch.training.train import make_run
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     variant = str(bundle.meta.get("variant", "full"))
     run = make_run(variant, {k: getattr(train_cfg, k) for k in ("selection", "val_images", "val_seed", "seed",
                                                                  "fragment_drop", "dense_epochs", "calibrate")})
+    make_graphs(run.image, settings.places)  # the export step: what its extraction runs
     data = load_split_data(settings.data, "train", run.image, settings.cache, make_parser(run.text.parser), 1,
                            args.train_limit)
     tr, val = split_for_selection(run.train, data)

@@ -18,6 +18,7 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.parsers import make_parser
 from fragsearch.settings import add_setting_flags, settings_of
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.merge import THRESHOLDS, merge_bundles, merge_selected
 from fragsearch.training.selection import split_for_selection
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     first = bundles[0]
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in first.meta.get("train", {}).items() if k in known})
+    make_graphs(first.image_cfg, settings.places)  # the export step: what its extraction runs
     data = load_split_data(settings.data, "train", first.image_cfg, settings.cache, make_parser(first.text.cfg.parser))
     tr, val = split_for_selection(cfg, data)
     merged, summary = merge_selected(bundles, args.members, tr, val, cfg, settings.cache, args.threshold)

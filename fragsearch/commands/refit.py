@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fragsearch.model.bundle import Bundle
 from fragsearch.settings import Settings, add_setting_flags, settings_of
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.refit import Refit
 
 
@@ -44,6 +45,7 @@ def load_refit(ap: argparse.ArgumentParser, args: argparse.Namespace, module: st
     settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bundle = Bundle.load(args.model, places=settings.places)
+    make_graphs(bundle.image_cfg, settings.places)  # the export step: what its extraction runs
     train = load_split_data(settings.data, "train", bundle.image_cfg, settings.cache,
                             make_parser(bundle.text.cfg.parser), settings.worker_count)
     rest, val = split_of(bundle, train)

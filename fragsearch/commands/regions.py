@@ -16,6 +16,7 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.image import RegionExtractor, max_softmax
 from fragsearch.model.regions import GEOMETRY
 from fragsearch.settings import settings_of
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.regions import EPOCHS, HIDDEN, IMAGES, MIN_BOX_FRAC, fit_ranker, held, pictures_of
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     command = " ".join(["python -m fragsearch.training.regions", *(sys.argv[1:] if argv is None else argv)])
     bundle = Bundle.load(args.model, places=settings.places)
+    make_graphs(bundle.image_cfg, settings.places, head=True)  # the export step: what its extraction runs
     selection = bundle.meta.get("train", {})
     if selection.get("selection") != "val":
         raise SystemExit("the model was not trained with --selection val: it has no validation part to choose on")

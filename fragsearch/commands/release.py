@@ -18,6 +18,7 @@ from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR
 from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.release import manifest_of, write_release
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if bundle.image_cfg.backbone != BACKBONE_NAME:
         ap.error(f"{args.model} needs the {bundle.image_cfg.backbone} weight package, which the project does not "
                  "install: a release uses the locked packages only")
+    make_graphs(bundle.image_cfg, settings.places, [None], head=True)  # the export step: what the release ships
     dev_data = load_split_data(settings.data, args.dev_split, bundle.image_cfg, settings.cache,
                                make_parser(bundle.text.cfg.parser), workers=settings.worker_count)
     dev = evaluate(bundle, dev_data)

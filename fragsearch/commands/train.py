@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     run.image = with_region_flags(run.image, args)
     out = args.out or settings.artifacts / "models" / run.variant
     train_on(run, settings.data, out, settings.cache, sys.argv[1:] if argv is None else argv, split=args.train_split,
-             workers=settings.worker_count, limit=args.train_limit)
+             workers=settings.worker_count, limit=args.train_limit, places=settings.places)

@@ -6,7 +6,8 @@ the ONNX graphs (float, and int8 by the quantization recipe of model/backbone.py
     # the served default's graph and head, into the graph folder
     python -m fragsearch.model.nets.backbone --precision int8
 
-The runtime imports this module only when one of those files is missing (model/backbone.py ``backbone_graph``).
+The runtime never imports this module: it only looks those files up (model/backbone.py ``backbone_graph``); the
+trainer's export step (training/graphs.py ``make_graphs``) calls it where one is missing.
 """
 
 from __future__ import annotations

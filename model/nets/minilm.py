@@ -9,8 +9,9 @@ header is recorded in the graph's metadata (the runtime refuses a graph made for
 
     python -m fragsearch.model.nets.minilm          # MiniLM's graph, into the graph folder
 
-The runtime imports this module only when the graph is missing (model/minilm.py ``minilm_graph``); this module
-imports the runtime's only through model/minilm_files.py.
+The runtime never imports this module: it only looks the graph up (model/minilm.py ``minilm_graph``); the
+trainer's export step (training/graphs.py ``make_graphs``) calls it where the graph is missing. This module imports
+the runtime's only through model/minilm_files.py.
 """
 
 from __future__ import annotations
