@@ -63,7 +63,7 @@ from fragsearch.model.onnx import set_threads
 from fragsearch.settings import default_artifacts_dir
 
 if TYPE_CHECKING:
-    from fragsearch.model.nets.backbone import TorchBackbone
+    from fragsearch.training.nets.backbone import TorchBackbone
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +168,9 @@ def top_classes(logits: np.ndarray, k: int) -> np.ndarray:
 
 def classifier(runtime: str) -> Backbone | TorchBackbone:
     """The float backbone with its ImageNet head on the CPU: the runtime's graph on ONNX Runtime (auto,
-    onnx), or torch eager (torch: the trainer's, model/nets/backbone.py)."""
+    onnx), or torch eager (torch: the trainer's, training/nets/backbone.py)."""
     if runtime == "torch":
-        from fragsearch.model.nets.backbone import TorchBackbone
+        from fragsearch.training.nets.backbone import TorchBackbone
 
         return TorchBackbone("cpu")
     return made_backbone("fp32", runtime)

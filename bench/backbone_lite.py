@@ -35,10 +35,10 @@ from bench import machine
 from fragsearch.model.data import load_split
 from fragsearch.model.graphs import BACKBONES, preprocess
 from fragsearch.model.imageio import load_image
-from fragsearch.model.nets.backbone import _Features, _quantize, efficientnet
-from fragsearch.model.nets.onnx import export
 from fragsearch.model.onnx import session, set_threads
 from fragsearch.settings import default_data_dir
+from fragsearch.training.nets.backbone import _Features, _quantize, efficientnet
+from fragsearch.training.nets.onnx import export
 
 logger = logging.getLogger("bench.backbone_lite")
 
@@ -49,7 +49,7 @@ CROPS = 20  # the whole image + 19 regions
 
 
 def load(name: str) -> torch.nn.Module:
-    """The packaged ImageNet weights, loaded strictly (a key mismatch raises): model/nets/backbone.py's loader."""
+    """The packaged ImageNet weights, loaded strictly (a key mismatch raises): training/nets/backbone.py's loader."""
     return efficientnet(name=name)
 
 

@@ -47,7 +47,7 @@ from fragsearch.model.variants import load_variant, variant_names
 from fragsearch.settings import default_data_dir
 
 if TYPE_CHECKING:
-    from fragsearch.model.nets.backbone import TorchBackbone
+    from fragsearch.training.nets.backbone import TorchBackbone
 
 logger = logging.getLogger("bench.extract_bench")
 
@@ -73,10 +73,10 @@ def _timed(label: str, n: int, work: Callable[..., object], *args: object) -> Ro
 
 
 def stage_backbone(runtime: str, precision: str) -> StageBackbone:
-    """The backbone of a stage row on the CPU: torch eager (the trainer's, model/nets/backbone.py) or the
+    """The backbone of a stage row on the CPU: torch eager (the trainer's, training/nets/backbone.py) or the
     runtime's graph on ONNX Runtime."""
     if runtime == "torch":
-        from fragsearch.model.nets.backbone import TorchBackbone
+        from fragsearch.training.nets.backbone import TorchBackbone
 
         return TorchBackbone("cpu")
     return made_backbone(precision, runtime)

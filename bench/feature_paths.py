@@ -65,7 +65,7 @@ def graphs(places: Places) -> dict[str, Path]:
     folder = places.graphs
     bits8 = folder / "efficientnet-lite0-int8-8bit-bench.onnx"
     if not bits8.is_file():
-        from fragsearch.model.nets.backbone import _quantize  # the quantization recipe's maker (the trainer's side)
+        from fragsearch.training.nets.backbone import _quantize  # the quantization recipe's maker (the trainer's side)
 
         folder.mkdir(parents=True, exist_ok=True)
         _quantize(fp32, bits8, reduce_range=False)

@@ -42,7 +42,7 @@ def arm(name: str) -> Iterator[None]:
         yield
         return
     with mock.patch("fragsearch.training.epochs.fused_optimizer", lambda params: False), \
-            mock.patch("fragsearch.model.nets.encoders.host_masks", lambda device: False):
+            mock.patch("fragsearch.training.nets.encoders.host_masks", lambda device: False):
         yield
 
 

@@ -11,7 +11,7 @@ Two things are kept apart:
 * **where a file comes from**: a graph (``backbone_graph``) or the head's arrays (``backbone_head``) are
   looked for in the release folder (``model/released/``: what a release ships), then in the graph folder
   of the run (``Places.graphs``, model/places.py). They are made by an export step on the trainer's side
-  (training/graphs.py, ``model/nets/backbone.py``: exported from the weight package; int8 by static QDQ
+  (training/graphs.py, ``training/nets/backbone.py``: exported from the weight package; int8 by static QDQ
   quantization, per channel, calibrated on a fixed, seeded set of smooth random images, so no data set is needed
   and every machine makes the same bytes), never here: a missing one is `GraphMissing`, which says how to make
   it.
@@ -54,7 +54,7 @@ def _missing(name: str, places: Places, make: str) -> GraphMissing:
     return GraphMissing(
         f"the backbone file {name} is in neither {where}. Graphs are made by an export step in the trainer's "
         f"environment, not at run time: the trainer makes those of the models it trains; for this one run "
-        f"./run python -m fragsearch.model.nets.backbone --cache {places.cache} {make}, or serve a release that "
+        f"./run python -m fragsearch.training.nets.backbone --cache {places.cache} {make}, or serve a release that "
         f"ships it in {RELEASE_DIR}")
 
 
@@ -81,7 +81,7 @@ def backbone_head(backbone: str = BACKBONE_NAME, weights: str = "", places: Plac
 
 
 def export_flags(precision: str, backbone: str = BACKBONE_NAME, weights: str = "") -> str:
-    """The flags of the export command (python -m fragsearch.model.nets.backbone) for these files."""
+    """The flags of the export command (python -m fragsearch.training.nets.backbone) for these files."""
     flags = f"--precision {precision}"
     if backbone != BACKBONE_NAME:
         flags += f" --backbone {backbone}"
@@ -112,7 +112,7 @@ class Backbone:
         if precision not in BACKBONE_PRECISIONS:
             raise ValueError(f"backbone precision must be one of {BACKBONE_PRECISIONS}, got {precision!r}")
         if runtime not in RUNTIMES:
-            hint = " (torch eager is the trainer's: model.nets.backbone.TorchBackbone)" if runtime == "torch" else ""
+            hint = " (torch eager is the trainer's: training.nets.backbone.TorchBackbone)" if runtime == "torch" else ""
             raise ValueError(f"backbone runtime must be one of {RUNTIMES}, got {runtime!r}{hint}")
         self.device = str(resolve_device(device))
         self.precision = precision

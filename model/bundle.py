@@ -8,13 +8,13 @@ A model is stored in one of two forms, and `Bundle.load` reads both:
   state-dict names, the word vectors a static-vector model reads, the calibration's reference fragments).
   NumPy reads it; no torch is needed. A release (model/released/) is one, beside the graphs it runs.
 - **the trainer's checkpoint** (``model.pt``, ``fragsearch-checkpoint-1``): what training writes. Reading it
-  needs torch (model/nets/checkpoint.py, imported only then); `Bundle.save` exports it to the runtime's form.
+  needs torch (training/nets/checkpoint.py, imported only then); `Bundle.save` exports it to the runtime's form.
 
 Either records the sha256 of every weight file outside it that the model depends on (`weight_files`: the
 backbone's ImageNet weights its image graphs were made from, the MiniLM model and tokenizer of its word and
 sentence vectors, the parser's model files), and loading checks those the runtime reads (MiniLM's, the
 parser's): a changed file is a CheckpointError naming it, not silently different features. The backbone's
-weights are read only where a graph is made from them (model/nets/backbone.py); a release's graphs are
+weights are read only where a graph is made from them (training/nets/backbone.py); a release's graphs are
 checked by its manifest.
 
 A Bundle embeds and scores in NumPy on the CPU (model/encoders.py, model/score.py); its graphs (MiniLM, the

@@ -12,7 +12,7 @@ A device is a plain string ('cpu', 'cuda', 'cuda:1'). What runs where, in one pl
   few MFLOP, less than a transfer to a GPU costs (`placement`'s "exact" and "prescore" calls);
 - each call of a fragment index runs where `placement` says (FAISS's GPU copy for k-NN on a GPU host);
 - image extraction runs where `extraction_device` says;
-- training (model/nets, training/) puts its batches on the device as a torch device (`torch_device`).
+- training (training/nets, training/) puts its batches on the device as a torch device (`torch_device`).
 
 Whether a GPU is visible is asked of torch where the process has it (training), else of FAISS (faiss-gpu)
 and of ONNX Runtime's CUDA provider with an NVIDIA device node: the runtime never imports torch.

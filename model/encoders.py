@@ -25,7 +25,7 @@ one fragment per side (model/bundle.py scores them with the same S_kl).
 
 Here they are what the runtime runs: NumPy over the trained weights (`Encoders`, from the arrays of a
 checkpoint or a release), inference only. Training optimises the same encoders as torch modules
-(model/nets/encoders.py), whose state-dict names these arrays keep; tests/test_encoders.py holds the two
+(training/nets/encoders.py), whose state-dict names these arrays keep; tests/test_encoders.py holds the two
 to the same numbers for every kind.
 """
 

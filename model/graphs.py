@@ -4,7 +4,7 @@ those files are looked for: the release folder first (``model/released/``: what 
 against its manifest), then the graph folder of the run (``Places.graphs``, model/places.py: passed down by the
 command, `Places()` by default). Nothing here imports torch.
 
-The runtime's backbone (model/backbone.py) reads the files; the torch side (model/nets/backbone.py) makes a
+The runtime's backbone (model/backbone.py) reads the files; the torch side (training/nets/backbone.py) makes a
 missing one. Both import this module, and neither the other's: the import graph stays one-way.
 """
 

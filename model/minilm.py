@@ -17,7 +17,7 @@ packs for its products are held in anonymous memory. The graph records the sha25
 
 The graph is looked for in the release folder (``model/released/``: what a release ships), then in the graph
 folder the caller names (a model's: ``Bundle.places``, model/places.py). It is made by an export step on the
-trainer's side (training/graphs.py, ``model/nets/minilm.py``), never here: a missing one is `GraphMissing`, which
+trainer's side (training/graphs.py, ``training/nets/minilm.py``), never here: a missing one is `GraphMissing`, which
 names the file and the command that makes it.
 """
 
@@ -66,7 +66,7 @@ def minilm_graph(folder: Path | None = None, upto: int | None = None) -> Path:
     release, target = search_dirs(folder)
     raise GraphMissing(
         f"MiniLM's graph {name} is in neither {release} nor {target}. Graphs are made by an export step in the "
-        f"trainer's environment, not at run time: ./run python -m fragsearch.model.nets.minilm"
+        f"trainer's environment, not at run time: ./run python -m fragsearch.training.nets.minilm"
         f"{'' if upto is None else f' --upto {upto}'} --folder {target}, or serve a release that ships it in "
         f"{release}")
 

@@ -5,7 +5,7 @@ and nothing of it imported, as in ./run's environments and the image; else the c
 the name and metadata of the graph made from it, where that graph is looked for (the release folder, then the
 graph folder), and an ONNX Runtime session of such a graph. Nothing here imports torch.
 
-The runtime (model/minilm.py) reads the files; the torch side (model/nets/minilm.py) makes a missing graph.
+The runtime (model/minilm.py) reads the files; the torch side (training/nets/minilm.py) makes a missing graph.
 Both import this module, and the torch side never imports the runtime's: the import graph stays one-way.
 """
 

@@ -2,7 +2,7 @@
 checkpoint (model.pt, read with torch where it is installed), both read into the same two parts: a
 description (the settings, relations, vocabulary, meta, calibration settings, weight record) and arrays by
 the runtime's names (enc/<state-dict name>, word_vectors, cal/<name>). model/bundle.py builds the runtime's
-Bundle from them; model/nets/checkpoint.py the trainer's Checkpoint.
+Bundle from them; training/nets/checkpoint.py the trainer's Checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-FORMAT = "fragsearch-checkpoint-1"  # the trainer's .pt (model/nets/checkpoint.py)
+FORMAT = "fragsearch-checkpoint-1"  # the trainer's .pt (training/nets/checkpoint.py)
 MODEL_FORMAT = "fragsearch-model-1"  # the runtime's folder: model.json + model.npz
 MODEL_JSON = "model.json"
 MODEL_ARRAYS = "model.npz"

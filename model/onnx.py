@@ -2,7 +2,7 @@
 
 The runtime only runs graphs: a release ships the graphs its model needs (model/released/), and the
 graphs of other settings (a float backbone, a larger or fine-tuned one) are exported once into the graph
-folder of the run (model/places.py `Places.graphs`) by the torch side (model/nets/), where torch is installed.
+folder of the run (model/places.py `Places.graphs`) by the torch side (training/nets/), where torch is installed.
 Sessions run on the CPU, or on ONNX Runtime's CUDA provider where onnxruntime-gpu is installed and the
 device policy (model/device.py) puts the model on a GPU.
 """

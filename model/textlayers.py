@@ -6,7 +6,7 @@ followed by these layers with the model's own weights, stored with the model's e
 ``text_layers.layers.<i>.<part>.weight|bias``. Only those layers are shipped; the rest of MiniLM stays the
 package's. The runtime runs MiniLM's own graph with these weights in place of the package's for those layers
 (model/minilm.py ``MiniLM(layers=...)``: ONNX Runtime, at MiniLM's own cost); the trainer runs its torch twin
-(model/nets/textlayers.py) after MiniLM's graph cut below them. The two agree to float32 rounding
+(training/nets/textlayers.py) after MiniLM's graph cut below them. The two agree to float32 rounding
 (tests/test_textlayers.py).
 
 A layer is BERT's post-norm transformer layer as MiniLM has it (12 heads of 32, exact GELU, LayerNorm eps 1e-12):

@@ -187,9 +187,9 @@ def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.Te
     """The shapes model calibrated on training images, its relevance scale fitted on 20 held-out ones with the
     rest beside them (as training fits it on the validation part), saved."""
     from fragsearch.model.dataset import hold_out, load_split_data
-    from fragsearch.model.nets.checkpoint import Checkpoint
     from fragsearch.model.parsers import make_parser
     from fragsearch.training.calibrate import fit_calibration
+    from fragsearch.training.nets.checkpoint import Checkpoint
     from fragsearch.training.relevance import fit_relevance, judge
 
     ckpt = Checkpoint.load(shapes_model.model_path)
@@ -206,7 +206,7 @@ def calibrated_checkpoint(shapes_model: ShapesModel, tmp_path_factory: pytest.Te
 def calibrated_engine(shapes_model: ShapesModel, calibrated_checkpoint: Path,
                       tmp_path_factory: pytest.TempPathFactory) -> Engine:
     """The calibrated shapes model (`calibrated_checkpoint`) over its own indexes."""
-    from fragsearch.model.nets.checkpoint import Checkpoint
+    from fragsearch.training.nets.checkpoint import Checkpoint
 
     ckpt = Checkpoint.load(calibrated_checkpoint)
     return engine_over_dev(shapes_model, ckpt.bundle(), tmp_path_factory.mktemp("calibrated"))
@@ -219,9 +219,9 @@ def evidence_model(shapes_model: ShapesModel, calibrated_checkpoint: Path,
     the things a caption names are present in its own picture) and its relevance refitted with the evidence on
     the same 20 held-out images, saved as a folder (its path)."""
     from fragsearch.model.dataset import hold_out, load_split_data
-    from fragsearch.model.nets.checkpoint import Checkpoint
     from fragsearch.model.parsers import make_parser
     from fragsearch.training.evidence import fit_evidence, fit_relevance_with_evidence
+    from fragsearch.training.nets.checkpoint import Checkpoint
 
     bundle = Checkpoint.load(calibrated_checkpoint).bundle()
     train = load_split_data(shapes_model.data, "train", bundle.image_cfg, shapes_model.cache, make_parser("spacy"))

@@ -18,11 +18,11 @@ from fragsearch.model.config import ImageConfig, TextConfig
 from fragsearch.model.encoders import ModelConfig
 from fragsearch.model.features import feature_dim
 from fragsearch.model.fragments import TextPipeline
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.words import WordTable
 from fragsearch.settings import default_data_dir
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 
 DOG = "1001773457_577c3a7d70.jpg"  # two dogs playing (Flickr8K train): the detector finds both
 DOG_SENTENCE = "two brown dogs play on the grass"

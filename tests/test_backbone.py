@@ -19,10 +19,10 @@ from fragsearch.model.backbone import Backbone, backbone_graph, backbone_head, r
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.graphs import GraphMissing, calibration_images, graph_name, head_name, preprocess
 from fragsearch.model.image import RegionExtractor
-from fragsearch.model.nets.backbone import TorchBackbone, onnx_graph
 from fragsearch.model.places import Places
 from fragsearch.model.release import ReleaseError
 from fragsearch.training.graphs import make_graphs
+from fragsearch.training.nets.backbone import TorchBackbone, onnx_graph
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,11 +157,11 @@ def test_a_missing_graph_names_the_graph_and_the_export_step(tmp_path: Path,
     """The runtime never makes a graph (nor imports the torch side to): a missing one says which, where it was
     looked for, and the command that makes it."""
     monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", tmp_path / "released")
-    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.backbone", None)  # an import of it would raise
+    monkeypatch.setitem(sys.modules, "fragsearch.training.nets.backbone", None)  # an import of it would raise
     with pytest.raises(GraphMissing, match="efficientnet-lite0-fp32-opset17.onnx") as info:
         backbone_graph("fp32", places=Places(cache=tmp_path))
     assert isinstance(info.value, FileNotFoundError)
-    assert "python -m fragsearch.model.nets.backbone" in str(info.value) and "--precision fp32" in str(info.value)
+    assert "python -m fragsearch.training.nets.backbone" in str(info.value) and "--precision fp32" in str(info.value)
     assert str(tmp_path / "graphs") in str(info.value)
     with pytest.raises(GraphMissing, match="efficientnet-lite0-head.npz"):
         backbone_head(places=Places(cache=tmp_path))

@@ -11,10 +11,10 @@ import torch
 
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import Calibration, Relevance, competition
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.score import align, skl
 from fragsearch.training.calibrate import fit_calibration, per_item_ms
 from fragsearch.training.evaluate import annotation_ranks, evaluate, score_split, search_ranks
+from fragsearch.training.nets.checkpoint import Checkpoint
 from fragsearch.training.relevance import (
     Judged,
     _fit,

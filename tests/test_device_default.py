@@ -30,8 +30,8 @@ import fragsearch.model.device
 import fragsearch.training.train
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel, InputDropout
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel, InputDropout
 from fragsearch.training.train import make_run, train_members
 from tests.other_device import on_device, other_device
 from tests.test_device_mixing import CAPTIONS, tiny_split  # noqa: F401  (the module's fixture, shared)

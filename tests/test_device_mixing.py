@@ -29,8 +29,6 @@ from fragsearch.model.dataset import SplitData
 from fragsearch.model.encoders import GLOBAL_KINDS, ModelConfig
 from fragsearch.model.fragments import TextPipeline, pad
 from fragsearch.model.image import RegionExtractor
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.score import (
     FlatFragments,
@@ -44,6 +42,8 @@ from fragsearch.model.score import (
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.trees import SentenceTree, TreeBatch
 from fragsearch.model.words import WORD_DIM, WordTable
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch, build_model
 from fragsearch.training.objectives import fragment_loss, global_loss, mil_labels, two_branch_loss
 from fragsearch.training.train import make_run, train
 from tests.other_device import DeviceMixError, on_device, other_device

@@ -12,13 +12,13 @@ import torch
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import load_split_data
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.words import WordTable
 from fragsearch.training.distill import Teacher
 from fragsearch.training.epochs import FragmentBatches, batch_images, train_fragment_epoch
 from fragsearch.training.evaluate import score_split
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 from fragsearch.training.objectives import distill_loss
 from fragsearch.training.train import make_run, train
 from tests.conftest import OtherFeaturesModel, ShapesModel

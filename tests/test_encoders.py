@@ -16,11 +16,11 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TextConfig, TrainConfig
 from fragsearch.model.encoders import Encoders, ModelConfig
 from fragsearch.model.fragments import SENTENCE_REL, WORD_REL, TextPipeline
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel, InputDropout, arrays, build_model
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.trees import SentenceTree, TreeBatch
 from fragsearch.model.words import WordTable
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel, InputDropout, arrays, build_model
 from fragsearch.training.train import make_run
 
 IMG_DIM, WORD_DIM, H = 12, 4, 8
@@ -174,7 +174,7 @@ def test_region_flags_override_only_what_is_given() -> None:
 
 
 def test_the_train_step_bench_turns_both_choices_off_in_its_before_arm() -> None:
-    import fragsearch.model.nets.encoders as encoders
+    import fragsearch.training.nets.encoders as encoders
     from bench.train_step import ARMS, arm
     from fragsearch.training.epochs import optimizer
 
@@ -208,7 +208,7 @@ def _trees() -> list[SentenceTree]:
 @pytest.mark.parametrize("name", sorted(KIND_SHAPES))
 def test_the_runtimes_numpy_encoders_give_the_torch_modules_numbers(name: str) -> None:
     """The service embeds with NumPy (model/encoders.py) what training optimised as torch modules
-    (model/nets/encoders.py): the same weights give the same fragments to float rounding, for every kind and
+    (training/nets/encoders.py): the same weights give the same fragments to float rounding, for every kind and
     option, batch norm's running statistics and padding included."""
     torch.manual_seed(0)
     shape = dict(KIND_SHAPES[name])

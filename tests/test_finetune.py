@@ -19,13 +19,13 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.features import config_key, config_payload
 from fragsearch.model.graphs import preprocess, weights_digest
 from fragsearch.model.image import RegionExtractor, region_crops
-from fragsearch.model.nets.backbone import Top, Trunk, efficientnet, onnx_graph
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.places import Places
 from fragsearch.training.cutpoint import CutStore, extract
 from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
 from fragsearch.training.finetune import CutFeatures, finetune, make_top, one_caption_each
+from fragsearch.training.nets.backbone import Top, Trunk, efficientnet, onnx_graph
+from fragsearch.training.nets.checkpoint import Checkpoint
 from fragsearch.training.train import make_run, split_for_selection, train
 from tests.conftest import exported
 from tests.synthetic import make_dataset

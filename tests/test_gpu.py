@@ -50,7 +50,7 @@ trainer_gpu = pytest.mark.skipif(not _torch_cuda(), reason="needs torch with a C
 
 @trainer_gpu
 def test_train_and_calibrate_on_cuda(shapes_model: ShapesModel, tmp_path: Path) -> None:
-    from fragsearch.model.nets.checkpoint import Checkpoint
+    from fragsearch.training.nets.checkpoint import Checkpoint
     from fragsearch.training.train import make_run, train
 
     run = make_run("paper", {"epochs": 3, "dense_epochs": 1, "anneal_epochs": 1, "batch_size": 20, "h": 32,

@@ -24,10 +24,10 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import hold_out, load_split_data
 from fragsearch.model.device import is_gpu
 from fragsearch.model.encoders import ModelConfig
-from fragsearch.model.nets.encoders import build_model
 from fragsearch.model.onnx import session
 from fragsearch.model.parsers import make_parser
 from fragsearch.service.app import create_app, load_engine
+from fragsearch.training.nets.encoders import build_model
 from fragsearch.training.train import make_run, train
 from tests import served
 from tests.conftest import ShapesModel

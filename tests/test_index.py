@@ -33,10 +33,10 @@ from fragsearch.model.embed import EmbeddedImage, EmbeddedSentence, embed_senten
 from fragsearch.model.encoders import ModelConfig
 from fragsearch.model.fragments import WORD_REL, TextPipeline
 from fragsearch.model.image import RegionExtractor
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.words import WordTable
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 from tests.conftest import exported
 
 H = 32
@@ -735,7 +735,7 @@ def test_a_float16_candidate_copy_halves_the_flat_index_and_annotates_alike(tmp_
 
 def test_two_branch_model_indexes_one_vector_per_image_and_sentence(tmp_path: Path, words: WordTable):
     from fragsearch.model.fragments import SENTENCE_REL
-    from fragsearch.model.nets.encoders import TwoBranch
+    from fragsearch.training.nets.encoders import TwoBranch
 
     cfg = TextConfig(sentence_fragment=True)
     relations = RelationVocab(TextPipeline.relation_names(cfg, RELATIONS), {}, 0.01)

@@ -20,14 +20,14 @@ from fragsearch.index.images import embedded_images
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import SplitData, hold_out, load_split_data
 from fragsearch.model.encoders import ModelConfig
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.score import skl
 from fragsearch.service.app import create_app
 from fragsearch.training.calibrate import fit_calibration
 from fragsearch.training.evaluate import score_split
 from fragsearch.training.merge import merge_bundles, merge_models
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 from fragsearch.training.train import make_run, split_for_selection, train, train_members, train_on
 from tests.conftest import ShapesModel
 from tests.conftest_service import engine_over_dev

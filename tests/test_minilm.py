@@ -44,7 +44,7 @@ TOKEN_LISTS = [
 @pytest.fixture(scope="module")
 def reference() -> Any:
     """sentence-transformers' all-MiniLM-L6-v2 (torch): what the runtime must equal."""
-    from fragsearch.model.nets.minilm import load_minilm
+    from fragsearch.training.nets.minilm import load_minilm
 
     return load_minilm("cpu")
 
@@ -220,8 +220,8 @@ def test_a_missing_graph_names_the_file_and_the_export_step(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The runtime never makes MiniLM's graph (nor imports the torch side to): it says which file and how."""
     monkeypatch.setattr(fragsearch.model.graphs, "RELEASE_DIR", tmp_path / "released")
-    monkeypatch.setitem(sys.modules, "fragsearch.model.nets.minilm", None)  # an import of it would raise
-    with pytest.raises(GraphMissing, match=rf"{GRAPH_NAME} is in neither .*python -m fragsearch.model.nets.minilm"
+    monkeypatch.setitem(sys.modules, "fragsearch.training.nets.minilm", None)  # an import of it would raise
+    with pytest.raises(GraphMissing, match=rf"{GRAPH_NAME} is in neither .*python -m fragsearch.training.nets.minilm"
                        ) as err:
         minilm_graph(tmp_path / "graphs")
     assert isinstance(err.value, FileNotFoundError)

@@ -16,10 +16,10 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import Calibration
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.encoders import Encoders, ModelConfig
-from fragsearch.model.nets.encoders import FragmentModel, arrays
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.score import skl
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.nets.encoders import FragmentModel, arrays
 from fragsearch.training.train import make_run, train
 from tests.conftest import ShapesModel
 

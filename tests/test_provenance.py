@@ -14,8 +14,8 @@ import torch
 from fragsearch.model import bundle as bundle_module
 from fragsearch.model.bundle import Bundle, CheckpointError, weight_files
 from fragsearch.model.config import TextConfig
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.words import WordTable
+from fragsearch.training.nets.checkpoint import Checkpoint
 from tests.test_index import WORDS, make_bundle
 
 

@@ -1,6 +1,6 @@
 """The service runs without the training stack: what it imports pulls in no torch, and the runtime's NumPy path
 (model/encoders.py, model/score.py, model/calibration.py over ONNX Runtime's graphs) gives the numbers of the
-torch path training uses (model/nets/: the torch modules, S_kl and calibration on tensors)."""
+torch path training uses (training/nets/: the torch modules, S_kl and calibration on tensors)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from fragsearch.index.ranker import rank_key
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import Calibration
 from fragsearch.model.fragments import pad
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.score import skl
 from fragsearch.training.calibrate import fit_calibration
+from fragsearch.training.nets.checkpoint import Checkpoint
 from tests.conftest import ShapesModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,9 +97,9 @@ def test_serving_loads_no_torch_where_it_is_installed() -> None:
 
 
 def test_a_module_that_pulls_torch_in_is_caught() -> None:
-    """The watch above names a project file that imports torch (the torch side, model/nets/)."""
-    found = project_imports_of(TRAINING_STACK, ("fragsearch.model.nets.encoders",))
-    assert ["torch", "model/nets/encoders.py"] in found
+    """The watch above names a project file that imports torch (the torch side, training/nets/)."""
+    found = project_imports_of(TRAINING_STACK, ("fragsearch.training.nets.encoders",))
+    assert ["torch", "training/nets/encoders.py"] in found
 
 
 def _torch_path_scores(ckpt: Checkpoint, feats: np.ndarray, parsed: list, sentences: list[str],

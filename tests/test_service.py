@@ -18,13 +18,13 @@ from PIL import Image, ImageDraw
 
 from fragsearch.index import ImageIndex, IndexLoadError, IndexSettings, SentenceIndex
 from fragsearch.model.bundle import Bundle
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.release import RELEASED_MODEL
 from fragsearch.model.text import Triplet
 from fragsearch.service.app import STATIC, create_app
 from fragsearch.service.engine import Engine
 from fragsearch.service.prepare import prepare
 from fragsearch.settings import Settings
+from fragsearch.training.nets.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from tests.conftest_service import ServiceEnv

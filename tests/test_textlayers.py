@@ -18,14 +18,14 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.encoders import Encoders, ModelConfig
 from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
 from fragsearch.model.minilm import minilm
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel, arrays
-from fragsearch.model.nets.textlayers import TextLayers as TorchLayers
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.textlayers import PREFIX, TextLayers, first_layer
 from fragsearch.model.words import cut_hidden, encode_texts, encode_tuned
 from fragsearch.training.epochs import FragmentBatches
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel, arrays
+from fragsearch.training.nets.textlayers import TextLayers as TorchLayers
 from fragsearch.training.release import manifest_of, write_release
 from fragsearch.training.train import Run, make_run, train
 from tests.conftest import ShapesModel
@@ -89,7 +89,7 @@ def test_minilms_own_layers_after_the_cut_give_minilms_vectors(n: int) -> None:
 
 
 def test_the_cut_graph_is_minilms_hidden_states_after_that_layer() -> None:
-    from fragsearch.model.nets.minilm import bert
+    from fragsearch.training.nets.minilm import bert
 
     hidden, offsets, words = cut_hidden(LISTS[:2], 4)
     model = bert()

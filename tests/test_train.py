@@ -15,12 +15,12 @@ from fragsearch.commands.train import main as train_main
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TrainConfig
 from fragsearch.model.dataset import SplitData, hold_out, load_split_data
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import build_model
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.variants import VariantError
 from fragsearch.training.epochs import _step, drop_fragments, global_top_k_at
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import build_model
 from fragsearch.training.train import Trained, split_for_selection, train_variant
 from tests.conftest import ShapesModel
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fragsearch.model.encoders import Encoders, ModelConfig
-from fragsearch.model.nets.encoders import DeViSE, TreeRNN, arrays
 from fragsearch.model.parsers import SpacyParser
 from fragsearch.model.trees import SentenceTree, TreeBatch, position_ranges
+from fragsearch.training.nets.encoders import DeViSE, TreeRNN, arrays
 from fragsearch.training.objectives import global_loss
 
 D, H = 3, 2

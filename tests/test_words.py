@@ -109,7 +109,7 @@ def test_onnx_encoders_give_the_torch_outputs() -> None:
     """The ONNX Runtime path equals sentence-transformers' own encode and the torch transformer."""
     import torch
 
-    from fragsearch.model.nets.minilm import load_minilm
+    from fragsearch.training.nets.minilm import load_minilm
 
     sentences = ["A black dog is running after a white dog in the snow .", "two men", "  padded  text "]
     model: Any = load_minilm()

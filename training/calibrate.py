@@ -32,12 +32,12 @@ import numpy as np
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import Calibration, Relevance
 from fragsearch.model.dataset import SplitData, hold_out, load_split_data
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.places import Places
 from fragsearch.model.score import block_slices
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.graphs import make_graphs
+from fragsearch.training.nets.checkpoint import Checkpoint
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 
 logger = logging.getLogger(__name__)

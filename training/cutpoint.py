@@ -35,9 +35,9 @@ from fragsearch.model.dataset import feature_cache, held_out_indices
 from fragsearch.model.features import read_entry
 from fragsearch.model.image import region_crops
 from fragsearch.model.imageio import load_image
-from fragsearch.model.nets.backbone import Trunk, cut_shape, efficientnet
-from fragsearch.model.nets.onnx import export
 from fragsearch.model.onnx import session, set_threads
+from fragsearch.training.nets.backbone import Trunk, cut_shape, efficientnet
+from fragsearch.training.nets.onnx import export
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ import torch
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.dataset import cached_features
 from fragsearch.model.fragments import TextPipeline
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.score import skl
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 
 logger = logging.getLogger(__name__)
 

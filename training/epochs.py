@@ -19,7 +19,6 @@ from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import SplitData
 from fragsearch.model.device import fused_optimizer
 from fragsearch.model.fragments import EncodedSentences, TextPipeline, pad_rows
-from fragsearch.model.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from fragsearch.model.places import Places
 from fragsearch.model.score import flatten, skl_from_flat
 from fragsearch.model.trees import TreeBatch
@@ -27,6 +26,7 @@ from fragsearch.model.words import cut_hidden
 from fragsearch.training.boxes import batch_labels
 from fragsearch.training.distill import Teacher
 from fragsearch.training.graphs import make_graphs
+from fragsearch.training.nets.encoders import DeViSE, FragmentModel, TreeRNN, TwoBranch
 from fragsearch.training.objectives import (
     contrastive_global_loss,
     distill_loss,

@@ -38,14 +38,14 @@ import torch
 from fragsearch.model.atomic import atomic_file
 from fragsearch.model.dataset import SplitData
 from fragsearch.model.device import fused_optimizer
-from fragsearch.model.nets.backbone import Top, efficientnet, onnx_graph
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.model.places import Places
 from fragsearch.training.calibrate import fit_calibration, reference_draw
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.epochs import FragmentBatches, train_fragment_epoch
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.nets.backbone import Top, efficientnet, onnx_graph
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 from fragsearch.training.selection import VAL_METRICS
 from fragsearch.training.train import Run
 

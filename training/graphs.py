@@ -1,8 +1,8 @@
-"""The export step: the ONNX graphs and head arrays the runtime runs, made from the torch side (model/nets/) where
+"""The export step: the ONNX graphs and head arrays the runtime runs, made from the torch side (training/nets/) where
 neither the release folder nor the run's graph folder has them. The runtime only looks them up (model/backbone.py
 ``backbone_graph``, model/minilm.py ``minilm_graph``: GraphMissing where they are not); what trains, fine-tunes,
-releases or extracts with a model calls this first, and `python -m fragsearch.model.nets.backbone` /
-`python -m fragsearch.model.nets.minilm` make one by hand."""
+releases or extracts with a model calls this first, and `python -m fragsearch.training.nets.backbone` /
+`python -m fragsearch.training.nets.minilm` make one by hand."""
 
 from __future__ import annotations
 
@@ -27,17 +27,17 @@ def make_graphs(cfg: ImageConfig | None, places: Places, minilm: Iterable[int | 
     made: list[Path] = []
     for precision, backbone, weights in extractor_graphs(cfg) if cfg is not None else ():
         if find(graph_name(precision, backbone, weights, places), places.graphs) is None:
-            from fragsearch.model.nets.backbone import onnx_graph
+            from fragsearch.training.nets.backbone import onnx_graph
 
             made.append(onnx_graph(precision, places.graphs, weights=weights, backbone=backbone, places=places))
     if (head or cfg is not None and reads_head(cfg)) and find(head_name(BACKBONE_NAME, "", places),
                                                             places.graphs) is None:
-        from fragsearch.model.nets.backbone import export_head
+        from fragsearch.training.nets.backbone import export_head
 
         made.append(export_head(places.graphs, places=places))
     for upto in minilm:
         if find(minilm_graph_name(upto), places.graphs) is None:
-            from fragsearch.model.nets.minilm import export_graph
+            from fragsearch.training.nets.minilm import export_graph
 
             made.append(export_graph(places.graphs, upto))
     for path in made:

@@ -39,10 +39,10 @@ import torch
 
 from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import SplitData
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import FragmentModel
 from fragsearch.training.calibrate import fit_calibration, store_relevance
 from fragsearch.training.evaluate import evaluate_scores
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import FragmentModel
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 from fragsearch.training.selection import VAL_METRICS
 

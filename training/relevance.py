@@ -25,8 +25,8 @@ import numpy as np
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.calibration import RELEVANCE_TOP, Relevance, competition, probability
 from fragsearch.model.dataset import SplitData, select_images
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.training.evaluate import evaluate_scores, score_split
+from fragsearch.training.nets.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,6 @@ from fragsearch.model.device import device_name
 from fragsearch.model.encoders import ModelConfig
 from fragsearch.model.entities import read_entities
 from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
-from fragsearch.model.nets.checkpoint import Checkpoint
-from fragsearch.model.nets.encoders import DeViSE, FragmentModel, GlobalModel, TreeRNN, TwoBranch, build_model
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.places import Places
 from fragsearch.model.text import Triplet
@@ -75,6 +73,8 @@ from fragsearch.training.epochs import (
 from fragsearch.training.evaluate import evaluate_scores
 from fragsearch.training.graphs import make_graphs
 from fragsearch.training.merge import merge_selected
+from fragsearch.training.nets.checkpoint import Checkpoint
+from fragsearch.training.nets.encoders import DeViSE, FragmentModel, GlobalModel, TreeRNN, TwoBranch, build_model
 from fragsearch.training.relevance import distractors_of, fit_relevance, judge
 from fragsearch.training.selection import VAL_METRICS, split_for_selection
 

@@ -16,13 +16,13 @@ import numpy as np
 import fragsearch.training.finetune as library
 from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import load_split_data, select_images
-from fragsearch.model.nets.checkpoint import Checkpoint
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.parsers import make_parser
 from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.finetune import finetune
 from fragsearch.training.graphs import make_graphs
+from fragsearch.training.nets.checkpoint import Checkpoint
 from fragsearch.training.selection import split_for_selection
 from fragsearch.training.train import make_run
 

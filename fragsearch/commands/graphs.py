@@ -1,8 +1,8 @@
 """Make the files the runtime reads from the trainer's side (torch): the backbone's ONNX graph and ImageNet head
-arrays (model/nets/backbone.py), MiniLM's graph without its weights (model/nets/minilm.py).
+arrays (training/nets/backbone.py), MiniLM's graph without its weights (training/nets/minilm.py).
 
-    python -m fragsearch.model.nets.backbone --precision int8     # the served default's graph and head
-    python -m fragsearch.model.nets.minilm                        # MiniLM's graph
+    python -m fragsearch.training.nets.backbone --precision int8     # the served default's graph and head
+    python -m fragsearch.training.nets.minilm                        # MiniLM's graph
 
 Each is written into the graph folder of the settings in force (<cache>/graphs; --cache or --folder to name
 another), where the runtime looks after the release folder. A file already there is kept.
@@ -31,7 +31,7 @@ def _place_flags(ap: argparse.ArgumentParser) -> None:
 
 def backbone_main(argv: Sequence[str] | None = None) -> None:
     """The backbone's graph for one precision and its ImageNet head's arrays."""
-    from fragsearch.model.nets.backbone import _efficientnet, export_head, onnx_graph
+    from fragsearch.training.nets.backbone import _efficientnet, export_head, onnx_graph
 
     ap = argparse.ArgumentParser(description="Make the backbone graph and head arrays the runtime reads.")
     ap.add_argument("--precision", choices=BACKBONE_PRECISIONS, default="int8", help="fp32, or the int8 graph")
@@ -50,7 +50,7 @@ def backbone_main(argv: Sequence[str] | None = None) -> None:
 
 def minilm_main(argv: Sequence[str] | None = None) -> None:
     """MiniLM's graph (or its first layers')."""
-    from fragsearch.model.nets.minilm import export_graph
+    from fragsearch.training.nets.minilm import export_graph
 
     ap = argparse.ArgumentParser(description="Make MiniLM's graph (without its weights) that the runtime runs.")
     ap.add_argument("--upto", type=int, default=None,

@@ -7,7 +7,7 @@ weights' bytes are then replaced by references to that file (ONNX external data:
 tensor's byte offset and length), so the file holds the operations only, and the sha256 of the weight file's
 header is recorded in the graph's metadata (the runtime refuses a graph made for another file).
 
-    python -m fragsearch.model.nets.minilm          # MiniLM's graph, into the graph folder
+    python -m fragsearch.training.nets.minilm          # MiniLM's graph, into the graph folder
 
 The runtime never imports this module: it only looks the graph up (model/minilm.py ``minilm_graph``); the
 trainer's export step (training/graphs.py ``make_graphs``) calls it where the graph is missing. This module imports
@@ -40,7 +40,7 @@ from fragsearch.model.minilm_files import (
     read_header,
     session,
 )
-from fragsearch.model.nets.onnx import export
+from fragsearch.training.nets.onnx import export
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -198,7 +198,7 @@ def export_graph(folder: Path | None = None, upto: int | None = None) -> Path:
     return path
 
 
-if __name__ == "__main__":  # `python -m fragsearch.model.nets.minilm`, as the docs write it: the command's alias
+if __name__ == "__main__":  # `python -m fragsearch.training.nets.minilm`, as the docs write it: the command's alias
     from fragsearch.commands.graphs import minilm_main
 
     minilm_main()

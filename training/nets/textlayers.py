@@ -69,7 +69,7 @@ class TextLayers(nn.Module):
 
     def load_minilm(self) -> TextLayers:
         """These layers with the package's weights of MiniLM's layers first .. 5 (trained from there)."""
-        from fragsearch.model.nets.minilm import bert
+        from fragsearch.training.nets.minilm import bert
 
         model: Any = bert()
         source = model.encoder.layer

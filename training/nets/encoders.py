@@ -14,8 +14,8 @@ from torch import nn
 
 from fragsearch.model.device import host_masks
 from fragsearch.model.encoders import GLOBAL_KINDS, ModelConfig
-from fragsearch.model.nets.textlayers import TextLayers
 from fragsearch.model.trees import TreeBatch
+from fragsearch.training.nets.textlayers import TextLayers
 
 
 class FragmentModel(nn.Module):

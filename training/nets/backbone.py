@@ -4,7 +4,7 @@ the benchmarks' torch row), and the files the runtime's Backbone (model/backbone
 the ONNX graphs (float, and int8 by the quantization recipe of model/backbone.py) and the ImageNet head's arrays.
 
     # the served default's graph and head, into the graph folder
-    python -m fragsearch.model.nets.backbone --precision int8
+    python -m fragsearch.training.nets.backbone --precision int8
 
 The runtime never imports this module: it only looks those files up (model/backbone.py ``backbone_graph``); the
 trainer's export step (training/graphs.py ``make_graphs``) calls it where one is missing.
@@ -36,8 +36,8 @@ from fragsearch.model.graphs import (
     quant_recipe,
     weights_path,
 )
-from fragsearch.model.nets.onnx import export
 from fragsearch.model.places import DEFAULT_PLACES, Places
+from fragsearch.training.nets.onnx import export
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ def export_head(folder: Path, net: torch.nn.Module | None = None, weights: str =
     return path
 
 
-if __name__ == "__main__":  # `python -m fragsearch.model.nets.backbone`, as the docs write it: the command's alias
+if __name__ == "__main__":  # `python -m fragsearch.training.nets.backbone`, as the docs write it: the command's alias
     from fragsearch.commands.graphs import backbone_main
 
     backbone_main()

@@ -25,11 +25,11 @@ from fragsearch.model.device import torch_device
 from fragsearch.model.encoders import Encoders, ModelConfig
 from fragsearch.model.fragments import EncodedSentences, TextPipeline
 from fragsearch.model.modelfile import FORMAT, MODEL_JSON, CheckpointError, read_parts
-from fragsearch.model.nets.encoders import FragmentModel, GlobalModel, arrays, build_model, load_arrays
 from fragsearch.model.release import ReleaseError, check_release
 from fragsearch.model.text import RelationVocab
 from fragsearch.model.textlayers import TextLayers
 from fragsearch.model.words import WordTable
+from fragsearch.training.nets.encoders import FragmentModel, GlobalModel, arrays, build_model, load_arrays
 
 
 class Checkpoint:
