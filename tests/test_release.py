@@ -173,12 +173,14 @@ def test_a_model_whose_proposals_a_region_ranker_orders_ships_its_file(shapes_mo
     import dataclasses
 
     from fragsearch.model.places import Places
+    from fragsearch.training.graphs import make_graphs
     from tests.test_regions import small_first
 
     bundle = copy.copy(shapes_model.bundle)
     bundle.places = Places(tmp_path, tmp_path / "cache")  # where the release command looks for the ranker
     nowhere = "region-ranker-000000000000.npz"  # a name no ranker's content has
     bundle.image_cfg = dataclasses.replace(bundle.image_cfg, region_ranker=nowhere)
+    make_graphs(bundle.image_cfg, bundle.places, [None], head=True)  # the release's export step (the command's)
     manifest = manifest_of(bundle, shapes_model.model_path, shapes_model.data, {"rsum": 1.0}, "x")
     with pytest.raises(FileNotFoundError, match=nowhere):
         write_release(bundle, tmp_path / "missing", manifest)

@@ -21,6 +21,7 @@ from fragsearch.index.sync import (
     sync_folder,
     walk,
 )
+from tests.conftest import exported
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def test_sync_follows_the_folder(shapes_model: ShapesModel, tmp_path: Path) -> N
         picture(photos / rel, n)
     (photos / ".hidden.jpg").write_bytes((photos / "a.jpg").read_bytes())
     (photos / "notes.txt").write_text("not an image")
-    cache = shapes_model.cache / "sync-features"
+    cache = exported(shapes_model.cache / "sync-features", shapes_model.bundle.image_cfg)
     from fragsearch.model.dataset import feature_cache
 
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(),
@@ -97,7 +98,8 @@ def test_the_command_indexes_a_folder(shapes_model: ShapesModel, tmp_path: Path)
         picture(photos / f"p{n}.jpg", 20 + n)
     out = tmp_path / "index"
     args = [str(photos), "--image-index", str(out), "--model-path", str(shapes_model.model_path),
-            "--cache", str(shapes_model.cache / "sync-features"), "--workers", "1"]
+            "--cache", str(exported(shapes_model.cache / "sync-features", shapes_model.bundle.image_cfg)),
+            "--workers", "1"]
     assert main(args) == 0
     assert main(args) == 0  # a second run finds everything in place
     index = ImageIndex.load(out, shapes_model.bundle, collection_root=photos)
@@ -116,8 +118,9 @@ def test_commits_grow_with_the_index(shapes_model: ShapesModel, tmp_path: Path) 
     photos = tmp_path / "photos"
     for n in range(12):
         picture(photos / f"p{n:02d}.jpg", 100 + n)
+    cfg = shapes_model.bundle.image_cfg
     index = ImageIndex.create(tmp_path / "index", shapes_model.bundle, IndexSettings(),
-                              cache=feature_cache(shapes_model.cache / "sync-features", shapes_model.bundle.image_cfg),
+                              cache=feature_cache(exported(shapes_model.cache / "sync-features", cfg), cfg),
                               collection_root=photos)
     created = index.generation
     report = sync_folder(index, photos, save_every=1)

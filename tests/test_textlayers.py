@@ -19,10 +19,12 @@ from fragsearch.model.encoders import Encoders, ModelConfig
 from fragsearch.model.fragments import SENTENCE_REL, TextPipeline
 from fragsearch.model.minilm import minilm
 from fragsearch.model.parsers import make_parser
+from fragsearch.model.places import Places
 from fragsearch.model.textlayers import PREFIX, TextLayers, first_layer
 from fragsearch.model.words import cut_hidden, encode_texts, encode_tuned
 from fragsearch.training.epochs import FragmentBatches
 from fragsearch.training.evaluate import evaluate
+from fragsearch.training.graphs import make_graphs
 from fragsearch.training.nets.checkpoint import Checkpoint
 from fragsearch.training.nets.encoders import FragmentModel, arrays
 from fragsearch.training.nets.textlayers import TextLayers as TorchLayers
@@ -53,6 +55,7 @@ def test_minilm_with_a_models_layers_gives_the_torch_twins_numbers_with_padding(
     layers = _minilm_layers(2)
     for p in layers.parameters():  # away from MiniLM's weights: any weights agree
         p.data.add_(0.02 * torch.randn_like(p))
+    make_graphs(None, Places(), [layers.first])  # the export step of the cut graph (the trainer's, epochs.py)
     hidden, offsets, _ = cut_hidden(LISTS, layers.first)  # what the trainer's twin reads
     lens = np.diff(offsets)
     x = torch.zeros(len(LISTS), int(lens.max()), 384)
@@ -91,6 +94,7 @@ def test_minilms_own_layers_after_the_cut_give_minilms_vectors(n: int) -> None:
 def test_the_cut_graph_is_minilms_hidden_states_after_that_layer() -> None:
     from fragsearch.training.nets.minilm import bert
 
+    make_graphs(None, Places(), [4])  # the export step: the runtime only looks the cut graph up
     hidden, offsets, words = cut_hidden(LISTS[:2], 4)
     model = bert()
     p = minilm().word_pieces(LISTS[:1])[0]
