@@ -157,8 +157,8 @@ def test_a_flag_of_serve_reaches_the_runtime_below_it(shapes_model: ShapesModel,
     flags = ["--artifacts", str(tmp_path / "flags"), "--cache", str(tmp_path / "flags-cache"),
              "--model-path", str(shapes_model.model_path), "--image-index", str(index), "--collection", str(photos),
              "--device", "cpu"]
-    ap, cli = settings_parser()
-    settings = settings_from(ap, cli, ap.parse_args(flags))
+    ap = settings_parser()
+    settings = settings_from(ap, ap.parse_args(flags))
     want = Places(tmp_path / "flags", tmp_path / "flags-cache")
     assert settings.places == want
     engine = Engine.load(settings, with_sentences=False)

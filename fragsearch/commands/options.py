@@ -1,6 +1,7 @@
 """The settings' command-line side for the commands that take every setting (serve, prepare): an argument parser
 with a flag for every setting, and the table of them all (docs/operations/settings.md). The settings themselves
-are fragsearch/settings.py's one object; a command taking only some of them uses its `add_setting_flags`.
+are fragsearch/settings.py's one object, and its `add_setting_flags` makes every setting's flag, here for all of
+them, in the other commands for those they read.
 
     fragsearch serve --port 8080 --heavy-slots 1    # a flag for every setting (fragsearch serve --help)
     python -m fragsearch.service.settings --markdown  # the table of every setting (docs/operations/settings.md)
@@ -11,46 +12,26 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from pydantic_settings import CliSettingsSource
-
-from fragsearch.settings import (
-    CONFIG_FILE,
-    Settings,
-    SettingsFileError,
-    bad_setting,
-    config_named,
-)
-
-
-def _parser(prog: str, description: str | None) -> tuple[argparse.ArgumentParser, CliSettingsSource[Any]]:
-    ap = argparse.ArgumentParser(prog=prog, description=description,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=None, metavar="FILE",
-                    help=f"TOML settings file (default: FRAGSEARCH_CONFIG, else ./{CONFIG_FILE} where it exists)")
-    cli: CliSettingsSource[Any] = CliSettingsSource(
-        Settings, root_parser=ap, cli_kebab_case=True, cli_implicit_flags=True, cli_avoid_json=True,
-        cli_hide_none_type=True, cli_prog_name=prog)
-    return ap, cli
+from fragsearch.settings import CONFIG_FILE, Settings, add_setting_flags, settings_of
 
 
 def settings_parser(prog: str = "python -m fragsearch.service", description: str | None = None
-                    ) -> tuple[argparse.ArgumentParser, CliSettingsSource[Any]]:
-    """An argument parser with a flag for every setting (--kebab-case; booleans as --x / --no-x) and --config;
+                    ) -> argparse.ArgumentParser:
+    """An argument parser with a flag for every setting (the one generator, fragsearch/settings.py
+    `add_setting_flags`: --kebab-case, booleans as --x / --no-x, a list setting's flag repeated) and --config;
     the caller may add its own flags, parse, then call `settings_from`."""
-    return _parser(prog, description)
+    ap = argparse.ArgumentParser(prog=prog, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setting_flags(ap, tuple(Settings.model_fields))
+    return ap
 
 
-def settings_from(ap: argparse.ArgumentParser, cli: CliSettingsSource[Any], args: argparse.Namespace) -> Settings:
+def settings_from(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
     """Settings from parsed flags (over the environment, .env and the settings file); a bad value or
     settings file exits like a bad flag (status 2), with one line (fragsearch.settings.bad_setting)."""
-    with config_named(args.config):
-        try:
-            return Settings(_cli_settings_source=cli(parsed_args=args))  # type: ignore[call-arg]
-        except (SettingsFileError, ValueError) as e:
-            bad_setting(ap, e)
+    return settings_of(ap, args)
 
 
 def _type_name(annotation: Any) -> str:

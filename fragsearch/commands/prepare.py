@@ -19,8 +19,8 @@ logger = logging.getLogger("fragsearch.service.prepare")  # the preparation's ow
 def main(argv: list[str] | None = None) -> int:
     """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be
     (a bad flag or setting: argparse's message, status 2)."""
-    ap, cli = settings_parser("python -m fragsearch.service.prepare", library.__doc__)
-    settings = settings_from(ap, cli, ap.parse_args(argv))
+    ap = settings_parser("python -m fragsearch.service.prepare", library.__doc__)
+    settings = settings_from(ap, ap.parse_args(argv))
     try:
         logs.configure(settings.log_level, settings.log_format)
         device = device_name(settings.device)

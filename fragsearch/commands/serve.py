@@ -44,11 +44,11 @@ def process_started() -> float:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m fragsearch.service") -> int:
-    ap, cli = settings_parser(prog, __doc__)
+    ap = settings_parser(prog, __doc__)
     ap.add_argument("--version", action="version", version=f"fragsearch {__version__}")
     args = ap.parse_args(argv)
     started = process_started()
-    settings = settings_from(ap, cli, args)
+    settings = settings_from(ap, args)
     logs.configure(settings.log_level, settings.log_format)
     try:
         device = device_name(settings.device)
