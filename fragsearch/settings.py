@@ -18,15 +18,12 @@ names no setting is an error.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import contextvars
 import os
-import types
-import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUseDefault
@@ -311,6 +308,36 @@ class Settings(BaseSettings):
 _installed: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("fragsearch_settings", default=None)
 
 
+# the settings by concern: the sections of docs/operations/settings.md and of a command's --help (each setting in
+# exactly one, tests/test_settings.py)
+CONCERNS: dict[str, tuple[str, ...]] = {
+    "paths": ("data", "data_mounted_from", "artifacts", "cache", "uploads"),
+    "model": ("variant", "model_path", "device", "threads", "numeric_threads", "workers"),
+    "collection": ("prepare", "image_split", "collection", "exclude", "watch", "watch_debounce_ms", "watch_rescan",
+                   "watch_polling", "sentence_split", "captions", "limit", "progress_every"),
+    "index": ("image_index", "sentence_index", "index_kind", "index_backend", "milvus_uri", "milvus_token",
+              "candidates_mapped"),
+    "serving": ("host", "port", "warmup", "freeze_heap", "log_level", "log_format", "cors_origins", "api_key",
+                "auth_disabled"),
+    "limits": ("heavy_slots", "heavy_queue", "heavy_deadline", "search_slots", "search_queue", "search_deadline",
+               "retry_after", "body_timeout", "max_sentence_chars", "k_max", "max_rank", "max_upload_bytes",
+               "max_pixels", "max_json_bytes"),
+}
+CONCERN_TEXT = {
+    "paths": "where the data, the artifacts, the caches and the uploads are",
+    "model": "the model served or trained and what runs it",
+    "collection": "what is indexed and searched: the data set's splits, a folder of photos, captions",
+    "index": "the indexes' folders, kind and backend",
+    "serving": "the HTTP service: address, logs, access",
+    "limits": "what the service admits: requests at once, deadlines, sizes",
+}
+
+
+def concern_of(name: str) -> str:
+    """The concern a setting belongs to (`CONCERNS`)."""
+    return next(concern for concern, names in CONCERNS.items() if name in names)
+
+
 def current() -> Settings:
     """The settings in force: those a command line installed (`use`), else read now from the environment,
     `.env` and the settings file over the defaults."""
@@ -371,56 +398,6 @@ def default_model_path() -> Path:
     return current().model_path
 
 
-def _flag_type(annotation: Any) -> tuple[Any, dict[str, Any]]:
-    """The argparse keywords of a setting's type: its converter, and choices, list and boolean forms."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        annotation = args[0]
-    if annotation is bool:
-        return None, {"action": argparse.BooleanOptionalAction}
-    if typing.get_origin(annotation) is Literal:
-        return None, {"choices": list(typing.get_args(annotation))}
-    if typing.get_origin(annotation) is list:
-        return None, {"action": "append", "metavar": "VALUE"}
-    if annotation is SecretStr:
-        return str, {}
-    return annotation, {}
-
-
-def add_setting_flags(ap: argparse.ArgumentParser, names: Sequence[str]) -> None:
-    """A flag for each named setting (--kebab-case; the setting's description is its help; a list setting's
-    flag repeats), and --config. Unset flags leave the setting to the environment, .env, the settings file
-    and its default; `settings_of` reads the parsed flags back into the one settings object."""
-    group = ap.add_argument_group("settings", "each also read from FRAGSEARCH_<NAME>, .env and fragsearch.toml "
-                                  "(docs/operations/settings.md)")
-    if not any("--config" in a.option_strings for a in ap._actions):
-        group.add_argument("--config", type=Path, default=None, metavar="FILE",
-                           help=f"TOML settings file (default: FRAGSEARCH_CONFIG, else ./{CONFIG_FILE} where it "
-                                "exists)")
-    for name in names:
-        field = Settings.model_fields[name]
-        kind, extra = _flag_type(field.annotation)
-        if kind is not None:
-            extra.update(type=kind, metavar=name.split("_")[-1].upper())
-        env = f"FRAGSEARCH_{name.upper()}"
-        group.add_argument("--" + name.replace("_", "-"), dest=f"setting_{name}", default=None,
-                           help=f"{field.description} ({env})", **extra)
-    ap.set_defaults(setting_names=[*(ap.get_default("setting_names") or []), *names])
-
-
-def settings_of(ap: argparse.ArgumentParser, args: argparse.Namespace, **fixed: Any) -> Settings:
-    """The settings of a command line: the flags `add_setting_flags` made (and `fixed` values, e.g. a folder
-    named as an argument) over the environment, .env, the settings file and the defaults. A bad value or
-    settings file exits like a bad flag (status 2), with one line: `bad_setting`."""
-    given = {name: getattr(args, f"setting_{name}") for name in getattr(args, "setting_names", ())
-             if getattr(args, f"setting_{name}", None) is not None}
-    with config_named(getattr(args, "config", None)):
-        try:
-            return Settings(**{**given, **fixed})
-        except (SettingsFileError, ValueError) as e:
-            bad_setting(ap, e)
-
-
 SECRET_SETTINGS = ("api_key", "milvus_token")  # their values are never repeated in a message
 DEBUG_VARIABLE = "FRAGSEARCH_DEBUG"  # set (1, true, yes): a command's known failure shows its traceback too
 
@@ -444,12 +421,6 @@ def settings_error_line(e: Exception, flags: Sequence[str] = ()) -> str:
         parts.append(f"{name}{shown}: {why} (set by {flag + ', ' if flag in flags else ''}FRAGSEARCH_{name.upper()}, "
                      f".env or {config_file()})")
     return "bad setting " + "; ".join(parts)
-
-
-def bad_setting(ap: argparse.ArgumentParser, e: Exception) -> typing.NoReturn:
-    """Exit with status 2 (a usage error, as argparse's) and one line naming the setting at fault."""
-    flags = [option for action in ap._actions for option in action.option_strings]
-    ap.exit(2, f"{ap.prog}: error: {settings_error_line(e, flags)}\n")
 
 
 def debug_requested() -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Generic, Literal, TypeVar
 import numpy as np
 
 from fragsearch.index.places import Place
+from fragsearch.model.config import described
 from fragsearch.model.evidence import Found
 
 BACKENDS = ("faiss", "milvus")
@@ -34,12 +35,6 @@ class BackendOptions:
 KINDS = ("flat", "hnsw", "ivf", "ivfpq")
 STORE_DTYPES = ("float32", "float16", "int8")
 CANDIDATE_DTYPES = ("float32", "float16")  # a flat index's copy of the vectors (FAISS Flat, or SQfp16)
-
-
-def _setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A field of an index's settings with what its command-line flag says (the commands' flags are made from it:
-    fragsearch/commands/flags.py)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 class IndexLoadError(ValueError):
@@ -74,22 +69,22 @@ class IndexShape:
     leaves out, also in memory), for `SearchSettings.refine`.
     """
 
-    kind: str = _setting("flat", "FAISS index kind of the candidate stage", choices=KINDS)
-    nlist: int = _setting(1024, "inverted lists (ivf, ivfpq)")
-    m: int = _setting(32, "product-quantiser sub-vectors (ivfpq); must divide the (pre-transformed) dimension")
-    nbits: int = _setting(4, "bits per sub-vector code (ivfpq); 4 uses FAISS fast-scan codes")
-    hnsw_m: int = _setting(32, "HNSW neighbours per node")
-    ef_construction: int = _setting(40, "HNSW build beam")
-    pretransform: str = _setting("", 'FAISS pre-transform before hnsw / ivf / ivfpq, e.g. "PCA256"')
-    store_dtype: str = _setting("float32", "precision of the re-rank store of fragment vectors",
+    kind: str = described("flat", "FAISS index kind of the candidate stage", choices=KINDS)
+    nlist: int = described(1024, "inverted lists (ivf, ivfpq)")
+    m: int = described(32, "product-quantiser sub-vectors (ivfpq); must divide the (pre-transformed) dimension")
+    nbits: int = described(4, "bits per sub-vector code (ivfpq); 4 uses FAISS fast-scan codes")
+    hnsw_m: int = described(32, "HNSW neighbours per node")
+    ef_construction: int = described(40, "HNSW build beam")
+    pretransform: str = described("", 'FAISS pre-transform before hnsw / ivf / ivfpq, e.g. "PCA256"')
+    store_dtype: str = described("float32", "precision of the re-rank store of fragment vectors",
                                 choices=STORE_DTYPES)
-    candidate_dtype: str = _setting("float32", "precision of a flat index's candidate copy of the vectors "
+    candidate_dtype: str = described("float32", "precision of a flat index's candidate copy of the vectors "
                                     "(float16: half the memory)", choices=CANDIDATE_DTYPES)
-    train_size: int = _setting(0, "vectors collected before ivf / ivfpq is trained (0: 39 per list, and "
+    train_size: int = described(0, "vectors collected before ivf / ivfpq is trained (0: 39 per list, and "
                                "39 * 2^nbits)")
-    codes: int = _setting(0, "dimensions of the prescore codes of every stored fragment (0: none; large "
+    codes: int = described(0, "dimensions of the prescore codes of every stored fragment (0: none; large "
                           "collections: 64)")
-    refine_codes: int = _setting(0, "with codes: dimensions of a second, refining code of every fragment (0: none)")
+    refine_codes: int = described(0, "with codes: dimensions of a second, refining code of every fragment (0: none)")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -164,18 +159,18 @@ class SearchSettings:
     search and agrees with the exact ranking by definition); 0 always uses the candidates.
     """
 
-    ef_search: int = _setting(128, "HNSW search beam")
-    nprobe: int = _setting(32, "IVF lists searched per query fragment (ivf, ivfpq)")
-    k_prime: int = _setting(128, "neighbours per query fragment (0: every one with a positive score)")
-    rerank: int = _setting(0, "score exactly only the R candidates with the best partial score (0: all)")
-    use_gpu: bool = _setting(False, "search on a GPU copy where faiss-gpu and a GPU are present")
-    exact_below: int = _setting(50_000, "live fragments under which a search scans every item exactly "
+    ef_search: int = described(128, "HNSW search beam")
+    nprobe: int = described(32, "IVF lists searched per query fragment (ivf, ivfpq)")
+    k_prime: int = described(128, "neighbours per query fragment (0: every one with a positive score)")
+    rerank: int = described(0, "score exactly only the R candidates with the best partial score (0: all)")
+    use_gpu: bool = described(False, "search on a GPU copy where faiss-gpu and a GPU are present")
+    exact_below: int = described(50_000, "live fragments under which a search scans every item exactly "
                                 "(0: always the candidates)")
-    prescore: int = _setting(0, "with codes and rerank: candidates (by partial score) whose codes are scored "
+    prescore: int = described(0, "with codes and rerank: candidates (by partial score) whose codes are scored "
                              "(0: all)")
-    refine: int = _setting(0, "with refine_codes: candidates (by the first code's score) scored on both codes "
+    refine: int = described(0, "with refine_codes: candidates (by the first code's score) scored on both codes "
                            "(0: none)")
-    summaries: int = _setting(0, "with codes and rerank: the first cut is a scan of every item's summary (its "
+    summaries: int = described(0, "with codes and rerank: the first cut is a scan of every item's summary (its "
                               "mean code) keeping this many, instead of the candidate backend's (0: the backend's)")
 
     def __post_init__(self) -> None:

@@ -7,8 +7,9 @@ the 1 % relation cut-off.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def collection_index(artifacts: Path, folder: Path) -> Path:
@@ -19,22 +20,38 @@ def collection_index(artifacts: Path, folder: Path) -> Path:
     return Path(artifacts) / "index" / f"collection-{folder.name or 'root'}-{tag}"
 
 
+def described(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A settings field with what its command-line flag says: its help and, for a word, the words it takes (the
+    commands make their flags from the fields: fragsearch/commands/flags.py)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+REGION_FEATURES = ("roi_align", "crop")
+PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
+PROPOSAL_SOURCES = ("selective_search", "detector", "detector_topup")
+BACKBONE_PRECISIONS = ("fp32", "int8")
+BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2")
+
+
 @dataclass(frozen=True)
 class ImageConfig:
     """How images become fragments."""
 
     n_regions: int = 19  # detected regions kept beside the whole image (paper: 19)
-    region_features: str = "roi_align"  # "roi_align" (one backbone pass) or "crop" (a CNN pass per region)
-    backbone_size: int = 448  # side the image is resized to for the single backbone pass
-    crop_size: int = 224  # side each region is warped to in "crop" mode
-    backbone_precision: str = "fp32"  # "fp32" or "int8" (the quantized ONNX graph, model/backbone.py)
+    region_features: str = described("roi_align", "roi_align: pooled from one backbone pass; crop: a backbone pass "
+                                     "per region", REGION_FEATURES)
+    backbone_size: int = described(448, "side of the one backbone pass (roi_align features; proposal scoring with "
+                                   "crops)")
+    crop_size: int = described(224, "side regions are warped to with --region-features crop")
+    # the int8 graph: the quantized ONNX graph (model/backbone.py)
+    backbone_precision: str = described("fp32", "fp32, or int8: the quantized backbone graph", BACKBONE_PRECISIONS)
     # selective search: "single", "balanced", "fast" or "quality" (model/image.py); "balanced" is
     # OpenCV's fast mode minus its coarsest k and its colour-blind strategy: 0.6x the time, nearly
     # the same regions (docs/results/extract-bench.csv)
-    proposal_mode: str = "balanced"
-    proposal_resize: int = 224  # selective search runs on the image resized so its longer side is this
+    proposal_mode: str = described("balanced", "selective search strategy set", PROPOSAL_MODES)
+    proposal_resize: int = described(224, "longer side the image is resized to for selective search")
     max_proposals: int = 300  # proposals scored by the backbone before NMS
-    min_box_frac: float = 0.04  # smallest box side as a fraction of the image side
+    min_box_frac: float = described(0.04, "smallest region side as a fraction of the image side")
     nms_iou: float = 0.5
     full_frame_only: bool = False  # ablation: one fragment per image
     # a fine-tuned backbone: a state_dict file of the whole EfficientNet-Lite0 (path relative to the
@@ -45,7 +62,8 @@ class ImageConfig:
     # "efficientnet-lite2" (their weight packages installed beside the environment, model/backbone.py), run at
     # crop_size (their native sides: 240 / 260). Crop features only; proposals stay ranked by Lite0. In the
     # feature cache key.
-    backbone: str = "efficientnet-lite0"
+    backbone: str = described("efficientnet-lite0", "the fragments' CNN (crop features; --crop-size its native side: "
+                              "240 / 260)", BACKBONE_NAMES)
     # a training view (TrainConfig.mirror_views): every crop, and the whole image, mirrored left to right before
     # the backbone; the boxes are those of the image as it is (the same proposals and ranking). Crop features
     # only; in the feature cache key when set. Never a served model's setting.
@@ -54,13 +72,16 @@ class ImageConfig:
     # COCO detector's boxes, model/detector.py; best first, class-agnostic NMS) or "detector_topup" (the
     # detections scoring at least detector_floor, the free slots filled from selective search). In the feature
     # cache key when not the default.
-    proposals: str = "selective_search"
-    detector_floor: float = 0.3
+    proposals: str = described("selective_search", "regions from selective search, the COCO detector, or the detector "
+                               "topped up with selective search", PROPOSAL_SOURCES)
+    detector_floor: float = described(0.3, "with --proposals detector_topup: the smallest detection score kept as a "
+                                      "region")
     # the detector's knowledge as a channel: each fragment's feature is its CNN feature followed by the COCO
     # detector's 90 class scores for its box (zeros for a box the detector did not propose; the whole image's
     # row the largest score of each class over its detected regions), a learned input of the image encoder.
     # Needs detector proposals; in the feature cache key when set.
-    detector_classes: bool = False
+    detector_classes: bool = described(False, "with detector proposals: each fragment's features carry the detector's "
+                                       "class scores")
     # a picture whose longer side exceeds this is read at this side (model/image.py working_image; a JPEG is
     # also decoded at a reduced size, model/imageio.py read_image): proposals and features see at most 448 px
     # of it, so a camera's 12 to 48 MP only cost time. Boxes stay in the picture's own pixels. 0: every picture
@@ -71,25 +92,23 @@ class ImageConfig:
     # ranker's file name (model/regions.py, ``region-ranker-<digest>.npz``, trained on the training images'
     # Entities boxes by training/regions.py) ranks them by how likely each is a box someone named. Selective
     # search's proposals only; in the feature cache key when set.
-    region_ranker: str = ""
+    region_ranker: str = described("", "the region ranker's file name (region-ranker-<digest>.npz, "
+                                   "training/regions.py) that orders selective search's proposals; empty: the ImageNet "
+                                   "head's objectness")
     # with a region ranker, the regions split between two choosers: the first ``head_regions`` are the ImageNet
     # head's (its confidence, among the proposals with sides of at least ``head_min_box_frac``: the regions a
     # model without a ranker keeps first), the others the ranker's among every proposal (sides of at least
     # ``min_box_frac``), by NMS against the head's too. 0: every region the ranker's. In the feature cache key
     # when set.
-    head_regions: int = 0
-    head_min_box_frac: float = 0.25
+    head_regions: int = described(0, "with --region-ranker: how many of the regions the ImageNet head chooses "
+                                  "first (among boxes with sides of at least --head-min-box-frac); the ranker "
+                                  "chooses the rest")
+    head_min_box_frac: float = described(0.25, "with --head-regions: the smallest side of the head's regions, as a "
+                                         "fraction of the image's")
 
     @property
     def n_fragments(self) -> int:
         return 1 if self.full_frame_only else 1 + self.n_regions
-
-
-REGION_FEATURES = ("roi_align", "crop")
-PROPOSAL_MODES = ("single", "balanced", "fast", "quality")
-PROPOSAL_SOURCES = ("selective_search", "detector", "detector_topup")
-BACKBONE_PRECISIONS = ("fp32", "int8")
-BACKBONE_NAMES = ("efficientnet-lite0", "efficientnet-lite1", "efficientnet-lite2")
 
 
 @dataclass(frozen=True)

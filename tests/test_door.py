@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import importlib
 import pkgutil
 from pathlib import Path
@@ -14,9 +15,10 @@ from unittest import mock
 
 import pytest
 
+from fragsearch.commands.flags import FIELD, REGION_FLAGS, add_setting_flags
 from fragsearch.commands.options import settings_from, settings_parser
 from fragsearch.index.images import ImageIndex
-from fragsearch.index.types import IndexSettings
+from fragsearch.index.types import IndexSettings, IndexShape, SearchSettings
 from fragsearch.model.places import Places
 from fragsearch.service.engine import Engine
 from fragsearch.settings import Settings
@@ -117,22 +119,60 @@ class Taken(Exception):
     pass
 
 
+def field_flags() -> dict[str, set[str]]:
+    """Each flag named like a field of the settings, of an index's settings or of the image fragments' settings
+    (a second index's flags with their prefix): the fields it may have been made from."""
+    named: dict[str, set[str]] = {}
+
+    def add(option: str, made_from: str) -> None:
+        named.setdefault(option, set()).add(made_from)
+
+    for name in Settings.model_fields:
+        add("--" + name.replace("_", "-"), f"Settings.{name}")
+    for cls in (IndexShape, SearchSettings):
+        for f in dataclasses.fields(cls):
+            for prefix in ("", "sentence-"):
+                add(f"--{prefix}{f.name.replace('_', '-')}", f"{cls.__name__}.{f.name}")
+    for name in REGION_FLAGS:
+        add("--" + name.replace("_", "-"), f"ImageConfig.{name}")
+    return named
+
+
 def test_no_command_declares_a_setting_by_hand() -> None:
-    """A setting a command reads (the data folder, the cache, the workers, the device, the variant, ...) is the
-    settings' flag (`add_setting_flags`: its help, FRAGSEARCH_<NAME>, .env and fragsearch.toml), never a flag
-    of the command's own with a default of its own."""
+    """A setting a command reads (the data folder, the cache, the workers, the device, the variant, an index's
+    k_prime, a region flag ...) is a flag made from its field by the one generator (fragsearch/commands/flags.py:
+    the field's help and type, for a setting FRAGSEARCH_<NAME>, .env and fragsearch.toml), never a flag of the
+    command's own with a default or a meaning of its own."""
+    named = field_flags()
     meaning = {"--" + name.replace("_", "-"): field.description or "" for name, field in Settings.model_fields.items()}
     parsers = command_parsers()
     assert len(parsers) >= 20
 
-    def generated(option: str, action: argparse.Action) -> bool:  # made from the setting's field: its meaning
-        return bool(meaning[option]) and (action.help or "").startswith(meaning[option])
+    def generated(option: str, action: argparse.Action) -> bool:  # made from a field, by the generator
+        made_from = getattr(action, FIELD, None)
+        if made_from not in named[option]:
+            return False
+        return not made_from.startswith("Settings.") or (action.help or "").startswith(meaning[option])
 
     by_hand = {command: [option for action in ap._actions for option in action.option_strings
-                         if option in meaning and not generated(option, action)]
+                         if option in named and not generated(option, action)]
                for command, ap in parsers.items()}
     assert {command: flags for command, flags in by_hand.items() if flags} == {}
-    assert "--workers" in {o for a in parsers["train.main"]._actions for o in a.option_strings}
+    made = {o: getattr(a, FIELD) for a in parsers["train.main"]._actions for o in a.option_strings if hasattr(a, FIELD)}
+    assert made["--workers"] == "Settings.workers" and made["--crop-size"] == "ImageConfig.crop_size"
+    made = {o: getattr(a, FIELD) for a in parsers["index_build.main"]._actions for o in a.option_strings
+            if hasattr(a, FIELD)}
+    assert made["--k-prime"] == "SearchSettings.k_prime" and made["--sentence-rerank"] == "SearchSettings.rerank"
+
+
+def test_the_guard_sees_a_flag_made_by_hand() -> None:
+    """A command's own `--cache` or `--crop-size` is not one the generator made."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--crop-size", type=int, default=224)
+    add_setting_flags(ap, ("data",))
+    marks = {o: getattr(a, FIELD, None) for a in ap._actions for o in a.option_strings}
+    assert marks["--crop-size"] is None and marks["--data"] == "Settings.data"
+    assert "ImageConfig.crop_size" in field_flags()["--crop-size"]
 
 
 def test_the_index_reads_no_settings_and_parses_no_command_line() -> None:

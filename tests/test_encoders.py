@@ -162,7 +162,7 @@ def test_full_variants_differ_only_in_image_features() -> None:
 
 def test_region_flags_override_only_what_is_given() -> None:
     ap = argparse.ArgumentParser()
-    add_region_flags(ap, None)
+    add_region_flags(ap)
     run = make_run("full-crop", {})
     assert with_region_flags(run.image, ap.parse_args([])) == run.image
     roi = with_region_flags(run.image, ap.parse_args(["--region-features", "roi_align"]))

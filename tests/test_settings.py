@@ -15,7 +15,7 @@ import pytest
 from fragsearch.commands.options import settings_from, settings_markdown, settings_parser
 from fragsearch.commands.prepare import main as prepare_main
 from fragsearch.commands.serve import main as service_main
-from fragsearch.settings import Settings, SettingsFileError
+from fragsearch.settings import CONCERNS, Settings, SettingsFileError
 
 ROOT = Path(__file__).resolve().parent.parent
 USED = ("PORT", "HEAVY_SLOTS", "LOG_FORMAT", "CONFIG", "PREPARE", "CORS_ORIGINS")
@@ -40,6 +40,20 @@ def test_the_settings_table_is_generated_from_the_model() -> None:
         "docs/operations/settings.md is stale: python -m fragsearch.service.settings --markdown"
     for name in Settings.model_fields:
         assert f"| `{name}` | `--{name.replace('_', '-')}" in table, name
+
+
+def test_each_setting_has_one_concern() -> None:
+    """The concerns (paths, model, collection, index, serving, limits) divide the settings: each setting is in
+    exactly one, and the table and --help show it under that one."""
+    placed = [name for names in CONCERNS.values() for name in names]
+    assert sorted(placed) == sorted(Settings.model_fields)
+    assert len(placed) == len(set(placed))
+    table = settings_markdown()
+    assert table.index("## Paths") < table.index("| `cache` |") < table.index("## Model")
+    assert table.index("## Limits") < table.index("| `max_pixels` |")
+    help_text = settings_parser().format_help()
+    assert help_text.index("paths settings:") < help_text.index("\n  --cache ") < help_text.index("model settings:")
+    assert help_text.index("limits settings:") < help_text.index("\n  --max-pixels ")
 
 
 def test_help_lists_a_flag_for_every_setting(capsys: pytest.CaptureFixture[str]) -> None:

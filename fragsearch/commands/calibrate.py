@@ -9,10 +9,10 @@ import logging
 from pathlib import Path
 
 import fragsearch.training.calibrate as library
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.onnx import default_threads
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.calibrate import fit_calibration, fit_relevance_on_validation, per_item_ms, refit_relevance
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.graphs import make_graphs

@@ -8,9 +8,9 @@ import logging
 from pathlib import Path
 
 import fragsearch.training.cutpoint as library
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.onnx import default_threads
 from fragsearch.model.variants import load_variant
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.cutpoint import DEFAULT_CUT, extract
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ import logging
 import sys
 from pathlib import Path
 
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.index.duplicates import THRESHOLD, duplicate_groups
 from fragsearch.index.images import ImageIndex
 from fragsearch.model.bundle import Bundle
-from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 

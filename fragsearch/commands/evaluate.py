@@ -9,10 +9,10 @@ import logging
 from pathlib import Path
 
 import fragsearch.training.evaluate as library
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.graphs import make_graphs
 

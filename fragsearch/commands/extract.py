@@ -16,12 +16,11 @@ import argparse
 import logging
 from pathlib import Path
 
-from fragsearch.commands.flags import add_region_flags, with_region_flags
+from fragsearch.commands.flags import add_region_flags, add_setting_flags, settings_of, with_region_flags
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.data import check_data_dir, load_split
 from fragsearch.model.dataset import feature_cache
 from fragsearch.model.variants import VariantError, load_variant
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.graphs import make_graphs
 
 logger = logging.getLogger(__name__)
@@ -32,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     add_setting_flags(ap, ("data", "cache", "workers", "limit", "variant"))
     ap.add_argument("--splits", nargs="*", default=["train", "dev"],
                     help="split names or lists; none = every file in images/")
-    add_region_flags(ap, None)  # each overrides the variant's (or the defaults) only where given
+    add_region_flags(ap)  # each overrides the variant's (or the defaults) only where given
     args = ap.parse_args(argv)
     settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 
 import fragsearch.training.finetune as library
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import load_split_data, select_images
 from fragsearch.model.onnx import set_threads
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.cutpoint import CutStore
 from fragsearch.training.finetune import finetune
 from fragsearch.training.graphs import make_graphs

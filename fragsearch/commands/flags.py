@@ -1,35 +1,139 @@
-"""Command-line flags made from the settings' fields.
+"""Command-line flags made from the settings' fields, by one generator (`add_field_flag`).
 
+- The settings (fragsearch/settings.py `Settings`): `add_setting_flags` gives a command the flags of the settings it
+  reads, by concern, each unset unless given, read back over the environment, `.env` and the settings file by
+  `settings_of`.
 - The index settings, from the fields of `IndexShape` and `SearchSettings` (their defaults, types, choices and
   help): one `--name` a field (`--k-prime`, `--store-dtype`, ...), read back as `IndexSettings`. A flag set with a
   prefix (`--sentence-k-prime`) sets the same field of a second index's settings.
 - The image fragments' settings (`ImageConfig`): `--region-features`, `--crop-size`, ..., each overriding a
   variant's only where given (`with_region_flags`).
+
+A field's flag is `--kebab-case` of its name; its type says the rest: a boolean is `--x / --no-x`, a `Literal` or
+a field's `choices` the words it takes, a list a flag given once per value. Each flag made here carries the
+field it was made from (`FIELD`), which tests/test_door.py checks for every flag of every command named like a
+field.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable
+import types
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+from pydantic import SecretStr
 
 from fragsearch.index.types import SAVED_ORDER, IndexSettings, IndexShape, SearchSettings
-from fragsearch.model.config import (
-    BACKBONE_NAMES,
-    BACKBONE_PRECISIONS,
-    PROPOSAL_MODES,
-    PROPOSAL_SOURCES,
-    REGION_FEATURES,
-    ImageConfig,
+from fragsearch.model.config import ImageConfig
+from fragsearch.settings import (
+    CONCERN_TEXT,
+    CONCERNS,
+    CONFIG_FILE,
+    Settings,
+    SettingsFileError,
+    concern_of,
+    config_named,
+    settings_error_line,
 )
 
+FIELD = "field"  # the attribute of a flag's action naming the field it was made from ("Settings.cache", ...)
 
-def _fields() -> dict[str, dataclasses.Field[object]]:
+
+def _kind(annotation: Any) -> tuple[Any, dict[str, Any]]:
+    """The argparse keywords of a field's type: its converter, and choices, list and boolean forms."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if annotation is bool:
+        return None, {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is Literal:
+        return None, {"choices": list(typing.get_args(annotation))}
+    if typing.get_origin(annotation) is list:
+        return None, {"action": "append", "metavar": "VALUE"}
+    if annotation is SecretStr:
+        return str, {}
+    return annotation, {}
+
+
+def add_field_flag(group: argparse._ArgumentGroup, field: str, annotation: Any, *, help: str, default: Any = None,
+                   choices: Sequence[Any] | None = None, prefix: str = "", dest: str | None = None,
+                   metavar: str | None = None, made_from: str = "") -> argparse.Action:
+    """The one generator: the flag of a field named `field` of type `annotation` (``--<prefix><field>``, dashes for
+    underscores), into `dest`, with `help`, `default` and `choices` (or its type's)."""
+    converter, extra = _kind(annotation)
+    if choices:
+        extra["choices"] = list(choices)
+    if converter is not None:
+        extra["type"] = converter
+        extra.setdefault("metavar", None if "choices" in extra else metavar or field.upper())
+    action = group.add_argument(f"--{prefix}{field.replace('_', '-')}", dest=dest or field, default=default,
+                                help=help, **extra)
+    setattr(action, FIELD, made_from or field)
+    return action
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# -- the settings
+
+
+def add_setting_flags(ap: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """A flag for each named setting (its description is its help; a list setting's flag repeats), in a group per
+    concern (`CONCERNS`), and --config. Unset flags leave the setting to the environment, .env, the settings file
+    and its default; `settings_of` reads the parsed flags back into the one settings object."""
+    if not any("--config" in a.option_strings for a in ap._actions):
+        ap.add_argument_group("settings file").add_argument(
+            "--config", type=Path, default=None, metavar="FILE",
+            help=f"TOML settings file (default: FRAGSEARCH_CONFIG, else ./{CONFIG_FILE} where it exists); each "
+                 "setting below is also read from FRAGSEARCH_<NAME>, .env and that file "
+                 "(docs/operations/settings.md)")
+    hints = _hints(Settings)
+    for concern in CONCERNS:
+        mine = [name for name in names if concern_of(name) == concern]
+        if not mine:
+            continue
+        group = ap.add_argument_group(f"{concern} settings", CONCERN_TEXT[concern])
+        for name in mine:
+            field = Settings.model_fields[name]
+            add_field_flag(group, name, hints[name], help=f"{field.description} (FRAGSEARCH_{name.upper()})",
+                           dest=f"setting_{name}", metavar=name.split("_")[-1].upper(), made_from=f"Settings.{name}")
+    ap.set_defaults(setting_names=[*(ap.get_default("setting_names") or []), *names])
+
+
+def settings_of(ap: argparse.ArgumentParser, args: argparse.Namespace, **fixed: Any) -> Settings:
+    """The settings of a command line: the flags `add_setting_flags` made (and `fixed` values, e.g. a folder
+    named as an argument) over the environment, .env, the settings file and the defaults. A bad value or
+    settings file exits like a bad flag (status 2), with one line: `bad_setting`."""
+    given = {name: getattr(args, f"setting_{name}") for name in getattr(args, "setting_names", ())
+             if getattr(args, f"setting_{name}", None) is not None}
+    with config_named(getattr(args, "config", None)):
+        try:
+            return Settings(**{**given, **fixed})
+        except (SettingsFileError, ValueError) as e:
+            bad_setting(ap, e)
+
+
+def bad_setting(ap: argparse.ArgumentParser, e: Exception) -> NoReturn:
+    """Exit with status 2 (a usage error, as argparse's) and one line naming the setting at fault."""
+    flags = [option for action in ap._actions for option in action.option_strings]
+    ap.exit(2, f"{ap.prog}: error: {settings_error_line(e, flags)}\n")
+
+
+# -- the index settings
+
+
+def _index_fields() -> dict[str, dataclasses.Field[object]]:
     both = {f.name: f for f in (*dataclasses.fields(IndexShape), *dataclasses.fields(SearchSettings))}
     return {name: both[name] for name in SAVED_ORDER}
 
 
-def _dest(prefix: str, name: str) -> str:
+def _index_dest(prefix: str, name: str) -> str:
     return f"index_{prefix.replace('-', '_')}{name}"
 
 
@@ -37,79 +141,56 @@ def add_index_flags(ap: argparse.ArgumentParser, defaults: IndexSettings, names:
                     prefix: str = "", what: str = "") -> None:
     """One flag per field named (default: every field of both types) with `defaults`' values; `prefix`
     ("sentence-") and `what` ("sentence index: ") for a second index's flags."""
-    fields = _fields()
+    fields = _index_fields()
+    hints = {**_hints(IndexShape), **_hints(SearchSettings)}
     values = defaults.to_dict()
-    group = ap.add_argument_group(f"{what.rstrip(': ') or 'index'} settings (IndexShape: saved with the index, "
-                                  "a rebuild to change; SearchSettings: per search)")
+    group = ap.add_argument_group(f"{what.rstrip(': ') or 'index'} shape and search (IndexShape: saved with the "
+                                  "index, a rebuild to change; SearchSettings: per search)")
     for name in fields if names is None else names:
         f = fields[name]
         default = values[name]
-        flag = f"--{prefix}{name.replace('_', '-')}"
         text = f"{what}{f.metadata['help']}"
-        if isinstance(default, bool):
-            group.add_argument(flag, dest=_dest(prefix, name), action=argparse.BooleanOptionalAction,
-                               default=default, help=text)
-        else:
-            group.add_argument(flag, dest=_dest(prefix, name), type=type(default), default=default,
-                               choices=f.metadata["choices"], metavar=None if f.metadata["choices"] else name.upper(),
-                               help=f"{text} (default {default!r})")
+        add_field_flag(group, name, hints[name], help=text if isinstance(default, bool) else f"{text} (default "
+                       f"{default!r})", default=default, choices=f.metadata["choices"], prefix=prefix,
+                       dest=_index_dest(prefix, name), made_from=f"{_owner(name)}.{name}")
+
+
+def _owner(name: str) -> str:
+    return "IndexShape" if name in {f.name for f in dataclasses.fields(IndexShape)} else "SearchSettings"
 
 
 def index_settings_of(args: argparse.Namespace, base: IndexSettings, prefix: str = "") -> IndexSettings:
     """`base` with every field whose flag `add_index_flags` added (with `prefix`) set from `args`."""
     values = base.to_dict()
     for name in values:
-        dest = _dest(prefix, name)
+        dest = _index_dest(prefix, name)
         if hasattr(args, dest):
             values[name] = getattr(args, dest)
     return IndexSettings.of(**values)
 
 
-def add_region_flags(ap: argparse.ArgumentParser, defaults: ImageConfig | None) -> None:
-    """The image-fragment flags (--region-features, --crop-size, --min-box-frac, --backbone-size,
-    --backbone-precision, --backbone, --proposal-mode, --proposal-resize, --proposals, --detector-floor,
-    --detector-classes, --region-ranker, --head-regions, --head-min-box-frac); with `defaults` None each is None
-    unless given (the run's own settings are kept, see `with_region_flags`)."""
-    ap.add_argument("--region-features", choices=REGION_FEATURES, default=defaults and defaults.region_features,
-                    help="roi_align: pooled from one backbone pass; crop: a backbone pass per region")
-    ap.add_argument("--crop-size", type=int, default=defaults and defaults.crop_size,
-                    help="side regions are warped to with --region-features crop")
-    ap.add_argument("--min-box-frac", type=float, default=defaults and defaults.min_box_frac,
-                    help="smallest region side as a fraction of the image side")
-    ap.add_argument("--backbone-size", type=int, default=defaults and defaults.backbone_size,
-                    help="side of the one backbone pass (roi_align features; proposal scoring with crops)")
-    ap.add_argument("--backbone-precision", choices=BACKBONE_PRECISIONS,
-                    default=defaults and defaults.backbone_precision,
-                    help="fp32, or int8: the quantized backbone graph")
-    ap.add_argument("--backbone", choices=BACKBONE_NAMES, default=defaults and defaults.backbone,
-                    help="the fragments' CNN (crop features; --crop-size its native side: 240 / 260)")
-    ap.add_argument("--proposal-mode", choices=PROPOSAL_MODES,
-                    default=defaults and defaults.proposal_mode, help="selective search strategy set")
-    ap.add_argument("--proposal-resize", type=int, default=defaults and defaults.proposal_resize,
-                    help="longer side the image is resized to for selective search")
-    ap.add_argument("--proposals", choices=PROPOSAL_SOURCES, default=defaults and defaults.proposals,
-                    help="regions from selective search, the COCO detector, or the detector topped up with "
-                         "selective search")
-    ap.add_argument("--detector-floor", type=float, default=defaults and defaults.detector_floor,
-                    help="with --proposals detector_topup: the smallest detection score kept as a region")
-    ap.add_argument("--detector-classes", action="store_true", default=defaults and defaults.detector_classes,
-                    help="with detector proposals: each fragment's features carry the detector's class scores")
-    ap.add_argument("--region-ranker", default=defaults and defaults.region_ranker,
-                    help="the region ranker's file name (region-ranker-<digest>.npz, training/regions.py) that orders "
-                         "selective search's proposals; empty: the ImageNet head's objectness")
-    ap.add_argument("--head-regions", type=int, default=defaults and defaults.head_regions,
-                    help="with --region-ranker: how many of the regions the ImageNet head chooses first (among "
-                         "boxes with sides of at least --head-min-box-frac); the ranker chooses the rest")
-    ap.add_argument("--head-min-box-frac", type=float, default=defaults and defaults.head_min_box_frac,
-                    help="with --head-regions: the smallest side of the head's regions, as a fraction of the image's")
-
+# -- the image fragments' settings
 
 REGION_FLAGS = ("region_features", "crop_size", "min_box_frac", "backbone_size", "backbone_precision",
                 "backbone", "proposal_mode", "proposal_resize", "proposals", "detector_floor", "detector_classes",
                 "region_ranker", "head_regions", "head_min_box_frac")
 
 
+def add_region_flags(ap: argparse.ArgumentParser, names: Sequence[str] = REGION_FLAGS) -> None:
+    """The image-fragment flags named (default `REGION_FLAGS`: --region-features, --crop-size, --min-box-frac, ...),
+    from `ImageConfig`'s fields; each is None unless given (the run's own settings are kept, see
+    `with_region_flags`)."""
+    fields = {f.name: f for f in dataclasses.fields(ImageConfig)}
+    hints = _hints(ImageConfig)
+    group = ap.add_argument_group("image fragments (ImageConfig: each overrides the model's or the variant's where "
+                                  "given)")
+    for name in names:
+        f = fields[name]
+        add_field_flag(group, name, hints[name], help=f.metadata["help"], choices=f.metadata["choices"],
+                       made_from=f"ImageConfig.{name}")
+
+
 def with_region_flags(cfg: ImageConfig, args: argparse.Namespace) -> ImageConfig:
     """`cfg` with the region flags that were set (see `add_region_flags`)."""
-    given = {k: getattr(args, k) for k in REGION_FLAGS}
+    given = {k: getattr(args, k, None) for k in REGION_FLAGS}
     return dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fragsearch.commands.flags import add_region_flags, add_setting_flags, settings_of
 from fragsearch.model.config import BACKBONE_PRECISIONS
-from fragsearch.model.graphs import BACKBONE_NAME, BACKBONES
-from fragsearch.settings import add_setting_flags, settings_of
+from fragsearch.model.graphs import BACKBONE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +35,17 @@ def backbone_main(argv: Sequence[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description="Make the backbone graph and head arrays the runtime reads.")
     ap.add_argument("--precision", choices=BACKBONE_PRECISIONS, default="int8", help="fp32, or the int8 graph")
-    ap.add_argument("--backbone", choices=tuple(BACKBONES), default=BACKBONE_NAME, help="the EfficientNet-Lite")
+    add_region_flags(ap, ("backbone",))
     ap.add_argument("--weights", default="", help="a fine-tuned backbone file (ImageConfig.backbone_weights)")
     _place_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
     places = settings_of(ap, args).places
     folder = args.folder or places.graphs
-    net = _efficientnet(args.weights, args.backbone, places)
-    graph = onnx_graph(args.precision, folder, net, args.weights, args.backbone, places)
-    head = export_head(folder, net, args.weights, args.backbone, places)
+    backbone = args.backbone or BACKBONE_NAME
+    net = _efficientnet(args.weights, backbone, places)
+    graph = onnx_graph(args.precision, folder, net, args.weights, backbone, places)
+    head = export_head(folder, net, args.weights, backbone, places)
     logger.info("%s\n%s", graph, head)
 
 

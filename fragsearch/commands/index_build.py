@@ -20,7 +20,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from fragsearch.commands.flags import add_index_flags, index_settings_of
+from fragsearch.commands.flags import add_index_flags, add_setting_flags, index_settings_of, settings_of
 from fragsearch.index.build import SAVE_EVERY, build_image_index, build_sentence_index, read_sentences
 from fragsearch.index.files import list_images
 from fragsearch.index.sentences import DEFAULT_SETTINGS as SENTENCE_DEFAULTS
@@ -28,7 +28,6 @@ from fragsearch.index.types import BACKENDS, BackendOptions, IndexSettings
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import read_split_list
 from fragsearch.model.dataset import feature_cache
-from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 

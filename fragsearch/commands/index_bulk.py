@@ -30,7 +30,14 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from fragsearch.commands.flags import add_index_flags, add_region_flags, index_settings_of, with_region_flags
+from fragsearch.commands.flags import (
+    add_index_flags,
+    add_region_flags,
+    add_setting_flags,
+    index_settings_of,
+    settings_of,
+    with_region_flags,
+)
 from fragsearch.index.bulk import DEFAULT_BATCH, ENGINES, bulk_extract, ray_session
 from fragsearch.index.catalogue import is_index
 from fragsearch.index.files import list_images
@@ -43,7 +50,6 @@ from fragsearch.index.types import IndexSettings
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig
 from fragsearch.model.dataset import feature_cache
-from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--model", type=Path, default=None,
                     help="the model whose image settings are used (and that embeds the fragments with --index); "
                          "default: the model_path setting, the served model")
-    add_region_flags(ap, None)
+    add_region_flags(ap)
     ap.add_argument("--no-cache", action="store_true", help="neither read nor write the feature cache")
     ap.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="images per shard")
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="images per task / actor call")

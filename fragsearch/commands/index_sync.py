@@ -34,10 +34,10 @@ import os
 import sys
 from pathlib import Path
 
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.index.sync import SAVE_EVERY
 from fragsearch.model.bundle import Bundle
 from fragsearch.service.collection import sync_collection
-from fragsearch.settings import add_setting_flags, settings_of
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import fragsearch.training.merge as library
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.config import TrainConfig
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.parsers import make_parser
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.graphs import make_graphs
 from fragsearch.training.merge import THRESHOLDS, merge_bundles, merge_selected
 from fragsearch.training.nets.checkpoint import Checkpoint

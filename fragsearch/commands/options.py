@@ -1,7 +1,7 @@
 """The settings' command-line side for the commands that take every setting (serve, prepare): an argument parser
 with a flag for every setting, and the table of them all (docs/operations/settings.md). The settings themselves
-are fragsearch/settings.py's one object, and its `add_setting_flags` makes every setting's flag, here for all of
-them, in the other commands for those they read.
+are fragsearch/settings.py's one object; the one generator of flags (fragsearch/commands/flags.py
+`add_setting_flags`) makes every setting's flag, here for all of them, in the other commands for those they read.
 
     fragsearch serve --port 8080 --heavy-slots 1    # a flag for every setting (fragsearch serve --help)
     python -m fragsearch.service.settings --markdown  # the table of every setting (docs/operations/settings.md)
@@ -14,13 +14,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from fragsearch.settings import CONFIG_FILE, Settings, add_setting_flags, settings_of
+from fragsearch.commands.flags import add_setting_flags, settings_of
+from fragsearch.settings import CONCERN_TEXT, CONCERNS, CONFIG_FILE, Settings
 
 
 def settings_parser(prog: str = "python -m fragsearch.service", description: str | None = None
                     ) -> argparse.ArgumentParser:
-    """An argument parser with a flag for every setting (the one generator, fragsearch/settings.py
-    `add_setting_flags`: --kebab-case, booleans as --x / --no-x, a list setting's flag repeated) and --config;
+    """An argument parser with a flag for every setting (the one generator, fragsearch/commands/flags.py
+    `add_setting_flags`: --kebab-case, booleans as --x / --no-x, a list setting's flag repeated, a group per
+    concern) and --config;
     the caller may add its own flags, parse, then call `settings_from`."""
     ap = argparse.ArgumentParser(prog=prog, description=description,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,7 +32,7 @@ def settings_parser(prog: str = "python -m fragsearch.service", description: str
 
 def settings_from(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
     """Settings from parsed flags (over the environment, .env and the settings file); a bad value or
-    settings file exits like a bad flag (status 2), with one line (fragsearch.settings.bad_setting)."""
+    settings file exits like a bad flag (status 2), with one line (fragsearch/commands/flags.py `bad_setting`)."""
     return settings_of(ap, args)
 
 
@@ -51,20 +53,31 @@ def settings_markdown() -> str:
              f"is read from, first to last: its flag, its environment variable, `.env`, the TOML file "
              f"(`./{CONFIG_FILE}`; `FRAGSEARCH_CONFIG` or `--config` names another; a key per setting, e.g. "
              "`port = 8080`), its default.", "",
-             "| setting | flag | environment | type | default | what |", "|---|---|---|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        if name in ("data", "artifacts") or field.default_factory is not None:
-            default = "derived" if name in ("data", "artifacts") else "[]"
-        else:
-            default = "" if field.default is None else repr(field.default).replace("'", "")
-        flag = f"--{name.replace('_', '-')}"
-        if field.annotation is bool:
-            flag = f"{flag} / --no-{name.replace('_', '-')}"
-        what = (field.description or "").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
-        kind = _type_name(field.annotation).replace("|", "\\|")
-        lines.append(f"| `{name}` | `{flag}` | `FRAGSEARCH_{name.upper()}` | `{kind}` | "
-                     f"{'`' + default + '`' if default else '—'} | {what} |")
-    return "\n".join(lines) + "\n"
+             "The settings are grouped by concern, as in each command's `--help`.", ""]
+    for concern, names in CONCERNS.items():
+        lines += [f"## {concern.capitalize()}", "", f"{CONCERN_TEXT[concern].capitalize()}.", "",
+                  "| setting | flag | environment | type | default | what |", "|---|---|---|---|---|---|"]
+        lines += [_row(name) for name in names]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _row(name: str) -> str:
+    """A setting's line of the table."""
+    field = Settings.model_fields[name]
+    if name in ("data", "artifacts") or (field.default_factory is not None and field.annotation is not list[str]):
+        default = "derived"
+    elif field.default_factory is not None:
+        default = "[]"
+    else:
+        default = "" if field.default is None else repr(field.default).replace("'", "")
+    flag = f"--{name.replace('_', '-')}"
+    if field.annotation is bool:
+        flag = f"{flag} / --no-{name.replace('_', '-')}"
+    what = (field.description or "").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    kind = _type_name(field.annotation).replace("|", "\\|")
+    return (f"| `{name}` | `{flag}` | `FRAGSEARCH_{name.upper()}` | `{kind}` | "
+            f"{'`' + default + '`' if default else '—'} | {what} |")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -9,8 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.bundle import Bundle
-from fragsearch.settings import Settings, add_setting_flags, settings_of
+from fragsearch.settings import Settings
 from fragsearch.training.graphs import make_graphs
 from fragsearch.training.refit import Refit
 

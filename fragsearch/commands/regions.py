@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 
 import fragsearch.training.regions as library
+from fragsearch.commands.flags import add_region_flags, settings_of, with_region_flags
 from fragsearch.commands.refit import entities_of, refit_parser
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.image import RegionExtractor, max_softmax
 from fragsearch.model.regions import GEOMETRY
-from fragsearch.settings import settings_of
 from fragsearch.training.graphs import make_graphs
 from fragsearch.training.regions import EPOCHS, HIDDEN, IMAGES, MIN_BOX_FRAC, fit_ranker, held, pictures_of
 
@@ -32,8 +32,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = refit_parser(library.__doc__, "region ranker", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the ranker's hidden units")
     ap.add_argument("--images", type=int, default=IMAGES, help="images of the part trained on that it reads")
-    ap.add_argument("--min-box-frac", type=float, default=MIN_BOX_FRAC,
-                    help="the smallest proposal side as a fraction of the image's (the model's image settings)")
+    add_region_flags(ap, ("min_box_frac",))
+    ap.set_defaults(min_box_frac=MIN_BOX_FRAC)  # the ranker's own default (training/regions.py), not the model's
     args = ap.parse_args(argv)
     settings = settings_of(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     val = np.flatnonzero(held_out)
     entities = read_entities(entities_of(args, settings),
                              [split.images[k] for k in (*rest, *val)])
-    cfg = dataclasses.replace(bundle.image_cfg, min_box_frac=args.min_box_frac, region_ranker="")
+    cfg = with_region_flags(dataclasses.replace(bundle.image_cfg, region_ranker=""), args)
     train_pictures = pictures_of(cfg, [split.image_path(split.images[k]) for k in rest], entities, "train images")
     val_pictures = pictures_of(cfg, [split.image_path(split.images[k]) for k in val], entities, "validation images")
     ranker, report = fit_ranker(train_pictures, val_pictures, cfg, args.hidden, args.epochs)

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import fragsearch.training.release as library
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.dataset import load_split_data
 from fragsearch.model.graphs import BACKBONE_NAME
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.evaluate import evaluate
 from fragsearch.training.graphs import make_graphs
 from fragsearch.training.release import manifest_of, write_release

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fragsearch.commands.flags import add_setting_flags, settings_of
 from fragsearch.index.catalogue import is_index
 from fragsearch.index.sentences import SentenceIndex
 from fragsearch.index.types import ImageHit, IndexLoadError, SentenceHit
@@ -43,7 +44,7 @@ from fragsearch.service.routes.convert import (
     sentence_result,
     shown,
 )
-from fragsearch.settings import Settings, add_setting_flags, settings_of, use
+from fragsearch.settings import Settings, use
 
 logger = logging.getLogger(__name__)
 

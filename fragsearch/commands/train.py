@@ -10,10 +10,9 @@ from dataclasses import fields
 from pathlib import Path
 
 import fragsearch.training.train as library
-from fragsearch.commands.flags import add_region_flags, with_region_flags
+from fragsearch.commands.flags import add_region_flags, add_setting_flags, settings_of, with_region_flags
 from fragsearch.model.config import SELECTIONS, TrainConfig
 from fragsearch.model.variants import VariantError, field_meanings, variant_names
-from fragsearch.settings import add_setting_flags, settings_of
 from fragsearch.training.train import MODEL_OPTIONS, list_resolved, list_variants, make_run, train_on
 
 logger = logging.getLogger(__name__)
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--dev-split", default=None,
                     help="only '' is accepted, the old spelling of --selection last (dev never selects a model)")
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
-    add_region_flags(ap, None)  # each defaults to the variant's
+    add_region_flags(ap)  # each defaults to the variant's
     _add_config_flags(ap)
     for name, typ in MODEL_OPTIONS.items():
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
