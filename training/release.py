@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from fragsearch.model.atomic import atomic_path, sha256_file
-from fragsearch.model.backbone import backbone_graph, backbone_head
+from fragsearch.model.backbone import backbone_graph
 from fragsearch.model.bundle import MODEL_ARRAYS, MODEL_JSON, Bundle
 from fragsearch.model.data import load_split
-from fragsearch.model.graphs import BACKBONE_NAME, find, quant_recipe
+from fragsearch.model.graphs import quant_recipe
+from fragsearch.model.image import extractor_files
 from fragsearch.model.minilm import minilm_graph
 from fragsearch.model.release import MANIFEST, MANIFEST_FORMAT, ReleaseError, is_released, read_manifest
 from fragsearch.model.resources import cpu_record
@@ -167,23 +168,11 @@ def manifest_of(bundle: Bundle, model: Path, data: Path, dev: dict[str, float], 
 
 def runtime_files(bundle: Bundle) -> list[Path]:
     """The graphs a model runs, in the release folder or the bundle's graph folder (`Bundle.places`; the release's
-    export step, `make_graphs`, made them there first): its crops' backbone and the proposal
-    ranker (ImageNet Lite0) at its precision, the ranker's head, the region ranker's arrays where it names one,
-    and MiniLM's graph (a model with its own top layers of MiniLM runs that graph with them: the layers
-    themselves are the model's weights)."""
-    cfg, places = bundle.image_cfg, bundle.places
-    files = [backbone_graph(cfg.backbone_precision, BACKBONE_NAME, "", places),
-             backbone_head(BACKBONE_NAME, "", places)]
-    if cfg.backbone != BACKBONE_NAME or cfg.backbone_weights:
-        files.append(backbone_graph(cfg.backbone_precision, cfg.backbone, cfg.backbone_weights, places))
-    if cfg.region_ranker:  # the proposals' order, read by the extractor beside the backbone's files
-        ranker = find(cfg.region_ranker, places.graphs)
-        if ranker is None:
-            raise FileNotFoundError(f"the region ranker {cfg.region_ranker} the model names is not in "
-                                    f"{places.graphs}: train it (python -m fragsearch.training.regions)")
-        files.append(ranker)
-    files.append(minilm_graph(places.graphs))
-    return files
+    export step, `make_graphs`, made them there first): what its extractor reads (model/image.py
+    `extractor_files`: the proposal ranker's and the features' backbone graphs at its precision, the ImageNet
+    head's arrays or the region ranker's where it ranks proposals with them) and MiniLM's graph (a model with its
+    own top layers of MiniLM runs that graph with them: the layers themselves are the model's weights)."""
+    return [*extractor_files(bundle.image_cfg, bundle.places), minilm_graph(bundle.places.graphs)]
 
 
 def write_release(bundle: Bundle, out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
