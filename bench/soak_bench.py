@@ -47,7 +47,7 @@ from bench.load_bench import (
     tally_size,
     write_csv,
 )
-from fragsearch.settings import current, default_data_dir
+from fragsearch.settings import default_data_dir, from_environment
 
 logger = logging.getLogger("bench.soak_bench")
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    secret = current().api_key  # the server's key: FRAGSEARCH_API_KEY, .env or fragsearch.toml
+    secret = from_environment().api_key  # the server's key: FRAGSEARCH_API_KEY, .env or fragsearch.toml
     key = secret.get_secret_value() if secret is not None else ""
     if not key:
         ap.error("set FRAGSEARCH_API_KEY to the server's key (the soak adds and deletes images)")

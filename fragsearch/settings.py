@@ -7,9 +7,11 @@
                                                     # FRAGSEARCH_CONFIG names another)
 
 `Settings` holds every setting of every command (the service's, and the paths, model, collection and
-index shape that indexing, search and training read too); `current()` is the settings in force in this
-process: those a command line installed (`use`), else the environment, `.env` and the file over the
-defaults. This is the only module that reads a FRAGSEARCH_* variable (tests/test_settings.py).
+index shape that indexing, search and training read too). A command reads them once, at the door (its flags
+over the rest: fragsearch/commands/flags.py `settings_of`), and passes down what the code below needs as
+arguments; nothing below the commands reads them. `from_environment()` and the `default_*()` helpers are the
+settings of a process with no command line of its own (benchmarks, tools, tests). This is the only module that
+reads a FRAGSEARCH_* variable (tests/test_settings.py).
 
 Paths left unset are derived from the artifacts folder (git-ignored in a checkout; outside one, the user's
 data directory), so that the embedded default needs no configuration at all. A key of the TOML file that
@@ -303,11 +305,6 @@ class Settings(BaseSettings):
         return self.auth_disabled or self.api_key is not None
 
 
-
-
-_installed: contextvars.ContextVar[Settings | None] = contextvars.ContextVar("fragsearch_settings", default=None)
-
-
 # the settings by concern: the sections of docs/operations/settings.md and of a command's --help (each setting in
 # exactly one, tests/test_settings.py)
 CONCERNS: dict[str, tuple[str, ...]] = {
@@ -338,20 +335,11 @@ def concern_of(name: str) -> str:
     return next(concern for concern, names in CONCERNS.items() if name in names)
 
 
-def current() -> Settings:
-    """The settings in force: those a command line installed (`use`), else read now from the environment,
-    `.env` and the settings file over the defaults."""
-    return _installed.get() or Settings()
-
-
-@contextlib.contextmanager
-def use(settings: Settings) -> Iterator[Settings]:
-    """Make `settings` the ones `current()` answers while the block runs (a command's parsed flags)."""
-    token = _installed.set(settings)
-    try:
-        yield settings
-    finally:
-        _installed.reset(token)
+def from_environment() -> Settings:
+    """The settings of a process that parsed no command line (a benchmark, a tool, a test): the environment,
+    `.env` and the settings file over the defaults. A command reads its own once, from its flags too
+    (fragsearch/commands/flags.py `settings_of`), and passes them down."""
+    return Settings()
 
 
 @contextlib.contextmanager
@@ -371,31 +359,31 @@ def config_named(path: Path | None) -> Iterator[None]:
 def default_data_dir() -> Path:
     """The data folder in force (the `data` setting: FRAGSEARCH_DATA, .env, fragsearch.toml, else
     ../shared/data/flickr8k beside a checkout)."""
-    return current().data
+    return from_environment().data
 
 
 def default_artifacts_dir() -> Path:
     """Where weights, caches and indexes live (the `artifacts` setting; default artifacts/ in a checkout,
     the user's data directory elsewhere)."""
-    return current().artifacts
+    return from_environment().artifacts
 
 
 def default_cache_dir() -> Path:
     """The feature/parse cache in force (the `cache` setting; default <artifacts>/cache)."""
-    return current().cache
+    return from_environment().cache
 
 
 def default_places(cache: Path | None = None) -> Places:
     """Where the runtime of a command finds and makes its files (model/places.py): the settings in force, with the
     command's `--cache` in place of the `cache` setting when it has one."""
-    settings = current()
+    settings = from_environment()
     return Places(settings.artifacts, settings.cache if cache is None else Path(cache))
 
 
 def default_model_path() -> Path:
     """The model served (the `model_path` setting, else the named `variant`'s checkpoint, else the released
     model): the default `--model` of the offline commands (index.build, training.evaluate, ...)."""
-    return current().model_path
+    return from_environment().model_path
 
 
 SECRET_SETTINGS = ("api_key", "milvus_token")  # their values are never repeated in a message

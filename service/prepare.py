@@ -56,7 +56,7 @@ from fragsearch.model.device import device_name
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, is_released
 from fragsearch.service import logs
 from fragsearch.service.collection import new_index_settings, sync_collection
-from fragsearch.settings import Settings, use
+from fragsearch.settings import Settings
 
 logger = logging.getLogger("fragsearch.service.prepare")  # the same name when run as its own __main__
 
@@ -373,8 +373,7 @@ def _prepare_in_child(settings: Settings, events: Any, parent: int) -> None:
 
     threading.Thread(target=relay_bars, name="prepare-relay", daemon=True).start()
     try:
-        with use(settings):
-            seconds = prepare(settings, _Relayed(events), on_images=lambda: events.put(("images",)))
+        seconds = prepare(settings, _Relayed(events), on_images=lambda: events.put(("images",)))
     except BaseException as e:  # reported by the service (/readyz, its log)
         events.put(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return

@@ -17,7 +17,7 @@ import pytest
 from fragsearch.cli import main as cli_main
 from fragsearch.index import ImageIndex
 from fragsearch.index.sync import MANIFEST
-from fragsearch.settings import Settings, current, use
+from fragsearch.settings import Settings, from_environment
 from tests.synthetic import make_picture
 
 if TYPE_CHECKING:
@@ -190,16 +190,15 @@ def test_an_index_of_another_model_is_built_anew(shapes_model: ShapesModel, tmp_
 
 def test_flags_over_the_environment_over_the_file(clean: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (clean / "fragsearch.toml").write_text('variant = "from-file"\nport = 8100\n')
-    assert current().variant == "from-file" and current().port == 8100
+    assert from_environment().variant == "from-file" and from_environment().port == 8100
     monkeypatch.setenv("FRAGSEARCH_VARIANT", "from-env")
-    assert current().variant == "from-env"
-    with use(Settings(variant="from-flag")):
-        assert current().variant == "from-flag"
+    assert from_environment().variant == "from-env"
+    assert Settings(variant="from-flag").variant == "from-flag"  # a flag's value, as settings_of gives it
     other = clean / "other.toml"
     other.write_text('variant = "named"\n')
     monkeypatch.delenv("FRAGSEARCH_VARIANT")
     monkeypatch.setenv("FRAGSEARCH_CONFIG", str(other))
-    assert current().variant == "named" and current().port == 8000
+    assert from_environment().variant == "named" and from_environment().port == 8000
 
 
 def reads_of_settings_variables(path: Path) -> list[int]:

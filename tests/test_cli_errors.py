@@ -56,11 +56,10 @@ from pathlib import Path
 from fragsearch.index.sentences import SentenceIndex
 from fragsearch.service.collection import sync_collection
 from fragsearch.model.bundle import Bundle
-from fragsearch.settings import Settings, use
+from fragsearch.settings import Settings
 settings = Settings(collection=Path(sys.argv[1]), workers=1)
 bundle = Bundle.load(settings.model_path)
-with use(settings):
-    sync_collection(settings, bundle)
+sync_collection(settings, bundle)
 sentences = SentenceIndex.create(Path(sys.argv[2]), bundle)
 sentences.add(["a red circle", "a blue square beside a green triangle"])
 sentences.save()

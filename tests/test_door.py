@@ -42,7 +42,7 @@ def imports_settings(path: Path) -> bool:
 
 
 def test_the_finder_sees_a_local_import_of_the_settings(tmp_path: Path) -> None:
-    (tmp_path / "a.py").write_text("def f():\n    from fragsearch.settings import current\n")
+    (tmp_path / "a.py").write_text("def f():\n    from fragsearch.settings import from_environment\n")
     (tmp_path / "b.py").write_text("from fragsearch import settings\n")
     (tmp_path / "c.py").write_text("from fragsearch.model.places import Places\n")
     assert [imports_settings(tmp_path / n) for n in ("a.py", "b.py", "c.py")] == [True, True, False]

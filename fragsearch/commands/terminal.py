@@ -44,7 +44,7 @@ from fragsearch.service.routes.convert import (
     sentence_result,
     shown,
 )
-from fragsearch.settings import Settings, use
+from fragsearch.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -104,18 +104,17 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
         raise IndexLoadError(f"no image index at {settings.image_index} ({where}): make it with `fragsearch index "
                              "DIR` or `fragsearch serve`, or name the folder with --collection")
     t0 = time.perf_counter()
-    with use(settings):
-        engine = Engine.load(settings, with_sentences=False)
+    engine = Engine.load(settings, with_sentences=False)
+    try:
         try:
-            try:
-                check_min_relevance(args.min_relevance, engine.bundle.relevance)
-                page = engine.search_images(args.sentence, args.k)
-            except ApiError as e:
-                return _refused(e.message)
-            view = shown(engine.bundle, "images", page, args.min_relevance)
-            hits, weaker, cut = view.hits, view.weaker, view.cut
-        finally:
-            engine.images.close()
+            check_min_relevance(args.min_relevance, engine.bundle.relevance)
+            page = engine.search_images(args.sentence, args.k)
+        except ApiError as e:
+            return _refused(e.message)
+        view = shown(engine.bundle, "images", page, args.min_relevance)
+        hits, weaker, cut = view.hits, view.weaker, view.cut
+    finally:
+        engine.images.close()
     root = settings.collection_root
     if not hits:
         sys.stderr.write(f"{cut['reason'] or 'no image in the index'}\n")
@@ -172,21 +171,20 @@ def annotate_main(argv: Sequence[str] | None = None, prog: str | None = None) ->
         raise IndexLoadError(f"no sentence index at {settings.sentence_index}: `fragsearch serve` builds it from "
                              "the data folder's captions (or the `captions` setting's file) on its first start")
     t0 = time.perf_counter()
-    with use(settings):
-        bundle = _model(settings)
-        try:  # a large JPEG decoded at the model's reading side, as the service reads an upload
-            image = PhotoReader.of(bundle.image_cfg, settings.max_pixels).read(data)
-        except ImageReadError as e:
-            raise type(e)(f"{args.image}: {e}") from e
-        sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)
+    bundle = _model(settings)
+    try:  # a large JPEG decoded at the model's reading side, as the service reads an upload
+        image = PhotoReader.of(bundle.image_cfg, settings.max_pixels).read(data)
+    except ImageReadError as e:
+        raise type(e)(f"{args.image}: {e}") from e
+    sentences = SentenceIndex.load(settings.sentence_index, bundle, backend=settings.backend)
+    try:
         try:
-            try:
-                check_min_relevance(args.min_relevance, bundle.relevance)
-            except ApiError as e:
-                return _refused(e.message)
-            page = sentences.annotate(image, args.k)
-        finally:
-            sentences.close()
+            check_min_relevance(args.min_relevance, bundle.relevance)
+        except ApiError as e:
+            return _refused(e.message)
+        page = sentences.annotate(image, args.k)
+    finally:
+        sentences.close()
     view = shown(bundle, "sentences", page, args.min_relevance)
     hits, weaker, cut = view.hits, view.weaker, view.cut
     if not hits:
