@@ -19,7 +19,9 @@ from fragsearch.commands.flags import FIELD, REGION_FLAGS, add_setting_flags
 from fragsearch.commands.options import settings_from, settings_parser
 from fragsearch.index.images import ImageIndex
 from fragsearch.index.types import IndexSettings, IndexShape, SearchSettings
+from fragsearch.model.config import TrainConfig
 from fragsearch.model.places import Places
+from fragsearch.model.variants import MODEL_SHAPE
 from fragsearch.service.engine import Engine
 from fragsearch.settings import Settings
 from tests.conftest import ShapesModel, exported
@@ -119,9 +121,10 @@ class Taken(Exception):
     pass
 
 
-def field_flags() -> dict[str, set[str]]:
-    """Each flag named like a field of the settings, of an index's settings or of the image fragments' settings
-    (a second index's flags with their prefix): the fields it may have been made from."""
+def field_flags(trainer: bool = False) -> dict[str, set[str]]:
+    """Each flag named like a field of the settings, of an index's settings, of the image fragments' settings or
+    with `trainer`, of the trainer's (a second index's flags with their prefix): the fields it may have been made
+    from. The trainer's fields are train's alone: finetune's --epochs or calibrate's --seed are their own."""
     named: dict[str, set[str]] = {}
 
     def add(option: str, made_from: str) -> None:
@@ -135,6 +138,10 @@ def field_flags() -> dict[str, set[str]]:
                 add(f"--{prefix}{f.name.replace('_', '-')}", f"{cls.__name__}.{f.name}")
     for name in REGION_FLAGS:
         add("--" + name.replace("_", "-"), f"ImageConfig.{name}")
+    for f in dataclasses.fields(TrainConfig) if trainer else ():
+        add("--" + f.name.replace("_", "-"), f"TrainConfig.{f.name}")
+    for name in MODEL_SHAPE if trainer else ():
+        add("--" + name.replace("_", "-"), f"ModelConfig.{name}")
     return named
 
 
@@ -143,23 +150,27 @@ def test_no_command_declares_a_setting_by_hand() -> None:
     k_prime, a region flag ...) is a flag made from its field by the one generator (fragsearch/commands/flags.py:
     the field's help and type, for a setting FRAGSEARCH_<NAME>, .env and fragsearch.toml), never a flag of the
     command's own with a default or a meaning of its own."""
-    named = field_flags()
     meaning = {"--" + name.replace("_", "-"): field.description or "" for name, field in Settings.model_fields.items()}
     parsers = command_parsers()
     assert len(parsers) >= 20
 
-    def generated(option: str, action: argparse.Action) -> bool:  # made from a field, by the generator
-        made_from = getattr(action, FIELD, None)
-        if made_from not in named[option]:
-            return False
-        return not made_from.startswith("Settings.") or (action.help or "").startswith(meaning[option])
+    def by_hand(command: str, ap: argparse.ArgumentParser) -> list[str]:
+        named = field_flags(trainer=command == "train.main")
 
-    by_hand = {command: [option for action in ap._actions for option in action.option_strings
-                         if option in named and not generated(option, action)]
-               for command, ap in parsers.items()}
-    assert {command: flags for command, flags in by_hand.items() if flags} == {}
+        def generated(option: str, action: argparse.Action) -> bool:  # made from a field, by the generator
+            made_from = getattr(action, FIELD, None)
+            if made_from not in named[option]:
+                return False
+            return not made_from.startswith("Settings.") or (action.help or "").startswith(meaning[option])
+
+        return [option for action in ap._actions for option in action.option_strings
+                if option in named and not generated(option, action)]
+
+    hand = {command: by_hand(command, ap) for command, ap in parsers.items()}
+    assert {command: flags for command, flags in hand.items() if flags} == {}
     made = {o: getattr(a, FIELD) for a in parsers["train.main"]._actions for o in a.option_strings if hasattr(a, FIELD)}
     assert made["--workers"] == "Settings.workers" and made["--crop-size"] == "ImageConfig.crop_size"
+    assert made["--epochs"] == "TrainConfig.epochs" and made["--text-layers"] == "ModelConfig.text_layers"
     made = {o: getattr(a, FIELD) for a in parsers["index_build.main"]._actions for o in a.option_strings
             if hasattr(a, FIELD)}
     assert made["--k-prime"] == "SearchSettings.k_prime" and made["--sentence-rerank"] == "SearchSettings.rerank"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fragsearch.commands.train import bool_flag
+from fragsearch.commands.flags import bool_flag
 from fragsearch.commands.train import main as train_main
 from fragsearch.model.bundle import Bundle
 from fragsearch.model.config import ImageConfig, TrainConfig

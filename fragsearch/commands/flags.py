@@ -59,12 +59,29 @@ def _kind(annotation: Any) -> tuple[Any, dict[str, Any]]:
     return annotation, {}
 
 
+TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def bool_flag(text: str) -> bool:
+    """A boolean flag's value: true/false (yes/no, on/off, 1/0); anything else is refused, never read as False."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false (also yes/no, on/off, 1/0)")
+
+
 def add_field_flag(group: argparse._ArgumentGroup, field: str, annotation: Any, *, help: str, default: Any = None,
                    choices: Sequence[Any] | None = None, prefix: str = "", dest: str | None = None,
-                   metavar: str | None = None, made_from: str = "") -> argparse.Action:
+                   metavar: str | None = None, made_from: str = "", boolean_value: bool = False) -> argparse.Action:
     """The one generator: the flag of a field named `field` of type `annotation` (``--<prefix><field>``, dashes for
-    underscores), into `dest`, with `help`, `default` and `choices` (or its type's)."""
+    underscores), into `dest`, with `help`, `default` and `choices` (or its type's). A boolean is `--x / --no-x`,
+    or with `boolean_value` a flag taking true or false (`bool_flag`: the trainer's, as a variant's TOML writes
+    it)."""
     converter, extra = _kind(annotation)
+    if boolean_value and extra.get("action") is argparse.BooleanOptionalAction:
+        converter, extra = bool_flag, {}
     if choices:
         extra["choices"] = list(choices)
     if converter is not None:

@@ -6,11 +6,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from dataclasses import fields
 from pathlib import Path
 
 import fragsearch.training.train as library
-from fragsearch.commands.flags import add_region_flags, add_setting_flags, settings_of, with_region_flags
+from fragsearch.commands.flags import (
+    add_field_flag,
+    add_region_flags,
+    add_setting_flags,
+    settings_of,
+    with_region_flags,
+)
 from fragsearch.model.config import SELECTIONS, TrainConfig
 from fragsearch.model.variants import VariantError, field_meanings, variant_names
 from fragsearch.training.train import MODEL_OPTIONS, list_resolved, list_variants, make_run, train_on
@@ -26,33 +33,22 @@ FLAG_HELP = {
 }
 
 
-TRUE_WORDS, FALSE_WORDS = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
-
-
-def bool_flag(text: str) -> bool:
-    """A boolean flag's value: true/false (yes/no, on/off, 1/0); anything else is refused, never read as False."""
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false (also yes/no, on/off, 1/0)")
-
-
 def _add_config_flags(ap: argparse.ArgumentParser) -> None:
+    """A flag for each field of the trainer's settings (TrainConfig; its meaning from model/variants/README.md)
+    and of the model's shape a variant may set (ModelConfig), each None unless given: the variant's."""
     meanings = field_meanings("train")
+    hints = typing.get_type_hints(TrainConfig)
+    group = ap.add_argument_group("training (TrainConfig: each overrides the variant's where given)")
     for f in fields(TrainConfig):
         if f.name == "device":  # the device setting's flag (training runs where the settings say)
             continue
-        flag = "--" + f.name.replace("_", "-")
         say = FLAG_HELP.get(f.name) or meanings.get(f.name)
-        if f.type in ("bool", bool):
-            ap.add_argument(flag, type=bool_flag, default=None,
-                            help=f"{say} (true/false; default: the variant's)")
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            ap.add_argument(flag, type=typ, default=None, help=f"{say} (default: the variant's)",
-                            choices=SELECTIONS if f.name == "selection" else None)
+        add_field_flag(group, f.name, hints[f.name], boolean_value=True,
+                       help=f"{say} ({'true/false; ' if hints[f.name] is bool else ''}default: the variant's)",
+                       choices=SELECTIONS if f.name == "selection" else None, made_from=f"TrainConfig.{f.name}")
+    group = ap.add_argument_group("model shape (ModelConfig: each overrides the variant's where given)")
+    for name, typ in MODEL_OPTIONS.items():
+        add_field_flag(group, name, typ, help="model shape (ModelConfig)", made_from=f"ModelConfig.{name}")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -71,8 +67,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--train-limit", type=int, default=None, help="only the first N training images")
     add_region_flags(ap)  # each defaults to the variant's
     _add_config_flags(ap)
-    for name, typ in MODEL_OPTIONS.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=None, help="model shape (ModelConfig)")
     args = ap.parse_args(argv)
     settings = settings_of(ap, args)
     if args.resolved:
