@@ -5,10 +5,12 @@
     fragsearch search "a dog on a beach"      # the best photos' paths, from the saved index
     fragsearch --config site.toml serve       # every command reads the same settings
 
-Every subcommand reads its settings from one object (fragsearch/settings.py): flags > FRAGSEARCH_* environment
-variables > .env > fragsearch.toml (or --config FILE) > defaults. `fragsearch COMMAND --help` says what a
-command reads and writes. train, release and evaluate need the trainer's environment (torch: the `train`
-extra, `pip install 'fragsearch[train]'`, or ./run, which makes it).
+Every command of fragsearch/commands/ is a subcommand (`SUBCOMMANDS`: the service's, the indexer's, the
+trainer's); the `python -m fragsearch.training.train`-style lines the docs write are aliases of the same
+commands. Every subcommand reads its settings from one object (fragsearch/settings.py): flags > FRAGSEARCH_*
+environment variables > .env > fragsearch.toml (or --config FILE) > defaults. `fragsearch COMMAND --help` says
+what a command reads and writes. The trainer's commands (train, release, evaluate, calibrate, ...) need the
+trainer's environment (torch: the `train` extra, `pip install 'fragsearch[train]'`, or ./run, which makes it).
 
 A known failure (a missing package, a missing or stale index, an unreadable photo, a bad setting ...) ends
 the command with one line on stderr, what went wrong and what to do, and the exit status of its kind
@@ -212,12 +214,75 @@ def _run(main: Callable[..., Any], args: Sequence[str], prog: str) -> None:
     sys.exit(main(list(args), prog=prog) or 0)
 
 
-def _trainer(name: str) -> Callable[..., Any]:
-    """The main of a training command (a ModuleNotFoundError for torch where the trainer's environment is
-    absent: KNOWN says what to install)."""
-    import importlib
+@dataclass(frozen=True)
+class Subcommand:
+    """A `fragsearch` subcommand: its name, its main ("module:function" in fragsearch/commands/, imported when
+    it runs: a trainer's command needs torch, which KNOWN names where it is missing), and what it does, reads
+    and writes (`fragsearch --help`; `fragsearch NAME --help` is its parser's)."""
 
-    return importlib.import_module(f"fragsearch.commands.{name}").main  # type: ignore[no-any-return]
+    name: str
+    main: str
+    summary: str
+
+    def load(self) -> Callable[..., Any]:
+        import importlib
+
+        module, function = self.main.split(":")
+        main: Callable[..., Any] = getattr(importlib.import_module(f"fragsearch.commands.{module}"), function)
+        return main
+
+
+_TRAINER = "(the trainer's environment)"
+SUBCOMMANDS = (
+    Subcommand("serve", "serve:main", "Serve the page and the API (prepares missing indexes first). Reads every "
+               "setting; writes the artifacts folder (indexes, caches, uploads)."),
+    Subcommand("prepare", "prepare:main", "Prepare what serving needs (the model, the indexes) and exit, without "
+               "serving. Reads every setting; writes the artifacts folder."),
+    Subcommand("index", "index_sync:main", "Index a folder of photos, or sync its index again (new, changed, "
+               "renamed, deleted files). Reads the folder; writes its index in the artifacts folder and the "
+               "feature cache."),
+    Subcommand("search", "terminal:search_main", "Search the saved image index for a sentence, without a server: "
+               "paths (-f), or JSON with the alignments (--json). Reads the index and the model; writes nothing."),
+    Subcommand("annotate", "terminal:annotate_main", "The collection's sentences for a photo, from the saved "
+               "sentence index, without a server. Reads the photo, the index and the model; writes nothing."),
+    Subcommand("duplicates", "duplicates:main", "Groups of near-duplicate photos in an image index. Reads the "
+               "index; writes a JSON report if asked."),
+    Subcommand("data", "data:main", "Put a Flickr8K download into the project's layout and check it. Reads the "
+               "download; writes the data folder."),
+    Subcommand("build", "index_build:main", "Build or extend an image index from a folder of images and a "
+               "sentence index from captions, with a model of your choice. Reads the images, the captions and "
+               "the model; writes the indexes and the feature cache."),
+    Subcommand("bulk", "index_bulk:main", "Extract many images into fragment shards on worker processes or a Ray "
+               "cluster, then load them into an index. Reads the images; writes the shards and the index."),
+    Subcommand("train", "train:main", f"Train a model of your own {_TRAINER}. Reads the data folder and the "
+               "feature cache; writes <artifacts>/models/<variant>/."),
+    Subcommand("release", "release:main", f"Make a trained model the released one {_TRAINER}. Reads the model; "
+               "writes model/released/ with its manifest."),
+    Subcommand("evaluate", "evaluate:main", f"Recall@K of a model on a split {_TRAINER}. Reads the model, the "
+               "data folder and the feature cache; writes a JSON report if asked."),
+    Subcommand("calibrate", "calibrate:main", f"Fit a model's score calibration and relevance scale {_TRAINER}. "
+               "Reads the model and the data folder; writes the model."),
+    Subcommand("extract", "extract:main", "Extract the image fragments of a data folder's splits into the feature "
+               "cache (resumable). Reads the images; writes the feature cache."),
+    Subcommand("cutpoint", "cutpoint:main", f"Store the region crops' activations at a cut point of the backbone, "
+               f"for fine-tuning {_TRAINER}. Reads the images; writes the store."),
+    Subcommand("finetune", "finetune:main", f"Fine-tune the backbone's top with the fragment objective "
+               f"{_TRAINER}. Reads a trained model and the cut-point store; writes a model and its backbone."),
+    Subcommand("merge", "merge:main", f"Merge trained models into one, their blocks side by side {_TRAINER}. "
+               "Reads the members; writes the merged model."),
+    Subcommand("evidence", "evidence:main", "Refit a model's phrase evidence beside it. Reads the model and the "
+               "data folder; writes the model with its evidence."),
+    Subcommand("grounder", "grounder:main", "Train a model's grounder on Flickr30k Entities boxes. Reads the "
+               "model, the data folder and the Entities; writes the model with its grounder."),
+    Subcommand("presence", "presence:main", "Train a model's presence head and phrase evidence. Reads the model "
+               "and the data folder; writes the model with them."),
+    Subcommand("regions", "regions:main", "Train a region ranker on Flickr30k Entities boxes. Reads the model, "
+               "the data folder and the Entities; writes the ranker into the graph folder and the model."),
+    Subcommand("export-backbone", "graphs:backbone_main", f"Make the backbone's graph and ImageNet head arrays the "
+               f"runtime reads {_TRAINER}. Writes the graph folder."),
+    Subcommand("export-minilm", "graphs:minilm_main", f"Make MiniLM's graph the runtime reads {_TRAINER}. Writes "
+               "the graph folder."),
+)
 
 
 # the exit statuses in the help text, above the options and commands (`fragsearch --help`)
@@ -242,87 +307,18 @@ def cli(ctx: click.Context, config: Path | None, debug: bool) -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars on a terminal; logged lines elsewhere
 
 
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def serve(args: tuple[str, ...]) -> None:
-    """Serve the page and the API (prepares missing indexes first). Reads every setting; writes the
-    artifacts folder (indexes, caches, uploads)."""
-    from fragsearch.commands.serve import main
+def _add(sub: Subcommand) -> None:
+    """`fragsearch NAME ARGS...`: the subcommand's own parser reads ARGS (and answers its --help)."""
 
-    _run(main, args, "fragsearch serve")
+    def run(args: tuple[str, ...]) -> None:
+        _run(sub.load(), args, f"fragsearch {sub.name}")
 
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def index(args: tuple[str, ...]) -> None:
-    """Index a folder of photos, or sync its index again (new, changed, renamed, deleted files). Reads the
-    folder; writes its index in the artifacts folder and the feature cache."""
-    from fragsearch.commands.index_sync import main
-
-    _run(main, args, "fragsearch index")
+    command = click.argument("args", nargs=-1, type=click.UNPROCESSED)(run)
+    cli.command(name=sub.name, help=sub.summary, context_settings=_PASS, add_help_option=False)(command)
 
 
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def search(args: tuple[str, ...]) -> None:
-    """Search the saved image index for a sentence, without a server: paths (-f), or JSON with the
-    alignments (--json). Reads the index and the model; writes nothing."""
-    from fragsearch.commands.terminal import search_main
-
-    _run(search_main, args, "fragsearch search")
-
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def annotate(args: tuple[str, ...]) -> None:
-    """The collection's sentences for a photo, from the saved sentence index, without a server. Reads the
-    photo, the index and the model; writes nothing."""
-    from fragsearch.commands.terminal import annotate_main
-
-    _run(annotate_main, args, "fragsearch annotate")
-
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def duplicates(args: tuple[str, ...]) -> None:
-    """Groups of near-duplicate photos in an image index. Reads the index; writes a JSON report if asked."""
-    from fragsearch.commands.duplicates import main
-
-    _run(main, args, "fragsearch duplicates")
-
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def data(args: tuple[str, ...]) -> None:
-    """Put a Flickr8K download into the project's layout and check it. Reads the download; writes the
-    data folder."""
-    from fragsearch.commands.data import main
-
-    _run(main, args, "fragsearch data")
-
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def train(args: tuple[str, ...]) -> None:
-    """Train a model of your own (the trainer's environment). Reads the data folder and the feature cache;
-    writes <artifacts>/models/<variant>/."""
-    _run(_trainer("train"), args, "fragsearch train")
-
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def release(args: tuple[str, ...]) -> None:
-    """Make a trained model the released one (the trainer's environment). Reads the model; writes
-    model/released/ with its manifest."""
-    _run(_trainer("release"), args, "fragsearch release")
-
-
-@cli.command(context_settings=_PASS, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def evaluate(args: tuple[str, ...]) -> None:
-    """Recall@K of a model on a split (the trainer's environment). Reads the model, the data folder and the
-    feature cache; writes a JSON report if asked."""
-    _run(_trainer("evaluate"), args, "fragsearch evaluate")
+for _sub in SUBCOMMANDS:
+    _add(_sub)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

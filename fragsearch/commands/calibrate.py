@@ -21,8 +21,9 @@ from fragsearch.training.nets.checkpoint import Checkpoint
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=library.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="checkpoint to calibrate (rewritten in place)")
     ap.add_argument("--out", type=Path, default=None, help="write the calibrated checkpoint here instead")
     ap.add_argument("--relevance-only", action="store_true",

@@ -16,8 +16,9 @@ from fragsearch.training.cutpoint import DEFAULT_CUT, extract
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=library.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setting_flags(ap, ("data", "cache", "threads", "variant"))  # variant: whose regions; default full
     ap.add_argument("--splits", nargs="+", default=["train", "dev"], help="the splits whose images are stored")
     ap.add_argument("--cut", type=int, default=DEFAULT_CUT, help="MBConv blocks below the cut (Lite0 has 16)")

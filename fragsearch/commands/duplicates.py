@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 DUPLICATES_SETTINGS = ("model_path", "variant", "artifacts", "collection", "image_index", "image_split", "data")
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("index", type=Path, nargs="?", default=None,
                     help="an image index folder; default: the served one (the `image_index` setting: the "
                          "`collection`'s index, e.g. the one fragsearch index made, else the image split's)")

@@ -10,8 +10,8 @@ from fragsearch.commands.refit import load_refit, refit_parser
 from fragsearch.training.evidence import refit_evidence
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = refit_parser(library.__doc__, "evidence")
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    ap = refit_parser(library.__doc__, prog, "evidence")
     ap.add_argument("--relevance-only", action="store_true",
                     help="keep the model's phrase evidence and refit the relevance on it alone")
     args = ap.parse_args(argv)

@@ -26,8 +26,9 @@ from fragsearch.training.graphs import make_graphs
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_setting_flags(ap, ("data", "cache", "workers", "limit", "variant"))
     ap.add_argument("--splits", nargs="*", default=["train", "dev"],
                     help="split names or lists; none = every file in images/")

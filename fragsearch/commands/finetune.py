@@ -29,8 +29,9 @@ from fragsearch.training.train import make_run
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=library.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--init", type=Path, required=True, help="the trained model fine-tuning starts from (model.pt)")
     ap.add_argument("--acts", type=Path, required=True, help="the cut-point activations (training/cutpoint.py)")
     ap.add_argument("--out", type=Path, required=True, help="the folder model.pt, backbone.pt, history.json go to")

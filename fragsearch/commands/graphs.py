@@ -29,11 +29,11 @@ def _place_flags(ap: argparse.ArgumentParser) -> None:
     add_setting_flags(ap, ("cache",))
 
 
-def backbone_main(argv: Sequence[str] | None = None) -> None:
+def backbone_main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     """The backbone's graph for one precision and its ImageNet head's arrays."""
     from fragsearch.training.nets.backbone import _efficientnet, export_head, onnx_graph
 
-    ap = argparse.ArgumentParser(description="Make the backbone graph and head arrays the runtime reads.")
+    ap = argparse.ArgumentParser(prog=prog, description="Make the backbone graph and head arrays the runtime reads.")
     ap.add_argument("--precision", choices=BACKBONE_PRECISIONS, default="int8", help="fp32, or the int8 graph")
     add_region_flags(ap, ("backbone",))
     ap.add_argument("--weights", default="", help="a fine-tuned backbone file (ImageConfig.backbone_weights)")
@@ -49,11 +49,12 @@ def backbone_main(argv: Sequence[str] | None = None) -> None:
     logger.info("%s\n%s", graph, head)
 
 
-def minilm_main(argv: Sequence[str] | None = None) -> None:
+def minilm_main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     """MiniLM's graph (or its first layers')."""
     from fragsearch.training.nets.minilm import export_graph
 
-    ap = argparse.ArgumentParser(description="Make MiniLM's graph (without its weights) that the runtime runs.")
+    ap = argparse.ArgumentParser(prog=prog,
+                                 description="Make MiniLM's graph (without its weights) that the runtime runs.")
     ap.add_argument("--upto", type=int, default=None,
                     help="only MiniLM's first UPTO layers (the graph a model that trains the others reads)")
     _place_flags(ap)

@@ -14,8 +14,8 @@ from fragsearch.training.grounder import EPOCHS, HIDDEN, fit_grounder, samples_o
 logger = logging.getLogger(__name__)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = refit_parser(library.__doc__, "grounder", epochs=EPOCHS)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    ap = refit_parser(library.__doc__, prog, "grounder", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the head's hidden units")
     args = ap.parse_args(argv)
     run = load_refit(ap, args, "fragsearch.training.grounder", argv)

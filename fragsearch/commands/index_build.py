@@ -31,8 +31,9 @@ from fragsearch.model.dataset import feature_cache
 
 logger = logging.getLogger(__name__)
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None,
                     help="the checkpoint (model.pt); default: the served model, the model_path setting (the released "
                          "one unless FRAGSEARCH_MODEL_PATH or FRAGSEARCH_VARIANT names another)")

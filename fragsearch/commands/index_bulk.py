@@ -53,8 +53,9 @@ from fragsearch.model.dataset import feature_cache
 
 logger = logging.getLogger(__name__)
 
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=Path, help="folder of images (searched recursively) to extract")
     ap.add_argument("--shards", type=Path, required=True, help="shard folder (written by extraction, read by --index)")
     ap.add_argument("--engine", choices=ENGINES, default="local",

@@ -47,7 +47,8 @@ INDEX_SETTINGS = ("collection", "model_path", "variant", "artifacts", "cache", "
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path, nargs="?", default=None,
                     help="the folder of photos (searched recursively); default: the `collection` setting")
     ap.add_argument("--save-every", type=int, default=SAVE_EVERY,

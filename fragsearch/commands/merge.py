@@ -23,8 +23,9 @@ from fragsearch.training.nets.checkpoint import Checkpoint
 from fragsearch.training.selection import split_for_selection
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=library.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--members", type=Path, nargs="+", required=True, help="model folders (each with model.pt)")
     ap.add_argument("--out", type=Path, required=True, help="the merged model's folder")
     ap.add_argument("--threshold", choices=THRESHOLDS, default="blocks",

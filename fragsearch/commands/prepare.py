@@ -16,10 +16,10 @@ from fragsearch.service.prepare import BackendMissing, ModelMissing, Progress, l
 logger = logging.getLogger("fragsearch.service.prepare")  # the preparation's own lines, one name
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m fragsearch.service.prepare") -> int:
     """The one-shot preparation: exit 0 when everything is prepared, 2 with one line when it cannot be
     (a bad flag or setting: argparse's message, status 2)."""
-    ap = settings_parser("python -m fragsearch.service.prepare", library.__doc__)
+    ap = settings_parser(prog, library.__doc__)
     settings = settings_from(ap, ap.parse_args(argv))
     try:
         logs.configure(settings.log_level, settings.log_format)

@@ -14,10 +14,10 @@ from fragsearch.training.presence import EPOCHS, PER_IMAGE, fit_presence, sample
 logger = logging.getLogger(__name__)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     from fragsearch.training.evidence import refit_evidence
 
-    ap = refit_parser(library.__doc__, "presence head and phrase evidence", epochs=EPOCHS)
+    ap = refit_parser(library.__doc__, prog, "presence head and phrase evidence", epochs=EPOCHS)
     ap.add_argument("--per-image", type=int, default=PER_IMAGE, help="captions of each training picture read")
     args = ap.parse_args(argv)
     run = load_refit(ap, args, "fragsearch.training.presence", argv)

@@ -16,10 +16,12 @@ from fragsearch.training.graphs import make_graphs
 from fragsearch.training.refit import Refit
 
 
-def refit_parser(description: str | None, what: str, epochs: int | None = None) -> argparse.ArgumentParser:
+def refit_parser(description: str | None, prog: str | None, what: str, epochs: int | None = None
+                 ) -> argparse.ArgumentParser:
     """The flags: the model, the folder it is written to (with `what`), Entities, the data, cache and workers
     settings, and for a head trained here its `epochs` (the best on the validation part kept)."""
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a model in the runtime's form (folder or model.json)")
     ap.add_argument("--out", type=Path, required=True, help=f"the folder the model is written to, with its {what}")
     ap.add_argument("--entities", type=Path, default=None,

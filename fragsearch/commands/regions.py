@@ -22,14 +22,14 @@ from fragsearch.training.regions import EPOCHS, HIDDEN, IMAGES, MIN_BOX_FRAC, fi
 logger = logging.getLogger(__name__)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     import sys
 
     from fragsearch.model.data import load_split
     from fragsearch.model.dataset import held_out_indices
     from fragsearch.model.entities import read_entities
 
-    ap = refit_parser(library.__doc__, "region ranker", epochs=EPOCHS)
+    ap = refit_parser(library.__doc__, prog, "region ranker", epochs=EPOCHS)
     ap.add_argument("--hidden", type=int, default=HIDDEN, help="the ranker's hidden units")
     ap.add_argument("--images", type=int, default=IMAGES, help="images of the part trained on that it reads")
     add_region_flags(ap, ("min_box_frac",))
