@@ -274,10 +274,17 @@ class Settings(BaseSettings):
         return self.workers if self.workers is not None else default_workers()
 
     @property
+    def mode(self) -> Literal["collection", "split"]:
+        """What is served and indexed: "collection", a folder of one's own photos (the `collection` setting,
+        synced at every start and followed while serving), or "split", the data folder's image split
+        (`image_split`)."""
+        return "collection" if self.collection is not None else "split"
+
+    @property
     def has_sentences(self) -> bool:
         """Whether a sentence collection is configured: a caption file, or the data folder's captions (a
         collection of one's own photos is served without a data folder; /annotate then has nothing to rank)."""
-        return self.captions is not None or self.collection is None or (self.data / "captions.txt").is_file()
+        return self.captions is not None or self.mode == "split" or (self.data / "captions.txt").is_file()
 
     @property
     def collection_root(self) -> Path:

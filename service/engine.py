@@ -121,7 +121,7 @@ class Engine:
         bundle = Bundle.load(settings.model_path, device=settings.device, places=settings.places)
         # a served folder keeps its feature cache: renamed files come back from it at every sync
         cache = (feature_cache(settings.cache, bundle.image_cfg, artifacts=settings.artifacts)
-                 if settings.collection is not None else None)
+                 if settings.mode == "collection" else None)
         images = ImageIndex.load(settings.image_index, bundle, cache=cache, collection_root=settings.collection_root,
                                  backend=settings.backend, use_gpu=is_gpu(bundle.device))
         sentences = cls._sentence_index(settings, bundle) if with_sentences else None

@@ -204,7 +204,7 @@ def ensure_image_index(settings: Settings, bundle: Bundle) -> Path:
     """The image index of the settings.image_split images (features from the shared cache), or of the
     settings.collection folder, synced with it at every start."""
     target = settings.image_index
-    if settings.collection is not None:
+    if settings.mode == "collection":
         sync_collection(settings, bundle)
         return target
     if image_index_ready(target):

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m fragsearch.servic
         logger.warning("auth is disabled: anyone who can reach the port can add and delete images")
     elif not settings.writes_open:
         logger.info("no API key configured (FRAGSEARCH_API_KEY): POST/DELETE /images are refused")
-    if settings.prepare and settings.collection is None:  # a photo collection needs no data folder
+    if settings.prepare and settings.mode == "split":  # a photo collection needs no data folder
         try:
             load_split(settings.data, settings.image_split)
         except DataError as e:

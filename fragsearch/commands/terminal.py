@@ -100,7 +100,7 @@ def search_main(argv: Sequence[str] | None = None, prog: str | None = None) -> i
         ap.error("--json and --paths exclude each other")
     settings = settings_of(ap, args)
     if not is_index(settings.image_index):
-        where = f"the collection {settings.collection}" if settings.collection is not None else "the image split"
+        where = f"the collection {settings.collection}" if settings.mode == "collection" else "the image split"
         raise IndexLoadError(f"no image index at {settings.image_index} ({where}): make it with `fragsearch index "
                              "DIR` or `fragsearch serve`, or name the folder with --collection")
     t0 = time.perf_counter()
