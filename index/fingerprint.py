@@ -11,18 +11,16 @@ from typing import Any
 import numpy as np
 
 from fragsearch.model.bundle import Bundle
+from fragsearch.model.config import IMAGE_FIELDS_ADDED_LATER
 
 _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
 
 # settings added after indexes were built: left out at their default, so that a model which does not
-# use them keeps the fingerprint its indexes were built with (a merged model's blocks, the crops' CNN, the
-# mirrored training view, the source of the regions, the detector's class scores beside the features, the
-# S_kl's pooling over ranks, a model's own top layers of MiniLM, the side large pictures are read at: it
-# changes the features of pictures larger than it only, whose cache entries it keys apart; the region ranker
-# and the regions it shares with the ImageNet head)
-LATER = {"model": ("blocks", "pool_ranks", "text_layers"),
-         "image": ("backbone", "mirror", "proposals", "detector_floor", "detector_classes", "decode_side",
-                   "region_ranker", "head_regions", "head_min_box_frac")}
+# use them keeps the fingerprint its indexes were built with (a merged model's blocks, the S_kl's pooling over
+# ranks, a model's own top layers of MiniLM; the image settings' list is the feature cache's too, with the side
+# large pictures are read at among them: it changes the features of pictures larger than it only, whose cache
+# entries it keys apart)
+LATER = {"model": ("blocks", "pool_ranks", "text_layers"), "image": IMAGE_FIELDS_ADDED_LATER}
 
 
 def _settings(part: str, cfg: Any) -> dict[str, object]:

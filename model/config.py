@@ -111,6 +111,17 @@ class ImageConfig:
         return 1 if self.full_frame_only else 1 + self.n_regions
 
 
+# ImageConfig's fields added after feature caches and indexes were made: the feature cache's folder key
+# (model/features.py `config_payload`: each out of the image settings it hashes, in a form of its own where set; the
+# backbone always, beside them) and an index's model fingerprint (index/fingerprint.py: each left out at its
+# default) keep the names of the caches and indexes of a model that does not use them (the crops' CNN, the mirrored
+# training view, the source of the regions and its floor, the detector's class scores beside the features, the side
+# large pictures are read at, the region ranker and the regions it shares with the ImageNet head). A field added
+# later joins this list.
+IMAGE_FIELDS_ADDED_LATER = ("backbone", "mirror", "proposals", "detector_floor", "detector_classes", "decode_side",
+                            "region_ranker", "head_regions", "head_min_box_frac")
+
+
 @dataclass(frozen=True)
 class TextConfig:
     """How sentences become fragments."""

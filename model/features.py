@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from fragsearch.model.atomic import atomic_file
-from fragsearch.model.config import ImageConfig
+from fragsearch.model.config import IMAGE_FIELDS_ADDED_LATER, ImageConfig
 from fragsearch.model.detector import DETECTOR_NAME, N_CLASSES, label_of
 from fragsearch.model.graphs import FEATURE_DIM, quant_recipe, weights_digest
 from fragsearch.model.image import ImageFragments
@@ -31,28 +31,24 @@ def config_payload(cfg: ImageConfig, places: Places = DEFAULT_PLACES) -> dict[st
     digest of its weights, not their path: read against the artifacts folder of `places`), the version, for the
     int8 backbone its quantization recipe, and the mirrored training view when it is one."""
     image = dataclasses.asdict(cfg)
+    later = {name: image.pop(name) for name in IMAGE_FIELDS_ADDED_LATER}  # each in its own form below, where set
     weights = image.pop("backbone_weights")  # not in the payload for the ImageNet weights: their keys stay
-    backbone = image.pop("backbone")  # beside the image settings, as before it was one: Lite0's keys stay
-    mirror = image.pop("mirror")  # in the payload only for the mirrored view: the other keys stay
-    proposals = image.pop("proposals")  # the region source and its floor: only when not selective search
-    floor = image.pop("detector_floor")
-    ranker = image.pop("region_ranker")  # in the payload only when set: the other keys stay
-    head_regions, head_floor = image.pop("head_regions"), image.pop("head_min_box_frac")  # likewise
-    image.pop("decode_side")  # in the entries' keys of the pictures it reduces (content_key), not here
-    if image.pop("detector_classes"):  # in the payload only when set: the other keys stay
+    if later["detector_classes"]:
         image["detector_classes"] = True
-    if proposals != "selective_search":
-        image["proposals"] = proposals
+    if later["proposals"] != "selective_search":  # the region source and its floor
+        image["proposals"] = later["proposals"]
         image["detector"] = DETECTOR_NAME
-        if proposals == "detector_topup":
-            image["detector_floor"] = floor
-    payload: dict[str, Any] = {"image": image, "backbone": backbone, "version": FEATURE_VERSION}
-    if mirror:
+        if later["proposals"] == "detector_topup":
+            image["detector_floor"] = later["detector_floor"]
+    # the backbone beside the image settings, as before it was one (Lite0's keys stay); decode_side is in the
+    # entries' keys of the pictures it reduces (content_key), not here
+    payload: dict[str, Any] = {"image": image, "backbone": later["backbone"], "version": FEATURE_VERSION}
+    if later["mirror"]:
         payload["mirror"] = True
-    if ranker:
-        payload["region_ranker"] = ranker  # named by its content (model/regions.py ranker_name)
-    if head_regions:
-        payload["head_regions"] = [head_regions, head_floor]
+    if later["region_ranker"]:
+        payload["region_ranker"] = later["region_ranker"]  # named by its content (model/regions.py ranker_name)
+    if later["head_regions"]:
+        payload["head_regions"] = [later["head_regions"], later["head_min_box_frac"]]
     if weights:
         payload["backbone_weights"] = weights_digest(weights, places)  # the bytes, not the path
     if cfg.backbone_precision == "int8":
