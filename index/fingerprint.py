@@ -15,12 +15,13 @@ from fragsearch.model.config import IMAGE_FIELDS_ADDED_LATER
 
 _cache: weakref.WeakKeyDictionary[Bundle, str] = weakref.WeakKeyDictionary()
 
-# settings added after indexes were built: left out at their default, so that a model which does not
-# use them keeps the fingerprint its indexes were built with (a merged model's blocks, the S_kl's pooling over
-# ranks, a model's own top layers of MiniLM; the image settings' list is the feature cache's too, with the side
-# large pictures are read at among them: it changes the features of pictures larger than it only, whose cache
-# entries it keys apart)
-LATER = {"model": ("blocks", "pool_ranks", "text_layers"), "image": IMAGE_FIELDS_ADDED_LATER}
+# settings added after indexes were built: left out at their default, so that a model which does not use them keeps
+# the fingerprint its indexes were built with (a merged model's blocks, the S_kl's pooling over ranks, a model's own
+# top layers of MiniLM, the pass the sentence vector is read from; the image settings' list is the feature cache's
+# too, with the side large pictures are read at among them: it changes the features of pictures larger than it only,
+# whose cache entries it keys apart)
+LATER = {"model": ("blocks", "pool_ranks", "text_layers"), "image": IMAGE_FIELDS_ADDED_LATER,
+         "text": ("sentence_pass",)}
 
 
 def _settings(part: str, cfg: Any) -> dict[str, object]:
@@ -41,7 +42,7 @@ def model_fingerprint(bundle: Bundle) -> str:
     settings = {
         "model": _settings("model", bundle.cfg),
         "image": _settings("image", bundle.image_cfg),
-        "text": dataclasses.asdict(bundle.text.cfg),
+        "text": _settings("text", bundle.text.cfg),
         "relations": list(bundle.text.relations.kept),
         "words": len(bundle.text.words),
     }

@@ -122,6 +122,9 @@ IMAGE_FIELDS_ADDED_LATER = ("backbone", "mirror", "proposals", "detector_floor",
                             "region_ranker", "head_regions", "head_min_box_frac")
 
 
+SENTENCE_PASSES = ("text", "words")
+
+
 @dataclass(frozen=True)
 class TextConfig:
     """How sentences become fragments."""
@@ -132,6 +135,15 @@ class TextConfig:
     min_word_count: int = 1  # training-vocabulary words seen fewer times are dropped
     sentence_fragment: bool = False  # add a whole-sentence fragment beside the triplets
     word_vectors: str = "static"  # "static" (per-word table) or "contextual" (tokens in their sentence)
+    # where the whole-sentence fragment's MiniLM vector is read from, with contextual words: "text", a pass over the
+    # caption's text (a second pass wherever the text tokenizes otherwise than its words, e.g. with punctuation: 9 in
+    # 10 captions), or "words", the words' own pass (one pass a sentence, as a model with its own layers reads them)
+    sentence_pass: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.sentence_pass not in SENTENCE_PASSES:
+            raise ValueError(f"text.sentence_pass must be one of {', '.join(SENTENCE_PASSES)}, "
+                             f"got {self.sentence_pass!r}")
     unigram_prob: float = 0.05  # training: share of sentences shown as unigram fragments (trains fallback)
     max_words: int = 64  # longest caption parsed (tokens past it are ignored)
 

@@ -127,7 +127,8 @@ class TextPipeline:
         words and sentence from the one pass of the token list)."""
         if self.layers is None:
             return encode_texts(list(sentences), [list(k) for k in token_lists], contextual=contextual, whole=whole,
-                                model=minilm(self.device, folder=self.graphs))
+                                model=minilm(self.device, folder=self.graphs),
+                                one_pass=self.cfg.sentence_pass == "words")
         ctx, sent = encode_tuned(token_lists, self.layers, device=self.device, folder=self.graphs)
         return (ctx if contextual else [], sent if whole else sent[:0])
 
@@ -202,6 +203,8 @@ class TextPipeline:
         what: list[Any] = [contextual, self.cfg.sentence_fragment, keys, list(sentences)]
         if self.layers is not None:  # a model's trained layers: their own vectors
             what.append(self.layers.digest)
+        if self.cfg.sentence_pass != "text":  # the sentence vectors of the words' pass (the default's keys stay)
+            what.append(f"sentence_pass={self.cfg.sentence_pass}")
         digest = hashlib.sha1(json.dumps(what).encode())
         path = Path(cache_dir) / f"vectors-{digest.hexdigest()[:16]}.npz"
 

@@ -138,16 +138,19 @@ def _word_means(hidden: np.ndarray, pieces: Pieces, n_words: int, normalize: boo
 
 def encode_texts(sentences: Sequence[str] | None, token_lists: Sequence[Sequence[str]] | None,
                  contextual: bool = True, whole: bool = True, batch_size: int = 64, normalize: bool = True,
-                 device: str = "cpu", model: MiniLM | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+                 device: str = "cpu", model: MiniLM | None = None, one_pass: bool = False
+                 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Both MiniLM outputs of N sentences in one go: (the in-context word vectors of ``token_lists[k]``, an
     array (len(token_lists[k]), 384) per sentence, when ``contextual``, else []; the sentence vectors of
     ``sentences``, (N, 384) unit norm, when ``whole``, else (0, 384)), equal to `encode_words_in_context` and
     `encode_sentences` called apart.
 
     Where a sentence's stripped text and its token list tokenize to the same word pieces (a caption without
-    punctuation whose tokens are its words), one transformer pass gives both; the others take two. All passes
-    are batched by length (``batch_size`` inputs a batch). ``model``: the MiniLM to run (default: the process's
-    on ``device``)."""
+    punctuation whose tokens are its words), one transformer pass gives both; the others take two. With
+    ``one_pass`` (``TextConfig.sentence_pass = "words"``), the token list's pass gives the sentence vector too,
+    whatever the text: one pass each, and a sentence vector of the words as parsed. All passes are batched by
+    length (``batch_size`` inputs a batch). ``model``: the MiniLM to run (default: the process's on
+    ``device``)."""
     if whole and sentences is None or contextual and token_lists is None:
         raise ValueError("encode_texts: sentences are needed for the sentence vectors, token lists for the words")
     texts_in = [str(s).strip() for s in sentences] if whole and sentences is not None else []
@@ -160,12 +163,12 @@ def encode_texts(sentences: Sequence[str] | None, token_lists: Sequence[Sequence
     if n == 0:
         return words, sent
     model = model or minilm(device)
-    texts = model.pieces(texts_in) if whole else []
+    texts = model.pieces(texts_in) if whole and not (one_pass and contextual) else []
     split = model.word_pieces(lists) if contextual else []
     # one input per pass: (its pieces, the sentence it gives the vector of or -1, the token list it gives or -1)
     inputs: list[tuple[Pieces, int, int]] = []
     for k in range(n):
-        if whole and contextual and texts[k].same_ids(split[k]):
+        if whole and contextual and (one_pass or texts[k].same_ids(split[k])):
             inputs.append((split[k], k, k))
             continue
         if whole:

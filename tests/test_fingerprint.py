@@ -39,14 +39,16 @@ def test_the_later_settings_change_the_fingerprint_when_used() -> None:
     side = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg, decode_side=0))
     ranked = Bundle(base.encoders, base.text, dataclasses.replace(base.image_cfg,
                                                                   region_ranker="region-ranker-0123456789ab.npz"))
+    one_pass = make_bundle(WordTable.build(WORDS))
+    one_pass.text.cfg = dataclasses.replace(one_pass.text.cfg, sentence_pass="words")
     local = make_bundle(WordTable.build(WORDS))
     g = np.random.default_rng(0)
     mask = np.ones((6, 3), np.float32)
     plain = Calibration(g.random((5, 4, base.dim), dtype=np.float32), g.random((6, 3, base.dim), dtype=np.float32),
                         mask, 1e-3, 1e-3)
     local.calibration = plain.localised(3, 0.75)
-    seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector, classes, side, ranked, local)}
-    assert len(seen) == 8
+    seen = {model_fingerprint(b) for b in (base, blocks, lite2, detector, classes, side, ranked, one_pass, local)}
+    assert len(seen) == 9
     spread_only = make_bundle(WordTable.build(WORDS))
     spread_only.calibration = plain  # the spread alone keeps the fingerprint the indexes were built with
     assert model_fingerprint(spread_only) == model_fingerprint(base)

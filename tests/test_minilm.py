@@ -154,6 +154,29 @@ def test_encode_texts_runs_one_pass_where_the_ids_agree(mini: MiniLM, monkeypatc
     assert encode_texts([], [])[1].shape == (0, HIDDEN)
 
 
+def test_one_pass_reads_the_sentence_vector_from_the_words(mini: MiniLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`one_pass` (TextConfig.sentence_pass = "words"): one pass a sentence whatever its punctuation; the words
+    as in two passes, the sentence vector the words' own (that of the text the words spell)."""
+    sentences = ["A dog runs on the grass .", "Kids, running!", "two men play chess"]
+    tokens = [["a", "dog", "runs", "on", "the", "grass"], ["kids", "running"], ["two", "men", "play", "chess"]]
+    passes: list[int] = []
+    each = MiniLM.each_hidden
+
+    def counting(self: MiniLM, inputs: Any, *args: Any, **kwargs: Any) -> None:
+        passes.append(len(inputs))
+        each(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(MiniLM, "each_hidden", counting)
+    words, sent = encode_texts(sentences, tokens, one_pass=True)
+    assert passes == [3]
+    np.testing.assert_allclose(sent, encode_sentences([" ".join(t) for t in tokens]), atol=ATOL)
+    assert not np.allclose(sent[0], encode_sentences(sentences[:1])[0], atol=ATOL), "the text's own vector differs"
+    for got, want in zip(words, encode_words_in_context(tokens), strict=True):
+        np.testing.assert_allclose(got, want, atol=ATOL)
+    _, static = encode_texts(sentences, None, contextual=False, one_pass=True)  # no words' pass: the text's
+    np.testing.assert_allclose(static, encode_sentences(sentences), atol=ATOL)
+
+
 def test_concurrent_callers_get_the_serial_answers(mini: MiniLM) -> None:
     want = encode_sentences(TRICKY)
     got: list[np.ndarray] = []

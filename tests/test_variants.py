@@ -143,7 +143,8 @@ def test_full_roi_and_two_branch_field_by_field() -> None:
                       "selection": "val", "val_images": 500, "val_seed": 0, "eval_every": 2, "seed": 0,
                       "members": 1, "device": "auto"}
     defaults_text = {"parser": "spacy", "fragments": "dependency", "relation_cutoff": 0.01, "min_word_count": 1,
-                     "sentence_fragment": False, "word_vectors": "static", "unigram_prob": 0.05, "max_words": 64}
+                     "sentence_fragment": False, "word_vectors": "static", "unigram_prob": 0.05, "max_words": 64,
+                     "sentence_pass": "text"}
     defaults_image = {"n_regions": 19, "region_features": "roi_align", "backbone_size": 448, "crop_size": 224,
                       "backbone_precision": "fp32", "proposal_mode": "balanced", "proposal_resize": 224,
                       "max_proposals": 300, "min_box_frac": 0.04, "nms_iou": 0.5, "full_frame_only": False,
