@@ -26,7 +26,7 @@ COMMANDS = ["fragsearch.commands.train", "fragsearch.commands.extract", "fragsea
             "bench.phrase_evidence", "bench.evidence_ceiling", "bench.grounding", "bench.backbone_lite",
             "bench.detector_paths", "bench.million", "bench.region_cost", "bench.parse_processes",
             "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
-            "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy",
+            "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy", "bench.text_passes",
             "fragsearch.commands.graphs:backbone_main", "fragsearch.commands.graphs:minilm_main",
             "fragsearch.commands.api_docs"]
 
