@@ -123,10 +123,8 @@ def test_batching_by_length_gives_the_unbatched_vectors_in_input_order() -> None
         np.testing.assert_allclose(got, want, atol=ATOL)
 
 
-def test_encode_texts_runs_one_pass_where_the_ids_agree(mini: MiniLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    sentences = ["A dog runs on the grass", "A dog runs on the grass .", "two men play chess", "Kids, running!", ""]
-    tokens = [["a", "dog", "runs", "on", "the", "grass"], ["a", "dog", "runs", "on", "the", "grass"],
-              ["two", "men", "play", "chess"], ["kids", "running"], []]
+def counted_passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The inputs of each MiniLM.each_hidden call from now on (each input is one transformer pass)."""
     passes: list[int] = []
     each = MiniLM.each_hidden
 
@@ -135,6 +133,14 @@ def test_encode_texts_runs_one_pass_where_the_ids_agree(mini: MiniLM, monkeypatc
         each(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(MiniLM, "each_hidden", counting)
+    return passes
+
+
+def test_encode_texts_runs_one_pass_where_the_ids_agree(mini: MiniLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    sentences = ["A dog runs on the grass", "A dog runs on the grass .", "two men play chess", "Kids, running!", ""]
+    tokens = [["a", "dog", "runs", "on", "the", "grass"], ["a", "dog", "runs", "on", "the", "grass"],
+              ["two", "men", "play", "chess"], ["kids", "running"], []]
+    passes = counted_passes(monkeypatch)
     words, sent = encode_texts(sentences, tokens, contextual=True, whole=True, batch_size=2)
     assert passes == [3 + 2 * 2], "one pass for the three without punctuation (the empty one too), two for the others"
     np.testing.assert_allclose(sent, encode_sentences(sentences), atol=ATOL)
@@ -159,14 +165,7 @@ def test_one_pass_reads_the_sentence_vector_from_the_words(mini: MiniLM, monkeyp
     as in two passes, the sentence vector the words' own (that of the text the words spell)."""
     sentences = ["A dog runs on the grass .", "Kids, running!", "two men play chess"]
     tokens = [["a", "dog", "runs", "on", "the", "grass"], ["kids", "running"], ["two", "men", "play", "chess"]]
-    passes: list[int] = []
-    each = MiniLM.each_hidden
-
-    def counting(self: MiniLM, inputs: Any, *args: Any, **kwargs: Any) -> None:
-        passes.append(len(inputs))
-        each(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(MiniLM, "each_hidden", counting)
+    passes = counted_passes(monkeypatch)
     words, sent = encode_texts(sentences, tokens, one_pass=True)
     assert passes == [3]
     np.testing.assert_allclose(sent, encode_sentences([" ".join(t) for t in tokens]), atol=ATOL)
