@@ -24,6 +24,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from fragsearch.cli import SUBCOMMANDS
 from tests.dockerfile import hub_fetch_under_offline_switch, instructions, run_environments
 from tools import image_check, lock
 
@@ -579,17 +580,18 @@ def test_the_image_installs_the_runtime_lock_and_the_extras_named() -> None:
 
 
 def test_run_installs_from_the_lock() -> None:
-    """./run test (and every command but those that read saved indexes) installs the dev lock; serve, index,
-    search, annotate and duplicates the runtime lock unless the dev environment is there; each environment is
-    named by the hash of what it installs."""
+    """./run test (and every command but the service's and those that read saved indexes) installs the dev lock;
+    serve, prepare, index, search, annotate and duplicates the runtime lock unless the dev environment is there;
+    every `fragsearch` subcommand is one of ./run's; each environment is named by the hash of what it installs."""
     text = (ROOT / "run").read_text()
     assert 'pip" install -q --no-deps --no-compile -r "$2"' in text
     assert 'setup() { make_venv "$DEV_VENV" requirements-dev.lock;' in text
     assert 'make_venv "$RUNTIME_VENV" requirements.lock' in text
     assert "venv-$(lock_hash requirements.lock requirements-dev.lock)" in text
     assert "venv-runtime-$(lock_hash requirements.lock)" in text
-    cases = {name: body for names, body in re.findall(r"^  ([a-z|]+)\)\s*(\S+)", text, re.M)
+    cases = {name: body for names, body in re.findall(r"^  ([a-z|-]+)\)\s*(\S+)", text, re.M)
              for name in names.split("|")}
     assert {c for c, body in cases.items() if body.startswith("setup_runtime")} == {
-        "serve", "index", "search", "annotate", "duplicates"}
+        "serve", "prepare", "index", "search", "annotate", "duplicates"}
+    assert {sub.name for sub in SUBCOMMANDS} <= set(cases)
     assert cases["test"] == "setup" and cases["train"].startswith("setup;")
