@@ -4,6 +4,7 @@
     python -m bench.index_bench --skip-dev --sizes 10000          # synthetic only
     python -m bench.index_bench --sizes --skip-annotate --backends faiss milvus --append   # dev, both backends
     python -m bench.index_bench --sizes --skip-annotate --append --model M/model.pt --label NAME  # another model
+    python -m bench.index_bench --sizes --annotate-only --append  # the image -> sentence rows alone
 
 For each collection and index setting, a fixed query set is run through the indexed search (FAISS
 candidates, exact re-rank) and through the exhaustive exact ranking of the whole collection;
@@ -46,6 +47,7 @@ from fragsearch.index.ann import FaissCandidates
 from fragsearch.index.images import embedded_images, exact_top_k
 from fragsearch.index.types import BACKENDS, BackendOptions
 from fragsearch.model.bundle import Bundle
+from fragsearch.model.cache import FeatureCache
 from fragsearch.model.config import ImageConfig, TextConfig
 from fragsearch.model.data import Split, load_split
 from fragsearch.model.dataset import feature_cache
@@ -175,12 +177,17 @@ def dev_queries(bundle: Bundle, split: Split, n: int) -> list[np.ndarray]:
     return queries
 
 
-def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row]:
+def dev_fragments(args: argparse.Namespace, bundle: Bundle) -> tuple[Split, list[Path], FeatureCache, list]:
+    """The dev split, its images' paths, the feature cache and their fragments (extracted where missing)."""
     split = load_split(args.data, "dev")
     paths = [split.image_path(n) for n in split.images]
     cache = feature_cache(args.cache, bundle.image_cfg)
     cache.ensure(paths, workers=args.workers)
-    frags = cache.load(paths)
+    return split, paths, cache, cache.load(paths)
+
+
+def dev_rows(args: argparse.Namespace, bundle: Bundle, command: str) -> list[Row]:
+    split, paths, cache, frags = dev_fragments(args, bundle)
     work = args.workdir / "dev-images"
     shutil.rmtree(work, ignore_errors=True)
     index = ImageIndex.create(work, bundle, IndexSettings(), cache=cache)
@@ -277,6 +284,7 @@ def annotate_rows(args: argparse.Namespace, bundle: Bundle, frags: list, command
         lambda q: [h.sentence_id for h in index.annotate(queries[q], K, exhaustive=True).hits], len(queries))
     settings = [IndexSettings.of(k_prime=kp, rerank=r) for kp, r in ((16, 0), (128, 0), (0, 30), (0, 100))]
     settings += [IndexSettings.of(kind="ivfpq", nlist=512, pretransform="PCA128", nprobe=16, k_prime=0, rerank=100)]
+    settings += [IndexSettings.of(kind="ivf", nlist=1024, nprobe=p, k_prime=0, rerank=100) for p in (32, 128)]
 
     def measure() -> Row:
         found, ms = timed(lambda q: [h.sentence_id for h in index.annotate(queries[q], K).hits], len(queries))
@@ -468,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--annotate-queries", type=int, default=50, help="dev images used as queries of the annotate rows")
     ap.add_argument("--skip-dev", action="store_true", help="leave out the dev-image rows")
     ap.add_argument("--skip-annotate", action="store_true", help="leave out the image -> sentence rows")
+    ap.add_argument("--annotate-only", action="store_true",
+                    help="only the image -> sentence rows (the dev images' fragments as queries)")
     ap.add_argument("--backends", nargs="*", default=[], choices=BACKENDS,
                     help="also measure the dev images on these candidate backends side by side")
     ap.add_argument("--workers", type=int, default=2, help="feature extraction processes")
@@ -486,6 +496,8 @@ def main(argv: list[str] | None = None) -> None:
     bundle = Bundle.load(args.model) if model_file(args.model).is_file() else None
     if bundle is None:
         logger.warning("no model at %s: no dev-image rows, synthetic h = %d", args.model, args.h or 1000)
+    elif args.annotate_only:
+        rows += annotate_rows(args, bundle, dev_fragments(args, bundle)[3], command)
     elif not args.skip_dev:
         rows += dev_rows(args, bundle, command) if not args.backends else backend_rows(args, bundle, command)
     h = args.h or (bundle.dim if bundle is not None else 1000)
