@@ -272,12 +272,12 @@ SUBCOMMANDS = (
                "Reads the members; writes the merged model."),
     Subcommand("evidence", "evidence:main", "Refit a model's phrase evidence beside it. Reads the model and the "
                "data folder; writes the model with its evidence."),
-    Subcommand("grounder", "grounder:main", "Train a model's grounder on Flickr30k Entities boxes. Reads the "
-               "model, the data folder and the Entities; writes the model with its grounder."),
-    Subcommand("presence", "presence:main", "Train a model's presence head and phrase evidence. Reads the model "
-               "and the data folder; writes the model with them."),
-    Subcommand("regions", "regions:main", "Train a region ranker on Flickr30k Entities boxes. Reads the model, "
-               "the data folder and the Entities; writes the ranker into the graph folder and the model."),
+    Subcommand("grounder", "grounder:main", f"Train a model's grounder on Flickr30k Entities boxes {_TRAINER}. "
+               "Reads the model, the data folder and the Entities; writes the model with its grounder."),
+    Subcommand("presence", "presence:main", f"Train a model's presence head and phrase evidence {_TRAINER}. "
+               "Reads the model and the data folder; writes the model with them."),
+    Subcommand("regions", "regions:main", f"Train a region ranker on Flickr30k Entities boxes {_TRAINER}. Reads "
+               "the model, the data folder and the Entities; writes the ranker into the graph folder and the model."),
     Subcommand("export-backbone", "graphs:backbone_main", f"Make the backbone's graph and ImageNet head arrays the "
                f"runtime reads {_TRAINER}. Writes the graph folder."),
     Subcommand("export-minilm", "graphs:minilm_main", f"Make MiniLM's graph the runtime reads {_TRAINER}. Writes "
