@@ -4,9 +4,10 @@
 
 Several models are measured side by side in one run (`--model A B --index IA IB`): each query goes
 through every model in turn, so a busy machine slows them alike and the ratios between them hold. So do
-the two ways of the large products (`--products onnxruntime blas`, model/product.py): the scan's and the
-calibration's products through ONNX Runtime, as served, or all through NumPy's BLAS, as before; NumPy's
-BLAS and the products run on `--threads` threads, as a served request's share of the cores does.
+the ways of the large products (`--products onnxruntime float-references blas`, model/product.py): the scan's and
+the calibration's products through ONNX Runtime, as served (the calibration's reference images through their
+8-bit codes), the same with the references in float32, or all through NumPy's BLAS; NumPy's BLAS and the
+products run on `--threads` threads, as a served request's share of the cores does.
 
 Runs the first N dev captions (each seen for the first time, as a user's query is) through the
 same calls the service makes, timing each stage in this process: parse (spaCy), word vectors
@@ -91,18 +92,21 @@ def run(bundle: Bundle, index: ImageIndex, sentences: Sequence[str], k: int) -> 
     return times
 
 
-PRODUCTS = ("onnxruntime", "blas")
+PRODUCTS = ("onnxruntime", "float-references", "blas")
 
 
 @contextmanager
 def products(kind: str) -> Iterator[None]:
-    """The large products as served ("onnxruntime": model/product.py) or all through NumPy's BLAS ("blas")."""
-    served = product.LARGE
-    product.LARGE = served if kind == "onnxruntime" else sys.maxsize
+    """The large products as served ("onnxruntime": model/product.py, the references read through their 8-bit
+    codes), the same with the references in float32 ("float-references") or all through NumPy's BLAS in float32
+    ("blas")."""
+    served, coded = product.LARGE, product.QUANTIZED
+    product.LARGE = sys.maxsize if kind == "blas" else served
+    product.QUANTIZED = coded and kind == "onnxruntime"
     try:
         yield
     finally:
-        product.LARGE = served
+        product.LARGE, product.QUANTIZED = served, coded
 
 
 def model_name(path: Path, bundle: Bundle) -> str:
@@ -130,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the model's intra-op threads (ONNX Runtime), NumPy's BLAS threads and the products'")
     ap.add_argument("--products", nargs="+", choices=PRODUCTS, default=["onnxruntime"],
                     help="the ways of the large products measured, side by side (model/product.py): onnxruntime "
-                         "(as served), blas (all through NumPy's BLAS)")
+                         "(as served: the references through their 8-bit codes), float-references (the same, the "
+                         "references in float32), blas (all through NumPy's BLAS in float32)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the CSV written")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows already in --out and add these after them (a model measured again has its "

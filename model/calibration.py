@@ -58,6 +58,7 @@ import numpy as np
 from array_api_compat import device as array_device
 
 from fragsearch.model.arrays import Array, contiguous, namespace, to_numpy
+from fragsearch.model.product import QuantizedRows, quantizes
 from fragsearch.model.score import block_slices, skl
 
 BLOCK = 200  # items of the other side scored per step (bounds memory: BLOCK * F x R * T products)
@@ -217,6 +218,8 @@ class Calibration:
     # the model's own (model.bundle), so that the references are scored with its S_kl
     _parts: dict[tuple[str, int | None, int | None], Array] = field(default_factory=dict, init=False,
                                                                      repr=False, compare=False)
+    _codes: dict[tuple[int | None, int | None], QuantizedRows] = field(default_factory=dict, init=False,
+                                                                       repr=False, compare=False)
 
     def reference(self, side: str, part: slice) -> Array:
         """The reference images' or sentences' fragments, or one block's slice of them (kept, contiguous: a
@@ -228,6 +231,18 @@ class Calibration:
         if key not in self._parts:
             self._parts[key] = contiguous(ref[..., part])
         return self._parts[key]
+
+    def reference_codes(self, part: slice = slice(None)) -> QuantizedRows | None:
+        """The reference images' fragments (or one block's slice of them) as the codes a sentence's scores read
+        (model/product.py `QuantizedRows`: a quarter of the bytes, multiplied in integers), kept; None where they
+        are read in float32 (torch tensors in training, or `product.QUANTIZED` off)."""
+        ref = self.reference("images", part)
+        if not quantizes(ref):
+            return None
+        key = (part.start, part.stop)
+        if key not in self._codes:
+            self._codes[key] = QuantizedRows.of(ref)
+        return self._codes[key]
 
     def image_scores(self, img: Array, part: slice = slice(None)) -> Array:
         """img: (K, F, h') uncalibrated image fragments -> (K, R_s) their S_kl against the reference sentences;
@@ -244,9 +259,11 @@ class Calibration:
         """sent: (L, T, h') uncalibrated sentence fragments, mask (L, T) -> (L, R_i) their S_kl against the
         reference images (`part`: as in `image_scores`)."""
         ref = self.reference("images", part)
+        codes = self.reference_codes(part)
         xp = namespace(sent, ref)
         ones = xp.ones(ref.shape[:2], dtype=ref.dtype, device=array_device(ref))
-        out = [xp.permute_dims(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK], pool=self.pool), (1, 0))
+        out = [xp.permute_dims(skl(ref, ones, sent[s : s + BLOCK], mask[s : s + BLOCK], pool=self.pool, rows=codes),
+                               (1, 0))
                for s in range(0, sent.shape[0], BLOCK)]
         return xp.concat(out, axis=0) if out else xp.zeros((0, ref.shape[0]), dtype=sent.dtype)
 

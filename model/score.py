@@ -32,7 +32,7 @@ import numpy as np
 from array_api_compat import device as array_device
 
 from fragsearch.model.arrays import Array, contiguous, counts, namespace, segment_sum
-from fragsearch.model.product import block_products, is_large, product
+from fragsearch.model.product import QuantizedRows, block_products, is_large, product
 
 SMOOTHING = 5.0  # the paper's n
 
@@ -62,16 +62,19 @@ def positive(x: Array) -> Array:
     return namespace(x).clip(x, min=0.0)
 
 
-def block_dots(v: Array, s: Array, blocks: int = 1) -> tuple[Array, Array]:
+def block_dots(v: Array, s: Array, blocks: int = 1, rows: QuantizedRows | None = None) -> tuple[Array, Array]:
     """v: (I, h), s: (J, h) -> (v . s (I, J), sum_b max(0, v^b . s^b) (I, J)) over `blocks` equal slices of h:
-    the raw inner products and the thresholded pair scores S_kl sums."""
+    the raw inner products and the thresholded pair scores S_kl sums. `rows`: v's codes (a fixed matrix read
+    through them, model/product.py), which the products then read in its place."""
     xp = namespace(v, s)
     parts = block_slices(v.shape[-1], blocks)
+    if rows is not None and rows.shape != tuple(v.shape):
+        raise ValueError(f"codes of {rows.shape} rows for fragments of shape {tuple(v.shape)}")
     if blocks == 1:
-        dots = product(v, s)
+        dots = product(v, s) if rows is None else rows.product(s)
         return dots, positive(dots)
-    if is_large(v, s, blocks):  # a scan: each row of v read once, by ONNX Runtime (model/product.py)
-        each = block_products(v, s, parts)  # (I, B, J)
+    if rows is not None or is_large(v, s, blocks):  # a scan: each row of v read once, by ONNX Runtime
+        each = block_products(v if rows is None else rows, s, parts)  # (I, B, J)
         dots, pos = each[:, 0].copy(), positive(each[:, 0])
         for b in range(1, blocks):
             dots += each[:, b]
@@ -108,10 +111,11 @@ def _owners(n: int, per: int, like: Array) -> Array:
     return xp.repeat(xp.arange(n, device=array_device(like)), per)
 
 
-def flatten(img_frags: Array, img_mask: Array, sent_frags: Array, sent_mask: Array, blocks: int = 1
-            ) -> FlatFragments:
+def flatten(img_frags: Array, img_mask: Array, sent_frags: Array, sent_mask: Array, blocks: int = 1,
+            rows: QuantizedRows | None = None) -> FlatFragments:
     """Pairwise scores v_i . s_j of the real fragments only (padding never enters a product); with
-    `blocks` > 1 also their slice-wise thresholded sums (`block_dots`)."""
+    `blocks` > 1 also their slice-wise thresholded sums (`block_dots`). `rows`: the image fragments' codes
+    (every fragment real), read by the products in their place."""
     xp = namespace(img_frags, sent_frags)
     k, f, h = img_frags.shape
     n_sent, t, _ = sent_frags.shape
@@ -123,12 +127,15 @@ def flatten(img_frags: Array, img_mask: Array, sent_frags: Array, sent_mask: Arr
     sent_of = _owners(n_sent, t, img_frags)
     img_per = f
     if not bool(xp.all(img_real)):  # selecting copies the fragments: skipped when none is padding
+        if rows is not None:
+            raise ValueError("coded image fragments are read whole: none may be padding")
         v, img_of, img_per = v[img_real], img_of[img_real], 0
     if not bool(xp.all(sent_real)):
         s, sent_of = s[sent_real], sent_of[sent_real]
     if blocks == 1:  # the training path: the thresholding is skl_from_flat's
-        return FlatFragments(product(v, s), img_of, sent_of, k, n_sent, img_per=img_per)
-    dots, pos = block_dots(v, s, blocks)
+        return FlatFragments(product(v, s) if rows is None else rows.product(s), img_of, sent_of, k, n_sent,
+                             img_per=img_per)
+    dots, pos = block_dots(v, s, blocks, rows)
     return FlatFragments(dots, img_of, sent_of, k, n_sent, pos, img_per)
 
 
@@ -199,24 +206,26 @@ def skl(
     chunk: int | None = None,
     blocks: int = 1,
     pool: Array | None = None,
+    rows: QuantizedRows | None = None,
 ) -> Array:
     """Image–sentence scores S_kl for every image k and sentence l.
 
     img_frags: (K, F, h) with img_mask: (K, F) (1 = real fragment, 0 = padding);
     sent_frags: (L, T, h) with sent_mask: (L, T). Returns (K, L). Differentiable (torch).
     `chunk` bounds memory by scoring at most that many sentences at a time; `blocks`: the model's
-    (``ModelConfig.blocks``, see the module doc); `pool`: its weights over ranks (None: the mean).
+    (``ModelConfig.blocks``, see the module doc); `pool`: its weights over ranks (None: the mean); `rows`: the
+    image fragments' codes (model/product.py `QuantizedRows`: a fixed set of images, scored through them).
     """
     if chunk is not None and sent_frags.shape[0] > chunk:
         xp = namespace(img_frags, sent_frags)
         parts = [
             skl(img_frags, img_mask, sent_frags[s : s + chunk], sent_mask[s : s + chunk], smoothing, blocks=blocks,
-                pool=pool)
+                pool=pool, rows=rows)
             for s in range(0, sent_frags.shape[0], chunk)
         ]
         return xp.concat(parts, axis=1)
-    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks), smoothing, scratch=True,
-                         pool=pool)
+    return skl_from_flat(flatten(img_frags, img_mask, sent_frags, sent_mask, blocks, rows), smoothing,
+                         scratch=True, pool=pool)
 
 
 def pair_contributions(img_frags: Array, sent_frags: Array,

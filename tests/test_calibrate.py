@@ -418,3 +418,30 @@ def test_the_calibrate_command_chooses_a_local_scale_on_the_validation_part(shap
         calibrate_main(["--model", str(tmp_path / "model.pt"), "--local-k", "2", *common])
     with pytest.raises(SystemExit):
         calibrate_main(["--model", str(tmp_path / "model.pt"), "--relevance-only", "--local-k", "0", *common])
+
+
+def test_a_sentences_scale_read_through_the_references_codes_is_the_float_scale_within_a_thousandth(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's references (NumPy, large) are read through their 8-bit codes (model/product.py); a scale from
+    them is the float32 references' within a thousandth, block by block, and the same alone or in a batch (its
+    products are; NumPy's sums may round otherwise in an array of another shape)."""
+    from fragsearch.model import product
+
+    rng = np.random.default_rng(7)
+    ref_img = rng.standard_normal((300, 20, 64)).astype(np.float32)
+    ref_sent = np.maximum(rng.standard_normal((40, 3, 64)), 0).astype(np.float32)
+    cal = Calibration(ref_img, ref_sent, np.ones((40, 3), np.float32), floor_image=1e-3, floor_sentence=1e-3)
+    sent = np.maximum(rng.standard_normal((50, 4, 64)), 0).astype(np.float32)
+    mask = np.ones((50, 4), np.float32)
+    mask[::4, 3] = 0
+    part = slice(32, 64)
+    assert cal.reference_codes(part) is not None and cal.reference_codes(part) is cal.reference_codes(part)
+    coded = cal.sentence_scales(sent[..., part], mask, part)
+    alone = np.concatenate([cal.sentence_scales(sent[i : i + 1, :, part], mask[i : i + 1], part) for i in range(3)])
+    np.testing.assert_allclose(alone, coded[:3], rtol=1e-6)  # the same products; the sums' rounding aside
+    monkeypatch.setattr(product, "QUANTIZED", False)
+    plain = Calibration(ref_img, ref_sent, np.ones((40, 3), np.float32), floor_image=1e-3, floor_sentence=1e-3)
+    assert plain.reference_codes(part) is None
+    exact = plain.sentence_scales(sent[..., part], mask, part)
+    assert np.abs(coded / exact - 1).max() < 1e-3
+    assert _random_calibration().reference_codes() is None  # torch tensors (training) are read in float32

@@ -27,6 +27,7 @@ COMMANDS = ["fragsearch.commands.train", "fragsearch.commands.extract", "fragsea
             "bench.detector_paths", "bench.million", "bench.region_cost", "bench.parse_processes",
             "bench.relevance_sizes", "bench.rerank_bench", "bench.serve_large", "bench.text_cost", "bench.train_step",
             "bench.page_read", "bench.profile_breakdown", "bench.candidate_copy", "bench.text_passes",
+            "bench.coded_references",
             "fragsearch.commands.graphs:backbone_main", "fragsearch.commands.graphs:minilm_main",
             "fragsearch.commands.api_docs"]
 

@@ -111,3 +111,72 @@ def test_the_products_run_on_the_numeric_threads() -> None:
                          timeout=120)
     limits, threads = json.loads(out.stdout.strip().splitlines()[-1])
     assert limits["products"] == 1 and threads == 1
+
+
+def test_the_integer_graph_is_one_matmulinteger_of_bytes() -> None:
+    onnx = pytest.importorskip("onnx")
+    model = onnx.load_from_string(matmul_graph(*products.GRAPHS["integer"]))
+    onnx.checker.check_model(model, full_check=True)
+    assert [n.op_type for n in model.graph.node] == ["MatMulInteger"]
+    kinds = [v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)]
+    assert kinds == [onnx.TensorProto.UINT8, onnx.TensorProto.INT8, onnx.TensorProto.INT32]
+
+
+def test_the_integer_product_is_exact_at_the_codes_extremes() -> None:
+    """The largest codes against the largest query codes, of either sign: the product a CPU that adds byte
+    products pairwise in 16 bits (AVX2, AVX-512 without VNNI) would saturate if the query's codes went past
+    QUERY_LEVELS. It must equal the exact integer product on every instruction set."""
+    rng = np.random.default_rng(3)
+    codes = np.full((64, 512), 255, np.uint8)
+    codes[1::2] = rng.integers(0, 256, (32, 512), dtype=np.uint8)
+    q = np.empty((512, 4), np.int8)
+    q[:, 0], q[:, 1] = products.QUERY_LEVELS, -products.QUERY_LEVELS
+    q[:, 2:] = rng.integers(-products.QUERY_LEVELS, products.QUERY_LEVELS + 1, (512, 2))
+    got = products._session("integer").run(None, {"a": codes, "b": q})[0]
+    np.testing.assert_array_equal(got, codes.astype(np.int64) @ q.astype(np.int64))
+    assert 255 * products.QUERY_LEVELS * 2 < 2**15
+
+
+def test_quantized_rows_score_as_their_float_rows_within_their_rounding() -> None:
+    a, b = _arrays(3000, 512, 12, seed=4)
+    rows = products.QuantizedRows.of(a)
+    assert rows.codes.dtype == np.uint8 and rows.shape == a.shape
+    step = np.abs(a).max(axis=1, keepdims=True) / products.ROW_LEVELS
+    assert np.all(np.abs(rows.dequantized() - a) <= step / 2 + 1e-6)  # each coordinate within half a step
+    got = rows.product(b)
+    coded = rows.dequantized().astype(np.float64) @ b.T.astype(np.float64)
+    exact = a.astype(np.float64) @ b.T.astype(np.float64)
+    # the query's two-part codes: nearly the coded rows' own product; the rows' codes: within 1 % of the scores
+    assert np.abs(got - coded).max() < 2e-3 * np.abs(exact).max()
+    assert np.sqrt(np.mean((got - exact) ** 2)) < 0.01 * np.sqrt(np.mean(exact**2))
+
+
+def test_a_wide_query_scores_each_row_as_alone() -> None:
+    """A query's row scores the same whatever rows it is multiplied with (a sentence calibrated alone or in a
+    batch of thousands: the same vector)."""
+    a, b = _arrays(2000, 256, 2 * products.QUERY_ROWS + 5, seed=5)
+    rows = products.QuantizedRows.of(a)
+    wide = rows.product(b)
+    for j in (0, products.QUERY_ROWS - 1, products.QUERY_ROWS, len(b) - 1):
+        np.testing.assert_array_equal(wide[:, j], rows.product(b[j : j + 1])[:, 0])
+
+
+def test_two_block_coded_scores_are_the_blocks_thresholded_sums() -> None:
+    a, b = _arrays(4000, 64, 9, seed=6)
+    rows = products.QuantizedRows.of(a)
+    dots, pos = block_dots(a, b, 2, rows)
+    plain = rows.dequantized()
+    halves = [plain[:, p] @ b[:, p].T for p in block_slices(64, 2)]
+    np.testing.assert_allclose(dots, halves[0] + halves[1], atol=0.02)
+    np.testing.assert_allclose(pos, np.maximum(halves[0], 0) + np.maximum(halves[1], 0), atol=0.02)
+    with pytest.raises(ValueError, match="codes of"):
+        block_dots(a[:10], b, 2, rows)
+
+
+def test_only_large_float32_arrays_are_read_through_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = _arrays(1000, 512, 1)
+    assert products.quantizes(a)
+    assert not products.quantizes(a[:2]) and not products.quantizes(a.astype(np.float64))
+    assert not products.quantizes(torch.from_numpy(a))
+    monkeypatch.setattr(products, "QUANTIZED", False)
+    assert not products.quantizes(a)
