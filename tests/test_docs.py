@@ -36,6 +36,13 @@ def test_every_setting_has_a_row_and_a_description() -> None:
     assert not missing, f"settings without a description: {missing}"
 
 
+def test_the_api_reference_is_written_where_the_docs_are() -> None:
+    """`python -m fragsearch.service.openapi_doc` writes into the repository's docs/api, the files checked below."""
+    from fragsearch.commands.api_docs import DEFAULT_OUT
+
+    assert DEFAULT_OUT == ROOT / "docs" / "api" and (DEFAULT_OUT / "reference.md").is_file()
+
+
 def test_the_api_reference_is_the_services_openapi_document() -> None:
     for name, text in api_files().items():
         committed = (ROOT / "docs" / "api" / name).read_text()

@@ -8,12 +8,15 @@ from pathlib import Path
 
 import fragsearch.service.openapi_doc as library
 from fragsearch.model.atomic import atomic_file
+from fragsearch.model.places import ROOT
 from fragsearch.service.openapi_doc import api_files
+
+DEFAULT_OUT = ROOT / "docs" / "api"  # the checkout's, beside the other docs
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "api",
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
                     help="folder to write openapi.json and reference.md into (default: docs/api)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
