@@ -18,8 +18,9 @@ Two units:
   with the best score; else for the one that holds the head with the best score; else for the best-scoring
   aligned triplet holding any word of the phrase; a phrase no aligned triplet touches has no answer and counts
   as a miss (``answered`` says how many had one). With the model's grounder (the service's answer) every
-  triplet that names a thing draws the thing's region; ``--alignment-only`` measures the alignment's own
-  choice (each triplet's best-scoring region) on the same model.
+  triplet that names a thing draws the thing's region, and the box drawn is its region's fused with the regions
+  around it (model/grounder.py ``fused_box``); ``--unfused`` measures the region's own box, ``--alignment-only``
+  the alignment's own choice (each triplet's best-scoring region) on the same model.
 - ``pair``: every aligned triplet with every phrase one of its words falls in (a triplet whose two words lie in
   two phrases counts for each): the measure taken from outside on the test images.
 
@@ -52,7 +53,7 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.embed import embed_texts
 from fragsearch.model.entities import Phrase, read_entities
 from fragsearch.model.evidence import thing_members
-from fragsearch.model.grounder import named_by
+from fragsearch.model.grounder import Grounder, named_by
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
 from fragsearch.model.text import Triplet
@@ -232,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--merge", action="store_true", help="keep the rows of other models already in the results")
     ap.add_argument("--alignment-only", action="store_true",
                     help="draw each triplet's best-scoring region, not the grounder's (the row is named so)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="draw the grounder's best region's own box, not the box fused with the regions around it "
+                         "(model/grounder.py fused_box; the row is named so)")
     args, command = parse_run(ap, argv, "bench.grounding")
     entities = args.entities or args.data.parent / "flickr30k-entities"
     bundle = Bundle.load(args.model)
@@ -241,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     grounded = bundle.grounder is not None and not args.alignment_only
     if bundle.grounder is not None and args.alignment_only:
         name += ", alignment only"
+    elif bundle.grounder is not None and args.unfused:
+        g = bundle.grounder
+        bundle.grounder = Grounder(g.w1, g.b1, g.w2, g.b2, {**g.state, "fusion": {"temperature": 0.0, "overlap": 1.0}})
+        name += ", best region's box"
     result = ground(bundle, args.data, entities, args.cache, args.workers, args.limit, args.examples, grounded)
     logger.info("%d of %d captions matched to their Entities line", result.matched, result.captions)
     stamp = {"machine": machine(), "cpu_flags": cpu_flags(), "command": command}

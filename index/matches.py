@@ -19,17 +19,18 @@ from fragsearch.model.text import Triplet
 
 def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | None,
             boxes: np.ndarray, blocks: int = 1, labels: Sequence[str | None] = (),
-            found: Found | None = None, regions: Sequence[int | None] | None = None) -> list[FragmentMatch]:
+            found: Found | None = None, regions: Sequence[tuple[int, list[float]] | None] | None = None
+            ) -> list[FragmentMatch]:
     """The alignment of one image-sentence pair as results, in sentence-fragment order.
 
     img: (F, h) image fragments with boxes (F, 4) and their detector labels (empty: none known); sent: (T, h)
     sentence fragments with their triplets. Sentence fragments without a positive match (no share in S_kl) are
     left out, unless they name a thing the phrase evidence `found` (the sentence's, in this image) reads: a
     thing the picture lacks is reported (not found), not dropped. `blocks`: the model's (``Bundle.blocks``; a
-    merged model aligns by the thresholded pair score, model/score.py). `regions`: per sentence fragment, the
-    region that holds the thing it names (the grounder's, `SentenceGrounding.of_triplets`; None: the aligned
-    one). The score stays the fragment's share of S_kl (its best region's score): how well it matches, where
-    the region says where the thing it names is.
+    merged model aligns by the thresholded pair score, model/score.py). `regions`: per sentence fragment, the region
+    that holds the thing it names and the box drawn for it (the grounder's places, `SentenceGrounding.places_of` and
+    `of_triplets`; None: the aligned region and its box). The score stays the fragment's share of S_kl (its best
+    region's score): how well it matches, where the region says where the thing it names is.
     """
     al = align(img, sent, blocks)
     out = []
@@ -38,11 +39,12 @@ def matches(img: np.ndarray, sent: np.ndarray, triplets: Sequence[Triplet] | Non
         if not ok and f is None:
             continue
         drawn = None if regions is None else regions[j]
+        box = [float(v) for v in boxes[i]]
         if drawn is not None:
-            i = drawn
+            i, box = drawn
         t = triplets[j] if triplets else Triplet("", f"fragment {j}", f"fragment {j}")
         out.append(FragmentMatch(triplet=t.text() if triplets else f"fragment {j}", relation=t.rel,
-                                 words=(t.w1, t.w2), box=[float(v) for v in boxes[i]], fragment=int(i),
+                                 words=(t.w1, t.w2), box=box, fragment=int(i),
                                  score=float(score), label=label_at(labels, int(i)), found=f))
     return out
 
@@ -82,7 +84,7 @@ def aligned_all(imgs: Sequence[np.ndarray], sent: np.ndarray, triplets: Sequence
     (F_k, 4) and labels each): the images of as many fragments are read by the evidence and the grounder in one
     product."""
     found: list[Found | None] = [None] * len(imgs)
-    regions: list[list[int | None] | None] = [None] * len(imgs)
+    regions: list[list[tuple[int, list[float]] | None] | None] = [None] * len(imgs)
     g = reading.grounding
     by_count: dict[int, list[int]] = {}
     for n, img in enumerate(imgs):
@@ -93,7 +95,7 @@ def aligned_all(imgs: Sequence[np.ndarray], sent: np.ndarray, triplets: Sequence
             for n, f in zip(group, reading.evidence.found_in(stack), strict=True):
                 found[n] = f
         if g is not None:
-            drawn = g.regions_of(stack, np.stack([np.asarray(boxes[n], np.float32) for n in group]))
+            drawn = g.places_of(stack, np.stack([np.asarray(boxes[n], np.float32) for n in group]))
             for n, r in zip(group, drawn, strict=True):
                 regions[n] = g.of_triplets(r)
     return [(matches(img, sent, triplets, boxes[n], blocks, labels[n], found[n], regions[n]), found[n])

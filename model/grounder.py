@@ -12,10 +12,12 @@ for a thing and each of an image's fragments,
 - the triplets' alignment scores with the fragment (``alignment_scores``: their largest and mean, and how far the
   largest stands above the image's other fragments, in spreads),
 
-through one hidden layer (ReLU) to a score; the thing's region is the fragment with the highest score (ties go
-to the first). It changes no score: S_kl, the rankings and the relevance are what they were; it says where the
-thing is. The weights are stored with the model (``grd/*`` arrays, the ``grounder`` state); a model without
-them aligns as before.
+through one hidden layer (ReLU) to a score; the thing's region is the fragment with the highest score (ties go to
+the first), and the box drawn for it is that region's fused with the regions around it (`fused_box`: the boxes
+overlapping it, weighed by the head's softmax): where the thing lies between two proposals, or one proposal holds
+part of it, the mean of the likely boxes is nearer its own than any one of them. It changes no score: S_kl, the
+rankings and the relevance are what they were; it says where the thing is. The weights are stored with the model
+(``grd/*`` arrays, the ``grounder`` state); a model without them aligns as before.
 
 The things and which triplets hold them are phrase evidence's (model/evidence.py ``named_things``); a triplet
 draws the region of the thing it names (``named_by``).
@@ -25,10 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from fragsearch.model.boxes import box_iou
 from fragsearch.model.evidence import (
     SCORES,
     THING_FIRST,
@@ -43,6 +46,8 @@ from fragsearch.model.evidence import (
 from fragsearch.model.fragments import WORD_REL
 from fragsearch.model.score import alignment_scores
 from fragsearch.model.text import Triplet
+
+T = TypeVar("T")
 
 GROUNDER_FORM = "grounder-1"  # the stored head's form (an earlier one is not read: retrain it)
 GEOMETRY = ("x0", "y0", "x1", "y1", "area", "sqrt_area", "log_aspect", "whole")
@@ -60,6 +65,29 @@ def geometry(boxes: np.ndarray) -> np.ndarray:
     whole[0] = 1.0
     return np.concatenate([corners, area[:, None], np.sqrt(area)[:, None], aspect[:, None], whole[:, None]],
                           axis=1).astype(np.float32)
+
+
+# `fused_box`'s temperature and overlap: a grounder's own (its state's "fusion", chosen on its validation part by
+# training/grounder.py), else these, chosen the same way for the released model's grounder (the first of the grid's
+# best; docs/results/grounding.md)
+FUSION = (0.6, 0.2)
+FUSION_TEMPERATURES = (0.5, 0.6, 0.75, 0.9, 1.0)  # the grid it is chosen from
+FUSION_OVERLAPS = (0.1, 0.15, 0.2, 0.25, 0.3)
+
+
+def fused_box(scores: np.ndarray, boxes: np.ndarray, temperature: float, overlap: float) -> np.ndarray:
+    """(4,) the box drawn for a thing from the head's scores (F,) of an image's fragments with boxes (F, 4): the
+    mean of the boxes that overlap the best-scoring one by at least `overlap` (IoU; the best one itself always),
+    weighed by softmax(scores / temperature). Temperature 0: the best one's box alone."""
+    s = np.asarray(scores, dtype=np.float64)
+    b = np.asarray(boxes, dtype=np.float64)
+    best = int(np.argmax(s))
+    if temperature <= 0:
+        return b[best].astype(np.float32)
+    near = box_iou(b[best][None], b)[0] >= overlap
+    near[best] = True
+    w = np.where(near, np.exp((s - s[best]) / temperature), 0.0)
+    return ((w[:, None] * b).sum(axis=0) / w.sum()).astype(np.float32)
 
 
 def named_by(triplet: Triplet, things: Sequence[str]) -> str | None:
@@ -92,6 +120,12 @@ class Grounder:
     @property
     def h(self) -> int:
         return (int(self.w1.shape[1]) - len(GEOMETRY) - len(SCORES)) // 3
+
+    @property
+    def fusion(self) -> tuple[float, float]:
+        """`fused_box`'s temperature and overlap: the state's, else `FUSION`."""
+        own = self.state.get("fusion")
+        return (float(own["temperature"]), float(own["overlap"])) if own else FUSION
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": np.asarray([self.b2], np.float32)}
@@ -180,9 +214,18 @@ class SentenceGrounding:
         best = np.argmax(self.scores_of(imgs, boxes), axis=-1)  # (K, N)
         return [{w: int(row[n]) for n, w in enumerate(self.things)} for row in best]
 
-    def of_triplets(self, regions: Mapping[str, int]) -> list[int | None]:
-        """Each triplet's region: its named thing's (`named_by`), None for one that names none."""
-        out: list[int | None] = []
+    def places_of(self, imgs: np.ndarray, boxes: np.ndarray) -> list[dict[str, tuple[int, list[float]]]]:
+        """For K images of as many fragments (imgs (K, F, h), boxes (K, F, 4)), each thing's region and the box
+        drawn for it (`fused_box`, with the grounder's `fusion`)."""
+        scores = self.scores_of(imgs, boxes)  # (K, N, F)
+        temperature, overlap = self.grounder.fusion
+        return [{w: (int(np.argmax(scores[k, n])),
+                     [float(v) for v in fused_box(scores[k, n], boxes[k], temperature, overlap)])
+                 for n, w in enumerate(self.things)} for k in range(len(scores))]
+
+    def of_triplets(self, regions: Mapping[str, T]) -> list[T | None]:
+        """Each triplet's region (or place): its named thing's (`named_by`), None for one that names none."""
+        out: list[T | None] = []
         for t in self.triplets:
             w = named_by(t, self.things)
             out.append(None if w is None else regions.get(w))

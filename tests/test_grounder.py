@@ -19,11 +19,19 @@ from fragsearch.model.dataset import hold_out
 from fragsearch.model.embed import embed_texts
 from fragsearch.model.entities import ImageEntities, parse_caption
 from fragsearch.model.evidence import SCORES, thing_members
-from fragsearch.model.grounder import GEOMETRY, Grounder, geometry, named_by
+from fragsearch.model.grounder import FUSION, GEOMETRY, Grounder, fused_box, geometry, named_by
 from fragsearch.model.text import Triplet
 from fragsearch.service.app import create_app
 from fragsearch.service.engine import Engine
-from fragsearch.training.grounder import IOU, Samples, accuracy_of, fit_grounder, samples_of, scores_of
+from fragsearch.training.grounder import (
+    IOU,
+    Samples,
+    accuracy_of,
+    fit_grounder,
+    fused_accuracy,
+    samples_of,
+    scores_of,
+)
 from tests.conftest import ShapesModel
 from tests.conftest_service import engine_over_dev
 from tests.synthetic import TEMPLATES, iou
@@ -105,6 +113,33 @@ def test_the_runtime_scores_as_the_trainer_does() -> None:
     np.testing.assert_allclose(runtime, scores_of(g, samples), rtol=1e-4, atol=1e-4)
     assert reading.of_triplets(reading.regions(img, boxes)) == [int(np.argmax(runtime[0]))] * 2 + [
         int(np.argmax(runtime[1]))]
+    # the place drawn: the best region, and the box fused from the scores with the grounder's fusion (its default)
+    assert g.fusion == FUSION
+    places = reading.places_of(img[None], boxes[None])[0]
+    for n, thing in enumerate(reading.things):
+        assert places[thing][0] == int(np.argmax(runtime[n]))
+        np.testing.assert_allclose(places[thing][1], fused_box(runtime[n], boxes, *FUSION), rtol=1e-6)
+
+
+def test_the_box_drawn_is_the_likely_regions_around_the_best_weighed_by_the_softmax() -> None:
+    boxes = np.asarray([[0, 0, 100, 100], [10, 10, 50, 50], [20, 20, 60, 60], [70, 70, 90, 90]], np.float32)
+    scores = np.asarray([0.0, 2.0, 2.0, 1.9])
+    np.testing.assert_array_equal(fused_box(scores, boxes, 0.0, 0.2), boxes[1])  # temperature 0: the best's own
+    # boxes 1 and 2 overlap at IoU 0.39, equally likely: their mean; box 3 (no overlap) and the whole image (IoU
+    # 0.16 with the best) are left out however likely
+    np.testing.assert_allclose(fused_box(scores, boxes, 0.5, 0.2), [15, 15, 55, 55])
+    np.testing.assert_allclose(fused_box(scores, boxes, 0.5, 0.5), boxes[1])  # the overlap asked is more
+    lower = fused_box(np.asarray([0.0, 2.0, 1.0, 1.9]), boxes, 0.5, 0.2)  # box 2 less likely: nearer box 1
+    assert 10 < lower[0] < 15 and 50 < lower[2] < 55
+    # a thing between two proposals: neither holds it at IoU 0.5, their fusion does
+    pair = np.asarray([[0, 0, 100, 40], [0, 0, 40, 40], [30, 0, 70, 40]], np.float32)
+    truth = [np.asarray([[15, 0, 55, 40]], np.float32)]
+    samples = Samples(np.zeros(1, np.int64), np.zeros((1, 2), np.float32), np.zeros((1, 3, len(SCORES))),
+                      np.zeros((1, 3)), np.zeros((1, 3, 2)), geometry(pair)[None], pair[None], truth)
+    two = np.asarray([[-10.0, 1.0, 1.0]])  # the whole image (IoU 0.4 with either) all but ruled out
+    assert fused_accuracy(two, samples, 0.0, 1.0) == 0.0
+    assert fused_accuracy(two, samples, 0.6, 0.1) == 1.0
+    assert fused_accuracy(two, samples, 0.6, 0.2) == 0.0  # the two overlap at IoU 0.14 only
 
 
 def test_a_grounder_trained_on_boxes_finds_the_named_shape(grounded: tuple[Path, dict[str, float]]) -> None:
@@ -119,6 +154,9 @@ def test_a_model_keeps_its_grounder_through_save_and_load(grounded: tuple[Path, 
     bundle = Bundle.load(folder)
     assert bundle.grounder is not None
     assert bundle.grounder.state["validation"]["val_accuracy"] > 0
+    fusion = bundle.grounder.state["fusion"]  # chosen on the validation part, read back as the grounder's
+    assert bundle.grounder.fusion == (fusion["temperature"], fusion["overlap"])
+    assert fusion["val_accuracy"] >= fusion["val_unfused"]
     again = folder.parent / "again"
     bundle.save(again)
     reloaded = Bundle.load(again).grounder

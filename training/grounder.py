@@ -11,7 +11,11 @@ held out, training/calibrate.py ``split_of``), trained on the rest; dev is never
 
 The model is written in the runtime's form (a folder) with the head's weights; its accuracy on the validation
 part (the chosen fragment holds the phrase at IoU >= 0.5, of every sample with a head-noun triplet) and the
-whole image's on the same samples are logged and kept in the head's state.
+whole image's on the same samples are logged and kept in the head's state. So is the box it draws
+(model/grounder.py ``fused_box``): its temperature and overlap, the grid's best on the validation part.
+`--fusion-only` chooses them for the model's own head, reading the validation part alone:
+
+    python -m fragsearch.training.grounder --model model/released --fusion-only --out artifacts/models/released-fused
 
 Its command line: fragsearch/commands/grounder.py (`python -m fragsearch.training.grounder` calls it).
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +36,14 @@ from fragsearch.model.dataset import SplitData
 from fragsearch.model.embed import embed_encoded
 from fragsearch.model.entities import ImageEntities
 from fragsearch.model.evidence import SCORES, score_features, thing_direction, thing_members, unit
-from fragsearch.model.grounder import GEOMETRY, Grounder, geometry
+from fragsearch.model.grounder import (
+    FUSION_OVERLAPS,
+    FUSION_TEMPERATURES,
+    GEOMETRY,
+    Grounder,
+    fused_box,
+    geometry,
+)
 from fragsearch.model.score import alignment_scores
 
 logger = logging.getLogger("fragsearch.training.grounder")
@@ -48,7 +59,8 @@ DROPOUT = 0.3
 @dataclass
 class Samples:
     """Things in images: each sample's image (row of `images`), direction (N, h), score features (N, F, 3) and
-    its fragments' best IoU with the truth (N, F); the images' unit fragments (K, F, h) and geometry (K, F, 8)."""
+    its fragments' best IoU with the truth (N, F); the images' unit fragments (K, F, h) and geometry (K, F, 8);
+    the images' fragment boxes (K, F, 4) and each sample's true boxes (its phrase's, in the same frame)."""
 
     image: np.ndarray
     direction: np.ndarray
@@ -56,13 +68,15 @@ class Samples:
     iou: np.ndarray
     images: np.ndarray
     geometry: np.ndarray
+    boxes: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 4), np.float32))
+    truth: list[np.ndarray] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.image)
 
     def take(self, rows: np.ndarray) -> Samples:
         return Samples(self.image[rows], self.direction[rows], self.scores[rows], self.iou[rows], self.images,
-                       self.geometry)
+                       self.geometry, self.boxes, [self.truth[int(r)] for r in rows] if self.truth else [])
 
     def whole_image(self) -> float:
         """How often the whole image holds the phrase (the baseline)."""
@@ -77,7 +91,7 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
         images = np.concatenate([bundle.embed_images(data.feats[k : k + 256])
                                  for k in range(0, len(data.names), 256)]) if len(data.names) else np.zeros((0, 1, 1))
     enc = bundle.text.encode_parsed(data.parsed, data.sentences)
-    rows: dict[str, list[Any]] = {"image": [], "direction": [], "scores": [], "iou": []}
+    rows: dict[str, list[Any]] = {"image": [], "direction": [], "scores": [], "iou": [], "truth": []}
     for l, (sent, triplets) in enumerate(tqdm(embed_encoded(bundle, enc), desc="captions", unit="caption")):  # noqa: E741
         k = int(data.pair_image[l])
         ents = entities.get(data.names[k])
@@ -96,7 +110,9 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
             rows["image"].append(k)
             rows["direction"].append(thing_direction(held))
             rows["scores"].append(score_features(alignment_scores(images[k], held, bundle.blocks)))
-            rows["iou"].append(box_iou(boxes, ents.boxes_at(phrase.chain, width, height)).max(axis=1))
+            truth = ents.boxes_at(phrase.chain, width, height)
+            rows["iou"].append(box_iou(boxes, truth).max(axis=1))
+            rows["truth"].append(np.asarray(truth, np.float32).reshape(-1, 4))
     h = images.shape[-1]
     n_frag = images.shape[1]
     return Samples(np.asarray(rows["image"], np.int64),
@@ -104,7 +120,8 @@ def samples_of(bundle: Bundle, data: SplitData, entities: Mapping[str, ImageEnti
                    np.asarray(rows["scores"], np.float32).reshape(-1, n_frag, len(SCORES)),
                    np.asarray(rows["iou"], np.float32).reshape(-1, n_frag),
                    np.stack([unit(x) for x in images]) if len(images) else images,
-                   np.stack([geometry(b) for b in data.boxes]) if len(data.boxes) else np.zeros((0, n_frag, 8)))
+                   np.stack([geometry(b) for b in data.boxes]) if len(data.boxes) else np.zeros((0, n_frag, 8)),
+                   np.asarray(data.boxes, np.float32).reshape(-1, n_frag, 4), rows["truth"])
 
 
 def accuracy_of(grounder: Grounder, samples: Samples) -> float:
@@ -113,6 +130,27 @@ def accuracy_of(grounder: Grounder, samples: Samples) -> float:
         return 0.0
     picks = scores_of(grounder, samples).argmax(axis=1)
     return float((samples.iou[np.arange(len(samples)), picks] >= IOU).mean())
+
+
+def fused_accuracy(scores: np.ndarray, samples: Samples, temperature: float, overlap: float) -> float:
+    """How often the box drawn from the head's `scores` (N, F) (`fused_box`) holds the phrase (IoU >= `IOU`)."""
+    if not len(samples):
+        return 0.0
+    hits = 0
+    for n in range(len(samples)):
+        box = fused_box(scores[n], samples.boxes[samples.image[n]], temperature, overlap)
+        hits += bool(box_iou(box[None], samples.truth[n]).max(initial=0.0) >= IOU)
+    return hits / len(samples)
+
+
+def choose_fusion(grounder: Grounder, val: Samples) -> dict[str, float]:
+    """`fused_box`'s temperature and overlap with the best accuracy on `val` over the grid (`FUSION_TEMPERATURES` x
+    `FUSION_OVERLAPS`; ties to the grid's first), with the accuracy of the best fragment's box alone beside it."""
+    scores = scores_of(grounder, val)
+    grid = [(t, c, fused_accuracy(scores, val, t, c)) for t in FUSION_TEMPERATURES for c in FUSION_OVERLAPS]
+    t, c, acc = max(grid, key=lambda g: g[2])  # max keeps the first of equals
+    return {"temperature": t, "overlap": c, "val_accuracy": round(acc, 4),
+            "val_unfused": round(fused_accuracy(scores, val, 0.0, 1.0), 4)}
 
 
 def scores_of(grounder: Grounder, samples: Samples) -> np.ndarray:
@@ -174,7 +212,11 @@ def fit_grounder(train: Samples, val: Samples, hidden: int = HIDDEN, epochs: int
     report = {"epoch": epoch, "val_accuracy": round(acc, 4), "val_whole_image": round(val.whole_image(), 4),
               "val_upper_bound": round(float((val.iou >= IOU).any(axis=1).mean()) if len(val) else 0.0, 4),
               "val_samples": len(val), "train_samples": int(len(keep)), "history": history}
-    return Grounder(g.w1, g.b1, g.w2, g.b2, {"validation": report}), report
+    state: dict[str, Any] = {"validation": report}
+    if val.truth:
+        state["fusion"] = report["fusion"] = choose_fusion(g, val)
+        logger.info("the box drawn: %s", state["fusion"])
+    return Grounder(g.w1, g.b1, g.w2, g.b2, state), report
 
 
 if __name__ == "__main__":  # `python -m fragsearch.training.grounder`, as the docs write it: the command's alias
