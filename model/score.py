@@ -156,8 +156,11 @@ def pooled(flat: FlatFragments, pos: Array, pool: Array) -> Array:
     if pool.shape[0] != f:
         raise ValueError(f"the pooling weighs {pool.shape[0]} ranks, the images have {f} fragments")
     xp = namespace(pos, pool)
-    ranked = -xp.sort(-xp.reshape(pos, (flat.n_images, f, pos.shape[1])), axis=1)
-    return xp.sum(ranked * xp.reshape(pool, (1, f, 1)), axis=1)
+    # each image's scores of a sentence fragment sorted along the last axis (a copy with them contiguous: sorting
+    # the strided middle axis in place of it took half as long again), the weights reversed for the ascending order
+    ranked = xp.sort(contiguous(xp.permute_dims(xp.reshape(pos, (flat.n_images, f, pos.shape[1])), (0, 2, 1))),
+                     axis=-1)
+    return ranked @ xp.flip(pool, axis=0)
 
 
 def skl_from_flat(flat: FlatFragments, smoothing: float = SMOOTHING, scratch: bool = False,
