@@ -79,15 +79,21 @@ def fused_box(scores: np.ndarray, boxes: np.ndarray, temperature: float, overlap
     """(4,) the box drawn for a thing from the head's scores (F,) of an image's fragments with boxes (F, 4): the
     mean of the boxes that overlap the best-scoring one by at least `overlap` (IoU; the best one itself always),
     weighed by softmax(scores / temperature). Temperature 0: the best one's box alone."""
+    return fused_boxes(np.asarray(scores)[None], boxes, temperature, overlap)[0]
+
+
+def fused_boxes(scores: np.ndarray, boxes: np.ndarray, temperature: float, overlap: float) -> np.ndarray:
+    """(N, 4) `fused_box` of N things at once: their scores (N, F) of one image's fragments with boxes (F, 4)."""
     s = np.asarray(scores, dtype=np.float64)
     b = np.asarray(boxes, dtype=np.float64)
-    best = int(np.argmax(s))
+    rows = np.arange(len(s))
+    best = np.argmax(s, axis=1)
     if temperature <= 0:
         return b[best].astype(np.float32)
-    near = box_iou(b[best][None], b)[0] >= overlap
-    near[best] = True
-    w = np.where(near, np.exp((s - s[best]) / temperature), 0.0)
-    return ((w[:, None] * b).sum(axis=0) / w.sum()).astype(np.float32)
+    near = box_iou(b[best], b) >= overlap  # (N, F)
+    near[rows, best] = True
+    w = np.where(near, np.exp((s - s[rows, best][:, None]) / temperature), 0.0)
+    return ((w @ b) / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
 def named_by(triplet: Triplet, things: Sequence[str]) -> str | None:
@@ -219,9 +225,12 @@ class SentenceGrounding:
         drawn for it (`fused_box`, with the grounder's `fusion`)."""
         scores = self.scores_of(imgs, boxes)  # (K, N, F)
         temperature, overlap = self.grounder.fusion
-        return [{w: (int(np.argmax(scores[k, n])),
-                     [float(v) for v in fused_box(scores[k, n], boxes[k], temperature, overlap)])
-                 for n, w in enumerate(self.things)} for k in range(len(scores))]
+        out = []
+        for k in range(len(scores)):
+            drawn = fused_boxes(scores[k], boxes[k], temperature, overlap)
+            out.append({w: (int(np.argmax(scores[k, n])), [float(v) for v in drawn[n]])
+                        for n, w in enumerate(self.things)})
+        return out
 
     def of_triplets(self, regions: Mapping[str, T]) -> list[T | None]:
         """Each triplet's region (or place): its named thing's (`named_by`), None for one that names none."""
