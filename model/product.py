@@ -7,8 +7,13 @@ ONNX Runtime's own kernels on one thread (docs/benchmarks/service.md, "The scans
 the same float32 arithmetic, possibly rounded in another order. Small products, torch tensors (training) and arrays
 ONNX Runtime cannot read in place stay with ``@``.
 
-The graph is one MatMul node with free dimensions, written here as its protobuf bytes (the runtime has no
-``onnx`` package to build it with): ``(n, d) x (d, m) -> (n, m)``.
+A fixed tall matrix, the calibration's reference images, is read through its 8-bit codes (`QuantizedRows`):
+a quarter of the bytes, multiplied in integers by MatMulInteger, exact on every instruction set; the scores
+read from it are the float32 ones within the codes' rounding (docs/benchmarks/service.md, "The references through
+their codes").
+
+Each graph is one node with free dimensions, written here as its protobuf bytes (the runtime has no ``onnx``
+package to build it with): ``(n, d) x (d, m) -> (n, m)``.
 """
 
 from __future__ import annotations
@@ -128,9 +133,9 @@ def block_products(a: np.ndarray | QuantizedRows, b: np.ndarray, parts: list[sli
 class QuantizedRows:
     """A fixed tall matrix (n, d) kept as 8-bit codes, one scale per row (`of`), read by `product`: a quarter
     of the float32 rows' bytes, multiplied in integers by ONNX Runtime's MatMulInteger (VNNI, AMX or AVX2 byte
-    multiply-adds, exact on each). The query's rows are coded the same way per row, at `QUERY_LEVELS`. A score
-    read from it differs from the float32 product's by the codes' rounding: each row's largest entry / 254 and
-    the query's / 126, at most, per coordinate."""
+    multiply-adds, exact on each). A score read from it differs from the float32 product's by the codes'
+    rounding: at most each row's largest entry / 254 per coordinate (the query's own, coded in two parts by
+    `product`, is 252 times finer than its step)."""
 
     codes: np.ndarray  # (n, d) uint8: round(a / scale) + OFFSET
     scale: np.ndarray  # (n, 1) float32
@@ -154,7 +159,7 @@ class QuantizedRows:
     def product(self, b: np.ndarray) -> np.ndarray:
         """(n, m) float32: ``a @ b.T`` of the rows the codes stand for and b (m, d). b is coded per row in two
         parts, its codes and their remainder's, b ~ scale (q + r / (2 QUERY_LEVELS)), multiplied in one product:
-        within 1/504 of a code's step of b, so the rows' codes are the difference that counts (a query's own
+        within 1/252 of a code's step of b, so the rows' codes are the difference that counts (a query's own
         rounding would move every score of it alike; the rows' differ row by row and average out in a sum).
         A wide b goes `QUERY_ROWS` rows at a time (thin products: the integer kernels' ground, and each step's
         arrays stay in the cache); every column is the same arithmetic however many b has."""
