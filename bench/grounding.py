@@ -36,7 +36,7 @@ import argparse
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from fragsearch.model.dataset import load_split_data
 from fragsearch.model.embed import embed_texts
 from fragsearch.model.entities import Phrase, read_entities
 from fragsearch.model.evidence import thing_members
-from fragsearch.model.grounder import Grounder, named_by
+from fragsearch.model.grounder import named_by
 from fragsearch.model.parsers import make_parser
 from fragsearch.model.release import RELEASE_DIR, RELEASED_MODEL, read_manifest
 from fragsearch.model.text import Triplet
@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--unfused", action="store_true",
                     help="draw the grounder's best region's own box, not the box fused with the regions around it "
                          "(model/grounder.py fused_box; the row is named so)")
+    ap.add_argument("--unrefined", action="store_true",
+                    help="fuse the regions' own boxes, not the boxes the grounder's refiner moved, at the fusion "
+                         "chosen before the refiner (model/grounder.py Refiner; the row is named so)")
     args, command = parse_run(ap, argv, "bench.grounding")
     entities = args.entities or args.data.parent / "flickr30k-entities"
     bundle = Bundle.load(args.model)
@@ -247,8 +250,14 @@ def main(argv: list[str] | None = None) -> None:
         name += ", alignment only"
     elif bundle.grounder is not None and args.unfused:
         g = bundle.grounder
-        bundle.grounder = Grounder(g.w1, g.b1, g.w2, g.b2, {**g.state, "fusion": {"temperature": 0.0, "overlap": 1.0}})
+        bundle.grounder = replace(g, refiner=None, state={**g.state, "fusion": {"temperature": 0.0, "overlap": 1.0}})
         name += ", best region's box"
+    elif bundle.grounder is not None and args.unrefined:
+        g = bundle.grounder
+        before = g.state.get("refiner", {}).get("fusion_before")
+        bundle.grounder = replace(g, refiner=None, state={**g.state, "fusion": before} if before else
+                                  {k: v for k, v in g.state.items() if k != "fusion"})
+        name += ", boxes not refined"
     result = ground(bundle, args.data, entities, args.cache, args.workers, args.limit, args.examples, grounded)
     logger.info("%d of %d captions matched to their Entities line", result.matched, result.captions)
     stamp = {"machine": machine(), "cpu_flags": cpu_flags(), "command": command}

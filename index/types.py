@@ -266,7 +266,8 @@ class FragmentMatch:
 
     box: [x0, y0, x1, y1] in the pixels of the image the fragment belongs to: where the thing the fragment names
     is, by the model's grounder (model/grounder.py: its region `fragment`'s box fused with the likely regions
-    around it), else the fragment's best-scoring region's; score: its share
+    around it, each moved toward the thing by its box refiner), else the fragment's best-scoring region's; score:
+    its share
     of S_kl, the best region's v_i . s_j (a merged model's thresholded pair score); label: the
     COCO name of the region's confident detector class (model/features.py ``fragment_labels``), None when it
     has none or the model's regions carry no classes.

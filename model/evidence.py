@@ -184,9 +184,9 @@ def thing_features(st: Standing, members: Sequence[Sequence[int]]) -> np.ndarray
 
 
 def summary_of(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A head's state without its per-epoch history (what a release's manifest records)."""
-    validation = {k: v for k, v in dict(state.get("validation", {})).items() if k != "history"}
-    return {**state, **({"validation": validation} if validation else {})}
+    """A head's state without its per-epoch histories (what a release's manifest records)."""
+    return {k: ({kk: vv for kk, vv in v.items() if kk != "history"} if isinstance(v, Mapping) else v)
+            for k, v in state.items()}
 
 
 PRESENCE_FORM = "presence-1"  # a stored presence head's form (an earlier one is not read: retrain it)

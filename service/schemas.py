@@ -192,9 +192,10 @@ class FragmentMatchOut(BaseModel):
     words: list[str] = Field(description="[w1, w2]")
     box: Box | None = Field(description="the box [x0, y0, x1, y1] in the image's pixels where the thing the "
                             "fragment names is (the model's grounder: its region's box fused with the likely "
-                            "regions around it; for a fragment that names no thing, or a model without a "
-                            "grounder, its best-scoring region's); null when what the fragment names is not found "
-                            "in the picture (`found` below 0.5)")
+                            "regions around it, each moved toward the thing by the grounder's box refiner; for a "
+                            "fragment that names no thing, or a model without a grounder, its best-scoring "
+                            "region's); null when what the fragment names is not found in the picture (`found` "
+                            "below 0.5)")
     fragment: int | None = Field(description="index of the image fragment the box is drawn from (0 = whole image); "
                                  "null with `box`")
     score: float = Field(description="fragment score v_i . s_j of its best region: its share of S_kl")

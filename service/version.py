@@ -5,5 +5,5 @@ A new released model is a new version: RELEASED_MODEL names the sha256 of the re
 the release changes without both being set anew (and a CHANGELOG entry under the new version).
 """
 
-__version__ = "0.7.0"
-RELEASED_MODEL = "c03284fccc40b76db4b71939218d9a8b26063d0d6fee1c325504306885fff961"
+__version__ = "0.8.0"
+RELEASED_MODEL = "2e94041e313f308e855844935404e4849a921169b9047bad88ca3c6344bcbd71"

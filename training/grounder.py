@@ -13,6 +13,13 @@ The model is written in the runtime's form (a folder) with the head's weights; i
 part (the chosen fragment holds the phrase at IoU >= 0.5, of every sample with a head-noun triplet) and the
 whole image's on the same samples are logged and kept in the head's state. So is the box it draws
 (model/grounder.py ``fused_box``): its temperature and overlap, the grid's best on the validation part.
+
+The box refiner (model/grounder.py ``Refiner``) is trained after the head, on the same samples: every fragment
+that overlaps a box of its phrase at IoU >= ``REFINE_IOU`` learns the deltas that move it onto that box (smooth L1,
+R-CNN's box regression), with the epoch whose drawn boxes hold the most validation phrases; the fusion is then
+chosen again with the moved boxes. `--refine-only` trains the refiner for the model's own head:
+
+    python -m fragsearch.training.grounder --model model/released --refine-only --out artifacts/models/released-refined
 `--fusion-only` chooses them for the model's own head, reading the validation part alone:
 
     python -m fragsearch.training.grounder --model model/released --fusion-only --out artifacts/models/released-fused
@@ -41,7 +48,10 @@ from fragsearch.model.grounder import (
     FUSION_TEMPERATURES,
     GEOMETRY,
     Grounder,
-    fused_box,
+    Refiner,
+    box_deltas,
+    fused,
+    fusion_weights,
     geometry,
 )
 from fragsearch.model.score import alignment_scores
@@ -54,6 +64,10 @@ BATCH = 256
 LR = 1e-3
 WEIGHT_DECAY = 1e-5
 DROPOUT = 0.3
+REFINE_IOU = 0.5  # a fragment teaches the refiner the phrase's box it overlaps this much
+REFINE_HIDDEN = 256
+REFINE_EPOCHS = 20
+REFINE_BATCH = 512
 
 
 @dataclass
@@ -132,25 +146,124 @@ def accuracy_of(grounder: Grounder, samples: Samples) -> float:
     return float((samples.iou[np.arange(len(samples)), picks] >= IOU).mean())
 
 
-def fused_accuracy(scores: np.ndarray, samples: Samples, temperature: float, overlap: float) -> float:
-    """How often the box drawn from the head's `scores` (N, F) (`fused_box`) holds the phrase (IoU >= `IOU`)."""
+def moved_of(refiner: Refiner | None, samples: Samples, chunk: int = 16384) -> np.ndarray:
+    """(N, F, 4) every sample's fragment boxes as the refiner moves them toward its thing (`Refiner.move`, the
+    runtime's), the fragments' own without one."""
+    k = samples.image
+    boxes = samples.boxes[k]  # (N, F, 4)
+    if refiner is None or not len(samples):
+        return boxes.astype(np.float32)
+    n_frag = boxes.shape[1]
+    n, f = np.repeat(np.arange(len(samples)), n_frag), np.tile(np.arange(n_frag), len(samples))
+    out = np.concatenate([
+        refiner.move(samples.images[k[n[a : a + chunk]], f[a : a + chunk]], samples.direction[n[a : a + chunk]],
+                     samples.geometry[k[n[a : a + chunk]], f[a : a + chunk]], boxes[n[a : a + chunk], f[a : a + chunk]],
+                     boxes[n[a : a + chunk], 0, 2:4])
+        for a in range(0, len(n), chunk)])
+    return out.reshape(len(samples), n_frag, 4)
+
+
+def fused_accuracy(scores: np.ndarray, samples: Samples, temperature: float, overlap: float,
+                   moved: np.ndarray | None = None) -> float:
+    """How often the box drawn from the head's `scores` (N, F) (`fused_box`; of the refiner's `moved` boxes
+    (N, F, 4) where given, `moved_of`) holds the phrase (IoU >= `IOU`)."""
+    return drawn_measures(scores, samples, temperature, overlap, moved)[0]
+
+
+def drawn_measures(scores: np.ndarray, samples: Samples, temperature: float, overlap: float,
+                   moved: np.ndarray | None = None) -> tuple[float, float]:
+    """`fused_accuracy` and the mean IoU of the boxes drawn with the phrases' (the best of each's boxes)."""
     if not len(samples):
-        return 0.0
-    hits = 0
+        return 0.0, 0.0
+    ious = np.zeros(len(samples))
     for n in range(len(samples)):
-        box = fused_box(scores[n], samples.boxes[samples.image[n]], temperature, overlap)
-        hits += bool(box_iou(box[None], samples.truth[n]).max(initial=0.0) >= IOU)
-    return hits / len(samples)
+        boxes = samples.boxes[samples.image[n]]
+        w = fusion_weights(scores[n][None], boxes, temperature, overlap)
+        box = fused(w, (boxes if moved is None else moved[n])[None])
+        ious[n] = box_iou(box, samples.truth[n]).max(initial=0.0)
+    return float((ious >= IOU).mean()), float(ious.mean())
 
 
 def choose_fusion(grounder: Grounder, val: Samples) -> dict[str, float]:
     """`fused_box`'s temperature and overlap with the best accuracy on `val` over the grid (`FUSION_TEMPERATURES` x
-    `FUSION_OVERLAPS`; ties to the grid's first), with the accuracy of the best fragment's box alone beside it."""
+    `FUSION_OVERLAPS`; ties to the grid's first), the boxes moved by the grounder's refiner where it has one; with
+    the accuracy of the best fragment's own box beside it."""
     scores = scores_of(grounder, val)
-    grid = [(t, c, fused_accuracy(scores, val, t, c)) for t in FUSION_TEMPERATURES for c in FUSION_OVERLAPS]
+    moved = moved_of(grounder.refiner, val)
+    grid = [(t, c, fused_accuracy(scores, val, t, c, moved)) for t in FUSION_TEMPERATURES for c in FUSION_OVERLAPS]
     t, c, acc = max(grid, key=lambda g: g[2])  # max keeps the first of equals
     return {"temperature": t, "overlap": c, "val_accuracy": round(acc, 4),
             "val_unfused": round(fused_accuracy(scores, val, 0.0, 1.0), 4)}
+
+
+def refine_pairs(samples: Samples, iou: float = REFINE_IOU) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The refiner's training pairs: samples (M,) and fragments (M,) that overlap a box of the sample's phrase at
+    IoU >= `iou`, with the deltas (M, 4) that move the fragment onto the one it overlaps most (ties: the first)."""
+    n, f = np.nonzero(samples.iou >= iou)
+    boxes = samples.boxes[samples.image[n], f]
+    targets = np.stack([samples.truth[i][int(np.argmax(box_iou(boxes[j][None], samples.truth[i])[0]))]
+                        for j, i in enumerate(n)]) if len(n) else np.zeros((0, 4), np.float32)
+    return n, f, box_deltas(boxes, targets)
+
+
+def fit_refiner(grounder: Grounder, train: Samples, val: Samples, hidden: int = REFINE_HIDDEN,
+                epochs: int = REFINE_EPOCHS, seed: int = 0, batch: int = REFINE_BATCH
+                ) -> tuple[Grounder, dict[str, Any]]:
+    """`grounder` with a box refiner trained on `train` (`refine_pairs`), at the epoch whose drawn boxes hold the
+    most phrases of `val` (at the grounder's fusion; equals: the higher mean IoU), and the fusion chosen again
+    with it (`choose_fusion`)."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    h = train.images.shape[-1]
+    first, drop, last = (torch.nn.Linear(3 * h + len(GEOMETRY), hidden), torch.nn.Dropout(DROPOUT),
+                         torch.nn.Linear(hidden, 4))
+    opt = torch.optim.Adam([*first.parameters(), *last.parameters()], lr=LR, weight_decay=WEIGHT_DECAY)
+    n, f, targets = refine_pairs(train)
+    images, geo = torch.from_numpy(train.images), torch.from_numpy(train.geometry.astype(np.float32))
+    directions, deltas = torch.from_numpy(train.direction), torch.from_numpy(targets)
+    val_scores = scores_of(grounder, val)
+    temperature, overlap = grounder.fusion
+
+    def current() -> Refiner:
+        return Refiner(first.weight.detach().numpy().copy(), first.bias.detach().numpy().copy(),
+                       last.weight.detach().numpy().copy(), last.bias.detach().numpy().copy())
+
+    best: tuple[tuple[float, float], int, Refiner] = ((-1.0, -1.0), -1, current())
+    history = []
+    for epoch in range(epochs):
+        order = rng.permutation(len(n))
+        total = 0.0
+        for start in tqdm(range(0, len(order), batch), desc=f"refiner epoch {epoch + 1}", unit="batch", leave=False):
+            rows = order[start : start + batch]
+            k, ff = torch.from_numpy(train.image[n[rows]]), torch.from_numpy(f[rows])
+            v, s = images[k, ff], directions[torch.from_numpy(n[rows])]
+            out = last(drop(torch.relu(first(torch.cat([s * v, v, s, geo[k, ff]], dim=-1)))))
+            loss = torch.nn.functional.smooth_l1_loss(out, deltas[torch.from_numpy(rows)])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(rows)
+        r = current()
+        measures = drawn_measures(val_scores, val, temperature, overlap, moved_of(r, val))
+        history.append({"epoch": epoch + 1, "loss": round(total / max(len(n), 1), 4),
+                        "val_accuracy": round(measures[0], 4), "val_mean_iou": round(measures[1], 4)})
+        logger.info("refiner epoch %d: loss %.4f, validation accuracy %.4f, mean IoU %.4f", epoch + 1,
+                    total / max(len(n), 1), *measures)
+        if measures > best[0]:  # the accuracy, then the mean IoU; equals keep the earlier epoch
+            best = (measures, epoch + 1, r)
+    (acc, _), epoch, refiner = best
+    report: dict[str, Any] = {
+        "epoch": epoch, "hidden": hidden, "iou": REFINE_IOU, "train_pairs": int(len(n)), "val_accuracy": round(acc, 4),
+        "val_unmoved": round(fused_accuracy(val_scores, val, temperature, overlap), 4),
+        "fusion_before": {"temperature": temperature, "overlap": overlap}, "history": history}
+    refined = Grounder(grounder.w1, grounder.b1, grounder.w2, grounder.b2, grounder.state, refiner)
+    report["fusion"] = choose_fusion(refined, val)
+    logger.info("the box drawn, refined: %s", report["fusion"])
+    state = {**grounder.state, "refiner": {k: v for k, v in report.items() if k != "fusion"},
+             "fusion": report["fusion"]}
+    return Grounder(grounder.w1, grounder.b1, grounder.w2, grounder.b2, state, refiner), report
 
 
 def scores_of(grounder: Grounder, samples: Samples) -> np.ndarray:

@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 import fragsearch.training.grounder as library
 from fragsearch.commands.flags import settings_of
@@ -15,10 +16,18 @@ from fragsearch.model.bundle import Bundle
 from fragsearch.model.data import load_split
 from fragsearch.model.dataset import held_out_split, load_split_data
 from fragsearch.model.entities import read_entities
-from fragsearch.model.grounder import Grounder
 from fragsearch.model.parsers import make_parser
 from fragsearch.training.graphs import make_graphs
-from fragsearch.training.grounder import EPOCHS, HIDDEN, choose_fusion, fit_grounder, samples_of
+from fragsearch.training.grounder import (
+    EPOCHS,
+    HIDDEN,
+    REFINE_EPOCHS,
+    REFINE_HIDDEN,
+    choose_fusion,
+    fit_grounder,
+    fit_refiner,
+    samples_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +38,29 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--fusion-only", action="store_true",
                     help="keep the model's head; choose only the box it draws (fused_box's temperature and overlap) "
                          "on the validation part, reading that part alone")
+    ap.add_argument("--refine-only", action="store_true",
+                    help="keep the model's head; train only its box refiner (and choose the box it draws again)")
+    ap.add_argument("--refine-hidden", type=int, default=REFINE_HIDDEN, help="the box refiner's hidden units")
+    ap.add_argument("--refine-epochs", type=int, default=REFINE_EPOCHS,
+                    help="the box refiner's epochs, the best on the validation part kept")
     args = ap.parse_args(argv)
     if args.fusion_only:
         _fusion_only(ap, args, argv)
         return
     run = load_refit(ap, args, "fragsearch.training.grounder", argv)
     ents = run.all_entities()
-    fit, report = fit_grounder(samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents),
-                               args.hidden, args.epochs)
-    run.bundle.grounder = Grounder(fit.w1, fit.b1, fit.w2, fit.b2, {**fit.state, "command": run.command})
-    logger.info("grounder on the validation part: %s", {k: v for k, v in report.items() if k != "history"})
+    rest, val = samples_of(run.bundle, run.rest, ents), samples_of(run.bundle, run.val, ents)
+    if args.refine_only:
+        if run.bundle.grounder is None:
+            ap.error(f"{args.model} has no grounder to refine the boxes of: train one first (without --refine-only)")
+        fit = run.bundle.grounder
+    else:
+        fit, report = fit_grounder(rest, val, args.hidden, args.epochs)
+        logger.info("grounder on the validation part: %s", {k: v for k, v in report.items() if k != "history"})
+    fit, refined = fit_refiner(fit, rest, val, args.refine_hidden, args.refine_epochs)
+    logger.info("box refiner on the validation part: %s", {k: v for k, v in refined.items() if k != "history"})
+    run.bundle.grounder = replace(fit, state={**fit.state, ("refine_command" if args.refine_only else "command"):
+                                              run.command})
     run.bundle.save(args.out)
     logger.info("wrote %s", args.out)
 
@@ -61,7 +83,7 @@ def _fusion_only(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: Se
     g = bundle.grounder
     fusion = choose_fusion(g, samples_of(bundle, val, read_entities(entities_of(args, settings), val.names)))
     command = " ".join(["python -m fragsearch.training.grounder", *(sys.argv[1:] if argv is None else argv)])
-    bundle.grounder = Grounder(g.w1, g.b1, g.w2, g.b2, {**g.state, "fusion": fusion, "fusion_command": command})
+    bundle.grounder = replace(g, state={**g.state, "fusion": fusion, "fusion_command": command})
     logger.info("the box drawn, chosen on the validation part: %s", fusion)
     bundle.save(args.out)
     logger.info("wrote %s", args.out)
