@@ -235,6 +235,15 @@ def test_a_refiner_learns_where_each_thing_extends_from_its_direction() -> None:
     assert (scores_of(g, val).argmax(axis=1) == 1).all()
     refined, report = fit_refiner(g, train, val, hidden=16, epochs=60, batch=32)
     assert refined.refiner is not None and report["val_unmoved"] == 1.0
+    assert report["val_mean_iou"] > report["val_unmoved_mean_iou"]
+    # a refiner that cannot beat the boxes unmoved is not kept: here, every box is already its thing's
+    exact = make(40)
+    for k in range(len(exact)):
+        exact.truth[k] = exact.boxes[k, 1:2].copy()
+    exact.iou[:, 1] = 1.0
+    exact.scores[:, 1, 0] = 1.0
+    same, none = fit_refiner(g, exact, exact, hidden=4, epochs=2, batch=32)
+    assert same.refiner is None and none["kept"] is False
     moved = moved_of(refined.refiner, test)[:, 1]
     before = np.asarray([box_iou(test.boxes[k, 1], test.truth[k])[0, 0] for k in range(len(test))])
     after = np.asarray([box_iou(moved[k], test.truth[k])[0, 0] for k in range(len(test))])

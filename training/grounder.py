@@ -211,7 +211,8 @@ def fit_refiner(grounder: Grounder, train: Samples, val: Samples, hidden: int = 
                 ) -> tuple[Grounder, dict[str, Any]]:
     """`grounder` with a box refiner trained on `train` (`refine_pairs`), at the epoch whose drawn boxes hold the
     most phrases of `val` (at the grounder's fusion; equals: the higher mean IoU), and the fusion chosen again
-    with it (`choose_fusion`)."""
+    with it (`choose_fusion`); `grounder` as it is where no pair teaches it or its boxes hold no more phrases of
+    `val` (nor at a higher mean IoU) than the unmoved ones (the report says `kept: False`)."""
     import torch
 
     torch.manual_seed(seed)
@@ -253,11 +254,17 @@ def fit_refiner(grounder: Grounder, train: Samples, val: Samples, hidden: int = 
                     total / max(len(n), 1), *measures)
         if measures > best[0]:  # the accuracy, then the mean IoU; equals keep the earlier epoch
             best = (measures, epoch + 1, r)
-    (acc, _), epoch, refiner = best
+    (acc, mean_iou), epoch, refiner = best
+    unmoved = drawn_measures(val_scores, val, temperature, overlap)
     report: dict[str, Any] = {
         "epoch": epoch, "hidden": hidden, "iou": REFINE_IOU, "train_pairs": int(len(n)), "val_accuracy": round(acc, 4),
-        "val_unmoved": round(fused_accuracy(val_scores, val, temperature, overlap), 4),
+        "val_mean_iou": round(mean_iou, 4), "val_unmoved": round(unmoved[0], 4),
+        "val_unmoved_mean_iou": round(unmoved[1], 4),
         "fusion_before": {"temperature": temperature, "overlap": overlap}, "history": history}
+    if not len(n) or not (acc, mean_iou) > unmoved:  # nothing to learn from, or the boxes drawn no better: none
+        logger.warning("the box refiner is not kept: %d training pairs; on the validation part %.4f (mean IoU %.4f) "
+                       "moved, %.4f (%.4f) unmoved", len(n), acc, mean_iou, *unmoved)
+        return grounder, {**report, "kept": False}
     refined = Grounder(grounder.w1, grounder.b1, grounder.w2, grounder.b2, grounder.state, refiner)
     report["fusion"] = choose_fusion(refined, val)
     logger.info("the box drawn, refined: %s", report["fusion"])
